@@ -1,0 +1,1 @@
+"""Shared by every process: frozen configs, wire types, block hashing, errors. Never imports torch."""

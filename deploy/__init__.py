@@ -1,0 +1,1 @@
+"""Set-up script, pinned requirements and launcher configs."""

@@ -1,0 +1,1 @@
+"""Attention backends behind one interface: the torch reference (CPU) now, CUDA and Triton kernels later."""

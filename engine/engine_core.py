@@ -1,0 +1,114 @@
+"""EngineCore: the step loop (schedule -> forward -> sample -> stop checks) over
+one model. Synchronous and single-threaded; servers run it on their own thread
+so network I/O never stalls a step.
+
+Token-level stops (EOS, stop_token_ids, max_tokens, context length) are decided
+here; stop *strings* need text, so the caller that detokenizes finishes those
+requests through ``abort(req_id, "stop")``.
+"""
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.loader import resolve_model_dir
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.request import Request
+from splitserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class RequestDelta(NamedTuple):
+    """What one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # None while running
+    num_cached_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.runner = ModelRunner(config, self.model_dir)
+        self.model_config = self.runner.model_config
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.num_blocks = self.runner.num_blocks
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.prefill_chunk_size)
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.runner.sampler.generator = self.default_generator
+        self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
+                 config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.config.block_size
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest naming the field if this request can never run."""
+        params.validate()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("prompt", "must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequest("prompt", f"{n} tokens; this model's context is {self.max_model_len} "
+                                 "tokens, and at least one must be left to generate")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequest("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
+                                 f"exceeds the model's context of {self.max_model_len} tokens; "
+                                 f"use max_tokens <= {self.max_model_len - n}")
+        if n + params.max_tokens > self.kv_capacity_tokens:
+            raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceed "
+                                 f"the KV cache ({self.kv_capacity_tokens} tokens); lower max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.model_config.eos_token_ids)
+        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, self.config.block_size,
+                                   (self.config.model_id,), frozenset(stop_ids), gen))
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a request now and free its blocks; idempotent."""
+        return self.scheduler.finish(request_id, reason) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        result = self.runner.execute(out, self.kv)
+        self.scheduler.update_after_step(out)
+        self.num_computed_tokens_total += result.num_tokens
+        deltas = []
+        for req_id, token, logprobs in result.sampled:
+            req = self.scheduler.requests[req_id]
+            req.append_token(token, logprobs)
+            reason = req.check_stop(self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(req_id, reason)
+            deltas.append(RequestDelta(req_id, [token], [logprobs], reason, req.num_cached_tokens))
+        return deltas

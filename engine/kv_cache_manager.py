@@ -1,0 +1,190 @@
+"""The per-request view of the KV cache, used by the schedulers: prefix-cache
+lookup, block allocation as a request grows, registering full blocks, freeing.
+
+Owns: ``req_id -> blocks`` and ``req_id -> how many of them are cached``. Must not:
+hash tokens (callers pass the chained hashes from ``common.hashing``, computed with
+the same extra keys as the router), decide admission or preemption (the scheduler
+does, from ``num_blocks_needed`` and ``num_free_blocks``), or touch tensors.
+
+A request's blocks, by token position (block_size = 4)::
+
+    tokens:  | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 t10 t11 | t12 t13 _ _ |
+    blocks:  |  blocks[0]  |  blocks[1]  |   blocks[2]   |  blocks[3]  |
+             |<- computed (prefix hits) ->|<------ newly allocated ---->|
+             |<---------- cached ------------------------>|  partial: never cached
+                                                          ^ num_computed_tokens // 4 = 3
+
+    blocks needed for n tokens:  ceil(n / block_size)
+    block i holds tokens:        token_ids[i * block_size : (i + 1) * block_size]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from splitserve.common.kv_events import KVEvent
+from splitserve.engine.block_pool import BlockPool, KVBlock
+
+
+class ComputedBlocks(NamedTuple):
+    """Leading blocks of a prompt found in the prefix cache."""
+
+    blocks: list[KVBlock]
+    num_tokens: int  # == len(blocks) * block_size
+
+
+class KVCacheManager:
+    """Maps requests to KV blocks of one ``BlockPool``.
+
+    Contracts:
+      - A request owns one reference on each of its blocks, from its first
+        ``allocate_slots`` until ``free``.
+      - Its first ``num_cached`` blocks are registered in the prefix cache (or were
+        refused as duplicates); the rest are not.
+      - After every request is freed, every ref count is 0 and
+        ``num_free_blocks == num_blocks``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert block_size > 0, f"block_size must be positive, got {block_size}"
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> blocks, in token order
+        self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._req_blocks
+
+    def get_computed_blocks(self, block_hashes: list[int], token_ids: Sequence[int]) -> ComputedBlocks:
+        """The longest run of leading prompt blocks held in the prefix cache.
+
+        ``block_hashes`` are the prompt's chained full-block hashes, ``token_ids``
+        the prompt. Each hit is verified against the block's stored tokens. Ref
+        counts are not changed: pass the result to ``allocate_slots`` before any
+        other allocation can evict the blocks.
+
+        At least one prompt token is always left to compute (its logits give the
+        first sampled token), so at most ``(len(token_ids) - 1) // block_size``
+        blocks are returned::
+
+            8 tokens, block_size 4, both blocks cached -> 1 block (t4..t7 recomputed)
+            9 tokens, block_size 4, both blocks cached -> 2 blocks (t8 computed)
+        """
+        if not self.enable_prefix_caching or not token_ids:
+            return ComputedBlocks([], 0)
+        bs = self.block_size
+        max_blocks = min(len(block_hashes), (len(token_ids) - 1) // bs)
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.get_cached_block(block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return ComputedBlocks(hits, len(hits) * bs)
+
+    def num_blocks_needed(
+        self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> int:
+        """Free-queue blocks that ``allocate_slots(req_id, num_tokens,
+        computed_blocks)`` would take: the new blocks, plus (on a first allocation)
+        the computed blocks at ref_cnt 0, which leave the free queue when touched.
+        The allocation succeeds iff this is ``<= num_free_blocks``."""
+        owned = self._req_blocks.get(req_id)
+        if owned is not None:
+            assert not computed_blocks, f"{req_id}: computed blocks on a later allocation"
+            have, evictable = len(owned), 0
+        else:
+            have = len(computed_blocks)
+            evictable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        total = -(-num_tokens // self.block_size)  # ceil
+        return max(0, total - have) + evictable
+
+    def allocate_slots(
+        self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> list[KVBlock] | None:
+        """Make ``req_id`` own blocks for ``num_tokens`` tokens in total.
+
+        On the first call for ``req_id``, ``computed_blocks`` (from
+        ``get_computed_blocks``, unchanged since) become its leading blocks and are
+        touched; later calls must pass none. Returns the newly allocated blocks
+        (possibly empty), or None, changing nothing, if the pool is short.
+        """
+        if self.num_blocks_needed(req_id, num_tokens, computed_blocks) > self.pool.num_free_blocks:
+            return None
+        owned = self._req_blocks.get(req_id)
+        if owned is None:
+            assert num_tokens >= len(computed_blocks) * self.block_size, (
+                f"{req_id}: {num_tokens} tokens but {len(computed_blocks)} computed blocks"
+            )
+            for b in computed_blocks:
+                assert b.block_hash is not None, (
+                    f"{req_id}: computed block {b.block_id} was evicted before allocation"
+                )
+            self.pool.touch(computed_blocks)
+            owned = self._req_blocks[req_id] = list(computed_blocks)
+            self._num_cached[req_id] = len(computed_blocks)
+        total = -(-num_tokens // self.block_size)
+        new = self.pool.get_new_blocks(max(0, total - len(owned)))
+        owned.extend(new)
+        return new
+
+    def cache_blocks(
+        self, req_id: str, block_hashes: list[int], token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Register each of the request's blocks now full of computed tokens.
+
+        Blocks ``[num_cached, num_computed_tokens // block_size)`` are registered
+        with hash ``block_hashes[i]``, parent ``block_hashes[i - 1]`` (None for
+        block 0) and tokens ``token_ids[i*bs : (i+1)*bs]``. ``block_hashes`` must
+        cover those blocks (extend them first as tokens grow). Calling again with
+        the same or fewer tokens does nothing.
+        """
+        if not self.enable_prefix_caching:
+            return
+        owned = self._req_blocks[req_id]
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        assert num_full <= len(owned), (
+            f"{req_id}: {num_computed_tokens} computed tokens but {len(owned)} blocks"
+        )
+        assert num_full <= len(block_hashes) and num_full * bs <= len(token_ids), (
+            f"{req_id}: {num_full} full blocks, {len(block_hashes)} hashes, {len(token_ids)} tokens"
+        )
+        start = self._num_cached[req_id]
+        for i in range(start, num_full):
+            parent = block_hashes[i - 1] if i > 0 else None
+            self.pool.cache_block(owned[i], block_hashes[i], parent, token_ids[i * bs : (i + 1) * bs])
+        if num_full > start:
+            self._num_cached[req_id] = num_full
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks, last block first, so that a sequence's tail
+        is evicted before its (possibly shared) prefix. Unknown ids are ignored."""
+        owned = self._req_blocks.pop(req_id, None)
+        self._num_cached.pop(req_id, None)
+        if owned is not None:
+            self.pool.free_blocks(reversed(owned))
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's block ids in token order (its block table row)."""
+        return [b.block_id for b in self._req_blocks[req_id]]
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

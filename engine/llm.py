@@ -1,0 +1,122 @@
+"""The offline API: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+A prompt is text, a list of token ids, or a chat conversation (a list of
+``{"role", "content"}`` dicts, rendered with the model's chat template). The
+LLM tokenizes, runs the engine to completion and detokenizes, finishing
+requests on stop strings.
+"""
+
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+from transformers import AutoTokenizer
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.detokenizer import IncrementalDetokenizer
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+from splitserve.engine.engine_core import EngineCore
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the model's chat template, ready for the reply."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages", "must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InvalidRequest(f"messages[{i}]", "must be an object with string 'role' and 'content'")
+        if m["role"] not in ("system", "user", "assistant"):
+            raise InvalidRequest(f"messages[{i}].role", "must be one of system, user, assistant")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        """``engine_args`` are EngineConfig fields (block_size, kv_cache_memory, ...)."""
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt", "must not be empty")
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return render_chat(self.tokenizer, prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise InvalidRequest("prompt", "must not be empty")
+            return list(prompt)
+        raise InvalidRequest("prompt", "must be a string, a list of token ids, or a list of chat messages")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; outputs are in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                        not isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one text, token-id list or conversation
+        if not prompts:
+            raise InvalidRequest("prompt", "no prompts given")
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequest("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
+        token_lists = [self.tokenize(p) for p in prompts]
+        for ids, p in zip(token_lists, params):
+            self.engine.validate(ids, p)  # reject the whole batch before any request starts
+
+        detoks: dict[str, IncrementalDetokenizer] = {}
+        order = []
+        for ids, p in zip(token_lists, params):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+            order.append(rid)
+
+        finished: dict[str, str] = {}  # req_id -> finish reason
+        on_stop_string: set[str] = set()
+        cached: dict[str, int] = {}
+        tokens: dict[str, list[int]] = {rid: [] for rid in order}
+        logprobs: dict[str, list] = {rid: [] for rid in order}
+        while self.engine.has_unfinished():
+            for d in self.engine.step():
+                rid = d.request_id
+                cached[rid] = d.num_cached_tokens
+                tokens[rid].extend(d.new_token_ids)
+                logprobs[rid].extend(d.new_logprobs)
+                if detoks[rid].add_tokens(d.new_token_ids).stop_string is not None:
+                    self.engine.abort(rid, "stop")
+                    on_stop_string.add(rid)
+                    finished[rid] = "stop"
+                elif d.finish_reason is not None:
+                    finished[rid] = d.finish_reason
+
+        outputs = []
+        for rid, ids, p in zip(order, token_lists, params):
+            det = detoks[rid]
+            text = det.text if rid in on_stop_string else det.text + det.flush()
+            outputs.append(RequestOutput(rid, ids, text, tokens[rid], finished[rid], cached.get(rid, 0),
+                                         logprobs[rid] if p.logprobs is not None else None))
+        return outputs
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """One conversation or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate(list(convs), sampling_params)

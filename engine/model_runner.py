@@ -1,0 +1,115 @@
+"""ModelRunner: owns the model weights and the paged KV cache tensor, turns a
+SchedulerOutput into one forward pass, and samples.
+
+The KV pool is sized from a memory budget:
+
+    bytes per block = num_layers * 2 (K, V) * block_size * kv_heads * head_dim * dtype bytes
+    num_blocks      = kv_cache_memory // bytes per block
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from splitserve.common.config import EngineConfig
+from splitserve.common.sampling_params import TokenLogprobs
+from splitserve.engine.attention.base import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.torch_backend import TorchAttention
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.loader import load_model
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.scheduler import SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepResult(NamedTuple):
+    sampled: list[tuple[str, int, TokenLogprobs | None]]  # (req_id, token, logprobs), requests that reached their end
+    num_tokens: int  # tokens computed this step
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir):
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model_config: ModelConfig = self.model.cfg
+        cfg, bs = self.model_config, config.block_size
+        self.num_blocks = config.kv_cache_memory // kv_block_bytes(cfg, bs, self.dtype)
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
+                             f"{kv_block_bytes(cfg, bs, self.dtype)} bytes; raise it")
+        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = torch.zeros(cfg.num_layers, 2, self.num_blocks, bs, cfg.num_kv_heads,
+                                     cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.backend = TorchAttention()
+        self.sampler = Sampler()
+
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        """Run one forward pass over ``out.scheduled`` and sample for every request
+        whose scheduled tokens reach the end of its sequence."""
+        bs = self.config.block_size
+        decodes = [(r, n) for r, n in out.scheduled if n == 1]
+        prefills = [(r, n) for r, n in out.scheduled if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampling_reqs = []
+
+        tables = [kv.block_ids(r.request_id) for r, _ in decodes]
+        for (req, _), table in zip(decodes, tables):
+            pos = req.num_computed_tokens
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if pos + 1 == req.num_tokens:  # else: the last 1-token chunk of a prompt mid-way
+                logits_rows.append(len(ids) - 1)
+                sampling_reqs.append(req)
+        nd = len(decodes)
+        max_blocks = max((len(t) for t in tables), default=1)
+        decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                     dtype=torch.long).view(nd, max_blocks)
+        seq_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes], dtype=torch.long)
+        decode_mask = None
+        if nd and int(seq_lens.min()) < max_blocks * bs:
+            keep = torch.arange(max_blocks * bs).unsqueeze(0) < seq_lens.unsqueeze(1)  # [D, L]
+            decode_mask = torch.zeros(keep.shape, dtype=self.dtype).masked_fill_(~keep, float("-inf"))
+            decode_mask = decode_mask.view(nd, 1, 1, -1).to(self.device)
+
+        chunks = []
+        for req, n in prefills:
+            start = req.num_computed_tokens
+            table = torch.tensor(kv.block_ids(req.request_id), dtype=torch.long)
+            pos = torch.arange(start, start + n)
+            chunks.append(PrefillChunk(len(ids), n, start, table.to(self.device)))
+            ids.extend(req.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
+            if start + n == req.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                sampling_reqs.append(req)
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=nd,
+            decode_block_tables=decode_tables.to(dev),
+            decode_seq_lens=seq_lens.to(dev),
+            decode_mask=decode_mask,
+            prefills=chunks,
+        )
+        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                            self.kv_caches, meta, self.backend,
+                            torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        sampled = []
+        if sampling_reqs:
+            res = self.sampler(logits, sampling_reqs)
+            sampled = [(r.request_id, t, lp) for r, t, lp in zip(sampling_reqs, res.token_ids, res.logprobs)]
+        return StepResult(sampled, len(ids))

@@ -1,0 +1,117 @@
+"""Scheduler: decides, every step, which requests compute how many tokens.
+
+One rule for everything (see ``request.py``): a scheduled request computes
+``min(num_tokens - num_computed_tokens, budget left, prefill_chunk_size)`` tokens.
+
+    step budget (max_num_batched_tokens)
+    |-- running requests first, in admission order (decodes take 1, unfinished
+    |   prompts take a chunk): continuous batching with chunked prefill
+    '-- then waiting requests, FIFO, while budget, blocks and max_num_seqs last:
+        prefix-cache hit first (those tokens are never computed), then a chunk
+
+When the pool cannot hold a running request's next tokens, the most recently
+admitted running request is preempted by recompute: its blocks are freed and it
+goes back to the head of the queue with ``num_computed_tokens = 0`` (its full
+blocks usually survive in the prefix cache). A request never waits on itself:
+``add`` rejects requests that could not fit the pool alone, so the oldest
+running request always progresses, and no request is dropped.
+"""
+
+from collections import deque
+from typing import NamedTuple
+
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.request import Request, Status
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[tuple[Request, int]]  # (request, tokens to compute this step), running order
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_chunk_size: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunk = prefill_chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # req_id -> request, until finished
+
+    def add(self, req: Request) -> None:
+        assert req.request_id not in self.requests, req.request_id
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk)
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.get_computed_blocks(req.block_hashes, req.all_token_ids)
+            n = min(req.num_tokens - hit.num_tokens, budget, self.chunk)
+            if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks) is None:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        return SchedulerOutput(scheduled, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed counts and register newly full blocks in the prefix cache."""
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req.request_id, req.block_hashes, req.all_token_ids,
+                                 req.num_computed_tokens)
+
+    def finish(self, req_id: str, reason: str) -> Request | None:
+        """Finish (or abort) a request and free its blocks. Idempotent: None if unknown."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req_id)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        return req

@@ -1,0 +1,1 @@
+"""The prefill server: chunked-prefill scheduling and the KV sender (issue 3)."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routing proxy (issue 3)."""
