@@ -48,8 +48,6 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
-        self.default_generator = torch.Generator().manual_seed(config.seed)
-        self.runner.sampler.generator = self.default_generator
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
                  config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)

@@ -49,7 +49,7 @@ class ModelRunner:
         self.kv_caches = torch.zeros(cfg.num_layers, 2, self.num_blocks, bs, cfg.num_kv_heads,
                                      cfg.head_dim, dtype=self.dtype, device=self.device)
         self.backend = TorchAttention()
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=config.seed)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
         """Run one forward pass over ``out.scheduled`` and sample for every request
