@@ -56,6 +56,10 @@ class EngineCore:
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.config.block_size
 
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.scheduler.num_preemptions
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field if this request can never run."""
         params.validate()

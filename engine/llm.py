@@ -48,7 +48,16 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         """``engine_args`` are EngineConfig fields (block_size, kv_cache_memory, ...)."""
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self._init(EngineConfig(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.engine = EngineCore(config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
         self._ids = itertools.count()
 

@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # req_id -> request, until finished
+        self.num_preemptions = 0  # since start (a metric)
 
     def add(self, req: Request) -> None:
         assert req.request_id not in self.requests, req.request_id
@@ -93,6 +94,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:

@@ -1,0 +1,88 @@
+"""The ``splitserve`` command. Subcommands parse flags into one frozen config and
+hand it to the component; nothing here holds state.
+
+    splitserve generate --prompt "..." [--chat] [--max-tokens N] [...]
+"""
+
+import argparse
+import json
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face safetensors folder (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="memory for the KV block pool, e.g. 512MiB, 2GiB")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--prefill-chunk-size", type=int, default=512)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+
+
+def engine_config(args):
+    from splitserve.common.config import EngineConfig, parse_size
+
+    return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory),
+                        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_chunk_size=args.prefill_chunk_size,
+                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+
+
+def cmd_generate(args) -> int:
+    from splitserve.common.errors import InvalidRequest
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.engine.llm import LLM
+
+    llm = LLM.from_config(engine_config(args))
+    print(f"[splitserve] KV cache holds {llm.engine.kv_capacity_tokens} tokens "
+          f"({llm.engine.num_blocks} blocks)", file=sys.stderr)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    prompts = args.prompt or ["Tell me a short story about a robot who learns to paint."]
+    if args.chat:
+        prompts = [[{"role": "user", "content": p}] for p in prompts]
+    try:
+        outputs = llm.generate(prompts, params)
+    except InvalidRequest as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                              "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+                              "cached_tokens": out.num_cached_tokens}))
+        else:
+            print(f"--- {prompt if isinstance(prompt, str) else prompt[-1]['content']}\n{out.text}\n"
+                  f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate offline with the engine (no servers)")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # configuration errors: say what to change, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

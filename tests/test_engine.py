@@ -1,0 +1,122 @@
+"""Prefix caching, eviction, preemption and request validation of the engine."""
+
+import pytest
+
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.kv_events import BlockRemoved, BlockStored
+from splitserve.common.sampling_params import SamplingParams
+
+BS = 16
+
+
+def greedy(n=24, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, **kw)
+
+
+def assert_pool_idle(engine):
+    assert not engine.has_unfinished()
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.kv.pool.blocks)
+
+
+@pytest.fixture(scope="module")
+def long_prefix(tokenizer):
+    text = ("You are a meticulous assistant for a shipping company. Always answer with the tracking "
+            "status, the expected delivery date, and a polite closing line. Never invent data. ") * 2
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) >= 3 * BS
+    return ids
+
+
+def test_shared_prefix_computes_only_new_tokens(make_engine, run_engine, long_prefix, tokenizer):
+    engine = make_engine(block_size=BS)
+    a = long_prefix + tokenizer(" Where is parcel 17?")["input_ids"]
+    b = long_prefix + tokenizer(" Cancel order 99, please.")["input_ids"]
+    run_engine(engine, {"a": (a, greedy())})
+
+    before = engine.num_computed_tokens_total
+    engine.add_request("b", b, greedy())
+    tokens, cached = [], None
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens += d.new_token_ids
+            cached = d.num_cached_tokens
+    shared_blocks = len(long_prefix) // BS
+    assert cached == shared_blocks * BS
+    # prompt tokens after the cached prefix, then one token per decode step
+    assert engine.num_computed_tokens_total - before == (len(b) - cached) + (len(tokens) - 1)
+
+    fresh = make_engine(block_size=BS, enable_prefix_caching=False)
+    assert run_engine(fresh, {"b": (b, greedy())})["b"] == tokens
+    assert_pool_idle(engine)
+
+
+def test_fully_cached_prompt_still_computes_last_token(make_engine, run_engine, long_prefix):
+    engine = make_engine(block_size=BS)
+    prompt = long_prefix[: 3 * BS]  # exactly three full blocks
+    first = run_engine(engine, {"a": (prompt, greedy(8))})["a"]
+    engine.add_request("b", prompt, greedy(8))
+    out = []
+    while engine.has_unfinished():
+        for d in engine.step():
+            out += d.new_token_ids
+            assert d.num_cached_tokens == 2 * BS
+    assert out == first
+    assert_pool_idle(engine)
+
+
+def test_eviction_under_small_pool(make_engine, run_engine, tokenizer):
+    engine = make_engine(block_size=BS, kv_cache_memory=24 * 737280)  # 24 blocks
+    assert engine.num_blocks == 24
+    topics = ["apples", "rivers", "engines", "poetry", "volcanoes", "chess", "bees", "glaciers"]
+    prompts = {t: tokenizer(f"Write a detailed paragraph about {t}, covering their history, the science "
+                            f"behind {t}, and the culture around {t}, with examples from many countries "
+                            f"and centuries, quoting at least two experts on {t}.")["input_ids"]
+               for t in topics}
+    assert all(len(p) > 2 * BS for p in prompts.values())  # 8 x 3+ blocks > 24
+    outs = {}
+    for t, ids in prompts.items():
+        outs[t] = run_engine(engine, {t: (ids, greedy(20, ignore_eos=True))})[t]
+    events = engine.kv.take_events()
+    removed = sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved))
+    stored = sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored))
+    assert removed > 0 and stored >= removed
+    # the oldest prompt was evicted: running it again computes it anew, with the same output
+    again = run_engine(engine, {"again": (prompts["apples"], greedy(20, ignore_eos=True))})["again"]
+    assert again == outs["apples"]
+    assert_pool_idle(engine)
+
+
+def test_preemption_when_pool_too_small(make_engine, run_engine, tokenizer):
+    prompts = [tokenizer(f"Count from {i} to {i + 30}, one number per line:")["input_ids"] for i in range(6)]
+    big = make_engine(block_size=BS)
+    expected = run_engine(big, {f"r{i}": (p, greedy(48, ignore_eos=True)) for i, p in enumerate(prompts)})
+    # each request needs ~5 blocks at the end; 6 of them need ~30, the pool has 14
+    small = make_engine(block_size=BS, kv_cache_memory=14 * 737280)
+    got = run_engine(small, {f"r{i}": (p, greedy(48, ignore_eos=True)) for i, p in enumerate(prompts)})
+    assert small.num_preemptions_total > 0
+    assert got == expected
+    assert_pool_idle(small)
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ([], greedy(), "prompt"),
+    ([1] * 9000, greedy(), "prompt"),
+    ([1, 2, 3], greedy(8190), "max_tokens"),
+    ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1, 2, 3], SamplingParams(temperature=-0.5), "temperature"),
+    ([1, 2, 3], SamplingParams(top_p=0.0), "top_p"),
+    ([1, 2, 3], SamplingParams(top_p=1.5), "top_p"),
+    ([1, 99999999], greedy(), "prompt"),
+])
+def test_bad_requests_raise_naming_the_field(make_engine, prompt, params, field):
+    engine = make_engine()
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("x", prompt, params)
+    assert err.value.field == field and isinstance(err.value, ValueError)
+    assert not engine.has_unfinished()
+
+
+def test_unknown_model_path_raises(make_engine):
+    with pytest.raises(ValueError, match="model"):
+        make_engine(model="/no/such/model")
