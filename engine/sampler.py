@@ -26,9 +26,7 @@ import torch
 from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
 
 _NEG_INF = float("-inf")
-# Noise floor: Exponential(1) draws can be exactly 0, and 0/0 would be NaN (which
-# argmax picks). With this floor every probs / noise is finite in float32.
-_TINY = torch.finfo(torch.float32).tiny
+_TINY = torch.finfo(torch.float32).tiny  # noise floor, see _exponential
 
 
 class SamplingInput(Protocol):
@@ -56,9 +54,10 @@ class Sampler:
     Requests without a generator share one batched draw from the sampler's own
     generator (one per device, seeded from `seed`, or randomly if None).
 
-    Fast paths: no penalty work unless a row has a penalty; no sort unless a row
-    has top_p < 1 (top-k alone uses topk, min-p needs only the row max); an
-    all-greedy batch without logprobs is a single argmax.
+    Fast paths: no penalty work unless a row has a penalty (then O(its tokens)
+    gathers, not O(V) masks); no sort unless a row has top_p < 1 without a top_k
+    (rows with top_k use a topk of the largest k; min-p needs only the row max);
+    an all-greedy batch without logprobs is a single argmax.
     """
 
     def __init__(self, seed: int | None = None):
@@ -95,24 +94,22 @@ class Sampler:
     def _exponential_noise(
         self, reqs: Sequence[SamplingInput], vocab: int, device: torch.device
     ) -> torch.Tensor:
-        """[R, V] Exponential(1) noise, floored at `_TINY`. A seeded row gets one
-        fresh [V] draw from its own generator; the other rows share one draw."""
+        """[R, V] Exponential(1) noise, > 0 (may be inf, which only makes a token
+        lose). A seeded row gets one fresh [V] draw from its own generator; the
+        other rows share one [S, V] draw from the sampler's generator."""
         noise = torch.empty(len(reqs), vocab, device=device)  # [R, V]
         shared = [i for i, r in enumerate(reqs) if r.generator is None]
-        if shared:
-            gen = self._shared_generator(device)
-            if len(shared) == len(reqs):
-                noise.exponential_(generator=gen)
-            else:
-                noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
-                    generator=gen
-                )
+        if len(shared) == len(reqs):
+            _exponential(noise, self._shared_generator(device))
+        elif shared:
+            draw = torch.empty(len(shared), vocab, device=device)  # [S, V]
+            noise[shared] = _exponential(draw, self._shared_generator(device))
         for i, req in enumerate(reqs):
             gen = req.generator
             if gen is not None:
-                row = torch.empty(vocab, device=gen.device).exponential_(generator=gen)  # [V]
+                row = _exponential(torch.empty(vocab, device=gen.device), gen)  # [V]
                 noise[i] = row.to(device)
-        return noise.clamp_min_(_TINY)
+        return noise
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -132,67 +129,83 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingInput]) -> torc
     Returns `logits` itself when no row has a penalty, else a new tensor:
       repetition (HF/CTRL), tokens in prompt + output: l / r if l > 0 else l * r
       frequency / presence (OpenAI), output tokens:   l - count * f - (count > 0) * p
+    Work is O(B * V) for one copy plus O(tokens) gathers and scatters.
     """
     params = [r.sampling_params for r in reqs]
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    freq_rows = [
-        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
+    # rows with a penalty and at least one token to apply it to
+    rep_rows = [i for i, (r, p) in enumerate(zip(reqs, params))
+                if p.repetition_penalty != 1.0 and (r.prompt_token_ids or r.output_token_ids)]
+    freq_rows = [i for i, (r, p) in enumerate(zip(reqs, params))
+                 if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)
+                 and r.output_token_ids]
     if not rep_rows and not freq_rows:
         return logits
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)
+    flat = logits.view(-1)  # [B * V]
     vocab, device = logits.shape[1], logits.device
     if rep_rows:
         ids = _padded([reqs[i].prompt_token_ids + reqs[i].output_token_ids for i in rep_rows],
-                      pad=vocab, device=device)  # [R, L]; pad id V lands in a dropped column
-        seen = torch.zeros(len(rep_rows), vocab + 1, dtype=torch.bool, device=device)
-        seen = seen.scatter_(1, ids, True)[:, :vocab]  # [R, V]
+                      device)  # [R, L]
+        pos = _flat_positions(rep_rows, ids.ids, vocab)  # [R, L] indices into `flat`
         penalty = _column([params[i].repetition_penalty for i in rep_rows], device)  # [R, 1]
-        rows = logits[rep_rows]  # [R, V]
-        penalized = torch.where(rows > 0, rows / penalty, rows * penalty)
-        logits[rep_rows] = torch.where(seen, penalized, rows)
+        values = flat[pos]  # [R, L]; repeated ids read and write the same value
+        flat[pos] = torch.where(values > 0, values / penalty, values * penalty)
     if freq_rows:
-        ids = _padded([reqs[i].output_token_ids for i in freq_rows], pad=vocab, device=device)
-        counts = torch.zeros(len(freq_rows), vocab + 1, device=device)  # [F, V + 1]
-        counts = counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))[:, :vocab]
+        ids = _padded([reqs[i].output_token_ids for i in freq_rows], device)  # [F, L]
+        counts = torch.zeros(len(freq_rows), vocab, device=device)  # [F, V]
+        counts = counts.scatter_add_(1, ids.ids, ids.valid.float()).gather(1, ids.ids)  # [F, L]
         freq = _column([params[i].frequency_penalty for i in freq_rows], device)  # [F, 1]
         presence = _column([params[i].presence_penalty for i in freq_rows], device)  # [F, 1]
-        logits[freq_rows] -= counts * freq + (counts > 0).float() * presence
+        pos = _flat_positions(freq_rows, ids.ids, vocab)  # [F, L]
+        flat[pos] = flat[pos] - counts * freq - presence  # every gathered id has count > 0
     return logits
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Top-k, then top-p, then min-p on temperature-scaled `logits` [R, V]: removed
-    tokens become -inf. The most likely token always survives. May return the input."""
-    num_rows, vocab = logits.shape
-    device = logits.device
+    """Top-k, then top-p over the top-k renormalized probabilities, then min-p, on
+    temperature-scaled `logits` [R, V]. Removed tokens become -inf; the most likely
+    token always survives. Returns the input when no row filters."""
+    vocab = logits.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab: disabled
-    need_k = any(k < vocab for k in top_k)
-    need_p = any(p.top_p < 1.0 for p in params)
-    if need_p:  # one descending sort serves both top-k and top-p
-        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V] each
-        ranks = torch.arange(vocab, device=device)  # [V]
-        remove = ranks[None, :] >= torch.tensor(top_k, device=device)[:, None]  # [R, V]
-        probs = sorted_logits.masked_fill(remove, _NEG_INF).softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # [R, V] mass of strictly more likely tokens
-        top_p = _column([p.top_p for p in params], device)  # [R, 1]; 1.0 rows keep all
-        remove |= (before >= top_p) & (top_p < 1.0)
-        remove = torch.zeros_like(remove).scatter_(1, order, remove)  # back to vocab order
-        logits = logits.masked_fill(remove, _NEG_INF)
-    elif need_k:  # top-k alone: threshold at the k-th largest logit, no full sort
-        k_max = max(k for k in top_k if k < vocab)
-        ks = torch.tensor(top_k, device=device)  # [R]
-        top_values = logits.topk(k_max, dim=-1).values  # [R, k_max], descending
-        kth = top_values.gather(1, (ks.clamp(max=k_max) - 1)[:, None])  # [R, 1]
-        kth = kth.masked_fill((ks == vocab)[:, None], _NEG_INF)  # disabled rows keep all
-        logits = logits.masked_fill(logits < kth, _NEG_INF)
+    if any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, top_k, [p.top_p for p in params])
     if any(p.min_p > 0.0 for p in params):
         # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); log(0) = -inf keeps all
         log_min_p = _column([math.log(p.min_p) if p.min_p > 0 else _NEG_INF for p in params],
-                            device)  # [R, 1]
+                            logits.device)  # [R, 1]
         threshold = logits.max(dim=-1, keepdim=True).values + log_min_p  # [R, 1]
         logits = logits.masked_fill(logits < threshold, _NEG_INF)
     return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """`logits` [R, V]; `top_k` per row (V: disabled); `top_p` per row (1: disabled).
+
+    Candidates are the `width` most likely tokens of each row, best first. When every
+    row that filters has a top_k, `width` = its largest top_k and a topk replaces
+    the full sort (rows that do not filter are restored from the input):
+
+        candidates [R, width] --top-k: rank >= k--> --top-p: mass before >= p--> kept
+    """
+    vocab, device = logits.shape[1], logits.device
+    active = [k < vocab or p < 1.0 for k, p in zip(top_k, top_p)]
+    if all(k < vocab for k, a in zip(top_k, active) if a):
+        width = max(k for k, a in zip(top_k, active) if a)
+        values, order = logits.topk(width, dim=-1)  # [R, width] each, descending
+    else:
+        width = vocab
+        values, order = logits.sort(dim=-1, descending=True)  # [R, V] each
+    ranks = torch.arange(width, device=device)  # [width]
+    remove = ranks[None, :] >= torch.tensor(top_k, device=device)[:, None]  # [R, width]
+    probs = values.masked_fill(remove, _NEG_INF).softmax(dim=-1)  # renormalized over top-k
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely candidates
+    p = _column(top_p, device)  # [R, 1]
+    remove |= (before >= p) & (p < 1.0)
+    kept = torch.full_like(logits, _NEG_INF)  # [R, V]
+    kept.scatter_(1, order, values.masked_fill(remove, _NEG_INF))
+    if width < vocab and not all(active):
+        kept = torch.where(torch.tensor(active, device=device)[:, None], kept, logits)
+    return kept
 
 
 def _logprobs(
@@ -216,10 +229,32 @@ def _logprobs(
     return out
 
 
-def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[N, max(1, longest)] int64, each list right-padded with `pad`."""
-    width = max(1, max(len(x) for x in lists))
-    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], device=device)
+class _Padded(NamedTuple):
+    ids: torch.Tensor  # [N, L] int64; row i right-padded with its own first id
+    valid: torch.Tensor  # [N, L] bool; False on padding
+
+
+def _padded(lists: list[list[int]], device: torch.device) -> _Padded:
+    """Pad non-empty id lists to one width with each list's first id, so that a
+    gather/scatter at a pad position touches a token that row already touches."""
+    width = max(len(x) for x in lists)
+    ids = torch.tensor([x + x[:1] * (width - len(x)) for x in lists], device=device)
+    valid = torch.arange(width, device=device)[None, :] < torch.tensor(
+        [len(x) for x in lists], device=device)[:, None]
+    return _Padded(ids, valid)
+
+
+def _flat_positions(rows: list[int], ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Positions of (rows[i], ids[i, j]) in the flattened [B * V] logits: [N, L]."""
+    return torch.tensor(rows, device=ids.device)[:, None] * vocab + ids
+
+
+def _exponential(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fill `out` with Exponential(1) draws -log(U), U ~ Uniform[0, 1) from `gen`
+    (on CPU several times faster than `Tensor.exponential_`). Floored at `_TINY`:
+    a zero draw would make 0 / 0 = NaN for a filtered token, and argmax picks NaN.
+    U = 0 gives inf, which only makes that token lose."""
+    return out.uniform_(generator=gen).log_().neg_().clamp_min_(_TINY)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

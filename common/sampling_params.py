@@ -1,0 +1,137 @@
+"""Per-request sampling parameters and per-token logprobs, as wire types.
+
+Owns the `SamplingParams` struct (router -> prefill/decode nodes), its range checks,
+and `TokenLogprobs` (nodes -> router). Every user error raises `InvalidRequest`
+naming the field and the allowed range, so the router can answer a 400.
+
+Must not import torch: the sampler that consumes these lives in `engine/sampler.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from splitserve.common.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+# Below this a temperature is treated as 0 (greedy): dividing logits by it would
+# overflow float32 to inf and turn the softmax into NaN. vLLM uses the same cut-off.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to pick the next tokens of one request, and when to stop.
+
+    Defaults follow the OpenAI API. Construct, then call `validate()` before use:
+    msgspec checks the types of decoded messages, but a struct built in Python is
+    not checked until `validate()`.
+    """
+
+    max_tokens: int = 16  # >= 1
+    temperature: float = 1.0  # >= 0; 0 means greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1 disable; else >= 1
+    min_p: float = 0.0  # [0, 1], relative to the most likely token's probability
+    seed: int | None = None  # None: the node's shared generator
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= presence * (count > 0)
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= frequency * count
+    repetition_penalty: float = 1.0  # > 0, CTRL/HF, over prompt + output tokens
+    stop: list[str] = []  # at most 16 non-empty strings; excluded from the output
+    stop_token_ids: list[int] = []  # token ids that end the request (kept in output)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k in 0..20: sampled token + k alternatives
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of the (penalized) logits:
+        temperature 0 (or below `GREEDY_TEMPERATURE_EPS`) or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def validate(self) -> SamplingParams:
+        """Check every field's type and range; raise `InvalidRequest(field, msg)` on
+        the first bad one. Floats given as ints are converted to float in place.
+        Returns self so a caller can write `params = SamplingParams(...).validate()`."""
+        if _int(self, "max_tokens") < 1:
+            raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if _float(self, "temperature") < 0.0:
+            raise InvalidRequest(
+                "temperature", f"must be >= 0 (0 means greedy), got {self.temperature}"
+            )
+        if not 0.0 < _float(self, "top_p") <= 1.0:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+        top_k = _int(self, "top_k")
+        if top_k < -1:
+            raise InvalidRequest("top_k", f"must be 0 or -1 (disabled) or >= 1, got {top_k}")
+        if not 0.0 <= _float(self, "min_p") <= 1.0:
+            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _SEED_MIN <= _int(self, "seed") <= _SEED_MAX:
+            raise InvalidRequest("seed", f"must be in [-2**63, 2**64 - 1], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
+        if _float(self, "repetition_penalty") <= 0.0:
+            raise InvalidRequest(
+                "repetition_penalty", f"must be > 0 (1 disables), got {self.repetition_penalty}"
+            )
+        self._validate_stop()
+        if not isinstance(self.stop_token_ids, list) or not all(
+            type(t) is int and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequest("stop_token_ids", "must be a list of token ids (integers >= 0)")
+        if type(self.ignore_eos) is not bool:
+            raise InvalidRequest("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        if self.logprobs is not None and not 0 <= _int(self, "logprobs") <= MAX_LOGPROBS:
+            raise InvalidRequest(
+                "logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
+        return self
+
+    def _validate_stop(self) -> None:
+        stop = self.stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise InvalidRequest("stop", "must be a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}"
+            )
+        if any(s == "" for s in stop):
+            raise InvalidRequest("stop", "stop strings must be non-empty")
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one generated token, from the raw logits (before penalties and
+    temperature). `top` holds the requested number of most likely alternatives as
+    (token_id, logprob) pairs, best first; it may include the sampled token. A
+    logprob may be -inf for a token whose raw logit was -inf."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def _int(params: SamplingParams, name: str) -> int:
+    """The integer field `name`; rejects bools and other types."""
+    value = getattr(params, name)
+    if type(value) is not int:  # bool is a subclass of int: reject it explicitly
+        raise InvalidRequest(name, f"must be an integer, got {value!r}")
+    return value
+
+
+def _float(params: SamplingParams, name: str) -> float:
+    """The float field `name`, converted from int in place; rejects bools, NaN, inf."""
+    value = getattr(params, name)
+    if type(value) is int:
+        value = float(value)
+        setattr(params, name, value)
+    if type(value) is not float:
+        raise InvalidRequest(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequest(name, f"must be a finite number, got {value}")
+    return value
