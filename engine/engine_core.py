@@ -8,19 +8,19 @@ requests through ``abort(req_id, "stop")``.
 """
 
 import logging
-import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.hashing import hash_blocks
 from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.loader import resolve_model_dir
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.request import Request
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,12 @@ class RequestDelta(NamedTuple):
     new_logprobs: list[TokenLogprobs | None]
     finish_reason: str | None  # None while running
     num_cached_tokens: int
+
+
+class Reservation(NamedTuple):
+    """Blocks a decode node holds for a prompt whose KV another node computes."""
+    block_ids: list[int]  # one per prompt block, in order (the last may be partial)
+    num_cached_tokens: int  # leading tokens already in this engine's prefix cache
 
 
 class EngineCore:
@@ -49,6 +55,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
+        # Called on every step after the computed counts advance and before finished
+        # requests free their blocks: the prefill node packs completed blocks here.
+        self.step_observer: Callable[[SchedulerOutput], None] | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
                  config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)
 
@@ -80,16 +89,48 @@ class EngineCore:
             raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceed "
                                  f"the KV cache ({self.kv_capacity_tokens} tokens); lower max_tokens")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        self.scheduler.add(Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                                   (self.config.model_id,), frozenset(stop_ids), gen))
+        return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
+                       (self.config.model_id,), frozenset(stop_ids), gen)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int]) -> Reservation | None:
+        """Hold blocks for the whole prompt, reusing this engine's cached prefix.
+        None when the pool cannot supply them now (the caller prefills locally)."""
+        hashes = hash_blocks(prompt_token_ids, self.config.block_size, (self.config.model_id,))
+        hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
+        if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks) is None:
+            return None
+        return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Give back a reservation that will not be admitted (failed transfer). Idempotent."""
+        if request_id not in self.scheduler.requests:
+            self.kv.free(request_id)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int) -> RequestDelta:
+        """Admit a request whose prompt KV landed in its reserved blocks and whose
+        first token was sampled elsewhere; it joins the running batch to decode."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        req.num_computed_tokens = len(prompt_token_ids)
+        req.num_cached_tokens = num_cached_tokens
+        self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens)
+        req.append_token(first_token, logprobs)
+        self.scheduler.add_running(req)
+        reason = req.check_stop(self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(request_id, reason)
+        return RequestDelta(request_id, [first_token], [logprobs], reason, num_cached_tokens)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Finish a request now and free its blocks; idempotent."""
@@ -105,6 +146,8 @@ class EngineCore:
         result = self.runner.execute(out, self.kv)
         self.scheduler.update_after_step(out)
         self.num_computed_tokens_total += result.num_tokens
+        if self.step_observer is not None:
+            self.step_observer(out)
         deltas = []
         for req_id, token, logprobs in result.sampled:
             req = self.scheduler.requests[req_id]

@@ -24,9 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):  # same op order as transformers, for token-exact output
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.eps))
+    def forward(self, x):  # bitwise equal to transformers' LlamaRMSNorm in fp32 (tested)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -51,24 +50,28 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotates q and k in one pass. ``rotate_half(x) * sin`` is computed as
+    ``roll(x, hd/2) * sin_signed`` with the first half of ``sin`` negated: the
+    same IEEE products as transformers' formula, in fewer ops."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * rope_inv_freq(cfg)[None, :]  # [max_pos, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, hd]
+        sin = emb.sin()
+        sin[:, : cfg.head_dim // 2].neg_()
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin_signed", sin, persistent=False)
 
-    def forward(self, positions, q, k):
-        """positions [T]; q [T, H, hd]; k [T, KVH, hd] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, hd]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions):
+        """positions [T] -> (cos, sin_signed), each [T, 1, hd]; gathered once per forward."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    @staticmethod
+    def apply(x, cos, sin_signed):
+        """x [T, heads, hd] -> rotated copy."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -76,17 +79,17 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
+        self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend: AttentionBackend):
+    def forward(self, x, rope, kv_cache, meta, backend: AttentionBackend):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.kv_heads, self.head_dim)
-        v = v.view(T, self.kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, (H + 2*KVH) * hd]: q heads, then k heads, then v heads
+        qk = qkv[:, : self.qk_size].view(T, self.num_heads + self.kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, *rope)  # q and k rotated together
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.qk_size:].view(T, self.kv_heads, self.head_dim)
         return self.o_proj(backend.forward(q, k, v, kv_cache, meta))  # [T, hidden]
 
 
@@ -110,8 +113,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+    def forward(self, x, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,7 +137,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, hd];
         logits_indices: [S] rows whose next-token logits are wanted. Returns [S, vocab] float32."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_caches[i], meta, backend)
+            x = layer(x, rope, kv_caches[i], meta, backend)
         x = self.norm(x[logits_indices])  # RMSNorm is per row: normalizing only the needed rows is exact
         return self.lm_head(x).float()

@@ -50,6 +50,13 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose blocks are already allocated and computed (KV transfer)."""
+        assert req.request_id not in self.requests, req.request_id
+        self.requests[req.request_id] = req
+        req.status = Status.RUNNING
+        self.running.append(req)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

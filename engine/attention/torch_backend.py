@@ -33,10 +33,11 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            tables = meta.decode_block_tables  # [D, max_blocks]
-            max_len = tables.shape[1] * block_size
-            kd = k_cache[tables].view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
-            vd = v_cache[tables].view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
+            flat = meta.decode_block_tables.flatten()  # [D * max_blocks]
+            max_len = meta.decode_block_tables.shape[1] * block_size
+            # index_select copies whole blocks, about twice as fast as advanced indexing on CPU
+            kd = k_cache.index_select(0, flat).view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
+            vd = v_cache.index_select(0, flat).view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
             qd = q[:nd].view(nd, kv_heads, group, head_dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
             out[:nd] = od.reshape(nd, num_heads, head_dim)
@@ -52,8 +53,8 @@ class TorchAttention(AttentionBackend):
                 total = p.ctx_len + p.q_len
                 nb = (total + block_size - 1) // block_size
                 table = p.block_table[:nb]
-                kp = k_cache[table].view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
-                vp = v_cache[table].view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
+                kp = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
+                vp = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
                 # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
                 qpos = torch.arange(p.ctx_len, total).unsqueeze(1)
                 mask = torch.arange(total).unsqueeze(0) <= qpos  # [n, total] bool

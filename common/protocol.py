@@ -1,0 +1,98 @@
+"""Wire messages between the router, decode nodes and prefill nodes (msgspec,
+tagged, ``omit_defaults``). Bodies travel as msgpack over HTTP; token streams as
+length-prefixed msgpack frames (``encode_frame`` / ``FrameReader``).
+
+Request path (the decode node drives its own prefill, so it alone decides on the
+local fallback):
+
+    router --GenerateRequest--> decode node --PrefillRequest--> prefill node
+           <--TokenDelta stream--  |  reserves dest blocks      | computes chunks, sends each
+                                   |  <===== KV blocks (kvtransfer backend) ====|
+                                   |  <--PrefillResult (first token)-------------|
+"""
+
+import struct
+from typing import Iterator
+
+import msgspec
+
+from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+
+
+class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """router -> decode node. ``prefill_addr`` None: the decode node prefills locally."""
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    prefill_addr: str | None = None  # http://host:port of the chosen prefill node
+    transfer_id: str = ""
+
+
+class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """decode node -> prefill node: compute ``token_ids`` and push the KV of blocks
+    ``skip_blocks ..`` into ``dest_block_ids`` (one per block, in order) at ``kv_addr``."""
+    request_id: str
+    transfer_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    kv_backend: str
+    kv_addr: str
+    skip_blocks: int  # leading blocks the decode node already holds (its prefix cache)
+    dest_block_ids: list[int]
+
+
+class PrefillResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """prefill node -> decode node, once every block was handed to the transport."""
+    transfer_id: str
+    first_token: int
+    logprobs: TokenLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill node served from its prefix cache
+    num_blocks_sent: int = 0
+
+
+class TokenDelta(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """decode node -> router, one frame per step that produced tokens."""
+    request_id: str
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_cached_tokens: int = 0  # prompt tokens not computed for this request (either node's cache)
+    error: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True, omit_defaults=True):
+    request_id: str
+
+
+class ErrorBody(msgspec.Struct, omit_defaults=True):
+    """A node's error answer (HTTP 4xx/5xx)."""
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+
+
+_LEN = struct.Struct("!I")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(msg: msgspec.Struct) -> bytes:
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Splits a byte stream into length-prefixed msgpack frames of ``type_``."""
+
+    def __init__(self, type_):
+        self._decoder = msgspec.msgpack.Decoder(type_)
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator:
+        self._buf += data
+        while len(self._buf) >= 4:
+            (n,) = _LEN.unpack_from(self._buf)
+            if len(self._buf) < 4 + n:
+                break
+            frame = bytes(self._buf[4:4 + n])
+            del self._buf[:4 + n]
+            yield self._decoder.decode(frame)

@@ -1,0 +1,90 @@
+"""EngineLoop: runs an EngineCore on its own thread so that network I/O never
+stalls a step and a long forward pass never stalls the sockets.
+
+    asyncio side                          engine thread
+    ------------                          -------------
+    await loop.call(fn, *args)  --queue-->  fn(engine, *args) between steps
+    on_deltas(deltas)  <--call_soon_threadsafe--  engine.step()
+
+The engine is touched only on its thread; everything else talks to it through
+``call``. Owns no sockets.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from splitserve.engine.engine_core import EngineCore, RequestDelta
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, aio_loop: asyncio.AbstractEventLoop,
+                 on_deltas: Callable[[list[RequestDelta]], None]):
+        self.engine = engine
+        self._aio = aio_loop
+        self._on_deltas = on_deltas
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args, future)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Run ``fn(engine, *args)`` on the engine thread; its result or exception comes back here."""
+        fut = self._aio.create_future()
+        self._commands.put((fn, args, fut))
+        return await fut
+
+    def _resolve(self, fut: asyncio.Future, result, exc) -> None:
+        if fut.cancelled():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _run_command(self, item) -> None:
+        fn, args, fut = item
+        try:
+            result, exc = fn(self.engine, *args), None
+        except Exception as e:  # handed to the awaiting coroutine, which decides
+            result, exc = None, e
+        self._aio.call_soon_threadsafe(self._resolve, fut, result, exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:  # block only when there is nothing to compute
+                item = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                self._run_command(item)
+                try:
+                    item = self._commands.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self._stop.is_set():
+                break
+            if self.engine.has_unfinished():
+                try:
+                    deltas = self.engine.step()
+                except Exception:  # a bug must not hang every client: fail what was running
+                    log.exception("engine step failed; failing %d requests", len(self.engine.scheduler.requests))
+                    deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self.engine.scheduler.requests)]
+                    for d in deltas:
+                        self.engine.abort(d.request_id, "error")
+                self.steps += 1
+                if deltas:
+                    self._aio.call_soon_threadsafe(self._on_deltas, deltas)
