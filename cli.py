@@ -1,7 +1,9 @@
 """The ``splitserve`` command. Subcommands parse flags into one frozen config and
 hand it to the component; nothing here holds state.
 
-    splitserve generate --prompt "..." [--chat] [--max-tokens N] [...]
+    splitserve up                       a local cluster: redis, router, prefill and decode nodes
+    splitserve router|prefill|decode    one component (one per machine in production)
+    splitserve generate --prompt "..."  offline generation, no servers
 """
 
 import argparse
@@ -60,6 +62,42 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_node_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("node")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    g.add_argument("--redis-url", default=None, help="registry; without it the node is not discoverable")
+    g.add_argument("--node-id", default="")
+    g.add_argument("--kv-backend", choices=("tcp", "shm", "ucx"), default="tcp")
+    g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
+    g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
+
+
+def cmd_node(args) -> int:
+    from splitserve.common.config import NodeConfig
+    from splitserve.node.runtime import run_node
+
+    role = "colocated" if args.command == "decode" and args.colocated else args.command
+    run_node(NodeConfig(role=role, engine=engine_config(args), host=args.host, port=args.port,
+                        redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
+                        transfer_lease_s=args.transfer_lease, fault=args.fault))
+    return 0
+
+
+def cmd_router(args) -> int:
+    from splitserve.router.app import run_router
+    from splitserve.router.config import RouterConfig
+
+    run_router(RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url, policy=args.policy))
+    return 0
+
+
+def cmd_up(args) -> int:
+    from splitserve.deploy.launcher import launch
+
+    return launch(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +114,33 @@ def main(argv=None) -> int:
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
     gen.set_defaults(func=cmd_generate)
+
+    for role in ("prefill", "decode"):
+        node = sub.add_parser(role, help=f"run a {role} node")
+        _add_engine_args(node)
+        _add_node_args(node)
+        if role == "decode":
+            node.add_argument("--colocated", action="store_true", help="prefill every request locally")
+        node.set_defaults(func=cmd_node)
+
+    router = sub.add_parser("router", help="run the OpenAI-compatible router")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--redis-url", required=True)
+    router.add_argument("--policy", default="least_load", choices=("least_load", "round_robin"))
+    router.set_defaults(func=cmd_router)
+
+    up = sub.add_parser("up", help="start a local cluster (redis, router, nodes) and serve until Ctrl-C")
+    up.add_argument("--config", default=None, help="TOML file (default: deploy/local.toml)")
+    up.add_argument("--prefill-nodes", type=int)
+    up.add_argument("--decode-nodes", type=int)
+    up.add_argument("--port", type=int, help="router port")
+    up.add_argument("--kv-backend", choices=("tcp", "shm", "ucx"))
+    up.add_argument("--kv-cache-memory")
+    up.add_argument("--threads-per-node", type=int)
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--model", default=None)
+    up.set_defaults(func=cmd_up)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

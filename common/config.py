@@ -43,3 +43,24 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """A prefill, decode or colocated node process."""
+
+    role: str  # "prefill" | "decode" | "colocated" (a decode node that never asks a prefill node)
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port
+    redis_url: str | None = None  # None: not registered (tests, single-node use)
+    node_id: str = ""  # "" : derived from role and port
+    kv_backend: str = "tcp"  # "tcp" | "shm" | "ucx": how KV blocks travel to decode nodes
+    transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
+    fault: str | None = None  # fault injection for tests: "corrupt_block"
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
+        if self.kv_backend not in ("tcp", "shm", "ucx"):
+            raise ValueError(f"kv_backend: must be tcp, shm or ucx, got {self.kv_backend!r}")

@@ -18,7 +18,7 @@ from splitserve.common.hashing import hash_blocks
 from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.loader import resolve_model_dir
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.model_runner import KVCacheFactory, ModelRunner
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -40,13 +40,21 @@ class Reservation(NamedTuple):
     num_cached_tokens: int  # leading tokens already in this engine's prefix cache
 
 
+class EngineLoad(NamedTuple):
+    running: int
+    waiting: int
+    queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
+    kv_usage: float
+    kv_free_blocks: int
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None):
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.runner = ModelRunner(config, self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
         self.model_config = self.runner.model_config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -138,6 +146,12 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def load(self) -> EngineLoad:
+        sched = self.scheduler
+        queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
+                     for r in (*sched.running, *sched.waiting))
+        return EngineLoad(len(sched.running), len(sched.waiting), queued, self.kv.usage, self.kv.num_free_blocks)
 
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()

@@ -31,6 +31,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.steps = 0
+        self.load = engine.load()  # refreshed on the engine thread after every step; read anywhere
 
     def start(self) -> None:
         self._thread.start()
@@ -45,6 +46,10 @@ class EngineLoop:
         fut = self._aio.create_future()
         self._commands.put((fn, args, fut))
         return await fut
+
+    def call_soon(self, fn: Callable[..., Any], *args) -> None:
+        """From the engine thread: run ``fn(*args)`` on the event loop."""
+        self._aio.call_soon_threadsafe(fn, *args)
 
     def _resolve(self, fut: asyncio.Future, result, exc) -> None:
         if fut.cancelled():
@@ -75,6 +80,7 @@ class EngineLoop:
                     item = self._commands.get_nowait()
                 except queue.Empty:
                     item = None
+                self.load = self.engine.load()
             if self._stop.is_set():
                 break
             if self.engine.has_unfinished():
@@ -86,5 +92,6 @@ class EngineLoop:
                     for d in deltas:
                         self.engine.abort(d.request_id, "error")
                 self.steps += 1
+                self.load = self.engine.load()
                 if deltas:
                     self._aio.call_soon_threadsafe(self._on_deltas, deltas)

@@ -7,7 +7,7 @@ The KV pool is sized from a memory budget:
     num_blocks      = kv_cache_memory // bytes per block
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -33,8 +33,13 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir):
+    def __init__(self, config: EngineConfig, model_dir, kv_cache_factory: KVCacheFactory | None = None):
+        """``kv_cache_factory`` lets a node place the cache (e.g. in shared memory for
+        a same-host KV transport); by default a plain tensor on ``config.device``."""
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.device = torch.device(config.device)
@@ -45,9 +50,10 @@ class ModelRunner:
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
                              f"{kv_block_bytes(cfg, bs, self.dtype)} bytes; raise it")
+        shape = (cfg.num_layers, 2, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
         # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = torch.zeros(cfg.num_layers, 2, self.num_blocks, bs, cfg.num_kv_heads,
-                                     cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = (kv_cache_factory(shape, self.dtype) if kv_cache_factory else
+                          torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.backend = TorchAttention()
         self.sampler = Sampler(seed=config.seed)
 

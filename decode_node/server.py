@@ -1,0 +1,249 @@
+"""The decode node: continuous batching over the engine thread, the KV receiver,
+and the local-prefill fallback. Also runs as a colocated node (role "colocated":
+every request prefilled locally), the baseline for comparisons.
+
+HTTP API (msgpack bodies, see common/protocol.py):
+  POST /generate  GenerateRequest -> stream of length-prefixed TokenDelta frames
+  POST /abort     Abort -> 200 (idempotent)
+  GET  /health, /metrics (Prometheus), /debug/state (pool and transfers, JSON)
+
+One request's path when a prefill node is named:
+
+  reserve blocks (own prefix cache subtracted) -> TransferTable.reserve
+  -> POST prefill/prefill --> blocks land via kvtransfer (checksummed) --> PrefillResult
+  -> all landed: admit into the batch (first token from the prefill node) -> stream
+  any failure / lease expiry: release the blocks, prefill locally, count a fallback
+"""
+
+import asyncio
+import logging
+import uuid
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from splitserve.common.config import NodeConfig
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.http import MSGPACK, decode_error_body, error_response, read_msgpack
+from splitserve.common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta,
+                                        encode_frame)
+from splitserve.engine.engine_core import EngineCore, RequestDelta
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.kvtransfer import TransferError, make_receiver
+from splitserve.kvtransfer.block_store import KVBlockStore, allocate_kv_cache, free_shared_kv_cache
+from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.state import TransferState, TransferTable
+from splitserve.node.runtime import RUNTIME, NodeRuntime, add_common_routes
+
+log = logging.getLogger(__name__)
+NODE = web.AppKey("decode_node", "DecodeNode")
+
+
+class DecodeNode:
+    def __init__(self, config: NodeConfig, runtime: NodeRuntime):
+        self.config = config
+        self.rt = runtime
+        self.engine: EngineCore = runtime.engine
+        self.loop: EngineLoop = runtime.loop
+        self.transfers = TransferTable()
+        self.streams: dict[str, asyncio.Queue] = {}  # req_id -> TokenDelta queue of its HTTP stream
+        self.landed: dict[str, asyncio.Event] = {}  # transfer_id -> set when all landed or failed
+        self.receiver = None
+        self.session: aiohttp.ClientSession | None = None
+        m = runtime.metrics
+        self.m_fallbacks = m.counter("splitserve_decode_fallback_prefills_total",
+                                     "requests prefilled locally after a failed or impossible transfer", ["reason"])
+        self.m_transfers = m.counter("splitserve_kv_transfers_total", "finished KV transfers", ["state"])
+        self.m_blocks = m.counter("splitserve_kv_blocks_received_total", "KV blocks received", ["ok"])
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        if self.config.role == "decode":
+            store = KVBlockStore(self.engine.runner.kv_caches, self.rt.layout, self.rt.shm_name)
+            self.receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
+                                          self._on_block)
+            await self.receiver.start()
+            self.rt.kv_addr = self.receiver.address
+        self._lease_task = asyncio.create_task(self._expire_leases())
+
+    async def stop(self) -> None:
+        self._lease_task.cancel()
+        if self.receiver is not None:
+            await self.receiver.stop()
+        await self.session.close()
+
+    # ---- engine output ---------------------------------------------------------------------
+    def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        for d in deltas:
+            q = self.streams.get(d.request_id)
+            if q is not None:
+                q.put_nowait(TokenDelta(request_id=d.request_id, token_ids=d.new_token_ids,
+                                        logprobs=d.new_logprobs, finish_reason=d.finish_reason,
+                                        num_cached_tokens=d.num_cached_tokens))
+
+    # ---- KV receiver callbacks (on this event loop) -----------------------------------------
+    def _on_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
+        self.m_blocks.labels(str(ok).lower()).inc()
+        self.transfers.on_block(transfer_id, dest_block_id, ok, reason)
+        t = self.transfers.get(transfer_id)
+        ev = self.landed.get(transfer_id)
+        if ev is not None and (t is None or t.state is TransferState.FAILED or self.transfers.all_landed(transfer_id)):
+            ev.set()
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for t in self.transfers.expired(asyncio.get_running_loop().time()):
+                self.transfers.fail(t.transfer_id, "lease expired")
+                ev = self.landed.get(t.transfer_id)
+                if ev is not None:
+                    ev.set()
+
+    # ---- request path ----------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            req = await read_msgpack(request, GenerateRequest)
+            self.engine.validate(req.token_ids, req.sampling_params)  # pure: safe off the engine thread
+        except InvalidRequest as e:
+            return error_response(400, str(e), e.field)
+        if req.request_id in self.streams:
+            return error_response(409, f"request {req.request_id} is already running", "request_id")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[req.request_id] = queue
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
+        driver = asyncio.create_task(self._drive(req, queue))
+        finished = False
+        try:
+            await resp.prepare(request)
+            while True:
+                delta: TokenDelta = await queue.get()
+                await resp.write(encode_frame(delta))
+                if delta.finish_reason is not None:
+                    finished = True
+                    break
+            await resp.write_eof()
+            return resp
+        finally:  # client gone, handler cancelled, or done: nothing may leak
+            self.streams.pop(req.request_id, None)
+            if not driver.done():
+                driver.cancel()
+                await asyncio.gather(driver, return_exceptions=True)
+            if not finished:
+                await self.loop.call(lambda e: e.abort(req.request_id))
+
+    async def _drive(self, req: GenerateRequest, queue: asyncio.Queue) -> None:
+        """Get the request into the running batch: through a KV transfer, or locally."""
+        rid = req.request_id
+        if req.prefill_addr and self.config.role == "decode":
+            reason = await self._transfer(req, queue)
+            if reason is None:
+                return
+            self.m_fallbacks.labels(reason.split(":")[0]).inc()
+            log.warning("request %s: falling back to local prefill (%s)", rid, reason)
+        try:
+            await self.loop.call(lambda e: e.add_request(rid, req.token_ids, req.sampling_params))
+        except InvalidRequest as e:
+            queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
+
+    async def _transfer(self, req: GenerateRequest, queue: asyncio.Queue) -> str | None:
+        """Run the transfer; None when the request was admitted, else the failure reason."""
+        rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
+        res = await self.loop.call(lambda e: e.reserve(rid, req.token_ids))
+        if res is None:
+            return "no_blocks: pool full"
+        bs = self.engine.config.block_size
+        skip = res.num_cached_tokens // bs
+        deadline = asyncio.get_running_loop().time() + self.config.transfer_lease_s
+        self.transfers.reserve(tid, rid, res.block_ids[skip:], deadline)
+        self.landed[tid] = ev = asyncio.Event()
+        task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
+                              sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
+                              kv_addr=self.rt.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:])
+        admitted = False
+        try:
+            async with asyncio.timeout(self.config.transfer_lease_s):
+                self.transfers.start(tid)
+                async with self.session.post(f"{req.prefill_addr}/prefill", data=msgspec.msgpack.encode(task),
+                                             headers={"Content-Type": MSGPACK}) as r:
+                    body = await r.read()
+                    if r.status != 200:
+                        raise TransferError(f"prefill node answered {r.status}: {decode_error_body(body)}")
+                result = msgspec.msgpack.decode(body, type=PrefillResult)
+                await ev.wait()
+            t = self.transfers.get(tid)
+            if t.state is TransferState.FAILED or not self.transfers.all_landed(tid):
+                raise TransferError(t.reason or "blocks missing")
+            self.transfers.complete(tid)
+            cached = res.num_cached_tokens + max(0, result.num_cached_tokens - res.num_cached_tokens)
+            delta = await self.loop.call(lambda e: e.add_prefilled(
+                rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs, cached))
+            admitted = True
+            self.transfers.own(tid)
+            self.m_transfers.labels("owned").inc()
+            self.on_deltas([delta])
+            return None
+        except asyncio.CancelledError:
+            self.transfers.abort(tid, "request cancelled")
+            self.m_transfers.labels("aborted").inc()
+            asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
+            raise
+        except (TransferError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError) as e:
+            self.transfers.fail(tid, f"{type(e).__name__}: {e}")
+            self.m_transfers.labels("failed").inc()
+            asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
+            return f"transfer_failed: {type(e).__name__}: {e}"
+        finally:
+            self.landed.pop(tid, None)
+            if not admitted:
+                await asyncio.shield(self.loop.call(lambda e: e.release(rid)))
+            self.transfers.remove(tid)
+
+    async def _abort_prefill(self, prefill_addr: str, rid: str) -> None:
+        try:
+            async with self.session.post(f"{prefill_addr}/abort", data=msgspec.msgpack.encode(Abort(rid)),
+                                         headers={"Content-Type": MSGPACK},
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            pass  # the prefill node is gone: nothing of ours is left there
+
+    async def abort(self, request: web.Request) -> web.Response:
+        try:
+            msg = await read_msgpack(request, Abort)
+        except InvalidRequest as e:
+            return error_response(400, str(e), e.field)
+        q = self.streams.get(msg.request_id)
+        found = await self.loop.call(lambda e: e.abort(msg.request_id))
+        if q is not None:
+            q.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="abort"))
+        return web.json_response({"aborted": bool(found or q is not None)})
+
+    def debug_state(self) -> dict:
+        return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
+                "streams": len(self.streams)}
+
+
+def build_app(config: NodeConfig) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+
+    async def lifespan(app):
+        rt = NodeRuntime(config)
+        await rt.start_engine(shm=config.role == "decode" and config.kv_backend == "shm")
+        node = DecodeNode(config, rt)
+        rt.loop_start(node.on_deltas)
+        await node.start()
+        rt.debug_extra = node.debug_state
+        app[NODE] = node
+        app[RUNTIME] = rt
+        yield
+        await rt.stop_heartbeat()
+        await node.stop()
+        rt.shutdown()
+
+    app.cleanup_ctx.append(lifespan)
+    app.router.add_post("/generate", lambda r: r.app[NODE].generate(r))
+    app.router.add_post("/abort", lambda r: r.app[NODE].abort(r))
+    add_common_routes(app)
+    return app

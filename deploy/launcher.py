@@ -1,0 +1,198 @@
+"""Local cluster launcher behind ``splitserve up`` (and the end-to-end tests):
+a redis-server on a free port (unless one is given), N prefill and M decode
+nodes, and the router, each a real process. Stops everything on Ctrl-C/SIGTERM.
+
+Defaults come from ``deploy/local.toml``; flags override them.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).with_name("local.toml")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready: threading.Event = field(default_factory=threading.Event)
+    addr: str = ""
+    log: list[str] = field(default_factory=list)  # the last lines it printed
+
+    def pump(self) -> None:
+        """Read the child's output: catch its READY line, echo the rest with its name."""
+        for line in self.popen.stdout:
+            line = line.rstrip()
+            self.log = (self.log + [line])[-50:]
+            if line.startswith("READY ") and not self.ready.is_set():
+                self.addr = line.split()[1]
+                self.ready.set()
+            elif os.environ.get("SPLITSERVE_QUIET") != "1":
+                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+
+class Cluster:
+    """Real processes on this machine. ``start()`` returns once every node and the
+    router answer; ``stop()`` is idempotent and kills what does not exit in time."""
+
+    def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
+                 kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
+                 host="127.0.0.1", colocated=False, extra_node_args=(), policy="least_load"):
+        self.cfg = dict(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, kv_backend=kv_backend,
+                        kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
+                        colocated=colocated, extra=list(extra_node_args), policy=policy)
+        self.router_port = router_port or free_port()
+        self.redis_url = redis_url
+        self.redis: subprocess.Popen | None = None
+        self.procs: list[Proc] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg['host']}:{self.router_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        p = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        proc = Proc(name, p)
+        threading.Thread(target=proc.pump, daemon=True).start()
+        self.procs.append(proc)
+        return proc
+
+    def start_redis(self) -> None:
+        port = free_port()
+        self.redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start (is it installed? deploy/setup.sh installs it)")
+
+    def start_node(self, role: str, index: int, extra=()) -> Proc:
+        c = self.cfg
+        args = ["decode" if role == "colocated" else role, "--host", c["host"], "--redis-url", self.redis_url,
+                "--kv-backend", c["kv_backend"], "--kv-cache-memory", c["kv_cache_memory"],
+                "--threads", str(c["threads"]), "--node-id", f"{role}-{index}", *c["extra"], *extra]
+        if role == "colocated":
+            args.append("--colocated")
+        if c["model"]:
+            args += ["--model", c["model"]]
+        return self._spawn(f"{role}-{index}", args)
+
+    def start(self, timeout: float = 180.0) -> "Cluster":
+        if self.redis_url is None:
+            self.start_redis()
+        c = self.cfg
+        nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
+        decode_role = "colocated" if c["colocated"] else "decode"
+        nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
+        router = self._spawn("router", ["router", "--host", c["host"], "--port", str(self.router_port),
+                                        "--redis-url", self.redis_url, "--policy", c["policy"]])
+        for p in [*nodes, router]:
+            self.wait_ready(p, timeout)
+        self.wait_for_nodes(len(nodes), timeout)
+        return self
+
+    def wait_ready(self, p: Proc, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not p.ready.wait(0.2):
+            if p.popen.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{p.name} failed to start:\n" + "\n".join(p.log[-20:]))
+
+    def wait_for_nodes(self, n: int, timeout: float) -> None:
+        """Until the router's /health reports ``n`` nodes."""
+        import json
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    h = json.loads(r.read())
+                    if h.get("prefill_nodes", 0) + h.get("decode_nodes", 0) >= n:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the router did not see {n} nodes within {timeout}s")
+
+    def node(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.terminate()
+            self.redis.wait(5)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def launch(args) -> int:
+    """``splitserve up``."""
+    defaults = tomllib.loads(Path(args.config or DEFAULT_CONFIG).read_text())["cluster"]
+    pick = lambda flag, key: getattr(args, flag) if getattr(args, flag) is not None else defaults[key]
+    cluster = Cluster(prefill_nodes=pick("prefill_nodes", "prefill_nodes"),
+                      decode_nodes=pick("decode_nodes", "decode_nodes"), router_port=pick("port", "router_port"),
+                      kv_backend=pick("kv_backend", "kv_backend"), kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
+                      threads_per_node=pick("threads_per_node", "threads_per_node"), redis_url=args.redis_url,
+                      model=args.model, host=defaults["host"])
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("[splitserve] starting redis, nodes and router ...", file=sys.stderr, flush=True)
+    try:
+        cluster.start()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"""
+splitserve is serving the OpenAI API at {cluster.url}/v1  (redis: {cluster.redis_url})
+
+  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
+
+Ctrl-C stops everything.""", flush=True)
+    while not stop.wait(0.5):
+        dead = [p for p in cluster.procs if p.popen.poll() is not None]
+        if dead:
+            print(f"error: {dead[0].name} exited:\n" + "\n".join(dead[0].log[-20:]), file=sys.stderr)
+            break
+    print("[splitserve] stopping ...", file=sys.stderr, flush=True)
+    cluster.stop()
+    return 0

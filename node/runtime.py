@@ -1,0 +1,173 @@
+"""NodeRuntime: the parts every node process shares.
+
+- the engine (its KV cache in shared memory when the shm transport needs it)
+  and the EngineLoop thread that runs it;
+- the node's identity (node id, epoch) and its registry heartbeat with load;
+- a per-node Prometheus registry and the routes GET /health, /metrics,
+  /debug/state (JSON: pool, load, transfers).
+"""
+
+import asyncio
+import logging
+import os
+import signal
+import uuid
+from typing import Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from splitserve.common.config import NodeConfig
+from splitserve.common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
+from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.engine_loop import EngineLoop
+from splitserve.kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
+from splitserve.kvtransfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
+
+
+class Metrics:
+    """A per-node Prometheus registry (no module globals)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+
+    def counter(self, name, doc, labels=()):
+        return Counter(name, doc, list(labels), registry=self.registry)
+
+    def gauge(self, name, doc, labels=()):
+        return Gauge(name, doc, list(labels), registry=self.registry)
+
+
+def layout_from_shape(shape: tuple[int, ...], dtype) -> KVLayout:
+    layers, _, _, block_size, kv_heads, head_dim = shape
+    return KVLayout(dtype=str(dtype).removeprefix("torch."), block_size=block_size, num_layers=layers,
+                    num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+class NodeRuntime:
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.epoch = new_epoch()
+        self.node_id = config.node_id
+        self.engine: EngineCore | None = None
+        self.loop: EngineLoop | None = None
+        self.layout: KVLayout | None = None
+        self.shm_name: str | None = None
+        self.kv_addr = ""
+        self.http_addr = ""
+        self.metrics = Metrics()
+        self.debug_extra: Callable[[], dict] = dict
+        self.heartbeat: Heartbeat | None = None
+        self._registry: NodeRegistry | None = None
+        g = self.metrics.gauge
+        self.m_load = {f: g(f"splitserve_node_{f}", f"engine load: {f}") for f in NodeLoad.__struct_fields__}
+
+    async def start_engine(self, shm: bool) -> None:
+        """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
+        /dev/shm so a same-host prefill node can write blocks straight into it."""
+        factory = None
+        if shm:
+            self.shm_name = f"splitserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            factory = lambda shape, dtype: allocate_kv_cache(layout_from_shape(shape, dtype), shape[2],
+                                                             self.shm_name)
+        self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
+        kv = self.engine.runner.kv_caches
+        self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
+
+    def loop_start(self, on_deltas) -> None:
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_deltas)
+        self.loop.start()
+
+    def info(self) -> NodeInfo:
+        load = self.loop.load
+        for f in NodeLoad.__struct_fields__:
+            self.m_load[f].set(getattr(load, f))
+        return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
+                        model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
+                        kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
+                        load=NodeLoad(**load._asdict()))
+
+    async def start_heartbeat(self) -> None:
+        if self.config.redis_url:
+            self._registry = NodeRegistry(self.config.redis_url)
+            self.heartbeat = Heartbeat(self._registry, self.info)
+            self.heartbeat.start()
+
+    async def stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+            await self._registry.close()
+
+    def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        if self.shm_name:
+            free_shared_kv_cache(self.shm_name)
+
+    def state(self) -> dict:
+        kv = self.engine.kv
+        return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch,
+                "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
+                "load": self.loop.load._asdict(), "steps": self.loop.steps,
+                "preemptions": self.engine.num_preemptions_total, **self.debug_extra()}
+
+
+
+def add_common_routes(app: web.Application) -> None:
+    """GET /health, /metrics and /debug/state of the node in ``app[RUNTIME]``."""
+    async def health(request):
+        rt = request.app[RUNTIME]
+        return web.json_response({"status": "ok", "role": rt.config.role, "node_id": rt.node_id})
+
+    async def metrics(request):
+        rt = request.app[RUNTIME]
+        rt.info()  # refresh the load gauges
+        return web.Response(body=generate_latest(rt.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def debug_state(request):
+        return web.json_response(request.app[RUNTIME].state())
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/state", debug_state)
+
+
+async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> None:
+    """Run a node app until ``stop`` is set: bind (port 0 picks one), learn the real
+    address, start the heartbeat, print ``READY <http_addr>`` for launchers."""
+    runner = web.AppRunner(app, handler_cancellation=True)  # a vanished client cancels its handler
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        rt: NodeRuntime = app[RUNTIME]
+        rt.http_addr = f"http://{config.host}:{port}"
+        rt.node_id = config.node_id or f"{config.role}-{config.host}-{port}"
+        await rt.start_heartbeat()
+        print(f"READY {rt.http_addr} {rt.node_id}", flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_node(config: NodeConfig) -> None:
+    """Start a prefill, decode or colocated node and serve until SIGINT / SIGTERM."""
+    if config.role == "prefill":
+        from splitserve.prefill_node.server import build_app
+    else:
+        from splitserve.decode_node.server import build_app
+
+    async def main():
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(build_app(config), config, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,200 @@
+"""The prefill node: computes prompts with chunked prefill and prefix caching,
+and pushes each completed KV block to the decode node that asked, while later
+chunks are still computing. It samples the first token and keeps the computed
+blocks in its prefix cache. It never decodes.
+
+HTTP API (msgpack, see common/protocol.py):
+  POST /prefill  PrefillRequest -> PrefillResult, once every block was sent
+  POST /abort    Abort -> 200 (idempotent)
+  GET  /health, /metrics, /debug/state
+
+Block streaming, per request (engine thread -> event loop -> transport):
+
+  step k computes tokens .. n_k:  blocks [sent, n_k // bs) are complete -> pack
+  last step (prompt done):        also the partial last block            -> pack
+  packed blocks -> per-transfer queue -> KVSender.send_blocks (in order)
+"""
+
+import asyncio
+import logging
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web
+
+from splitserve.common.config import NodeConfig
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.http import error_response, msgpack_response, read_msgpack
+from splitserve.common.protocol import Abort, PrefillRequest, PrefillResult
+from splitserve.engine.engine_core import EngineCore, RequestDelta
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.kvtransfer import TransferError, make_sender
+from splitserve.kvtransfer.block_store import KVBlockStore
+from splitserve.node.runtime import RUNTIME, NodeRuntime, add_common_routes
+
+log = logging.getLogger(__name__)
+NODE = web.AppKey("prefill_node", "PrefillNode")
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """One request's outgoing transfer."""
+    task: PrefillRequest
+    packed_upto: int  # blocks [0, packed_upto) handed to the send queue (starts at skip_blocks)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (dest ids, packed bytes) | None
+    first: RequestDelta | None = None  # the sampled first token, once the prompt is done
+    done: asyncio.Future | None = None  # resolved with the first-token delta, or an exception
+
+
+class PrefillNode:
+    def __init__(self, config: NodeConfig, runtime: NodeRuntime):
+        self.config = config
+        self.rt = runtime
+        self.engine: EngineCore = runtime.engine
+        self.out: dict[str, Outgoing] = {}  # req_id -> transfer state; read by the engine thread
+        self.store = KVBlockStore(self.engine.runner.kv_caches, runtime.layout)
+        self.senders = {}  # backend -> KVSender (one connection pool each)
+        m = runtime.metrics
+        self.m_requests = m.counter("splitserve_prefill_requests_total", "prefill requests", ["outcome"])
+        self.m_blocks = m.counter("splitserve_kv_blocks_sent_total", "KV blocks handed to the transport")
+        self.engine.step_observer = self._after_step
+
+    def _sender(self, backend: str):
+        if backend not in self.senders:
+            corrupt = self.config.fault == "corrupt_block"
+            self.senders[backend] = make_sender(backend, self.rt.layout, corrupt=corrupt)
+        return self.senders[backend]
+
+    async def stop(self) -> None:
+        for s in self.senders.values():
+            await s.close()
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _after_step(self, sched: SchedulerOutput) -> None:
+        """Pack blocks completed by this step (engine thread, before finished requests free them)."""
+        bs = self.engine.config.block_size
+        for req, _ in sched.scheduled:
+            o = self.out.get(req.request_id)
+            if o is None:
+                continue
+            n_prompt = len(req.prompt_token_ids)
+            upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
+            if upto <= o.packed_upto:
+                continue
+            ids = self.engine.kv.block_ids(req.request_id)[o.packed_upto:upto]
+            skip = o.task.skip_blocks
+            dests = o.task.dest_block_ids[o.packed_upto - skip:upto - skip]
+            packed = bytes(self.store.pack(ids))  # a copy: the blocks may be reused once freed
+            o.packed_upto = upto
+            self.rt.loop.call_soon(o.queue.put_nowait, (dests, packed))
+
+    def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        for d in deltas:
+            o = self.out.get(d.request_id)
+            if o is not None and d.finish_reason is not None and o.first is None:
+                o.first = d
+                o.queue.put_nowait(None)  # every block is queued before the first token is sampled
+
+    # ---- event loop ----------------------------------------------------------------------------
+    async def prefill(self, request: web.Request) -> web.Response:
+        try:
+            task = await read_msgpack(request, PrefillRequest)
+            self._check(task)
+        except InvalidRequest as e:
+            self.m_requests.labels("bad_request").inc()
+            return error_response(400, str(e), e.field)
+        rid = task.request_id
+        if rid in self.out:
+            return error_response(409, f"request {rid} is already being prefilled", "request_id")
+        # one token, sampled with the request's own parameters; stops are the decode node's job
+        params = msgspec.structs.replace(task.sampling_params, max_tokens=1, ignore_eos=True, stop=[],
+                                         stop_token_ids=[])
+        o = Outgoing(task, packed_upto=task.skip_blocks)
+        self.out[rid] = o
+        sender_task = None
+        try:
+            await self.rt.loop.call(lambda e: e.add_request(rid, task.token_ids, params))
+            sender = self._sender(task.kv_backend)
+            sender_task = asyncio.create_task(self._send_all(sender, o))
+            sent = await sender_task
+            first = o.first
+            if first is None:
+                self.m_requests.labels("aborted").inc()
+                return error_response(409, f"request {rid} was aborted")
+            if not first.new_token_ids:
+                self.m_requests.labels("error").inc()
+                return error_response(500, f"request {rid} failed in the engine")
+            self.m_requests.labels("ok").inc()
+            return msgpack_response(PrefillResult(
+                transfer_id=task.transfer_id, first_token=first.new_token_ids[0],
+                logprobs=first.new_logprobs[0], num_cached_tokens=first.num_cached_tokens, num_blocks_sent=sent))
+        except InvalidRequest as e:
+            self.m_requests.labels("bad_request").inc()
+            return error_response(400, str(e), e.field)
+        except TransferError as e:
+            self.m_requests.labels("transfer_failed").inc()
+            log.warning("request %s: transfer %s failed: %s", rid, task.transfer_id, e)
+            return error_response(502, f"KV transfer failed: {e}")
+        finally:  # success, failure or the decode node hung up: nothing stays behind
+            self.out.pop(rid, None)
+            if sender_task is not None and not sender_task.done():
+                sender_task.cancel()
+            await asyncio.shield(self.rt.loop.call(lambda e: e.abort(rid)))
+
+    async def _send_all(self, sender, o: Outgoing) -> int:
+        sent = 0
+        while (item := await o.queue.get()) is not None:
+            dests, packed = item
+            await sender.send_blocks(o.task.kv_addr, o.task.transfer_id, list(zip(dests, self.store.split(packed))))
+            sent += len(dests)
+            self.m_blocks.inc(len(dests))
+        return sent
+
+    def _check(self, task: PrefillRequest) -> None:
+        self.engine.validate(task.token_ids, msgspec.structs.replace(task.sampling_params, max_tokens=1))
+        n_blocks = math.ceil(len(task.token_ids) / self.engine.config.block_size)
+        if not 0 <= task.skip_blocks < n_blocks:
+            raise InvalidRequest("skip_blocks", f"must be in [0, {n_blocks})")
+        if len(task.dest_block_ids) != n_blocks - task.skip_blocks:
+            raise InvalidRequest("dest_block_ids", f"expected {n_blocks - task.skip_blocks} ids")
+        if task.kv_backend != self.config.kv_backend:
+            raise InvalidRequest("kv_backend", f"this node sends over {self.config.kv_backend}, "
+                                 f"not {task.kv_backend}")
+
+    async def abort(self, request: web.Request) -> web.Response:
+        try:
+            msg = await read_msgpack(request, Abort)
+        except InvalidRequest as e:
+            return error_response(400, str(e), e.field)
+        o = self.out.get(msg.request_id)
+        found = await self.rt.loop.call(lambda e: e.abort(msg.request_id))
+        if o is not None:
+            o.queue.put_nowait(None)
+        return web.json_response({"aborted": bool(found or o is not None)})
+
+    def debug_state(self) -> dict:
+        return {"outgoing": len(self.out)}
+
+
+def build_app(config: NodeConfig) -> web.Application:
+    app = web.Application(client_max_size=64 << 20)
+
+    async def lifespan(app):
+        rt = NodeRuntime(config)
+        await rt.start_engine(shm=False)
+        node = PrefillNode(config, rt)
+        rt.loop_start(node.on_deltas)
+        rt.debug_extra = node.debug_state
+        app[NODE] = node
+        app[RUNTIME] = rt
+        yield
+        await rt.stop_heartbeat()
+        await node.stop()
+        rt.shutdown()
+
+    app.cleanup_ctx.append(lifespan)
+    app.router.add_post("/prefill", lambda r: r.app[NODE].prefill(r))
+    app.router.add_post("/abort", lambda r: r.app[NODE].abort(r))
+    add_common_routes(app)
+    return app
