@@ -7,6 +7,7 @@ hand it to the component; nothing here holds state.
 """
 
 import argparse
+import logging
 import json
 import sys
 
@@ -86,9 +87,9 @@ def cmd_node(args) -> int:
 
 def cmd_router(args) -> int:
     from splitserve.router.app import run_router
-    from splitserve.router.config import RouterConfig
+    from splitserve.router.config import router_config
 
-    run_router(RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url, policy=args.policy))
+    run_router(router_config(args))
     return 0
 
 
@@ -124,10 +125,8 @@ def main(argv=None) -> int:
         node.set_defaults(func=cmd_node)
 
     router = sub.add_parser("router", help="run the OpenAI-compatible router")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--redis-url", required=True)
-    router.add_argument("--policy", default="least_load", choices=("least_load", "round_robin"))
+    from splitserve.router.config import add_router_args
+    add_router_args(router)
     router.set_defaults(func=cmd_router)
 
     up = sub.add_parser("up", help="start a local cluster (redis, router, nodes) and serve until Ctrl-C")
@@ -142,6 +141,7 @@ def main(argv=None) -> int:
     up.add_argument("--model", default=None)
     up.set_defaults(func=cmd_up)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as e:  # configuration errors: say what to change, no traceback

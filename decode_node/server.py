@@ -31,8 +31,7 @@ from splitserve.common.protocol import (Abort, GenerateRequest, PrefillRequest, 
 from splitserve.engine.engine_core import EngineCore, RequestDelta
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.kvtransfer import TransferError, make_receiver
-from splitserve.kvtransfer.block_store import KVBlockStore, allocate_kv_cache, free_shared_kv_cache
-from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.state import TransferState, TransferTable
 from splitserve.node.runtime import RUNTIME, NodeRuntime, add_common_routes
 
@@ -45,7 +44,6 @@ class DecodeNode:
         self.config = config
         self.rt = runtime
         self.engine: EngineCore = runtime.engine
-        self.loop: EngineLoop = runtime.loop
         self.transfers = TransferTable()
         self.streams: dict[str, asyncio.Queue] = {}  # req_id -> TokenDelta queue of its HTTP stream
         self.landed: dict[str, asyncio.Event] = {}  # transfer_id -> set when all landed or failed
@@ -56,6 +54,10 @@ class DecodeNode:
                                      "requests prefilled locally after a failed or impossible transfer", ["reason"])
         self.m_transfers = m.counter("splitserve_kv_transfers_total", "finished KV transfers", ["state"])
         self.m_blocks = m.counter("splitserve_kv_blocks_received_total", "KV blocks received", ["ok"])
+
+    @property
+    def loop(self) -> EngineLoop:
+        return self.rt.loop
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,7 +97,7 @@ class DecodeNode:
     async def _expire_leases(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            for t in self.transfers.expired(asyncio.get_running_loop().time()):
+            for t in self.transfers.expired():
                 self.transfers.fail(t.transfer_id, "lease expired")
                 ev = self.landed.get(t.transfer_id)
                 if ev is not None:
@@ -155,8 +157,7 @@ class DecodeNode:
             return "no_blocks: pool full"
         bs = self.engine.config.block_size
         skip = res.num_cached_tokens // bs
-        deadline = asyncio.get_running_loop().time() + self.config.transfer_lease_s
-        self.transfers.reserve(tid, rid, res.block_ids[skip:], deadline)
+        self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
         self.landed[tid] = ev = asyncio.Event()
         task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
@@ -164,7 +165,6 @@ class DecodeNode:
         admitted = False
         try:
             async with asyncio.timeout(self.config.transfer_lease_s):
-                self.transfers.start(tid)
                 async with self.session.post(f"{req.prefill_addr}/prefill", data=msgspec.msgpack.encode(task),
                                              headers={"Content-Type": MSGPACK}) as r:
                     body = await r.read()
@@ -176,7 +176,7 @@ class DecodeNode:
             if t.state is TransferState.FAILED or not self.transfers.all_landed(tid):
                 raise TransferError(t.reason or "blocks missing")
             self.transfers.complete(tid)
-            cached = res.num_cached_tokens + max(0, result.num_cached_tokens - res.num_cached_tokens)
+            cached = max(res.num_cached_tokens, result.num_cached_tokens)  # tokens neither node computed now
             delta = await self.loop.call(lambda e: e.add_prefilled(
                 rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs, cached))
             admitted = True
@@ -189,7 +189,9 @@ class DecodeNode:
             self.m_transfers.labels("aborted").inc()
             asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
             raise
-        except (TransferError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError) as e:
+        except Exception as e:  # transport, HTTP, timeout or a bad answer: all fall back
+            if not isinstance(e, (TransferError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError)):
+                log.exception("request %s: unexpected transfer error", rid)
             self.transfers.fail(tid, f"{type(e).__name__}: {e}")
             self.m_transfers.labels("failed").inc()
             asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))

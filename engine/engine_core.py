@@ -99,7 +99,7 @@ class EngineCore:
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
-        if request_id in self.scheduler.requests or request_id in self.kv:
+        if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -109,11 +109,15 @@ class EngineCore:
                        (self.config.model_id,), frozenset(stop_ids), gen)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.kv:
+            raise InvalidRequest("request_id", f"{request_id!r} holds a KV reservation")
         self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
 
     def reserve(self, request_id: str, prompt_token_ids: list[int]) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix.
         None when the pool cannot supply them now (the caller prefills locally)."""
+        if request_id in self.scheduler.requests or request_id in self.kv:
+            raise InvalidRequest("request_id", f"{request_id!r} is already running")
         hashes = hash_blocks(prompt_token_ids, self.config.block_size, (self.config.model_id,))
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks) is None:

@@ -29,7 +29,7 @@ from splitserve.common.http import error_response, msgpack_response, read_msgpac
 from splitserve.common.protocol import Abort, PrefillRequest, PrefillResult
 from splitserve.engine.engine_core import EngineCore, RequestDelta
 from splitserve.engine.scheduler import SchedulerOutput
-from splitserve.kvtransfer import TransferError, make_sender
+from splitserve.kvtransfer import TransferError, make_sender, sender_options
 from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.node.runtime import RUNTIME, NodeRuntime, add_common_routes
 
@@ -62,8 +62,8 @@ class PrefillNode:
 
     def _sender(self, backend: str):
         if backend not in self.senders:
-            corrupt = self.config.fault == "corrupt_block"
-            self.senders[backend] = make_sender(backend, self.rt.layout, corrupt=corrupt)
+            options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0)
+            self.senders[backend] = make_sender(backend, self.rt.layout, options)
         return self.senders[backend]
 
     async def stop(self) -> None:

@@ -1,1 +1,6 @@
-"""The OpenAI-compatible routing proxy (issue 3)."""
+"""The OpenAI-compatible routing proxy: validates and tokenizes requests, picks a
+prefill and a decode node from the Redis registry, streams tokens back as text.
+
+Entry points: `splitserve.router.app.build_app` / `start_router` / `run_router` and
+`python -m splitserve.router`. Never imports torch or `splitserve.engine`.
+"""

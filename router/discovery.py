@@ -1,0 +1,113 @@
+"""Node discovery: the router's current list of live nodes, re-read from the Redis
+registry in a background task.
+
+Owns the last known node list of the served model and the decision to keep it when
+Redis is unreachable (routing degrades to the last known nodes; it never fails a
+request because Redis is down). Also remembers nodes this router just failed to
+reach, so retries and the next requests avoid them until they heart-beat again
+under a new epoch or a short quarantine passes.
+
+Must not route (policy.py does) or create its Redis client (the app's lifespan
+owns the `NodeRegistry`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from splitserve.common.registry import REDIS_ERRORS, NodeInfo, NodeRegistry
+from splitserve.router.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+UNREACHABLE_QUARANTINE_S = 5.0  # about one registry TTL: a dead node's record expires by then
+
+
+@dataclass(slots=True)
+class NodeDirectory:
+    registry: NodeRegistry
+    model_id: str
+    metrics: RouterMetrics
+    poll_interval_s: float = 0.5
+    nodes: list[NodeInfo] = field(default_factory=list)  # last known nodes of model_id
+    redis_ok: bool | None = None  # the last poll reached Redis (None: not polled yet)
+    polls: int = 0  # successful polls
+    _unreachable: dict[str, tuple[str, float]] = field(default_factory=dict)  # node_id -> (epoch, until)
+    _other_models: set[str] = field(default_factory=set)  # node ids already warned about
+    _task: asyncio.Task | None = None
+
+    async def refresh(self) -> bool:
+        """Re-read the registry now; on a Redis error keep the last list. True if read."""
+        try:
+            found = await self.registry.list_nodes()
+        except REDIS_ERRORS as e:
+            self.metrics.redis_errors.labels(op="list_nodes").inc()
+            if self.redis_ok is not False:  # log once per outage
+                log.warning("router: Redis unreachable (%s); routing with the %d last known "
+                            "nodes until it is back", e, len(self.nodes))
+            self.redis_ok = False
+            return False
+        if self.redis_ok is False:
+            log.info("router: Redis reachable again; %d nodes registered", len(found))
+        self.redis_ok = True
+        self.polls += 1
+        now = time.monotonic()
+        self._unreachable = {k: v for k, v in self._unreachable.items() if v[1] > now}
+        self.nodes = [n for n in found if self._serves_model(n)]
+        for role in ("prefill", "decode", "colocated"):
+            self.metrics.nodes.labels(role=role).set(sum(n.role == role for n in self.nodes))
+        return True
+
+    def _serves_model(self, node: NodeInfo) -> bool:
+        if node.model == self.model_id:
+            return True
+        if node.node_id not in self._other_models:
+            self._other_models.add(node.node_id)
+            log.warning("router: ignoring node %s: it serves model %r, this router serves %r",
+                        node.node_id, node.model, self.model_id)
+        return False
+
+    def live(self) -> list[NodeInfo]:
+        """The nodes to route to: the last known list minus nodes recently unreachable."""
+        if not self._unreachable:
+            return self.nodes
+        now = time.monotonic()
+        out = []
+        for n in self.nodes:
+            bad = self._unreachable.get(n.node_id)
+            if bad is not None and bad[0] == n.epoch and now < bad[1]:
+                continue
+            out.append(n)
+        return out
+
+    def mark_unreachable(self, node: NodeInfo) -> None:
+        """Avoid ``node`` until it restarts (new epoch) or the quarantine passes."""
+        self._unreachable[node.node_id] = (node.epoch, time.monotonic() + UNREACHABLE_QUARANTINE_S)
+
+    def counts(self) -> dict[str, int]:
+        """role -> number of live nodes."""
+        live = self.live()
+        return {role: sum(n.role == role for n in live) for role in ("prefill", "decode", "colocated")}
+
+    # -- background polling (started and stopped by the app's lifespan) ---------
+
+    def start(self) -> None:
+        assert self._task is None, "NodeDirectory.start called twice"
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="node-discovery")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # a bug here must not stop discovery for good
+                log.exception("router: node discovery poll failed")
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -1,0 +1,149 @@
+"""Dispatch: from a prepared prompt to a started `Generation` on a decode node.
+
+Owns the routing step of one prompt: ask the policy, mint the transfer id, send the
+`GenerateRequest`, retry on another decode node when the chosen one surely never
+started it (unreachable, 503), and this router's in-flight counts per node (the
+fresh half of the load the policy sees). Answers "no decode node" with a 503 and a
+node's refusal with its own 4xx.
+
+Must not read Redis (discovery.py keeps the node list) or detokenize.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+from splitserve.common.detokenizer import IncrementalDetokenizer
+from splitserve.common.protocol import GenerateRequest
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.background import BackgroundTasks
+from splitserve.router.discovery import NodeDirectory
+from splitserve.router.errors import ApiError
+from splitserve.router.generation import Generation
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
+from splitserve.router.policy import Decision, RoutingPolicy
+from splitserve.router.tokenizer import RouterTokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3  # decode nodes tried for one prompt
+
+
+@dataclass(slots=True)
+class Dispatcher:
+    directory: NodeDirectory
+    policy: RoutingPolicy
+    client: NodeClient
+    tokenizer: RouterTokenizer
+    metrics: RouterMetrics
+    background: BackgroundTasks
+    inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
+
+    async def start(self, index: int, request_id: str, prompt: list[int], params: SamplingParams,
+                    t_start: float) -> Generation:
+        """Route ``prompt`` and start it; raises `ApiError` (503 no decode node, the
+        node's 4xx, 502 when every tried node failed)."""
+        tried: set[str] = set()  # decode node ids
+        last_error: NodeUnavailable | None = None
+        for _ in range(MAX_ATTEMPTS):
+            nodes = [n for n in self.directory.live() if n.node_id not in tried]
+            decision = self.policy.choose(prompt, nodes, self.inflight)
+            if decision is None:
+                break
+            tried.add(decision.decode.node_id)
+            req = GenerateRequest(
+                request_id=request_id, token_ids=prompt, sampling_params=params,
+                prefill_addr=decision.prefill.http_addr if decision.prefill else None,
+                transfer_id=uuid.uuid4().hex)
+            try:
+                stream, prefill_slot, decode_slot = await self._open(decision, req)
+            except NodeRejected as e:
+                raise ApiError(e.status, e.body.message, param=e.body.param,
+                               type_=e.body.type) from e
+            except NodeUnavailable as e:
+                last_error = e
+                if not e.retryable:
+                    self.metrics.failures.labels(reason="node_unavailable").inc()
+                    raise ApiError(502, str(e)) from e
+                log.warning("router: %s; trying another node", e)
+                if e.unreachable:
+                    self.directory.mark_unreachable(decision.decode)
+                continue
+            self._count(decision, len(prompt))
+            self.metrics.inflight.inc()  # Generation.close() decrements
+            return Generation(
+                index=index, request_id=request_id, prompt_len=len(prompt), decision=decision,
+                stream=stream, detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+                metrics=self.metrics, abort=self._schedule_abort,
+                on_first_token=prefill_slot.release, on_close=decode_slot.release,
+                t_start=t_start)
+        if last_error is None:
+            raise self._no_decode_node()
+        self.metrics.failures.labels(reason="node_unavailable").inc()
+        raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
+
+    def _no_decode_node(self) -> ApiError:
+        d = self.directory
+        if not any(n.decode_capable for n in d.nodes):
+            where = "" if d.redis_ok else " (Redis is unreachable; this is the last known list)"
+            msg = (f"no decode node is registered for model `{d.model_id}`{where}; start one "
+                   "with `splitserve decode` and retry")
+        else:
+            msg = (f"no decode node for model `{d.model_id}` is reachable right now; "
+                   "retry shortly")
+        return ApiError(503, msg, code="no_decode_node")
+
+    async def _open(self, d: Decision, req: GenerateRequest
+                    ) -> tuple[TokenStream, InflightSlot, InflightSlot]:
+        """Send ``req`` to the decode node, counting it in flight on its nodes while
+        it runs: (stream, prefill slot, decode slot). On any error the slots are
+        released and the error re-raised."""
+        prefill = InflightSlot(self.inflight, d.prefill.node_id if d.prefill else None)
+        decode = InflightSlot(self.inflight, d.decode.node_id)
+        try:
+            return await self.client.generate(d.decode.http_addr, req), prefill, decode
+        except BaseException as e:
+            prefill.release()
+            decode.release()
+            if isinstance(e, asyncio.CancelledError):  # the node may have started it
+                self._schedule_abort(d.decode.http_addr, req.request_id)
+            raise
+
+    def _count(self, d: Decision, prompt_len: int) -> None:
+        m = self.metrics
+        m.prompt_tokens.inc(prompt_len)
+        m.decisions.labels(node_id=d.decode.node_id, role="decode").inc()
+        if d.prefill is not None:
+            m.decisions.labels(node_id=d.prefill.node_id, role="prefill").inc()
+        else:
+            m.local_prefill.inc()
+
+    def _schedule_abort(self, addr: str, request_id: str) -> None:
+        self.background.spawn(self.client.abort(addr, request_id), name=f"abort-{request_id}")
+
+
+@dataclass(slots=True)
+class InflightSlot:
+    """One request counted in ``counts[node_id]`` until `release()` (idempotent).
+    ``node_id`` None: no node (local prefill), nothing counted."""
+
+    counts: Counter
+    node_id: str | None
+    released: bool = False
+
+    def __post_init__(self):
+        if self.node_id is not None:
+            self.counts[self.node_id] += 1
+
+    def release(self) -> None:
+        if self.released or self.node_id is None:
+            return
+        self.released = True
+        self.counts[self.node_id] -= 1
+        if self.counts[self.node_id] <= 0:
+            del self.counts[self.node_id]

@@ -1,0 +1,44 @@
+"""The router's small read-only endpoints: ``GET /v1/models``,
+``GET /v1/models/{model}``, ``GET /health`` and ``GET /metrics``.
+Must not change any state."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from splitserve.router.errors import ApiError
+from splitserve.router.state import CONFIG, METRICS, SERVICES, TOKENIZER
+
+
+def _model_card(request: web.Request) -> dict:
+    return {"id": request.app[CONFIG].model_id, "object": "model", "created": 0,
+            "owned_by": "splitserve", "max_model_len": request.app[TOKENIZER].max_model_len}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    name = request.match_info["model"]
+    if name != request.app[CONFIG].model_id:
+        raise ApiError(404, f"The model `{name}` does not exist", param="model",
+                       code="model_not_found")
+    return web.json_response(_model_card(request))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while at least one decode-capable node is known, else 503."""
+    directory = request.app[SERVICES].directory
+    counts = directory.counts()
+    decode_capable = counts["decode"] + counts["colocated"]
+    body = {"status": "ok" if decode_capable else "no_decode_node",
+            "prefill_nodes": counts["prefill"], "decode_nodes": counts["decode"],
+            "colocated_nodes": counts["colocated"],
+            "redis": "ok" if directory.redis_ok else "unreachable"}
+    return web.json_response(body, status=200 if decode_capable else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text, content_type = request.app[METRICS].render()
+    return web.Response(body=text, headers={"Content-Type": content_type})

@@ -1,0 +1,156 @@
+"""One prompt's generation on a decode node, as the router sees it: token deltas in,
+`Piece`s of text out.
+
+Owns detokenization and stop strings for one choice, its usage counts, its TTFT /
+TPOT / token metrics, and its end: `close()` (idempotent, safe while the handler is
+being cancelled) releases the stream and, unless the node already finished the
+request, aborts it there (in a background task, since the caller may be cancelled).
+A stop string ends the choice with finish_reason "stop" and aborts it on the node.
+
+Must not format OpenAI responses (responses.py) or choose nodes (dispatch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from splitserve.common.detokenizer import IncrementalDetokenizer
+from splitserve.common.sampling_params import TokenLogprobs
+from splitserve.router.errors import ApiError
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.node_client import NodeUnavailable, TokenStream
+from splitserve.router.policy import Decision
+
+
+class Piece(NamedTuple):
+    """Something to send for choice ``index``: new text, the tokens that produced it,
+    and the finish reason on the last piece."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class Generation:
+    index: int  # choice index in the response
+    request_id: str  # the id the decode node knows the request by
+    prompt_len: int
+    decision: Decision
+    stream: TokenStream
+    detok: IncrementalDetokenizer
+    metrics: RouterMetrics
+    abort: Callable[[str, str], None]  # (node addr, request_id) -> schedules an abort
+    on_first_token: Callable[[], None]  # releases the prefill node's in-flight slot
+    on_close: Callable[[], None]  # releases the decode node's in-flight slot
+    t_start: float  # loop time the HTTP request arrived
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    closed: bool = False
+    _t_first: float | None = None
+    _t_last: float = 0.0
+    _node_done: bool = False  # the node finished the request itself: no abort needed
+    _failure: str | None = None  # metrics reason when it failed
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The choice's pieces; the last one has a finish_reason. Raises `ApiError`
+        (502) when the node fails mid-stream."""
+        loop = asyncio.get_running_loop()
+        deltas = self.stream.deltas()
+        try:
+            async for delta in deltas:
+                if delta.error is not None or delta.finish_reason in ("error", "abort"):
+                    self._node_done = delta.finish_reason is not None
+                    self._failure = "node_error"
+                    raise ApiError(502, f"decode node {self.decision.decode.node_id} failed the "
+                                   f"request: {delta.error or delta.finish_reason}")
+                now = loop.time()
+                if self._t_first is None:
+                    self._t_first = now
+                    self.metrics.ttft.observe(now - self.t_start)
+                    self.on_first_token()
+                self._t_last = now
+                self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+                self.completion_tokens += len(delta.token_ids)
+                step = self.detok.add_tokens(delta.token_ids)
+                text, finish = step.new_text, None
+                if step.stop_string is not None:
+                    finish = "stop"  # the node keeps going until close() aborts it
+                elif delta.finish_reason is not None:
+                    self._node_done = True
+                    text += self.detok.flush()
+                    finish = "stop" if self.detok.stop_string is not None else delta.finish_reason
+                if text or finish or delta.logprobs:
+                    yield Piece(self.index, text, delta.token_ids, delta.logprobs, finish)
+                if finish is not None:
+                    self.finish_reason = finish
+                    self.metrics.finished.labels(finish_reason=finish).inc()
+                    return
+        except NodeUnavailable as e:
+            self._failure = "node_unavailable"
+            raise ApiError(502, str(e)) from e
+        finally:
+            await deltas.aclose()
+
+    def close(self, client_gone: bool = False) -> None:
+        """End the generation: release the stream, abort the request on the node if it
+        is still running there, count metrics. Idempotent; never blocks."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stream.close()
+        if not self._node_done:
+            self.abort(self.decision.decode.http_addr, self.request_id)
+        if self._t_first is None:
+            self.on_first_token()
+        self.on_close()
+        m = self.metrics
+        m.inflight.dec()
+        m.generation_tokens.inc(self.completion_tokens)
+        m.cached_tokens.inc(self.cached_tokens)
+        if self.finish_reason is None:
+            m.failures.labels(reason="client_disconnect" if client_gone
+                              else self._failure or "cancelled").inc()
+        elif self._t_first is not None and self.completion_tokens >= 2:
+            m.tpot.observe((self._t_last - self._t_first) / (self.completion_tokens - 1))
+
+
+async def merge_pieces(gens: list[Generation]) -> AsyncIterator[Piece]:
+    """The pieces of every generation, interleaved as they arrive (each choice's own
+    pieces stay in order). The first failure is raised; the rest are then stopped."""
+    if len(gens) == 1:
+        async for piece in gens[0].pieces():
+            yield piece
+        return
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(g: Generation) -> None:
+        try:
+            async for piece in g.pieces():
+                queue.put_nowait(piece)
+        except Exception as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)  # this generation is done
+
+    tasks = [asyncio.get_running_loop().create_task(pump(g)) for g in gens]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

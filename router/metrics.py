@@ -1,0 +1,82 @@
+"""The router's Prometheus metrics, in a registry owned by one app (no module
+globals, so several routers can live in one test process).
+
+Owns metric names, labels and buckets. Must not decide when to count (callers do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "splitserve_router_"
+# Seconds. TTFT includes routing, the prefill node's queue and the KV transfer.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class RouterMetrics:
+    """Every collector of one router. Build with `RouterMetrics.create()`."""
+
+    registry: CollectorRegistry
+    requests: Counter  # labels endpoint, status
+    failures: Counter  # labels reason
+    finished: Counter  # labels finish_reason
+    ttft: Histogram
+    tpot: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    cached_tokens: Counter
+    nodes: Gauge  # labels role
+    decisions: Counter  # labels node_id, role
+    local_prefill: Counter
+    redis_errors: Counter  # labels op
+    inflight: Gauge
+
+    @classmethod
+    def create(cls) -> RouterMetrics:
+        r = CollectorRegistry()
+        m = cls(
+            registry=r,
+            requests=Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and status",
+                             ["endpoint", "status"], registry=r),
+            failures=Counter(PREFIX + "request_failures",
+                             "Generations that did not complete, by reason "
+                             "(node_error, node_unavailable, client_disconnect)",
+                             ["reason"], registry=r),
+            finished=Counter(PREFIX + "finished", "Generations finished, by finish_reason",
+                             ["finish_reason"], registry=r),
+            ttft=Histogram(PREFIX + "time_to_first_token_seconds",
+                           "Request received -> first token from the decode node",
+                           buckets=TTFT_BUCKETS, registry=r),
+            tpot=Histogram(PREFIX + "time_per_output_token_seconds",
+                           "Mean time between output tokens after the first, per generation",
+                           buckets=TPOT_BUCKETS, registry=r),
+            prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens routed", registry=r),
+            generation_tokens=Counter(PREFIX + "generation_tokens", "Tokens generated",
+                                      registry=r),
+            cached_tokens=Counter(PREFIX + "cached_prompt_tokens",
+                                  "Prompt tokens served from a node's prefix cache", registry=r),
+            nodes=Gauge(PREFIX + "nodes", "Live nodes of the served model, by role", ["role"],
+                        registry=r),
+            decisions=Counter(PREFIX + "routing_decisions",
+                              "Requests routed to a node, by node and the role it played",
+                              ["node_id", "role"], registry=r),
+            local_prefill=Counter(PREFIX + "local_prefill_decisions",
+                                  "Requests routed with no prefill node (the decode node "
+                                  "prefills)", registry=r),
+            redis_errors=Counter(PREFIX + "redis_errors", "Failed Redis calls", ["op"],
+                                 registry=r),
+            inflight=Gauge(PREFIX + "inflight_generations", "Generations streaming now",
+                           registry=r),
+        )
+        for role in ("prefill", "decode", "colocated"):
+            m.nodes.labels(role=role).set(0)
+        return m
+
+    def render(self) -> tuple[bytes, str]:
+        """(exposition text, its content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

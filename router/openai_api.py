@@ -1,0 +1,163 @@
+"""The generating endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``,
+streamed (SSE) or whole.
+
+Owns one request's life on the router::
+
+    read body (413) -> prepare (400/404) -> start every prompt on a decode node (503/4xx/502)
+      -> stream: 200 text/event-stream, "data: {chunk}\\n\\n"..., "data: [DONE]\\n\\n"
+      -> whole:  200 JSON once every choice finished
+      -> always: close every generation (aborts it on its node unless it finished)
+
+A client that goes away mid-stream (write fails, or the handler is cancelled)
+aborts its requests on the decode nodes; a node failing mid-stream ends the stream
+with an error event (before streaming started: a 502 JSON error).
+
+Must not validate fields itself (prepare.py) or talk to nodes directly (dispatch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import NamedTuple
+
+from aiohttp import web
+
+from splitserve.router.dispatch import Dispatcher
+from splitserve.router.errors import ApiError, sse_error
+from splitserve.router.generation import Generation, merge_pieces
+from splitserve.router.prepare import PreparedRequest, prepare_chat, prepare_completion
+from splitserve.router.responses import ResponseBuilder
+from splitserve.router.state import CONFIG, SERVICES, TOKENIZER
+
+log = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, prepare_completion, "cmpl-")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, prepare_chat, "chatcmpl-")
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, or a 413 when it is over ``limit`` bytes."""
+    too_large = ApiError(413, f"request body is larger than the limit of {limit} bytes")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        return await request.read()  # the app's client_max_size is ``limit``
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+
+
+async def _generate(request: web.Request, prepare, id_prefix: str) -> web.StreamResponse:
+    t_start = asyncio.get_running_loop().time()
+    app = request.app
+    body = await read_body(request, app[CONFIG].max_body_bytes)
+    prep: PreparedRequest = prepare(body, app[TOKENIZER], app[CONFIG].model_id)
+    response_id = id_prefix + uuid.uuid4().hex
+    builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
+    gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
+    client_gone = False
+    try:
+        if prep.stream:
+            outcome = await _stream(request, prep, builder, gens)
+            client_gone = outcome.client_gone
+            return outcome.response
+        async with contextlib.aclosing(merge_pieces(gens)) as pieces:
+            async for piece in pieces:
+                builder.add(piece)
+                if _client_gone(request):  # without handler_cancellation, notice it here
+                    client_gone = True
+                    return web.Response(status=499)  # never sent: nobody is listening
+        return web.json_response(builder.final(gens))
+    except asyncio.CancelledError:  # the client went away (handler_cancellation=True)
+        client_gone = True
+        raise
+    finally:
+        for g in gens:
+            g.close(client_gone=client_gone)
+
+
+async def _start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: str,
+                     t_start: float) -> list[Generation]:
+    """Start every prompt of the request; all started or none (the started ones are
+    closed, which aborts them, before the first error is raised)."""
+    if len(prep.prompts) == 1:
+        return [await dispatcher.start(0, f"{response_id}-0", prep.prompts[0], prep.params,
+                                       t_start)]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(dispatcher.start(i, f"{response_id}-{i}", p, prep.params, t_start))
+             for i, p in enumerate(prep.prompts)]
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:
+        for t in tasks:
+            t.cancel()
+            t.add_done_callback(_close_started)
+        raise
+    errors = [t.exception() for t in tasks if t.exception() is not None]
+    if errors:
+        for t in tasks:
+            _close_started(t)
+        raise errors[0]
+    return [t.result() for t in tasks]
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _close_started(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().close(client_gone=True)
+
+
+class StreamOutcome(NamedTuple):
+    response: web.StreamResponse
+    client_gone: bool  # a write failed: the client closed the connection
+
+
+async def _stream(request: web.Request, prep: PreparedRequest, builder: ResponseBuilder,
+                  gens: list[Generation]) -> StreamOutcome:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+
+    async def send(obj: dict) -> None:
+        await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    try:
+        await resp.prepare(request)
+        if prep.kind == "chat":
+            for g in gens:
+                await send(builder.role_chunk(g.index))
+        try:
+            async with contextlib.aclosing(merge_pieces(gens)) as pieces:
+                async for piece in pieces:
+                    await send(builder.chunk(piece))
+        except ApiError as e:  # a node failed mid-stream: the 200 is already sent
+            log.warning("request %s: %s", builder.id, e.message)
+            await resp.write(sse_error(e))
+        except ConnectionResetError:
+            raise
+        except Exception:
+            log.exception("request %s: unexpected error while streaming", builder.id)
+            await resp.write(sse_error(ApiError(500, "internal error while streaming; see the "
+                                                "router's log")))
+        else:
+            if prep.include_usage:
+                await send(builder.usage_chunk(gens))
+        await resp.write(_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # aiohttp: "Cannot write to closing transport"
+        return StreamOutcome(resp, client_gone=True)
+    return StreamOutcome(resp, client_gone=False)

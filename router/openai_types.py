@@ -1,0 +1,76 @@
+"""The OpenAI request bodies the router accepts, as msgspec structs.
+
+Owns the accepted fields and their JSON types; msgspec rejects a wrong type with
+the path of the field, which request parsing turns into a 400 naming it. Unknown
+fields are ignored, as OpenAI-compatible servers do. Not tagged: clients send
+plain OpenAI JSON.
+
+Must not check ranges or cross-field rules (prepare.py and `SamplingParams.validate`
+do) or know about tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by both endpoints. None means "not given": the default applies."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    n: int = 1  # only 1 is supported
+    logit_bias: dict[str, Any] | None = None  # not supported
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/completions. ``prompt``: a string, a list of strings, a list of token
+    ids, or a list of token-id lists (checked in prepare.py)."""
+
+    prompt: str | list[Any]
+    logprobs: int | None = None  # sampled token + this many alternatives
+    echo: bool = False  # not supported
+    best_of: int | None = None  # only 1 is supported
+    suffix: str | None = None  # not supported
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None  # null only for assistant messages
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None  # not supported (non-empty)
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}

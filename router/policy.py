@@ -1,0 +1,109 @@
+"""Routing policies: which decode node (and which prefill node, if any) serves a
+request.
+
+Owns the `RoutingPolicy` interface and the load-only policies. A policy sees the
+request's prompt token ids, the live nodes of the served model and how many of this
+router's requests are in flight on each node; it returns a `Decision`, or None when
+no decode-capable node exists. Must not do I/O (the node list comes from
+discovery.py) or keep per-request state.
+
+Load is a node's last heartbeat (up to a poll interval plus a heartbeat old) or,
+when larger, this router's own in-flight count on it, which is always fresh: a
+burst between two heartbeats then spreads instead of piling onto the node that
+looked idle.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
+
+from splitserve.common.registry import NodeInfo
+
+NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
+
+
+class Decision(NamedTuple):
+    prefill: NodeInfo | None  # None: the decode node prefills locally
+    decode: NodeInfo
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
+               inflight: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+        """Pick nodes for one request. ``inflight``: node_id -> requests this router
+        has in flight there (for prefill nodes: not yet past their first token)."""
+        ...
+
+
+def split_roles(nodes: Sequence[NodeInfo]) -> tuple[list[NodeInfo], list[NodeInfo]]:
+    """(prefill nodes, decode-capable nodes)."""
+    return ([n for n in nodes if n.role == "prefill"], [n for n in nodes if n.decode_capable])
+
+
+def decode_load(node: NodeInfo, inflight: Mapping[str, int]) -> tuple:
+    """Sort key, smaller is less loaded: requests on the node, then KV usage."""
+    reported = node.load.running + node.load.waiting
+    return (max(reported, inflight.get(node.node_id, 0)), node.load.kv_usage)
+
+
+def prefill_load(node: NodeInfo, inflight: Mapping[str, int]) -> tuple:
+    """Sort key: requests still prefilling there, then prompt tokens still queued."""
+    reported = node.load.running + node.load.waiting
+    return (max(reported, inflight.get(node.node_id, 0)), node.load.queued_prefill_tokens)
+
+
+class LeastLoad:
+    """The least loaded decode node and the least loaded prefill node. Ties rotate,
+    so equally idle nodes share a burst."""
+
+    name = "least_load"
+
+    def __init__(self):
+        self._tie = itertools.count()
+
+    def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT):
+        prefills, decodes = split_roles(nodes)
+        if not decodes:
+            return None
+        turn = next(self._tie)
+        return Decision(_least(prefills, prefill_load, inflight, turn),
+                        _least(decodes, decode_load, inflight, turn))
+
+
+class RoundRobin:
+    """Decode and prefill nodes in turn, ignoring load."""
+
+    name = "round_robin"
+
+    def __init__(self):
+        self._turn = itertools.count()
+
+    def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT):
+        prefills, decodes = split_roles(nodes)
+        if not decodes:
+            return None
+        turn = next(self._turn)
+        return Decision(prefills[turn % len(prefills)] if prefills else None,
+                        decodes[turn % len(decodes)])
+
+
+def _least(nodes: list[NodeInfo], key, inflight: Mapping[str, int], turn: int) -> NodeInfo | None:
+    if not nodes:
+        return None
+    keys = [key(n, inflight) for n in nodes]
+    best = min(keys)
+    tied = [n for n, k in zip(nodes, keys) if k == best]
+    return tied[turn % len(tied)]
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    if name == "least_load":
+        return LeastLoad()
+    if name == "round_robin":
+        return RoundRobin()
+    raise ValueError(f"policy: unknown routing policy {name!r}; use least_load or round_robin")

@@ -1,0 +1,228 @@
+"""Request parsing: an OpenAI JSON body -> prompt token ids + `SamplingParams`.
+
+Owns every check of user input on the router: JSON shape and types, unsupported
+parameters, the model name, chat messages, prompt forms, sampling ranges (through
+`SamplingParams.validate`) and the context length. Every bad input raises `ApiError`
+(400 naming the field, 404 for an unknown model); nothing here raises anything else
+on user input.
+
+Must not do I/O or know about nodes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.router.errors import ApiError
+from splitserve.router.openai_types import ChatCompletionRequest, CompletionRequest
+from splitserve.router.tokenizer import RouterTokenizer
+
+MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+# SamplingParams field -> the OpenAI parameter the user wrote, per endpoint
+_CHAT_FIELD_NAMES = {"logprobs": "top_logprobs"}
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request, ready to route."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    prompts: list[list[int]]  # one token-id list per choice, in index order
+    params: SamplingParams  # validated; shared by every prompt
+    stream: bool
+    include_usage: bool  # streaming: send a last chunk with usage
+    logprobs: bool  # return logprobs (params.logprobs alternatives each)
+
+
+def decode_body(body: bytes, type_: type) -> Any:
+    """JSON body -> ``type_`` instance; 400 naming the field on any problem."""
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return msgspec.convert(obj, type_)
+    except msgspec.ValidationError as e:
+        raise ApiError.invalid(_field_error(e)) from e
+
+
+def _field_error(e: msgspec.ValidationError) -> InvalidRequest:
+    """msgspec's "Expected `int`, got `str` - at `$.messages[0].role`" -> InvalidRequest
+    naming ``messages[0].role``."""
+    text, path = str(e), ""
+    m = _AT.match(text)
+    if m:
+        text, path = m.group(1), m.group(2).lstrip(".")
+    missing = _MISSING.search(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return InvalidRequest(path or "body", text)
+
+
+def prepare_completion(body: bytes, tok: RouterTokenizer, model_id: str) -> PreparedRequest:
+    req: CompletionRequest = decode_body(body, CompletionRequest)
+    _check_common(req, model_id)
+    if req.echo:
+        raise ApiError(400, "echo: not supported; send echo=false", param="echo")
+    if req.best_of not in (None, 1):
+        raise ApiError(400, f"best_of: only 1 is supported, got {req.best_of}", param="best_of")
+    if req.suffix is not None:
+        raise ApiError(400, "suffix: not supported", param="suffix")
+    prompts = _completion_prompts(req.prompt, tok)
+    params = _sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                              logprobs=req.logprobs, renames={})
+    _check_context(prompts, params, tok.max_model_len, "prompt", "max_tokens")
+    return PreparedRequest("completion", model_id, prompts, params, req.stream,
+                           _include_usage(req), req.logprobs is not None)
+
+
+def prepare_chat(body: bytes, tok: RouterTokenizer, model_id: str) -> PreparedRequest:
+    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
+    _check_common(req, model_id)
+    if req.tools:
+        raise ApiError(400, "tools: tool calling is not supported", param="tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported",
+                       param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+    prompt = _chat_prompt(req, tok)
+    budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:  # OpenAI: as many as the context leaves
+        max_tokens = max(1, tok.max_model_len - len(prompt))
+    renames = dict(_CHAT_FIELD_NAMES, max_tokens=budget_name)
+    params = _sampling_params(req, max_tokens=max_tokens,
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                              renames=renames)
+    _check_context([prompt], params, tok.max_model_len, "messages", budget_name)
+    return PreparedRequest("chat", model_id, [prompt], params, req.stream,
+                           _include_usage(req), req.logprobs)
+
+
+def _check_common(req, model_id: str) -> None:
+    if req.model is not None and req.model != model_id:
+        raise ApiError(404, f"The model `{req.model}` does not exist; this router serves "
+                       f"`{model_id}`", param="model", code="model_not_found")
+    if req.n != 1:
+        raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias: not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options")
+
+
+def _include_usage(req) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
+
+
+def _sampling_params(req, max_tokens: int, logprobs: int | None,
+                     renames: dict[str, str]) -> SamplingParams:
+    given = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+        "frequency_penalty", "repetition_penalty", "stop_token_ids")}
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if req.stop is not None:
+        kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                              **kwargs).validate()
+    except InvalidRequest as e:
+        field = renames.get(e.field, e.field)
+        raise ApiError(400, f"{field}: {e.message}", param=field) from e
+
+
+def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[list[int]]:
+    """The four prompt forms -> one token-id list per prompt."""
+    if isinstance(prompt, str):
+        texts_or_ids: list = [prompt]
+    elif not prompt:
+        raise ApiError(400, "prompt: must not be empty", param="prompt")
+    elif all(isinstance(p, str) for p in prompt):
+        texts_or_ids = prompt
+    elif all(_is_token_id(p) for p in prompt):
+        texts_or_ids = [prompt]
+    elif all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+        texts_or_ids = prompt
+    else:
+        raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids "
+                       "or a list of token-id lists", param="prompt")
+    if len(texts_or_ids) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got "
+                       f"{len(texts_or_ids)}", param="prompt")
+    prompts = []
+    for p in texts_or_ids:
+        ids = tok.encode(p) if isinstance(p, str) else p
+        if not ids:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary "
+                           f"[0, {tok.vocab_size})", param="prompt")
+        prompts.append(ids)
+    return prompts
+
+
+def _is_token_id(x) -> bool:
+    return type(x) is int  # not bool, not float
+
+
+def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
+    if not req.messages:
+        raise ApiError(400, "messages: must contain at least one message", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise ApiError(400, f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
+                           f"got {m.role!r}", param=f"messages[{i}].role")
+        messages.append({"role": m.role, "content": _message_text(m.content, m.role, i)})
+    try:
+        ids = tok.render_chat(messages)
+    except InvalidRequest as e:
+        raise ApiError.invalid(e) from e
+    if not ids:
+        raise ApiError(400, "messages: the rendered conversation is empty", param="messages")
+    return ids
+
+
+def _message_text(content, role: str, i: int) -> str:
+    param = f"messages[{i}].content"
+    if content is None:
+        if role != "assistant":
+            raise ApiError(400, f"{param}: must be a string or a list of text parts", param=param)
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"{param}[{j}]: only text parts ({{\"type\": \"text\", \"text\": "
+                           f"...}}) are supported, got type {part.type!r}", param=f"{param}[{j}]")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _check_context(prompts: list[list[int]], params: SamplingParams, max_model_len: int,
+                   prompt_name: str, budget_name: str) -> None:
+    for ids in prompts:
+        if len(ids) >= max_model_len:
+            raise ApiError(400, f"{prompt_name}: {len(ids)} tokens, the model's context is "
+                           f"{max_model_len} tokens; shorten the prompt", param=prompt_name)
+        if len(ids) + params.max_tokens > max_model_len:
+            raise ApiError(400, f"{budget_name}: the prompt has {len(ids)} tokens, so "
+                           f"{budget_name}={params.max_tokens} exceeds the model's context of "
+                           f"{max_model_len} tokens; set {budget_name} <= "
+                           f"{max_model_len - len(ids)}", param=budget_name)

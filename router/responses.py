@@ -1,0 +1,144 @@
+"""OpenAI response bodies: completions and chat completions, whole or as stream
+chunks, with usage and logprobs.
+
+Owns the JSON shapes (``text_completion``, ``chat.completion``,
+``chat.completion.chunk``) and the per-choice accumulation of a non-streamed
+answer. Must not do I/O or know about nodes: it turns `Piece`s into dicts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from splitserve.common.sampling_params import TokenLogprobs
+from splitserve.router.generation import Generation, Piece
+from splitserve.router.prepare import PreparedRequest
+from splitserve.router.tokenizer import RouterTokenizer
+
+# JSON has no -inf: a token the model ruled out gets this logprob (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice of a non-streamed answer, accumulated piece by piece."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: dict | None = None  # completions: dict of lists; chat: {"content": [...]}
+    finish_reason: str | None = None
+
+
+class ResponseBuilder:
+    def __init__(self, prep: PreparedRequest, tok: RouterTokenizer, response_id: str,
+                 created: int):
+        self.prep = prep
+        self._tok = tok
+        self.id = response_id
+        self.created = created
+        self._chat = prep.kind == "chat"
+        self._top = prep.params.logprobs or 0  # alternatives per token
+        self._offsets = [0] * len(prep.prompts)  # completions: text offset of the next token
+        self._choices = [_Choice() for _ in prep.prompts]
+
+    # -- streaming -------------------------------------------------------------
+
+    def role_chunk(self, index: int) -> dict:
+        """Chat streams open each choice with the assistant role."""
+        return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+
+    def chunk(self, piece: Piece) -> dict:
+        lp = self._logprobs(piece)
+        if self._chat:
+            delta = {"content": piece.text} if piece.text else {}
+            choice = {"index": piece.index, "delta": delta, "logprobs": lp,
+                      "finish_reason": piece.finish_reason}
+        else:
+            choice = {"index": piece.index, "text": piece.text, "logprobs": lp,
+                      "finish_reason": piece.finish_reason}
+        return self._envelope([choice])
+
+    def usage_chunk(self, gens: list[Generation]) -> dict:
+        """The last chunk of a stream with ``stream_options.include_usage``."""
+        body = self._envelope([])
+        body["usage"] = usage(gens)
+        return body
+
+    # -- whole answer ----------------------------------------------------------
+
+    def add(self, piece: Piece) -> None:
+        c = self._choices[piece.index]
+        c.text.append(piece.text)
+        if piece.finish_reason is not None:
+            c.finish_reason = piece.finish_reason
+        lp = self._logprobs(piece)
+        if lp is None:
+            return
+        if c.logprobs is None:
+            c.logprobs = lp
+        else:
+            for key, values in lp.items():
+                c.logprobs[key].extend(values)
+
+    def final(self, gens: list[Generation]) -> dict:
+        choices = []
+        for i, c in enumerate(self._choices):
+            text = "".join(c.text)
+            if self._chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": c.logprobs,
+                                "finish_reason": c.finish_reason})
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = usage(gens)
+        return body
+
+    # -- parts -----------------------------------------------------------------
+
+    def _envelope(self, choices: list[dict], chunk: bool = True) -> dict:
+        if self._chat:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.prep.model,
+                "choices": choices}
+
+    def _logprobs(self, piece: Piece) -> dict | None:
+        if not self.prep.logprobs or not piece.token_ids:
+            return None
+        pairs = list(zip(piece.token_ids, piece.logprobs or [None] * len(piece.token_ids)))
+        if self._chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in pairs]}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for token_id, lp in pairs:
+            text = self._tok.token_text(token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(lp.logprob) if lp else None)
+            out["top_logprobs"].append(
+                {self._tok.token_text(t): _finite(v) for t, v in lp.top[:self._top]} if lp else None)
+            out["text_offset"].append(self._offsets[piece.index])
+            self._offsets[piece.index] += len(text)
+        return out
+
+    def _chat_entry(self, token_id: int, lp: TokenLogprobs | None) -> dict:
+        text = self._tok.token_text(token_id)
+        top = [] if lp is None else [
+            {"token": (s := self._tok.token_text(t)), "logprob": _finite(v),
+             "bytes": list(s.encode())} for t, v in lp.top[:self._top]]
+        return {"token": text, "logprob": _finite(lp.logprob) if lp else MIN_LOGPROB,
+                "bytes": list(text.encode()), "top_logprobs": top}
+
+
+def usage(gens: list[Generation]) -> dict:
+    prompt = sum(g.prompt_len for g in gens)
+    completion = sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)}}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB

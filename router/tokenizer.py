@@ -1,0 +1,113 @@
+"""The router's view of the model: tokenizer, chat template and context length,
+read from the model folder (tokenizer.json, tokenizer_config.json,
+chat_template.jinja, config.json).
+
+Owns text <-> token ids for the whole cluster (nodes speak token ids only).
+Must not import torch or transformers (``AutoTokenizer`` pulls torch in): it uses
+the `tokenizers` library and renders the chat template with jinja2 the way
+transformers' ``apply_chat_template`` does (trim_blocks, lstrip_blocks, sandboxed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from splitserve.common.errors import InvalidRequest
+
+
+class RouterTokenizer:
+    """Tokenizes prompts, renders chats, decodes ids. Satisfies the detokenizer's
+    `TokenDecoder` protocol (``decode(ids, skip_special_tokens=,
+    clean_up_tokenization_spaces=)``)."""
+
+    def __init__(self, model_dir: str | Path, max_model_len: int | None = None):
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ValueError(
+                f"model_dir: {model_dir} has no tokenizer.json; pass the model folder with "
+                "--model-dir, or convert the bundled model (python -m splitserve.engine.convert)")
+        self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tok_cfg = _read_json(model_dir / "tokenizer_config.json")
+        model_cfg = _read_json(model_dir / "config.json")
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
+                              int(model_cfg.get("vocab_size", 0)))
+        context = model_cfg.get("max_position_embeddings")
+        if max_model_len is None:
+            if not isinstance(context, int):
+                raise ValueError(f"max_model_len: {model_dir}/config.json has no "
+                                 "max_position_embeddings; pass --max-model-len")
+            max_model_len = context
+        self.max_model_len = max_model_len
+        self._special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token")}
+        self._template = _load_template(model_dir, tok_cfg)
+
+    # -- text <-> ids ----------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of a completion prompt (with the tokenizer's own special tokens, as
+        ``tokenizer(text)`` does)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        """Text of ``token_ids``. Spaces are never cleaned up (the byte-level BPE
+        models served here do not; the detokenizer passes False)."""
+        assert not clean_up_tokenization_spaces, "clean-up of tokenization spaces is not supported"
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (may show U+FFFD for part of a character)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    # -- chat ------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Ids of a conversation through the chat template, ready for the reply.
+        ``messages`` are ``{"role", "content"}`` dicts with string content."""
+        if self._template is None:
+            raise InvalidRequest("messages", "this model has no chat template; "
+                                 "use /v1/completions with a prompt")
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=True,
+                                         **self._special)
+        except jinja2.TemplateError as e:  # includes raise_exception() from the template
+            raise InvalidRequest("messages", f"the chat template rejected the messages: {e}") from e
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token) -> str | None:
+    """tokenizer_config.json writes a special token as a string or an AddedToken dict."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _load_template(model_dir: Path, tok_cfg: dict) -> jinja2.Template | None:
+    source = None
+    if (model_dir / "chat_template.jinja").is_file():
+        source = (model_dir / "chat_template.jinja").read_text()
+    elif isinstance(tok_cfg.get("chat_template"), str):
+        source = tok_cfg["chat_template"]
+    if source is None:
+        return None
+
+    def raise_exception(message: str):
+        raise jinja2.TemplateError(message)
+
+    def tojson(value, indent=None):
+        return json.dumps(value, indent=indent, ensure_ascii=False)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)

@@ -1,0 +1,182 @@
+"""Node discovery through a real redis-server: the router sees nodes registered with
+`NodeRegistry`, ignores other models, answers /health by role, fails fast (502, no
+hang) on a registered node that refuses connections, and keeps routing with the
+last known nodes while Redis is down."""
+
+import asyncio
+import logging
+import shutil
+import socket
+import subprocess
+import time
+
+import aiohttp
+import pytest
+import redis
+
+from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
+from splitserve.router.app import start_router
+from splitserve.router.config import RouterConfig, bundled_model_dir
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
+    pytest.mark.skipif(not (bundled_model_dir() / "tokenizer.json").is_file(),
+                       reason="the bundled model is not converted (python -m splitserve.engine.convert)"),
+]
+
+MODEL = "SmolLM2-135M-Instruct"
+POLL_S = 0.05
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A throwaway redis-server that a test can stop and start again on its port."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self):
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind",
+                                      "127.0.0.1", "--save", "", "--appendonly", "no"],
+                                     stdout=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def router(redis_server):
+    running = await start_router(RouterConfig(host="127.0.0.1", port=0,
+                                              redis_url=redis_server.url, poll_interval_s=POLL_S))
+    yield running.url
+    await running.stop()
+
+
+@pytest.fixture
+async def registry(redis_server):
+    reg = NodeRegistry(redis_server.url, ttl_s=30.0)
+    yield reg
+    await reg.close()
+
+
+def node(node_id: str, role: str, model: str = MODEL, addr: str | None = None) -> NodeInfo:
+    return NodeInfo(node_id=node_id, role=role, model=model, epoch=new_epoch(),
+                    http_addr=addr or f"http://127.0.0.1:{free_port()}")  # nothing listens
+
+
+async def get_json(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.get(url) as resp:
+        return resp.status, await resp.json()
+
+
+async def wait_health(router: str, **want) -> dict:
+    """Poll /health until it reports ``want`` (a few discovery polls at most)."""
+    deadline = time.monotonic() + 3
+    while True:
+        _, body = await get_json(router + "/health")
+        if all(body[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+            return body
+        await asyncio.sleep(POLL_S)
+
+
+async def metric(router: str, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(router + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+async def test_health_counts_registered_nodes_by_role(router, registry):
+    await registry.heartbeat(node("p0", "prefill"))
+    body = await wait_health(router, prefill_nodes=1)
+    assert body["prefill_nodes"] == 1 and body["decode_nodes"] == 0
+    status, _ = await get_json(router + "/health")
+    assert status == 503  # prefill nodes alone cannot serve
+
+    await registry.heartbeat(node("d0", "decode"))
+    await registry.heartbeat(node("c0", "colocated"))
+    await registry.heartbeat(node("x0", "decode", model="another-model"))  # ignored
+    body = await wait_health(router, decode_nodes=1, colocated_nodes=1)
+    assert body == {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "colocated_nodes": 1,
+                    "redis": "ok"}
+    status, _ = await get_json(router + "/health")
+    assert status == 200
+    assert await metric(router, 'splitserve_router_nodes{role="decode"}') == 1
+
+    await registry.deregister("d0")
+    await registry.deregister("c0")
+    body = await wait_health(router, decode_nodes=0, colocated_nodes=0)
+    assert body["status"] == "no_decode_node"
+
+
+async def test_unreachable_decode_node_fails_fast_with_502(router, registry):
+    await registry.heartbeat(node("d0", "decode"))
+    await registry.heartbeat(node("d1", "decode"))
+    await wait_health(router, decode_nodes=2)
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/v1/completions",
+                          json={"model": MODEL, "prompt": "Hello", "stream": True}) as resp:
+            assert resp.status == 502
+            body = await resp.json()
+    assert time.monotonic() - started < 5
+    assert body["error"]["type"] == "upstream_error"
+    assert "unreachable" in body["error"]["message"]
+    # both nodes were tried, then set aside: the next request is told none is reachable
+    assert await metric(router, "splitserve_router_routing_decisions_total") == 0
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}]}) as resp:
+            assert resp.status == 503
+            assert "reachable" in (await resp.json())["error"]["message"]
+
+
+async def test_redis_outage_keeps_last_known_nodes(router, registry, redis_server, caplog):
+    await registry.heartbeat(node("d0", "decode"))
+    await wait_health(router, decode_nodes=1)
+    redis_server.stop()
+    with caplog.at_level(logging.WARNING, logger="splitserve.router.discovery"):
+        body = await wait_health(router, redis="unreachable")
+        await asyncio.sleep(5 * POLL_S)
+    assert body["redis"] == "unreachable"
+    assert body["decode_nodes"] == 1 and body["status"] == "ok"  # routing goes on
+    assert await metric(router, "splitserve_router_redis_errors_total") >= 3
+    assert sum("Redis unreachable" in r.getMessage() for r in caplog.records) == 1  # once
+    redis_server.start()  # an empty Redis: d0's record is gone with the old server
+    body = await wait_health(router, redis="ok", decode_nodes=0)
+    assert body["redis"] == "ok" and body["decode_nodes"] == 0
