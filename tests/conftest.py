@@ -92,3 +92,18 @@ def tiny_llama_dir(tmp_path_factory):
         model.save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
         return path, model
     return make
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real redis-server on a free port for the module, killed afterwards."""
+    from splitserve.deploy.launcher import start_redis
+    proc, url = start_redis()
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"

@@ -111,6 +111,7 @@ def test_shared_prefix_reports_cached_tokens_and_sends_fewer_blocks(cluster, cli
     b1 = metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total")
     r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0)
     b2 = metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total")
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
     assert r2.usage.prompt_tokens_details.cached_tokens >= 64
     assert (b2 - b1) < (b1 - b0)
 

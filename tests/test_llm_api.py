@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams

@@ -3,54 +3,16 @@ deregister, the Heartbeat task, and a Redis outage that must not raise."""
 
 import asyncio
 import logging
-import shutil
-import socket
-import subprocess
 import time
 
 import pytest
-import redis
+
+from splitserve.deploy.launcher import free_port
 
 from splitserve.common.registry import (KEY_PREFIX, REDIS_ERRORS, Heartbeat, NodeInfo, NodeLoad,
                                         NodeRegistry, new_epoch)
 
-pytestmark = [pytest.mark.anyio,
-              pytest.mark.skipif(shutil.which("redis-server") is None,
-                                 reason="redis-server is not installed")]
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    """A throwaway redis-server on a free port, stopped after the module."""
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
+pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture

@@ -5,39 +5,23 @@ last known nodes while Redis is down."""
 
 import asyncio
 import logging
-import shutil
-import socket
 import subprocess
 import time
 
 import aiohttp
 import pytest
+
+from splitserve.deploy.launcher import free_port
 import redis
 
 from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
 from splitserve.router.app import start_router
-from splitserve.router.config import RouterConfig, bundled_model_dir
+from splitserve.router.config import RouterConfig
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(not (bundled_model_dir() / "tokenizer.json").is_file(),
-                       reason="the bundled model is not converted (python -m splitserve.engine.convert)"),
-]
+pytestmark = pytest.mark.anyio
 
 MODEL = "SmolLM2-135M-Instruct"
 POLL_S = 0.05
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RedisServer:

@@ -5,62 +5,19 @@ the read-only endpoints; x-request-id on every answer."""
 
 import json
 import logging
-import shutil
-import socket
-import subprocess
-import time
 
 import aiohttp
 import openai
 import pytest
-import redis
 
 from splitserve.router.app import start_router
-from splitserve.router.config import RouterConfig, bundled_model_dir
+from splitserve.router.config import RouterConfig
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed"),
-    pytest.mark.skipif(not (bundled_model_dir() / "tokenizer.json").is_file(),
-                       reason="the bundled model is not converted (python -m splitserve.engine.convert)"),
-]
+pytestmark = pytest.mark.anyio
 
 MODEL = "SmolLM2-135M-Instruct"
 CONTEXT = 8192  # the bundled model's max_position_embeddings
 USER = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-    client.close()
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,151 @@
+"""TransferTable: the decode node's per-transfer state machine (transitions, idempotent
+fail/abort, leases on an injected clock, stray and late reports counted, never raised)."""
+
+import pytest
+
+from splitserve.kvtransfer.state import TransferState, TransferTable
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_table():
+    clock = Clock()
+    return TransferTable(clock=clock), clock
+
+
+def test_happy_path_reserved_to_owned():
+    table, _ = make_table()
+    t = table.reserve("t1", "req-1", [4, 5, 6], lease_s=10)
+    assert t.state is TransferState.RESERVED and not table.all_landed("t1")
+    table.on_block("t1", 5, True, None)
+    assert t.state is TransferState.TRANSFERRING and t.landed == {5}
+    table.on_block("t1", 4, True, None)
+    table.on_block("t1", 4, True, None)  # a duplicate report changes nothing
+    assert not table.all_landed("t1")
+    table.on_block("t1", 6, True, None)
+    assert table.all_landed("t1")
+    assert table.complete("t1").state is TransferState.COMPLETE
+    assert table.own("t1").state is TransferState.OWNED
+    assert table.counts()["owned"] == 1
+    assert table.remove("t1") is t and "t1" not in table and len(table) == 0
+
+
+def test_no_blocks_to_send_completes_from_reserved():
+    table, _ = make_table()
+    table.reserve("t", "r", [], lease_s=1)  # every block was a local prefix hit
+    assert table.all_landed("t")
+    assert table.complete("t").state is TransferState.COMPLETE
+
+
+def test_bad_block_fails_and_later_reports_are_ignored():
+    table, _ = make_table()
+    table.reserve("t", "r", [1, 2], lease_s=5)
+    table.on_block("t", 1, False, "checksum mismatch on block 1")
+    t = table.get("t")
+    assert t.state is TransferState.FAILED and "checksum mismatch" in t.reason
+    assert table.on_block("t", 2, True, None) is None  # too late: ignored, counted
+    assert table.ignored_reports == 1 and t.landed == set()
+    assert not table.all_landed("t")
+
+
+def test_stray_block_fails_the_transfer():
+    table, _ = make_table()
+    table.reserve("t", "r", [1, 2], lease_s=5)
+    table.on_block("t", 9, True, None)
+    assert table.get("t").state is TransferState.FAILED and table.stray_blocks == 1
+    assert "9" in table.get("t").reason
+
+
+def test_unknown_transfer_reports_are_counted_not_raised():
+    table, _ = make_table()
+    assert table.on_block("nope", 0, True, None) is None
+    assert table.on_block("nope", 1, False, "x") is None
+    assert table.ignored_reports == 2
+    assert table.abort("nope") is None and table.fail("nope", "x") is None
+    assert table.remove("nope") is None
+
+
+def test_abort_and_fail_are_idempotent():
+    table, _ = make_table()
+    table.reserve("a", "r", [1], lease_s=5)
+    t = table.abort("a", "client disconnected")
+    assert t.state is TransferState.ABORTED and t.reason == "client disconnected"
+    assert table.abort("a", "again") is t and t.reason == "client disconnected"
+    assert table.fail("a", "late failure") is t and t.state is TransferState.ABORTED
+    assert table.on_block("a", 1, True, None) is None and table.ignored_reports == 1
+    table.reserve("f", "r", [1], lease_s=5)
+    table.fail("f", "peer died")
+    table.fail("f", "again")
+    table.abort("f")
+    assert table.get("f").state is TransferState.FAILED and table.get("f").reason == "peer died"
+
+
+def test_complete_transfer_can_still_fail_or_abort_but_owned_cannot_fail():
+    table, _ = make_table()
+    for tid in ("x", "y", "z"):
+        table.reserve(tid, "r", [1], lease_s=5)
+        table.on_block(tid, 1, True, None)
+        table.complete(tid)
+    assert table.fail("x", "first token never came").state is TransferState.FAILED
+    assert table.abort("y").state is TransferState.ABORTED
+    table.own("z")
+    assert table.abort("z").state is TransferState.OWNED  # the scheduler cancels owned requests
+    with pytest.raises(AssertionError):
+        table.fail("z", "too late")
+
+
+def test_illegal_transitions_assert():
+    table, _ = make_table()
+    table.reserve("t", "r", [1, 2], lease_s=5)
+    with pytest.raises(AssertionError):
+        table.own("t")  # not complete
+    with pytest.raises(AssertionError):
+        table.complete("t")  # blocks missing
+    with pytest.raises(AssertionError):
+        table.remove("t")  # live: its blocks would leak
+    with pytest.raises(AssertionError):
+        table.reserve("t", "r2", [3], lease_s=5)  # transfer ids are unique
+    table.abort("t")
+    with pytest.raises(AssertionError):
+        table.complete("t")
+
+
+def test_lease_expiry():
+    table, clock = make_table()
+    table.reserve("slow", "r1", [1, 2], lease_s=5)
+    table.reserve("done", "r2", [3], lease_s=5)
+    table.reserve("long", "r3", [4], lease_s=60)
+    table.on_block("slow", 1, True, None)
+    table.on_block("done", 3, True, None)
+    table.complete("done")
+    assert table.expired() == []
+    clock.now += 5
+    assert [t.transfer_id for t in table.expired()] == ["slow"]  # complete ones never expire
+    assert [t.transfer_id for t in table.expired(now=clock.now + 60)] == ["slow", "long"]
+    for t in table.expired():
+        table.fail(t.transfer_id, "lease expired")
+    assert table.expired() == [] and table.get("slow").reason == "lease expired"
+
+
+def test_counts_and_snapshot():
+    table, clock = make_table()
+    table.reserve("a", "r1", [1, 2], lease_s=10)
+    clock.now += 1
+    table.reserve("b", "r2", [3], lease_s=10)
+    table.on_block("a", 1, True, None)
+    table.abort("b", "cancelled")
+    counts = table.counts()
+    assert counts == {"reserved": 0, "transferring": 1, "complete": 0, "owned": 0,
+                      "failed": 0, "aborted": 1}
+    clock.now += 2
+    snap = table.snapshot()
+    assert [s["transfer_id"] for s in snap] == ["a", "b"]
+    assert snap[0] == {"transfer_id": "a", "request_id": "r1", "state": "transferring", "blocks": 2,
+                       "landed": 1, "reason": None, "age_s": 3.0, "lease_left_s": 7.0}
+    assert snap[1]["state"] == "aborted" and snap[1]["reason"] == "cancelled"
