@@ -33,10 +33,9 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.kvtransfer import TransferError, make_receiver
 from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.state import TransferState, TransferTable
-from splitserve.node.runtime import RUNTIME, NodeRuntime, add_common_routes
+from splitserve.node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
-NODE = web.AppKey("decode_node", "DecodeNode")
 
 
 class DecodeNode:
@@ -228,24 +227,5 @@ class DecodeNode:
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
-
-    async def lifespan(app):
-        rt = NodeRuntime(config)
-        await rt.start_engine(shm=config.role == "decode" and config.kv_backend == "shm")
-        node = DecodeNode(config, rt)
-        rt.loop_start(node.on_deltas)
-        await node.start()
-        rt.debug_extra = node.debug_state
-        app[NODE] = node
-        app[RUNTIME] = rt
-        yield
-        await rt.stop_heartbeat()
-        await node.stop()
-        rt.shutdown()
-
-    app.cleanup_ctx.append(lifespan)
-    app.router.add_post("/generate", lambda r: r.app[NODE].generate(r))
-    app.router.add_post("/abort", lambda r: r.app[NODE].abort(r))
-    add_common_routes(app)
-    return app
+    shm = config.role == "decode" and config.kv_backend == "shm"
+    return build_node_app(config, DecodeNode, shm, {"/generate": "generate", "/abort": "abort"})

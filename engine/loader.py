@@ -24,7 +24,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 def resolve_model_dir(model: str | Path | None) -> Path:
     """The folder to load: the bundled model when ``model`` is None or its id."""
-    from splitserve.engine.convert import BUNDLED_MODEL_ID, bundled_model_dir
+    from splitserve.common.bundled import BUNDLED_MODEL_ID
+    from splitserve.engine.convert import bundled_model_dir
 
     if model is None or str(model) == BUNDLED_MODEL_ID:
         return bundled_model_dir()

@@ -27,6 +27,7 @@ from splitserve.kvtransfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
 RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
+NODE = web.AppKey("node", object)  # the role's server object (DecodeNode | PrefillNode)
 
 
 class Metrics:
@@ -115,6 +116,32 @@ class NodeRuntime:
                 "load": self.loop.load._asdict(), "steps": self.loop.steps,
                 "preemptions": self.engine.num_preemptions_total, **self.debug_extra()}
 
+
+
+def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str]) -> web.Application:
+    """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` live in the
+    app's lifespan; ``posts`` maps POST paths to the node's handler method names.
+    A node class provides ``on_deltas``, ``debug_state``, ``async start()`` and ``async stop()``."""
+    app = web.Application(client_max_size=64 << 20)  # prompts of a long context fit
+
+    async def lifespan(app):
+        rt = NodeRuntime(config)
+        await rt.start_engine(shm)
+        node = node_cls(config, rt)
+        rt.loop_start(node.on_deltas)
+        await node.start()
+        rt.debug_extra = node.debug_state
+        app[RUNTIME], app[NODE] = rt, node
+        yield
+        await rt.stop_heartbeat()
+        await node.stop()
+        rt.shutdown()
+
+    app.cleanup_ctx.append(lifespan)
+    for path, method in posts.items():
+        app.router.add_post(path, lambda r, m=method: getattr(r.app[NODE], m)(r))
+    add_common_routes(app)
+    return app
 
 
 def add_common_routes(app: web.Application) -> None:

@@ -31,10 +31,9 @@ from splitserve.engine.engine_core import EngineCore, RequestDelta
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.kvtransfer import TransferError, make_sender, sender_options
 from splitserve.kvtransfer.block_store import KVBlockStore
-from splitserve.node.runtime import RUNTIME, NodeRuntime, add_common_routes
+from splitserve.node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
-NODE = web.AppKey("prefill_node", "PrefillNode")
 
 
 @dataclass(slots=True)
@@ -65,6 +64,9 @@ class PrefillNode:
             options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0)
             self.senders[backend] = make_sender(backend, self.rt.layout, options)
         return self.senders[backend]
+
+    async def start(self) -> None:
+        pass  # senders connect lazily, per backend and decode node
 
     async def stop(self) -> None:
         for s in self.senders.values():
@@ -178,23 +180,4 @@ class PrefillNode:
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
-
-    async def lifespan(app):
-        rt = NodeRuntime(config)
-        await rt.start_engine(shm=False)
-        node = PrefillNode(config, rt)
-        rt.loop_start(node.on_deltas)
-        rt.debug_extra = node.debug_state
-        app[NODE] = node
-        app[RUNTIME] = rt
-        yield
-        await rt.stop_heartbeat()
-        await node.stop()
-        rt.shutdown()
-
-    app.cleanup_ctx.append(lifespan)
-    app.router.add_post("/prefill", lambda r: r.app[NODE].prefill(r))
-    app.router.add_post("/abort", lambda r: r.app[NODE].abort(r))
-    add_common_routes(app)
-    return app
+    return build_node_app(config, PrefillNode, False, {"/prefill": "prefill", "/abort": "abort"})
