@@ -1,1 +1,30 @@
-"""KV block transport: interface, backends, wire layout, per-transfer state machine (issue 3)."""
+"""KV block transport: interface, backends (tcp, shm, ucx), wire layout of a block,
+handshake, and the per-transfer state machine.
+
+Must not import the model (``splitserve.engine``). The nodes use::
+
+    layout = KVLayout(dtype, block_size, num_layers, num_kv_heads, head_dim)
+    store = KVBlockStore(kv_caches, layout[, shm_name])       # over the node's cache tensor
+    sender = make_sender("tcp" | "shm" | "ucx", layout)        # prefill node
+    await sender.send_blocks(addr, transfer_id, list(zip(dest_ids, store.split(store.pack(src_ids)))))
+    receiver = make_receiver(backend, layout, store, host, on_block)   # decode node
+    await receiver.start(); receiver.address                   # advertise it
+    table = TransferTable()                                    # decode node, fed by on_block
+"""
+
+from splitserve.kvtransfer.base import KVReceiver, KVSender, OnBlock
+from splitserve.kvtransfer.block_store import (KVBlockStore, allocate_kv_cache, checksum,
+                                               free_shared_kv_cache, layout_of,
+                                               map_shared_kv_cache, shared_kv_cache)
+from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.factory import BACKENDS, make_receiver, make_sender, sender_options
+from splitserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from splitserve.kvtransfer.sender_core import SenderOptions
+from splitserve.kvtransfer.state import Transfer, TransferState, TransferTable
+
+__all__ = [
+    "BACKENDS", "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "OnBlock",
+    "SenderOptions", "Transfer", "TransferError", "TransferState", "TransferTable",
+    "allocate_kv_cache", "checksum", "free_shared_kv_cache", "layout_of", "make_receiver",
+    "make_sender", "map_shared_kv_cache", "sender_options", "shared_kv_cache",
+]

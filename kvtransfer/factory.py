@@ -1,0 +1,64 @@
+"""Backend selection: the only place that maps a backend name to its classes.
+
+Owns: ``make_sender`` / ``make_receiver``, the list of backends and the
+resolution of sender options from the environment (fault injection). Must not:
+import a backend before it is asked for (ucxx is heavy and optional).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from splitserve.kvtransfer.base import KVReceiver, KVSender, OnBlock
+from splitserve.kvtransfer.block_store import KVBlockStore
+from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.sender_core import SenderOptions
+
+BACKENDS = ("tcp", "shm", "ucx")
+FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
+
+
+def sender_options(env: Mapping[str, str] = os.environ, **overrides) -> SenderOptions:
+    """``SenderOptions`` from ``overrides`` plus ``SPLITSERVE_FAULT`` fault injection."""
+    fault = env.get(FAULT_ENV, "")
+    if fault and "corrupt_every" not in overrides:
+        name, _, every = fault.partition(":")
+        if name != "corrupt_block" or (every and not every.isdigit()):
+            raise ValueError(f"{FAULT_ENV}: expected 'corrupt_block' or 'corrupt_block:N', got {fault!r}")
+        overrides["corrupt_every"] = int(every or 1)
+    return SenderOptions(**overrides)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = None) -> KVSender:
+    """A sender speaking ``backend``; ``options`` default to ``sender_options()`` (env-aware).
+    ``"ucx"`` raises ``TransferError`` naming the reason when ucxx cannot load."""
+    _check_backend(backend)
+    options = options or sender_options()
+    if backend == "tcp":
+        from splitserve.kvtransfer.tcp import TcpSender
+        return TcpSender(layout, options)
+    if backend == "shm":
+        from splitserve.kvtransfer.shm import ShmSender
+        return ShmSender(layout, options)
+    from splitserve.kvtransfer.ucx import UcxSender
+    return UcxSender(layout, options)
+
+
+def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str,
+                  on_block: OnBlock, port: int = 0, advertise_host: str | None = None) -> KVReceiver:
+    """A receiver for ``backend`` landing blocks in ``store``, bound to ``host:port`` once
+    started (ucx binds every interface). ``"shm"`` needs a store allocated in /dev/shm."""
+    _check_backend(backend)
+    if backend == "tcp":
+        from splitserve.kvtransfer.tcp import TcpReceiver as cls
+    elif backend == "shm":
+        from splitserve.kvtransfer.shm import ShmReceiver as cls
+    else:
+        from splitserve.kvtransfer.ucx import UcxReceiver as cls
+    return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host)

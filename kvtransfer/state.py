@@ -1,0 +1,176 @@
+"""The per-transfer state machine of the decode node.
+
+Owns: ``TransferState``, ``Transfer`` and ``TransferTable`` (transfer_id ->
+Transfer), with leases, counters for metrics and a snapshot for
+``/debug/transfers``. Must not: touch tensors or sockets, or free blocks itself:
+the decode node frees a transfer's blocks when it leaves the table failed or
+aborted, and hands them to the request when it is owned.
+
+::
+
+    reserve --> RESERVED --first block--> TRANSFERRING --every block ok + complete()--> COMPLETE
+                   |                          |                                            |
+                   |  fail(): a block not ok, lease expired, peer error              own(): request admitted
+                   +--------------------------+--------> FAILED                            v
+                   |  abort(): client gone, request cancelled                            OWNED
+                   +--------------------------+--------> ABORTED    (COMPLETE may fail or abort too)
+
+``fail`` and ``abort`` are idempotent: on a transfer already FAILED or ABORTED they
+change nothing, and ``abort`` of an OWNED transfer is a no-op (the request now
+holds its blocks; cancelling it is the scheduler's job). Every other illegal
+transition is a broken invariant and asserts. Late or stray ``on_block`` reports
+(unknown id, transfer already failed or aborted) are counted, never raised.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+class TransferState(enum.Enum):
+    RESERVED = "reserved"  # destination blocks held, no block landed yet
+    TRANSFERRING = "transferring"  # some blocks landed
+    COMPLETE = "complete"  # every block landed with a valid checksum
+    OWNED = "owned"  # the request was admitted; its blocks belong to the scheduler
+    FAILED = "failed"  # terminal: the decode node frees the blocks and prefills locally
+    ABORTED = "aborted"  # terminal: cancelled; the decode node frees the blocks
+
+
+LIVE = (TransferState.RESERVED, TransferState.TRANSFERRING)  # may still receive blocks
+TERMINAL = (TransferState.OWNED, TransferState.FAILED, TransferState.ABORTED)
+
+
+@dataclass(slots=True)
+class Transfer:
+    transfer_id: str
+    request_id: str
+    dest_block_ids: tuple[int, ...]  # the decode node's blocks reserved for this transfer
+    created: float  # clock() at reserve
+    lease_deadline: float  # clock() after which a transfer not yet complete has expired
+    state: TransferState = TransferState.RESERVED
+    landed: set[int] = field(default_factory=set)  # dest ids reported ok
+    reason: str | None = None  # why it failed or was aborted
+
+    @property
+    def all_landed(self) -> bool:
+        return self.landed.issuperset(self.dest_block_ids)
+
+
+class TransferTable:
+    """All transfers of one decode node. Single-threaded: call it from the node's loop.
+    ``clock``: seconds, monotonic (injectable so lease tests need no sleeping)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._transfers: dict[str, Transfer] = {}  # transfer_id -> Transfer
+        self.ignored_reports = 0  # on_block for unknown / already failed or aborted transfers
+        self.stray_blocks = 0  # on_block for a block the transfer did not reserve
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._transfers
+
+    def get(self, transfer_id: str) -> Transfer | None:
+        return self._transfers.get(transfer_id)
+
+    def reserve(self, transfer_id: str, request_id: str, dest_block_ids: Iterable[int],
+                lease_s: float) -> Transfer:
+        assert transfer_id not in self._transfers, f"transfer {transfer_id} reserved twice"
+        assert lease_s > 0, f"lease_s must be > 0, got {lease_s}"
+        now = self._clock()
+        transfer = Transfer(transfer_id=transfer_id, request_id=request_id,
+                            dest_block_ids=tuple(dest_block_ids), created=now,
+                            lease_deadline=now + lease_s)
+        self._transfers[transfer_id] = transfer
+        return transfer
+
+    def on_block(self, transfer_id: str, dest_block_id: int, ok: bool,
+                 reason: str | None = None) -> Transfer | None:
+        """Record one receiver report. Returns the transfer, or None when the report was
+        ignored (unknown id, or the transfer no longer takes blocks). A block not ok, or
+        one this transfer did not reserve, fails the transfer."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None or transfer.state not in LIVE:
+            self.ignored_reports += 1
+            return None
+        transfer.state = TransferState.TRANSFERRING
+        if dest_block_id not in transfer.dest_block_ids:
+            self.stray_blocks += 1
+            self.fail(transfer_id, f"block {dest_block_id} was not reserved for this transfer")
+        elif not ok:
+            self.fail(transfer_id, f"block {dest_block_id}: {reason or 'rejected'}")
+        else:
+            transfer.landed.add(dest_block_id)
+        return transfer
+
+    def all_landed(self, transfer_id: str) -> bool:
+        transfer = self._transfers.get(transfer_id)
+        return transfer is not None and transfer.state in LIVE and transfer.all_landed
+
+    def complete(self, transfer_id: str) -> Transfer:
+        transfer = self._transfers[transfer_id]
+        assert transfer.state in LIVE, f"complete({transfer_id}) from {transfer.state.name}"
+        assert transfer.all_landed, f"complete({transfer_id}) with blocks missing"
+        transfer.state = TransferState.COMPLETE
+        return transfer
+
+    def own(self, transfer_id: str) -> Transfer:
+        transfer = self._transfers[transfer_id]
+        assert transfer.state is TransferState.COMPLETE, f"own({transfer_id}) from {transfer.state.name}"
+        transfer.state = TransferState.OWNED
+        return transfer
+
+    def fail(self, transfer_id: str, reason: str) -> Transfer | None:
+        """Mark failed (idempotent; unknown id: None)."""
+        return self._end(transfer_id, TransferState.FAILED, reason)
+
+    def abort(self, transfer_id: str, reason: str = "aborted") -> Transfer | None:
+        """Mark aborted (idempotent; unknown id: None; owned: unchanged)."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is not None and transfer.state is TransferState.OWNED:
+            return transfer
+        return self._end(transfer_id, TransferState.ABORTED, reason)
+
+    def _end(self, transfer_id: str, state: TransferState, reason: str) -> Transfer | None:
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None or transfer.state in (TransferState.FAILED, TransferState.ABORTED):
+            return transfer
+        assert transfer.state is not TransferState.OWNED, \
+            f"{state.name.lower()}({transfer_id}) of an owned transfer"
+        transfer.state, transfer.reason = state, reason
+        return transfer
+
+    def expired(self, now: float | None = None) -> list[Transfer]:
+        """Transfers whose lease passed before they completed (the caller fails them)."""
+        now = self._clock() if now is None else now
+        return [t for t in self._transfers.values() if t.state in LIVE and now >= t.lease_deadline]
+
+    def remove(self, transfer_id: str) -> Transfer | None:
+        """Forget a finished transfer (owned, failed or aborted); unknown id: None."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is not None:
+            assert transfer.state in TERMINAL, \
+                f"remove({transfer_id}) while {transfer.state.name}: its blocks would leak"
+            del self._transfers[transfer_id]
+        return transfer
+
+    def counts(self) -> dict[str, int]:
+        """Number of transfers per state (every state present), for metrics."""
+        out = {s.value: 0 for s in TransferState}
+        for t in self._transfers.values():
+            out[t.state.value] += 1
+        return out
+
+    def snapshot(self) -> list[dict]:
+        """One JSON-ready dict per transfer, oldest first, for ``/debug/transfers``."""
+        now = self._clock()
+        return [{"transfer_id": t.transfer_id, "request_id": t.request_id, "state": t.state.value,
+                 "blocks": len(t.dest_block_ids), "landed": len(t.landed), "reason": t.reason,
+                 "age_s": round(now - t.created, 3),
+                 "lease_left_s": round(t.lease_deadline - now, 3)}
+                for t in sorted(self._transfers.values(), key=lambda t: t.created)]

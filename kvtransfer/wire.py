@@ -1,0 +1,109 @@
+"""The messages of the KV transfer protocol, shared by every backend.
+
+Owns: the message structs and their msgpack encoding. Must not: do I/O (each
+backend's channel frames these bytes its own way) or import torch.
+
+A connection, sender on the left::
+
+    Hello(layout, checksum algo, version)        -->
+                                                 <--  Welcome(layout, shm?)  |  Refused(reason), then close
+    Blocks(seq=0, transfer, dest ids, sums) + payload  -->
+    Blocks(seq=1, ...)           + payload       -->     (frames of concurrent transfers interleave;
+                                                 <--  Ack(seq=0, failed)      each frame is one unit)
+                                                 <--  Ack(seq=1, failed)
+
+``Blocks.payload_nbytes`` bytes follow a ``Blocks`` header: the frame's blocks,
+packed (``layout.py``), in ``dest_block_ids`` order (the ucx backend carries them
+on its UCX endpoint instead of the TCP stream). The shm backend sends 0: its
+sender already wrote the bytes into the receiver's shared cache. Every frame
+repeats the sender's ``layout_id`` so a block is never read with another layout.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import xxhash
+
+from splitserve.kvtransfer.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+
+
+class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
+    """Sender -> receiver, first message of a connection."""
+
+    layout: KVLayout
+    checksum: str  # block checksum algorithm, e.g. "xxh3_64"
+    version: int = PROTOCOL_VERSION
+    want_shm: bool = False  # the sender writes through the receiver's shared cache
+
+
+class ShmInfo(msgspec.Struct, tag="shm_info", omit_defaults=True):
+    """Where a same-host sender finds the receiver's cache."""
+
+    shm_name: str  # file name under /dev/shm
+    num_blocks: int
+    host_id: str  # the receiver's boot id: a sender with another one is on another host
+    inode: tuple[int, int]  # (st_dev, st_ino) of the file, so a same-named file elsewhere is refused
+
+
+class UcxInfo(msgspec.Struct, tag="ucx_info", omit_defaults=True):
+    """Where a sender opens the UCX data endpoint of this connection."""
+
+    port: int  # the receiver's UCX listener, on the host of the control address
+    token: str  # hex; the sender's first UCX message, binding the endpoint to this connection
+
+
+class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
+    """Receiver -> sender: handshake accepted."""
+
+    layout: KVLayout
+    num_blocks: int
+    shm: ShmInfo | None = None
+    ucx: UcxInfo | None = None
+
+
+class Refused(msgspec.Struct, tag="refused", omit_defaults=True):
+    """Receiver -> sender: handshake refused; the receiver closes the connection after it."""
+
+    reason: str
+    code: str = ""  # "layout", "checksum", "version", "shm" or "" (other)
+
+
+class Blocks(msgspec.Struct, tag="blocks", omit_defaults=True):
+    """One frame of one transfer: up to a few MiB of blocks, acknowledged by ``Ack(seq)``."""
+
+    seq: int  # per connection, from 0
+    transfer_id: str
+    layout_id: int  # layout_id(sender's layout)
+    dest_block_ids: list[int]
+    checksums: list[int]  # checksum of each packed block, same order
+    payload_nbytes: int = 0  # len(dest_block_ids) * block_nbytes, or 0 (shm: data already in place)
+
+
+class Ack(msgspec.Struct, tag="ack", omit_defaults=True):
+    """Receiver -> sender: frame ``seq`` was processed (on_block already called for its blocks)."""
+
+    seq: int
+    failed: list[int] = []  # dest block ids that were rejected
+    reason: str | None = None  # why, for the first rejected block
+
+
+Message = Hello | Welcome | Refused | Blocks | Ack
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode(data) -> Message:
+    """Inverse of ``encode``; raises msgspec.DecodeError / ValidationError on a bad message."""
+    return _DECODER.decode(data)
+
+
+def layout_id(layout: KVLayout) -> int:
+    """A 63-bit fingerprint of a layout, repeated in every frame."""
+    return xxhash.xxh3_64_intdigest(_ENCODER.encode(layout)) >> 1
