@@ -76,7 +76,7 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.boxplot([[x * 1000 for x in samples[k]] for k in samples], labels=list(samples))
+    ax.boxplot([[x * 1000 for x in samples[k]] for k in samples], tick_labels=list(samples))
     ax.set_ylabel(f"TTFT ms ({args.prompt_len}-token prompt)")
     ax.set_title(f"disaggregated / colocated = {ratio:.2f} (p50)")
     fig.tight_layout()

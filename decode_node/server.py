@@ -36,6 +36,7 @@ from splitserve.kvtransfer.state import TransferState, TransferTable
 from splitserve.node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
+RELEASE_GRACE_S = 0.5  # shm only: wait before reusing the blocks of a failed or aborted transfer
 
 
 class DecodeNode:
@@ -65,6 +66,7 @@ class DecodeNode:
             store = KVBlockStore(self.engine.runner.kv_caches, self.rt.layout, self.rt.shm_name)
             self.receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
                                           self._on_block)
+            self.receiver.accepts = self.transfers.is_live
             await self.receiver.start()
             self.rt.kv_addr = self.receiver.address
         self._lease_task = asyncio.create_task(self._expire_leases())
@@ -198,6 +200,10 @@ class DecodeNode:
         finally:
             self.landed.pop(tid, None)
             if not admitted:
+                # Over shm the prefill node writes into our memory before it tells us; give a
+                # sender that is still mid-frame time to stop before the blocks are reused.
+                if self.config.kv_backend == "shm":
+                    await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
                 await asyncio.shield(self.loop.call(lambda e: e.release(rid)))
             self.transfers.remove(tid)
 

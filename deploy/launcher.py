@@ -136,7 +136,7 @@ class Cluster:
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     h = json.loads(r.read())
-                    if h.get("prefill_nodes", 0) + h.get("decode_nodes", 0) >= n:
+                    if sum(h.get(f"{role}_nodes", 0) for role in ("prefill", "decode", "colocated")) >= n:
                         return
             except OSError:
                 pass

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitserve.kvtransfer.base import KVReceiver, OnBlock
@@ -68,6 +69,9 @@ class FramedReceiver(KVReceiver):
         self.advertise_host = advertise_host or host
         self.stats = ReceiverStats()
         self.last_refusal: str | None = None  # reason of the last refused handshake
+        # Set by the owner: False for a transfer id whose blocks must not be written (aborted,
+        # failed, unknown), so a late frame never lands in blocks already given to another request.
+        self.accepts: Callable[[str], bool] | None = None
         self._layout_id = layout_id(layout)
         self._serving: dict[asyncio.Task, Channel] = {}  # connection task -> its channel
         self._stopped = False
@@ -198,6 +202,8 @@ class FramedReceiver(KVReceiver):
         await channel.send(Ack(seq=frame.seq, failed=failed, reason=first))
 
     def _precheck(self, frame: Blocks, dest: int) -> str | None:
+        if self.accepts is not None and not self.accepts(frame.transfer_id):
+            return f"transfer {frame.transfer_id} does not take blocks (aborted, failed or unknown)"
         if frame.layout_id != self._layout_id:
             return "frame layout id differs from the handshake's layout"
         if not 0 <= dest < self.store.num_blocks:

@@ -108,6 +108,11 @@ class TransferTable:
             transfer.landed.add(dest_block_id)
         return transfer
 
+    def is_live(self, transfer_id: str) -> bool:
+        """Whether blocks for this transfer may still be written (reserved or transferring)."""
+        transfer = self._transfers.get(transfer_id)
+        return transfer is not None and transfer.state in LIVE
+
     def all_landed(self, transfer_id: str) -> bool:
         transfer = self._transfers.get(transfer_id)
         return transfer is not None and transfer.state in LIVE and transfer.all_landed

@@ -185,6 +185,22 @@ def test_corrupted_blocks_detected(backend):
     run(body())
 
 
+def test_blocks_of_a_dead_transfer_are_refused(backend):
+    """The receiver's owner says a transfer no longer takes blocks (aborted, failed):
+    its frames are reported not ok and, except over shm, never written."""
+    async def body():
+        async with Pair(backend) as p:
+            p.receiver.accepts = lambda tid: tid != "dead"
+            with pytest.raises(TransferError):
+                await p.send("dead", [0, 1], [10, 11])
+            assert [ok for *_, ok, _ in p.reports] == [False, False]
+            if backend != "shm":
+                assert all(p.dst.read(d) == bytes(p.dst_before[:, :, d].contiguous().numpy()) for d in (10, 11))
+            await p.send("live", [2], [12])
+            assert p.landed_equal([2], [12])
+    run(body())
+
+
 def test_receiver_stopped_midway(backend):
     async def body():
         options = SenderOptions(max_frame_bytes=SMALL.block_nbytes, connect_timeout_s=3, timeout_s=10)
