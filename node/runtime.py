@@ -167,7 +167,7 @@ def add_common_routes(app: web.Application) -> None:
 async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> None:
     """Run a node app until ``stop`` is set: bind (port 0 picks one), learn the real
     address, start the heartbeat, print ``READY <http_addr>`` for launchers."""
-    runner = web.AppRunner(app, handler_cancellation=True)  # a vanished client cancels its handler
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)  # a gone client cancels its handler
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)
