@@ -20,6 +20,7 @@ from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.loader import resolve_model_dir
 from splitserve.engine.model_runner import KVCacheFactory, ModelRunner
 from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class EngineCore:
         req = self._new_request(request_id, prompt_token_ids, params)
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
+        Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
         self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens)
         req.append_token(first_token, logprobs)
         self.scheduler.add_running(req)

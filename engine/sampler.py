@@ -82,6 +82,14 @@ class Sampler:
                 token_ids[random_rows] = sampled
         return SamplerOutput(token_ids.tolist(), _logprobs(logits, token_ids, params))
 
+    @staticmethod
+    def skip_step(req: SamplingInput, vocab: int) -> None:
+        """Advance ``req.generator`` past one sampling step, as if this sampler had drawn
+        its token: a request whose first token was sampled on another node then
+        continues the same seeded sequence here."""
+        if req.generator is not None and not req.sampling_params.greedy:
+            _exponential(torch.empty(vocab, device=req.generator.device), req.generator)
+
     def _sample(self, logits: torch.Tensor, reqs: Sequence[SamplingInput]) -> torch.Tensor:
         """Random rows only: `logits` [R, V] penalized -> token ids [R] (int64)."""
         params = [r.sampling_params for r in reqs]

@@ -1,8 +1,10 @@
 """Prefix caching, eviction, preemption and request validation of the engine."""
 
+import msgspec
 import pytest
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import BlockRemoved, BlockStored
 from splitserve.common.sampling_params import SamplingParams
 
@@ -120,3 +122,29 @@ def test_bad_requests_raise_naming_the_field(make_engine, prompt, params, field)
 def test_unknown_model_path_raises(make_engine):
     with pytest.raises(ValueError, match="model"):
         make_engine(model="/no/such/model")
+
+
+def test_prefilled_request_continues_like_a_local_one(make_engine, run_engine, long_prefix):
+    """The decode-node path (reserve blocks, KV computed by another engine, admit with that
+    engine's first token) gives the same tokens as a local request, seeded sampling included."""
+    prompt = long_prefix[: 2 * BS]  # block-aligned: both blocks land in the prefill engine's cache
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    want = run_engine(make_engine(block_size=BS), {"a": (prompt, params)})["a"]
+
+    prefill = make_engine(block_size=BS)
+    first = run_engine(prefill, {"p": (prompt, msgspec.structs.replace(params, max_tokens=1))})["p"]
+    assert first == want[:1]
+    src = [prefill.kv.pool.cached[h].block_id for h in hash_blocks(prompt, BS, (prefill.config.model_id,))]
+
+    decode = make_engine(block_size=BS)
+    res = decode.reserve("d", prompt)
+    assert len(res.block_ids) == len(src) == 2 and res.num_cached_tokens == 0
+    for dst, s in zip(res.block_ids, src):  # what a KV transfer does
+        decode.runner.kv_caches[:, :, dst] = prefill.runner.kv_caches[:, :, s]
+    delta = decode.add_prefilled("d", prompt, params, first[0], None, 0)
+    got = list(delta.new_token_ids)
+    while decode.has_unfinished():
+        for d in decode.step():
+            got += d.new_token_ids
+    assert got == want
+    assert_pool_idle(decode)
