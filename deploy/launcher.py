@@ -26,9 +26,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server on a free loopback port, no persistence; (process, url)."""
-    port = free_port()
+def start_redis(port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on ``port`` (None: a free loopback port), no persistence;
+    (process, url). Starting it again on the same port simulates a Redis restart."""
+    port = port or free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
