@@ -26,9 +26,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server on a free loopback port, no persistence; (process, url)."""
-    port = free_port()
+def start_redis(port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on ``port`` (None: a free loopback port), no persistence;
+    (process, url). Starting it again on the same port simulates a Redis restart."""
+    port = port or free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -71,10 +72,12 @@ class Cluster:
 
     def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
-                 host="127.0.0.1", colocated=False, extra_node_args=(), policy="least_load"):
+                 host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
+                 router_args=()):
         self.cfg = dict(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, kv_backend=kv_backend,
                         kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
-                        colocated=colocated, extra=list(extra_node_args), policy=policy)
+                        colocated=colocated, extra=list(extra_node_args), policy=policy,
+                        router_args=list(router_args))
         self.router_port = router_port or free_port()
         self.redis_url = redis_url
         self.redis: subprocess.Popen | None = None
@@ -114,8 +117,9 @@ class Cluster:
         nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
         decode_role = "colocated" if c["colocated"] else "decode"
         nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
+        policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
         router = self._spawn("router", ["router", "--host", c["host"], "--port", str(self.router_port),
-                                        "--redis-url", self.redis_url, "--policy", c["policy"]])
+                                        "--redis-url", self.redis_url, *policy, *c["router_args"]])
         for p in [*nodes, router]:
             self.wait_ready(p, timeout)
         self.wait_for_nodes(len(nodes), timeout)
@@ -144,7 +148,19 @@ class Cluster:
         raise RuntimeError(f"the router did not see {n} nodes within {timeout}s")
 
     def node(self, name: str) -> Proc:
-        return next(p for p in self.procs if p.name == name)
+        """The latest process started under ``name``."""
+        return next(p for p in reversed(self.procs) if p.name == name)
+
+    def restart_node(self, name: str, timeout: float = 180.0) -> Proc:
+        """SIGKILL node ``name`` (no clean shutdown: its Redis entries stay behind) and
+        start it again under the same node id; returns once it is READY."""
+        old = self.node(name)
+        os.killpg(old.popen.pid, signal.SIGKILL)
+        old.popen.wait()
+        role, index = name.rsplit("-", 1)
+        new = self.start_node(role, int(index))
+        self.wait_ready(new, timeout)
+        return new
 
     def stop(self) -> None:
         for p in self.procs:

@@ -184,7 +184,13 @@ class KVCacheManager:
         return [b.block_id for b in self._req_blocks[req_id]]
 
     def take_events(self) -> list[KVEvent]:
+        """The prefix-cache events since the last call, oldest first (see BlockPool)."""
         return self.pool.take_events()
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash held in the prefix cache now: the state the events since
+        the start (or the last ``AllBlocksCleared``) add up to."""
+        return list(self.pool.cached)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

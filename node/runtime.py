@@ -3,6 +3,8 @@
 - the engine (its KV cache in shared memory when the shm transport needs it)
   and the EngineLoop thread that runs it;
 - the node's identity (node id, epoch) and its registry heartbeat with load;
+- the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
+  fed from the engine thread, under the same node id and epoch;
 - a per-node Prometheus registry and the routes GET /health, /metrics,
   /debug/state (JSON: pool, load, transfers).
 """
@@ -19,11 +21,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from splitserve.common.config import NodeConfig
+from splitserve.common.kv_events import KVEvent
+from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.engine_loop import EngineLoop
 from splitserve.kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from splitserve.kvtransfer.layout import KVLayout
+from splitserve.node.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
@@ -63,9 +68,14 @@ class NodeRuntime:
         self.metrics = Metrics()
         self.debug_extra: Callable[[], dict] = dict
         self.heartbeat: Heartbeat | None = None
+        self.publisher: KVEventPublisher | None = None
         self._registry: NodeRegistry | None = None
+        self._index: KVIndex | None = None
         g = self.metrics.gauge
         self.m_load = {f: g(f"splitserve_node_{f}", f"engine load: {f}") for f in NodeLoad.__struct_fields__}
+        self.m_index_batches = self.metrics.counter(
+            "splitserve_kv_index_batches_total", "prefix-index writes to Redis, by result "
+            "(ok, refused: Redis lost earlier batches, error: unreachable)", ["result"])
 
     async def start_engine(self, shm: bool) -> None:
         """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
@@ -80,8 +90,13 @@ class NodeRuntime:
         self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
 
     def loop_start(self, on_deltas) -> None:
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_deltas)
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_deltas, self._on_kv_events)
         self.loop.start()
+
+    def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
+        # Before the publisher starts the events are dropped: its first write is a snapshot.
+        if self.publisher is not None:
+            self.publisher.on_kv(events, snapshot)
 
     def info(self) -> NodeInfo:
         load = self.loop.load
@@ -90,10 +105,15 @@ class NodeRuntime:
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
-                        load=NodeLoad(**load._asdict()))
+                        block_size=self.engine.config.block_size, load=NodeLoad(**load._asdict()))
 
     async def start_heartbeat(self) -> None:
+        """Register the node and publish its prefix-cache index (both need the final node id)."""
         if self.config.redis_url:
+            self._index = KVIndex(self.config.redis_url)
+            self.publisher = KVEventPublisher(self._index, self.node_id, self.epoch,
+                                              self.loop.request_kv_snapshot, self.m_index_batches)
+            self.publisher.start()
             self._registry = NodeRegistry(self.config.redis_url)
             self.heartbeat = Heartbeat(self._registry, self.info)
             self.heartbeat.start()
@@ -102,6 +122,9 @@ class NodeRuntime:
         if self.heartbeat is not None:
             await self.heartbeat.stop()
             await self._registry.close()
+        if self.publisher is not None:
+            await self.publisher.stop()
+            await self._index.close()
 
     def shutdown(self) -> None:
         if self.loop is not None:
@@ -111,7 +134,9 @@ class NodeRuntime:
 
     def state(self) -> dict:
         kv = self.engine.kv
-        return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch,
+        index = None if self.publisher is None else {
+            "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
+        return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "kv_index": index,
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
                 "load": self.loop.load._asdict(), "steps": self.loop.steps,
                 "preemptions": self.engine.num_preemptions_total, **self.debug_extra()}

@@ -6,8 +6,9 @@ lifespan that owns its clients.
     run_router(config)           blocks serving until SIGINT / SIGTERM (the CLI)
 
 The lifespan (cleanup_ctx) creates, in order, the Redis `NodeRegistry`, the node
-discovery task, the pooled `aiohttp.ClientSession` to the nodes and the dispatcher,
-and closes them in reverse after waiting for pending aborts.
+discovery task, the Redis `KVIndex` (prefix-index reads), the pooled
+`aiohttp.ClientSession` to the nodes and the dispatcher, and closes them in reverse
+after waiting for pending aborts.
 
 Must not import torch or `splitserve.engine`, or touch tensors.
 """
@@ -25,17 +26,21 @@ import aiohttp
 from aiohttp import web
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
 from splitserve.router import endpoints, openai_api
 from splitserve.router.background import BackgroundTasks
 from splitserve.router.config import RouterConfig
+from splitserve.router.decisions import DecisionLog
 from splitserve.router.discovery import NodeDirectory
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import ApiError
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.node_client import NodeClient
 from splitserve.router.policy import make_policy
-from splitserve.router.state import CONFIG, METRICS, REQUEST_ID, SERVICES, TOKENIZER, RouterServices
+from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.state import (CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES, TOKENIZER,
+                                     RouterServices)
 from splitserve.router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -52,7 +57,8 @@ def build_app(config: RouterConfig) -> web.Application:
     app[CONFIG] = config
     app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
     app[METRICS] = RouterMetrics.create()
-    make_policy(config.policy)  # fail now on a bad name, not at the first request
+    app[DECISIONS] = DecisionLog(app[METRICS])
+    make_policy(config.policy, config.weights)  # fail now on a bad name, not at the first request
     app.cleanup_ctx.append(_services)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_post("/v1/completions", openai_api.completions)
@@ -61,6 +67,7 @@ def build_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/v1/models/{model}", endpoints.get_model)
     app.router.add_get("/health", endpoints.health)
     app.router.add_get("/metrics", endpoints.metrics)
+    app.router.add_get("/debug/decisions", endpoints.decisions)
     return app
 
 
@@ -70,21 +77,26 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     directory = NodeDirectory(registry, config.model_id, metrics, config.poll_interval_s)
     await directory.refresh()  # know the nodes before the first request (Redis may be down)
     directory.start()
+    index = KVIndex(config.redis_url, timeout_s=config.index_timeout_s)
+    prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,
+                         config.index_timeout_s, config.index_retry_s)
     # No connection cap: every streaming request holds one connection to its node.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     background = BackgroundTasks()
     client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s)
-    dispatcher = Dispatcher(directory, make_policy(config.policy), client, app[TOKENIZER],
-                            metrics, background)
-    app[SERVICES] = RouterServices(registry, directory, session, background, dispatcher)
-    log.info("router: model %s, policy %s, Redis %s, %d nodes known", config.model_id,
-             config.policy, config.redis_url, len(directory.nodes))
+    dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
+                            app[TOKENIZER], metrics, background, prefix, app[DECISIONS])
+    app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
+    log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
+             config.model_id, config.policy, config.block_size, config.redis_url,
+             len(directory.nodes))
     try:
         yield
     finally:
         await directory.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
+        await index.close()
         await registry.close()
 
 

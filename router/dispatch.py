@@ -1,18 +1,22 @@
 """Dispatch: from a prepared prompt to a started `Generation` on a decode node.
 
-Owns the routing step of one prompt: ask the policy, mint the transfer id, send the
+Owns the routing step of one prompt: look up its prefix hits (once, for a policy
+that uses them), ask the policy, record the decision, mint the transfer id, send the
 `GenerateRequest`, retry on another decode node when the chosen one surely never
-started it (unreachable, 503), and this router's in-flight counts per node (the
-fresh half of the load the policy sees). Answers "no decode node" with a 503 and a
-node's refusal with its own 4xx.
+started it (unreachable, 503), and this router's in-flight counts per node, in
+requests and in prompt tokens still to prefill (the fresh half of the load the
+policy sees). Answers "no decode node" with a 503 and a node's refusal with its own
+4xx.
 
-Must not read Redis (discovery.py keeps the node list) or detokenize.
+Must not talk to Redis itself (discovery.py keeps the node list, prefix_index.py
+reads the index) or detokenize.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,12 +25,14 @@ from splitserve.common.detokenizer import IncrementalDetokenizer
 from splitserve.common.protocol import GenerateRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.background import BackgroundTasks
+from splitserve.router.decisions import DecisionLog
 from splitserve.router.discovery import NodeDirectory
 from splitserve.router.errors import ApiError
 from splitserve.router.generation import Generation
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
-from splitserve.router.policy import Decision, RoutingPolicy
+from splitserve.router.policy import NO_CACHED, Decision, RoutingPolicy
+from splitserve.router.prefix_index import PrefixHits, PrefixIndex
 from splitserve.router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,11 @@ class Dispatcher:
     tokenizer: RouterTokenizer
     metrics: RouterMetrics
     background: BackgroundTasks
+    prefix: PrefixIndex
+    decisions: DecisionLog
     inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
+    # node_id -> predicted uncached prompt tokens of this router's requests still prefilling there
+    inflight_tokens: Counter = field(default_factory=Counter)
 
     async def start(self, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                     t_start: float) -> Generation:
@@ -50,18 +60,30 @@ class Dispatcher:
         node's 4xx, 502 when every tried node failed)."""
         tried: set[str] = set()  # decode node ids
         last_error: NodeUnavailable | None = None
+        hits: PrefixHits | None = None  # looked up once, on the first attempt
         for _ in range(MAX_ATTEMPTS):
+            t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
-            decision = self.policy.choose(prompt, nodes, self.inflight)
+            if hits is None and self.policy.uses_prefix_index:
+                hits = await self.prefix.lookup(prompt, nodes)
+            decision = self.policy.choose(prompt, nodes, self.inflight,
+                                          cached=hits.cached if hits else NO_CACHED,
+                                          inflight_tokens=self.inflight_tokens)
             if decision is None:
                 break
+            decision_s = time.perf_counter() - t_route
+            self.metrics.decision_seconds.observe(decision_s)
             tried.add(decision.decode.node_id)
             req = GenerateRequest(
                 request_id=request_id, token_ids=prompt, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
                 transfer_id=uuid.uuid4().hex)
+            on_prefill = 0  # predicted cached tokens on the prefill node
+            if hits is not None and decision.prefill is not None:
+                on_prefill = hits.cached.get(decision.prefill.node_id, 0)
             try:
-                stream, prefill_slot, decode_slot = await self._open(decision, req)
+                stream, prefill_slot, decode_slot = await self._open(decision, req,
+                                                                     len(prompt) - on_prefill)
             except NodeRejected as e:
                 raise ApiError(e.status, e.body.message, param=e.body.param,
                                type_=e.body.type) from e
@@ -75,13 +97,15 @@ class Dispatcher:
                     self.directory.mark_unreachable(decision.decode)
                 continue
             self._count(decision, len(prompt))
+            rec = self.decisions.record(request_id, self.policy.name, decision, len(prompt), hits,
+                                        decision_s)
             self.metrics.inflight.inc()  # Generation.close() decrements
             return Generation(
                 index=index, request_id=request_id, prompt_len=len(prompt), decision=decision,
                 stream=stream, detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
                 metrics=self.metrics, abort=self._schedule_abort,
                 on_first_token=prefill_slot.release, on_close=decode_slot.release,
-                t_start=t_start)
+                t_start=t_start, on_settle=lambda delivered: self.decisions.settle(rec, delivered))
         if last_error is None:
             raise self._no_decode_node()
         self.metrics.failures.labels(reason="node_unavailable").inc()
@@ -98,13 +122,15 @@ class Dispatcher:
                    "retry shortly")
         return ApiError(503, msg, code="no_decode_node")
 
-    async def _open(self, d: Decision, req: GenerateRequest
+    async def _open(self, d: Decision, req: GenerateRequest, prefill_tokens: int
                     ) -> tuple[TokenStream, InflightSlot, InflightSlot]:
         """Send ``req`` to the decode node, counting it in flight on its nodes while
-        it runs: (stream, prefill slot, decode slot). On any error the slots are
+        it runs (and its ``prefill_tokens`` on the prefill node until the first
+        token): (stream, prefill slot, decode slot). On any error the slots are
         released and the error re-raised."""
-        prefill = InflightSlot(self.inflight, d.prefill.node_id if d.prefill else None)
-        decode = InflightSlot(self.inflight, d.decode.node_id)
+        prefill = InflightSlot(self.inflight, self.inflight_tokens,
+                               d.prefill.node_id if d.prefill else None, prefill_tokens)
+        decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
         try:
             return await self.client.generate(d.decode.http_addr, req), prefill, decode
         except BaseException as e:
@@ -129,21 +155,26 @@ class Dispatcher:
 
 @dataclass(slots=True)
 class InflightSlot:
-    """One request counted in ``counts[node_id]`` until `release()` (idempotent).
-    ``node_id`` None: no node (local prefill), nothing counted."""
+    """One request counted in ``counts[node_id]``, and its ``num_tokens`` in
+    ``tokens[node_id]``, until `release()` (idempotent). ``node_id`` None: no node
+    (local prefill), nothing counted."""
 
     counts: Counter
+    tokens: Counter
     node_id: str | None
+    num_tokens: int = 0
     released: bool = False
 
     def __post_init__(self):
         if self.node_id is not None:
             self.counts[self.node_id] += 1
+            self.tokens[self.node_id] += self.num_tokens
 
     def release(self) -> None:
         if self.released or self.node_id is None:
             return
         self.released = True
-        self.counts[self.node_id] -= 1
-        if self.counts[self.node_id] <= 0:
-            del self.counts[self.node_id]
+        for counter, amount in ((self.counts, 1), (self.tokens, self.num_tokens)):
+            counter[self.node_id] -= amount
+            if counter[self.node_id] <= 0:
+                del counter[self.node_id]

@@ -1,13 +1,15 @@
 """The router's small read-only endpoints: ``GET /v1/models``,
-``GET /v1/models/{model}``, ``GET /health`` and ``GET /metrics``.
+``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` and
+``GET /debug/decisions`` (the last routing decisions, predicted vs delivered).
 Must not change any state."""
 
 from __future__ import annotations
 
+import msgspec
 from aiohttp import web
 
 from splitserve.router.errors import ApiError
-from splitserve.router.state import CONFIG, METRICS, SERVICES, TOKENIZER
+from splitserve.router.state import CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
 
 
 def _model_card(request: web.Request) -> dict:
@@ -42,3 +44,13 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     text, content_type = request.app[METRICS].render()
     return web.Response(body=text, headers={"Content-Type": content_type})
+
+
+async def decisions(request: web.Request) -> web.Response:
+    """``?limit=N`` (default 50) most recent routing decisions, oldest first."""
+    raw = request.query.get("limit", "50")
+    if not raw.isdigit():
+        raise ApiError(400, f"limit: must be a non-negative integer, got {raw!r}", param="limit")
+    records = request.app[DECISIONS].last(int(raw))
+    return web.Response(body=msgspec.json.encode({"decisions": records}),
+                        content_type="application/json")

@@ -49,6 +49,9 @@ class Generation:
     on_first_token: Callable[[], None]  # releases the prefill node's in-flight slot
     on_close: Callable[[], None]  # releases the decode node's in-flight slot
     t_start: float  # loop time the HTTP request arrived
+    # Called once by close() with the cached tokens reported (None: it did not finish):
+    # settles the routing decision's prediction.
+    on_settle: Callable[[int | None], None] | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -114,6 +117,9 @@ class Generation:
         m.inflight.dec()
         m.generation_tokens.inc(self.completion_tokens)
         m.cached_tokens.inc(self.cached_tokens)
+        if self.on_settle is not None:
+            ok = self.finish_reason is not None and self._t_first is not None
+            self.on_settle(self.cached_tokens if ok else None)
         if self.finish_reason is None:
             m.failures.labels(reason="client_disconnect" if client_gone
                               else self._failure or "cancelled").inc()

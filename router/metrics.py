@@ -15,6 +15,9 @@ PREFIX = "splitserve_router_"
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+# Seconds from a prompt to its Decision: hashing, the prefix-index round trip, scoring.
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 1.0)
 
 
 @dataclass(slots=True)
@@ -35,6 +38,11 @@ class RouterMetrics:
     local_prefill: Counter
     redis_errors: Counter  # labels op
     inflight: Gauge
+    decision_seconds: Histogram
+    index_lookups: Counter  # labels result: ok | error | skipped
+    predicted_cached_tokens: Counter
+    predictions: Counter  # labels outcome (see decisions.py)
+    prediction_hit_rate: Gauge
 
     @classmethod
     def create(cls) -> RouterMetrics:
@@ -72,6 +80,24 @@ class RouterMetrics:
                                  registry=r),
             inflight=Gauge(PREFIX + "inflight_generations", "Generations streaming now",
                            registry=r),
+            decision_seconds=Histogram(PREFIX + "routing_decision_seconds",
+                                       "Prompt -> routing decision (hashing, prefix-index "
+                                       "lookup, scoring)", buckets=DECISION_BUCKETS, registry=r),
+            index_lookups=Counter(PREFIX + "prefix_index_lookups",
+                                  "Prefix-index lookups, by result (ok; error: Redis "
+                                  "unreachable or slow; skipped: backing off after an error)",
+                                  ["result"], registry=r),
+            predicted_cached_tokens=Counter(PREFIX + "predicted_cached_prompt_tokens",
+                                            "Prompt tokens the routing decisions predicted to be "
+                                            "cached (compare with cached_prompt_tokens)",
+                                            registry=r),
+            predictions=Counter(PREFIX + "prefix_predictions",
+                                "Finished generations by prediction outcome: hit (predicted > 0, "
+                                "delivered >= predicted), miss (delivered < predicted: a "
+                                "misprediction, e.g. a stale index entry), unseen (predicted 0, "
+                                "delivered > 0), none (both 0)", ["outcome"], registry=r),
+            prediction_hit_rate=Gauge(PREFIX + "prefix_prediction_hit_rate",
+                                      "hit / (hit + miss) since start", registry=r),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)

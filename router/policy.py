@@ -1,11 +1,13 @@
 """Routing policies: which decode node (and which prefill node, if any) serves a
 request.
 
-Owns the `RoutingPolicy` interface and the load-only policies. A policy sees the
-request's prompt token ids, the live nodes of the served model and how many of this
-router's requests are in flight on each node; it returns a `Decision`, or None when
-no decode-capable node exists. Must not do I/O (the node list comes from
-discovery.py) or keep per-request state.
+Owns the `RoutingPolicy` interface and the load-only policies (cache_aware.py has
+the default one). A policy sees the request's prompt token ids, the live nodes of
+the served model, how many of this router's requests (and prompt tokens) are in
+flight on each node and, if it ``uses_prefix_index``, the predicted cached prompt
+tokens per node; it returns a `Decision`, or None when no decode-capable node
+exists. Must not do I/O (the node list comes from discovery.py, the predicted hits
+from prefix_index.py) or keep per-request state.
 
 Load is a node's last heartbeat (up to a poll interval plus a heartbeat old) or,
 when larger, this router's own in-flight count on it, which is always fresh: a
@@ -21,8 +23,10 @@ from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 from splitserve.common.registry import NodeInfo
+from splitserve.router.config import CacheAwareWeights
 
 NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
+NO_CACHED: Mapping[str, int] = MappingProxyType({})
 
 
 class Decision(NamedTuple):
@@ -32,11 +36,16 @@ class Decision(NamedTuple):
 
 class RoutingPolicy(Protocol):
     name: str
+    uses_prefix_index: bool  # dispatch looks up `cached` only for policies that use it
 
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
-               inflight: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               inflight: Mapping[str, int] = NO_INFLIGHT, *,
+               cached: Mapping[str, int] = NO_CACHED,
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
         """Pick nodes for one request. ``inflight``: node_id -> requests this router
-        has in flight there (for prefill nodes: not yet past their first token)."""
+        has in flight there (for prefill nodes: not yet past their first token);
+        ``inflight_tokens``: node_id -> their prompt tokens still to compute there;
+        ``cached``: node_id -> predicted cached prompt tokens (absent: none)."""
         ...
 
 
@@ -62,11 +71,13 @@ class LeastLoad:
     so equally idle nodes share a burst."""
 
     name = "least_load"
+    uses_prefix_index = False
 
     def __init__(self):
         self._tie = itertools.count()
 
-    def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT):
+    def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT, *, cached=NO_CACHED,
+               inflight_tokens=NO_INFLIGHT):
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
@@ -79,11 +90,13 @@ class RoundRobin:
     """Decode and prefill nodes in turn, ignoring load."""
 
     name = "round_robin"
+    uses_prefix_index = False
 
     def __init__(self):
         self._turn = itertools.count()
 
-    def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT):
+    def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT, *, cached=NO_CACHED,
+               inflight_tokens=NO_INFLIGHT):
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
@@ -101,9 +114,14 @@ def _least(nodes: list[NodeInfo], key, inflight: Mapping[str, int], turn: int) -
     return tied[turn % len(tied)]
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, weights: CacheAwareWeights | None = None) -> RoutingPolicy:
+    """The policy called ``name``; ``weights`` configure cache_aware."""
+    if name == "cache_aware":
+        from splitserve.router.cache_aware import CacheAware  # it builds on this module
+        return CacheAware(weights)
     if name == "least_load":
         return LeastLoad()
     if name == "round_robin":
         return RoundRobin()
-    raise ValueError(f"policy: unknown routing policy {name!r}; use least_load or round_robin")
+    raise ValueError(f"policy: unknown routing policy {name!r}; use cache_aware, least_load "
+                     "or round_robin")

@@ -1,0 +1,105 @@
+"""The cache_aware routing policy: prefix-cache hits weighed against load, in one
+unit, so that cache affinity never creates a hot spot.
+
+Owns the cost formula. Must not do I/O: the predicted hits come from the prefix
+index lookup (router/prefix_index.py) that dispatch runs before ``choose``.
+
+Every term is in token-equivalents (1.0 = the time to prefill one prompt token);
+weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``)::
+
+    L       prompt tokens
+    C(n)    predicted cached prompt tokens on node n (leading blocks it holds, from
+            the index, capped so that one token is always computed)
+    reqs(n) max(running + waiting at n's last heartbeat, this router's in flight there)
+    u(n)    n's KV usage, 0..1
+
+    prefill(p) = (L - w.cached_token * C(p))                  work left for p
+               + max(queued_prefill_tokens(p), in-flight tokens)  work ahead of it
+               + w.prefill_request * reqs(p) + w.kv_usage * u(p)
+    decode(d)  = w.transfer * (L - C(d))                        blocks sent to d
+               + w.decode_request * reqs(d) + w.kv_usage * u(d)
+      with no prefill node (d prefills itself), the transfer term is replaced by
+               (L - w.cached_token * C(d)) + queued_prefill_tokens(d)
+
+    pick (p, d) minimizing prefill(p) + decode(d)
+
+The pair cost is a sum of a prefill-only and a decode-only term, so the joint
+minimum is the cheapest prefill node with the cheapest decode node: O(P + D), not
+O(P x D). The decode term is where the pair is chosen together: a decode node
+holding the prefix needs fewer blocks sent (the prefill node skips them), and the
+decision's predicted hit is max(C(p), C(d)), what the response will report.
+
+No hot spot: a hit lowers a node's cost by at most ``w.cached_token * L <= L``, so a
+node whose load exceeds an idle node's by more than the prompt's length in tokens
+(a queue of L prompt tokens, or L / w.prefill_request requests) loses even when it
+holds the whole prefix. "In-flight tokens" are the uncached prompt tokens this
+router sent to p that have not produced their first token yet, always fresh, so a
+burst of one prefix between two heartbeats spreads once the holder's queue costs
+more than the prefix saves. Equal costs rotate.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+from splitserve.common.registry import NodeInfo
+from splitserve.router.config import CacheAwareWeights
+from splitserve.router.policy import NO_CACHED, NO_INFLIGHT, Decision, split_roles
+
+_TIE_EPS = 1e-9  # costs this close are equal
+
+
+class CacheAware:
+    name = "cache_aware"
+    uses_prefix_index = True
+
+    def __init__(self, weights: CacheAwareWeights | None = None):
+        self.w = weights or CacheAwareWeights()
+        self._tie = itertools.count()
+
+    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
+               inflight: Mapping[str, int] = NO_INFLIGHT, *,
+               cached: Mapping[str, int] = NO_CACHED,
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+        prefills, decodes = split_roles(nodes)
+        if not decodes:
+            return None
+        n = len(request_token_ids)
+        turn = next(self._tie)
+        local = not prefills
+        prefill = _cheapest(prefills, lambda p: self.prefill_cost(p, n, cached, inflight,
+                                                                  inflight_tokens), turn)
+        decode = _cheapest(decodes, lambda d: self.decode_cost(d, n, cached, inflight, local), turn)
+        return Decision(prefill, decode)
+
+    def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
+                     inflight: Mapping[str, int], inflight_tokens: Mapping[str, int]) -> float:
+        w = self.w
+        work = prompt_len - w.cached_token * cached.get(p.node_id, 0)
+        ahead = max(p.load.queued_prefill_tokens, inflight_tokens.get(p.node_id, 0))
+        return work + ahead + w.prefill_request * _requests(p, inflight) + w.kv_usage * p.load.kv_usage
+
+    def decode_cost(self, d: NodeInfo, prompt_len: int, cached: Mapping[str, int],
+                    inflight: Mapping[str, int], local_prefill: bool) -> float:
+        w = self.w
+        hit = cached.get(d.node_id, 0)
+        if local_prefill:
+            prompt = prompt_len - w.cached_token * hit + d.load.queued_prefill_tokens
+        else:
+            prompt = w.transfer * (prompt_len - hit)
+        return prompt + w.decode_request * _requests(d, inflight) + w.kv_usage * d.load.kv_usage
+
+
+def _requests(node: NodeInfo, inflight: Mapping[str, int]) -> int:
+    return max(node.load.running + node.load.waiting, inflight.get(node.node_id, 0))
+
+
+def _cheapest(nodes: list[NodeInfo], cost: Callable[[NodeInfo], float], turn: int
+              ) -> NodeInfo | None:
+    if not nodes:
+        return None
+    costs = [cost(n) for n in nodes]
+    best = min(costs)
+    tied = [n for n, c in zip(nodes, costs) if c <= best + _TIE_EPS]
+    return tied[turn % len(tied)]

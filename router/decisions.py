@@ -1,0 +1,109 @@
+"""Routing decisions, predicted versus delivered: the last decisions of this router
+(``GET /debug/decisions``) and the prediction metrics.
+
+Owns the record of one decision (nodes chosen, predicted cached tokens per node and
+for the decision, how long deciding took) and its settlement once the response
+reported the cached tokens it really got. Must not route or talk to nodes.
+
+Outcome of a settled decision with a prediction (predicted P, delivered D)::
+
+    hit     P > 0 and D >= P
+    miss    D < P        a misprediction (a stale index entry, an eviction since):
+                         counted, never an error
+    unseen  P == 0 < D   a hit the index did not know about (not yet published)
+    none    P == D == 0
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policy import Decision
+from splitserve.router.prefix_index import PrefixHits
+
+log = logging.getLogger(__name__)
+
+KEEP = 256  # decisions kept for /debug/decisions
+
+
+@dataclass(slots=True)
+class DecisionRecord:
+    request_id: str
+    ts: float  # unix time of the decision
+    policy: str
+    prefill: str | None  # node id; None: the decode node prefills
+    decode: str
+    prompt_tokens: int
+    # The cached prompt tokens the response should report: max over the chosen nodes.
+    # None: no prediction (a load-only policy, or the index was unreachable).
+    predicted_cached_tokens: int | None
+    node_cached_tokens: dict[str, int]  # node_id -> predicted cached tokens (hits only)
+    decision_s: float
+    delivered_cached_tokens: int | None = None  # set when the generation finished
+    outcome: str | None = None  # hit | miss | unseen | none | failed
+
+
+def predicted_cached(decision: Decision, hits: PrefixHits | None) -> int | None:
+    """What the response will report if the index is right: the prefill node computes
+    what it does not hold, and the decode node reuses what it holds, whichever is more."""
+    if hits is None or not hits.looked_up:
+        return None
+    on_decode = hits.cached.get(decision.decode.node_id, 0)
+    on_prefill = hits.cached.get(decision.prefill.node_id, 0) if decision.prefill else 0
+    return max(on_decode, on_prefill)
+
+
+@dataclass(slots=True)
+class DecisionLog:
+    metrics: RouterMetrics
+    records: deque = field(default_factory=lambda: deque(maxlen=KEEP))  # DecisionRecord, oldest first
+    hits: int = 0
+    misses: int = 0
+
+    def record(self, request_id: str, policy: str, decision: Decision, prompt_tokens: int,
+               hits: PrefixHits | None, decision_s: float) -> DecisionRecord:
+        predicted = predicted_cached(decision, hits)
+        rec = DecisionRecord(
+            request_id=request_id, ts=time.time(), policy=policy,
+            prefill=decision.prefill.node_id if decision.prefill else None,
+            decode=decision.decode.node_id, prompt_tokens=prompt_tokens,
+            predicted_cached_tokens=predicted,
+            node_cached_tokens=dict(hits.cached) if hits is not None else {},
+            decision_s=decision_s)
+        self.records.append(rec)
+        if predicted:
+            self.metrics.predicted_cached_tokens.inc(predicted)
+        return rec
+
+    def settle(self, rec: DecisionRecord, delivered: int | None) -> None:
+        """The generation of ``rec`` ended; ``delivered``: the cached tokens it
+        reported, None when it failed (no outcome counted)."""
+        if delivered is None:
+            rec.outcome = "failed"
+            return
+        rec.delivered_cached_tokens = delivered
+        predicted = rec.predicted_cached_tokens
+        if predicted is None:
+            return
+        if delivered < predicted:
+            outcome = "miss"
+            self.misses += 1
+            log.debug("router: request %s mispredicted: %d cached tokens predicted on %s/%s, "
+                      "%d delivered", rec.request_id, predicted, rec.prefill, rec.decode, delivered)
+        elif predicted > 0:
+            outcome = "hit"
+            self.hits += 1
+        else:
+            outcome = "unseen" if delivered > 0 else "none"
+        rec.outcome = outcome
+        self.metrics.predictions.labels(outcome=outcome).inc()
+        if self.hits + self.misses:
+            self.metrics.prediction_hit_rate.set(self.hits / (self.hits + self.misses))
+
+    def last(self, n: int) -> list[DecisionRecord]:
+        """The ``n`` most recent decisions, oldest first."""
+        return list(self.records)[-n:] if n > 0 else []

@@ -1,0 +1,132 @@
+"""The cache_aware policy on real NodeInfo records: a repeated prefix goes to the
+node that holds it, unless that node is overloaded (no hot spot, also in a burst
+between heartbeats); weights are configurable; decisions settle into hit / miss."""
+
+from collections import Counter
+
+import pytest
+
+from splitserve.common.registry import NodeInfo, NodeLoad
+from splitserve.router.cache_aware import CacheAware
+from splitserve.router.config import CacheAwareWeights, RouterConfig
+from splitserve.router.decisions import DecisionLog
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policy import Decision, make_policy
+from splitserve.router.prefix_index import PrefixHits
+
+L = 1000  # prompt tokens
+PROMPT = list(range(L))
+
+
+def node(node_id: str, role: str = "prefill", **load) -> NodeInfo:
+    return NodeInfo(node_id=node_id, role=role, http_addr=f"http://{node_id}:1", model="m",
+                    epoch="e", load=NodeLoad(**load))
+
+
+def pick(policy, nodes, cached, **kw) -> tuple[str | None, str]:
+    d = policy.choose(PROMPT, nodes, cached=cached, **kw)
+    return (d.prefill.node_id if d.prefill else None, d.decode.node_id)
+
+
+def test_default_policy_is_cache_aware():
+    assert RouterConfig().policy == "cache_aware"
+    assert isinstance(make_policy(RouterConfig().policy), CacheAware)
+
+
+def test_repeated_prefix_goes_to_the_nodes_that_hold_it():
+    nodes = [node("p0"), node("p1"), node("p2"), node("d0", "decode"), node("d1", "decode")]
+    policy = CacheAware()
+    for _ in range(4):  # not a tie: no rotation away from the holders
+        assert pick(policy, nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")
+    # a longer run beats a shorter one
+    assert pick(policy, nodes, {"p0": 320, "p2": 640}) [0] == "p2"
+    # a lightly loaded holder still wins: the prefix saves more than its queue costs
+    nodes[1] = node("p1", queued_prefill_tokens=300, running=1)
+    assert pick(policy, nodes, {"p1": 960})[0] == "p1"
+
+
+@pytest.mark.parametrize("load", [dict(queued_prefill_tokens=2 * L), dict(running=40),
+                                  dict(running=3, waiting=30), dict(kv_usage=1.0, running=4)])
+def test_overloaded_prefill_holder_loses_to_an_idle_node(load):
+    nodes = [node("p0", **load), node("p1"), node("d0", "decode")]
+    # the holder has the whole prompt (minus the token always computed)
+    assert pick(CacheAware(), nodes, {"p0": L - 8})[0] == "p1"
+
+
+def test_overloaded_decode_holder_loses_to_an_idle_node():
+    nodes = [node("p0"), node("d0", "decode", running=40, kv_usage=0.9), node("d1", "decode")]
+    assert pick(CacheAware(), nodes, {"d0": 992})[1] == "d1"
+    nodes[1] = node("d0", "decode", running=1)  # lightly loaded: the saved transfer wins
+    assert pick(CacheAware(), nodes, {"d0": 992})[1] == "d0"
+
+
+def test_a_burst_between_heartbeats_spreads_once_the_holder_queue_outweighs_the_hit():
+    """Heartbeats are stale (all idle); this router's in-flight counts keep it honest."""
+    nodes = [node("p0"), node("p1"), node("p2"), node("d0", "decode")]
+    policy, inflight, tokens = CacheAware(), Counter(), Counter()
+    cached = {"p0": 960}
+    picks = []
+    for _ in range(60):
+        d = policy.choose(PROMPT, nodes, inflight, cached=cached, inflight_tokens=tokens)
+        p = d.prefill.node_id
+        picks.append(p)
+        inflight[p] += 1  # as dispatch counts it until the first token
+        tokens[p] += L - cached.get(p, 0)
+    count = Counter(picks)
+    assert picks[:5] == ["p0"] * 5  # affinity first
+    assert count["p1"] > 0 and count["p2"] > 0  # then the idle nodes take the load
+    # No hot spot: the work queued on each node (what a new request would wait for)
+    # stays within one request of the others; the holder takes more requests only
+    # because each costs it 40 tokens instead of 1000.
+    costs = [policy.prefill_cost(n, L, cached, inflight, tokens) for n in nodes[:3]]
+    assert max(costs) - min(costs) <= L + policy.w.prefill_request
+    assert count["p0"] > count["p1"] + count["p2"]
+
+
+def test_local_prefill_weighs_the_hit_against_the_decode_node_queue():
+    nodes = [node("c0", "colocated"), node("c1", "colocated")]
+    assert pick(CacheAware(), nodes, {"c0": 960}) == (None, "c0")
+    nodes[0] = node("c0", "colocated", queued_prefill_tokens=3 * L)
+    assert pick(CacheAware(), nodes, {"c0": 960}) == (None, "c1")
+
+
+def test_equal_nodes_take_turns_and_no_decode_node_is_none():
+    nodes = [node("p0"), node("p1"), node("d0", "decode"), node("d1", "decode")]
+    policy = CacheAware()
+    picks = Counter(pick(policy, nodes, {}) for _ in range(4))
+    assert picks == {("p0", "d0"): 2, ("p1", "d1"): 2}
+    assert policy.choose(PROMPT, [node("p0")]) is None
+
+
+def test_weights_are_configurable():
+    nodes = [node("p0", queued_prefill_tokens=100), node("p1"), node("d0", "decode")]
+    assert pick(CacheAware(), nodes, {"p0": 960})[0] == "p0"
+    # a policy told that cached tokens save nothing routes by load alone
+    blind = CacheAware(CacheAwareWeights(cached_token=0.0))
+    assert pick(blind, nodes, {"p0": 960})[0] == "p1"
+    w = CacheAwareWeights.parse("prefill_request=8, transfer=0.5")
+    assert (w.prefill_request, w.transfer, w.decode_request) == (8.0, 0.5, 64.0)
+    for bad in ("nope=1", "transfer", "transfer=x", "cached_token=2", "kv_usage=-1"):
+        with pytest.raises(ValueError, match="weight"):
+            CacheAwareWeights.parse(bad)
+
+
+def test_decisions_settle_into_hits_and_mispredictions():
+    metrics = RouterMetrics.create()
+    log = DecisionLog(metrics)
+    d = Decision(node("p0"), node("d0", "decode"))
+    hits = PrefixHits({"p0": 64, "d0": 32}, num_blocks=10, looked_up=True)
+    rec = log.record("r1", "cache_aware", d, 170, hits, 0.001)
+    assert rec.predicted_cached_tokens == 64  # max over the chosen nodes
+    log.settle(rec, 64)
+    stale = log.record("r2", "cache_aware", d, 170, hits, 0.001)
+    log.settle(stale, 32)  # the prefill node no longer held it
+    log.settle(log.record("r3", "cache_aware", d, 170, PrefixHits({}, 10, True), 0.001), 16)
+    log.settle(log.record("r4", "cache_aware", d, 170, PrefixHits({}, 10, False), 0.001), 16)
+    failed = log.record("r5", "cache_aware", d, 170, hits, 0.001)
+    log.settle(failed, None)
+    outcomes = [r.outcome for r in log.last(10)]
+    assert outcomes == ["hit", "miss", "unseen", None, "failed"]
+    assert metrics.predictions.labels(outcome="miss")._value.get() == 1
+    assert metrics.prediction_hit_rate._value.get() == 0.5
+    assert metrics.predicted_cached_tokens._value.get() == 64 * 3
