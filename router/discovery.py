@@ -38,6 +38,7 @@ class NodeDirectory:
     _unreachable: dict[str, tuple[str, float]] = field(default_factory=dict)  # node_id -> (epoch, until)
     _other_models: set[str] = field(default_factory=set)  # node ids already warned about
     _task: asyncio.Task | None = None
+    _recovered_until: float = 0.0  # until then, keep last known nodes missing from the registry
 
     async def refresh(self) -> bool:
         """Re-read the registry now; on a Redis error keep the last list. True if read."""
@@ -50,13 +51,20 @@ class NodeDirectory:
                             "nodes until it is back", e, len(self.nodes))
             self.redis_ok = False
             return False
+        now = time.monotonic()
         if self.redis_ok is False:
             log.info("router: Redis reachable again; %d nodes registered", len(found))
+            # A Redis that restarted empty lists nodes only as their heartbeats come back:
+            # keep routing to the last known ones for about one registry TTL meanwhile.
+            self._recovered_until = now + UNREACHABLE_QUARANTINE_S
         self.redis_ok = True
         self.polls += 1
-        now = time.monotonic()
         self._unreachable = {k: v for k, v in self._unreachable.items() if v[1] > now}
-        self.nodes = [n for n in found if self._serves_model(n)]
+        fresh = [n for n in found if self._serves_model(n)]
+        if now < self._recovered_until:
+            seen = {n.node_id for n in fresh}
+            fresh += [n for n in self.nodes if n.node_id not in seen]
+        self.nodes = fresh
         for role in ("prefill", "decode", "colocated"):
             self.metrics.nodes.labels(role=role).set(sum(n.role == role for n in self.nodes))
         return True

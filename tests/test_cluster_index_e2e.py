@@ -180,6 +180,8 @@ def test_redis_killed_mid_run_requests_still_succeed_and_the_index_comes_back(en
                          'splitserve_router_prefix_index_lookups_total{result="error"}') > errors
     # Redis comes back empty: the nodes re-register and rewrite their entries
     env.redis_proc.append(start_redis(env.port)[0])
+    time.sleep(0.6)  # a discovery poll reaches the empty Redis before the nodes' heartbeats do
+    assert env.complete(long_prompt("ferry", "Any cabins?")).usage.completion_tokens == 4
     deadline = time.monotonic() + 30
     while len(env.r.keys("splitserve:node:*")) < 3:  # the next heartbeats re-register
         assert time.monotonic() < deadline, "nodes did not re-register"
