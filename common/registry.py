@@ -135,6 +135,9 @@ class NodeRegistry:
         await self._redis.aclose()
 
 
+MIN_BEAT_GAP_S = 0.1  # nudged beats: at most ten a second per node
+
+
 @dataclass(slots=True)
 class Heartbeat:
     """Keeps one node's record alive: writes ``info_fn()`` every ``ttl_s / 3`` seconds.
@@ -154,6 +157,7 @@ class Heartbeat:
     failures: int = 0  # consecutive failed beats
     beats: int = 0  # successful beats since start
     _task: asyncio.Task | None = field(default=None, repr=False)
+    _nudged: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _node_id: str | None = None  # the last node id written, for deregister on stop
 
     @property
@@ -184,12 +188,24 @@ class Heartbeat:
         self.beats += 1
         return True
 
+    def nudge(self) -> None:
+        """Beat soon (at most every ``MIN_BEAT_GAP_S``) instead of at the next interval:
+        a node calls this when its load drops, so routers do not avoid an idle node
+        on the strength of a stale record."""
+        self._nudged.set()
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             started = loop.time()
+            self._nudged.clear()
             await self.beat()
-            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+            await asyncio.sleep(MIN_BEAT_GAP_S)
+            try:
+                await asyncio.wait_for(self._nudged.wait(),
+                                       max(0.0, self.interval_s - (loop.time() - started)))
+            except TimeoutError:
+                pass
 
     async def stop(self, deregister: bool = True) -> None:
         """Stop beating; with `deregister`, delete the record so routers forget the
