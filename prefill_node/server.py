@@ -87,7 +87,7 @@ class PrefillNode:
             ids = self.engine.kv.block_ids(req.request_id)[o.packed_upto:upto]
             skip = o.task.skip_blocks
             dests = o.task.dest_block_ids[o.packed_upto - skip:upto - skip]
-            packed = bytes(self.store.pack(ids))  # a copy: the blocks may be reused once freed
+            packed = self.store.pack(ids)  # a fresh buffer, not a view of the cache: safe once blocks are freed
             o.packed_upto = upto
             self.rt.loop.call_soon(o.queue.put_nowait, (dests, packed))
 
