@@ -4,6 +4,9 @@ hand it to the component; nothing here holds state.
     splitserve up                       a local cluster: redis, router, prefill and decode nodes
     splitserve router|prefill|decode    one component (one per machine in production)
     splitserve generate --prompt "..."  offline generation, no servers
+    splitserve sim-nodes                many simulated nodes in one process (timing model)
+    splitserve make-trace OUT           a multi-tenant shared-prefix routing trace (JSONL)
+    splitserve replay TRACE             replay a trace through the router against simulated nodes
 """
 
 import argparse
@@ -24,14 +27,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
 
 
-def engine_config(args):
+def engine_config(args, sim=None):
     from splitserve.common.config import EngineConfig, parse_size
 
     return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory),
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size,
-                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+                        sim=sim)
 
 
 def cmd_generate(args) -> int:
@@ -74,15 +78,56 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
 
 
-def cmd_node(args) -> int:
+def node_config(args, role: str, sim=None):
     from splitserve.common.config import NodeConfig
+
+    return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
+                      redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
+                      transfer_lease_s=args.transfer_lease, fault=args.fault)
+
+
+def cmd_node(args) -> int:
     from splitserve.node.runtime import run_node
 
-    role = "colocated" if args.command == "decode" and args.colocated else args.command
-    run_node(NodeConfig(role=role, engine=engine_config(args), host=args.host, port=args.port,
-                        redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
-                        transfer_lease_s=args.transfer_lease, fault=args.fault))
+    run_node(node_config(args, "colocated" if args.command == "decode" and args.colocated else args.command))
     return 0
+
+
+def cmd_sim_nodes(args) -> int:
+    from splitserve.common.config import SimConfig
+    from splitserve.node.sim_fleet import fleet_configs, run_fleet
+
+    template = node_config(args, "decode", SimConfig.load(args.sim_timing, args.sim_speedup))
+    run_fleet(fleet_configs(template, args.prefill_nodes, args.decode_nodes, args.id_prefix))
+    return 0
+
+
+def cmd_make_trace(args) -> int:
+    from splitserve.benchmarks.replay.generate import TraceSpec, generate, summarize
+    from splitserve.benchmarks.replay.trace import dump_trace
+
+    spec = TraceSpec(tenants=args.tenants, max_system_blocks=args.max_system_blocks,
+                     users_per_tenant=args.users_per_tenant, user_blocks=args.user_blocks, rate=args.rate,
+                     duration_s=args.duration, mean_turns=args.mean_turns, mean_user_tokens=args.user_tokens,
+                     mean_output_tokens=args.output_tokens, mean_think_s=args.think_time, seed=args.seed)
+    trace = generate(spec)
+    dump_trace(trace, args.out)
+    print(json.dumps({"out": args.out, **summarize(trace)}))
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from splitserve.benchmarks.replay.run import ReplayConfig, print_summary, run_replay
+
+    if args.prefill_nodes < 1:
+        raise ValueError(f"prefill_nodes: must be >= 1, got {args.prefill_nodes}")
+    result = run_replay(ReplayConfig(
+        trace=args.trace, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, policy=args.policy,
+        speedup=args.speedup, max_output_tokens=args.max_output_tokens, kv_cache_memory=args.kv_cache_memory,
+        fleet_procs=args.fleet_procs, sim_timing=args.sim_timing, limit=args.limit,
+        router_args=tuple(args.router_arg or ()), result_json=args.result_json))
+    print_summary(result)
+    return 0 if result["failed"] == 0 else 1
 
 
 def cmd_router(args) -> int:
@@ -123,6 +168,53 @@ def main(argv=None) -> int:
         if role == "decode":
             node.add_argument("--colocated", action="store_true", help="prefill every request locally")
         node.set_defaults(func=cmd_node)
+
+    sim = sub.add_parser("sim-nodes", help="run simulated prefill and decode nodes in one process: real "
+                         "servers, block pool and scheduler, a timing model in place of the model")
+    _add_engine_args(sim)
+    _add_node_args(sim)
+    sim.add_argument("--prefill-nodes", type=int, default=4)
+    sim.add_argument("--decode-nodes", type=int, default=1)
+    sim.add_argument("--sim-timing", default=None,
+                     help="timing-model JSON from benchmarks/fit_timing.py (default: the built-in fit)")
+    sim.add_argument("--sim-speedup", type=float, default=1.0, help="divide every simulated step by this")
+    sim.add_argument("--id-prefix", default="sim", help="node ids are <prefix>-<role>-<i>")
+    sim.set_defaults(func=cmd_sim_nodes)
+
+    mk = sub.add_parser("make-trace", help="write a multi-tenant shared-prefix routing trace (JSONL)")
+    mk.add_argument("out")
+    from splitserve.benchmarks.replay.generate import TraceSpec
+    d = TraceSpec()
+    mk.add_argument("--tenants", type=int, default=d.tenants, help="system prompts (default %(default)s)")
+    mk.add_argument("--max-system-blocks", type=int, default=d.max_system_blocks,
+                    help="system prompts have 1..N blocks of 512 tokens (default %(default)s)")
+    mk.add_argument("--users-per-tenant", type=int, default=d.users_per_tenant)
+    mk.add_argument("--user-blocks", type=int, default=d.user_blocks, help="blocks of a user's profile")
+    mk.add_argument("--rate", type=float, default=d.rate, help="new conversations per second")
+    mk.add_argument("--duration", type=float, default=d.duration_s, help="seconds in which conversations start")
+    mk.add_argument("--mean-turns", type=float, default=d.mean_turns)
+    mk.add_argument("--user-tokens", type=int, default=d.mean_user_tokens, help="mean user-message tokens")
+    mk.add_argument("--output-tokens", type=int, default=d.mean_output_tokens, help="mean answer tokens")
+    mk.add_argument("--think-time", type=float, default=d.mean_think_s, help="mean seconds between turns")
+    mk.add_argument("--seed", type=int, default=d.seed)
+    mk.set_defaults(func=cmd_make_trace)
+
+    rp = sub.add_parser("replay", help="replay a routing trace through the router against simulated nodes")
+    rp.add_argument("trace", help="JSONL: {timestamp (ms), input_length, output_length, hash_ids}")
+    rp.add_argument("--prefill-nodes", type=int, default=16)
+    rp.add_argument("--decode-nodes", type=int, default=None, help="default: prefill nodes / 4")
+    from splitserve.router.config import POLICIES
+    rp.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    rp.add_argument("--speedup", type=float, default=10.0, help="trace seconds per wall-clock second")
+    rp.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's max_tokens")
+    rp.add_argument("--kv-cache-memory", default="1GiB", help="per simulated node")
+    rp.add_argument("--fleet-procs", type=int, default=2, help="processes the simulated nodes share")
+    rp.add_argument("--sim-timing", default=None, help="timing-model JSON (default: the built-in fit)")
+    rp.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    rp.add_argument("--router-arg", action="append", help="extra router flag (repeatable), e.g. "
+                    "--router-arg=--score-weights=prefill_request=16")
+    rp.add_argument("--result-json", default=None)
+    rp.set_defaults(func=cmd_replay)
 
     router = sub.add_parser("router", help="run the OpenAI-compatible router")
     from splitserve.router.config import add_router_args

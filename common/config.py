@@ -1,8 +1,10 @@
 """Frozen process configs. Each process builds one, resolved from its command
 line, before it starts, and passes it down; nothing writes back to it."""
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -15,6 +17,76 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"kv_cache_memory: cannot parse size {text!r}; use e.g. 512MiB or 2GiB")
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A simulated forward pass (``EngineConfig.sim``): the engine schedules, caches and
+    frees blocks for real and sleeps as long as the real model would take for the step.
+
+    Step time, in seconds (one step = the decode rows D plus the prefill chunks, each
+    chunk computing n tokens after ctx tokens already in the cache)::
+
+        t = step_s + prefill_token_s * sum(n) + prefill_attn_s * sum(n * (ctx + n / 2))
+              + decode_s(D)     (linear between the measured batch sizes, 0 when D = 0)
+
+    The defaults are the fit of ``benchmarks/fit_timing.py`` to the real engine on the
+    development machine (bundled model, fp32, 1 thread); the script writes the same
+    fields as JSON for ``load``. ``speedup`` divides every sleep, so a replay can run
+    trace time faster than real time.
+    """
+
+    step_s: float = 0.079
+    prefill_token_s: float = 0.00276
+    prefill_attn_s: float = 1.49e-6
+    # (decode batch size, seconds added to a step), ascending by batch size
+    decode_s: tuple[tuple[int, float], ...] = ((1, 0.010), (4, 0.054), (16, 0.138), (32, 0.294), (64, 0.613))
+    speedup: float = 1.0
+
+    def __post_init__(self):
+        for name in ("step_s", "prefill_token_s", "prefill_attn_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sim {name}: must be >= 0, got {getattr(self, name)}")
+        if self.speedup <= 0:
+            raise ValueError(f"sim speedup: must be > 0, got {self.speedup}")
+        batches = [b for b, _ in self.decode_s]
+        if not batches or batches != sorted(set(batches)) or batches[0] < 1 or any(s < 0 for _, s in self.decode_s):
+            raise ValueError("sim decode_s: needs (batch, seconds) pairs, batch >= 1 ascending, seconds >= 0")
+
+    @classmethod
+    def load(cls, path: str | Path | None, speedup: float = 1.0) -> "SimConfig":
+        """The fitted timing in ``path`` (JSON written by benchmarks/fit_timing.py), or the
+        built-in defaults when ``path`` is None."""
+        if path is None:
+            return cls(speedup=speedup)
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"sim timing: cannot read {path}: {e}") from None
+        known = {f.name for f in fields(cls)} - {"speedup"}
+        values = {k: v for k, v in data.items() if k in known}
+        if "decode_s" in values:
+            values["decode_s"] = tuple((int(b), float(s)) for b, s in values["decode_s"])
+        return cls(**values, speedup=speedup)
+
+    def step_seconds(self, decode_batch: int, chunks: list[tuple[int, int]]) -> float:
+        """Simulated seconds of one step (before ``speedup``); ``chunks``: (n, ctx) pairs."""
+        t = self.step_s
+        for n, ctx in chunks:
+            t += self.prefill_token_s * n + self.prefill_attn_s * n * (ctx + n / 2)
+        if decode_batch:
+            t += self._decode(decode_batch)
+        return t
+
+    def _decode(self, batch: int) -> float:
+        pts = self.decode_s
+        if batch <= pts[0][0]:
+            return pts[0][1] * batch / pts[0][0]
+        for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+            if batch <= b1:
+                return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+        (b0, s0), (b1, s1) = pts[-2] if len(pts) > 1 else (0, 0.0), pts[-1]
+        return s1 + (s1 - s0) / (b1 - b0) * (batch - b1)  # beyond the table: the last slope
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +107,9 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seeds the shared generator of unseeded sampled requests
+    # Simulated node: timing model in place of the forward pass (no weights are loaded;
+    # the model's config.json still gives vocab, context and the KV block size).
+    sim: SimConfig | None = None
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",

@@ -177,7 +177,9 @@ class DecodeNode:
             if t.state is TransferState.FAILED or not self.transfers.all_landed(tid):
                 raise TransferError(t.reason or "blocks missing")
             self.transfers.complete(tid)
-            cached = max(res.num_cached_tokens, result.num_cached_tokens)  # tokens neither node computed now
+            # The prompt tokens not computed for this request: the prefill node's hit (a hit
+            # here only saves sending blocks; the prefill node still computes them).
+            cached = result.num_cached_tokens
             delta = await self.loop.call(lambda e: e.add_prefilled(
                 rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs, cached))
             admitted = True

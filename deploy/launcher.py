@@ -117,13 +117,17 @@ class Cluster:
         nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
         decode_role = "colocated" if c["colocated"] else "decode"
         nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
-        policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
-        router = self._spawn("router", ["router", "--host", c["host"], "--port", str(self.router_port),
-                                        "--redis-url", self.redis_url, *policy, *c["router_args"]])
+        router = self._spawn("router", self._router_args())
         for p in [*nodes, router]:
             self.wait_ready(p, timeout)
         self.wait_for_nodes(len(nodes), timeout)
         return self
+
+    def _router_args(self) -> list[str]:
+        c = self.cfg
+        policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
+        return ["router", "--host", c["host"], "--port", str(self.router_port), "--redis-url", self.redis_url,
+                *policy, *c["router_args"]]
 
     def wait_ready(self, p: Proc, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -182,6 +186,36 @@ class Cluster:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class SimCluster(Cluster):
+    """Redis, the router and ``prefill_nodes`` + ``decode_nodes`` simulated nodes
+    (engine/sim_runner.py), spread over ``fleet_procs`` ``splitserve sim-nodes``
+    processes. ``sim_args`` go to every fleet (e.g. ``--sim-speedup 10``)."""
+
+    def __init__(self, prefill_nodes: int, decode_nodes: int, fleet_procs: int = 2, sim_args=(),
+                 kv_cache_memory="1GiB", policy=None, router_args=()):
+        super().__init__(prefill_nodes, decode_nodes, kv_cache_memory=kv_cache_memory, policy=policy,
+                         router_args=router_args)
+        self.fleet_procs = max(1, min(fleet_procs, prefill_nodes + decode_nodes))
+        self.sim_args = list(sim_args)
+
+    def start(self, timeout: float = 180.0) -> "SimCluster":
+        if self.redis_url is None:
+            self.start_redis()
+        c, k = self.cfg, self.fleet_procs
+        fleets = []
+        for i in range(k):
+            share = lambda n: n // k + (i < n % k)
+            fleets.append(self._spawn(f"fleet-{i}", [
+                "sim-nodes", "--host", c["host"], "--redis-url", self.redis_url, "--kv-backend", c["kv_backend"],
+                "--kv-cache-memory", c["kv_cache_memory"], "--prefill-nodes", str(share(c["prefill_nodes"])),
+                "--decode-nodes", str(share(c["decode_nodes"])), "--id-prefix", f"f{i}", *self.sim_args]))
+        router = self._spawn("router", self._router_args())
+        for p in [*fleets, router]:
+            self.wait_ready(p, timeout)
+        self.wait_for_nodes(c["prefill_nodes"] + c["decode_nodes"], timeout)
+        return self
 
 
 def launch(args) -> int:

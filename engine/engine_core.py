@@ -8,6 +8,7 @@ requests through ``abort(req_id, "stop")``.
 """
 
 import logging
+import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -55,7 +56,11 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
+        if config.sim is None:
+            self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
+        else:  # a simulated node: same engine, timing model in place of the forward pass
+            from splitserve.engine.sim_runner import SimRunner
+            self.runner = SimRunner(config, self.model_dir, kv_cache_factory)
         self.model_config = self.runner.model_config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -64,6 +69,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
+        self.busy_s = 0.0  # wall seconds spent in forward passes (a metric)
         # Called on every step after the computed counts advance and before finished
         # requests free their blocks: the prefill node packs completed blocks here.
         self.step_observer: Callable[[SchedulerOutput], None] | None = None
@@ -163,7 +169,9 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        t0 = time.perf_counter()
         result = self.runner.execute(out, self.kv)
+        self.busy_s += time.perf_counter() - t0
         self.scheduler.update_after_step(out)
         self.num_computed_tokens_total += result.num_tokens
         if self.step_observer is not None:

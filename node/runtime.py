@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import uuid
-from typing import Callable
+from typing import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -142,7 +142,8 @@ class NodeRuntime:
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "kv_index": index,
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
-                "load": self.loop.load._asdict(), "steps": self.loop.steps,
+                "load": self.loop.load._asdict(), "steps": self.loop.steps, "busy_s": self.engine.busy_s,
+                "computed_tokens": self.engine.num_computed_tokens_total,
                 "preemptions": self.engine.num_preemptions_total, **self.debug_extra()}
 
 
@@ -193,9 +194,9 @@ def add_common_routes(app: web.Application) -> None:
     app.router.add_get("/debug/state", debug_state)
 
 
-async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> None:
-    """Run a node app until ``stop`` is set: bind (port 0 picks one), learn the real
-    address, start the heartbeat, print ``READY <http_addr>`` for launchers."""
+async def start_site(app: web.Application, config: NodeConfig) -> web.AppRunner:
+    """Start a node app: run its lifespan (engine), bind (port 0 picks one), learn the
+    real address and start the heartbeat. ``runner.cleanup()`` stops it again."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)  # a gone client cancels its handler
     await runner.setup()
     try:
@@ -206,24 +207,43 @@ async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -
         rt.http_addr = f"http://{config.host}:{port}"
         rt.node_id = config.node_id or f"{config.role}-{config.host}-{port}"
         await rt.start_heartbeat()
-        print(f"READY {rt.http_addr} {rt.node_id}", flush=True)
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
+def build_app(config: NodeConfig) -> web.Application:
+    """The app of a prefill, decode or colocated node."""
+    if config.role == "prefill":
+        from splitserve.prefill_node.server import build_app as build
+    else:
+        from splitserve.decode_node.server import build_app as build
+    return build(config)
+
+
+async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> None:
+    """Run a node app until ``stop`` is set; prints ``READY <http_addr> <node_id>`` for launchers."""
+    runner = await start_site(app, config)
+    try:
+        print(f"READY {app[RUNTIME].http_addr} {app[RUNTIME].node_id}", flush=True)
         await stop.wait()
     finally:
         await runner.cleanup()
 
 
-def run_node(config: NodeConfig) -> None:
-    """Start a prefill, decode or colocated node and serve until SIGINT / SIGTERM."""
-    if config.role == "prefill":
-        from splitserve.prefill_node.server import build_app
-    else:
-        from splitserve.decode_node.server import build_app
-
-    async def main():
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """``asyncio.run(main(stop))`` where SIGINT / SIGTERM set ``stop``."""
+    async def runner():
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(build_app(config), config, stop)
+        await main(stop)
 
-    asyncio.run(main())
+    asyncio.run(runner())
+
+
+def run_node(config: NodeConfig) -> None:
+    """Start a prefill, decode or colocated node and serve until SIGINT / SIGTERM."""
+    run_until_signal(lambda stop: serve(build_app(config), config, stop))

@@ -12,10 +12,13 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
             the index, capped so that one token is always computed)
     reqs(n) max(running + waiting at n's last heartbeat, this router's in flight there)
     u(n)    n's KV usage, 0..1
+    R(p)    prompt tokens this policy sent p to compute, decayed with a half-life of
+            w.balance_half_life_s; R_mean its mean over the prefill nodes
 
     prefill(p) = (L - w.cached_token * C(p))                  work left for p
                + max(queued_prefill_tokens(p), in-flight tokens)  work ahead of it
                + w.prefill_request * reqs(p) + w.kv_usage * u(p)
+               + w.balance * max(0, R(p) - R_mean)            its recent share above the mean
     decode(d)  = w.transfer * (L - C(d))                        blocks sent to d
                + w.decode_request * reqs(d) + w.kv_usage * u(d)
       with no prefill node (d prefills itself), the transfer term is replaced by
@@ -27,7 +30,8 @@ The pair cost is a sum of a prefill-only and a decode-only term, so the joint
 minimum is the cheapest prefill node with the cheapest decode node: O(P + D), not
 O(P x D). The decode term is where the pair is chosen together: a decode node
 holding the prefix needs fewer blocks sent (the prefill node skips them), and the
-decision's predicted hit is max(C(p), C(d)), what the response will report.
+decision's predicted hit is C(p) (C(d) when d prefills itself), what the response
+will report: the prompt tokens not computed.
 
 No hot spot: a hit lowers a node's cost by at most ``w.cached_token * L <= L``, so a
 node whose load exceeds an idle node's by more than the prompt's length in tokens
@@ -35,12 +39,20 @@ node whose load exceeds an idle node's by more than the prompt's length in token
 holds the whole prefix. "In-flight tokens" are the uncached prompt tokens this
 router sent to p that have not produced their first token yet, always fresh, so a
 burst of one prefix between two heartbeats spreads once the holder's queue costs
-more than the prefix saves. Equal costs rotate.
+more than the prefix saves. The queue only sees the present, though: holders of
+popular prefixes (a big tenant's system prompt) keep attracting new conversations,
+each of which then sticks to them, so their work share grows while every queue
+stays short. The balance term charges a node for the work it recently got above
+the average, so new or short-prefix requests go elsewhere once a holder runs
+ahead, while a long cached conversation (C(p) larger than the excess) still stays.
+Equal costs rotate.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from splitserve.common.registry import NodeInfo
@@ -57,6 +69,7 @@ class CacheAware:
     def __init__(self, weights: CacheAwareWeights | None = None):
         self.w = weights or CacheAwareWeights()
         self._tie = itertools.count()
+        self.recent = RecentWork(self.w.balance_half_life_s)
 
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
@@ -68,9 +81,14 @@ class CacheAware:
         n = len(request_token_ids)
         turn = next(self._tie)
         local = not prefills
-        prefill = _cheapest(prefills, lambda p: self.prefill_cost(p, n, cached, inflight,
-                                                                  inflight_tokens), turn)
+        now = time.monotonic()
+        recent = {p.node_id: self.recent.get(p.node_id, now) for p in prefills}
+        mean = sum(recent.values()) / len(recent) if recent else 0.0
+        prefill = _cheapest(prefills, lambda p: self.prefill_cost(p, n, cached, inflight, inflight_tokens)
+                            + self.w.balance * max(0.0, recent[p.node_id] - mean), turn)
         decode = _cheapest(decodes, lambda d: self.decode_cost(d, n, cached, inflight, local), turn)
+        if prefill is not None:
+            self.recent.add(prefill.node_id, n - cached.get(prefill.node_id, 0), now)
         return Decision(prefill, decode)
 
     def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
@@ -103,3 +121,18 @@ def _cheapest(nodes: list[NodeInfo], cost: Callable[[NodeInfo], float], turn: in
     best = min(costs)
     tied = [n for n, c in zip(nodes, costs) if c <= best + _TIE_EPS]
     return tied[turn % len(tied)]
+
+
+class RecentWork:
+    """node_id -> prompt tokens sent there to compute, each decaying with a half-life."""
+
+    def __init__(self, half_life_s: float):
+        self.rate = math.log(2) / half_life_s
+        self._work: dict[str, tuple[float, float]] = {}  # node_id -> (value, monotonic time of value)
+
+    def get(self, node_id: str, now: float) -> float:
+        value, at = self._work.get(node_id, (0.0, now))
+        return value * math.exp(-self.rate * (now - at))
+
+    def add(self, node_id: str, tokens: float, now: float) -> None:
+        self._work[node_id] = (self.get(node_id, now) + tokens, now)

@@ -22,11 +22,18 @@ class CacheAwareWeights:
     decode_request: float = 64.0  # per request running or waiting on a decode node
     kv_usage: float = 1024.0  # a node whose KV pool is full (scaled by the used fraction)
     transfer: float = 0.1  # per prompt token sent to a decode node that does not hold it
+    # per token of prompt work recently sent to a prefill node above the mean of the prefill
+    # nodes (half-life below): cache affinity accumulates work on the holders of popular
+    # prefixes; this caps how far one node's share runs ahead of the others'
+    balance: float = 1.0
+    balance_half_life_s: float = 30.0
 
     def __post_init__(self):
         for f in fields(self):
             if getattr(self, f.name) < 0:
                 raise ValueError(f"score weight {f.name}: must be >= 0, got {getattr(self, f.name)}")
+        if self.balance_half_life_s <= 0:
+            raise ValueError(f"score weight balance_half_life_s: must be > 0, got {self.balance_half_life_s}")
         if self.cached_token > 1:
             raise ValueError(f"score weight cached_token: must be <= 1 (a cached token cannot save "
                              f"more than computing it), got {self.cached_token}")

@@ -38,7 +38,7 @@ class DecisionRecord:
     prefill: str | None  # node id; None: the decode node prefills
     decode: str
     prompt_tokens: int
-    # The cached prompt tokens the response should report: max over the chosen nodes.
+    # The cached prompt tokens the response should report: the prefilling node's hit.
     # None: no prediction (a load-only policy, or the index was unreachable).
     predicted_cached_tokens: int | None
     node_cached_tokens: dict[str, int]  # node_id -> predicted cached tokens (hits only)
@@ -48,13 +48,12 @@ class DecisionRecord:
 
 
 def predicted_cached(decision: Decision, hits: PrefixHits | None) -> int | None:
-    """What the response will report if the index is right: the prefill node computes
-    what it does not hold, and the decode node reuses what it holds, whichever is more."""
+    """What the response will report if the index is right: the prompt tokens the node
+    that prefills (the prefill node, or the decode node without one) does not compute.
+    A decode node's own hit only saves sending blocks."""
     if hits is None or not hits.looked_up:
         return None
-    on_decode = hits.cached.get(decision.decode.node_id, 0)
-    on_prefill = hits.cached.get(decision.prefill.node_id, 0) if decision.prefill else 0
-    return max(on_decode, on_prefill)
+    return hits.cached.get((decision.prefill or decision.decode).node_id, 0)
 
 
 @dataclass(slots=True)

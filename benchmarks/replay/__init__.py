@@ -1,0 +1,2 @@
+"""Trace replay against simulated nodes: the trace format, its generator, and the
+driver behind ``splitserve replay``."""

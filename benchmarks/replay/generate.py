@@ -1,0 +1,118 @@
+"""A generator of multi-tenant shared-prefix traffic in the trace format
+(``splitserve make-trace``): system prompts x users x multi-turn conversations.
+
+    tenant t: a system prompt of 1..max_system_blocks whole hash blocks (ids shared by
+              every conversation of the tenant; popularity Zipf(zipf_s) over tenants)
+    user u:   one of users_per_tenant, with a profile of user_blocks blocks (ids shared
+              by every conversation of that user) after the system prompt
+    conversation: a user of a tenant; turns ~ Geometric(mean mean_turns); each turn
+              sends system prompt + profile + the whole history + a new user message,
+              and the next turn comes think_s (exponential) after it
+    history blocks: ids private to the conversation and stable across turns, so turn
+              k+1 lists turn k's ids (its last, partial block then longer) plus new ones
+
+        turn 1   [sys][sys][usr][c0 ]                 input = sys + profile + user1
+        turn 2   [sys][sys][usr][c0 ][c1 ][c2]        ... + user1 + answer1 + user2
+
+Conversations start as a Poisson process (``rate`` per second) for ``duration_s``;
+one whose next turn would not fit ``max_context`` tokens ends. Deterministic in
+``seed``. Message lengths are lognormal around their means.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from splitserve.benchmarks.replay.trace import HASH_BLOCK, TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    tenants: int = 16
+    max_system_blocks: int = 4  # system prompts of 1..this many blocks of 512 tokens
+    zipf_s: float = 1.0  # tenant popularity ~ 1 / rank**zipf_s
+    users_per_tenant: int = 50
+    user_blocks: int = 1  # blocks of a user's profile (0: none)
+    rate: float = 1.0  # new conversations per second
+    duration_s: float = 600.0  # conversations start within this window
+    mean_turns: float = 4.0
+    mean_user_tokens: int = 300
+    mean_output_tokens: int = 150
+    mean_think_s: float = 30.0  # between the end of a turn's request and the next
+    max_context: int = 7680  # prompt + output tokens of one request at most
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("tenants", "max_system_blocks", "users_per_tenant", "mean_user_tokens",
+                     "mean_output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("rate", "duration_s", "mean_think_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.user_blocks < 0:
+            raise ValueError(f"user_blocks: must be >= 0, got {self.user_blocks}")
+        if self.mean_turns < 1:
+            raise ValueError(f"mean_turns: must be >= 1, got {self.mean_turns}")
+        if self.max_context < (self.max_system_blocks + self.user_blocks + 2) * HASH_BLOCK:
+            raise ValueError(f"max_context: must leave room for a system prompt and a turn, "
+                             f"got {self.max_context}")
+
+
+def generate(spec: TraceSpec) -> list[TraceRequest]:
+    """The trace of ``spec``, sorted by timestamp."""
+    rng = np.random.default_rng(spec.seed)
+    ids = itertools.count()
+    system = [[next(ids) for _ in range(int(rng.integers(1, spec.max_system_blocks + 1)))]
+              for _ in range(spec.tenants)]
+    profiles: dict[tuple[int, int], list[int]] = {}  # (tenant, user) -> profile ids
+    weights = 1.0 / np.arange(1, spec.tenants + 1) ** spec.zipf_s
+    weights /= weights.sum()
+
+    def lognormal(mean: float) -> int:
+        sigma = 0.5
+        return max(1, int(rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma)))
+
+    out: list[TraceRequest] = []
+    t = float(rng.exponential(1.0 / spec.rate))
+    while t < spec.duration_s:
+        tenant = int(rng.choice(spec.tenants, p=weights))
+        user = (tenant, int(rng.integers(spec.users_per_tenant)))
+        if user not in profiles:
+            profiles[user] = [next(ids) for _ in range(spec.user_blocks)]
+        blocks = system[tenant] + profiles[user]  # the conversation's hash ids so far
+        length = len(blocks) * HASH_BLOCK  # tokens so far (system prompt, profile, history)
+        turns = int(rng.geometric(1.0 / spec.mean_turns))
+        at = t
+        for _ in range(turns):
+            user, answer = lognormal(spec.mean_user_tokens), lognormal(spec.mean_output_tokens)
+            prompt = length + user
+            if prompt + answer > spec.max_context:
+                break
+            while len(blocks) * HASH_BLOCK < prompt:
+                blocks.append(next(ids))
+            out.append(TraceRequest(timestamp=round(at * 1000, 3), input_length=prompt,
+                                    output_length=answer, hash_ids=blocks[:-(-prompt // HASH_BLOCK)]))
+            length = prompt + answer
+            at += float(rng.exponential(spec.mean_think_s))
+        t += float(rng.exponential(1.0 / spec.rate))
+    out.sort(key=lambda r: r.timestamp)
+    return out
+
+
+def summarize(requests: list[TraceRequest]) -> dict:
+    """Trace-level figures printed by ``make-trace`` (and by ``replay``)."""
+    from splitserve.benchmarks.replay.trace import oracle_hits
+
+    total = sum(r.input_length for r in requests)
+    span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if len(requests) > 1 else 0.0
+    return {"requests": len(requests), "span_s": round(span_s, 1),
+            "rate_per_s": round(len(requests) / span_s, 3) if span_s else None,
+            "mean_input_tokens": round(total / len(requests), 1),
+            "mean_output_tokens": round(sum(r.output_length for r in requests) / len(requests), 1),
+            "oracle_hit_rate": round(sum(oracle_hits(requests)) / total, 4)}
+

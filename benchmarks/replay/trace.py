@@ -1,0 +1,110 @@
+"""The routing trace: one JSON object per line,
+
+    {"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}
+
+Each hash id stands for one block of ``HASH_BLOCK`` (512) prompt tokens shared by
+every request that lists it. A request's prompt is its ids expanded in order, each
+into a fixed deterministic token block, the last cut to ``input_length``:
+
+    hash_ids     [ 7 ][ 7 ][ 12 ][ 40 ]          (4 ids -> 1537..2048 tokens)
+    tokens       |512 |512 |512 |cut |
+                  tokens_of(7) is the same list in every request and every run
+
+Owns: parsing with errors that name the line and field, the expansion, and the
+oracle hit rate (one shared cache that never evicts: a block hits when any earlier
+request listed its id). Must not talk to a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+HASH_BLOCK = 512  # prompt tokens per hash id
+_SEED = 0x5EED  # the expansion never changes between runs or machines
+_TOKEN_LOW, _TOKEN_HIGH = 100, 49000  # clear of the special tokens of the bundled vocabulary
+
+
+class TraceRequest(msgspec.Struct, frozen=True):
+    timestamp: float  # ms since the trace began
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Every request of the JSONL file at ``path``, sorted by timestamp. Raises
+    ValueError naming the line and the field of the first bad record."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"trace: cannot read {path}: {e}") from None
+    requests = []
+    decoder = msgspec.json.Decoder(TraceRequest)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            req = decoder.decode(line)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"trace line {number}: {e}") from None
+        except msgspec.DecodeError as e:
+            raise ValueError(f"trace line {number}: not JSON: {e}") from None
+        _check(req, number)
+        requests.append(req)
+    if not requests:
+        raise ValueError(f"trace: {path} holds no request")
+    requests.sort(key=lambda r: r.timestamp)
+    return requests
+
+
+def _check(req: TraceRequest, number: int) -> None:
+    where = f"trace line {number}"
+    if req.timestamp < 0:
+        raise ValueError(f"{where}: timestamp must be >= 0, got {req.timestamp}")
+    if req.input_length < 1 or req.output_length < 1:
+        raise ValueError(f"{where}: input_length and output_length must be >= 1")
+    need = -(-req.input_length // HASH_BLOCK)
+    if len(req.hash_ids) != need:
+        raise ValueError(f"{where}: hash_ids has {len(req.hash_ids)} ids; input_length "
+                         f"{req.input_length} needs {need} (one per {HASH_BLOCK} tokens)")
+
+
+def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps(msgspec.to_builtins(r)) + "\n")
+
+
+@lru_cache(maxsize=65536)
+def _block_tokens(hash_id: int) -> tuple[int, ...]:
+    rng = np.random.default_rng([_SEED, hash_id & 0xFFFFFFFFFFFFFFFF])
+    return tuple(rng.integers(_TOKEN_LOW, _TOKEN_HIGH, HASH_BLOCK).tolist())
+
+
+def prompt_tokens(req: TraceRequest) -> list[int]:
+    """The request's prompt: its hash ids expanded, cut to ``input_length``."""
+    tokens: list[int] = []
+    for hid in req.hash_ids:
+        tokens.extend(_block_tokens(hid))
+    return tokens[:req.input_length]
+
+
+def oracle_hits(requests: Iterable[TraceRequest]) -> list[int]:
+    """Per request, the prompt tokens a shared never-evicting cache would hold: the
+    tokens of every block whose id an earlier request listed."""
+    seen: set[int] = set()
+    hits = []
+    for r in requests:
+        hit = 0
+        for i, hid in enumerate(r.hash_ids):
+            if hid in seen:
+                hit += min(HASH_BLOCK, r.input_length - i * HASH_BLOCK)
+        seen.update(r.hash_ids)
+        hits.append(hit)
+    return hits

@@ -1,0 +1,64 @@
+"""SimRunner: the ModelRunner of a simulated node. The block pool, prefix cache,
+scheduler and every server around the engine run for real; only the forward pass
+is replaced by a sleep as long as the timing model (``common.config.SimConfig``)
+says the real model would take, and a deterministic token.
+
+Owns: the pool size (the real model's block bytes, so a simulated node holds as
+many tokens as a real one with the same ``kv_cache_memory``) and a KV tensor of
+one float per token slot, so the KV transport moves real, checksummed, tiny blocks:
+
+    kv_caches  [1 layer, 2 (K, V), num_blocks, block_size, 1 head, head_dim 1]
+
+Must not: load weights or compute. Sampled tokens are never an EOS or stop id,
+so a simulated request runs to ``max_tokens``.
+"""
+
+import time
+
+import torch
+
+from splitserve.common.config import EngineConfig
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import KVCacheFactory, StepResult, kv_block_bytes
+from splitserve.engine.scheduler import SchedulerOutput
+
+_TOKEN_BASE, _TOKEN_SPAN = 1000, 20000  # sampled ids cycle through [1000, 21000)
+
+
+class SimRunner:
+    def __init__(self, config: EngineConfig, model_dir, kv_cache_factory: KVCacheFactory | None = None):
+        assert config.sim is not None
+        self.config = config
+        self.sim = config.sim
+        self.model_config = ModelConfig.from_dir(model_dir)
+        bs = config.block_size
+        real_bytes = kv_block_bytes(self.model_config, bs, torch.float32)
+        self.num_blocks = config.kv_cache_memory // real_bytes
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
+                             f"{real_bytes} bytes; raise it")
+        shape = (1, 2, self.num_blocks, bs, 1, 1)
+        self.kv_caches = (kv_cache_factory(shape, torch.float32) if kv_cache_factory else
+                          torch.zeros(shape, dtype=torch.float32))
+        self.simulated_seconds = 0.0  # total step time asked of the model (a metric)
+
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        """Sleep the step's simulated time (divided by the speed-up), then sample one
+        token for every request whose scheduled tokens reach the end of its sequence."""
+        start = time.monotonic()
+        decodes = sum(1 for _, n in out.scheduled if n == 1)
+        chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
+        seconds = self.sim.step_seconds(decodes, chunks)
+        self.simulated_seconds += seconds
+        sampled = []
+        for req, n in out.scheduled:
+            if req.num_computed_tokens + n == req.num_tokens:
+                token = _TOKEN_BASE + (req.num_tokens * 7919) % _TOKEN_SPAN
+                while token in req.stop_ids:
+                    token += 1
+                sampled.append((req.request_id, token, None))
+        left = start + seconds / self.sim.speedup - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        return StepResult(sampled, sum(n for _, n in out.scheduled))

@@ -1,0 +1,63 @@
+"""A fleet of simulated nodes in one process (``splitserve sim-nodes``).
+
+Each node is the real prefill or decode server (HTTP API, KV transport, registry
+heartbeat, prefix-index publisher) over a real engine whose forward pass is the
+timing model of ``EngineConfig.sim`` (engine/sim_runner.py). A simulated step is
+a sleep on the node's engine thread, so dozens of nodes share one process and one
+event loop: how one machine runs 64+ replicas against a real router and Redis.
+
+Owns: one NodeConfig per node (ids ``sim-prefill-<i>``, ``sim-decode-<i>``, plus a
+prefix to tell fleets apart) and their start and stop. Prints ``READY <n> nodes``
+once every node serves, then one ``NODE <role> <node_id> <http_addr>`` line each.
+"""
+
+import asyncio
+import dataclasses
+import logging
+
+from splitserve.common.config import NodeConfig
+from splitserve.node.runtime import RUNTIME, build_app, run_until_signal, start_site
+
+log = logging.getLogger(__name__)
+
+
+def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
+                  id_prefix: str = "sim") -> list[NodeConfig]:
+    """``template`` (its engine config carrying ``sim``) copied per node, port 0 each."""
+    if template.engine.sim is None:
+        raise ValueError("sim-nodes: the engine config has no timing model (EngineConfig.sim)")
+    if prefill_nodes < 0 or decode_nodes < 0 or prefill_nodes + decode_nodes < 1:
+        raise ValueError(f"sim-nodes: need at least one node, got {prefill_nodes} prefill and "
+                         f"{decode_nodes} decode nodes")
+    roles = [("prefill", i) for i in range(prefill_nodes)] + [("decode", i) for i in range(decode_nodes)]
+    return [dataclasses.replace(template, role=role, port=0, node_id=f"{id_prefix}-{role}-{i}")
+            for role, i in roles]
+
+
+async def serve_fleet(configs: list[NodeConfig], stop: asyncio.Event) -> None:
+    """Start every node (a few at a time: each registers with Redis), serve until ``stop``."""
+    runners = []
+    gate = asyncio.Semaphore(8)
+
+    async def start(cfg: NodeConfig):
+        async with gate:
+            app = build_app(cfg)
+            return app, await start_site(app, cfg)
+
+    try:
+        started = await asyncio.gather(*(start(c) for c in configs), return_exceptions=True)
+        runners = [s[1] for s in started if not isinstance(s, BaseException)]
+        failed = [s for s in started if isinstance(s, BaseException)]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(configs)} simulated nodes failed to start: {failed[0]!r}")
+        print(f"READY {len(configs)} nodes", flush=True)
+        for app, _ in started:
+            rt = app[RUNTIME]
+            print(f"NODE {rt.config.role} {rt.node_id} {rt.http_addr}", flush=True)
+        await stop.wait()
+    finally:
+        await asyncio.gather(*(r.cleanup() for r in runners), return_exceptions=True)
+
+
+def run_fleet(configs: list[NodeConfig]) -> None:
+    run_until_signal(lambda stop: serve_fleet(configs, stop))
