@@ -10,9 +10,9 @@ receiver's ``TCPStore``. Must not: know the protocol's meaning (``sender_core`` 
 ::
 
     sender (device D)                                  receiver nccl://host:P (device D')
-    TCP dial host:P  -- Hello ---------------------->  TCP control listener :P
+    TCP dial host:P  -- Hello(group "gloo"|"nccl") -->  TCP control listener :P; refuses another kind
                      <-- Welcome(nccl=(store port S,   TCPStore server :S (every interface),
-                            prefix, "gloo"|"nccl")) --  one for the receiver's lifetime
+                                       prefix)) -----  one for the receiver's lifetime
     rank 1 joins PrefixStore(prefix) at host:S  <--->  rank 0 joins the same prefix
                      -- probe, 1 byte ----------------->  (then rank 0 deletes the prefix's keys)
     per frame:  TCP  -- Blocks header ---------------->
@@ -32,14 +32,15 @@ straight from the packed blocks and receives straight into the staging buffer (n
 copy). CUDA makes a NCCL group; ``KVBlockStore`` keeps the cache in host memory, so
 a payload goes host -> the sender's GPU -> NCCL -> the receiver's GPU -> host staging,
 where the receiver verifies checksums and lands blocks exactly as on the other
-backends. Both ends must be of one kind: the Welcome names the receiver's, and a
-sender of the other kind gets a ``TransferError`` naming both. NCCL cannot pair two
-ranks on one GPU, so a same-host pair needs two devices.
+backends. Both ends must be of one kind: the Hello names the sender's, and the
+receiver refuses another kind before any group exists (both sides name both kinds).
+NCCL cannot pair two ranks on one GPU, so a same-host pair needs two devices.
 
-Failure: a dead peer closes the control connection (EOF) and its group's sockets
-(the op in flight fails); a stalled one hits the op timeout (sender:
-``timeout_s``; receiver: ``PAYLOAD_TIMEOUT_S`` per payload, posted only once its
-header arrived). ``close``/``stop`` never wait for a torch.distributed call.
+Failure: a dead peer closes the control connection (EOF: the sender fails every
+pending frame, the receiver reports a cut frame's blocks ok=False); a stalled one hits
+the op timeout (sender: ``timeout_s``; receiver: ``PAYLOAD_TIMEOUT_S`` per payload,
+posted only once its header arrived). ``close``/``stop`` never wait for a
+torch.distributed call; ``pair_group`` says how its thread ends.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ from datetime import timedelta
 
 import torch
 
+from splitserve.kvtransfer.block_store import CHECKSUM_ALGO
 from splitserve.kvtransfer.channel import Channel, ChannelClosed, coalesce, parse_address
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.pair_group import (PairGroup, check_available, group_kind,
                                               payload_device)
 from splitserve.kvtransfer.sender_core import Connection
 from splitserve.kvtransfer.tcp import TcpChannel, TcpReceiver, TcpSender
-from splitserve.kvtransfer.wire import Message, NcclInfo, Welcome
+from splitserve.kvtransfer.wire import Hello, Message, NcclInfo, Refused, Welcome
 
 PREFIX_BYTES = 8  # random bytes naming a connection in the receiver's store
 ATTACH_TIMEOUT_S = 10.0  # a receiver waits this long for the sender to join the group
@@ -158,15 +160,13 @@ class NcclSender(TcpSender):
     async def _open(self, addr: str) -> Channel:
         return NcclChannel(await super()._open(addr), self.device, self.options.timeout_s)
 
+    def _hello(self) -> Hello:
+        return Hello(layout=self.layout, checksum=CHECKSUM_ALGO, group=group_kind(self.device))
+
     async def _on_welcome(self, conn: Connection) -> None:
         info = conn.welcome.nccl
         if info is None:
             raise TransferError(f"receiver {conn.addr} offers no process group; use its backend")
-        mine = group_kind(self.device)
-        if info.group != mine:
-            raise TransferError(f"receiver {conn.addr} moves payloads with {info.group}, this sender "
-                                f"with {mine} (device {self.device}): run both nodes on the same "
-                                f"device type (cpu: gloo, cuda: nccl)")
         host, _ = parse_address(conn.addr, self.scheme)
         await conn.channel.join(1, host, info.store_port, info.prefix, self.options.connect_timeout_s)
 
@@ -194,9 +194,17 @@ class NcclReceiver(TcpReceiver):
         return NcclChannel(control, self.device, PAYLOAD_TIMEOUT_S,
                            prefix=secrets.token_hex(PREFIX_BYTES))
 
+    def _check_hello(self, hello: Hello) -> Refused | None:
+        refusal = super()._check_hello(hello)
+        mine = group_kind(self.device)
+        if refusal is None and hello.group != mine:
+            return Refused(f"sender moves payloads with {hello.group or 'no process group'}, receiver "
+                           f"{self.address} with {mine} (device {self.device}): run both nodes on "
+                           f"the same device type (cpu: gloo, cuda: nccl)")
+        return refusal
+
     def _welcome(self, channel: Channel) -> Welcome:
-        info = NcclInfo(store_port=self._store.port, prefix=channel.prefix,
-                        group=group_kind(self.device))
+        info = NcclInfo(store_port=self._store.port, prefix=channel.prefix)
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, nccl=info)
 
     async def _handshake(self, channel: Channel) -> bool:

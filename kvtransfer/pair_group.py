@@ -13,20 +13,24 @@ while a node holds one pair per peer, peers coming and going. ::
 
     open(rank, store host:port, prefix)   TCPStore client -> PrefixStore(prefix) -> group
                                           probe: one byte 1 -> 0 (NCCL builds its communicator
-                                          on a first send/recv: here, under the open timeout)
+                                          in a first send/recv: here, while connecting)
     send(view) / recv(view)               pg.send / pg.recv of one uint8 tensor, then wait(timeout)
     close()                               fails every future the loop awaits, at once
 
 torch.distributed calls block, so they all run on the pair's own daemon thread, in
 submission order (payloads leave in the order their frames' headers did); the event
-loop only awaits futures. The thread creates, uses and drops the group. Nothing
-waits without a bound: the rendezvous and each op have a timeout (a gloo timeout also
-closes the pair), and a group whose sockets close (peer process died, or the peer
-dropped its group) fails the op in flight at once. gloo's ``abort()`` does not
-interrupt a pending op, so after ``close`` the thread may sit in one until the peer
-drops its side or the timeout passes; NCCL's ``abort()`` does, and ``close`` calls it.
-With NCCL, a failed op must not end the process: ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-defaults to 2 (abort the communicator only; torch's own default tears the process down).
+loop only awaits futures, which ``close`` fails at once. The thread creates, uses and
+drops the group, and its waits are bounded too: the rendezvous and each op have a
+timeout (a gloo timeout also closes the pair), and a gloo group whose peer's sockets
+close (process died, or it dropped its group) fails the op in flight at once. gloo's
+``abort()`` cannot interrupt a pending op, so after ``close`` the thread may sit in
+one until the peer drops its side or the timeout passes; NCCL's ``abort()`` can, and
+``close`` calls it. One unbounded wait remains: NCCL's communicator setup inside the
+probe has no timeout and abort cannot reach it, so a peer that vanishes between the
+store rendezvous and the probe leaves that thread there (holding nothing the loop or
+other pairs need). With NCCL a failed op must not end the process:
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 2 (abort the communicator only;
+torch's own default, 3, tears the process down).
 """
 
 from __future__ import annotations
@@ -179,17 +183,18 @@ class PairGroup:
         try:
             if self.kind == "gloo":
                 options = dist.ProcessGroupGloo._Options()
-                options._timeout = timeout
                 options._threads = 1  # its threads only run collectives; we use send/recv
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host,
                                                                         lazy_init=False)]
-                self._group = dist.ProcessGroupGloo(store, rank, 2, options)
             else:
                 for key, value in NCCL_ENV_DEFAULTS.items():
                     os.environ.setdefault(key, value)
+                torch.cuda.set_device(self.device)  # this thread's ops and NCCL's guesses use it
                 options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                self._group = dist.ProcessGroupNCCL(store, rank, 2, options)
+            options._timeout = timeout
+            options.group_name = prefix  # names the pair in torch's logs
+            group_cls = dist.ProcessGroupGloo if self.kind == "gloo" else dist.ProcessGroupNCCL
+            self._group = group_cls(store, rank, 2, options)
             self._rank = rank
             probe = torch.ones(1, dtype=torch.uint8, device=self.device)
             op = self._group.send if rank == 1 else self._group.recv

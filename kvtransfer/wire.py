@@ -37,6 +37,7 @@ class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
     checksum: str  # block checksum algorithm, e.g. "xxh3_64"
     version: int = PROTOCOL_VERSION
     want_shm: bool = False  # the sender writes through the receiver's shared cache
+    group: str = ""  # nccl backend: the process group kind the sender joins, "gloo" or "nccl"
 
 
 class ShmInfo(msgspec.Struct, tag="shm_info", omit_defaults=True):
@@ -60,7 +61,6 @@ class NcclInfo(msgspec.Struct, tag="nccl_info", omit_defaults=True):
 
     store_port: int  # the receiver's TCPStore, on the host of the control address
     prefix: str  # this connection's key prefix in that store
-    group: str  # "gloo" (payloads in host memory) or "nccl" (payloads on a CUDA device)
 
 
 class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
