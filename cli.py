@@ -14,6 +14,8 @@ import logging
 import json
 import sys
 
+from splitserve.common.config import KV_BACKENDS
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -73,7 +75,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
     g.add_argument("--redis-url", default=None, help="registry; without it the node is not discoverable")
     g.add_argument("--node-id", default="")
-    g.add_argument("--kv-backend", choices=("tcp", "shm", "ucx"), default="tcp")
+    g.add_argument("--kv-backend", choices=KV_BACKENDS, default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
 
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
     up.add_argument("--prefill-nodes", type=int)
     up.add_argument("--decode-nodes", type=int)
     up.add_argument("--port", type=int, help="router port")
-    up.add_argument("--kv-backend", choices=("tcp", "shm", "ucx"))
+    up.add_argument("--kv-backend", choices=KV_BACKENDS)
     up.add_argument("--kv-cache-memory")
     up.add_argument("--threads-per-node", type=int)
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")

@@ -1,7 +1,7 @@
 """KV transfer bandwidth per backend, sender and receiver in two processes, next to the
 same-host memory-copy bandwidth measured in the same run.
 
-    .venv/bin/python benchmarks/bench_kvtransfer.py [--runs 7] [--backends tcp,shm,ucx]
+    .venv/bin/python benchmarks/bench_kvtransfer.py [--runs 7] [--backends tcp,shm,ucx,nccl]
 
 Realistic layout: 30 layers, block 16, 3 KV heads, head dim 64, fp32 (720 KiB per
 block). For 1, 16 and 256 blocks it times ``send_blocks`` from call to last
@@ -144,7 +144,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--backends", default="tcp,shm,ucx")
+    ap.add_argument("--backends", default="tcp,shm,ucx,nccl")
     ap.add_argument("--frame-mib", type=float, default=None,
                     help="sender frame size in MiB (default: each backend's own)")
     args = ap.parse_args()

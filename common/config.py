@@ -6,6 +6,9 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+# The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
+# NCCL when the engine's device is CUDA, gloo on CPU.
+KV_BACKENDS = ("tcp", "shm", "ucx", "nccl")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -130,12 +133,12 @@ class NodeConfig:
     port: int = 0  # 0: pick a free port
     redis_url: str | None = None  # None: not registered (tests, single-node use)
     node_id: str = ""  # "" : derived from role and port
-    kv_backend: str = "tcp"  # "tcp" | "shm" | "ucx": how KV blocks travel to decode nodes
+    kv_backend: str = "tcp"  # one of KV_BACKENDS: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
     fault: str | None = None  # fault injection for tests: "corrupt_block"
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
-        if self.kv_backend not in ("tcp", "shm", "ucx"):
-            raise ValueError(f"kv_backend: must be tcp, shm or ucx, got {self.kv_backend!r}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"kv_backend: must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")

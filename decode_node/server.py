@@ -65,7 +65,7 @@ class DecodeNode:
         if self.config.role == "decode":
             store = KVBlockStore(self.engine.runner.kv_caches, self.rt.layout, self.rt.shm_name)
             self.receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
-                                          self._on_block)
+                                          self._on_block, device=self.config.engine.device)
             self.receiver.accepts = self.transfers.is_live
             await self.receiver.start()
             self.rt.kv_addr = self.receiver.address

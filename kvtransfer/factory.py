@@ -3,6 +3,10 @@
 Owns: ``make_sender`` / ``make_receiver``, the list of backends and the
 resolution of sender options from the environment (fault injection). Must not:
 import a backend before it is asked for (ucxx is heavy and optional).
+
+``device`` is the node's compute device. Only the nccl backend uses it (its
+payloads travel on gloo for cpu, on NCCL for cuda); tcp, shm and ucx move host
+bytes whatever the device.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.sender_core import SenderOptions
 
-BACKENDS = ("tcp", "shm", "ucx")
+BACKENDS = ("tcp", "shm", "ucx", "nccl")
 FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
 
 
@@ -35,9 +39,11 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
 
 
-def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = None) -> KVSender:
+def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = None,
+                device: str = "cpu") -> KVSender:
     """A sender speaking ``backend``; ``options`` default to ``sender_options()`` (env-aware).
-    ``"ucx"`` raises ``TransferError`` naming the reason when ucxx cannot load."""
+    ``"ucx"`` / ``"nccl"`` raise ``TransferError`` naming the reason when ucxx /
+    torch.distributed (gloo, or NCCL for a cuda ``device``) cannot be used."""
     _check_backend(backend)
     options = options or sender_options()
     if backend == "tcp":
@@ -46,15 +52,24 @@ def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = 
     if backend == "shm":
         from splitserve.kvtransfer.shm import ShmSender
         return ShmSender(layout, options)
+    if backend == "nccl":
+        from splitserve.kvtransfer.nccl import NcclSender
+        return NcclSender(layout, options, device=device)
     from splitserve.kvtransfer.ucx import UcxSender
     return UcxSender(layout, options)
 
 
 def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str,
-                  on_block: OnBlock, port: int = 0, advertise_host: str | None = None) -> KVReceiver:
+                  on_block: OnBlock, port: int = 0, advertise_host: str | None = None,
+                  device: str = "cpu") -> KVReceiver:
     """A receiver for ``backend`` landing blocks in ``store``, bound to ``host:port`` once
-    started (ucx binds every interface). ``"shm"`` needs a store allocated in /dev/shm."""
+    started (ucx's listener and nccl's store bind every interface). ``"shm"`` needs a store
+    allocated in /dev/shm."""
     _check_backend(backend)
+    if backend == "nccl":
+        from splitserve.kvtransfer.nccl import NcclReceiver
+        return NcclReceiver(layout, store, on_block, host=host, port=port,
+                            advertise_host=advertise_host, device=device)
     if backend == "tcp":
         from splitserve.kvtransfer.tcp import TcpReceiver as cls
     elif backend == "shm":

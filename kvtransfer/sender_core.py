@@ -43,7 +43,8 @@ class SenderOptions:
     connect_timeout_s: float = 5.0  # dial + handshake
     timeout_s: float = 60.0  # one send_blocks call, end to end
     # Frames hold whole blocks: at least one, at most this many bytes. None: the backend's
-    # default (tcp, shm: 2 MiB; ucx: 32 MiB, which pays a poll per frame).
+    # default (tcp, shm: 2 MiB; ucx: 32 MiB, which pays a poll per frame; nccl: 8 MiB, which
+    # pays a thread hand-off and a send/recv rendezvous per frame).
     max_frame_bytes: int | None = None
     corrupt_every: int = 0  # fault injection: flip one byte of every Nth block after its checksum
 

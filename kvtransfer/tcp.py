@@ -52,6 +52,11 @@ class TcpChannel(Channel):
         self._read_waiter: asyncio.Future | None = None
         self._write_waiter: asyncio.Future | None = None
 
+    @property
+    def local_host(self) -> str:
+        """This end's address: the interface that reaches the peer (valid until ``close``)."""
+        return self._sock.getsockname()[0]
+
     async def send(self, msg: Message, payload: Sequence[memoryview] = ()) -> None:
         head = encode(msg)
         bufs = deque([memoryview(len(head).to_bytes(4, "little") + head), *payload])

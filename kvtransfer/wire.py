@@ -14,9 +14,10 @@ A connection, sender on the left::
 
 ``Blocks.payload_nbytes`` bytes follow a ``Blocks`` header: the frame's blocks,
 packed (``layout.py``), in ``dest_block_ids`` order (the ucx backend carries them
-on its UCX endpoint instead of the TCP stream). The shm backend sends 0: its
-sender already wrote the bytes into the receiver's shared cache. Every frame
-repeats the sender's ``layout_id`` so a block is never read with another layout.
+on its UCX endpoint instead of the TCP stream, the nccl backend on its two-rank
+process group). The shm backend sends 0: its sender already wrote the bytes into
+the receiver's shared cache. Every frame repeats the sender's ``layout_id`` so a
+block is never read with another layout.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
     checksum: str  # block checksum algorithm, e.g. "xxh3_64"
     version: int = PROTOCOL_VERSION
     want_shm: bool = False  # the sender writes through the receiver's shared cache
+    group: str = ""  # nccl backend: the process group kind the sender joins, "gloo" or "nccl"
 
 
 class ShmInfo(msgspec.Struct, tag="shm_info", omit_defaults=True):
@@ -54,6 +56,13 @@ class UcxInfo(msgspec.Struct, tag="ucx_info", omit_defaults=True):
     token: str  # hex; the sender's first UCX message, binding the endpoint to this connection
 
 
+class NcclInfo(msgspec.Struct, tag="nccl_info", omit_defaults=True):
+    """How a sender joins this connection's two-rank process group."""
+
+    store_port: int  # the receiver's TCPStore, on the host of the control address
+    prefix: str  # this connection's key prefix in that store
+
+
 class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
     """Receiver -> sender: handshake accepted."""
 
@@ -61,6 +70,7 @@ class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
     num_blocks: int
     shm: ShmInfo | None = None
     ucx: UcxInfo | None = None
+    nccl: NcclInfo | None = None
 
 
 class Refused(msgspec.Struct, tag="refused", omit_defaults=True):

@@ -62,7 +62,8 @@ class PrefillNode:
     def _sender(self, backend: str):
         if backend not in self.senders:
             options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0)
-            self.senders[backend] = make_sender(backend, self.rt.layout, options)
+            self.senders[backend] = make_sender(backend, self.rt.layout, options,
+                                                device=self.config.engine.device)
         return self.senders[backend]
 
     async def start(self) -> None:

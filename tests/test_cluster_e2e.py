@@ -61,14 +61,14 @@ def offline(bundled_dir, tokenizer):
     return run
 
 
-@pytest.fixture(scope="module", params=["tcp", "shm", "ucx"])
+@pytest.fixture(scope="module", params=["tcp", "shm", "ucx", "nccl"])
 def cluster(request):
     c = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend=request.param, kv_cache_memory="96MiB")
     try:
         c.start()
     except RuntimeError as e:
-        if request.param == "ucx" and "ucx" in str(e).lower():
-            pytest.skip(f"ucx backend unavailable here: {e}")
+        if request.param in ("ucx", "nccl") and f"{request.param} backend unavailable" in str(e):
+            pytest.skip(f"{request.param} backend unavailable here: {e}")
         raise
     yield c
     c.stop()

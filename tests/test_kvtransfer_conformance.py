@@ -1,7 +1,7 @@
-"""One conformance suite for every KV transfer backend (tcp, shm, ucx): real sockets on
-127.0.0.1, two real block stores with different random contents, and a receiver
-in a child process for the crash case. Each test is bounded by a timeout, so a
-hang is a failure, not a stuck run."""
+"""One conformance suite for every KV transfer backend (tcp, shm, ucx, nccl; nccl on
+its CPU code path, gloo): real sockets on 127.0.0.1, two real block stores with
+different random contents, and a receiver in a child process for the crash case.
+Each test is bounded by a timeout, so a hang is a failure, not a stuck run."""
 
 import asyncio
 import os
@@ -41,9 +41,19 @@ def ucx_unavailable() -> str | None:
     return None
 
 
+def nccl_unavailable() -> str | None:
+    from splitserve.kvtransfer.pair_group import check_available
+    try:
+        check_available(torch.device("cpu"))
+    except TransferError as e:
+        return str(e)
+    return None
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    if request.param == "ucx" and (why := ucx_unavailable()):
+    unavailable = {"ucx": ucx_unavailable, "nccl": nccl_unavailable}.get(request.param)
+    if unavailable is not None and (why := unavailable()):
         pytest.skip(why)
     return request.param
 
