@@ -10,19 +10,25 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
     L       prompt tokens
     C(n)    predicted cached prompt tokens on node n (leading blocks it holds, from
             the index, capped so that one token is always computed)
+    W(n)    prefill work with c = w.cached_token * C(n) of the prompt cached: each new
+            token, plus its attention over the context before it,
+              W(n) = (L - c) + w.attention * (L - c) * (c + (L - c) / 2)
+            (``attention`` is the fitted ratio of the two costs; without it a long
+            cached prefix would look worth only its length, though it also saves
+            the new tokens' attention over it)
     reqs(n) max(running + waiting at n's last heartbeat, this router's in flight there)
     u(n)    n's KV usage, 0..1
-    R(p)    prompt tokens this policy sent p to compute, decayed with a half-life of
-            w.balance_half_life_s; R_mean its mean over the prefill nodes
+    R(p)    the W of the requests this policy sent to p, each decayed with a half-life
+            of w.balance_half_life_s; R_mean its mean over the prefill nodes
 
-    prefill(p) = (L - w.cached_token * C(p))                  work left for p
-               + max(queued_prefill_tokens(p), in-flight tokens)  work ahead of it
+    prefill(p) = W(p)                                              work left for p
+               + max(queued_prefill_tokens(p), in-flight work)     work ahead of it
                + w.prefill_request * reqs(p) + w.kv_usage * u(p)
-               + w.balance * max(0, R(p) - R_mean)            its recent share above the mean
-    decode(d)  = w.transfer * (L - C(d))                        blocks sent to d
+               + w.balance * max(0, R(p) - R_mean) * (L - C(p)) / L  recent share over the mean
+    decode(d)  = w.transfer * (L - C(d))                           blocks sent to d
                + w.decode_request * reqs(d) + w.kv_usage * u(d)
       with no prefill node (d prefills itself), the transfer term is replaced by
-               (L - w.cached_token * C(d)) + queued_prefill_tokens(d)
+               W(d) + queued_prefill_tokens(d)
 
     pick (p, d) minimizing prefill(p) + decode(d)
 
@@ -33,18 +39,19 @@ holding the prefix needs fewer blocks sent (the prefill node skips them), and th
 decision's predicted hit is C(p) (C(d) when d prefills itself), what the response
 will report: the prompt tokens not computed.
 
-No hot spot: a hit lowers a node's cost by at most ``w.cached_token * L <= L``, so a
-node whose load exceeds an idle node's by more than the prompt's length in tokens
-(a queue of L prompt tokens, or L / w.prefill_request requests) loses even when it
-holds the whole prefix. "In-flight tokens" are the uncached prompt tokens this
-router sent to p that have not produced their first token yet, always fresh, so a
+No hot spot: a hit lowers a node's cost by at most the prompt's own work W with
+nothing cached, so a node whose load exceeds an idle node's by more than that (a
+queue of that much work, or W / w.prefill_request requests) loses even when it
+holds the whole prefix. "In-flight work" is the W of the requests this router sent
+to p that have not produced their first token yet, always fresh, so a
 burst of one prefix between two heartbeats spreads once the holder's queue costs
 more than the prefix saves. The queue only sees the present, though: holders of
 popular prefixes (a big tenant's system prompt) keep attracting new conversations,
 each of which then sticks to them, so their work share grows while every queue
 stays short. The balance term charges a node for the work it recently got above
-the average, so new or short-prefix requests go elsewhere once a holder runs
-ahead, while a long cached conversation (C(p) larger than the excess) still stays.
+the average, scaled by the share of the prompt it would have to compute: a new
+conversation that only shares a system prompt goes elsewhere once the holder runs
+ahead, while the next turn of a long conversation it holds (mostly cached) stays.
 Equal costs rotate.
 """
 
@@ -85,25 +92,38 @@ class CacheAware:
         recent = {p.node_id: self.recent.get(p.node_id, now) for p in prefills}
         mean = sum(recent.values()) / len(recent) if recent else 0.0
         prefill = _cheapest(prefills, lambda p: self.prefill_cost(p, n, cached, inflight, inflight_tokens)
-                            + self.w.balance * max(0.0, recent[p.node_id] - mean), turn)
+                            + self.balance_cost(recent[p.node_id] - mean, n, cached.get(p.node_id, 0)),
+                            turn)
         decode = _cheapest(decodes, lambda d: self.decode_cost(d, n, cached, inflight, local), turn)
+        work = self.work(n, cached.get((prefill or decode).node_id, 0))
         if prefill is not None:
-            self.recent.add(prefill.node_id, n - cached.get(prefill.node_id, 0), now)
-        return Decision(prefill, decode)
+            self.recent.add(prefill.node_id, work, now)
+        return Decision(prefill, decode, work)
+
+    def work(self, prompt_len: int, hit: int) -> float:
+        """Prefill work of a prompt with ``hit`` tokens cached, in token-equivalents:
+        every new token, plus its attention over the context before it."""
+        new, ctx = prompt_len - self.w.cached_token * hit, self.w.cached_token * hit
+        return new + self.w.attention * new * (ctx + new / 2)
 
     def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
                      inflight: Mapping[str, int], inflight_tokens: Mapping[str, int]) -> float:
         w = self.w
-        work = prompt_len - w.cached_token * cached.get(p.node_id, 0)
+        work = self.work(prompt_len, cached.get(p.node_id, 0))
         ahead = max(p.load.queued_prefill_tokens, inflight_tokens.get(p.node_id, 0))
         return work + ahead + w.prefill_request * _requests(p, inflight) + w.kv_usage * p.load.kv_usage
+
+    def balance_cost(self, excess: float, prompt_len: int, hit: int) -> float:
+        """A node ``excess`` tokens of recent work above the mean pays for it in
+        proportion to the new work the request would bring (its uncached share)."""
+        return self.w.balance * max(0.0, excess) * (prompt_len - hit) / prompt_len
 
     def decode_cost(self, d: NodeInfo, prompt_len: int, cached: Mapping[str, int],
                     inflight: Mapping[str, int], local_prefill: bool) -> float:
         w = self.w
         hit = cached.get(d.node_id, 0)
         if local_prefill:
-            prompt = prompt_len - w.cached_token * hit + d.load.queued_prefill_tokens
+            prompt = self.work(prompt_len, hit) + d.load.queued_prefill_tokens
         else:
             prompt = w.transfer * (prompt_len - hit)
         return prompt + w.decode_request * _requests(d, inflight) + w.kv_usage * d.load.kv_usage

@@ -51,7 +51,7 @@ class Dispatcher:
     prefix: PrefixIndex
     decisions: DecisionLog
     inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
-    # node_id -> predicted uncached prompt tokens of this router's requests still prefilling there
+    # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
     inflight_tokens: Counter = field(default_factory=Counter)
 
     async def start(self, index: int, request_id: str, prompt: list[int], params: SamplingParams,
@@ -78,12 +78,8 @@ class Dispatcher:
                 request_id=request_id, token_ids=prompt, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
                 transfer_id=uuid.uuid4().hex)
-            on_prefill = 0  # predicted cached tokens on the prefill node
-            if hits is not None and decision.prefill is not None:
-                on_prefill = hits.cached.get(decision.prefill.node_id, 0)
             try:
-                stream, prefill_slot, decode_slot = await self._open(decision, req,
-                                                                     len(prompt) - on_prefill)
+                stream, prefill_slot, decode_slot = await self._open(decision, req)
             except NodeRejected as e:
                 raise ApiError(e.status, e.body.message, param=e.body.param,
                                type_=e.body.type) from e
@@ -122,14 +118,14 @@ class Dispatcher:
                    "retry shortly")
         return ApiError(503, msg, code="no_decode_node")
 
-    async def _open(self, d: Decision, req: GenerateRequest, prefill_tokens: int
+    async def _open(self, d: Decision, req: GenerateRequest
                     ) -> tuple[TokenStream, InflightSlot, InflightSlot]:
         """Send ``req`` to the decode node, counting it in flight on its nodes while
-        it runs (and its ``prefill_tokens`` on the prefill node until the first
+        it runs (and its ``d.prefill_work`` on the prefill node until the first
         token): (stream, prefill slot, decode slot). On any error the slots are
         released and the error re-raised."""
         prefill = InflightSlot(self.inflight, self.inflight_tokens,
-                               d.prefill.node_id if d.prefill else None, prefill_tokens)
+                               d.prefill.node_id if d.prefill else None, d.prefill_work)
         decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
         try:
             return await self.client.generate(d.decode.http_addr, req), prefill, decode
@@ -162,7 +158,7 @@ class InflightSlot:
     counts: Counter
     tokens: Counter
     node_id: str | None
-    num_tokens: int = 0
+    num_tokens: float = 0
     released: bool = False
 
     def __post_init__(self):

@@ -32,6 +32,9 @@ NO_CACHED: Mapping[str, int] = MappingProxyType({})
 class Decision(NamedTuple):
     prefill: NodeInfo | None  # None: the decode node prefills locally
     decode: NodeInfo
+    # What the prefill node (or the decode node prefilling locally) will compute, in
+    # token-equivalents; dispatch counts it in flight there until the first token.
+    prefill_work: float = 0.0
 
 
 class RoutingPolicy(Protocol):
@@ -44,7 +47,8 @@ class RoutingPolicy(Protocol):
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
         """Pick nodes for one request. ``inflight``: node_id -> requests this router
         has in flight there (for prefill nodes: not yet past their first token);
-        ``inflight_tokens``: node_id -> their prompt tokens still to compute there;
+        ``inflight_tokens``: node_id -> their prefill work still to do there (the
+        ``Decision.prefill_work`` of each, in token-equivalents);
         ``cached``: node_id -> predicted cached prompt tokens (absent: none)."""
         ...
 
@@ -83,7 +87,7 @@ class LeastLoad:
             return None
         turn = next(self._tie)
         return Decision(_least(prefills, prefill_load, inflight, turn),
-                        _least(decodes, decode_load, inflight, turn))
+                        _least(decodes, decode_load, inflight, turn), len(request_token_ids))
 
 
 class RoundRobin:
@@ -102,7 +106,7 @@ class RoundRobin:
             return None
         turn = next(self._turn)
         return Decision(prefills[turn % len(prefills)] if prefills else None,
-                        decodes[turn % len(decodes)])
+                        decodes[turn % len(decodes)], len(request_token_ids))
 
 
 def _least(nodes: list[NodeInfo], key, inflight: Mapping[str, int], turn: int) -> NodeInfo | None:

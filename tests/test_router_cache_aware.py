@@ -45,11 +45,13 @@ def test_repeated_prefix_goes_to_the_nodes_that_hold_it():
     assert pick(policy, nodes, {"p1": 960})[0] == "p1"
 
 
-@pytest.mark.parametrize("load", [dict(queued_prefill_tokens=2 * L), dict(running=40),
-                                  dict(running=3, waiting=30), dict(kv_usage=1.0, running=4)])
+@pytest.mark.parametrize("load", [dict(queued_prefill_tokens=2 * L), dict(running=45),
+                                  dict(running=3, waiting=42), dict(kv_usage=1.0, running=8)])
 def test_overloaded_prefill_holder_loses_to_an_idle_node(load):
+    # More load than the whole prompt's work (L tokens plus their attention, 1270
+    # token-equivalents) outweighs holding the whole prompt (minus the token always computed).
     nodes = [node("p0", **load), node("p1"), node("d0", "decode")]
-    # the holder has the whole prompt (minus the token always computed)
+    assert CacheAware().work(L, 0) == pytest.approx(1270)
     assert pick(CacheAware(), nodes, {"p0": L - 8})[0] == "p1"
 
 

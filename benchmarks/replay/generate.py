@@ -6,8 +6,9 @@
     user u:   one of users_per_tenant, with a profile of user_blocks blocks (ids shared
               by every conversation of that user) after the system prompt
     conversation: a user of a tenant; turns ~ Geometric(mean mean_turns); each turn
-              sends system prompt + profile + the whole history + a new user message,
-              and the next turn comes think_s (exponential) after it
+              sends system prompt + profile + the whole history + a new user message;
+              the next turn comes once the answer has streamed (output_length x
+              answer_tpot_s) and the user has thought (exponential, mean mean_think_s)
     history blocks: ids private to the conversation and stable across turns, so turn
               k+1 lists turn k's ids (its last, partial block then longer) plus new ones
 
@@ -42,11 +43,14 @@ class TraceSpec:
     mean_turns: float = 4.0
     mean_user_tokens: int = 300
     mean_output_tokens: int = 150
-    mean_think_s: float = 30.0  # between the end of a turn's request and the next
+    mean_think_s: float = 30.0  # between the end of an answer and the next turn
+    answer_tpot_s: float = 0.05  # seconds per answer token assumed for the answer's duration
     max_context: int = 7680  # prompt + output tokens of one request at most
     seed: int = 0
 
     def __post_init__(self):
+        if self.answer_tpot_s < 0:
+            raise ValueError(f"answer_tpot_s: must be >= 0, got {self.answer_tpot_s}")
         for name in ("tenants", "max_system_blocks", "users_per_tenant", "mean_user_tokens",
                      "mean_output_tokens"):
             if getattr(self, name) < 1:
@@ -98,7 +102,7 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
             out.append(TraceRequest(timestamp=round(at * 1000, 3), input_length=prompt,
                                     output_length=answer, hash_ids=blocks[:-(-prompt // HASH_BLOCK)]))
             length = prompt + answer
-            at += float(rng.exponential(spec.mean_think_s))
+            at += answer * spec.answer_tpot_s + float(rng.exponential(spec.mean_think_s))
         t += float(rng.exponential(1.0 / spec.rate))
     out.sort(key=lambda r: r.timestamp)
     return out

@@ -207,6 +207,9 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "prefill_busy_s_per_node": {k: round(v, 1) for k, v in sorted(busy.items())},
         "speedup": cfg.speedup, "wall_s": round(wall_s, 1), "max_output_tokens": cfg.max_output_tokens,
         "kv_cache_memory": cfg.kv_cache_memory, "trace": trace_summary(requests), "config": asdict(cfg),
+        # trace order: [ttft seconds of trace time (null: failed), prompt tokens, cached tokens]
+        "per_request": [[round(o.ttft_s * cfg.speedup, 3) if o.ok else None, o.prompt_tokens, o.cached_tokens]
+                        for o in outcomes],
     }
 
 
