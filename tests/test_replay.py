@@ -1,0 +1,100 @@
+"""The routing trace (format, expansion, oracle), its generator, and
+``splitserve replay`` end to end on a small trace."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.benchmarks.replay.generate import TraceSpec, generate, summarize
+from splitserve.benchmarks.replay.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace,
+                                                oracle_hits, prompt_tokens)
+
+
+def write(tmp_path, lines) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_load_sorts_and_names_the_bad_line_and_field(tmp_path):
+    ok = ['{"timestamp": 20, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
+          '{"timestamp": 10, "input_length": 100, "output_length": 5, "hash_ids": [1]}']
+    assert [r.timestamp for r in load_trace(write(tmp_path, ok))] == [10, 20]
+    bad = {'{"timestamp": 1, "input_length": 600, "output_length": 5, "hash_ids": [1]}': "needs 2",
+           '{"timestamp": 1, "input_length": 6, "output_length": 5}': "hash_ids",
+           '{"timestamp": 1, "input_length": "x", "output_length": 5, "hash_ids": [1]}': "input_length",
+           '{"timestamp": -1, "input_length": 6, "output_length": 5, "hash_ids": [1]}': "timestamp",
+           'not json': "not JSON"}
+    for line, word in bad.items():
+        with pytest.raises(ValueError, match=f"line 2: .*{word}"):
+            load_trace(write(tmp_path, [ok[0], line]))
+    with pytest.raises(ValueError, match="cannot read"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_hash_ids_expand_to_fixed_blocks_cut_to_input_length():
+    a = TraceRequest(0, 700, 1, [5, 9])
+    b = TraceRequest(1, 1024, 1, [5, 9])
+    c = TraceRequest(2, 512, 1, [6])
+    ta, tb, tc = prompt_tokens(a), prompt_tokens(b), prompt_tokens(c)
+    assert len(ta) == 700 and len(tb) == 1024 and tb[:700] == ta  # same ids, same tokens
+    assert tc != tb[:512]
+    assert all(100 <= t < 49000 for t in tb)
+    # the expansion is fixed across processes (no hash randomisation, no global state)
+    out = subprocess.run([sys.executable, "-c", "from splitserve.benchmarks.replay.trace import "
+                          "TraceRequest, prompt_tokens; print(prompt_tokens(TraceRequest(0, 8, 1, [5])))"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONHASHSEED="7"), check=True)
+    assert json.loads(out.stdout) == ta[:8]
+
+
+def test_oracle_counts_blocks_any_earlier_request_listed():
+    trace = [TraceRequest(0, 1000, 1, [1, 2]), TraceRequest(1, 1200, 1, [1, 2, 3]),
+             TraceRequest(2, 300, 1, [3])]
+    # second: blocks 1 and 2 seen (512 + 512); third: block 3 seen, cut to 300 tokens
+    assert oracle_hits(trace) == [0, 1024, 300]
+
+
+def test_generator_is_deterministic_and_builds_conversations():
+    spec = TraceSpec(tenants=3, users_per_tenant=4, rate=0.5, duration_s=120, mean_turns=3, seed=5)
+    trace = generate(spec)
+    assert trace == generate(spec) and trace != generate(TraceSpec(**{**spec_dict(spec), "seed": 6}))
+    assert [r.timestamp for r in trace] == sorted(r.timestamp for r in trace)
+    for r in trace:
+        assert len(r.hash_ids) == -(-r.input_length // HASH_BLOCK)
+        assert r.input_length + r.output_length <= spec.max_context
+    # a later turn lists every id of the turn before it (the history), then new ones
+    follow_ups = sum(any(o is not r and r.hash_ids[:len(o.hash_ids)] == o.hash_ids and r.timestamp > o.timestamp
+                         for o in trace) for r in trace)
+    assert follow_ups > len(trace) / 3
+    info = summarize(trace)
+    assert 0.3 < info["oracle_hit_rate"] < 1 and info["requests"] == len(trace)
+
+
+def spec_dict(spec):
+    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+
+
+def test_replay_command_end_to_end(tmp_path):
+    trace = generate(TraceSpec(tenants=2, users_per_tenant=2, rate=0.2, duration_s=40, mean_turns=3,
+                               mean_user_tokens=200, mean_think_s=5, seed=1))[:10]
+    path = tmp_path / "t.jsonl"
+    dump_trace(trace, path)
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "replay", str(path), "--prefill-nodes", "2",
+                           "--decode-nodes", "1", "--speedup", "20", "--max-output-tokens", "4",
+                           "--fleet-procs", "1", "--kv-cache-memory", "512MiB", "--result-json", str(out)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, SPLITSERVE_QUIET="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["failed"] == 0 and r["requests"] == 10
+    for key in ("hit_rate", "oracle_hit_rate", "ttft_p50", "ttft_p99", "max_mean_load"):
+        assert r[key] is not None, key
+    assert 0 < r["hit_rate"] <= r["oracle_hit_rate"] <= 1
+    assert 0 < r["ttft_p50"] <= r["ttft_p99"]
+    assert r["max_mean_load"] >= 1
+    assert sum(r["prefill_requests_per_node"].values()) == 10
+    assert "hit rate" in proc.stdout
