@@ -28,8 +28,8 @@ class CacheAwareWeights:
     # per token of prompt work recently sent to a prefill node above the mean of the prefill
     # nodes (half-life below): cache affinity accumulates work on the holders of popular
     # prefixes; this caps how far one node's share runs ahead of the others'
-    balance: float = 1.0
-    balance_half_life_s: float = 30.0
+    balance: float = 2.0
+    balance_half_life_s: float = 300.0  # conversations last minutes
 
     def __post_init__(self):
         for f in fields(self):

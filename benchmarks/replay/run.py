@@ -16,6 +16,11 @@ Reported (JSON with ``--result-json``):
   max_mean_requests  the same for requests routed (the router's routing_decisions_total);
                    requests with long cached prefixes are cheap, so this spreads wider
 
+The router's clock is not compressed: its registry polls and heartbeats stay in
+wall-clock time. The one policy time constant, cache_aware's balance half-life,
+is divided by the speed-up so the policy remembers the same stretch of trace time
+(a later ``--router-arg=--score-weights=...`` replaces that).
+
 Output lengths are capped because the figures are about routing and prefill: decode
 steps of the simulated nodes cost wall-clock time in this process's router and
 nodes, not prefill capacity.
@@ -217,14 +222,17 @@ def run_replay(cfg: ReplayConfig) -> dict:
     """Start the cluster, replay, stop it; the summary (also written to ``cfg.result_json``)."""
     from splitserve.common.bundled import BUNDLED_MODEL_ID
     from splitserve.deploy.launcher import SimCluster
+    from splitserve.router.config import CacheAwareWeights
 
     requests = load_trace(cfg.trace)[:cfg.limit]
     print(f"[replay] {cfg.trace}: {trace_summary(requests)}", file=sys.stderr, flush=True)
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
+    half_life = CacheAwareWeights().balance_half_life_s / cfg.speedup
+    router_args = (f"--score-weights=balance_half_life_s={half_life:g}", *cfg.router_args)
     cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
-                         kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=cfg.router_args)
+                         kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
     print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "
           f"{cfg.num_decode_nodes} decode simulated nodes ...", file=sys.stderr, flush=True)
     with cluster:
