@@ -19,6 +19,18 @@ import torch.nn.functional as F
 from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
 
 
+def build_decode_mask(seq_lens: torch.Tensor, width: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor | None:
+    """The additive ``[D, 1, 1, width]`` mask hiding each decode row's positions >= its
+    seq_len (``AttentionMetadata.decode_mask``), on ``device``; None when no row is padded.
+    Built where ``seq_lens`` lives (the CPU in the engine), then moved."""
+    if not len(seq_lens) or int(seq_lens.min()) >= width:
+        return None
+    keep = torch.arange(width, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [D, width]
+    mask = torch.zeros(keep.shape, dtype=dtype, device=seq_lens.device).masked_fill_(~keep, float("-inf"))
+    return mask.view(len(seq_lens), 1, 1, width).to(device)
+
+
 class TorchAttention(AttentionBackend):
     """Also the base of the kernel backends, which override ``write_cache`` and ``decode``
     and keep this class's prefill."""
