@@ -21,6 +21,7 @@ from splitserve.csrc.checks import check_cache_write, check_decode, num_partitio
 
 CUDA_HEAD_DIMS = (64, 128)  # head dims the attention kernel is instantiated for
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (sequences, planes)
+MAX_PARTITIONS = 8192  # the merge kernel keeps one float per partition in 48 KiB of shared memory
 
 
 def _check_cuda_aligned(name: str, t: torch.Tensor, dims: range) -> None:
@@ -44,6 +45,9 @@ def paged_decode_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Te
     if num_seqs > MAX_GRID_YZ:
         raise ValueError(f"q: at most {MAX_GRID_YZ} sequences per call, got {num_seqs}")
     parts = num_partitions(block_tables, k_cache.shape[1], partition_size)
+    if parts > MAX_PARTITIONS:
+        raise ValueError(f"block_tables: {block_tables.shape[1]} blocks make {parts} partitions of {partition_size} "
+                         f"tokens, more than {MAX_PARTITIONS}")
     dev = q.device
     if parts > 1:
         part_out = torch.empty((num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=dev)
