@@ -160,7 +160,7 @@ def make_kv_write():
     layer cache and distinct random slots, every third token's slot -1 (skipped)."""
     def make(num_tokens, kv_heads, head_dim, block_size, num_blocks, dtype, device="cpu", seed=0):
         g = torch.Generator().manual_seed(seed)
-        kv = torch.randn((num_tokens, 3 * kv_heads * head_dim), generator=g).to(dtype)  # [T, (q?) k v]
+        kv = torch.randn((num_tokens, 3 * kv_heads * head_dim), generator=g).to(dtype)  # [T, 3 * kv_heads * hd]: a q stand-in, k, v
         k = kv[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
         v = kv[:, 2 * kv_heads * head_dim:].view(num_tokens, kv_heads, head_dim)
         slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
