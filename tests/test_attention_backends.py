@@ -47,6 +47,20 @@ def test_engine_on_cpu_uses_torch(make_engine, tiny_llama_dir):
     assert engine.runner.kv_caches.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_engine_runs_on_cpu(make_engine, run_engine, tiny_llama_dir, dtype):
+    """The GPU default dtype through the whole model (RoPE tables follow the activations'
+    dtype, so q and k reach the cache in its dtype)."""
+    from splitserve.common.sampling_params import SamplingParams
+
+    path, _ = tiny_llama_dir()
+    engine = make_engine(model=str(path), kv_cache_memory=1 << 20, block_size=4, dtype=dtype)
+    assert engine.runner.kv_caches.dtype == getattr(torch, dtype)
+    out = run_engine(engine, {"a": ([5, 17, 42, 99, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+                              "b": ([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))})
+    assert all(len(t) == 6 and all(0 <= x < 257 for x in t) for t in out.values())
+
+
 def test_cli_engine_flags():
     from splitserve.cli import _add_engine_args, engine_config
     import argparse
