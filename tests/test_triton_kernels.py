@@ -11,12 +11,8 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-import splitserve
 
 triton = pytest.importorskip("triton", reason="triton is not installed (deploy/requirements.txt pins it)")
 
@@ -79,9 +75,8 @@ def interpreted(tmp_path_factory, make_paged_decode, make_kv_write):
     folder = tmp_path_factory.mktemp("triton_interpret")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save(cases, inputs)
-    root = str(Path(splitserve.__file__).resolve().parent.parent)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    # the child imports the splitserve this process imported (an installed copy or a checkout)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
     proc = subprocess.run([sys.executable, "-c", CHILD, str(inputs), str(outputs)], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
