@@ -12,13 +12,15 @@ synchronizes. Shapes, as the kernels read them:
     slot_mapping   [num_tokens] int64, block * block_size + offset, or -1 to skip the token
 """
 
+from typing import NoReturn
+
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_PARTITION_SIZE = 512  # tokens per split-K partition (csrc/kernels.h kMaxPartitionSize)
 
 
-def _fail(name: str, what: str) -> None:
+def _fail(name: str, what: str) -> NoReturn:
     raise ValueError(f"{name}: {what}")
 
 

@@ -2,7 +2,7 @@
 
     device not cuda:  "auto" | "torch" -> torch reference;  "cuda" | "triton" -> ValueError
     device cuda:      "auto" -> the first that works here, each fallback logged:
-                                CUDA kernels (they build, head_dim 64 or 128)
+                                CUDA kernels (they build, head_dim 64 or 128, block_size <= 512)
                                 Triton kernels (triton imports, block_size a power of two >= 16)
                                 torch reference
                       "cuda" | "triton" | "torch" -> that one, or an error saying why not
@@ -31,10 +31,10 @@ def select_backend(config: EngineConfig, device: torch.device, head_dim: int) ->
     if name == "torch":
         return TorchAttention()
     if name == "cuda":
-        return _cuda(device, head_dim)
+        return _cuda(device, head_dim, config.block_size)
     if name == "triton":
         return _triton(device, config.block_size)
-    for make in (lambda: _cuda(device, head_dim), lambda: _triton(device, config.block_size)):
+    for make in (lambda: _cuda(device, head_dim, config.block_size), lambda: _triton(device, config.block_size)):
         try:
             return make()
         except (ValueError, RuntimeError) as e:  # CsrcBuildError is a RuntimeError
@@ -42,12 +42,16 @@ def select_backend(config: EngineConfig, device: torch.device, head_dim: int) ->
     return TorchAttention()
 
 
-def _cuda(device: torch.device, head_dim: int) -> AttentionBackend:
+def _cuda(device: torch.device, head_dim: int, block_size: int) -> AttentionBackend:
+    from splitserve.csrc.checks import MAX_PARTITION_SIZE
     from splitserve.engine.attention.cuda_backend import SUPPORTED_HEAD_DIMS, CudaAttention
 
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"attention_backend: the CUDA kernels support head_dim {SUPPORTED_HEAD_DIMS}, the model "
                          f"has {head_dim}; use triton or torch")
+    if block_size > MAX_PARTITION_SIZE:  # a split-K partition holds whole blocks
+        raise ValueError(f"attention_backend: the CUDA kernels need block_size <= {MAX_PARTITION_SIZE}, "
+                         f"got {block_size}")
     return CudaAttention(device)
 
 
