@@ -40,6 +40,27 @@ def test_cpu_always_gets_the_torch_reference():
             select_backend(EngineConfig(device="cuda", attention_backend=name), CPU, head_dim=64)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallbacks are forced by a machine without CUDA")
+def test_auto_falls_back_to_torch_and_explicit_choices_say_why(caplog):
+    """A config for a GPU on a machine without one: auto tries the CUDA kernels (cannot
+    build), then Triton (no GPU), then takes the reference, logging each reason."""
+    from splitserve.csrc.build import CsrcBuildError
+
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING"):
+        backend = select_backend(EngineConfig(device="cuda"), cuda, head_dim=64)
+    assert type(backend) is TorchAttention
+    reasons = [r.getMessage() for r in caplog.records if "fallback" in r.getMessage()]
+    assert len(reasons) == 2 and "CUDA" in reasons[0] and "Triton" in reasons[1], reasons
+    with pytest.raises(CsrcBuildError, match="attention-backend"):
+        select_backend(EngineConfig(device="cuda", attention_backend="cuda"), cuda, head_dim=64)
+    with pytest.raises(ValueError, match="attention_backend: the CUDA kernels support head_dim"):
+        select_backend(EngineConfig(device="cuda", attention_backend="cuda"), cuda, head_dim=96)
+    with pytest.raises(ValueError, match="attention_backend: the Triton kernels need a visible CUDA GPU"):
+        select_backend(EngineConfig(device="cuda", attention_backend="triton"), cuda, head_dim=64)
+    assert type(select_backend(EngineConfig(device="cuda", attention_backend="torch"), cuda, 64)) is TorchAttention
+
+
 def test_engine_on_cpu_uses_torch(make_engine, tiny_llama_dir):
     path, _ = tiny_llama_dir()
     engine = make_engine(model=str(path), kv_cache_memory=1 << 20)

@@ -56,6 +56,9 @@ def _cuda(device: torch.device, head_dim: int, block_size: int) -> AttentionBack
 
 
 def _triton(device: torch.device, block_size: int) -> AttentionBackend:
+    if not torch.cuda.is_available():
+        raise ValueError(f"attention_backend: the Triton kernels need a visible CUDA GPU, torch {torch.__version__} "
+                         "sees none; use torch")
     try:
         from splitserve.engine.attention.triton_backend import TritonAttention
         from splitserve.engine.attention.triton_kernels import check_block_size
