@@ -41,12 +41,15 @@ def nvcc():
     return path
 
 
+@pytest.mark.slow  # ~25 s of CPU per arch for the attention kernel's 30 instantiations
 def test_kernels_compile_for_sm80_and_sm90(nvcc, tmp_path):
-    """Every .cu file for both archs at once (parallel processes); -std=c++20 as torch's builder uses."""
+    """Every .cu file for both archs at once (parallel processes), with the flags torch's
+    builder adds (-std=c++20, no implicit half/bf16 conversions)."""
     jobs = {}
     for src in sorted(CSRC.glob("*.cu")):
         for arch in ARCHS:
-            cmd = [nvcc, "-std=c++20", "-O3", "-c", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            cmd = [nvcc, "-std=c++20", "-O3", *cpp_extension.COMMON_NVCC_FLAGS, "-c",
+                   f"-gencode=arch=compute_{arch},code=sm_{arch}",
                    "-Xptxas=-warn-spills", str(src), "-o", str(tmp_path / f"{src.stem}.sm{arch}.o")]
             jobs[f"{src.name} sm_{arch}"] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                              text=True)
