@@ -27,6 +27,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-size", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
+    g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and KV cache (auto: float32 on cpu, bfloat16 on cuda)")
+    g.add_argument("--attention-backend", choices=("auto", "cuda", "triton", "torch"), default="auto",
+                   help="auto: CUDA kernels, else Triton, else torch (always torch on cpu)")
 
 
 def engine_config(args, sim=None):
@@ -37,6 +42,7 @@ def engine_config(args, sim=None):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+                        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
                         sim=sim)
 
 

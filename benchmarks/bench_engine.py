@@ -1,12 +1,15 @@
 """Engine throughput against transformers ``generate`` (static batch), same run,
-same weights, same threads.
+same weights, same threads (or the same GPU).
 
     .venv/bin/python benchmarks/bench_engine.py [--runs 3] [--new-tokens 128]
+    .venv/bin/python benchmarks/bench_engine.py --device cuda [--dtype bfloat16] [--attention-backend cuda]
 
 Decode tokens/s at 1, 8 and 32 concurrent requests (time after every request
 has its first token, so prefill is excluded on both sides) and prefill tokens/s
 for 512-token prompts. Each figure is the median of ``--runs``. Writes
-``benchmarks/results/engine.json`` and ``engine.png``.
+``benchmarks/results/engine.json`` and ``engine.png`` (``engine_cuda.*`` on a GPU,
+where both sides run in the engine's dtype: bfloat16 unless ``--dtype`` says otherwise).
+``--device cuda`` without CUDA says so and exits 0, writing nothing.
 """
 
 import argparse
@@ -55,10 +58,12 @@ def ours_prefill(engine: EngineCore, batch: list[list[int]]) -> float:
 
 @torch.inference_mode()
 def hf_generate_time(model, batch: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(batch)
+    ids = torch.tensor(batch, device=model.device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=model.config.eos_token_id)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -78,13 +83,23 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt length for the decode runs")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "engine.json"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides run there)")
+    ap.add_argument("--dtype", default="auto", help="auto: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--attention-backend", default="auto", help="auto, cuda, triton or torch")
+    ap.add_argument("--out", default=None, help="default: results/engine.json, or engine_cuda.json on a GPU")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_engine: --device cuda but no CUDA device here; nothing run, nothing written.")
+        return 0
+    args.out = args.out or str(RESULTS / ("engine.json" if args.device == "cpu" else "engine_cuda.json"))
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    engine = EngineCore(EngineConfig(kv_cache_memory=2 << 30))
-    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    engine = EngineCore(EngineConfig(kv_cache_memory=2 << 30, device=args.device, dtype=args.dtype,
+                                     attention_backend=args.attention_backend))
+    print(f"engine: {args.device}, {engine.config.dtype}, attention backend {engine.runner.backend.name}", flush=True)
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=getattr(torch, engine.config.dtype))
+    hf = hf.to(args.device).eval()
     vocab = engine.model_config.vocab_size
     rows = []
 
@@ -125,6 +140,8 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "torch_threads": torch.get_num_threads(),
+                               "dtype": engine.config.dtype, "attention_backend": engine.runner.backend.name,
+                               "device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
                                "rows": rows, "summary": summary}, indent=2))
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")

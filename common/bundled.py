@@ -12,8 +12,13 @@ BUNDLED_MODEL_ID = "SmolLM2-135M-Instruct"
 CONVERSION_VERSION = 2
 
 
+def cache_root() -> Path:
+    """splitserve's cache folder: $SPLITSERVE_CACHE, else $XDG_CACHE_HOME/splitserve, else
+    ~/.cache/splitserve. Also holds the CUDA kernels built on first use (csrc/build.py)."""
+    return Path(os.environ.get("SPLITSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "splitserve"))
+
+
 def converted_dir() -> Path:
     """The converted folder (it may not exist yet: ``engine.convert`` creates it)."""
-    root = os.environ.get("SPLITSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "splitserve")
-    return Path(root) / f"{BUNDLED_MODEL_ID}-v{CONVERSION_VERSION}"
+    return cache_root() / f"{BUNDLED_MODEL_ID}-v{CONVERSION_VERSION}"

@@ -106,8 +106,11 @@ class EngineConfig:
     prefill_chunk_size: int = 512  # most prompt tokens one request computes per step
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    dtype: str = "float32"  # fp32 on CPU: bf16 is ~6x slower without AVX-512
+    # "auto": float32 on CPU (bf16 is ~6x slower there without AVX-512), bfloat16 on a GPU
+    dtype: str = "auto"
     device: str = "cpu"
+    # "auto": CUDA kernels, else Triton, else the torch reference (always torch on CPU)
+    attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seeds the shared generator of unseeded sampled requests
     # Simulated node: timing model in place of the forward pass (no weights are loaded;
@@ -119,8 +122,16 @@ class EngineConfig:
                      "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        on_cpu = self.device.split(":")[0] == "cpu"
+        if self.dtype == "auto":  # resolved here, before anyone reads it
+            object.__setattr__(self, "dtype", "float32" if on_cpu else "bfloat16")
+        if self.attention_backend not in ("auto", "cuda", "triton", "torch"):
+            raise ValueError(f"attention_backend: must be auto, cuda, triton or torch, got {self.attention_backend!r}")
+        if on_cpu and self.attention_backend in ("cuda", "triton"):
+            raise ValueError(f"attention_backend: {self.attention_backend!r} needs a CUDA device, device is "
+                             f"{self.device!r}; use auto or torch, or --device cuda")
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,9 +64,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin_signed", sin, persistent=False)
 
-    def tables(self, positions):
-        """positions [T] -> (cos, sin_signed), each [T, 1, hd]; gathered once per forward."""
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+    def tables(self, positions, dtype: torch.dtype):
+        """positions [T] -> (cos, sin_signed), each [T, 1, hd] in the activations' dtype (computed
+        in fp32, then cast, as transformers does); gathered once per forward."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
     def apply(x, cos, sin_signed):
@@ -137,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, hd];
         logits_indices: [S] rows whose next-token logits are wanted. Returns [S, vocab] float32."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rope.tables(positions)
+        rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_caches[i], meta, backend)
         x = self.norm(x[logits_indices])  # RMSNorm is per row: normalizing only the needed rows is exact

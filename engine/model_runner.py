@@ -14,7 +14,8 @@ import torch
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import TokenLogprobs
 from splitserve.engine.attention.base import AttentionMetadata, PrefillChunk
-from splitserve.engine.attention.torch_backend import TorchAttention
+from splitserve.engine.attention.selector import select_backend
+from splitserve.engine.attention.torch_backend import build_decode_mask
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import ModelConfig
@@ -54,7 +55,7 @@ class ModelRunner:
         # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.kv_caches = (kv_cache_factory(shape, self.dtype) if kv_cache_factory else
                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-        self.backend = TorchAttention()
+        self.backend = select_backend(config, self.device, cfg.head_dim)
         self.sampler = Sampler(seed=config.seed)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
@@ -83,11 +84,8 @@ class ModelRunner:
         decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
                                      dtype=torch.long).view(nd, max_blocks)
         seq_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes], dtype=torch.long)
-        decode_mask = None
-        if nd and int(seq_lens.min()) < max_blocks * bs:
-            keep = torch.arange(max_blocks * bs).unsqueeze(0) < seq_lens.unsqueeze(1)  # [D, L]
-            decode_mask = torch.zeros(keep.shape, dtype=self.dtype).masked_fill_(~keep, float("-inf"))
-            decode_mask = decode_mask.view(nd, 1, 1, -1).to(self.device)
+        decode_mask = (build_decode_mask(seq_lens, max_blocks * bs, self.dtype, self.device)
+                       if self.backend.needs_decode_mask else None)  # the kernels read seq_lens instead
 
         chunks = []
         for req, n in prefills:

@@ -107,3 +107,64 @@ def redis_url():
 @pytest.fixture(scope="module")
 def anyio_backend():
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def make_paged_decode():
+    """make_paged_decode(seq_lens, num_heads, kv_heads, head_dim, block_size, dtype, device="cpu", seed=0)
+    -> (q, kv_cache, meta): random decode rows as the model hands them to a backend (q a strided
+    view of a wider qkv tensor), one layer's cache [2, num_blocks, block_size, kv_heads, head_dim]
+    and decode-only metadata whose block tables pick shuffled blocks (padded with 0)."""
+    from splitserve.engine.attention.base import AttentionMetadata
+    from splitserve.engine.attention.torch_backend import build_decode_mask
+
+    def make(seq_lens, num_heads, kv_heads, head_dim, block_size, dtype, device="cpu", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        widths = [-(-n // block_size) for n in seq_lens]
+        num_blocks = sum(widths) + 3  # a few blocks no table uses
+        order = torch.randperm(num_blocks, generator=g).tolist()
+        tables, at = [], 0
+        for w in widths:
+            tables.append(order[at:at + w] + [0] * (max(widths) - w))
+            at += w
+        kv_cache = torch.randn((2, num_blocks, block_size, kv_heads, head_dim), generator=g).to(dtype)
+        qkv = torch.randn((len(seq_lens), (num_heads + 2 * kv_heads) * head_dim), generator=g).to(dtype)
+        q = qkv[:, : num_heads * head_dim].view(len(seq_lens), num_heads, head_dim)
+        seq = torch.tensor(seq_lens, dtype=torch.long)
+        dev = torch.device(device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.long, device=dev), num_decodes=len(seq_lens),
+            decode_block_tables=torch.tensor(tables, dtype=torch.long, device=dev), decode_seq_lens=seq.to(dev),
+            decode_mask=build_decode_mask(seq, max(widths) * block_size, torch.float32, dev), prefills=[])
+        return q.to(dev), kv_cache.to(dev), meta
+    return make
+
+
+@pytest.fixture(scope="session")
+def decode_reference():
+    """decode_reference(q, kv_cache, meta) -> [D, H, hd] float32: the torch backend's decode
+    on float32 copies of the inputs (meta from make_paged_decode)."""
+    from splitserve.engine.attention.torch_backend import TorchAttention
+
+    def run(q, kv_cache, meta):
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        TorchAttention().decode(q.float(), kv_cache.float(), meta, out)
+        return out
+    return run
+
+
+@pytest.fixture(scope="session")
+def make_kv_write():
+    """make_kv_write(num_tokens, kv_heads, head_dim, block_size, num_blocks, dtype, device="cpu", seed=0)
+    -> (k, v, kv_cache, slot_mapping): new K/V rows as strided views of one qkv-like tensor, a zeroed
+    layer cache and distinct random slots, every third token's slot -1 (skipped)."""
+    def make(num_tokens, kv_heads, head_dim, block_size, num_blocks, dtype, device="cpu", seed=0):
+        g = torch.Generator().manual_seed(seed)
+        kv = torch.randn((num_tokens, 3 * kv_heads * head_dim), generator=g).to(dtype)  # [T, 3 * kv_heads * hd]: a q stand-in, k, v
+        k = kv[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+        v = kv[:, 2 * kv_heads * head_dim:].view(num_tokens, kv_heads, head_dim)
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+        slots[::3] = -1
+        kv_cache = torch.zeros((2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype)
+        return k.to(device), v.to(device), kv_cache.to(device), slots.to(device)
+    return make

@@ -1,1 +1,2 @@
-"""Attention backends behind one interface: the torch reference (CPU) now, CUDA and Triton kernels later."""
+"""Attention backends behind one interface: the torch reference, CUDA kernels (csrc/) and
+Triton kernels; ``selector.py`` picks one per engine."""

@@ -42,6 +42,7 @@ class AttentionBackend(ABC):
     """Computes causal attention for a flat batch over the paged KV cache."""
 
     name: str
+    needs_decode_mask: bool  # reads meta.decode_mask (the kernels read decode_seq_lens instead)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The torch reference attention backend (CPU, and any device as a fallback).
+"""The torch reference attention backend (CPU, and any device as a fallback), split
+into cache write, decode and prefill so the kernel backends can replace the first two.
 
 Decode: all decode rows at once. Each request's blocks are gathered through its
 block table into ``[D, kv_heads, max_len, head_dim]`` and the query heads that
@@ -15,49 +16,78 @@ context back from the cache with an offset causal mask.
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata
+from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+
+
+def build_decode_mask(seq_lens: torch.Tensor, width: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor | None:
+    """The additive ``[D, 1, 1, width]`` mask hiding each decode row's positions >= its
+    seq_len (``AttentionMetadata.decode_mask``), on ``device``; None when no row is padded.
+    Built where ``seq_lens`` lives (the CPU in the engine), then moved."""
+    if not len(seq_lens) or int(seq_lens.min()) >= width:
+        return None
+    keep = torch.arange(width, device=seq_lens.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [D, width]
+    mask = torch.zeros(keep.shape, dtype=dtype, device=seq_lens.device).masked_fill_(~keep, float("-inf"))
+    return mask.view(len(seq_lens), 1, 1, width).to(device)
 
 
 class TorchAttention(AttentionBackend):
+    """Also the base of the kernel backends, which override ``write_cache`` and ``decode``
+    and keep this class's prefill."""
+
     name = "torch"
+    needs_decode_mask = True
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
         num_tokens, num_heads, head_dim = q.shape
-        kv_heads = k.shape[1]
-        group = num_heads // kv_heads
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, hd]
-        block_size = k_cache.shape[1]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-
+        self.write_cache(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            flat = meta.decode_block_tables.flatten()  # [D * max_blocks]
-            max_len = meta.decode_block_tables.shape[1] * block_size
-            # index_select copies whole blocks, about twice as fast as advanced indexing on CPU
-            kd = k_cache.index_select(0, flat).view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
-            vd = v_cache.index_select(0, flat).view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
-            qd = q[:nd].view(nd, kv_heads, group, head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-            out[:nd] = od.reshape(nd, num_heads, head_dim)
-
+        if meta.num_decodes:
+            self.decode(q[:meta.num_decodes], kv_cache, meta, out[:meta.num_decodes])
         for p in meta.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-            if p.ctx_len == 0:
-                kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
-                vp = v[rows].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-            else:
-                total = p.ctx_len + p.q_len
-                nb = (total + block_size - 1) // block_size
-                table = p.block_table[:nb]
-                kp = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
-                vp = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
-                # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
-                qpos = torch.arange(p.ctx_len, total).unsqueeze(1)
-                mask = torch.arange(total).unsqueeze(0) <= qpos  # [n, total] bool
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-            out[rows] = op[0].transpose(0, 1)
+            self.prefill(q, k, v, kv_cache, p, out)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+        """kv_cache[0|1] at slot_mapping[t] = k[t] | v[t]."""
+        kv_heads, head_dim = k.shape[1:]
+        kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """out [D, H, hd] = attention of the decode rows q [D, H, hd] over their cached context."""
+        nd, num_heads, head_dim = q.shape
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, hd]
+        kv_heads = k_cache.shape[2]
+        flat = meta.decode_block_tables.flatten()  # [D * max_blocks]
+        max_len = meta.decode_block_tables.shape[1] * k_cache.shape[1]
+        # index_select copies whole blocks, about twice as fast as advanced indexing on CPU
+        kd = k_cache.index_select(0, flat).view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
+        vd = v_cache.index_select(0, flat).view(nd, max_len, kv_heads, head_dim).transpose(1, 2)
+        qd = q.view(nd, kv_heads, num_heads // kv_heads, head_dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        out.copy_(od.reshape(nd, num_heads, head_dim))
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                p: PrefillChunk, out: torch.Tensor) -> None:
+        """out[rows of p] = causal attention of chunk p (q, k, v, out: the whole flat batch)."""
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, hd]
+        block_size, kv_heads, head_dim = k_cache.shape[1:]
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+        if p.ctx_len == 0:
+            kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
+            vp = v[rows].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        else:
+            total = p.ctx_len + p.q_len
+            nb = (total + block_size - 1) // block_size
+            table = p.block_table[:nb]
+            kp = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
+            vp = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
+            # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
+            qpos = torch.arange(p.ctx_len, total, device=q.device).unsqueeze(1)
+            mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos  # [n, total] bool
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+        out[rows] = op[0].transpose(0, 1)

@@ -1,0 +1,152 @@
+"""Triton kernels on a CPU-only machine, two ways:
+
+- run by the Triton interpreter and compared with the torch reference. TRITON_INTERPRET=1
+  must be set before triton decorates the kernels and must not leak into other tests, so
+  one child process runs every case: the parent saves the inputs, the child runs the
+  kernels, the parent compares;
+- compiled to sm_80 and sm_90 cubins by triton's own compiler and ptxas (no GPU needed),
+  which the interpreter does not exercise.
+"""
+
+import os
+import subprocess
+import sys
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed (deploy/requirements.txt pins it)")
+
+# name -> paged decode case. Split-K needs more tokens than partition_size; tiny partitions
+# make short contexts split (5 partitions at 100 tokens, 69 at 1100: two merge chunks of 64).
+DECODE = {
+    "fp32-gqa3-split": dict(seq_lens=[1, 37, 100], num_heads=6, kv_heads=2, head_dim=64, block_size=16,
+                            dtype=torch.float32, partition_size=32),
+    "fp16-gqa8-hd128-bs32-split": dict(seq_lens=[5, 64, 70], num_heads=8, kv_heads=1, head_dim=128, block_size=32,
+                                       dtype=torch.float16, partition_size=64),
+    "bf16-mha-single": dict(seq_lens=[16, 3], num_heads=4, kv_heads=4, head_dim=64, block_size=16,
+                            dtype=torch.bfloat16, partition_size=512),
+    "bf16-gqa2-split": dict(seq_lens=[48, 33], num_heads=4, kv_heads=2, head_dim=64, block_size=16,
+                            dtype=torch.bfloat16, partition_size=16),
+    "fp32-69-partitions": dict(seq_lens=[1100], num_heads=1, kv_heads=1, head_dim=64, block_size=16,
+                               dtype=torch.float32, partition_size=16),
+}
+WRITE = {
+    "fp32-bs16": dict(num_tokens=7, kv_heads=2, head_dim=64, block_size=16, num_blocks=3, dtype=torch.float32),
+    "fp16-bs32": dict(num_tokens=5, kv_heads=3, head_dim=128, block_size=32, num_blocks=2, dtype=torch.float16),
+    "bf16-bs16": dict(num_tokens=6, kv_heads=1, head_dim=64, block_size=16, num_blocks=2, dtype=torch.bfloat16),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, vs fp32
+
+CHILD = """
+import sys
+import torch
+from splitserve.engine.attention import triton_kernels
+
+cases = torch.load(sys.argv[1])
+outputs = {}
+for name, c in cases.items():
+    if c["kind"] == "decode":
+        out = torch.empty(c["q"].shape, dtype=c["q"].dtype)
+        triton_kernels.paged_decode_attention(out, c["q"], c["kv_cache"][0], c["kv_cache"][1], c["block_tables"],
+                                              c["seq_lens"], scale=c["scale"], partition_size=c["partition_size"])
+        outputs[name] = out
+    else:
+        kv_cache = c["kv_cache"].clone()
+        triton_kernels.write_kv_cache(c["k"], c["v"], kv_cache[0], kv_cache[1], c["slot_mapping"])
+        outputs[name] = kv_cache
+torch.save(outputs, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory, make_paged_decode, make_kv_write):
+    """name -> (inputs, the child's output) for every case."""
+    cases = {}
+    for name, spec in DECODE.items():
+        spec = dict(spec)
+        partition_size = spec.pop("partition_size")
+        q, kv_cache, meta = make_paged_decode(**spec)
+        cases[name] = dict(kind="decode", q=q, kv_cache=kv_cache, block_tables=meta.decode_block_tables,
+                           seq_lens=meta.decode_seq_lens, scale=q.shape[-1] ** -0.5, partition_size=partition_size,
+                           meta_mask=meta.decode_mask)
+    for name, spec in WRITE.items():
+        k, v, kv_cache, slots = make_kv_write(**spec)
+        cases[name] = dict(kind="write", k=k, v=v, kv_cache=kv_cache, slot_mapping=slots)
+    folder = tmp_path_factory.mktemp("triton_interpret")
+    inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
+    torch.save(cases, inputs)
+    # the child imports the splitserve this process imported (an installed copy or a checkout)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(inputs), str(outputs)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
+    got = torch.load(outputs)
+    return {name: (cases[name], got[name]) for name in cases}
+
+
+@pytest.mark.parametrize("name", list(DECODE))
+def test_paged_decode_matches_torch_reference(interpreted, decode_reference, name):
+    from splitserve.engine.attention.base import AttentionMetadata
+
+    c, out = interpreted[name]
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(c["seq_lens"]),
+                             decode_block_tables=c["block_tables"], decode_seq_lens=c["seq_lens"],
+                             decode_mask=c["meta_mask"], prefills=[])
+    ref = decode_reference(c["q"], c["kv_cache"], meta)
+    assert out.dtype == c["q"].dtype
+    tol = TOLERANCE[out.dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", list(WRITE))
+def test_cache_write_matches_torch_reference_and_skips_slot_minus_one(interpreted, name):
+    from splitserve.engine.attention.torch_backend import TorchAttention
+
+    c, got = interpreted[name]
+    keep = c["slot_mapping"] >= 0
+    assert not keep.all(), "the case must skip some tokens"
+    ref = c["kv_cache"].clone()
+    TorchAttention().write_cache(c["k"][keep], c["v"][keep], ref, c["slot_mapping"][keep])
+    assert torch.equal(got, ref)  # a copy: bit-exact, untouched slots still zero
+
+
+def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
+    """Triton argument types of our kernels, by name: tensors of the cache dtype, fp32
+    split-K scratch, int64 tables and slots, an fp32 scale, int32 sizes and strides."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.startswith("part_"):
+            sig[name] = "*fp32"
+        elif name in ("block_tables_ptr", "seq_lens_ptr", "slot_mapping_ptr"):
+            sig[name] = "*i64"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + dtype
+        else:
+            sig[name] = "fp32" if name == "scale" else "i32"
+    return sig
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_kernels_compile_for_sm80_and_sm90(cc, tmp_path, monkeypatch):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 in this process: the kernels are interpreted, not compiled")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from splitserve.engine.attention import triton_kernels as tk
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # really compile, every run
+    target = GPUTarget("cuda", cc, 32)
+    builds = []
+    for dtype, head_dim, block_size, group in (("fp16", 128, 16, 8), ("bf16", 64, 32, 3), ("fp32", 64, 16, 1)):
+        builds.append((tk._decode_partition, dtype, dict(
+            GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=block_size,
+            SPLIT=dtype != "fp32", DOT_FP32=dtype != "fp16", DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")))
+    builds.append((tk._decode_reduce, "bf16", dict(HEAD_DIM=128, HEAD_DIM_PAD=128, CHUNK=64)))
+    builds.append((tk._write_kv_cache, "fp16", dict(KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=64, HEAD_DIM_PAD=64)))
+    for kernel, dtype, constexprs in builds:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, dtype, constexprs),
+                                            constexprs=constexprs), target=target, options=dict(num_warps=4))
+        assert compiled.asm["cubin"], f"{kernel.fn.__name__} {dtype}: no cubin for sm_{cc}"
