@@ -127,8 +127,6 @@ def cmd_make_trace(args) -> int:
 def cmd_replay(args) -> int:
     from splitserve.benchmarks.replay.run import ReplayConfig, print_summary, run_replay
 
-    if args.prefill_nodes < 1:
-        raise ValueError(f"prefill_nodes: must be >= 1, got {args.prefill_nodes}")
     result = run_replay(ReplayConfig(
         trace=args.trace, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, policy=args.policy,
         speedup=args.speedup, max_output_tokens=args.max_output_tokens, kv_cache_memory=args.kv_cache_memory,

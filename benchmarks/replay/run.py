@@ -61,6 +61,18 @@ class ReplayConfig:
     router_args: tuple[str, ...] = field(default=())
     result_json: str | None = None
 
+    def __post_init__(self):
+        if self.prefill_nodes < 1:
+            raise ValueError(f"prefill_nodes: must be >= 1, got {self.prefill_nodes}")
+        if self.decode_nodes is not None and self.decode_nodes < 1:
+            raise ValueError(f"decode_nodes: must be >= 1, got {self.decode_nodes}")
+        if self.speedup <= 0:
+            raise ValueError(f"speedup: must be > 0, got {self.speedup}")
+        if self.max_output_tokens < 1 or self.fleet_procs < 1:
+            raise ValueError("max_output_tokens and fleet_procs: must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit: must be >= 1, got {self.limit}")
+
     @property
     def num_decode_nodes(self) -> int:
         return self.decode_nodes if self.decode_nodes is not None else max(1, self.prefill_nodes // 4)
