@@ -4,6 +4,7 @@ hand it to the component; nothing here holds state.
     splitserve up                       a local cluster: redis, router, prefill and decode nodes
     splitserve router|prefill|decode    one component (one per machine in production)
     splitserve generate --prompt "..."  offline generation, no servers
+    splitserve bench --base-url URL    load-test any OpenAI-compatible endpoint
 """
 
 import argparse
@@ -99,6 +100,12 @@ def cmd_up(args) -> int:
     return launch(args)
 
 
+def cmd_bench(args) -> int:
+    from splitserve.benchmarks.serve.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,6 +147,12 @@ def main(argv=None) -> int:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--model", default=None)
     up.set_defaults(func=cmd_up)
+
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, "
+                           "E2E percentiles, throughput, goodput")
+    from splitserve.benchmarks.serve.cli import add_bench_args
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
