@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     up.add_argument("--kv-backend", choices=("tcp", "shm", "ucx"))
     up.add_argument("--kv-cache-memory")
     up.add_argument("--threads-per-node", type=int)
+    up.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",
+                    help="pin roles to CPUs, e.g. prefill=0 decode=1 router=0 (a pinned node gets "
+                         "one torch thread per CPU)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--model", default=None)
     up.set_defaults(func=cmd_up)

@@ -7,8 +7,9 @@
 TTFT is taken at the first chunk that carries text (a chat stream's opening role
 chunk carries none). Output tokens come from the final ``usage`` chunk
 (``stream_options.include_usage``): one chunk may carry several tokens, or none
-while the detokenizer holds back a partial character, so counting chunks is only
-the fallback for endpoints that send no usage. Failures are returned, not raised;
+while the detokenizer holds back a partial character. Without usage (llama-cpp-python
+sends none) a request that ended with finish_reason "length" produced exactly
+max_tokens tokens; any other is counted by its text chunks, a lower bound. Failures are returned, not raised;
 only `check_endpoint` raises (`EndpointError`), before a run starts.
 """
 
@@ -56,6 +57,7 @@ class RequestResult:
     output_tokens: int = 0  # from usage (content chunks without it)
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     content_chunks: int = 0
+    finish_reason: str | None = None
     usage_reported: bool = False
     text: str = ""
 
@@ -101,8 +103,9 @@ def _payload(ep: Endpoint, spec: RequestSpec, tok_decode) -> dict:
         prompt = tok_decode(prompt)
     body = {"model": ep.model, "max_tokens": spec.output_len, "temperature": ep.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
-    if ep.ignore_eos:
+    if ep.ignore_eos:  # vLLM and splitserve read ignore_eos, llama-cpp-python min_tokens
         body["ignore_eos"] = True
+        body["min_tokens"] = spec.output_len
     if ep.endpoint_type == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -139,6 +142,7 @@ async def send_request(session: aiohttp.ClientSession, ep: Endpoint, spec: Reque
                         res.error = f"error event: {obj['error']}"[:300]
                         return res
                     text = _text(obj, ep.endpoint_type)
+                    res.finish_reason = _finish_reason(obj) or res.finish_reason
                     if text:
                         if last is None:
                             res.ttft_s = now - start
@@ -158,7 +162,8 @@ async def send_request(session: aiohttp.ClientSession, ep: Endpoint, spec: Reque
     if last is None:  # nothing but empty text: the first token is the end
         res.ttft_s = res.e2e_s
     if not res.usage_reported:
-        res.prompt_tokens, res.output_tokens = spec.prompt_len, res.content_chunks
+        res.prompt_tokens = spec.prompt_len
+        res.output_tokens = spec.output_len if res.finish_reason == "length" else res.content_chunks
     return res
 
 
@@ -174,6 +179,11 @@ def _text(obj: dict, endpoint_type: str) -> str:
     if endpoint_type == "chat":
         return (choices[0].get("delta") or {}).get("content") or ""
     return choices[0].get("text") or ""
+
+
+def _finish_reason(obj: dict) -> str | None:
+    choices = obj.get("choices") or []
+    return choices[0].get("finish_reason") if choices else None
 
 
 def _read_usage(res: RequestResult, usage: dict) -> None:

@@ -30,8 +30,8 @@ def format_summary(s: Summary, title: str) -> str:
                     f"{s.completed} good; TTFT <= {s.slo['ttft_ms']:g} ms, TPOT <= "
                     f"{s.slo['tpot_ms']:g} ms)")
     if s.usage_reported < s.completed:
-        rows.append(f"note: {s.completed - s.usage_reported} streams sent no usage; their output "
-                    "tokens are counted as text chunks")
+        rows.append(f"note: {s.completed - s.usage_reported} streams sent no usage; their token "
+                    "counts are max_tokens (finish_reason length) or text chunks, prompt tokens as built")
     for key, name in _LATENCIES:
         stats = getattr(s, key)
         if stats:

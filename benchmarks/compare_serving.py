@@ -1,0 +1,207 @@
+"""Disaggregation and throughput comparison, every setup in one run, through the
+serving benchmark library (``splitserve.benchmarks.serve``), same workloads:
+
+    setup            CPU 0                         CPU 1
+    1p1d             prefill node (1 thread),      decode node (1 thread)
+                     router, redis, load generator
+    colocated-2cpu   one colocated node on both CPUs (2 threads); router, redis and
+                     the load generator on CPU 0 too: the same hardware as 1p1d
+    colocated-1cpu   router, redis, load generator colocated node (1 thread): the same
+                                                   compute per decode step as 1p1d
+    llama-cpp        llama-cpp-python's OpenAI server on the same GGUF (Q4_1), both
+                     CPUs, 2 threads; skipped with a message when its venv is absent
+
+Workloads:
+    mixed       ``--short`` short prompts decoding as a closed loop of ``--short-concurrency``
+                streams while ``--long`` long prompts arrive every ``--long-interval`` s
+                (splitserve setups only). Decode TPOT p99 of the short requests and TTFT
+                p50 of all requests, per setup.
+    throughput  ``--tput-requests`` requests as 32 concurrent streams (closed loop): output
+                tokens/s, against llama-cpp-python, or without it transformers
+                ``generate`` static batches of 32 on the same prompts, measured in this run.
+
+    python benchmarks/compare_serving.py            # ~15 min with llama-cpp-python
+    python benchmarks/compare_serving.py --quick    # a few minutes: smaller workloads
+
+Writes benchmarks/results/serving_compare.json and serving_compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from splitserve.benchmarks.compare_report import report
+from splitserve.benchmarks.serve import Endpoint, check_endpoint, run, summarize
+from splitserve.benchmarks.serve.arrivals import fixed_offsets
+from splitserve.benchmarks.serve.datasets import load_tokenizer, random_specs
+from splitserve.common.bundled import BUNDLED_GGUF, BUNDLED_MODEL_ID, BUNDLED_PACKAGE
+from splitserve.deploy.launcher import Cluster, free_port
+
+RESULTS = Path(__file__).parent / "results"
+CLUSTERS = {  # setup -> Cluster kwargs
+    "1p1d": dict(prefill_nodes=1, decode_nodes=1, cpus={"prefill": [0], "decode": [1], "router": [0]}),
+    "colocated-2cpu": dict(prefill_nodes=0, decode_nodes=1, colocated=True,
+                           cpus={"colocated": [0, 1], "router": [0]}),
+    "colocated-1cpu": dict(prefill_nodes=0, decode_nodes=1, colocated=True,
+                           cpus={"colocated": [1], "router": [0]}),
+}
+
+
+def workloads(a, tok) -> dict:
+    rng = random.Random(a.seed)
+    short = random_specs(rng, tok, a.short, a.short_input, a.short_output, tag="short")
+    long = random_specs(rng, tok, a.long, a.long_input, a.long_output, tag="long")
+    tput = random_specs(rng, tok, a.tput_requests, a.tput_input, a.tput_output)
+    # mixed: token-id prompts (exact lengths); throughput: text, the one prompt form every
+    # server here takes (llama-cpp-python has no token-array prompts)
+    return {"mixed": dict(specs=short + long, offsets=[0.0] * len(short) + fixed_offsets(
+                              len(long), a.long_interval, a.long_start),
+                          cap={"short": a.short_concurrency}, send_text=False),
+            "throughput": dict(specs=tput, offsets=[0.0] * len(tput), cap=32, send_text=True)}
+
+
+async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
+    """{workload: (RunResult, Summary)} against the endpoint at ``url``."""
+    model = await check_endpoint(url, BUNDLED_MODEL_ID)
+    ep = Endpoint(url, model, "completions", ignore_eos=True)
+    warm = loads["mixed"]["specs"]
+    await run(ep, [warm[0], warm[-1]], [0.0, 0.0], tok.decode, progress=False)  # load, compile, touch
+    out = {}
+    for name in names:
+        w = loads[name]
+        r = await run(ep._replace(send_text=w["send_text"]), w["specs"], w["offsets"], tok.decode,
+                      w["cap"], desc=name)
+        out[name] = (r, summarize(r.results, r.duration_s))
+    return out
+
+
+def run_cluster(setup: str, a, names, loads, tok) -> dict:
+    print(f"\n=== {setup}: starting the cluster", flush=True)
+    with Cluster(kv_backend="shm", kv_cache_memory=a.kv_cache_memory, **CLUSTERS[setup]) as c:
+        return asyncio.run(run_workloads(f"{c.url}/v1", names, loads, tok))
+
+
+def llama_server_cmd(venv: Path, port: int) -> list[str]:
+    import importlib.util
+    gguf = Path(importlib.util.find_spec(BUNDLED_PACKAGE).origin).parent / BUNDLED_GGUF
+    # interrupt_requests=False: queue concurrent requests instead of cutting off the running one
+    return ["taskset", "-c", "0,1", str(venv / "bin" / "python"), "-m", "llama_cpp.server",
+            "--model", str(gguf), "--model_alias", BUNDLED_MODEL_ID, "--n_threads", "2",
+            "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port),
+            "--interrupt_requests", "False"]
+
+
+def run_llama(venv: Path, names, loads, tok) -> dict:
+    print("\n=== llama-cpp: starting llama_cpp.server", flush=True)
+    port = free_port()
+    log = open(RESULTS / "llama_cpp_server.log", "w")
+    proc = subprocess.Popen(llama_server_cmd(venv, port), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                asyncio.run(check_endpoint(url, BUNDLED_MODEL_ID, timeout_s=2))
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"llama_cpp.server did not start; see {log.name}")
+                time.sleep(1)
+        return asyncio.run(run_workloads(url, names, loads, tok))
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
+def _pin_both() -> None:
+    os.sched_setaffinity(0, {0, 1})
+
+
+def transformers_static(bundled: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Output tokens/s of transformers generate in static batches of 32 (prefill
+    included, as in serving), 2 threads on both CPUs. Runs in a child process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(bundled, dtype=torch.float32).eval()
+    width = min(map(len, prompts))  # one shape per batch: no padding
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), 32):
+            ids = torch.tensor([p[:width] for p in prompts[i:i + 32]])
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id)
+    duration = time.perf_counter() - t0
+    return {"output_throughput": len(prompts) * new_tokens / duration, "duration_s": duration,
+            "prompt_len": width}
+
+
+def measure_transformers(a, loads) -> dict:
+    print("\n=== transformers static batching (llama-cpp-python absent)", flush=True)
+    from splitserve.engine.convert import bundled_model_dir
+    prompts = [s.prompt for s in loads["throughput"]["specs"]]
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_pin_both) as ex:
+        return ex.submit(transformers_static, str(bundled_model_dir()), prompts, a.tput_output).result()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads, to check the setup")
+    ap.add_argument("--setups", nargs="+", default=[*CLUSTERS, "llama-cpp"])
+    ap.add_argument("--llama-venv", default=os.environ.get("LLAMA_CPP_VENV", "/work/llamacpp-venv"),
+                    help="venv of benchmarks/install_llama_cpp.sh (default %(default)s)")
+    ap.add_argument("--short", type=int, default=48)
+    ap.add_argument("--short-concurrency", type=int, default=16)
+    ap.add_argument("--short-input", type=int, default=128)
+    ap.add_argument("--short-output", type=int, default=64)
+    ap.add_argument("--long", type=int, default=5)
+    ap.add_argument("--long-input", type=int, default=1792)
+    ap.add_argument("--long-output", type=int, default=8)
+    ap.add_argument("--long-start", type=float, default=3.0)
+    ap.add_argument("--long-interval", type=float, default=8.0)
+    ap.add_argument("--tput-requests", type=int, default=64)
+    ap.add_argument("--tput-input", type=int, default=128)
+    ap.add_argument("--tput-output", type=int, default=64)
+    ap.add_argument("--kv-cache-memory", default="768MiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "serving_compare.json"))
+    a = ap.parse_args()
+    if a.quick:
+        a.short, a.short_concurrency, a.short_output, a.long, a.long_interval = 16, 8, 32, 2, 6.0
+        a.tput_requests, a.tput_output = 32, 32
+    if not {0, 1} <= os.sched_getaffinity(0):
+        print("error: this comparison pins roles to CPUs 0 and 1; they are not both available",
+              file=sys.stderr)
+        return 1
+    os.sched_setaffinity(0, {0})  # the load generator (and the redis it starts) share CPU 0
+    os.environ.setdefault("SPLITSERVE_QUIET", "1")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(None)
+    loads = workloads(a, tok)
+    results: dict[str, dict] = {}
+    for setup in [s for s in a.setups if s in CLUSTERS]:
+        results[setup] = run_cluster(setup, a, ["mixed", "throughput"], loads, tok)
+    venv = Path(a.llama_venv)
+    baseline = None
+    if "llama-cpp" in a.setups and (venv / "bin" / "python").exists():
+        results["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok)
+    elif "llama-cpp" in a.setups:
+        print(f"\nllama-cpp-python: skipped, no venv at {venv} (bash benchmarks/install_llama_cpp.sh "
+              "builds it, ~10 min); comparing against transformers static batching instead", flush=True)
+        baseline = measure_transformers(a, loads)
+    report(a, results, baseline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
