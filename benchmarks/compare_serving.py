@@ -16,9 +16,10 @@ Workloads:
                 streams while ``--long`` long prompts arrive every ``--long-interval`` s
                 (splitserve setups only). Decode TPOT p99 of the short requests and TTFT
                 p50 of all requests, per setup.
-    throughput  ``--tput-requests`` requests as 32 concurrent streams (closed loop): output
-                tokens/s, against llama-cpp-python, or without it transformers
-                ``generate`` static batches of 32 on the same prompts, measured in this run.
+    throughput  ``--tput-requests`` requests as 32 concurrent streams (closed loop), output
+                lengths spread +-50% around ``--tput-output``: output tokens/s, against
+                llama-cpp-python, or without it transformers ``generate`` static batches of
+                32 on the same prompts, measured in this run.
 
     python benchmarks/compare_serving.py            # ~15 min with llama-cpp-python
     python benchmarks/compare_serving.py --quick    # a few minutes: smaller workloads
@@ -60,7 +61,10 @@ def workloads(a, tok) -> dict:
     rng = random.Random(a.seed)
     short = random_specs(rng, tok, a.short, a.short_input, a.short_output, tag="short")
     long = random_specs(rng, tok, a.long, a.long_input, a.long_output, tag="long")
-    tput = random_specs(rng, tok, a.tput_requests, a.tput_input, a.tput_output)
+    # output lengths spread +-50% so streams end at different times, as in serving: a
+    # continuous batch refills the freed slots, a static batch runs to its longest
+    tput = [s._replace(output_len=rng.randint(a.tput_output // 2, a.tput_output * 3 // 2))
+            for s in random_specs(rng, tok, a.tput_requests, a.tput_input, a.tput_output)]
     # mixed: token-id prompts (exact lengths); throughput: text, the one prompt form every
     # server here takes (llama-cpp-python has no token-array prompts)
     return {"mixed": dict(specs=short + long, offsets=[0.0] * len(short) + fixed_offsets(
@@ -100,10 +104,10 @@ def llama_server_cmd(venv: Path, port: int) -> list[str]:
             "--interrupt_requests", "False"]
 
 
-def run_llama(venv: Path, names, loads, tok) -> dict:
-    print("\n=== llama-cpp: starting llama_cpp.server", flush=True)
+def run_llama(venv: Path, names, loads, tok, log_path: Path) -> dict:
+    print(f"\n=== llama-cpp: starting llama_cpp.server (log: {log_path})", flush=True)
     port = free_port()
-    log = open(RESULTS / "llama_cpp_server.log", "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen(llama_server_cmd(venv, port), stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}/v1"
@@ -127,31 +131,34 @@ def _pin_both() -> None:
     os.sched_setaffinity(0, {0, 1})
 
 
-def transformers_static(bundled: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Output tokens/s of transformers generate in static batches of 32 (prefill
-    included, as in serving), 2 threads on both CPUs. Runs in a child process."""
+def transformers_static(bundled: str, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """Output tokens/s of transformers generate in static batches of 32, in order
+    (prefill included, as in serving), 2 threads on both CPUs; each batch runs to its
+    longest output and only the asked-for tokens count. Runs in a child process."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(bundled, dtype=torch.float32).eval()
-    width = min(map(len, prompts))  # one shape per batch: no padding
+    assert len(set(map(len, prompts))) == 1, "equal prompt lengths: no padding"
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), 32):
-            ids = torch.tensor([p[:width] for p in prompts[i:i + 32]])
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id)
+            ids = torch.tensor(prompts[i:i + 32])
+            n = max(output_lens[i:i + 32])
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=model.config.eos_token_id)
     duration = time.perf_counter() - t0
-    return {"output_throughput": len(prompts) * new_tokens / duration, "duration_s": duration,
-            "prompt_len": width}
+    return {"output_throughput": sum(output_lens) / duration, "duration_s": duration,
+            "prompt_len": len(prompts[0])}
 
 
 def measure_transformers(a, loads) -> dict:
     print("\n=== transformers static batching (llama-cpp-python absent)", flush=True)
     from splitserve.engine.convert import bundled_model_dir
-    prompts = [s.prompt for s in loads["throughput"]["specs"]]
+    specs = loads["throughput"]["specs"]
     with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_pin_both) as ex:
-        return ex.submit(transformers_static, str(bundled_model_dir()), prompts, a.tput_output).result()
+        return ex.submit(transformers_static, str(bundled_model_dir()), [s.prompt for s in specs],
+                         [s.output_len for s in specs]).result()
 
 
 def main() -> int:
@@ -170,8 +177,8 @@ def main() -> int:
     ap.add_argument("--long-start", type=float, default=3.0)
     ap.add_argument("--long-interval", type=float, default=8.0)
     ap.add_argument("--tput-requests", type=int, default=64)
-    ap.add_argument("--tput-input", type=int, default=128)
-    ap.add_argument("--tput-output", type=int, default=64)
+    ap.add_argument("--tput-input", type=int, default=64)
+    ap.add_argument("--tput-output", type=int, default=128, help="mean; each is uniform in +-50%%")
     ap.add_argument("--kv-cache-memory", default="768MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "serving_compare.json"))
@@ -185,7 +192,7 @@ def main() -> int:
         return 1
     os.sched_setaffinity(0, {0})  # the load generator (and the redis it starts) share CPU 0
     os.environ.setdefault("SPLITSERVE_QUIET", "1")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(None)
     loads = workloads(a, tok)
     results: dict[str, dict] = {}
@@ -194,7 +201,8 @@ def main() -> int:
     venv = Path(a.llama_venv)
     baseline = None
     if "llama-cpp" in a.setups and (venv / "bin" / "python").exists():
-        results["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok)
+        results["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok,
+                                         Path(a.out).with_name("llama_cpp_server.log"))
     elif "llama-cpp" in a.setups:
         print(f"\nllama-cpp-python: skipped, no venv at {venv} (bash benchmarks/install_llama_cpp.sh "
               "builds it, ~10 min); comparing against transformers static batching instead", flush=True)
