@@ -149,7 +149,8 @@ def transformers_static(bundled: str, prompts: list[list[int]], output_lens: lis
                            do_sample=False, pad_token_id=model.config.eos_token_id)
     duration = time.perf_counter() - t0
     return {"output_throughput": sum(output_lens) / duration, "duration_s": duration,
-            "prompt_len": len(prompts[0])}
+            "prompt_len": len(prompts[0]), "cpus": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads()}
 
 
 def measure_transformers(a, loads) -> dict:
@@ -176,9 +177,9 @@ def main() -> int:
     ap.add_argument("--long-output", type=int, default=8)
     ap.add_argument("--long-start", type=float, default=3.0)
     ap.add_argument("--long-interval", type=float, default=8.0)
-    ap.add_argument("--tput-requests", type=int, default=64)
+    ap.add_argument("--tput-requests", type=int, default=48)
     ap.add_argument("--tput-input", type=int, default=64)
-    ap.add_argument("--tput-output", type=int, default=128, help="mean; each is uniform in +-50%%")
+    ap.add_argument("--tput-output", type=int, default=96, help="mean; each is uniform in +-50%%")
     ap.add_argument("--kv-cache-memory", default="768MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(RESULTS / "serving_compare.json"))
