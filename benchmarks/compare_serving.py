@@ -21,8 +21,8 @@ Workloads:
                 llama-cpp-python, or without it transformers ``generate`` static batches of
                 32 on the same prompts, measured in this run.
 
-    python benchmarks/compare_serving.py            # ~15 min with llama-cpp-python
-    python benchmarks/compare_serving.py --quick    # a few minutes: smaller workloads
+    python benchmarks/compare_serving.py            # ~16 min here, with llama-cpp-python
+    python benchmarks/compare_serving.py --quick    # ~6 min: smaller workloads
 
 Writes benchmarks/results/serving_compare.json and serving_compare.png.
 """
@@ -198,12 +198,18 @@ def main() -> int:
     loads = workloads(a, tok)
     results: dict[str, dict] = {}
     for setup in [s for s in a.setups if s in CLUSTERS]:
-        results[setup] = run_cluster(setup, a, ["mixed", "throughput"], loads, tok)
+        try:
+            results[setup] = run_cluster(setup, a, ["mixed", "throughput"], loads, tok)
+        except RuntimeError as e:  # a process did not start: report the others
+            print(f"error: {setup} left out: {e}", file=sys.stderr, flush=True)
     venv = Path(a.llama_venv)
     baseline = None
     if "llama-cpp" in a.setups and (venv / "bin" / "python").exists():
-        results["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok,
-                                         Path(a.out).with_name("llama_cpp_server.log"))
+        try:
+            results["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok,
+                                             Path(a.out).with_name("llama_cpp_server.log"))
+        except RuntimeError as e:
+            print(f"error: llama-cpp left out: {e}", file=sys.stderr, flush=True)
     elif "llama-cpp" in a.setups:
         print(f"\nllama-cpp-python: skipped, no venv at {venv} (bash benchmarks/install_llama_cpp.sh "
               "builds it, ~10 min); comparing against transformers static batching instead", flush=True)
