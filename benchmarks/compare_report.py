@@ -121,6 +121,12 @@ def plot(path: Path, results: dict, rows: dict, baseline: dict | None) -> None:
     plt.close(fig)
 
 
+def slim(rec: dict) -> dict:
+    """A request's row for the JSON: what the CDFs need, rounded to 0.1 ms."""
+    keep = ("tag", "ok", "start_s", "ttft_s", "tpot_s", "e2e_s", "prompt_tokens", "output_tokens")
+    return {k: round(rec[k], 4) if isinstance(rec[k], float) else rec[k] for k in keep}
+
+
 def report(args, results: dict, baseline: dict | None) -> None:
     rows = key_figures(results)
     rat = ratios(rows, baseline)
@@ -131,10 +137,9 @@ def report(args, results: dict, baseline: dict | None) -> None:
                                           "throughput": TPUT_TARGET},
                "transformers_static": baseline,
                "setups": {s: {w: {"summary": summ.to_dict(),
-                                  "requests": [{k: v for k, v in rec.items() if k != "itl_s"}
-                                               for rec in request_records(r.results)]}
+                                  "requests": [slim(rec) for rec in request_records(r.results)]}
                               for w, (r, summ) in loads.items()} for s, loads in results.items()}}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2))
+    out.write_text(json.dumps(payload, indent=1))
     plot(out.with_suffix(".png"), results, rows, baseline)
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
