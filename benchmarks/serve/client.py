@@ -9,8 +9,10 @@ chunk carries none). Output tokens come from the final ``usage`` chunk
 (``stream_options.include_usage``): one chunk may carry several tokens, or none
 while the detokenizer holds back a partial character. Without usage (llama-cpp-python
 sends none) a request that ended with finish_reason "length" produced exactly
-max_tokens tokens; any other is counted by its text chunks, a lower bound. Failures are returned, not raised;
-only `check_endpoint` raises (`EndpointError`), before a run starts.
+max_tokens tokens; any other is counted by its text chunks, a lower bound.
+
+A stream that ends without ``data: [DONE]`` failed. Failures are returned, not
+raised; only `check_endpoint` raises (`EndpointError`), before a run starts.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ async def send_request(session: aiohttp.ClientSession, ep: Endpoint, spec: Reque
     body = _payload(ep, spec, tok_decode)
     start = time.perf_counter()
     res.start_s = start - t0
-    last, pieces = None, []
+    last, pieces, done = None, [], False
     try:
         async with session.post(ep.base_url + path, json=body, headers=ep.headers(),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
@@ -135,6 +137,7 @@ async def send_request(session: aiohttp.ClientSession, ep: Endpoint, spec: Reque
                 *events, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
                 for ev in events:
                     payload = _data(ev)
+                    done = done or payload == "[DONE]"
                     if payload is None or payload == "[DONE]":
                         continue
                     obj = json.loads(payload)
@@ -157,6 +160,9 @@ async def send_request(session: aiohttp.ClientSession, ep: Endpoint, spec: Reque
         res.error = f"{type(e).__name__}: {e}"[:300]
         return res
     res.e2e_s = time.perf_counter() - start
+    if not done:
+        res.error = "the stream ended without data: [DONE]"
+        return res
     res.ok = True
     res.text = "".join(pieces)
     if last is None:  # nothing but empty text: the first token is the end
