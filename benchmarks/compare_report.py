@@ -42,6 +42,7 @@ def key_figures(results: dict) -> dict:
             s = loads["throughput"][1]
             row.update(tput_tok_s=s.output_throughput, tput_tpot_p50=s.tpot_ms.get("p50"),
                        tput_failed=s.failed)
+        row["failed"] = row.get("mixed_failed", 0) + row.get("tput_failed", 0)
         rows[setup] = row
     return rows
 
@@ -69,7 +70,8 @@ def _fmt(x) -> str:
 
 def print_table(rows: dict, rat: dict, baseline: dict | None) -> None:
     cols = [("short_tpot_p50", "TPOT p50"), ("short_tpot_p99", "TPOT p99"), ("ttft_p50", "TTFT p50"),
-            ("short_ttft_p50", "short TTFT"), ("long_ttft_p50", "long TTFT"), ("tput_tok_s", "32-stream tok/s")]
+            ("short_ttft_p50", "short TTFT"), ("long_ttft_p50", "long TTFT"), ("tput_tok_s", "32-stream tok/s"),
+            ("failed", "failed requests")]
     print("\nmixed workload (short-request TPOT, TTFT of all / short / long requests, ms) and "
           "throughput at 32 streams")
     print(f"{'setup':<16}" + "".join(f"{name:>17}" for _, name in cols))
@@ -77,6 +79,8 @@ def print_table(rows: dict, rat: dict, baseline: dict | None) -> None:
         print(f"{setup:<16}" + "".join(f"{_fmt(r.get(k)):>17}" for k, _ in cols))
     if baseline:
         print(f"{'transformers':<16}" + f"{'':>17}" * 5 + f"{baseline['output_throughput']:>17.0f}")
+    if any(r.get("failed") for r in rows.values()):
+        print("warning: requests failed (errors in the JSON summaries); those setups' figures are suspect")
     print("\nratios (target):")
     for k, v in rat.items():
         if isinstance(v, str):

@@ -91,7 +91,13 @@ async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
 def run_cluster(setup: str, a, names, loads, tok) -> dict:
     print(f"\n=== {setup}: starting the cluster", flush=True)
     with Cluster(kv_backend="shm", kv_cache_memory=a.kv_cache_memory, **CLUSTERS[setup]) as c:
-        return asyncio.run(run_workloads(f"{c.url}/v1", names, loads, tok))
+        out = asyncio.run(run_workloads(f"{c.url}/v1", names, loads, tok))
+        dead = [p for p in c.procs if p.popen.poll() is not None]
+        if dead:  # its figures are not the setup's: say who died and how
+            raise RuntimeError("; ".join(
+                f"{p.name} exited with status {p.popen.returncode} during the run (negative: killed "
+                "by that signal), its last lines:\n  " + "\n  ".join(p.log[-15:]) for p in dead))
+        return out
 
 
 def llama_server_cmd(venv: Path, port: int) -> list[str]:
