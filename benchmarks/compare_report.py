@@ -131,15 +131,23 @@ def slim(rec: dict) -> dict:
     return {k: round(rec[k], 4) if isinstance(rec[k], float) else rec[k] for k in keep}
 
 
-def report(args, results: dict, baseline: dict | None) -> None:
+def report(args, results: dict, rounds: list[dict], baseline: dict | None,
+           node_counters: dict) -> None:
+    """``results``: the rounds pooled; ``rounds``: each round's own (same shape)."""
     rows = key_figures(results)
     rat = ratios(rows, baseline)
+    per_round = [{"figures": (f := key_figures(got)), "ratios": ratios(f, baseline)} for got in rounds]
     print_table(rows, rat, baseline)
+    if len(rounds) > 1:
+        print("\nper round: " + "; ".join(
+            ", ".join(f"{k} {v:.2f}" for k, v in r["ratios"].items() if not isinstance(v, str))
+            for r in per_round))
     out = Path(args.out)
     payload = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "config": vars(args), "figures": rows,
                "ratios": rat, "targets": {"tpot_p99": TPOT_TARGET, "ttft_p50": TTFT_TARGET,
                                           "throughput": TPUT_TARGET},
-               "transformers_static": baseline,
+               "transformers_static": baseline, "node_counters": node_counters,
+               "rounds": per_round,
                "setups": {s: {w: {"summary": summ.to_dict(),
                                   "requests": [slim(rec) for rec in request_records(r.results)]}
                               for w, (r, summ) in loads.items()} for s, loads in results.items()}}

@@ -36,12 +36,13 @@ import random
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
 from splitserve.benchmarks.compare_report import report
-from splitserve.benchmarks.serve import Endpoint, check_endpoint, run, summarize
+from splitserve.benchmarks.serve import Endpoint, RunResult, check_endpoint, run, summarize
 from splitserve.benchmarks.serve.arrivals import fixed_offsets
 from splitserve.benchmarks.serve.datasets import load_tokenizer, random_specs
 from splitserve.common.bundled import BUNDLED_GGUF, BUNDLED_MODEL_ID, BUNDLED_PACKAGE
@@ -88,10 +89,31 @@ async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
     return out
 
 
-def run_cluster(setup: str, a, names, loads, tok) -> dict:
+# node counters that say whether 1p1d really disaggregated: a transfer that failed is
+# prefilled on the decode node, as colocated would
+NODE_COUNTERS = ("splitserve_decode_fallback_prefills_total", "splitserve_kv_transfers_total")
+
+
+def node_counters(c: Cluster) -> dict[str, float]:
+    """{'name{labels}': value} of NODE_COUNTERS over the cluster's nodes."""
+    out: dict[str, float] = {}
+    for p in c.procs:
+        if p.name == "router":
+            continue
+        with urllib.request.urlopen(f"{p.addr}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(NODE_COUNTERS):
+                    key, value = line.rsplit(" ", 1)
+                    out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def run_cluster(setup: str, a, names, loads, tok, notes: dict) -> dict:
     print(f"\n=== {setup}: starting the cluster", flush=True)
     with Cluster(kv_backend="shm", kv_cache_memory=a.kv_cache_memory, **CLUSTERS[setup]) as c:
         out = asyncio.run(run_workloads(f"{c.url}/v1", names, loads, tok))
+        notes.setdefault(setup, []).append(node_counters(c))
+        print(f"{setup} node counters: {notes[setup][-1]}", flush=True)
         dead = [p for p in c.procs if p.popen.poll() is not None]
         if dead:  # its figures are not the setup's: say who died and how
             raise RuntimeError("; ".join(
@@ -171,6 +193,8 @@ def measure_transformers(a, loads) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller workloads, to check the setup")
+    ap.add_argument("--rounds", type=int, default=1, help="run every setup this many times, "
+                    "alternating; figures pool the rounds' requests (default %(default)s)")
     ap.add_argument("--setups", nargs="+", default=[*CLUSTERS, "llama-cpp"])
     ap.add_argument("--llama-venv", default=os.environ.get("LLAMA_CPP_VENV", "/work/llamacpp-venv"),
                     help="venv of benchmarks/install_llama_cpp.sh (default %(default)s)")
@@ -202,26 +226,44 @@ def main() -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(None)
     loads = workloads(a, tok)
-    results: dict[str, dict] = {}
-    for setup in [s for s in a.setups if s in CLUSTERS]:
-        try:
-            results[setup] = run_cluster(setup, a, ["mixed", "throughput"], loads, tok)
-        except RuntimeError as e:  # a process did not start: report the others
-            print(f"error: {setup} left out: {e}", file=sys.stderr, flush=True)
     venv = Path(a.llama_venv)
-    baseline = None
-    if "llama-cpp" in a.setups and (venv / "bin" / "python").exists():
-        try:
-            results["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok,
-                                             Path(a.out).with_name("llama_cpp_server.log"))
-        except RuntimeError as e:
-            print(f"error: llama-cpp left out: {e}", file=sys.stderr, flush=True)
-    elif "llama-cpp" in a.setups:
-        print(f"\nllama-cpp-python: skipped, no venv at {venv} (bash benchmarks/install_llama_cpp.sh "
+    with_llama = "llama-cpp" in a.setups and (venv / "bin" / "python").exists()
+    if "llama-cpp" in a.setups and not with_llama:
+        print(f"llama-cpp-python: skipped, no venv at {venv} (bash benchmarks/install_llama_cpp.sh "
               "builds it, ~10 min); comparing against transformers static batching instead", flush=True)
-        baseline = measure_transformers(a, loads)
-    report(a, results, baseline)
+    rounds: list[dict] = []  # per round: setup -> {workload: (RunResult, Summary)}
+    notes: dict[str, list] = {}  # setup -> node counters after each round
+    for rnd in range(a.rounds):
+        print(f"\n##### round {rnd + 1}/{a.rounds}", flush=True)
+        got = {}
+        for setup in [s for s in a.setups if s in CLUSTERS]:
+            try:
+                got[setup] = run_cluster(setup, a, ["mixed", "throughput"], loads, tok, notes)
+            except RuntimeError as e:  # a process did not start or died: report the others
+                print(f"error: {setup} left out of this round: {e}", file=sys.stderr, flush=True)
+        if with_llama:
+            try:
+                got["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok,
+                                             Path(a.out).with_name("llama_cpp_server.log"))
+            except RuntimeError as e:
+                print(f"error: llama-cpp left out of this round: {e}", file=sys.stderr, flush=True)
+        rounds.append(got)
+    baseline = measure_transformers(a, loads) if "llama-cpp" in a.setups and not with_llama else None
+    report(a, pool(rounds), rounds, baseline, notes)
     return 0
+
+
+def pool(rounds: list[dict]) -> dict:
+    """Every round's requests of a setup and workload as one run (durations added)."""
+    out: dict[str, dict] = {}
+    for got in rounds:
+        for setup, loads in got.items():
+            for w, (r, _) in loads.items():
+                prev = out.setdefault(setup, {}).get(w)
+                out[setup][w] = r if prev is None else RunResult(prev.results + r.results,
+                                                                 prev.duration_s + r.duration_s)
+    return {s: {w: (r, summarize(r.results, r.duration_s)) for w, r in loads.items()}
+            for s, loads in out.items()}
 
 
 if __name__ == "__main__":
