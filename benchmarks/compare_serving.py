@@ -10,6 +10,7 @@ serving benchmark library (``splitserve.benchmarks.serve``), same workloads:
                                                    compute per decode step as 1p1d
     llama-cpp        llama-cpp-python's OpenAI server on the same GGUF (Q4_1), both
                      CPUs, 2 threads; skipped with a message when its venv is absent
+                     (baselines.py)
 
 Workloads:
     mixed       ``--short`` short prompts decoding as a closed loop of ``--short-concurrency``
@@ -21,9 +22,13 @@ Workloads:
                 llama-cpp-python, or without it transformers ``generate`` static batches of
                 32 on the same prompts, measured in this run.
 
-    python benchmarks/compare_serving.py            # ~16 min here, with llama-cpp-python
-    python benchmarks/compare_serving.py --quick    # ~6 min: smaller workloads
+    python benchmarks/compare_serving.py              # ~16 min here, with llama-cpp-python
+    python benchmarks/compare_serving.py --rounds 2   # alternate the setups twice (~32 min)
+    python benchmarks/compare_serving.py --quick      # ~6 min: smaller workloads
 
+A setup whose process dies mid-run is left out of that round with its exit status
+and last log lines; after each setup the nodes' fallback-prefill and KV-transfer
+counters are printed and kept, so a 1p1d run that fell back to local prefill shows.
 Writes benchmarks/results/serving_compare.json and serving_compare.png.
 """
 
@@ -33,20 +38,17 @@ import argparse
 import asyncio
 import os
 import random
-import subprocess
 import sys
-import time
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 
+from splitserve.benchmarks.baselines import llama_server, transformers_static
 from splitserve.benchmarks.compare_report import report
 from splitserve.benchmarks.serve import Endpoint, RunResult, check_endpoint, run, summarize
 from splitserve.benchmarks.serve.arrivals import fixed_offsets
 from splitserve.benchmarks.serve.datasets import load_tokenizer, random_specs
-from splitserve.common.bundled import BUNDLED_GGUF, BUNDLED_MODEL_ID, BUNDLED_PACKAGE
-from splitserve.deploy.launcher import Cluster, free_port
+from splitserve.common.bundled import BUNDLED_MODEL_ID
+from splitserve.deploy.launcher import Cluster
 
 RESULTS = Path(__file__).parent / "results"
 CLUSTERS = {  # setup -> Cluster kwargs
@@ -122,72 +124,16 @@ def run_cluster(setup: str, a, names, loads, tok, notes: dict) -> dict:
         return out
 
 
-def llama_server_cmd(venv: Path, port: int) -> list[str]:
-    import importlib.util
-    gguf = Path(importlib.util.find_spec(BUNDLED_PACKAGE).origin).parent / BUNDLED_GGUF
-    # interrupt_requests=False: queue concurrent requests instead of cutting off the running one
-    return ["taskset", "-c", "0,1", str(venv / "bin" / "python"), "-m", "llama_cpp.server",
-            "--model", str(gguf), "--model_alias", BUNDLED_MODEL_ID, "--n_threads", "2",
-            "--n_threads_batch", "2", "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port),
-            "--interrupt_requests", "False"]
-
-
 def run_llama(venv: Path, names, loads, tok, log_path: Path) -> dict:
     print(f"\n=== llama-cpp: starting llama_cpp.server (log: {log_path})", flush=True)
-    port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(llama_server_cmd(venv, port), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                asyncio.run(check_endpoint(url, BUNDLED_MODEL_ID, timeout_s=2))
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"llama_cpp.server did not start; see {log.name}")
-                time.sleep(1)
+    with llama_server(venv, log_path) as url:
         return asyncio.run(run_workloads(url, names, loads, tok))
-    finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
 
 
-def _pin_both() -> None:
-    os.sched_setaffinity(0, {0, 1})
-
-
-def transformers_static(bundled: str, prompts: list[list[int]], output_lens: list[int]) -> dict:
-    """Output tokens/s of transformers generate in static batches of 32, in order
-    (prefill included, as in serving), 2 threads on both CPUs; each batch runs to its
-    longest output and only the asked-for tokens count. Runs in a child process."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(bundled, dtype=torch.float32).eval()
-    assert len(set(map(len, prompts))) == 1, "equal prompt lengths: no padding"
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), 32):
-            ids = torch.tensor(prompts[i:i + 32])
-            n = max(output_lens[i:i + 32])
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=model.config.eos_token_id)
-    duration = time.perf_counter() - t0
-    return {"output_throughput": sum(output_lens) / duration, "duration_s": duration,
-            "prompt_len": len(prompts[0]), "cpus": sorted(os.sched_getaffinity(0)),
-            "threads": torch.get_num_threads()}
-
-
-def measure_transformers(a, loads) -> dict:
+def measure_transformers(loads) -> dict:
     print("\n=== transformers static batching (llama-cpp-python absent)", flush=True)
-    from splitserve.engine.convert import bundled_model_dir
     specs = loads["throughput"]["specs"]
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_pin_both) as ex:
-        return ex.submit(transformers_static, str(bundled_model_dir()), [s.prompt for s in specs],
-                         [s.output_len for s in specs]).result()
+    return transformers_static([s.prompt for s in specs], [s.output_len for s in specs])
 
 
 def main() -> int:
@@ -248,7 +194,7 @@ def main() -> int:
             except RuntimeError as e:
                 print(f"error: llama-cpp left out of this round: {e}", file=sys.stderr, flush=True)
         rounds.append(got)
-    baseline = measure_transformers(a, loads) if "llama-cpp" in a.setups and not with_llama else None
+    baseline = measure_transformers(loads) if "llama-cpp" in a.setups and not with_llama else None
     report(a, pool(rounds), rounds, baseline, notes)
     return 0
 
