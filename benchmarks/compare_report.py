@@ -112,7 +112,8 @@ def plot(path: Path, results: dict, rows: dict, baseline: dict | None) -> None:
     for ax in axes[:2]:
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # no mixed workload ran: no lines
+            ax.legend(fontsize=8)
     bars = {s: r["tput_tok_s"] for s, r in rows.items() if "tput_tok_s" in r}
     if baseline:
         bars["transformers\nstatic"] = baseline["output_throughput"]
