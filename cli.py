@@ -7,6 +7,7 @@ hand it to the component; nothing here holds state.
     splitserve sim-nodes                many simulated nodes in one process (timing model)
     splitserve make-trace OUT           a multi-tenant shared-prefix routing trace (JSONL)
     splitserve replay TRACE             replay a trace through the router against simulated nodes
+    splitserve bench --base-url URL    load-test any OpenAI-compatible endpoint
 """
 
 import argparse
@@ -150,6 +151,12 @@ def cmd_up(args) -> int:
     return launch(args)
 
 
+def cmd_bench(args) -> int:
+    from splitserve.benchmarks.serve.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,9 +242,18 @@ def main(argv=None) -> int:
     up.add_argument("--kv-backend", choices=KV_BACKENDS)
     up.add_argument("--kv-cache-memory")
     up.add_argument("--threads-per-node", type=int)
+    up.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",
+                    help="pin roles to CPUs, e.g. prefill=0 decode=1 router=0 (a pinned node gets "
+                         "one torch thread per CPU)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--model", default=None)
     up.set_defaults(func=cmd_up)
+
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, "
+                           "E2E percentiles, throughput, goodput")
+    from splitserve.benchmarks.serve.cli import add_bench_args
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

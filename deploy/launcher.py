@@ -3,6 +3,10 @@ a redis-server on a free port (unless one is given), N prefill and M decode
 nodes, and the router, each a real process. Stops everything on Ctrl-C/SIGTERM.
 
 Defaults come from ``deploy/local.toml``; flags override them.
+
+CPU pinning (``cpus``, ``splitserve up --cpus prefill=0 decode=1 router=0``): each
+listed role's processes start under ``taskset -c`` on those CPUs, and a pinned node
+gets one torch thread per CPU, so prefill and decode never share a core.
 """
 
 import os
@@ -73,7 +77,9 @@ class Cluster:
     def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
-                 router_args=()):
+                 router_args=(), cpus=None):
+        # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
+        self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.cfg = dict(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, kv_backend=kv_backend,
                         kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
@@ -87,9 +93,12 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.cfg['host']}:{self.router_port}"
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], role: str) -> Proc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        p = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *args], stdout=subprocess.PIPE,
+        cmd = [sys.executable, "-m", "splitserve.cli", *args]
+        if role in self.cpus:
+            cmd = ["taskset", "-c", ",".join(map(str, self.cpus[role])), *cmd]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
         proc = Proc(name, p)
         threading.Thread(target=proc.pump, daemon=True).start()
@@ -101,14 +110,15 @@ class Cluster:
 
     def start_node(self, role: str, index: int, extra=()) -> Proc:
         c = self.cfg
+        threads = len(self.cpus[role]) if role in self.cpus else c["threads"]
         args = ["decode" if role == "colocated" else role, "--host", c["host"], "--redis-url", self.redis_url,
                 "--kv-backend", c["kv_backend"], "--kv-cache-memory", c["kv_cache_memory"],
-                "--threads", str(c["threads"]), "--node-id", f"{role}-{index}", *c["extra"], *extra]
+                "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
         if role == "colocated":
             args.append("--colocated")
         if c["model"]:
             args += ["--model", c["model"]]
-        return self._spawn(f"{role}-{index}", args)
+        return self._spawn(f"{role}-{index}", args, role)
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         if self.redis_url is None:
@@ -117,7 +127,7 @@ class Cluster:
         nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
         decode_role = "colocated" if c["colocated"] else "decode"
         nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
-        router = self._spawn("router", self._router_args())
+        router = self._spawn("router", self._router_args(), "router")
         for p in [*nodes, router]:
             self.wait_ready(p, timeout)
         self.wait_for_nodes(len(nodes), timeout)
@@ -210,12 +220,31 @@ class SimCluster(Cluster):
             fleets.append(self._spawn(f"fleet-{i}", [
                 "sim-nodes", "--host", c["host"], "--redis-url", self.redis_url, "--kv-backend", c["kv_backend"],
                 "--kv-cache-memory", c["kv_cache_memory"], "--prefill-nodes", str(share(c["prefill_nodes"])),
-                "--decode-nodes", str(share(c["decode_nodes"])), "--id-prefix", f"f{i}", *self.sim_args]))
-        router = self._spawn("router", self._router_args())
+                "--decode-nodes", str(share(c["decode_nodes"])), "--id-prefix", f"f{i}", *self.sim_args], "fleet"))
+        router = self._spawn("router", self._router_args(), "router")
         for p in [*fleets, router]:
             self.wait_ready(p, timeout)
         self.wait_for_nodes(c["prefill_nodes"] + c["decode_nodes"], timeout)
         return self
+
+
+def parse_cpus(items: list[str]) -> dict[str, tuple[int, ...]]:
+    """["prefill=0", "decode=1", "router=0,1"] -> {"prefill": (0,), ...}."""
+    out = {}
+    for item in items:
+        role, _, ids = item.partition("=")
+        try:
+            out[role] = tuple(int(x) for x in ids.split(","))
+        except ValueError:
+            ids = ""
+        if role not in ("prefill", "decode", "colocated", "router") or not ids:
+            raise ValueError(f"--cpus: {item!r}; use ROLE=CPU[,CPU...] with ROLE one of prefill, "
+                             "decode, colocated, router")
+        bad = set(out[role]) - os.sched_getaffinity(0)
+        if bad:
+            raise ValueError(f"--cpus: {item!r}: CPU {sorted(bad)} is not available here "
+                             f"(available: {sorted(os.sched_getaffinity(0))})")
+    return out
 
 
 def launch(args) -> int:
@@ -226,7 +255,7 @@ def launch(args) -> int:
                       decode_nodes=pick("decode_nodes", "decode_nodes"), router_port=pick("port", "router_port"),
                       kv_backend=pick("kv_backend", "kv_backend"), kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
                       threads_per_node=pick("threads_per_node", "threads_per_node"), redis_url=args.redis_url,
-                      model=args.model, host=defaults["host"])
+                      model=args.model, host=defaults["host"], cpus=parse_cpus(args.cpus or []))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -55,7 +55,7 @@ async def test_longest_leading_run_per_node_and_epoch(index):
     h = chain(6)
     a, b, c = node("a"), node("b"), node("c")
     await index.apply("a", a.epoch, IndexDelta.full(h[:4]), seq=1)
-    await index.apply("b", b.epoch, IndexDelta.full([h[0], h[1], h[3], h[4]]), seq=1)  # h2 evicted
+    await index.apply("b", b.epoch, IndexDelta.full(h[:2]), seq=1)  # evicted tail first: h2.. gone
     runs = await index.longest_runs(h, [a, b, c])
     assert runs == {"a": 4, "b": 2, "c": 0}
     # the same node id at another epoch (a restart) sees none of the old entries

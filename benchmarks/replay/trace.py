@@ -27,7 +27,8 @@ import numpy as np
 
 HASH_BLOCK = 512  # prompt tokens per hash id
 _SEED = 0x5EED  # the expansion never changes between runs or machines
-_TOKEN_LOW, _TOKEN_HIGH = 100, 49000  # clear of the special tokens of the bundled vocabulary
+_TOKEN_LOW, _TOKEN_HIGH = 100, 49000  # clear of the bundled vocabulary's special tokens (at both ends)
+BUNDLED_VOCAB = 49152
 
 
 class TraceRequest(msgspec.Struct, frozen=True):
@@ -82,16 +83,18 @@ def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
 
 
 @lru_cache(maxsize=65536)
-def _block_tokens(hash_id: int) -> tuple[int, ...]:
+def block_tokens(hash_id: int, vocab_size: int = BUNDLED_VOCAB) -> tuple[int, ...]:
+    """The fixed token block of ``hash_id`` for a vocabulary of ``vocab_size``."""
     rng = np.random.default_rng([_SEED, hash_id & 0xFFFFFFFFFFFFFFFF])
-    return tuple(rng.integers(_TOKEN_LOW, _TOKEN_HIGH, HASH_BLOCK).tolist())
+    high = min(_TOKEN_HIGH, vocab_size - _TOKEN_LOW)
+    return tuple(rng.integers(_TOKEN_LOW, high, HASH_BLOCK).tolist())
 
 
-def prompt_tokens(req: TraceRequest) -> list[int]:
+def prompt_tokens(req: TraceRequest, vocab_size: int = BUNDLED_VOCAB) -> list[int]:
     """The request's prompt: its hash ids expanded, cut to ``input_length``."""
     tokens: list[int] = []
     for hid in req.hash_ids:
-        tokens.extend(_block_tokens(hid))
+        tokens.extend(block_tokens(hid, vocab_size))
     return tokens[:req.input_length]
 
 

@@ -1,0 +1,216 @@
+"""Disaggregation and throughput comparison, every setup in one run, through the
+serving benchmark library (``splitserve.benchmarks.serve``), same workloads:
+
+    setup            CPU 0                         CPU 1
+    1p1d             prefill node (1 thread),      decode node (1 thread)
+                     router, redis, load generator
+    colocated-2cpu   one colocated node on both CPUs (2 threads); router, redis and
+                     the load generator on CPU 0 too: the same hardware as 1p1d
+    colocated-1cpu   router, redis, load generator colocated node (1 thread): the same
+                                                   compute per decode step as 1p1d
+    llama-cpp        llama-cpp-python's OpenAI server on the same GGUF (Q4_1), both
+                     CPUs, 2 threads; skipped with a message when its venv is absent
+                     (baselines.py)
+
+Workloads:
+    mixed       ``--short`` short prompts decoding as a closed loop of ``--short-concurrency``
+                streams while ``--long`` long prompts arrive every ``--long-interval`` s
+                (splitserve setups only). Decode TPOT p99 of the short requests and TTFT
+                p50 of all requests, per setup.
+    throughput  ``--tput-requests`` requests as 32 concurrent streams (closed loop), output
+                lengths spread +-50% around ``--tput-output``: output tokens/s, against
+                llama-cpp-python, or without it transformers ``generate`` static batches of
+                32 on the same prompts, measured in this run.
+
+    python benchmarks/compare_serving.py              # ~16 min here, with llama-cpp-python
+    python benchmarks/compare_serving.py --rounds 2   # alternate the setups twice (~32 min)
+    python benchmarks/compare_serving.py --quick      # ~6 min: smaller workloads
+
+A setup whose process dies mid-run is left out of that round with its exit status
+and last log lines; after each setup the nodes' fallback-prefill and KV-transfer
+counters are printed and kept, so a 1p1d run that fell back to local prefill shows.
+Writes benchmarks/results/serving_compare.json and serving_compare.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import urllib.request
+from pathlib import Path
+
+from splitserve.benchmarks.baselines import llama_server, transformers_static
+from splitserve.benchmarks.compare_report import report
+from splitserve.benchmarks.serve import Endpoint, RunResult, check_endpoint, run, summarize
+from splitserve.benchmarks.serve.arrivals import fixed_offsets
+from splitserve.benchmarks.serve.datasets import load_tokenizer, random_specs
+from splitserve.common.bundled import BUNDLED_MODEL_ID
+from splitserve.deploy.launcher import Cluster
+
+RESULTS = Path(__file__).parent / "results"
+CLUSTERS = {  # setup -> Cluster kwargs
+    "1p1d": dict(prefill_nodes=1, decode_nodes=1, cpus={"prefill": [0], "decode": [1], "router": [0]}),
+    "colocated-2cpu": dict(prefill_nodes=0, decode_nodes=1, colocated=True,
+                           cpus={"colocated": [0, 1], "router": [0]}),
+    "colocated-1cpu": dict(prefill_nodes=0, decode_nodes=1, colocated=True,
+                           cpus={"colocated": [1], "router": [0]}),
+}
+
+
+def workloads(a, tok) -> dict:
+    rng = random.Random(a.seed)
+    short = random_specs(rng, tok, a.short, a.short_input, a.short_output, tag="short")
+    long = random_specs(rng, tok, a.long, a.long_input, a.long_output, tag="long")
+    # output lengths spread +-50% so streams end at different times, as in serving: a
+    # continuous batch refills the freed slots, a static batch runs to its longest
+    tput = [s._replace(output_len=rng.randint(a.tput_output // 2, a.tput_output * 3 // 2))
+            for s in random_specs(rng, tok, a.tput_requests, a.tput_input, a.tput_output)]
+    # mixed: token-id prompts (exact lengths); throughput: text, the one prompt form every
+    # server here takes (llama-cpp-python has no token-array prompts)
+    return {"mixed": dict(specs=short + long, offsets=[0.0] * len(short) + fixed_offsets(
+                              len(long), a.long_interval, a.long_start),
+                          cap={"short": a.short_concurrency}, send_text=False),
+            "throughput": dict(specs=tput, offsets=[0.0] * len(tput), cap=32, send_text=True)}
+
+
+async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
+    """{workload: (RunResult, Summary)} against the endpoint at ``url``."""
+    model = await check_endpoint(url, BUNDLED_MODEL_ID)
+    ep = Endpoint(url, model, "completions", ignore_eos=True)
+    warm = loads["mixed"]["specs"]
+    await run(ep, [warm[0], warm[-1]], [0.0, 0.0], tok.decode, progress=False)  # load, compile, touch
+    out = {}
+    for name in names:
+        w = loads[name]
+        r = await run(ep._replace(send_text=w["send_text"]), w["specs"], w["offsets"], tok.decode,
+                      w["cap"], desc=name)
+        out[name] = (r, summarize(r.results, r.duration_s))
+    return out
+
+
+# node counters that say whether 1p1d really disaggregated: a transfer that failed is
+# prefilled on the decode node, as colocated would
+NODE_COUNTERS = ("splitserve_decode_fallback_prefills_total", "splitserve_kv_transfers_total")
+
+
+def node_counters(c: Cluster) -> dict[str, float]:
+    """{'name{labels}': value} of NODE_COUNTERS over the cluster's nodes."""
+    out: dict[str, float] = {}
+    for p in c.procs:
+        if p.name == "router":
+            continue
+        with urllib.request.urlopen(f"{p.addr}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(NODE_COUNTERS):
+                    key, value = line.rsplit(" ", 1)
+                    out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def run_cluster(setup: str, a, names, loads, tok, notes: dict) -> dict:
+    print(f"\n=== {setup}: starting the cluster", flush=True)
+    with Cluster(kv_backend="shm", kv_cache_memory=a.kv_cache_memory, **CLUSTERS[setup]) as c:
+        out = asyncio.run(run_workloads(f"{c.url}/v1", names, loads, tok))
+        notes.setdefault(setup, []).append(node_counters(c))
+        print(f"{setup} node counters: {notes[setup][-1]}", flush=True)
+        dead = [p for p in c.procs if p.popen.poll() is not None]
+        if dead:  # its figures are not the setup's: say who died and how
+            raise RuntimeError("; ".join(
+                f"{p.name} exited with status {p.popen.returncode} during the run (negative: killed "
+                "by that signal), its last lines:\n  " + "\n  ".join(p.log[-15:]) for p in dead))
+        return out
+
+
+def run_llama(venv: Path, names, loads, tok, log_path: Path) -> dict:
+    print(f"\n=== llama-cpp: starting llama_cpp.server (log: {log_path})", flush=True)
+    with llama_server(venv, log_path) as url:
+        return asyncio.run(run_workloads(url, names, loads, tok))
+
+
+def measure_transformers(loads) -> dict:
+    print("\n=== transformers static batching (llama-cpp-python absent)", flush=True)
+    specs = loads["throughput"]["specs"]
+    return transformers_static([s.prompt for s in specs], [s.output_len for s in specs])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads, to check the setup")
+    ap.add_argument("--rounds", type=int, default=1, help="run every setup this many times, "
+                    "alternating; figures pool the rounds' requests (default %(default)s)")
+    ap.add_argument("--setups", nargs="+", default=[*CLUSTERS, "llama-cpp"])
+    ap.add_argument("--llama-venv", default=os.environ.get("LLAMA_CPP_VENV", "/work/llamacpp-venv"),
+                    help="venv of benchmarks/install_llama_cpp.sh (default %(default)s)")
+    ap.add_argument("--short", type=int, default=48)
+    ap.add_argument("--short-concurrency", type=int, default=16)
+    ap.add_argument("--short-input", type=int, default=128)
+    ap.add_argument("--short-output", type=int, default=64)
+    ap.add_argument("--long", type=int, default=5)
+    ap.add_argument("--long-input", type=int, default=1792)
+    ap.add_argument("--long-output", type=int, default=8)
+    ap.add_argument("--long-start", type=float, default=3.0)
+    ap.add_argument("--long-interval", type=float, default=8.0)
+    ap.add_argument("--tput-requests", type=int, default=48)
+    ap.add_argument("--tput-input", type=int, default=64)
+    ap.add_argument("--tput-output", type=int, default=96, help="mean; each is uniform in +-50%%")
+    ap.add_argument("--kv-cache-memory", default="768MiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(RESULTS / "serving_compare.json"))
+    a = ap.parse_args()
+    if a.quick:
+        a.short, a.short_concurrency, a.short_output, a.long, a.long_interval = 16, 8, 32, 2, 6.0
+        a.tput_requests, a.tput_output = 32, 32
+    if not {0, 1} <= os.sched_getaffinity(0):
+        print("error: this comparison pins roles to CPUs 0 and 1; they are not both available",
+              file=sys.stderr)
+        return 1
+    os.sched_setaffinity(0, {0})  # the load generator (and the redis it starts) share CPU 0
+    os.environ.setdefault("SPLITSERVE_QUIET", "1")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(None)
+    loads = workloads(a, tok)
+    venv = Path(a.llama_venv)
+    with_llama = "llama-cpp" in a.setups and (venv / "bin" / "python").exists()
+    if "llama-cpp" in a.setups and not with_llama:
+        print(f"llama-cpp-python: skipped, no venv at {venv} (bash benchmarks/install_llama_cpp.sh "
+              "builds it, ~10 min); comparing against transformers static batching instead", flush=True)
+    rounds: list[dict] = []  # per round: setup -> {workload: (RunResult, Summary)}
+    notes: dict[str, list] = {}  # setup -> node counters after each round
+    for rnd in range(a.rounds):
+        print(f"\n##### round {rnd + 1}/{a.rounds}", flush=True)
+        got = {}
+        for setup in [s for s in a.setups if s in CLUSTERS]:
+            try:
+                got[setup] = run_cluster(setup, a, ["mixed", "throughput"], loads, tok, notes)
+            except RuntimeError as e:  # a process did not start or died: report the others
+                print(f"error: {setup} left out of this round: {e}", file=sys.stderr, flush=True)
+        if with_llama:
+            try:
+                got["llama-cpp"] = run_llama(venv, ["throughput"], loads, tok,
+                                             Path(a.out).with_name("llama_cpp_server.log"))
+            except RuntimeError as e:
+                print(f"error: llama-cpp left out of this round: {e}", file=sys.stderr, flush=True)
+        rounds.append(got)
+    baseline = measure_transformers(loads) if "llama-cpp" in a.setups and not with_llama else None
+    report(a, pool(rounds), rounds, baseline, notes)
+    return 0
+
+
+def pool(rounds: list[dict]) -> dict:
+    """Every round's requests of a setup and workload as one run (durations added)."""
+    out: dict[str, dict] = {}
+    for got in rounds:
+        for setup, loads in got.items():
+            for w, (r, _) in loads.items():
+                prev = out.setdefault(setup, {}).get(w)
+                out[setup][w] = r if prev is None else RunResult(prev.results + r.results,
+                                                                 prev.duration_s + r.duration_s)
+    return {s: {w: (r, summarize(r.results, r.duration_s)) for w, r in loads.items()}
+            for s, loads in out.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

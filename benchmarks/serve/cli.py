@@ -1,0 +1,152 @@
+"""``splitserve bench``: flags -> `BenchConfig` -> one run per request rate ->
+table on stdout, JSON and PNG when ``--result-json`` is given.
+
+Exit status: 0 when requests completed, 1 when the endpoint is unusable (one line
+on stderr, no traceback) or no request completed; 2 for bad flags (cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from splitserve.benchmarks.serve.arrivals import poisson_offsets, trace_offsets
+from splitserve.benchmarks.serve.client import Endpoint, EndpointError, check_endpoint
+from splitserve.benchmarks.serve.config import BenchConfig, Slo, normalize_base_url
+from splitserve.benchmarks.serve.datasets import load_dataset, load_tokenizer
+from splitserve.benchmarks.serve.metrics import summarize
+from splitserve.benchmarks.serve.report import (format_summary, plot_cdfs, plot_vs_rate,
+                                                request_records, write_json)
+from splitserve.benchmarks.serve.runner import run
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server; /v1 is appended unless given (default %(default)s)")
+    p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
+    p.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions")
+    p.add_argument("--request-rate", type=float, nargs="+", default=None, metavar="RATE",
+                   help="Poisson arrivals, requests/s; several values run one after another; "
+                        "inf sends all at once (default: inf, or a trace's own timestamps)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 100; "
+                   "a trace: all its lines)")
+    p.add_argument("--dataset", default="random",
+                   help="random | shared-prefix | sharegpt:PATH | trace:PATH (default random)")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random lengths uniform in len*(1-r)..len*(1+r)")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per tenant prefix")
+    p.add_argument("--num-tenants", type=int, default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: fixed output length instead of the reply's")
+    p.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="trace: multiply the timestamps (0.5 = twice as fast)")
+    p.add_argument("--tokenizer", default=None, help="model folder with tokenizer.json (default: "
+                   "the bundled SmolLM2)")
+    p.add_argument("--send-text", action="store_true",
+                   help="completions: send prompts as text, not token-id arrays")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM extension): "
+                   "every request generates its full output length")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:100 (milliseconds)")
+    p.add_argument("--percentiles", default="50,90,99", help="comma list (default %(default)s)")
+    p.add_argument("--result-json", default=None, help="write results here, and PNG plots beside it")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+
+
+def parse_slo(items: list[str] | None) -> Slo | None:
+    if not items:
+        return None
+    bounds = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot") or not value:
+            raise ValueError(f"--goodput: {item!r}; use ttft:MS and/or tpot:MS")
+        try:
+            bounds[f"{key}_ms"] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput: {item!r}: {value!r} is not a number of milliseconds") from None
+    return Slo(**bounds)
+
+
+def config_from_args(a: argparse.Namespace) -> BenchConfig:
+    try:
+        percentiles = tuple(float(x) for x in a.percentiles.split(","))
+    except ValueError:
+        raise ValueError(f"--percentiles: {a.percentiles!r} is not a comma list of numbers") from None
+    for name in ("num_prompts", "max_concurrency"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    return BenchConfig(
+        base_url=normalize_base_url(a.base_url), model=a.model, endpoint_type=a.endpoint_type,
+        request_rates=tuple(a.request_rate or ()), max_concurrency=a.max_concurrency,
+        num_prompts=a.num_prompts, dataset=a.dataset, random_input_len=a.random_input_len,
+        random_output_len=a.random_output_len, random_range_ratio=a.random_range_ratio,
+        prefix_len=a.prefix_len, num_tenants=a.num_tenants, sharegpt_output_len=a.sharegpt_output_len,
+        trace_time_scale=a.trace_time_scale, tokenizer=a.tokenizer, send_text=a.send_text,
+        ignore_eos=a.ignore_eos, temperature=a.temperature, seed=a.seed, slo=parse_slo(a.goodput),
+        percentiles=percentiles, result_json=a.result_json, disable_tqdm=a.disable_tqdm,
+        request_timeout_s=a.request_timeout, api_key=a.api_key)
+
+
+async def bench(cfg: BenchConfig) -> int:
+    model = await check_endpoint(cfg.base_url, cfg.model, cfg.api_key)
+    tok = load_tokenizer(cfg.tokenizer)
+    specs = load_dataset(cfg, tok)
+    ep = Endpoint(cfg.base_url, model, cfg.endpoint_type, cfg.api_key, cfg.ignore_eos,
+                  cfg.temperature, cfg.send_text)
+    schedule = trace_offsets(specs) if not cfg.request_rates else None
+    rates = list(cfg.request_rates) or [math.inf]
+    runs = []
+    for rate in rates:
+        offsets = schedule or poisson_offsets(len(specs), rate, cfg.seed)
+        label = "trace schedule" if schedule else f"rate {rate:g} req/s"
+        print(f"{len(specs)} requests to {cfg.base_url} ({model}, {cfg.endpoint_type}, {cfg.dataset}), "
+              f"{label}, max concurrency {cfg.max_concurrency or 'none'}", file=sys.stderr, flush=True)
+        result = await run(ep, specs, offsets, tok.decode, cfg.max_concurrency,
+                           progress=not cfg.disable_tqdm, desc=label, timeout_s=cfg.request_timeout_s)
+        summary = summarize(result.results, result.duration_s, cfg.slo, cfg.percentiles)
+        print(format_summary(summary, label), flush=True)
+        runs.append((label, rate, result, summary))
+        if schedule:
+            break
+    if cfg.result_json:
+        _write(Path(cfg.result_json), cfg, model, runs)
+    return 0 if any(s.completed for *_, s in runs) else 1
+
+
+def _write(path: Path, cfg: BenchConfig, model: str, runs: list) -> None:
+    write_json(path, {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
+        "config": {k: (v._asdict() if isinstance(v := getattr(cfg, k), Slo) else v)
+                   for k in cfg.__slots__ if k != "api_key"},
+        "runs": [{"label": label, "request_rate": rate, "summary": s.to_dict(),
+                  "requests": request_records(r.results)} for label, rate, r, s in runs]})
+    plot_cdfs(path.with_suffix(".png"), [(label, r.results) for label, _, r, _ in runs],
+              title=f"{model} at {cfg.base_url}")
+    written = [path, path.with_suffix(".png")]
+    if len(runs) > 1:
+        rates_png = path.with_name(path.stem + "_rates.png")
+        plot_vs_rate(rates_png, [rate for _, rate, _, _ in runs], [s for *_, s in runs])
+        written.append(rates_png)
+    print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    try:
+        return asyncio.run(bench(cfg))
+    except EndpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

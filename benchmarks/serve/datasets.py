@@ -1,0 +1,131 @@
+"""What a benchmark sends: a list of `RequestSpec`, built from a dataset name.
+
+    random           random token ids, lengths uniform around --random-input-len/-output-len
+    shared-prefix    --num-tenants tenants; each request is its tenant's fixed
+                     --prefix-len tokens + a random suffix of --random-input-len tokens
+    sharegpt:PATH    a ShareGPT-format JSON file: the first human turn is the prompt, the
+                     reply's token count the output length
+    trace:PATH       a routing trace (trace.py), with its timestamps as the schedule
+
+Everything is deterministic given the seed. Token-id prompts are sent as token
+arrays to /v1/completions (unless ``send_text``) and decoded to text for chat.
+Must not do I/O other than reading the dataset file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from splitserve.benchmarks.serve.config import BenchConfig
+
+DEFAULT_NUM_PROMPTS = 100
+LOWEST_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
+# ShareGPT filter (the usual one): drop tiny turns and what a 2048-token context cannot hold
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class RequestSpec(NamedTuple):
+    prompt: str | list[int]  # text, or token ids
+    prompt_len: int  # tokens as built (the endpoint's usage gives what it counted)
+    output_len: int  # max_tokens
+    tag: str = ""  # a class of requests, summarized apart (e.g. "short", "long")
+    timestamp_s: float | None = None  # when to send it, from the start (traces)
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The tokenizer of the model folder ``path``; None: the bundled model's."""
+    from splitserve.router.tokenizer import RouterTokenizer
+
+    if path is None:
+        from splitserve.common.bundled import converted_dir
+        path = converted_dir()
+        if not (Path(path) / "tokenizer.json").is_file():
+            from splitserve.engine.convert import bundled_model_dir
+            path = bundled_model_dir()
+    return RouterTokenizer(path)
+
+
+def load_dataset(cfg: BenchConfig, tok: Tokenizer) -> list[RequestSpec]:
+    name, _, path = cfg.dataset.partition(":")
+    rng = random.Random(cfg.seed)
+    n = cfg.num_prompts
+    if name == "random":
+        return random_specs(rng, tok, n or DEFAULT_NUM_PROMPTS, cfg.random_input_len,
+                            cfg.random_output_len, cfg.random_range_ratio)
+    if name == "shared-prefix":
+        return shared_prefix_specs(rng, tok, n or DEFAULT_NUM_PROMPTS, cfg.num_tenants,
+                                   cfg.prefix_len, cfg.random_input_len, cfg.random_output_len)
+    if name == "sharegpt" and path:
+        return sharegpt_specs(rng, tok, Path(path), n or DEFAULT_NUM_PROMPTS, cfg.sharegpt_output_len)
+    if name == "trace" and path:
+        from splitserve.benchmarks.serve.trace import trace_specs
+        return trace_specs(Path(path), tok.vocab_size, n, cfg.trace_time_scale)
+    raise ValueError(f"--dataset: unknown {cfg.dataset!r}; use random, shared-prefix, "
+                     "sharegpt:PATH or trace:PATH")
+
+
+def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(LOWEST_TOKEN_ID, vocab_size) for _ in range(n)]
+
+
+def _around(rng: random.Random, length: int, ratio: float) -> int:
+    lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return rng.randint(lo, hi)
+
+
+def random_specs(rng: random.Random, tok: Tokenizer, n: int, input_len: int, output_len: int,
+                 range_ratio: float = 0.0, tag: str = "") -> list[RequestSpec]:
+    specs = []
+    for _ in range(n):
+        ids = random_tokens(rng, _around(rng, input_len, range_ratio), tok.vocab_size)
+        specs.append(RequestSpec(ids, len(ids), _around(rng, output_len, range_ratio), tag))
+    return specs
+
+
+def shared_prefix_specs(rng: random.Random, tok: Tokenizer, n: int, num_tenants: int,
+                        prefix_len: int, suffix_len: int, output_len: int) -> list[RequestSpec]:
+    if num_tenants < 1:
+        raise ValueError(f"--num-tenants: must be >= 1, got {num_tenants}")
+    prefixes = [random_tokens(rng, prefix_len, tok.vocab_size) for _ in range(num_tenants)]
+    specs = []
+    for _ in range(n):
+        ids = prefixes[rng.randrange(num_tenants)] + random_tokens(rng, suffix_len, tok.vocab_size)
+        specs.append(RequestSpec(ids, len(ids), output_len))
+    return specs
+
+
+def sharegpt_specs(rng: random.Random, tok: Tokenizer, path: Path, n: int,
+                   output_len: int | None) -> list[RequestSpec]:
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--dataset sharegpt:{path}: cannot read it as JSON: {e}") from e
+    if not isinstance(rows, list):
+        raise ValueError(f"--dataset sharegpt:{path}: expected a JSON list of conversations")
+    rows = [r for r in rows if isinstance(r, dict) and len(r.get("conversations") or []) >= 2]
+    rng.shuffle(rows)
+    specs = []
+    for row in rows:
+        if len(specs) == n:
+            break
+        prompt, answer = row["conversations"][0]["value"], row["conversations"][1]["value"]
+        p_len = len(tok.encode(prompt))
+        o_len = output_len or len(tok.encode(answer))
+        if (p_len < SHAREGPT_MIN_LEN or o_len < SHAREGPT_MIN_LEN or p_len > SHAREGPT_MAX_PROMPT
+                or p_len + o_len > SHAREGPT_MAX_TOTAL):
+            continue
+        specs.append(RequestSpec(prompt, p_len, o_len))
+    if not specs:
+        raise ValueError(f"--dataset sharegpt:{path}: no conversation passed the length filter")
+    return specs
