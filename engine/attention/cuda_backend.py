@@ -1,5 +1,5 @@
-"""The CUDA kernel backend: csrc/ kernels for the KV cache write and the decode rows;
-prefill chunks go through the torch reference's SDPA (TorchAttention.prefill).
+"""The CUDA kernel backend: csrc/ kernels for the KV cache write and the decode rows
+(kernel_backend.py); prefill chunks go through the torch reference's SDPA.
 
 Constructing it builds the kernels on first use (``csrc.build.load_ops``), raising
 ``CsrcBuildError`` with what to do when they cannot be built.
@@ -9,27 +9,15 @@ import torch
 
 from splitserve.csrc import ops
 from splitserve.csrc.build import load_ops
-from splitserve.engine.attention.base import AttentionMetadata
-from splitserve.engine.attention.partition import decode_partition_size
-from splitserve.engine.attention.torch_backend import TorchAttention
+from splitserve.engine.attention.kernel_backend import KernelAttention
 
 SUPPORTED_HEAD_DIMS = ops.CUDA_HEAD_DIMS
 
 
-class CudaAttention(TorchAttention):
+class CudaAttention(KernelAttention):
     name = "cuda"
-    needs_decode_mask = False
+    kernels = ops
 
     def __init__(self, device: torch.device):
         load_ops()
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-
-    def write_cache(self, k, v, kv_cache, slot_mapping):
-        ops.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
-
-    def decode(self, q, kv_cache, meta: AttentionMetadata, out):
-        block_size, kv_heads = kv_cache.shape[2:4]
-        size = decode_partition_size(q.shape[0], kv_heads, meta.decode_block_tables.shape[1] * block_size,
-                                     block_size, self.num_sms)
-        ops.paged_decode_attention(out, q, kv_cache[0], kv_cache[1], meta.decode_block_tables, meta.decode_seq_lens,
-                                   scale=q.shape[-1] ** -0.5, partition_size=size)
+        super().__init__(device)
