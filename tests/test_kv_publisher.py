@@ -105,12 +105,12 @@ async def test_index_follows_the_prefix_cache(make_engine, tokenizer, redis_port
         assert not set(router_hashes) <= held
 
         # Redis restarts empty mid-run: the publisher notices and rewrites its full state
+        snapshots = h.pub.snapshots  # read before the outage: the resync may finish as Redis starts
         procs[0].kill()
         procs[0].wait()
         await h.generate("c", prompt(tokenizer, "chess"))  # published into the void
         await asyncio.sleep(0.5)
         procs.append(start_redis(port)[0])
-        snapshots = h.pub.snapshots
         await h.wait_index_equals_cache()
         assert h.pub.snapshots > snapshots
         assert h.batches.labels("error")._value.get() >= 1
