@@ -5,8 +5,22 @@ The KV pool is sized from a memory budget:
 
     bytes per block = num_layers * 2 (K, V) * block_size * kv_heads * head_dim * dtype bytes
     num_blocks      = kv_cache_memory // bytes per block
+
+The cache tensor holds one block more, the scratch block (index ``num_blocks``), which
+the block pool never hands out: padding rows of a static decode batch write there.
+
+Decode-only steps go through ``StaticDecode`` (decode_graphs.py: padded to a batch-size
+bucket, a CUDA graph per bucket on a GPU) unless ``enforce_eager``; steps with a prefill
+chunk, and decode batches larger than the largest bucket, run eagerly at their exact shape.
+
+What overlaps on CUDA: input copies are non-blocking from pinned buffers, and the
+forward (a graph replay) and the sampler are queued without waiting, so the host
+builds the sampler's per-row tensors while the GPU computes. The one wait per step is
+the sampler's copy of the sampled ids to the host: stop checks and the next step's
+input ids need them, so step N+1 cannot be scheduled before step N's tokens land.
 """
 
+import logging
 from typing import Callable, NamedTuple
 
 import torch
@@ -16,11 +30,14 @@ from splitserve.common.sampling_params import TokenLogprobs
 from splitserve.engine.attention.base import AttentionMetadata, PrefillChunk
 from splitserve.engine.attention.selector import select_backend
 from splitserve.engine.attention.torch_backend import build_decode_mask
+from splitserve.engine.decode_graphs import StaticDecode, default_graph_sizes
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,12 +68,25 @@ class ModelRunner:
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
                              f"{kv_block_bytes(cfg, bs, self.dtype)} bytes; raise it")
-        shape = (cfg.num_layers, 2, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.scratch_block = self.num_blocks  # padding rows of static decode write here
+        shape = (cfg.num_layers, 2, self.num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+        # [num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
         self.kv_caches = (kv_cache_factory(shape, self.dtype) if kv_cache_factory else
                           torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.backend = select_backend(config, self.device, cfg.head_dim)
         self.sampler = Sampler(seed=config.seed)
+        self.static_decode = None if config.enforce_eager else self._static_decode()
+
+    def _static_decode(self) -> StaticDecode:
+        cfg, config = self.model_config, self.config
+        sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
+        max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        use_graphs = self.device.type == "cuda" and not self.backend.needs_decode_mask
+        if self.device.type == "cuda" and not use_graphs:
+            log.warning("attention backend %s builds a decode mask per step: decode runs padded "
+                        "but without CUDA graphs", self.backend.name)
+        return StaticDecode(self.model, self.kv_caches, self.backend, sizes, -(-max_len // config.block_size),
+                            self.scratch_block, use_graphs)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
         """Run one forward pass over ``out.scheduled`` and sample for every request
@@ -64,6 +94,8 @@ class ModelRunner:
         bs = self.config.block_size
         decodes = [(r, n) for r, n in out.scheduled if n == 1]
         prefills = [(r, n) for r, n in out.scheduled if n > 1]
+        if not prefills and self.static_decode is not None and self.static_decode.bucket(len(decodes)):
+            return self._execute_static(decodes, kv)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -117,3 +149,18 @@ class ModelRunner:
             res = self.sampler(logits, sampling_reqs)
             sampled = [(r.request_id, t, lp) for r, t, lp in zip(sampling_reqs, res.token_ids, res.logprobs)]
         return StepResult(sampled, len(ids))
+
+    def _execute_static(self, decodes, kv: KVCacheManager) -> StepResult:
+        """A decode-only step through the padded fixed-shape forward."""
+        reqs = [r for r, _ in decodes]
+        positions = [r.num_computed_tokens for r in reqs]
+        logits = self.static_decode.run([r.all_token_ids[p] for r, p in zip(reqs, positions)], positions,
+                                        [kv.block_ids(r.request_id) for r in reqs])  # [D, vocab]
+        # a 1-token chunk in the middle of a prompt computes KV but samples nothing
+        rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.num_tokens]
+        sampled = []
+        if rows:
+            sampling_reqs = [reqs[i] for i in rows]
+            res = self.sampler(logits if len(rows) == len(reqs) else logits[rows], sampling_reqs)
+            sampled = [(r.request_id, t, lp) for r, t, lp in zip(sampling_reqs, res.token_ids, res.logprobs)]
+        return StepResult(sampled, len(reqs))
