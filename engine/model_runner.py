@@ -27,7 +27,8 @@ import torch
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import TokenLogprobs
-from splitserve.engine.attention.base import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.base import AttentionMetadata
+from splitserve.engine.attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from splitserve.engine.attention.selector import select_backend
 from splitserve.engine.attention.torch_backend import build_decode_mask
 from splitserve.engine.decode_graphs import StaticDecode, default_graph_sizes
@@ -75,6 +76,7 @@ class ModelRunner:
                           torch.zeros(shape, dtype=self.dtype, device=self.device))
         self.backend = select_backend(config, self.device, cfg.head_dim)
         self.sampler = Sampler(seed=config.seed)
+        self.prefill_varlen = varlen_available(self.device, self.dtype)  # one attention call for all chunks
         self.static_decode = None if config.enforce_eager else self._static_decode()
 
     def _static_decode(self) -> StaticDecode:
@@ -123,11 +125,12 @@ class ModelRunner:
         for req, n in prefills:
             start = req.num_computed_tokens
             table = torch.tensor(kv.block_ids(req.request_id), dtype=torch.long)
-            pos = torch.arange(start, start + n)
-            chunks.append(PrefillChunk(len(ids), n, start, table.to(self.device)))
+            pos = torch.arange(start + n)
+            key_slots = table[pos // bs] * bs + pos % bs  # [start + n]: the context, then the new tokens
+            chunks.append(ChunkSpec(len(ids), n, start, key_slots))
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend((table[pos // bs] * bs + pos % bs).tolist())
+            slots.extend(key_slots[start:].tolist())
             if start + n == req.num_tokens:
                 logits_rows.append(len(ids) - 1)
                 sampling_reqs.append(req)
@@ -139,7 +142,7 @@ class ModelRunner:
             decode_block_tables=decode_tables.to(dev),
             decode_seq_lens=seq_lens.to(dev),
             decode_mask=decode_mask,
-            prefills=chunks,
+            prefills=build_prefill_groups(chunks, dev, self.prefill_varlen),
         )
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta, self.backend,
