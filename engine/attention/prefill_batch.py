@@ -76,7 +76,7 @@ def build_prefill_groups(chunks: list[ChunkSpec], device: torch.device, varlen: 
         return [_group(chunks, device, with_mask=False)]
     groups, current = [], [chunks[0]]
     for c in chunks[1:]:
-        if _dense_ratio(current + [c]) <= MAX_DENSE_RATIO:
+        if _dense_ratio(current + [c]) <= MAX_DENSE_RATIO:  # read per call: tests vary it
             current.append(c)
         else:
             groups.append(current)
