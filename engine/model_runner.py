@@ -147,11 +147,7 @@ class ModelRunner:
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta, self.backend,
                             torch.tensor(logits_rows, dtype=torch.long, device=dev))
-        sampled = []
-        if sampling_reqs:
-            res = self.sampler(logits, sampling_reqs)
-            sampled = [(r.request_id, t, lp) for r, t, lp in zip(sampling_reqs, res.token_ids, res.logprobs)]
-        return StepResult(sampled, len(ids))
+        return StepResult(self._sample(logits, sampling_reqs), len(ids))
 
     def _execute_static(self, decodes, kv: KVCacheManager) -> StepResult:
         """A decode-only step through the padded fixed-shape forward."""
@@ -161,9 +157,13 @@ class ModelRunner:
                                         [kv.block_ids(r.request_id) for r in reqs])  # [D, vocab]
         # a 1-token chunk in the middle of a prompt computes KV but samples nothing
         rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.num_tokens]
-        sampled = []
-        if rows:
-            sampling_reqs = [reqs[i] for i in rows]
-            res = self.sampler(logits if len(rows) == len(reqs) else logits[rows], sampling_reqs)
-            sampled = [(r.request_id, t, lp) for r, t, lp in zip(sampling_reqs, res.token_ids, res.logprobs)]
-        return StepResult(sampled, len(reqs))
+        if len(rows) < len(reqs):
+            logits = logits[rows]
+        return StepResult(self._sample(logits, [reqs[i] for i in rows]), len(reqs))
+
+    def _sample(self, logits: torch.Tensor, reqs: list) -> list[tuple[str, int, TokenLogprobs | None]]:
+        """logits [S, vocab], row i for reqs[i] -> (req_id, token, logprobs) per request."""
+        if not reqs:
+            return []
+        res = self.sampler(logits, reqs)
+        return [(r.request_id, t, lp) for r, t, lp in zip(reqs, res.token_ids, res.logprobs)]
