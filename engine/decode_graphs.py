@@ -18,9 +18,11 @@ pool never hands out, so padding rows write and read only there.
 N = the largest bucket, W = blocks of the longest allowed sequence. On CUDA every
 bucket is captured once at start-up (warm-up on a side stream, all graphs in one
 memory pool, largest first) and replayed; its logits live in a static output tensor.
-On CPU nothing is captured: the same padded buffers feed an eager forward, with the
-block tables cut to the step's widest row (the torch reference gathers every table
-column, the kernels read only seq_len of them).
+A step writes only the table columns up to its widest row; a graph reads all W
+columns, but its kernels read only the first ceil(seq_len / bs) of each row, and stale
+columns hold valid block ids anyway. On CPU nothing is captured: the same padded
+buffers feed an eager forward with the tables cut to the step's widest row (the torch
+reference gathers every column it is given).
 
 Must not: schedule, sample, or run steps that contain a prefill chunk (the caller runs
 those eagerly at their exact shape).
@@ -79,6 +81,9 @@ class StaticDecode:
             self.ids, self.pos, self.slots, self.lens = (dev(self.h_ids), dev(self.h_pos), dev(self.h_slots),
                                                          dev(self.h_lens))
             self.tables = dev(self.h_tables)
+            # recorded after the copies: the host waits on it before reusing the staging buffers
+            # (a step that samples nothing never synchronizes otherwise)
+            self.copied = torch.cuda.Event()
         else:
             self.ids, self.pos, self.slots, self.lens, self.tables = (
                 self.h_ids, self.h_pos, self.h_slots, self.h_lens, self.h_tables)
@@ -102,8 +107,10 @@ class StaticDecode:
         b = self.bucket(d)
         assert b is not None, f"{d} decode rows exceed the largest bucket {self.sizes[-1]}"
         bs, scratch = self.block_size, self.scratch_block
-        width = self.h_tables.shape[1] if self.use_graphs else max(len(t) for t in tables)
+        width = max(len(t) for t in tables)  # columns written this step
         pad = b - d
+        if self.h_ids is not self.ids:
+            self.copied.synchronize()  # the previous step's copies have left the staging buffers
         rows = [t + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width] * pad
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         self.h_ids[:b] = torch.tensor(ids + [0] * pad)
@@ -113,13 +120,15 @@ class StaticDecode:
         self.h_tables[:b, :width] = torch.tensor(rows)
         if self.h_ids is not self.ids:  # async: the graph waits on the stream, not the host
             for src, dst in ((self.h_ids, self.ids), (self.h_pos, self.pos), (self.h_slots, self.slots),
-                             (self.h_lens, self.lens), (self.h_tables, self.tables)):
+                             (self.h_lens, self.lens)):
                 dst[:b].copy_(src[:b], non_blocking=True)
+            self.tables[:b, :width].copy_(self.h_tables[:b, :width], non_blocking=True)
+            self.copied.record()
         if b in self.graphs:
             graph, logits = self.graphs[b]
             graph.replay()
             return logits[:d]
-        return self._forward(b, width)[:d]
+        return self._forward(b, width)[:d]  # eager: the tables cut to this step's columns
 
     def _forward(self, b: int, width: int) -> torch.Tensor:
         """The fixed-shape forward of bucket ``b``: what a graph captures. Returns [b, vocab]."""

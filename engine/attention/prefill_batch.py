@@ -59,9 +59,10 @@ def varlen_available(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn
 
-        q = torch.zeros(2, 2, 64, dtype=dtype, device=device)  # [T, heads, hd]
+        q = torch.zeros(2, 2, 64, dtype=dtype, device=device)  # [T, heads, hd]: 2 sequences of 1 token
+        kv = torch.zeros(2, 1, 64, dtype=dtype, device=device)  # [T, kv_heads, hd]
         cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
-        varlen_attn(q, q[:, :1], q[:, :1], cu, cu, 1, 1, window_size=(-1, 0), enable_gqa=True)
+        varlen_attn(q, kv, kv, cu, cu, 1, 1, window_size=(-1, 0), enable_gqa=True)
         return True
     except (ImportError, RuntimeError, TypeError) as e:
         log.warning("varlen flash attention unavailable on %s (%s): prefill uses masked SDPA groups", device, e)
