@@ -19,9 +19,15 @@ else the weights are drawn here from the config):
 Records device name, driver, torch and CUDA versions and the command. Writes
 ``benchmarks/results/gpu_engine.json`` (``gpu_engine_smoke.json`` with --smoke).
 ``--device cuda`` without CUDA says so and exits 0, writing nothing.
+
+On a device machine, first the GPU tests of the same paths, then this script:
+
+    pytest -q -m gpu tests/test_static_decode.py tests/test_prefill_batch.py
+    python benchmarks/bench_gpu_engine.py                       # ~10 min on an H100
 """
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -159,6 +165,13 @@ def make_engine(args, model_dir, **kw) -> EngineCore:
     return EngineCore(EngineConfig(**cfg))
 
 
+def free(args) -> None:
+    """Give a deleted engine's KV pool and graph pool back before the next one starts."""
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
 def median_ms(times: list[float]) -> float:
     return round(statistics.median(times) * 1e3, 3)
 
@@ -180,6 +193,7 @@ def bench_bundled(args, plan: Plan, model_dir: Path, hf_model) -> dict:
                 out["prefill_tok_s"][f"{n}x{length}"] = {"splitserve": round(statistics.median(runs), 1)}
         print(f"bundled {name}: decode step at batch 1 {out['decode_step_b1_ms'][name]} ms", flush=True)
         del engine
+        free(args)
     batch1 = prompts(1, plan.prompt_len, vocab, 0)
     out["decode_step_b1_ms"]["transformers"] = round(
         statistics.median(hf_decode_step(hf_model, batch1, plan.steps) for _ in range(args.runs)) * 1e3, 3)
@@ -243,8 +257,7 @@ def bench_big(args, plan: Plan, config: dict) -> dict:
                     out["decode_tok_s"][f"b{n}"] = round(n * len(times) / sum(times), 1)
             print(f"8B-shape {name}: decode step at batch 1 {out['decode_step_b1_ms'][name]} ms", flush=True)
             del engine
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            free(args)
     print(json.dumps(out, indent=1), flush=True)
     return out
 
