@@ -64,6 +64,7 @@ class StaticDecode:
         self.block_size = kv_caches.shape[3]
         self.scratch_block = scratch_block
         self.use_graphs = use_graphs
+        self.full_width = use_graphs  # forwards read all W table columns (what a graph captures)
         assert not use_graphs or (self.device.type == "cuda" and not backend.needs_decode_mask)
         n, w = self.sizes[-1], max_blocks_per_seq
         pin = self.device.type == "cuda"
@@ -128,7 +129,7 @@ class StaticDecode:
             graph, logits = self.graphs[b]
             graph.replay()
             return logits[:d]
-        return self._forward(b, width)[:d]  # eager: the tables cut to this step's columns
+        return self._forward(b, self.h_tables.shape[1] if self.full_width else width)[:d]
 
     def _forward(self, b: int, width: int) -> torch.Tensor:
         """The fixed-shape forward of bucket ``b``: what a graph captures. Returns [b, vocab]."""

@@ -115,3 +115,28 @@ def test_cuda_graphs_equal_eager_on_gpu(make_engine, run_engine, tokenizer, monk
     eager, static, buckets = run_both(make_engine, run_engine, requests, join_at, monkeypatch,
                                       max_num_seqs=16, device="cuda", dtype="float32")
     assert static == eager and {1, 2, 4, 8, 16} <= buckets
+
+
+def test_full_width_tables_with_stale_columns_equal_cut_tables(tiny_llama_dir):
+    """What a CUDA graph reads: all W table columns, where columns past a row's blocks hold
+    stale ids from earlier steps. On CPU the same layout (masked by seq_len) gives the
+    logits and cache writes of the tables cut to the step's widest row."""
+    from splitserve.engine.loader import load_model
+
+    path, _ = tiny_llama_dir()
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    cfg, bs, num_blocks = model.cfg, 4, 16
+    kv = torch.randn(cfg.num_layers, 2, num_blocks + 1, bs, cfg.num_kv_heads, cfg.head_dim)
+    full = StaticDecode(model, kv.clone(), TorchAttention(), (2, 4), 8, num_blocks, use_graphs=False)
+    full.full_width = True
+    cut = StaticDecode(model, kv.clone(), TorchAttention(), (2, 4), 8, num_blocks, use_graphs=False)
+    steps = [  # (ids, positions, tables): rows leave, shrink and reorder between steps
+        ([1, 2, 3], [13, 6, 9], [[0, 1, 2, 3], [4, 5], [6, 7, 8]]),
+        ([4, 5], [3, 14], [[9], [0, 1, 2, 3]]),
+        ([6], [4], [[10, 11]]),
+    ]
+    for ids, positions, tables in steps:
+        torch.testing.assert_close(full.run(ids, positions, tables), cut.run(ids, positions, tables),
+                                   rtol=1e-5, atol=1e-5)
+    assert full.h_tables[1, 3] == 3  # a stale column from the first step was there all along
+    torch.testing.assert_close(full.kv_caches[:, :, :num_blocks], cut.kv_caches[:, :, :num_blocks])
