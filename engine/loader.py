@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from splitserve.common.config import LOAD_FORMATS
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
 
@@ -67,8 +68,6 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
                load_format: str = "auto") -> CausalLM:
     """The model of ``model_dir`` in ``dtype`` on ``device``; ``load_format`` is one of
     LOAD_FORMATS (dummy reads only config.json)."""
-    from splitserve.common.config import LOAD_FORMATS
-
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     cfg = ModelConfig.from_dir(model_dir)
@@ -77,7 +76,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     if load_format == "dummy":
         weights = dummy_weights(model, dtype, torch.device(device))
     else:
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in hf_to_ours(cfg, model_dir).items()}
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in hf_to_ours(model, model_dir).items()}
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -85,9 +84,11 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     return model.to(device).eval()
 
 
-def hf_to_ours(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor]:
+def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under our names (q/k/v and gate/up fused), checked
-    against the parameters ``cfg`` implies: nothing missing, nothing left over."""
+    against the parameters of ``model`` (on the meta device): nothing missing, nothing
+    left over, every shape as config.json implies."""
+    cfg = model.cfg
     hf = read_safetensors(model_dir)
     ours: dict[str, torch.Tensor] = {}
     for key in list(hf):
@@ -107,10 +108,10 @@ def hf_to_ours(cfg: ModelConfig, model_dir: Path) -> dict[str, torch.Tensor]:
                 if all(n in hf for n in names):
                     ours[f"layers.{i}.{fused}.{kind}"] = torch.cat([hf.pop(n) for n in names])
     hf.pop("lm_head.weight", None)  # tied: the embedding serves as the head
-    if hf:
-        raise ValueError(f"model: unexpected weights in {model_dir} for {cfg.architecture}: {sorted(hf)[:5]}")
-    with torch.device("meta"):
-        expected = dict(CausalLM(cfg).named_parameters())  # a tied head is listed once, as embed_tokens
+    expected = dict(model.named_parameters())  # a tied head is listed once, as embed_tokens
+    unexpected = sorted(hf) + sorted(ours.keys() - expected.keys())
+    if unexpected:
+        raise ValueError(f"model: unexpected weights in {model_dir} for {cfg.architecture}: {unexpected[:5]}")
     missing = expected.keys() - ours.keys()
     if missing:
         raise ValueError(f"model: weights missing from {model_dir} for {cfg.architecture}: {sorted(missing)[:5]}")

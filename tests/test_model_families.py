@@ -15,6 +15,7 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
+from splitserve.engine.loader import load_model
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
 
@@ -167,3 +168,15 @@ def test_load_format_flag_and_validation():
     assert cfg.load_format == "dummy" and cfg.model.endswith("llama3-8b")
     with pytest.raises(ValueError, match="load_format"):
         EngineConfig(load_format="pt")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MistralForCausalLM"]}, "unexpected weights .*qkv_proj.bias"),  # Qwen2 biases, no slot
+    ({"intermediate_size": 96}, "gate_up_proj.weight .* has shape"),
+])
+def test_checkpoint_that_disagrees_with_its_config_is_refused(tiny_model_dir, change, message):
+    path, _ = tiny_model_dir("qwen2")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
