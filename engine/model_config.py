@@ -104,7 +104,7 @@ class ModelConfig:
         window = _sliding_window(cfg, arch, num_layers)
         max_pos = cfg.get("max_position_embeddings", 2048)
         if window is not None and window < max_pos:
-            log.info("model: %s uses a %d-token sliding window, which splitserve does not implement; "
+            log.warning("model: %s uses a %d-token sliding window, which splitserve does not implement; "
                      "the usable context is capped at %d tokens (config.json max_position_embeddings: %d)",
                      arch, window, window, max_pos)
             max_pos = window

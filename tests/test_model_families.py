@@ -34,6 +34,8 @@ FAMILIES = {  # case -> (family, transformers config overrides, ModelConfig fiel
                               {"qkv_bias": True, "o_bias": True, "mlp_bias": True}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True},
                    {"qkv_bias": True, "o_bias": False, "tie_word_embeddings": True}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+                     {"sliding_window": 64, "max_position_embeddings": 64}),
     "qwen3": ("qwen3", {"head_dim": 32}, {"qk_norm": True, "head_dim": 32, "qkv_bias": False}),
     "qwen3-bias-linear-rope": ("qwen3", {"head_dim": 8, "attention_bias": True,
                                         "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
@@ -70,12 +72,28 @@ def test_family_matches_transformers(case, tiny_model_dir, make_engine, run_engi
     assert engine.kv.num_free_blocks == engine.num_blocks
 
 
-def test_sliding_window_caps_the_context(tiny_model_dir, make_engine):
+def test_sliding_window_caps_the_context(tiny_model_dir, make_engine, caplog):
     path, _ = tiny_model_dir("mistral", sliding_window=64)
     engine = make_engine(model=str(path), kv_cache_memory=1 << 20, block_size=4)
+    assert "capped at 64 tokens" in caplog.text
     with pytest.raises(InvalidRequest) as err:
         engine.validate(list(range(60)), SamplingParams(max_tokens=10))
     assert err.value.field == "max_tokens" and "64" in str(err.value)
+
+
+@pytest.mark.parametrize("fields, window", [
+    ({"use_sliding_window": True, "max_window_layers": 28}, 64),  # pre-layer_types Qwen: layers 28+ slide
+    ({"use_sliding_window": True, "max_window_layers": 36}, None),  # no layer reaches max_window_layers
+    ({"use_sliding_window": False, "max_window_layers": 0}, None),  # published Qwen2.5 configs
+    ({"layer_types": ["full_attention"] * 35 + ["sliding_attention"]}, 64),
+])
+def test_qwen_sliding_window_from_either_config_form(fields, window):
+    cfg = json.loads((CONFIGS / "qwen3-8b" / "config.json").read_text())
+    for key in ("use_sliding_window", "max_window_layers"):
+        cfg.pop(key)
+    parsed = ModelConfig.from_dict({**cfg, "sliding_window": 64, **fields})
+    assert parsed.sliding_window == window
+    assert parsed.max_position_embeddings == (64 if window else 40960)
 
 
 @pytest.mark.parametrize("name, params, kv_bytes, arch", [
