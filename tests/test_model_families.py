@@ -45,16 +45,10 @@ FAMILIES = {  # case -> (family, transformers config overrides, ModelConfig fiel
 }
 
 
-def hf_reference(model, prompt, n):
-    """transformers' greedy continuation (stops after EOS, as ours does)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("case", FAMILIES)
-def test_family_matches_transformers(case, tiny_model_dir, make_engine, run_engine):
+def test_family_matches_transformers(case, tiny_model_dir, make_engine, run_engine, hf_greedy):
+    """Greedy tokens equal transformers' (both stop after EOS): a prompt over 11 KV
+    blocks alone, then a batch of two."""
     family, overrides, expected = FAMILIES[case]
     path, hf = tiny_model_dir(family, **overrides)
     engine = make_engine(model=str(path), kv_cache_memory=1 << 20, block_size=4)
@@ -63,7 +57,7 @@ def test_family_matches_transformers(case, tiny_model_dir, make_engine, run_engi
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_parameters()
     assert engine.max_model_len == cfg.max_position_embeddings
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
-    refs = [hf_reference(hf, p, NEW_TOKENS) for p in PROMPTS]
+    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     assert len(refs[2]) > 5, "the long prompt should decode for a while before any EOS"
     alone = run_engine(engine, {"long": (PROMPTS[2], greedy)})
     assert alone["long"] == refs[2]
