@@ -18,6 +18,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.loader import load_model
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.model_runner import kv_block_bytes
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "model_configs"
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -102,6 +103,7 @@ def test_shipped_shapes_on_the_meta_device(name, params, kv_bytes, arch):
     assert cfg.architecture == arch
     assert cfg.num_parameters() == params
     assert cfg.kv_bytes_per_token(torch.bfloat16.itemsize) == kv_bytes
+    assert kv_block_bytes(cfg, 16, torch.bfloat16) == 16 * kv_bytes  # what the KV pool is sized by
     with torch.device("meta"):
         ours = CausalLM(cfg)
         theirs = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIGS / name))
