@@ -15,12 +15,15 @@ import logging
 import json
 import sys
 
-from splitserve.common.config import KV_BACKENDS
+from splitserve.common.config import KV_BACKENDS, LOAD_FORMATS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face safetensors folder (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="auto/safetensors: the folder's weights; dummy: seeded random weights from its "
+                        "config.json alone (e.g. benchmarks/model_configs/llama3-8b)")
     g.add_argument("--kv-cache-memory", default="1GiB", help="memory for the KV block pool, e.g. 512MiB, 2GiB")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
@@ -38,7 +41,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args, sim=None):
     from splitserve.common.config import EngineConfig, parse_size
 
-    return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory),
+    return EngineConfig(model=args.model, load_format=args.load_format, kv_cache_memory=parse_size(args.kv_cache_memory),
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size,

@@ -9,6 +9,9 @@ from pathlib import Path
 # The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
 # NCCL when the engine's device is CUDA, gloo on CPU.
 KV_BACKENDS = ("tcp", "shm", "ucx", "nccl")
+# How the engine gets its weights (engine.loader): auto and safetensors read the folder's
+# checkpoint; dummy draws seeded random weights from its config.json alone (benchmarks).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -97,6 +100,7 @@ class EngineConfig:
     """Everything an engine needs. ``model=None`` means the bundled SmolLM2-135M-Instruct."""
 
     model: str | None = None
+    load_format: str = "auto"  # one of LOAD_FORMATS
     # Served model name; also an extra key of every block hash, so two models never share blocks.
     model_id: str = "SmolLM2-135M-Instruct"
     block_size: int = 16
@@ -122,6 +126,8 @@ class EngineConfig:
                      "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         on_cpu = self.device.split(":")[0] == "cpu"

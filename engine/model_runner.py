@@ -44,7 +44,7 @@ class ModelRunner:
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.device = torch.device(config.device)
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, config.load_format)
         self.model_config: ModelConfig = self.model.cfg
         cfg, bs = self.model_config, config.block_size
         self.num_blocks = config.kv_cache_memory // kv_block_bytes(cfg, bs, self.dtype)
