@@ -53,7 +53,6 @@ from datetime import timedelta
 
 import torch
 
-from splitserve.kvtransfer.block_store import CHECKSUM_ALGO
 from splitserve.kvtransfer.channel import Channel, ChannelClosed, coalesce, parse_address
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.pair_group import (PairGroup, check_available, group_kind,
@@ -163,7 +162,7 @@ class NcclSender(TcpSender):
         return NcclChannel(await super()._open(addr), self.device, self.options.timeout_s)
 
     def _hello(self) -> Hello:
-        return Hello(layout=self.layout, checksum=CHECKSUM_ALGO, group=group_kind(self.device))
+        return Hello(layout=self.layout, checksum=self.checksum_algo, group=group_kind(self.device))
 
     async def _on_welcome(self, conn: Connection) -> None:
         info = conn.welcome.nccl
