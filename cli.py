@@ -21,7 +21,11 @@ from splitserve.common.config import KV_BACKENDS
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face safetensors folder (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="memory for the KV block pool, e.g. 512MiB, 2GiB")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the KV block pool, e.g. 512MiB, 2GiB (default 1GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="CUDA: fraction of the device's total memory this process may use; the KV pool "
+                        "gets what the weights and a profiled activation peak leave of it")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -38,7 +42,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args, sim=None):
     from splitserve.common.config import EngineConfig, parse_size
 
-    return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory),
+    if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
+        raise SystemExit("error: give one of --kv-cache-memory and --gpu-memory-utilization")
+    return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory or "1GiB"),
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size,

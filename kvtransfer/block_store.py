@@ -210,8 +210,7 @@ class KVBlockStore:
         self._check_ids(block_ids)
         src = self._as_blocks(data, len(block_ids))
         if self.device.type != "cpu":
-            src = src.to(self.device)
-            self._by_block[torch.as_tensor(list(block_ids), device=self.device)] = src
+            self.scatter(block_ids, src.to(self.device))
             return
         for i, block_id in enumerate(block_ids):  # one strided copy per block, layers inside torch
             self._by_block[block_id].copy_(src[i])
@@ -236,9 +235,15 @@ class KVBlockStore:
         ok = [d is not None and s == e for d, s, e in zip(dests, sums, expected)]
         rows = [i for i in range(n) if ok[i]]
         if rows:
-            good = torch.as_tensor(rows, device=self.device)
-            self._by_block[torch.as_tensor([dests[i] for i in rows], device=self.device)] = blocks[good]
+            self.scatter([dests[i] for i in rows], blocks[torch.as_tensor(rows, device=self.device)])
         return ok
+
+    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write packed blocks ``[n, *block_shape]``, already on this store's device, into
+        ``block_ids`` with one indexed copy (the ipc sender writes a peer's pool with it)."""
+        self._check_ids(block_ids)
+        assert blocks.shape == (len(block_ids), *self.layout.block_shape) and blocks.device == self.device
+        self._by_block[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)] = blocks
 
     def checksums(self, block_ids: Sequence[int], algo: str | None = None) -> list[int]:
         """Checksum (``algo``, default the store's) of each block's packed bytes, as they sit
