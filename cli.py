@@ -254,6 +254,14 @@ def main(argv=None) -> int:
                          "one torch thread per CPU)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--model", default=None)
+    up.add_argument("--device", default=None, help="every node's device: cpu (default), cuda, cuda:N")
+    up.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
+                    help="devices the prefill nodes cycle through, e.g. cuda:0 (default: --device)")
+    up.add_argument("--decode-devices", nargs="+", metavar="DEVICE",
+                    help="devices the decode nodes cycle through, e.g. cuda:1 (default: --device)")
+    up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    up.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")
     up.set_defaults(func=cmd_up)
 
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, "
