@@ -43,7 +43,7 @@ def engine_config(args, sim=None):
     from splitserve.common.config import EngineConfig, parse_size
 
     if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
-        raise SystemExit("error: give one of --kv-cache-memory and --gpu-memory-utilization")
+        raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
     return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory or "1GiB"),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
