@@ -240,10 +240,14 @@ class KVBlockStore:
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write packed blocks ``[n, *block_shape]``, already on this store's device, into
-        ``block_ids`` with one indexed copy (the ipc sender writes a peer's pool with it)."""
+        ``block_ids`` with one indexed copy (the ipc sender writes a peer's pool with it).
+        On a GPU it returns once the copy ran: the blocks are reported landed right after, and
+        the engine (another thread, maybe another stream) may read them from then on."""
         self._check_ids(block_ids)
         assert blocks.shape == (len(block_ids), *self.layout.block_shape) and blocks.device == self.device
         self._by_block[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)] = blocks
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def checksums(self, block_ids: Sequence[int], algo: str | None = None) -> list[int]:
         """Checksum (``algo``, default the store's) of each block's packed bytes, as they sit

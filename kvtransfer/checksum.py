@@ -53,7 +53,8 @@ def run_sums(blocks: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     n = blocks.shape[0]
     assert blocks.is_contiguous() and blocks.shape[1:] == layout.block_shape, \
         f"expected contiguous [n, {layout.block_shape}], got {tuple(blocks.shape)}"
-    words = blocks.view(torch.uint8).view(word_dtype(layout)).view(n, 2 * layout.num_layers, -1)
+    # flat first: a row's last dimension alone may not be a whole number of words
+    words = blocks.view(n, -1).view(torch.uint8).view(word_dtype(layout)).view(n, 2 * layout.num_layers, -1)
     assert words.shape[2] < MAX_RUN_WORDS, f"a run of {layout.run_nbytes} bytes is too large for wsum32_v1"
     w = _weights(words.shape[2], blocks.device)
     per = max(1, CHUNK_BYTES // (8 * w.numel() * 2 * layout.num_layers))  # blocks per chunk

@@ -97,13 +97,14 @@ class IpcReceiver(TcpReceiver):
             raise ValueError(f"ipc receiver: the KV pool must be on a CUDA device, it is on {store.device}; "
                              f"run the node with --device cuda or use the tcp backend")
         super().__init__(layout, store, *args, **kwargs)
-        self._ipc = export_pool(store.kv_caches)
 
     def _offers_shm(self) -> bool:
         return True  # frames without payload: the sender already wrote them into our pool
 
     def _welcome(self, channel: Channel) -> Welcome:
-        return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, ipc=self._ipc)
+        # one export per connection: each takes one count of torch's IPC reference counter,
+        # which that sender's mapping gives back when it is dropped
+        return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, ipc=export_pool(self.store.kv_caches))
 
 
 class IpcSender(TcpSender):
@@ -155,8 +156,7 @@ class IpcSender(TcpSender):
                 flat = src[i].view(-1).view(torch.uint8)
                 mid = flat.numel() // 2
                 flat[mid:mid + 1].bitwise_xor_(0xFF)
-        peer.scatter(dest, src)
-        torch.cuda.synchronize(peer.device)  # the receiver verifies as soon as the notice lands
+        peer.scatter(dest, src)  # returns once the copy ran: the receiver verifies on the notice
         return sums, []
 
     async def _deliver(self, conn: Connection, frame: Blocks, payload: list[memoryview]) -> None:

@@ -43,6 +43,18 @@ class PackedBlocks:
         self.layout = layout
         self._host: memoryview | None = None
         self._sums: dict[str, list[int]] = {}  # algo -> checksum of each block
+        # The gather was queued on the packing thread's stream (the engine's); whoever reads
+        # the blocks later (the event loop's thread, another stream) waits for it first.
+        self._ready = None
+        if blocks.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def wait(self) -> None:
+        """Block until the gather that filled ``blocks`` has run (no-op on the CPU)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
 
     def __len__(self) -> int:
         return self.blocks.shape[0]
@@ -54,6 +66,7 @@ class PackedBlocks:
     def host(self) -> memoryview:
         """The blocks' bytes in host memory: a view on the CPU, else one copy into pinned memory."""
         if self._host is None:
+            self.wait()
             if self.blocks.device.type == "cpu":
                 self._host = _host_bytes(self.blocks)
             else:
@@ -65,6 +78,7 @@ class PackedBlocks:
     def sums(self, algo: str) -> list[int]:
         """The checksum of each block under ``algo`` (wsum32_v1 on the device)."""
         if algo not in self._sums:
+            self.wait()
             host = None if algo == CHECKSUM_WSUM else self.host()  # xxh3 hashes host bytes
             self._sums[algo] = packed_sums(self.blocks, self.layout, algo, host)
         return self._sums[algo]
@@ -121,6 +135,8 @@ def frame_tensor(items: Sequence[PackedBlock]) -> torch.Tensor:
     """The items' blocks as one ``[n, *block_shape]`` device tensor: a slice of their batch
     when they are consecutive rows of one pack (the usual case), else one gather."""
     first = items[0]
+    for it in items:
+        it.packed.wait()
     if all(isinstance(it, PackedBlock) and it.packed is first.packed and it.index == first.index + k
            for k, it in enumerate(items)):
         return first.packed.blocks[first.index:first.index + len(items)]
