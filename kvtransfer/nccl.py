@@ -29,10 +29,12 @@ process holds as many pairs as it has peers, each with its own store prefix.
 
 Devices: both ends take the node's device. CPU makes a gloo group that sends
 straight from the packed blocks and receives straight into the staging buffer (no
-copy). CUDA makes a NCCL group; ``KVBlockStore`` keeps the cache in host memory, so
-a payload goes host -> the sender's GPU -> NCCL -> the receiver's GPU -> host staging,
-where the receiver verifies checksums and lands blocks exactly as on the other
-backends. Both ends must be of one kind: the Hello names the sender's, and the
+copy). CUDA makes a NCCL group; the protocol hands it host bytes (a GPU pool's pack is
+staged once into pinned memory), so a payload goes the sender's pool -> pinned host ->
+the sender's GPU -> NCCL -> the receiver's GPU -> host staging, where the receiver
+verifies checksums (on its device for wsum32_v1) and lands blocks exactly as on the
+other backends. Sending the packed device rows straight through NCCL would skip both
+host hops; same-host pairs use the ipc backend instead. Both ends must be of one kind: the Hello names the sender's, and the
 receiver refuses another kind before any group exists (both sides name both kinds).
 NCCL cannot pair two ranks on one GPU, so a same-host pair needs two devices.
 
