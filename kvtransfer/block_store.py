@@ -224,11 +224,12 @@ class KVBlockStore:
         view, size = byte_view(data), self.layout.block_nbytes
         assert len(view) == n * size, f"expected {n} blocks of {size} bytes, got {len(view)} bytes"
         if self.device.type == "cpu" and algo == CHECKSUM_XXH3:
-            ok = [d is not None and checksum(view[i * size:(i + 1) * size]) == expected[i]
-                  for i, d in enumerate(dests)]
-            for i, d in enumerate(dests):
-                if ok[i]:
-                    self._by_block[d].copy_(self._as_blocks(view[i * size:(i + 1) * size], 1)[0])
+            ok = []
+            for i, d in enumerate(dests):  # copy each block right after hashing it, while in cache
+                block = view[i * size:(i + 1) * size]
+                ok.append(d is not None and checksum(block) == expected[i])
+                if ok[-1]:
+                    self._by_block[d].copy_(self._as_blocks(block, 1)[0])
             return ok
         blocks = self._as_blocks(view, n).to(self.device)  # [n, *block_shape]
         sums = packed_sums(blocks, self.layout, algo, host=view)
