@@ -170,10 +170,6 @@ class KVBlockStore:
         # the whole cache as bytes, for in-place xxh3 (CPU only)
         self._flat = byte_view(kv_caches) if self.device.type == "cpu" else None
 
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.layout.block_nbytes
-
     def pack(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> memoryview | PackedBlocks:
         """The blocks, packed (layout.py), back to back in the given order: one gather on the
         cache's device. ``out``: optional reusable ``[n, *layout.block_shape]`` tensor of the
