@@ -54,9 +54,15 @@ def run_sums(blocks: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     assert blocks.is_contiguous() and blocks.shape[1:] == layout.block_shape, \
         f"expected contiguous [n, {layout.block_shape}], got {tuple(blocks.shape)}"
     # flat first: a row's last dimension alone may not be a whole number of words
-    words = blocks.view(n, -1).view(torch.uint8).view(word_dtype(layout)).view(n, 2 * layout.num_layers, -1)
+    return _byte_run_sums(blocks.view(n, -1).view(torch.uint8), layout)
+
+
+def _byte_run_sums(data: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """``run_sums`` of packed blocks given as bytes ``[n, block_nbytes]`` uint8."""
+    n = data.shape[0]
+    words = data.view(word_dtype(layout)).view(n, 2 * layout.num_layers, -1)
     assert words.shape[2] < MAX_RUN_WORDS, f"a run of {layout.run_nbytes} bytes is too large for wsum32_v1"
-    w = _weights(words.shape[2], blocks.device)
+    w = _weights(words.shape[2], data.device)
     per = max(1, CHUNK_BYTES // (8 * w.numel() * 2 * layout.num_layers))  # blocks per chunk
     out = [(words[i:i + per].to(torch.int64) * w).sum(-1) for i in range(0, n, per)]
     return torch.cat(out) if len(out) > 1 else out[0]
@@ -91,10 +97,7 @@ def bytes_sum(data, layout: KVLayout, algo: str) -> int:
     """``algo`` of one packed block given as host bytes (any buffer of ``block_nbytes``)."""
     if algo == CHECKSUM_XXH3:
         return checksum(data)
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    view = memoryview(data).cast("B")
     block = torch.frombuffer(bytearray(view) if view.readonly else view, dtype=torch.uint8)
-    return wsum(block.view(1, -1).view(_torch_dtype(layout)).view(1, *layout.block_shape), layout)[0]
-
-
-def _torch_dtype(layout: KVLayout) -> torch.dtype:
-    return getattr(torch, layout.dtype)
+    assert block.numel() == layout.block_nbytes, f"expected {layout.block_nbytes} bytes, got {block.numel()}"
+    return finish(_byte_run_sums(block.view(1, -1), layout))[0]
