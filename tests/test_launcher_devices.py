@@ -78,3 +78,33 @@ def test_up_parses_the_device_flags(monkeypatch):
     ns = seen[0]
     assert (ns.device, ns.prefill_devices, ns.decode_devices, ns.dtype, ns.gpu_memory_utilization) == \
         ("cuda", ["cuda:0"], ["cuda:1"], "float16", 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_up_on_one_gpu_serves_through_ipc():
+    """`splitserve up --device cuda`: both nodes on one GPU, blocks over CUDA IPC, no fallback."""
+    import json
+    import os
+    import urllib.request
+
+    import openai
+    os.environ.setdefault("SPLITSERVE_QUIET", "1")
+    plan = plan_devices("cuda", None, None, None, "shm", gpu_memory_utilization=0.3)
+    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend=plan.kv_backend, devices=plan) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The sky is " * 40, max_tokens=4,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 4
+        for name in ("prefill-0", "decode-0"):
+            with urllib.request.urlopen(f"{c.node(name).addr}/debug/state", timeout=10) as resp:
+                state = json.loads(resp.read())
+            assert state["kv_pool"]["device"].startswith("cuda") and state["kv_pool"]["dtype"] == "bfloat16"
+            assert state["kv_pool"]["gpu_memory_utilization"] == pytest.approx(0.15)
+        with urllib.request.urlopen(f"{c.node('decode-0').addr}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line and not line.startswith("#")}
+        assert samples.get('splitserve_kv_transfers_total{state="owned"}', 0) >= 1, metrics
+        assert not any(v for k, v in samples.items() if k.startswith("splitserve_decode_fallback_prefills_total"))
