@@ -32,7 +32,7 @@ from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.channel import Channel
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.packed import PackedBlock, frame_sums, frame_tensor, frame_views
+from splitserve.kvtransfer.packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
 from splitserve.kvtransfer.sender_core import Connection
 from splitserve.kvtransfer.shm import host_id
 from splitserve.kvtransfer.tcp import TcpReceiver, TcpSender
@@ -151,11 +151,7 @@ class IpcSender(TcpSender):
                 len(items), *self.layout.block_shape)
         src = src.to(peer.device)  # peer to peer when the pools are on two GPUs
         if corrupt:  # fault injection: damage a copy after the checksum was taken
-            src = src.clone()
-            for i in corrupt:
-                flat = src[i].view(-1).view(torch.uint8)
-                mid = flat.numel() // 2
-                flat[mid:mid + 1].bitwise_xor_(0xFF)
+            src = flip_rows(src, corrupt)
         peer.scatter(dest, src)  # returns once the copy ran: the receiver verifies on the notice
         return sums, []
 

@@ -131,6 +131,17 @@ def frame_views(items: Sequence) -> list[memoryview]:
     return out
 
 
+def flip_rows(blocks: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+    """Fault injection on the device: a copy of ``blocks`` ``[n, *block_shape]`` with the
+    middle byte of each row in ``rows`` inverted (the device twin of ``flip_one_byte``)."""
+    out = blocks.clone()
+    for i in rows:
+        flat = out[i].view(-1).view(torch.uint8)
+        mid = flat.numel() // 2
+        flat[mid:mid + 1].bitwise_xor_(0xFF)
+    return out
+
+
 def frame_tensor(items: Sequence[PackedBlock]) -> torch.Tensor:
     """The items' blocks as one ``[n, *block_shape]`` device tensor: a slice of their batch
     when they are consecutive rows of one pack (the usual case), else one gather."""

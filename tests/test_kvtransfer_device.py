@@ -20,7 +20,7 @@ from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, SenderOptions, TransferError, make_receiver,
                                    make_sender)
 from splitserve.kvtransfer.checksum import WEIGHT_PERIOD, bytes_sum, checksum, word_dtype, wsum
-from splitserve.kvtransfer.packed import PackedBlock, PackedBlocks
+from splitserve.kvtransfer.packed import PackedBlock, PackedBlocks, flip_rows, frame_tensor
 from splitserve.kvtransfer.wire import CHECKSUM_WSUM, CHECKSUM_XXH3, IpcInfo, Welcome, decode, encode
 
 torch.set_num_threads(1)
@@ -112,6 +112,52 @@ def test_device_generic_store_packs_lands_and_verifies():
     assert dst.read(7) == src.read(6)
     dst.scatter([2, 3], packed.blocks[:2])
     assert dst.read(2) == src.read(3) and dst.read(3) == src.read(5)
+
+
+def test_frame_tensor_and_device_fault_injection():
+    store = KVBlockStore(random_cache(SMALL, 8, seed=1), SMALL, checksum_algo=CHECKSUM_WSUM)
+    packed = store.pack([1, 2, 3, 4])
+    rows = store.split(packed)
+    frame = frame_tensor(rows[1:3])
+    assert frame.data_ptr() == packed.blocks[1].data_ptr() and frame.shape[0] == 2  # a slice: no copy
+    other = store.split(store.pack([7]))
+    mixed = frame_tensor([rows[0], other[0]])  # rows of two packs: one gather
+    assert torch.equal(mixed[1], other[0].tensor()) and torch.equal(mixed[0], rows[0].tensor())
+    damaged = flip_rows(packed.blocks, [2])
+    assert torch.equal(packed.blocks, store.pack([1, 2, 3, 4]).blocks)  # the original is untouched
+    assert wsum(damaged, SMALL)[:2] == packed.sums(CHECKSUM_WSUM)[:2]
+    assert wsum(damaged, SMALL)[2] != packed.sums(CHECKSUM_WSUM)[2]
+
+
+def test_shm_in_place_verification_with_device_checksums():
+    """Landing in place (shm here, ipc on a GPU) verifies with the connection's algorithm."""
+    import uuid
+
+    from splitserve.kvtransfer import allocate_kv_cache, free_shared_kv_cache
+    name = f"splitserve-test-{uuid.uuid4().hex[:12]}"
+    try:
+        dst = KVBlockStore(allocate_kv_cache(SMALL, 16, name), SMALL, shm_name=name, checksum_algo=CHECKSUM_WSUM)
+        src = KVBlockStore(random_cache(SMALL, 16, 1), SMALL, checksum_algo=CHECKSUM_WSUM)
+        reports = []
+        receiver = make_receiver("shm", SMALL, dst, "127.0.0.1", lambda *r: reports.append(r))
+
+        async def body():
+            await receiver.start()
+            good = make_sender("shm", SMALL, SenderOptions(checksum=CHECKSUM_WSUM))
+            bad = make_sender("shm", SMALL, SenderOptions(checksum=CHECKSUM_WSUM, corrupt_every=1))
+            try:
+                await good.send_blocks(receiver.address, "t", list(zip([3, 4], src.split(src.pack([0, 1])))))
+                with pytest.raises(TransferError, match="shared-memory block differs"):
+                    await bad.send_blocks(receiver.address, "u", list(zip([5], src.split(src.pack([2])))))
+            finally:
+                await good.close()
+                await bad.close()
+                await receiver.stop()
+        run(body())
+        assert [(t, d, ok) for t, d, ok, _ in reports] == [("t", 3, True), ("t", 4, True), ("u", 5, False)]
+        assert dst.read(3) == src.read(0) and dst.read(4) == src.read(1)
+    finally:
+        free_shared_kv_cache(name)
 
 
 class Pair:
