@@ -36,7 +36,7 @@ from splitserve.kvtransfer.state import TransferState, TransferTable
 from splitserve.node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
-RELEASE_GRACE_S = 0.5  # shm only: wait before reusing the blocks of a failed or aborted transfer
+RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer
 
 
 class DecodeNode:
@@ -202,9 +202,9 @@ class DecodeNode:
         finally:
             self.landed.pop(tid, None)
             if not admitted:
-                # Over shm the prefill node writes into our memory before it tells us; give a
-                # sender that is still mid-frame time to stop before the blocks are reused.
-                if self.config.kv_backend == "shm":
+                # Over shm and ipc the prefill node writes into our memory before it tells us;
+                # give a sender that is still mid-frame time to stop before the blocks are reused.
+                if self.config.kv_backend in ("shm", "ipc"):
                     await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
                 await asyncio.shield(self.loop.call(lambda e: e.release(rid)))
             self.transfers.remove(tid)

@@ -6,7 +6,7 @@
 - the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
   fed from the engine thread, under the same node id and epoch;
 - a per-node Prometheus registry and the routes GET /health, /metrics,
-  /debug/state (JSON: pool, load, transfers).
+  /debug/state (JSON: device, dtype, KV pool size, load, transfers).
 """
 
 import asyncio
@@ -88,6 +88,20 @@ class NodeRuntime:
         self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
         kv = self.engine.runner.kv_caches
         self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
+        pool = self.kv_pool()
+        g = self.metrics.gauge
+        g("splitserve_node_device_info", "the engine's device and KV dtype (value 1)",
+          ["device", "dtype"]).labels(pool["device"], pool["dtype"]).set(1)
+        for unit in ("blocks", "bytes", "tokens"):
+            g(f"splitserve_node_kv_pool_{unit}", f"KV block pool size in {unit}").set(pool[unit])
+
+    def kv_pool(self) -> dict:
+        """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
+        kv, cfg = self.engine.runner.kv_caches, self.config.engine
+        blocks = kv.shape[2]
+        return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
+                "bytes": kv.numel() * kv.element_size(), "tokens": blocks * cfg.block_size,
+                "gpu_memory_utilization": cfg.gpu_memory_utilization}
 
     def loop_start(self, on_deltas) -> None:
         def deliver(deltas):
@@ -141,6 +155,7 @@ class NodeRuntime:
         index = None if self.publisher is None else {
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "kv_index": index,
+                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.kv_pool(),
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
                 "load": self.loop.load._asdict(), "steps": self.loop.steps, "busy_s": self.engine.busy_s,
                 "computed_tokens": self.engine.num_computed_tokens_total,
