@@ -77,6 +77,12 @@ class NodeMetrics:
                                    ["state"])
         self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
                                    "failed or impossible transfer", ["reason"])
+        for counter, values in ((self.index_batches, n.INDEX_BATCH_RESULTS),
+                                (self.prefill_requests, n.PREFILL_OUTCOMES),
+                                (self.blocks_received, n.BLOCK_OK), (self.transfers, n.TRANSFER_STATES),
+                                (self.fallbacks, n.FALLBACK_REASONS)):
+            for value in values:
+                counter.labels(value)  # exported at 0 from the start
         self._times: dict[str, RequestTimes] = {}  # req_id -> times; engine thread inserts
         self._preemptions_seen = 0
 

@@ -110,6 +110,11 @@ class RouterMetrics:
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
+        for counter, values in ((m.finished, n.FINISHED_REASONS), (m.failures, n.FAILURE_REASONS),
+                                (m.redis_errors, n.REDIS_OPS), (m.index_lookups, n.INDEX_LOOKUP_RESULTS),
+                                (m.predictions, n.PREDICTION_OUTCOMES)):
+            for value in values:
+                counter.labels(value)  # exported at 0 from the start
         return m
 
     def render(self) -> tuple[bytes, str]:
