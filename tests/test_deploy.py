@@ -368,6 +368,8 @@ def test_every_query_parses_and_names_defined_metrics():
 def test_dashboard_is_well_formed_grafana_json():
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] == "splitserve" and dash["templating"]["list"][1]["name"] == "model_name"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(set(ids)) == len(ids)
     cells = set()
     for p in dash["panels"]:
         g = p["gridPos"]
