@@ -10,7 +10,7 @@
 - Prometheus: `promtool check rules` / `check config` / `test rules`;
 - every PromQL expression (dashboard, alerts, adapter rules) parsed, and every metric
   it names defined in common/metric_names.py; Grafana JSON sanity; yamllint; hadolint;
-- a real cluster (redis, router, prefill, decode) serving requests, whose /metrics
+- a real cluster (password-protected redis, router, prefill, decode) serving requests, whose /metrics
   export every metric the dashboard, alerts and adapter rules use, with model_name.
 """
 
@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -27,12 +28,13 @@ import kubernetes_validate
 import openai
 import promql_parser
 import pytest
+import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import cli
 from splitserve.common import metric_names as names
-from splitserve.deploy.launcher import Cluster
+from splitserve.deploy.launcher import Cluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -392,9 +394,34 @@ def test_yaml_files_lint_clean():
 
 # ---- a real cluster exports every metric the dashboard and the alerts use ---------------------
 
+@pytest.fixture
+def redis_with_password():
+    """A redis-server that requires a password, as the compose file and the manifests run it:
+    (url with the password, url without)."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--requirepass", "s3cret-pw"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port, password="s3cret-pw")
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):  # the password is really required
+            redis.Redis(port=port).ping()
+        yield f"redis://:s3cret-pw@127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.slow
-def test_running_cluster_exports_every_referenced_metric_with_model_name():
-    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="96MiB") as c:
+def test_running_cluster_exports_every_referenced_metric_with_model_name(redis_with_password):
+    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="96MiB",
+                 redis_url=redis_with_password) as c:
         client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
         system = "You are a terse assistant. " * 8  # a shared prefix: prefix-cache hits
         for question in ("Name a color.", "Name a fruit."):
