@@ -20,6 +20,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -35,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve import cli
 from splitserve.common import metric_names as names
 from splitserve.deploy.launcher import Cluster, free_port
+from splitserve.router.config import router_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -42,7 +44,7 @@ K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest minor still supported upstream when this was written
 OVERLAYS = ("cpu", "gpu")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-BIN = Path(os.environ.get("VIRTUAL_ENV", Path(os.sys.executable).parent.parent)) / "bin"
+BIN = Path(sys.executable).parent  # the venv running the tests
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
 
 
@@ -50,7 +52,9 @@ def tool(name: str) -> str:
     """The path of a command-line tool: the venv's (pinned in deploy/requirements.txt) or
     the system's (kubectl; promtool from deploy/setup.sh)."""
     path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    assert path, f"{name} not found: run deploy/setup.sh"
+    where = ("kubectl >= 1.27 (kustomize v5; this machine image ships it with the Google Cloud "
+             "SDK)" if name == "kubectl" else "deploy/setup.sh installs it")
+    assert path, f"{name} not found: {where}"
     return str(path)
 
 
@@ -194,8 +198,7 @@ def parse_command(argv: list[str], monkeypatch):
     built = []
     monkeypatch.setattr(cli, "cmd_node", lambda a: built.append(
         cli.node_config(a, "colocated" if a.command == "decode" and a.colocated else a.command)) or 0)
-    monkeypatch.setattr(cli, "cmd_router", lambda a: built.append(__import__(
-        "splitserve.router.config", fromlist=["router_config"]).router_config(a)) or 0)
+    monkeypatch.setattr(cli, "cmd_router", lambda a: built.append(router_config(a)) or 0)
     assert cli.main(argv) == 0, argv
     return built[0]
 
