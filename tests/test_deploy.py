@@ -446,6 +446,9 @@ def test_running_cluster_exports_every_referenced_metric_with_model_name(redis_w
     for s in series:
         value[s.name] = value.get(s.name, 0) + s.value
     assert value[names.TIME_TO_FIRST_TOKEN + "_count"] == 2
+    assert value[names.E2E_REQUEST_LATENCY + "_count"] == 2
+    # one inter-token gap per output token after each request's first
+    assert value[names.INTER_TOKEN_LATENCY + "_count"] == value[names.GENERATION_TOKENS] - 2
     assert value[names.REQUEST_QUEUE_TIME + "_count"] >= 2  # on the prefill node
     assert value[names.PREFIX_CACHE_HITS] > 0  # the second request reused the system prompt
     assert value[names.KV_TRANSFERS] == 2 and value[names.FALLBACK_PREFILLS] == 0

@@ -108,8 +108,8 @@ def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
     assert m._times == {}  # finished requests leave no timing entry behind
 
 
-def test_aborted_requests_leave_no_timing_entries(make_engine):
-    engine = make_engine(block_size=16)
+def test_aborted_requests_leave_no_timing_entries(make_engine, tiny_llama_dir):
+    engine = make_engine(model=str(tiny_llama_dir()[0]), block_size=16)
     m = NodeMetrics("my-model", "decode")
     engine.step_observer = lambda out: m.observe_step(out, len(engine.scheduler.requests))
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
