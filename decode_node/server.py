@@ -50,10 +50,7 @@ class DecodeNode:
         self.receiver = None
         self.session: aiohttp.ClientSession | None = None
         m = runtime.metrics
-        self.m_fallbacks = m.counter("splitserve_decode_fallback_prefills_total",
-                                     "requests prefilled locally after a failed or impossible transfer", ["reason"])
-        self.m_transfers = m.counter("splitserve_kv_transfers_total", "finished KV transfers", ["state"])
-        self.m_blocks = m.counter("splitserve_kv_blocks_received_total", "KV blocks received", ["ok"])
+        self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
 
     @property
     def loop(self) -> EngineLoop:
