@@ -10,8 +10,8 @@ Bundled model (SmolLM2-135M), both sides in bf16:
     (--enforce-eager); transformers per token
   - output tok/s at batch 64 and 256 (after every request has its first token)
   - prefill tok/s on 2048-token batches (1 x 2048, 4 x 512, 16 x 128 prompt tokens)
-Llama-3-8B shape with random weights (``--load-format dummy`` when the engine has it,
-else the weights are drawn here from the config):
+Llama-3-8B shape with random weights (``load_format="dummy"``, shape from
+``model_configs/llama3-8b/config.json``):
   - batch-1 decode step vs the weight-read floor = weight bytes / copy bandwidth, the
     bandwidth measured in this run as (bytes read + bytes written) / time of a
     device-to-device copy, so reading W bytes takes at least W / bandwidth
@@ -45,10 +45,6 @@ from splitserve.engine.loader import resolve_model_dir
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS = Path(__file__).parent / "model_configs"
-LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000,
-                 eos_token_id=128001)
 TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=257, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=256)
@@ -207,42 +203,14 @@ def bench_bundled(args, plan: Plan, model_dir: Path, hf_model) -> dict:
     return out
 
 
-def random_weights_engine(args, config_dir: Path, **kw) -> EngineCore:
-    """An engine over random weights of the config's shape: ``load_format="dummy"`` when
-    EngineConfig has it, else weights drawn here (N(0, 0.02), norms at 1) in place of loading."""
-    if "load_format" in EngineConfig.__dataclass_fields__:
-        return make_engine(args, config_dir, load_format="dummy", **kw)
-    from splitserve.engine import model_runner
-    from splitserve.engine.model import LlamaForCausalLM, RotaryEmbedding
-    from splitserve.engine.model_config import ModelConfig
-
-    def random_model(model_dir, dtype, device):
-        cfg = ModelConfig.from_dir(model_dir)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg).to(dtype)
-        model.to_empty(device=device)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
-        model.rope = RotaryEmbedding(cfg).to(device)
-        return model.eval()
-
-    real = model_runner.load_model
-    model_runner.load_model = random_model
-    try:
-        return make_engine(args, config_dir, **kw)
-    finally:
-        model_runner.load_model = real
-
-
 def bench_big(args, plan: Plan, config: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         bandwidth = copy_bandwidth(args.device, plan.copy_bytes)
         out = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "decode_step_b1_ms": {}, "decode_tok_s": {}}
         for name, eager in (("static", False), ("eager", True)):
-            engine = random_weights_engine(args, Path(tmp), enforce_eager=eager,
-                                           max_num_seqs=max(plan.decode_batches))
+            engine = make_engine(args, Path(tmp), load_format="dummy", enforce_eager=eager,
+                                 max_num_seqs=max(plan.decode_batches))
             vocab = engine.model_config.vocab_size
             times = [t for r in range(args.runs) for t in engine_decode(engine, prompts(1, plan.prompt_len, vocab, r),
                                                                         plan.steps)]
@@ -280,8 +248,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes; default 12 GiB, 64 MiB with --smoke")
     ap.add_argument("--max-model-len", type=int, default=None, help="default 4096, 256 with --smoke")
     ap.add_argument("--big-config", default=None,
-                    help="config.json of the big shape (default: model_configs/llama3-8b/config.json if present, "
-                         "else the built-in Llama-3-8B dict)")
+                    help="config.json of the big shape (default: model_configs/llama3-8b/config.json)")
     ap.add_argument("--skip-big", action="store_true", help="only the bundled model")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -309,12 +276,8 @@ def main() -> int:
     if not args.skip_big:
         if args.smoke:
             big = dict(TINY, hidden_size=128, intermediate_size=256)
-        elif args.big_config:
-            big = json.loads(Path(args.big_config).read_text())
-        elif (CONFIGS / "llama3-8b" / "config.json").is_file():
-            big = json.loads((CONFIGS / "llama3-8b" / "config.json").read_text())
         else:
-            big = LLAMA3_8B
+            big = json.loads(Path(args.big_config or CONFIGS / "llama3-8b" / "config.json").read_text())
         result["llama3_8b_shape"] = bench_big(args, plan, big)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2))
