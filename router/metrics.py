@@ -43,6 +43,8 @@ class RouterMetrics:
     predicted_cached_tokens: Counter
     predictions: Counter  # labels outcome (see decisions.py)
     prediction_hit_rate: Gauge
+    inflight_requests: Gauge
+    admission_rejections: Counter  # labels reason: busy | draining | connections
 
     @classmethod
     def create(cls) -> RouterMetrics:
@@ -98,6 +100,14 @@ class RouterMetrics:
                                 "delivered > 0), none (both 0)", ["outcome"], registry=r),
             prediction_hit_rate=Gauge(PREFIX + "prefix_prediction_hit_rate",
                                       "hit / (hit + miss) since start", registry=r),
+            inflight_requests=Gauge(PREFIX + "inflight_requests",
+                                    "Generating HTTP requests being served (admission counts "
+                                    "these against --max-inflight)", registry=r),
+            admission_rejections=Counter(PREFIX + "admission_rejections",
+                                         "Requests or connections refused before any work, by "
+                                         "reason (busy: 429 at --max-inflight; draining: 503 "
+                                         "after SIGTERM; connections: 503 at "
+                                         "--max-connections)", ["reason"], registry=r),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
