@@ -60,6 +60,10 @@ MAX_REQUEST_ID_LEN = 128
 ABORT_DRAIN_S = 5.0  # shutdown waits this long for pending aborts to reach the nodes
 # After the drain, handlers still running get this long before they are cancelled.
 HANDLER_SHUTDOWN_S = 1.0
+# After an answer that left the body unread (401, 413, 415, 429, 408), aiohttp reads and
+# drops the rest for up to this long before closing, so the client sees the answer
+# rather than a reset; short, since a slow client could hold the socket meanwhile.
+LINGER_S = 2.0
 
 
 def build_app(config: RouterConfig) -> web.Application:
@@ -199,7 +203,7 @@ async def start_router(config: RouterConfig) -> RunningRouter:
     # auto_decompress off: compressed bodies are refused (request_body.py), never inflated.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=config.header_timeout_s, auto_decompress=False,
-                           shutdown_timeout=HANDLER_SHUTDOWN_S)
+                           lingering_time=LINGER_S, shutdown_timeout=HANDLER_SHUTDOWN_S)
     await runner.setup()
     server = await listen(runner, config.host, config.port, config.max_connections,
                           config.retry_after_s, app[METRICS])
