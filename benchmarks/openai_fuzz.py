@@ -90,8 +90,8 @@ odd_floats = (st.sampled_from([1e308, -1e308, 5e-324, -0.0, 1e9, 2.0000001, 1e-6
                                  "0.0e0", "1E400"]).map(Raw))
 long_strings = st.integers(min_value=200, max_value=20_000).map(lambda n: "x" * n)
 deep = st.integers(min_value=20, max_value=20_000).map(lambda d: Raw("[" * d + "]" * d))
-hostile = (json_values | huge_ints | odd_floats | long_strings | deep
-           | st.lists(st.integers(), min_size=200, max_size=5000))
+long_lists = st.integers(min_value=200, max_value=5000).map(lambda n: list(range(-7, n - 7)))
+hostile = json_values | huge_ints | odd_floats | long_strings | deep | long_lists
 
 text = st.text(max_size=40)
 token_ids = st.lists(st.integers(min_value=0, max_value=49_151), min_size=1, max_size=30)

@@ -45,7 +45,7 @@ from splitserve.router.decisions import DecisionLog
 from splitserve.router.discovery import NodeDirectory
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import ApiError
-from splitserve.router.listener import listen
+from splitserve.router.listener import listen, raise_file_limit
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.node_client import NodeClient
 from splitserve.router.policy import make_policy
@@ -214,6 +214,8 @@ async def start_router(config: RouterConfig) -> RunningRouter:
 def run_router(config: RouterConfig) -> None:
     """Serve until SIGINT / SIGTERM (``splitserve router``); prints ``READY <url>`` once
     bound. The first signal drains, a second one (or the grace period) stops."""
+    raise_file_limit(config.max_connections)
+
     async def main():
         signalled = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import resource
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from splitserve.router.metrics import RouterMetrics
 
+log = logging.getLogger(__name__)
+
 REFUSE_LINGER_S = 1.0  # a refused connection stays open this long for the client to read
 BACKLOG = 1024  # pending connections the kernel queues before accept
+SPARE_FILES = 256  # Redis, the tokenizer, logs, refused connections in their linger
 
 
 def refusal_bytes(max_connections: int, retry_after_s: int) -> bytes:
@@ -88,3 +93,18 @@ async def listen(runner: web.AppRunner, host: str, port: int, max_connections: i
                                     refusal_bytes(max_connections, retry_after_s), metrics)
     return await asyncio.get_running_loop().create_server(
         factory, host, port, reuse_address=True, backlog=BACKLOG)
+
+
+def raise_file_limit(max_connections: int) -> None:
+    """Raise this process's open-file limit to fit ``max_connections`` clients plus one
+    node connection each (the CLI calls this; a test process is left alone)."""
+    want = 2 * max_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < want:
+        log.warning("router: the open-file limit is %d; --max-connections %d needs about %d "
+                    "(raise the hard limit, or lower --max-connections)", new, max_connections,
+                    want)
