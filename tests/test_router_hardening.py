@@ -459,3 +459,45 @@ def test_redact_url():
     assert redact_url("rediss://alice:s3cret@h:6380/0?x=1") == "rediss://alice:***@h:6380/0?x=1"
     assert redact_url("redis://:s3cret@h/0") == "redis://:***@h/0"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+# -- the cluster token on internal requests ------------------------------------------
+
+
+@pytest.mark.parametrize("token", [None, "cluster-token-0123456789"])
+async def test_node_client_sends_the_cluster_token_on_every_request(token):
+    from aiohttp import web
+
+    from splitserve.common.auth import CLUSTER_TOKEN_HEADER
+    from splitserve.common.http import error_response
+    from splitserve.common.protocol import GenerateRequest
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.router.node_client import NodeClient, NodeRejected
+
+    seen = []  # (path, the token header or None)
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get(CLUSTER_TOKEN_HEADER)))
+        if request.path == "/abort":
+            return web.Response(status=200)
+        return error_response(403, "wrong token")
+
+    app = web.Application()
+    app.router.add_post("/generate", record)
+    app.router.add_post("/abort", record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    addr = "http://127.0.0.1:%d" % runner.addresses[0][1]
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = NodeClient(session, cluster_token=token)
+            with pytest.raises(NodeRejected) as exc:
+                await client.generate(addr, GenerateRequest(request_id="r1", token_ids=[1, 2],
+                                                            sampling_params=SamplingParams()))
+            assert exc.value.status == 403
+            assert await client.abort(addr, "r1")
+    finally:
+        await runner.cleanup()
+    assert seen == [("/generate", token), ("/abort", token)]
