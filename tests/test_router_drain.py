@@ -1,7 +1,8 @@
 """SIGTERM drains a real router process in front of a simulated decode node: new
 requests get 503 ``draining`` with Retry-After and /health says so, the stream in
 flight finishes to ``[DONE]``, then the process exits 0; past --drain-grace the
-router stops anyway, cutting what still streams."""
+router stops anyway, cutting what still streams. A stream longer than the header
+timeout is not cut by it."""
 
 import http.client
 import json
@@ -21,9 +22,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def cluster():
-    # speedup 2: a decode step takes ~45 ms, so 40 tokens stream for ~2 s
-    with SimCluster(0, 1, fleet_procs=1, sim_args=["--sim-speedup", "2"],
-                    kv_cache_memory="256MiB", router_args=["--drain-grace", "30"]) as c:
+    # speedup 2: a decode step takes ~45 ms, so 80 tokens stream for ~3.5 s; a header
+    # timeout of 1 s must not cut a response that takes longer
+    with SimCluster(0, 1, fleet_procs=1, sim_args=["--sim-speedup", "2"], kv_cache_memory="256MiB",
+                    router_args=["--drain-grace", "30", "--header-timeout", "1"]) as c:
         yield c
 
 
@@ -53,7 +55,8 @@ def post(url: str) -> tuple[int, dict, dict]:
 
 def test_sigterm_finishes_the_stream_in_flight_and_refuses_new_requests(cluster):
     router = cluster.node("router").popen
-    conn, resp = open_stream(cluster.url, max_tokens=40)
+    conn, resp = open_stream(cluster.url, max_tokens=80)
+    time.sleep(1.2)  # past the header timeout, mid-stream
     t0 = time.monotonic()
     router.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -68,7 +71,7 @@ def test_sigterm_finishes_the_stream_in_flight_and_refuses_new_requests(cluster)
     probe.close()
     rest = resp.read().split(b"\n\n")
     chunks = [c for c in rest if c.startswith(b"data: {")]
-    assert rest[-2] == b"data: [DONE]" and len(chunks) >= 30  # the whole stream, ended cleanly
+    assert rest[-2] == b"data: [DONE]" and len(chunks) >= 70  # the whole stream, ended cleanly
     conn.close()
     assert router.wait(15) == 0
     assert time.monotonic() - t0 < 25
