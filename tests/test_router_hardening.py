@@ -501,3 +501,31 @@ async def test_node_client_sends_the_cluster_token_on_every_request(token):
     finally:
         await runner.cleanup()
     assert seen == [("/generate", token), ("/abort", token)]
+
+
+# -- malformed HTTP ------------------------------------------------------------------
+
+_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/completions?" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # long line
+    _HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(300)) + b"\r\n",  # many headers
+    _HEAD + b"X-Big: " + b"v" * 20_000 + b"\r\n\r\n",  # long header
+    _HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",  # bad chunk size
+    _HEAD + b"Content-Length: -5\r\n\r\n{}",
+    _HEAD + b"Content-Length: 99999999999999999999999\r\n\r\n{}",
+    _HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    _HEAD + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+])
+async def test_malformed_http_is_4xx_and_the_router_keeps_serving(router, http, raw):
+    host, port = router.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(raw)
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status_line.split()[1][:1] == b"4", status_line
+    async with http.get(router + "/v1/models") as resp:
+        assert resp.status == 200
