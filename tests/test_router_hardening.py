@@ -9,7 +9,9 @@ import asyncio
 import gzip
 import json
 import logging
+import socket
 import subprocess
+import time
 import zlib
 
 import aiohttp
@@ -334,8 +336,8 @@ async def test_drain_refuses_new_requests_and_waits_for_inflight(redis_url, http
         drained = asyncio.create_task(running.drain(10))
         writer.write(b" " * 999)  # the held request completes (a 400: not JSON)
         await writer.drain()
-        assert (await reader.readline()).startswith(b"HTTP/1.1 400")
-        assert await drained
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"HTTP/1.1 400")
+        assert await asyncio.wait_for(drained, 15)
         writer.close()
     finally:
         await running.stop()
@@ -424,6 +426,13 @@ def secure_redis(tmp_path_factory):
          "--requirepass", "default-pass-123", "--user", "alice", "on", ">alice-pass-123",
          "~*", "&*", "+@all", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until it listens
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
     yield port, folder
     proc.kill()
     proc.wait()
@@ -439,18 +448,18 @@ async def test_redis_urls_with_password_acl_user_and_tls(secure_redis, http, cap
     for url in good:
         index = KVIndex(url)
         try:  # the prefix-index client: a Lua script and a read, authenticated
-            assert await index.apply("n1", "e1", IndexDelta.full([11, 12]), seq=1)
-            assert await index.members("n1", "e1") == {11, 12}
+            assert await asyncio.wait_for(index.apply("n1", "e1", IndexDelta.full([11, 12]), seq=1), 10)
+            assert await asyncio.wait_for(index.members("n1", "e1"), 10) == {11, 12}
         finally:
             await index.close()
     for url, ok in [(u, True) for u in good] + [(u, False) for u in bad]:
         with caplog.at_level(logging.INFO, logger="splitserve.router"):
-            running = await start_router(config(url, poll_interval_s=0.1))
+            running = await asyncio.wait_for(start_router(config(url, poll_interval_s=0.1)), 30)
         try:
-            async with http.get(running.url + "/health") as resp:
+            async with http.get(running.url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 assert (await resp.json())["redis"] == ("ok" if ok else "unreachable"), url
         finally:
-            await running.stop()
+            await asyncio.wait_for(running.stop(), 30)
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "pass-123" not in logged and "alice:***@" in logged
 
