@@ -74,7 +74,7 @@ def build_app(config: RouterConfig) -> web.Application:
                                        _admission_middleware])
     app[CONFIG] = config
     app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
-    app[METRICS] = RouterMetrics.create()
+    app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
     make_policy(config.policy, config.weights)  # fail now on a bad name, not at the first request

@@ -312,8 +312,8 @@ async def test_over_max_inflight_is_429_then_recovers(redis_url, http):
                                         {"Content-Type": "application/json"})
         assert_error(status, body, 503, code="no_decode_node")
         async with http.get(running.url + "/metrics") as resp:
-            assert 'splitserve_router_admission_rejections_total{reason="busy"} 1.0' in \
-                await resp.text()
+            assert ('splitserve:router_admission_rejections_total{model_name="%s",reason="busy"} 1.0'
+                    % MODEL) in await resp.text()
     finally:
         await running.stop()
 
