@@ -32,7 +32,7 @@ KEEP = 256  # decisions kept for /debug/decisions
 
 @dataclass(slots=True)
 class DecisionRecord:
-    request_id: str
+    request_id: str | None  # None as /debug/decisions shows it without the cluster token
     ts: float  # unix time of the decision
     policy: str
     prefill: str | None  # node id; None: the decode node prefills

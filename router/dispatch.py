@@ -50,6 +50,7 @@ class Dispatcher:
     background: BackgroundTasks
     prefix: PrefixIndex
     decisions: DecisionLog
+    retry_after_s: int = 1  # Retry-After of the 503 "no decode node"
     inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
     # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
     inflight_tokens: Counter = field(default_factory=Counter)
@@ -116,7 +117,8 @@ class Dispatcher:
         else:
             msg = (f"no decode node for model `{d.model_id}` is reachable right now; "
                    "retry shortly")
-        return ApiError(503, msg, code="no_decode_node")
+        return ApiError(503, msg, code="no_decode_node",
+                        headers={"Retry-After": str(self.retry_after_s)})
 
     async def _open(self, d: Decision, req: GenerateRequest
                     ) -> tuple[TokenStream, InflightSlot, InflightSlot]:

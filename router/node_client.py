@@ -4,7 +4,8 @@ stream, abort a request.
 Owns the wire side of the proxy: ``POST {node}/generate`` (msgpack
 `GenerateRequest`) answered by a stream of length-prefixed msgpack `TokenDelta`
 frames, or by a 4xx with a msgpack `ErrorBody`; ``POST {node}/abort`` (msgpack
-`Abort`, idempotent). Every failure becomes `NodeRejected` (the node refused the
+`Abort`, idempotent). Every request carries the cluster token, when the router has
+one, in the `CLUSTER_TOKEN_HEADER`. Every failure becomes `NodeRejected` (the node refused the
 request: the client's fault) or `NodeUnavailable` (the node failed); a silent node
 times out after ``read_timeout_s`` instead of hanging.
 
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
+from splitserve.common.auth import CLUSTER_TOKEN_HEADER
+from splitserve.common.http import MSGPACK
 from splitserve.common.protocol import Abort, ErrorBody, FrameReader, GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
-MSGPACK = "application/msgpack"
 ABORT_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 0.2  # after the finishing frame, the node is expected to end the body at once
 _READ_CHUNK = 1 << 16
@@ -107,6 +109,13 @@ class NodeClient:
     session: aiohttp.ClientSession
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0  # longest silence between two frames
+    cluster_token: str | None = None  # sent on every request; None: no header
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": MSGPACK}
+        if self.cluster_token is not None:
+            headers[CLUSTER_TOKEN_HEADER] = self.cluster_token
+        return headers
 
     async def generate(self, addr: str, req: GenerateRequest) -> TokenStream:
         """Start ``req`` on the decode node at ``addr``; returns once the node accepted
@@ -115,7 +124,7 @@ class NodeClient:
                                         sock_read=self.read_timeout_s)
         try:
             resp = await self.session.post(f"{addr}/generate", data=msgspec.msgpack.encode(req),
-                                           headers={"Content-Type": MSGPACK}, timeout=timeout)
+                                           headers=self._headers(), timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             raise NodeUnavailable(f"decode node {addr} is unreachable: {e}", unreachable=True) from e
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -137,7 +146,7 @@ class NodeClient:
         try:
             async with self.session.post(
                     f"{addr}/abort", data=msgspec.msgpack.encode(Abort(request_id)),
-                    headers={"Content-Type": MSGPACK},
+                    headers=self._headers(),
                     timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
                 if resp.status >= 300:
                     log.warning("abort of %s on %s answered %d", request_id, addr, resp.status)
