@@ -46,6 +46,7 @@ ROOT_PARENT: int = xxh3_64_intdigest(b"splitserve.block_hash.root", seed=BLOCK_H
 
 _U64_MAX = (1 << 64) - 1
 _U32 = struct.Struct("<I")
+_ENCODE_CHUNK_TOKENS = 2048  # iter_block_hashes encodes a long prompt this much at a time
 assert array("I").itemsize == 4, "array('I') must be 32-bit for the token encoding"
 
 
@@ -108,15 +109,22 @@ def iter_block_hashes(
 ) -> Iterator[int]:
     """Lazily, the chained hashes of the full blocks of ``token_ids`` (a sequence, or
     its ``token_bytes``): a caller that stops early (the router, at the first block no
-    node holds) pays only for the blocks it read."""
+    node holds) pays only for the blocks it read, encoding included."""
     assert block_size > 0, f"block_size must be positive, got {block_size}"
-    data = token_ids if isinstance(token_ids, bytes) else token_bytes(token_ids)
     salt = chain_salt(extra_keys)
     h = ROOT_PARENT if parent is None else parent
     step = block_size * 4
-    for start in range(0, len(data) - step + 1, step):
-        h = xxh3_64_intdigest(data[start : start + step], seed=salt ^ h)
-        yield h
+    if isinstance(token_ids, bytes):
+        chunks: Iterator[bytes] = iter((token_ids,))
+    else:
+        per_chunk = block_size * max(1, _ENCODE_CHUNK_TOKENS // block_size)
+        full = len(token_ids) - len(token_ids) % block_size
+        chunks = (token_bytes(token_ids[a : min(a + per_chunk, full)])
+                  for a in range(0, full, per_chunk))
+    for data in chunks:
+        for start in range(0, len(data) - step + 1, step):
+            h = xxh3_64_intdigest(data[start : start + step], seed=salt ^ h)
+            yield h
 
 
 def hash_blocks(

@@ -9,7 +9,7 @@ policy sees). Answers "no decode node" with a 503 and a node's refusal with its 
 4xx.
 
 Must not talk to Redis itself (discovery.py keeps the node list, prefix_index.py
-reads the index) or detokenize.
+mirrors the index) or detokenize.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Dispatcher:
             t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
             if hits is None and self.policy.uses_prefix_index:
-                hits = await self.prefix.lookup(prompt, nodes)
+                hits = self.prefix.lookup(prompt, nodes)
             decision = self.policy.choose(prompt, nodes, self.inflight,
                                           cached=hits.cached if hits else NO_CACHED,
                                           inflight_tokens=self.inflight_tokens)
