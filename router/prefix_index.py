@@ -77,6 +77,7 @@ class PrefixIndex:
     connected: bool = False  # subscribed and caught up: lookups use the mirror
     resyncs: int = 0  # snapshots read (late start, gaps, epochs, lost connection)
     updates: int = 0  # updates received (dropped ones included)
+    dropped: int = 0  # updates dropped by ``event_loss``
     _holders: dict[int, int] = field(default_factory=dict)  # block hash -> bitmask of slots
     _nodes: dict[NodeKey, MirroredNode] = field(default_factory=dict)
     _retired: set[NodeKey] = field(default_factory=set)  # epochs superseded by a newer one
@@ -178,6 +179,7 @@ class PrefixIndex:
     async def _on_update(self, data: bytes) -> None:
         self.updates += 1
         if self.event_loss and self._rng.random() < self.event_loss:
+            self.dropped += 1
             return
         try:
             u = decode_index_update(data)
