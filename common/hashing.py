@@ -46,7 +46,6 @@ ROOT_PARENT: int = xxh3_64_intdigest(b"splitserve.block_hash.root", seed=BLOCK_H
 
 _U64_MAX = (1 << 64) - 1
 _U32 = struct.Struct("<I")
-_ENCODE_CHUNK_TOKENS = 2048  # iter_block_hashes encodes a long prompt this much at a time
 assert array("I").itemsize == 4, "array('I') must be 32-bit for the token encoding"
 
 
@@ -101,30 +100,43 @@ def block_hash(
     return xxh3_64_intdigest(token_bytes(token_ids), seed=chain_salt(extra_keys) ^ parent)
 
 
+def iter_hash_chunks(
+    token_ids: Sequence[int] | bytes,
+    block_size: int,
+    extra_keys: Sequence[str | int] = (),
+    parent: int | None = None,
+    chunk_blocks: int = 64,
+) -> Iterator[list[int]]:
+    """Lazily, the chained hashes of the full blocks of ``token_ids`` (a sequence, or
+    its ``token_bytes``), ``chunk_blocks`` at a time (the last list may be shorter):
+    a caller that stops early (the router, at the first block no node holds) pays
+    only for the chunks it read, encoding included."""
+    assert block_size > 0 and chunk_blocks > 0, f"bad block_size {block_size} / chunk {chunk_blocks}"
+    salt = chain_salt(extra_keys)
+    h = ROOT_PARENT if parent is None else parent
+    step = block_size * 4
+    full = (len(token_ids) // step if isinstance(token_ids, bytes)
+            else len(token_ids) // block_size) * block_size  # tokens in full blocks
+    per_chunk = chunk_blocks * block_size
+    for a in range(0, full, per_chunk):
+        b = min(a + per_chunk, full)
+        data = token_ids[a * 4 : b * 4] if isinstance(token_ids, bytes) else token_bytes(token_ids[a:b])
+        out = []
+        for start in range(0, len(data), step):
+            h = xxh3_64_intdigest(data[start : start + step], salt ^ h)  # positional: faster
+            out.append(h)
+        yield out
+
+
 def iter_block_hashes(
     token_ids: Sequence[int] | bytes,
     block_size: int,
     extra_keys: Sequence[str | int] = (),
     parent: int | None = None,
 ) -> Iterator[int]:
-    """Lazily, the chained hashes of the full blocks of ``token_ids`` (a sequence, or
-    its ``token_bytes``): a caller that stops early (the router, at the first block no
-    node holds) pays only for the blocks it read, encoding included."""
-    assert block_size > 0, f"block_size must be positive, got {block_size}"
-    salt = chain_salt(extra_keys)
-    h = ROOT_PARENT if parent is None else parent
-    step = block_size * 4
-    if isinstance(token_ids, bytes):
-        chunks: Iterator[bytes] = iter((token_ids,))
-    else:
-        per_chunk = block_size * max(1, _ENCODE_CHUNK_TOKENS // block_size)
-        full = len(token_ids) - len(token_ids) % block_size
-        chunks = (token_bytes(token_ids[a : min(a + per_chunk, full)])
-                  for a in range(0, full, per_chunk))
-    for data in chunks:
-        for start in range(0, len(data) - step + 1, step):
-            h = xxh3_64_intdigest(data[start : start + step], seed=salt ^ h)
-            yield h
+    """Lazily, the chained hashes of the full blocks of ``token_ids``, one by one."""
+    for chunk in iter_hash_chunks(token_ids, block_size, extra_keys, parent):
+        yield from chunk
 
 
 def hash_blocks(

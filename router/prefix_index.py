@@ -17,9 +17,13 @@ cached prompt tokens per node, with no Redis round trip per request.
 
 Data: ``_holders`` maps a block hash to a bitmask of node slots (one bit per
 mirrored (node, epoch)). A lookup walks the prompt's chained hashes once, hashing
-lazily, AND-ing the candidates' bits; a node leaves the walk at its first missing
-block, and the walk stops when no candidate is left, so its cost is the longest
-cached run in blocks (plus one), not prompt length x nodes.
+lazily ``CHUNK_BLOCKS`` at a time, AND-ing the candidates' bits; a node leaves the
+walk at its first missing block, and the walk stops when no candidate is left, so
+its cost is the longest cached run (plus a chunk), not prompt length x nodes. A
+chunk whose last block every remaining candidate holds is taken whole: a node's
+set is prefix-closed (engines evict a sequence's tail first, KVCacheManager.free),
+so one dict read stands for the chunk; a set with a hole may be read long, which
+the router counts as a misprediction.
 
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
 served model id as the extra key and RouterConfig.block_size, as every node does),
@@ -39,7 +43,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from splitserve.common.hashing import iter_block_hashes
+from splitserve.common.hashing import iter_hash_chunks
 from splitserve.common.kv_events import IndexUpdate, decode_index_update
 from splitserve.common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from splitserve.common.registry import NodeInfo
@@ -48,6 +52,7 @@ from splitserve.router.metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 NodeKey = tuple[str, str]  # (node_id, epoch)
+CHUNK_BLOCKS = 32  # a lookup hashes and checks the prompt this many blocks at a time
 
 
 class PrefixHits(NamedTuple):
@@ -110,18 +115,23 @@ class PrefixIndex:
         if max_blocks == 0 or not alive:
             return PrefixHits({}, num_blocks, True)
         cached: dict[str, int] = {}
-        holders = self._holders
-        depth = 0
-        for h in iter_block_hashes(prompt, bs, (self.model_id,)):
-            if depth == max_blocks:
+        get = self._holders.get
+        depth = 0  # blocks every node in ``alive`` holds
+        for chunk in iter_hash_chunks(prompt, bs, (self.model_id,), chunk_blocks=CHUNK_BLOCKS):
+            chunk = chunk[: max_blocks - depth]
+            if get(chunk[-1], 0) & alive == alive:  # prefix-closed sets: the whole chunk is held
+                depth += len(chunk)
+            else:
+                for h in chunk:
+                    held = get(h, 0) & alive
+                    if held != alive:
+                        _settle(alive & ~held, depth * bs, slot_node, cached)
+                        alive = held
+                        if not alive:
+                            break
+                    depth += 1
+            if not alive or depth >= max_blocks:
                 break
-            held = holders.get(h, 0) & alive
-            if held != alive:
-                _settle(alive & ~held, depth * bs, slot_node, cached)
-                alive = held
-                if not alive:
-                    break
-            depth += 1
         _settle(alive, depth * bs, slot_node, cached)
         return PrefixHits(cached, num_blocks, True)
 
