@@ -30,6 +30,16 @@ class CacheAwareWeights:
     # prefixes; this caps how far one node's share runs ahead of the others'
     balance: float = 2.0
     balance_half_life_s: float = 300.0  # conversations last minutes
+    # The decode node prefills itself (no remote prefill) when at most this many prompt
+    # tokens are not in its cache (a short prompt, or one it mostly holds) and that is
+    # cheaper than the remote pair plus ``remote_prefill``, the fixed cost of the extra hop
+    # (task to the prefill node, KV handshake, last block's transfer).
+    local_prefill_tokens: float = 512.0
+    remote_prefill: float = 128.0
+    # Seconds per token-equivalent, to report predicted TTFT in seconds in
+    # /debug/decisions (0: reported in token-equivalents only). A profile's prefill
+    # time per token (sim-nodes --list-profiles) is a fair value.
+    token_s: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):

@@ -101,7 +101,7 @@ class Dispatcher:
                 stream=stream, detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
                 metrics=self.metrics, abort=self._schedule_abort,
                 on_first_token=prefill_slot.release, on_close=decode_slot.release,
-                t_start=t_start, on_settle=lambda delivered: self.decisions.settle(rec, delivered))
+                t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s))
         if last_error is None:
             raise self._no_decode_node()
         self.metrics.failures.labels(reason="node_unavailable").inc()
