@@ -124,8 +124,10 @@ class Dispatcher:
         it runs (and its ``d.prefill_work`` on the prefill node until the first
         token): (stream, prefill slot, decode slot). On any error the slots are
         released and the error re-raised."""
-        prefill = InflightSlot(self.inflight, self.inflight_tokens,
-                               d.prefill.node_id if d.prefill else None, d.prefill_work)
+        # The prefill work is in flight on the node that computes it (the decode node
+        # when it prefills itself) until the first token.
+        prefill = InflightSlot(self.inflight, self.inflight_tokens, (d.prefill or d.decode).node_id,
+                               d.prefill_work, count_request=d.prefill is not None)
         decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
         try:
             return await self.client.generate(d.decode.http_addr, req), prefill, decode
@@ -159,18 +161,22 @@ class InflightSlot:
     tokens: Counter
     node_id: str | None
     num_tokens: float = 0
+    count_request: bool = True  # False: tokens only (the request is counted by another slot)
     released: bool = False
 
     def __post_init__(self):
         if self.node_id is not None:
-            self.counts[self.node_id] += 1
+            if self.count_request:
+                self.counts[self.node_id] += 1
             self.tokens[self.node_id] += self.num_tokens
 
     def release(self) -> None:
         if self.released or self.node_id is None:
             return
         self.released = True
-        for counter, amount in ((self.counts, 1), (self.tokens, self.num_tokens)):
+        for counter, amount in ((self.counts, int(self.count_request)), (self.tokens, self.num_tokens)):
+            if not amount:
+                continue
             counter[self.node_id] -= amount
             if counter[self.node_id] <= 0:
                 del counter[self.node_id]
