@@ -37,7 +37,7 @@ def test_repeated_prefix_goes_to_the_nodes_that_hold_it():
     nodes = [node("p0"), node("p1"), node("p2"), node("d0", "decode"), node("d1", "decode")]
     policy = CacheAware()
     for _ in range(4):  # not a tie: no rotation away from the holders
-        assert pick(policy, nodes, {"p1": 960, "d1": 320}) == ("p1", "d1")
+        assert pick(policy, nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")
     # a longer run beats a shorter one
     assert pick(policy, nodes, {"p0": 320, "p2": 640}) [0] == "p2"
     # a lightly loaded holder still wins: the prefix saves more than its queue costs
@@ -94,7 +94,8 @@ def test_local_prefill_weighs_the_hit_against_the_decode_node_queue():
 
 def test_remote_prefill_is_skipped_for_a_prompt_the_decode_node_mostly_holds_or_a_short_one():
     nodes = [node("p0"), node("p1"), node("d0", "decode"), node("d1", "decode")]
-    policy = CacheAware()
+    assert pick(CacheAware(), nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")  # off by default
+    policy = CacheAware(CacheAwareWeights(local_prefill_tokens=512))
     d = policy.choose(PROMPT, nodes, cached={"p1": 960, "d1": 960})
     assert (d.prefill, d.decode.node_id) == (None, "d1")  # 40 tokens to compute: no hop
     assert d.predicted_ttft == pytest.approx(policy.work(L, 960))
