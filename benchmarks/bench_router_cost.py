@@ -111,7 +111,7 @@ def mirror(redis_url: str, **kw):
     from splitserve.router.metrics import RouterMetrics
     from splitserve.router.prefix_index import PrefixIndex
 
-    px = PrefixIndex(KVIndex(redis_url, timeout_s=10.0), RouterMetrics.create(), MODEL, BS, **kw)
+    px = PrefixIndex(KVIndex(redis_url, timeout_s=10.0), RouterMetrics.create(MODEL), MODEL, BS, **kw)
     px.start()
     return px
 

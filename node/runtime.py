@@ -6,7 +6,7 @@
 - the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
   fed from the engine thread, under the same node id and epoch;
 - a per-node Prometheus registry and the routes GET /health, /metrics,
-  /debug/state (JSON: pool, load, transfers).
+  /debug/state (JSON: device, dtype, KV pool size, load, transfers).
 """
 
 import asyncio
@@ -17,8 +17,6 @@ import uuid
 from typing import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from splitserve.common.config import NodeConfig
 from splitserve.common.kv_events import KVEvent
@@ -29,23 +27,11 @@ from splitserve.engine.engine_loop import EngineLoop
 from splitserve.kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.node.kv_publisher import KVEventPublisher
+from splitserve.node.metrics import NodeMetrics
 
 log = logging.getLogger(__name__)
 RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
 NODE = web.AppKey("node", object)  # the role's server object (DecodeNode | PrefillNode)
-
-
-class Metrics:
-    """A per-node Prometheus registry (no module globals)."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-
-    def counter(self, name, doc, labels=()):
-        return Counter(name, doc, list(labels), registry=self.registry)
-
-    def gauge(self, name, doc, labels=()):
-        return Gauge(name, doc, list(labels), registry=self.registry)
 
 
 def layout_from_shape(shape: tuple[int, ...], dtype) -> KVLayout:
@@ -65,17 +51,12 @@ class NodeRuntime:
         self.shm_name: str | None = None
         self.kv_addr = ""
         self.http_addr = ""
-        self.metrics = Metrics()
+        self.metrics = NodeMetrics(config.engine.model_id, config.role)
         self.debug_extra: Callable[[], dict] = dict
         self.heartbeat: Heartbeat | None = None
         self.publisher: KVEventPublisher | None = None
         self._registry: NodeRegistry | None = None
         self._index: KVIndex | None = None
-        g = self.metrics.gauge
-        self.m_load = {f: g(f"splitserve_node_{f}", f"engine load: {f}") for f in NodeLoad.__struct_fields__}
-        self.m_index_batches = self.metrics.counter(
-            "splitserve_kv_index_batches_total", "prefix-index writes to Redis, by result "
-            "(ok, refused: Redis lost earlier batches, error: unreachable)", ["result"])
 
     async def start_engine(self, shm: bool) -> None:
         """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
@@ -88,12 +69,29 @@ class NodeRuntime:
         self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
         kv = self.engine.runner.kv_caches
         self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
+        self.metrics.set_pool(self.kv_pool())
+
+    def kv_pool(self) -> dict:
+        """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
+        kv, cfg = self.engine.runner.kv_caches, self.config.engine
+        blocks = kv.shape[2]
+        return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
+                "bytes": kv.numel() * kv.element_size(), "tokens": blocks * cfg.block_size,
+                "gpu_memory_utilization": cfg.gpu_memory_utilization}
 
     def loop_start(self, on_deltas) -> None:
         def deliver(deltas):
             on_deltas(deltas)
+            self.metrics.observe_deltas(deltas)
             if self.heartbeat is not None and any(d.finish_reason for d in deltas):
                 self.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
+        role_observer = self.engine.step_observer  # the prefill node packs blocks there
+
+        def observe(out):
+            if role_observer is not None:
+                role_observer(out)
+            self.metrics.observe_step(out, len(self.engine.scheduler.requests))
+        self.engine.step_observer = observe
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), deliver, self._on_kv_events)
         self.loop.start()
 
@@ -104,8 +102,6 @@ class NodeRuntime:
 
     def info(self) -> NodeInfo:
         load = self.loop.load
-        for f in NodeLoad.__struct_fields__:
-            self.m_load[f].set(getattr(load, f))
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
@@ -116,7 +112,7 @@ class NodeRuntime:
         if self.config.redis_url:
             self._index = KVIndex(self.config.redis_url)
             self.publisher = KVEventPublisher(self._index, self.node_id, self.epoch,
-                                              self.loop.request_kv_snapshot, self.m_index_batches)
+                                              self.loop.request_kv_snapshot, self.metrics.index_batches)
             self.publisher.start()
             self._registry = NodeRegistry(self.config.redis_url)
             self.heartbeat = Heartbeat(self._registry, self.info)
@@ -141,6 +137,7 @@ class NodeRuntime:
         index = None if self.publisher is None else {
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "kv_index": index,
+                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.kv_pool(),
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
                 "load": self.loop.load._asdict(), "steps": self.loop.steps, "busy_s": self.engine.busy_s,
                 "computed_tokens": self.engine.num_computed_tokens_total,
@@ -182,9 +179,10 @@ def add_common_routes(app: web.Application) -> None:
 
     async def metrics(request):
         rt = request.app[RUNTIME]
-        rt.info()  # refresh the load gauges
-        return web.Response(body=generate_latest(rt.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        rt.metrics.set_load(rt.loop.load, rt.engine.num_preemptions_total,
+                            rt.heartbeat.failures if rt.heartbeat is not None else 0)
+        body, content_type = rt.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def debug_state(request):
         return web.json_response(request.app[RUNTIME].state())

@@ -55,8 +55,7 @@ class PrefillNode:
         self.store = KVBlockStore(self.engine.runner.kv_caches, runtime.layout)
         self.senders = {}  # backend -> KVSender (one connection pool each)
         m = runtime.metrics
-        self.m_requests = m.counter("splitserve_prefill_requests_total", "prefill requests", ["outcome"])
-        self.m_blocks = m.counter("splitserve_kv_blocks_sent_total", "KV blocks handed to the transport")
+        self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
         self.engine.step_observer = self._after_step
 
     def _sender(self, backend: str):

@@ -16,9 +16,11 @@ import openai
 import pytest
 import redis
 
+from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import IndexUpdate, encode_index_update
 from splitserve.common.kv_index import EVENTS_CHANNEL, blocks_key, seq_key
+from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster, free_port, start_redis
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -32,20 +34,18 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def node_metric(cluster: Cluster, name: str, metric_name: str) -> float:
+def node_metric(cluster: Cluster, name: str, metric_name: str, **labels: str) -> float:
     with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith(metric_name) and not line.startswith("#"))
+        return sample_sum(r.read().decode(), metric_name, **labels)
 
 
-def router_metric(cluster: Cluster, name: str) -> float:
+def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith(name) and not line.startswith("#"))
+        return sample_sum(r.read().decode(), name, **labels)
 
 
 def served(cluster: Cluster) -> dict[str, float]:
-    return {p: node_metric(cluster, p, 'splitserve_prefill_requests_total{outcome="ok"}')
+    return {p: node_metric(cluster, p, names.PREFILL_REQUESTS, outcome="ok")
             for p in PREFILLS}
 
 
@@ -146,14 +146,14 @@ def test_stale_entry_is_a_counted_misprediction_not_an_error(env):
     seq = env.r.incr(seq_key(target, ep))
     env.r.publish(EVENTS_CHANNEL, encode_index_update(IndexUpdate(target, ep, seq, stored=fresh)))
     time.sleep(0.3)  # the router's mirror applies it
-    misses = router_metric(env.cluster, 'splitserve_router_prefix_predictions_total{outcome="miss"}')
+    misses = router_metric(env.cluster, names.PREFIX_PREDICTIONS, outcome="miss")
     r = env.complete(prompt)
     assert r.choices[0].text is not None and r.usage.prompt_tokens_details.cached_tokens == 0
     d = last_decision(env.cluster)
     assert d["prefill"] == target and d["predicted_cached_tokens"] > 0
     assert d["outcome"] == "miss"
     assert router_metric(env.cluster,
-                         'splitserve_router_prefix_predictions_total{outcome="miss"}') == misses + 1
+                         names.PREFIX_PREDICTIONS, outcome="miss") == misses + 1
 
 
 def test_restarted_node_old_entries_attract_nothing(env):
@@ -178,7 +178,7 @@ def test_redis_killed_mid_run_requests_still_succeed_and_the_index_comes_back(en
     env.complete(prompt)
     holder = last_decision(env.cluster)["prefill"]
     env.wait_held(holder, env.hashes(prompt))
-    skipped = router_metric(env.cluster, 'splitserve_router_prefix_index_lookups_total{result="skipped"}')
+    skipped = router_metric(env.cluster, names.PREFIX_INDEX_LOOKUPS, result="skipped")
     env.redis_proc[-1].kill()
     env.redis_proc[-1].wait()
     time.sleep(0.3)  # the router's mirror notices its connection is gone
@@ -187,7 +187,7 @@ def test_redis_killed_mid_run_requests_still_succeed_and_the_index_comes_back(en
         assert r.usage.completion_tokens == 4
         assert last_decision(env.cluster)["predicted_cached_tokens"] is None  # load only
     assert router_metric(env.cluster,
-                         'splitserve_router_prefix_index_lookups_total{result="skipped"}') > skipped
+                         names.PREFIX_INDEX_LOOKUPS, result="skipped") > skipped
     # Redis comes back empty: the nodes re-register and rewrite their entries
     env.redis_proc.append(start_redis(env.port)[0])
     time.sleep(0.6)  # a discovery poll reaches the empty Redis before the nodes' heartbeats do

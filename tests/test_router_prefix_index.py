@@ -30,7 +30,7 @@ def node(node_id: str, block_size: int = BS, epoch: str | None = None) -> NodeIn
 def mirror(url: str, **kw) -> PrefixIndex:
     kw.setdefault("check_interval_s", 0.2)
     kw.setdefault("retry_s", 0.2)
-    px = PrefixIndex(KVIndex(url, timeout_s=0.5), RouterMetrics.create(), MODEL, BS, **kw)
+    px = PrefixIndex(KVIndex(url, timeout_s=0.5), RouterMetrics.create(MODEL), MODEL, BS, **kw)
     px.start()
     return px
 
