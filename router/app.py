@@ -13,7 +13,7 @@ counter) -> API key (auth.py, 401) -> admission (admission.py: 429 over
 open connections and aiohttp's keep-alive timer doubles as the header timeout.
 
 The lifespan (cleanup_ctx) creates, in order, the Redis `NodeRegistry`, the node
-discovery task, the Redis `KVIndex` (prefix-index reads), the pooled
+discovery task, the Redis `KVIndex` and the prefix-index mirror task, the pooled
 `aiohttp.ClientSession` to the nodes and the dispatcher, and closes them in reverse
 after waiting for pending aborts.
 
@@ -98,7 +98,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     directory.start()
     index = KVIndex(config.redis_url, timeout_s=config.index_timeout_s)
     prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,
-                         config.index_timeout_s, config.index_retry_s)
+                         retry_s=config.index_retry_s)
+    prefix.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
     # No connection cap: every streaming request holds one connection to its node.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     background = BackgroundTasks()
@@ -115,6 +116,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await directory.stop()
+        await prefix.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
         await index.close()

@@ -35,6 +35,19 @@ class CacheAwareWeights:
     # prefixes; this caps how far one node's share runs ahead of the others'
     balance: float = 2.0
     balance_half_life_s: float = 300.0  # conversations last minutes
+    # The decode node prefills itself (no remote prefill) when at most this many prompt
+    # tokens are not in its cache (a short prompt, or one it mostly holds) and that is
+    # cheaper than the remote pair plus ``remote_prefill``, the fixed cost of the extra hop
+    # (task to the prefill node, KV handshake, last block's transfer). Off by default:
+    # on the long-context replay (benchmarks/README.md) 512 lowered TTFT p50 0.65 -> 0.37 s
+    # but raised max/mean prefill load 1.28 -> 1.45, and its cost to the decode node's
+    # running batch (TPOT) is not measured yet.
+    local_prefill_tokens: float = 0.0
+    remote_prefill: float = 128.0
+    # Seconds per token-equivalent, to report predicted TTFT in seconds in
+    # /debug/decisions (0: reported in token-equivalents only). A profile's prefill
+    # time per token (sim-nodes --list-profiles) is a fair value.
+    token_s: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):

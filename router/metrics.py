@@ -96,9 +96,9 @@ class RouterMetrics:
             decision_seconds=c.histogram(n.ROUTING_DECISION_SECONDS, "Prompt -> routing decision "
                                          "(hashing, prefix-index lookup, scoring)",
                                          DECISION_BUCKETS),
-            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups, by result (ok; "
-                                    "error: Redis unreachable or slow; skipped: backing off after "
-                                    "an error)", ["result"]),
+            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups in the router's "
+                                    "in-memory mirror, by result (ok; skipped: the mirror is not "
+                                    "usable, Redis unreachable: routing by load only)", ["result"]),
             predicted_cached_tokens=c.counter(n.PREDICTED_CACHED_TOKENS, "Prompt tokens the routing "
                                               "decisions predicted to be cached (compare with "
                                               + n.DELIVERED_CACHED_TOKENS + ")"),
