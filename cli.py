@@ -85,14 +85,22 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-backend", choices=KV_BACKENDS, default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
+    g.add_argument("--cluster-token", default=None,
+                   help="shared secret of internal requests (also SPLITSERVE_CLUSTER_TOKEN)")
+    g.add_argument("--cluster-token-file", default=None, help="read the cluster token from this file")
+    g.add_argument("--drain-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
 
 
 def node_config(args, role: str, sim=None):
+    from splitserve.common.auth import load_cluster_token
     from splitserve.common.config import NodeConfig
 
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
                       redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
-                      transfer_lease_s=args.transfer_lease, fault=args.fault)
+                      transfer_lease_s=args.transfer_lease, fault=args.fault,
+                      cluster_token=load_cluster_token(args.cluster_token, args.cluster_token_file),
+                      drain_grace_s=args.drain_grace)
 
 
 def cmd_node(args) -> int:

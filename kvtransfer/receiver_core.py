@@ -33,6 +33,7 @@ from splitserve.kvtransfer.base import KVReceiver, OnBlock
 from splitserve.kvtransfer.block_store import CHECKSUM_ALGO, KVBlockStore, checksum
 from splitserve.kvtransfer.channel import Channel, ChannelClosed, format_address
 from splitserve.kvtransfer.layout import KVLayout
+from splitserve.common.auth import token_ok
 from splitserve.kvtransfer.wire import (PROTOCOL_VERSION, Ack, Blocks, Hello, Refused, Welcome,
                                         layout_id)
 
@@ -72,6 +73,7 @@ class FramedReceiver(KVReceiver):
         # Set by the owner: False for a transfer id whose blocks must not be written (aborted,
         # failed, unknown), so a late frame never lands in blocks already given to another request.
         self.accepts: Callable[[str], bool] | None = None
+        self.cluster_token: str | None = None  # set by the owner: senders must present it
         self._layout_id = layout_id(layout)
         self._serving: dict[asyncio.Task, Channel] = {}  # connection task -> its channel
         self._stopped = False
@@ -159,6 +161,8 @@ class FramedReceiver(KVReceiver):
         return False
 
     def _check_hello(self, hello: Hello) -> Refused | None:
+        if not token_ok(self.cluster_token, hello.token or None):
+            return Refused("the sender did not present this cluster's token", code="auth")
         if hello.version != PROTOCOL_VERSION:
             return Refused(f"protocol version {hello.version} != receiver's {PROTOCOL_VERSION}",
                            code="version")

@@ -47,6 +47,7 @@ class SenderOptions:
     # pays a thread hand-off and a send/recv rendezvous per frame).
     max_frame_bytes: int | None = None
     corrupt_every: int = 0  # fault injection: flip one byte of every Nth block after its checksum
+    cluster_token: str | None = field(default=None, repr=False)  # sent in every Hello
 
 
 @dataclass(slots=True, eq=False)
@@ -207,7 +208,10 @@ class FramedSender(KVSender):
         try:
             async with asyncio.timeout(self.options.connect_timeout_s):
                 channel = await self._open(addr)
-                await channel.send(self._hello())
+                hello = self._hello()
+                if self.options.cluster_token:
+                    hello.token = self.options.cluster_token
+                await channel.send(hello)
                 reply = await channel.recv()
         except TimeoutError:
             if channel is not None:

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import aiohttp
 from aiohttp import web
 
+from splitserve.common.auth import auth_headers, load_cluster_token
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
@@ -81,9 +82,12 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,
                          config.index_timeout_s, config.index_retry_s)
     # No connection cap: every streaming request holds one connection to its node.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # Internal requests carry the cluster token (SPLITSERVE_CLUSTER_TOKEN, as `splitserve up` sets it).
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                    headers=auth_headers(load_cluster_token()))
     background = BackgroundTasks()
-    client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s)
+    client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
+                        on_node_down=directory.mark_addr_down)
     dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS])
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
