@@ -162,7 +162,7 @@ class NodeRuntime:
         index = None if self.publisher is None else {
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
-                "shm_name": self.shm_name, "draining": self.draining, "kv_index": index,
+                "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
                 "load": st.load._asdict(), "steps": st.steps, "busy_s": st.busy_s,
                 "computed_tokens": st.computed_tokens, "preemptions": st.preemptions, **self.debug_extra()}
