@@ -17,6 +17,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 HEADER = "X-Splitserve-Cluster-Token"
 ENV = "SPLITSERVE_CLUSTER_TOKEN"
@@ -59,3 +60,14 @@ def token_ok(expected: str | None, presented: str | None) -> bool:
 def auth_headers(token: str | None) -> dict[str, str]:
     """The headers an internal request carries ({} without a token)."""
     return {} if token is None else {HEADER: token}
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs: Redis URLs carry one)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import aiohttp
 from aiohttp import web
 
-from splitserve.common.auth import auth_headers, load_cluster_token
+from splitserve.common.auth import auth_headers, load_cluster_token, redact_url
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
@@ -92,7 +92,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS])
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
     log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
-             config.model_id, config.policy, config.block_size, config.redis_url,
+             config.model_id, config.policy, config.block_size, redact_url(config.redis_url),
              len(directory.nodes))
     try:
         yield

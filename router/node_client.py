@@ -129,6 +129,10 @@ class NodeClient:
             if self.on_node_down is not None:
                 self.on_node_down(addr)
             raise NodeUnavailable(f"decode node {addr} is unreachable: {e}", unreachable=True) from e
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            # Cut before any answer: the node died (its requests died with it) or closed an idle
+            # pooled connection; either way nothing runs there, so another node may take it.
+            raise NodeUnavailable(f"decode node {addr} dropped the connection: {e!r}", retryable=True) from e
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise NodeUnavailable(f"decode node {addr} failed: {e!r}") from e
         if resp.status == 200:
