@@ -97,14 +97,15 @@ async def router_phase(c: Cluster) -> dict:
 async def disconnect_phase(c: Cluster, args) -> dict:
     duration = args.requests / args.disconnect_rate
     results = await run_load(c.url, args.disconnect_rate, duration, PROMPTS, args.max_tokens,
-                             disconnect_fraction=0.2, seed=7)
+                             disconnect_fraction=0.2, seed=7, count=args.requests)
     addrs = [c.node(n).addr for n in node_names(args)]
     free_s, _ = await wait_pools_free(addrs, c.auth_headers(), timeout_s=4 * args.lease)
     pids = {p.popen.pid for p in c.procs if p.popen.poll() is None}
     dead_left = [n for n in list_segments() if owner_pid(n) not in pids and _ours(n, c)]
     counts = {o.value: sum(r.outcome is o for r in results) for o in Outcome}
     return {"requests": len(results), "outcomes": counts, "pools_free_after_s": round(free_s, 2),
-            "lease_s": args.lease, "dead_owner_segments_left": len(dead_left)}
+            "lease_s": args.lease, "dead_owner_segments_left": len(dead_left),
+            "errors": sorted({r.error for r in results if r.outcome is Outcome.FAILED})[:5]}
 
 
 def _ours(name: str, c: Cluster) -> bool:

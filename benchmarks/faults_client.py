@@ -91,21 +91,21 @@ async def stream_request(session: aiohttp.ClientSession, url: str, prompt: str, 
 
 
 async def run_load(url: str, rate: float, duration_s: float, prompts: list[str], max_tokens: int,
-                   disconnect_fraction: float = 0.0, seed: int = 0) -> list[RequestResult]:
-    """Open-loop load: a request every 1/rate s for ``duration_s``; a ``disconnect_fraction``
-    of them hang up at a random point. Returns every result."""
+                   disconnect_fraction: float = 0.0, seed: int = 0, count: int | None = None) -> list[RequestResult]:
+    """Open-loop load: a request every 1/rate s for ``duration_s`` (or exactly ``count``
+    requests); a ``disconnect_fraction`` of them hang up at a random point. Returns every result."""
     rng = random.Random(seed)
     points = [Disconnect.BEFORE_FIRST_BYTE, Disconnect.AFTER_ROLE, Disconnect.MID_STREAM]
     tasks = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        t_end = time.monotonic() + duration_s
+        t0 = time.monotonic()
         i = 0
-        while time.monotonic() < t_end:
+        while (i < count) if count is not None else (time.monotonic() < t0 + duration_s):
             d = rng.choice(points) if rng.random() < disconnect_fraction else Disconnect.NONE
             tasks.append(asyncio.create_task(stream_request(
                 session, url, prompts[i % len(prompts)], max_tokens, d, mid_chunks=rng.randint(1, 4))))
             i += 1
-            await asyncio.sleep(1.0 / rate)
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))  # no drift
         return list(await asyncio.gather(*tasks))
 
 

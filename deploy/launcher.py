@@ -32,6 +32,7 @@ from splitserve.common.auth import auth_headers, new_cluster_token
 from splitserve.deploy.supervisor import Supervisor
 
 DEFAULT_CONFIG = Path(__file__).with_name("local.toml")
+NODE_DRAIN_GRACE_S = 30.0  # the nodes' --drain-grace default: `up` waits that long (+5 s) on Ctrl-C
 
 
 def free_port() -> int:
@@ -359,5 +360,5 @@ A member that dies is restarted; Ctrl-C stops everything.""", flush=True)
     while not stop.wait(0.5):
         pass
     print("[splitserve] stopping (draining) ...", file=sys.stderr, flush=True)
-    cluster.stop()
+    cluster.stop(grace_s=NODE_DRAIN_GRACE_S + 5)
     return 0

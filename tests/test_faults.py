@@ -172,8 +172,12 @@ def test_client_disconnects_at_every_point_free_every_block(cluster):
     assert took < LEASE_S
 
 
+def epoch(cluster: Cluster, name: str) -> str:
+    return run(_get(f"{cluster.node(name).addr}/debug/state", cluster.auth_headers()))[1]["epoch"]
+
+
 def test_kill_prefill_under_load_fails_nothing_and_it_comes_back(cluster):
-    old = cluster.node("prefill-0").popen.pid
+    old, old_epoch = cluster.node("prefill-0").popen.pid, epoch(cluster, "prefill-0")
 
     async def scenario():
         load = asyncio.create_task(run_load(cluster.url, rate=2, duration_s=8, prompts=PROMPTS, max_tokens=8))
@@ -184,6 +188,7 @@ def test_kill_prefill_under_load_fails_nothing_and_it_comes_back(cluster):
     failed = [r.error for r in results if r.outcome is not Outcome.OK]
     assert failed == [], failed
     assert wait_back(cluster, "prefill-0", old) < 30
+    assert epoch(cluster, "prefill-0") != old_epoch  # its old prefix-index entries are never read
 
 
 def test_kill_decode_under_load_fails_only_its_requests_fast(cluster):
