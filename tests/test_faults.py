@@ -215,7 +215,7 @@ def test_kill_decode_under_load_fails_only_its_requests_fast(cluster):
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(cluster):
     async def scenario():
         async with aiohttp.ClientSession() as s:
-            reqs = [asyncio.create_task(stream_request(s, cluster.url, p, 24)) for p in PROMPTS]
+            reqs = [asyncio.create_task(stream_request(s, cluster.url, p, 48)) for p in PROMPTS]
             victim = None
             while victim is None:  # a decode node with requests in flight
                 await asyncio.sleep(0.2)
@@ -225,9 +225,16 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(cluster):
                         victim = cluster.node(name)
                         break
             victim.popen.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            req = GenerateRequest(request_id="late", token_ids=list(range(1, 40)),
+                                  sampling_params=SamplingParams(max_tokens=4))
+            async with s.post(f"{victim.addr}/generate", data=msgspec.msgpack.encode(req),
+                              headers={"Content-Type": "application/msgpack", **cluster.auth_headers()}) as r:
+                late = (r.status, r.headers.get("Retry-After"))
             code = await asyncio.to_thread(victim.popen.wait, 30)
-            return victim, code, await asyncio.gather(*reqs)
-    victim, code, results = run(scenario())
+            return victim, code, late, await asyncio.gather(*reqs)
+    victim, code, late, results = run(scenario())
+    assert late == (503, "1")  # draining: new work is refused, in-flight work finishes
     assert code == 0
     assert [r.outcome for r in results] == [Outcome.OK] * len(PROMPTS), [r.error for r in results]
     wait_back(cluster, victim.name, victim.popen.pid)
