@@ -251,6 +251,7 @@ class EngineLoop:
             result, exc = self._handle(cmd), None
         except Exception as e:  # handed to the awaiting coroutine, which decides
             result, exc = None, e
+        self.stats = self._stats()  # an awaiter of AbortRequest sees the blocks it freed
         self._aio.call_soon_threadsafe(self._resolve, fut, result, exc)
 
     def _run(self) -> None:
@@ -268,6 +269,7 @@ class EngineLoop:
                     item = None
             if self._stop.is_set():
                 break
+            deltas = []
             if self.engine.has_unfinished():
                 try:
                     deltas = self.engine.step()
@@ -280,7 +282,7 @@ class EngineLoop:
                 for d in deltas:  # finished requests export nothing more
                     if d.finish_reason is not None:
                         self._exports.pop(d.request_id, None)
-                if deltas:
-                    self._aio.call_soon_threadsafe(self._on_deltas, deltas)
-            self.stats = self._stats()
+            self.stats = self._stats()  # before the deltas: a client that saw its end sees its blocks free
+            if deltas:
+                self._aio.call_soon_threadsafe(self._on_deltas, deltas)
             self._drain_kv_events()
