@@ -151,6 +151,8 @@ class Cluster:
 
     def respawn(self, name: str) -> None:
         """Start member ``name`` again as it was started (same node id, port, password)."""
+        if self._stopping.is_set():
+            return  # the cluster is stopping: its members exit on purpose
         if name == "redis":
             self.start_redis(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
             return

@@ -211,6 +211,23 @@ def test_kill_decode_under_load_fails_only_its_requests_fast(cluster):
     run(wait_pools_free(addrs(cluster), cluster.auth_headers(), LEASE_S))
 
 
+def test_kill_redis_under_load_fails_nothing_and_it_comes_back(cluster):
+    old = cluster.redis.pid
+
+    async def scenario():
+        load = asyncio.create_task(run_load(cluster.url, rate=2, duration_s=5, prompts=PROMPTS, max_tokens=8))
+        await asyncio.sleep(1)
+        cluster.redis.kill()
+        return await load
+    results = run(scenario())
+    assert [r.error for r in results if r.outcome is not Outcome.OK] == []
+    t0 = time.monotonic()
+    while cluster.redis.pid == old or cluster.redis.poll() is not None:
+        assert time.monotonic() - t0 < 10, "Redis was not restarted"
+        time.sleep(0.1)
+    cluster.wait_for_nodes(3, 30)  # the nodes re-registered in the empty Redis
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(cluster):
     async def scenario():
         async with aiohttp.ClientSession() as s:
