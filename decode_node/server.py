@@ -6,6 +6,9 @@ HTTP API (msgpack bodies, see common/protocol.py):
   POST /generate  GenerateRequest -> stream of length-prefixed TokenDelta frames
   POST /abort     Abort -> 200 (idempotent)
   GET  /health, /metrics (Prometheus), /debug/state (pool and transfers, JSON)
+With a cluster token set, everything but /health and /metrics needs it (node/runtime.py),
+and so does the KV receiver's handshake: nobody without it can make this node reserve
+blocks or connect out to a prefill address.
 
 One request's path when a prefill node is named:
 

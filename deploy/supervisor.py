@@ -17,15 +17,12 @@ the launcher's Ctrl-C / SIGTERM does that.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-log = logging.getLogger(__name__)
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0

@@ -7,6 +7,8 @@ HTTP API (msgpack, see common/protocol.py):
   POST /prefill  PrefillRequest -> PrefillResult, once every block was sent
   POST /abort    Abort -> 200 (idempotent)
   GET  /health, /metrics, /debug/state
+(the cluster token guards all but /health and /metrics; the KV sender presents it in
+its handshake)
 
 Block streaming, per request (engine thread -> event loop -> transport):
 
