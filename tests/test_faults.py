@@ -120,6 +120,23 @@ def test_internal_endpoints_require_the_cluster_token(cluster):
             run(handshake(token))
 
 
+async def generate_on(cluster: Cluster, decode_addr: str, ids: list[int], prefill_addr: str | None,
+                      rid: str) -> list[int]:
+    """Greedy tokens of ``ids`` from the decode node, told to get the KV from ``prefill_addr``."""
+    req = GenerateRequest(request_id=rid, token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=8),
+                          prefill_addr=prefill_addr, transfer_id=rid)
+    reader, out = FrameReader(TokenDelta), []
+    async with aiohttp.ClientSession(headers=cluster.auth_headers()) as s:
+        async with s.post(f"{decode_addr}/generate", data=msgspec.msgpack.encode(req),
+                          headers={"Content-Type": "application/msgpack"}) as r:
+            assert r.status == 200
+            async for chunk in r.content.iter_any():
+                for delta in reader.feed(chunk):
+                    assert delta.error is None
+                    out += delta.token_ids
+    return out
+
+
 def test_corrupted_block_falls_back_with_correct_output(cluster):
     """A prefill node that corrupts every block (not registered: only this test names it)."""
     port = free_port()
@@ -131,26 +148,31 @@ def test_corrupted_block_falls_back_with_correct_output(cluster):
     d = cluster.node("decode-0").addr
     ids = list(range(100, 180))  # 5 blocks
 
-    async def generate(prefill_addr, rid):
-        req = GenerateRequest(request_id=rid, token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=8),
-                              prefill_addr=prefill_addr, transfer_id=rid)
-        reader, out = FrameReader(TokenDelta), []
-        async with aiohttp.ClientSession(headers=cluster.auth_headers()) as s:
-            async with s.post(f"{d}/generate", data=msgspec.msgpack.encode(req),
-                              headers={"Content-Type": "application/msgpack"}) as r:
-                assert r.status == 200
-                async for chunk in r.content.iter_any():
-                    for delta in reader.feed(chunk):
-                        assert delta.error is None
-                        out += delta.token_ids
-        return out
     try:
-        want = run(generate(None, "local"))
-        assert run(generate(faulty.addr, "via-faulty")) == want
+        want = run(generate_on(cluster, d, ids, None, "local"))
+        assert run(generate_on(cluster, d, ids, faulty.addr, "via-faulty")) == want
         run(wait_pools_free([d, faulty.addr], cluster.auth_headers(), 2.0))
     finally:
         faulty.popen.send_signal(signal.SIGTERM)
         assert faulty.popen.wait(30) == 0
+
+
+def test_stalled_prefill_node_expires_the_lease_and_falls_back(cluster):
+    """A prefill node that accepts the connection but never sends a block (SIGSTOP): the
+    lease (no block for LEASE_S) ends the transfer, the decode node prefills itself."""
+    d, p = cluster.node("decode-1").addr, cluster.node("prefill-0")
+    ids = list(range(300, 380))
+    want = run(generate_on(cluster, d, ids, None, "stall-local"))
+    os.kill(p.popen.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert run(generate_on(cluster, d, ids, p.addr, "stall-remote")) == want
+        took = time.monotonic() - t0
+    finally:
+        os.kill(p.popen.pid, signal.SIGCONT)
+    assert LEASE_S - 0.5 < took < LEASE_S + 10
+    run(wait_pools_free(addrs(cluster), cluster.auth_headers(), LEASE_S))
+    cluster.wait_for_nodes(3, 30)  # its heartbeat resumed
 
 
 def test_client_disconnects_at_every_point_free_every_block(cluster):
