@@ -15,13 +15,20 @@ import logging
 import json
 import sys
 
-from splitserve.common.config import KV_BACKENDS
+from splitserve.common.config import KV_BACKENDS, LOAD_FORMATS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face safetensors folder (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="memory for the KV block pool, e.g. 512MiB, 2GiB")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="auto/safetensors: the folder's weights; dummy: seeded random weights from its "
+                        "config.json alone (e.g. benchmarks/model_configs/llama3-8b)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the KV block pool, e.g. 512MiB, 2GiB (default 1GiB)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="CUDA: fraction of the device's total memory this process may use; the KV pool "
+                        "gets what the weights and a profiled activation peak leave of it")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -38,7 +45,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args, sim=None):
     from splitserve.common.config import EngineConfig, parse_size
 
-    return EngineConfig(model=args.model, kv_cache_memory=parse_size(args.kv_cache_memory),
+    if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
+        raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
+    return EngineConfig(model=args.model, load_format=args.load_format,
+                        kv_cache_memory=parse_size(args.kv_cache_memory or "1GiB"),
+                        gpu_memory_utilization=args.gpu_memory_utilization,
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size,
@@ -255,6 +266,14 @@ def main(argv=None) -> int:
                          "one torch thread per CPU)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--model", default=None)
+    up.add_argument("--device", default=None, help="every node's device: cpu (default), cuda, cuda:N")
+    up.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
+                    help="devices the prefill nodes cycle through, e.g. cuda:0 (default: --device)")
+    up.add_argument("--decode-devices", nargs="+", metavar="DEVICE",
+                    help="devices the decode nodes cycle through, e.g. cuda:1 (default: --device)")
+    up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    up.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")
     up.set_defaults(func=cmd_up)
 
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, "

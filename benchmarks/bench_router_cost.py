@@ -43,7 +43,7 @@ async def decide_loop(prompts, seconds: float, concurrency: int, redis_url: str)
     from splitserve.router.tokenizer import RouterTokenizer
 
     config = RouterConfig(redis_url=redis_url)
-    metrics = RouterMetrics.create()
+    metrics = RouterMetrics.create("bench-model")
     tok = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
     registry = NodeRegistry(redis_url)
     directory = NodeDirectory(registry, config.model_id, metrics)

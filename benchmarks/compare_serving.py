@@ -47,6 +47,7 @@ from splitserve.benchmarks.compare_report import report
 from splitserve.benchmarks.serve import Endpoint, RunResult, check_endpoint, run, summarize
 from splitserve.benchmarks.serve.arrivals import fixed_offsets
 from splitserve.benchmarks.serve.datasets import load_tokenizer, random_specs
+from splitserve.common import metric_names as names
 from splitserve.common.bundled import BUNDLED_MODEL_ID
 from splitserve.deploy.launcher import Cluster
 
@@ -93,7 +94,7 @@ async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
 
 # node counters that say whether 1p1d really disaggregated: a transfer that failed is
 # prefilled on the decode node, as colocated would
-NODE_COUNTERS = ("splitserve_decode_fallback_prefills_total", "splitserve_kv_transfers_total")
+NODE_COUNTERS = (names.FALLBACK_PREFILLS, names.KV_TRANSFERS)
 
 
 def node_counters(c: Cluster) -> dict[str, float]:

@@ -7,8 +7,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
-# NCCL when the engine's device is CUDA, gloo on CPU.
-KV_BACKENDS = ("tcp", "shm", "ucx", "nccl")
+# NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same host) needs CUDA.
+KV_BACKENDS = ("tcp", "shm", "ucx", "nccl", "ipc")
+# How the engine gets its weights (engine.loader): auto and safetensors read the folder's
+# checkpoint; dummy draws seeded random weights from its config.json alone (benchmarks).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -97,10 +100,15 @@ class EngineConfig:
     """Everything an engine needs. ``model=None`` means the bundled SmolLM2-135M-Instruct."""
 
     model: str | None = None
+    load_format: str = "auto"  # one of LOAD_FORMATS
     # Served model name; also an extra key of every block hash, so two models never share blocks.
     model_id: str = "SmolLM2-135M-Instruct"
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool; the engine reports the tokens it holds
+    # CUDA only: the fraction of the device's total memory this process may use; the KV pool
+    # gets what is left of it after the weights and a profiled activation peak (engine/kv_pool.py).
+    # None: the pool is kv_cache_memory bytes.
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
     prefill_chunk_size: int = 512  # most prompt tokens one request computes per step
@@ -122,6 +130,8 @@ class EngineConfig:
                      "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         on_cpu = self.device.split(":")[0] == "cpu"
@@ -129,6 +139,12 @@ class EngineConfig:
             object.__setattr__(self, "dtype", "float32" if on_cpu else "bfloat16")
         if self.attention_backend not in ("auto", "cuda", "triton", "torch"):
             raise ValueError(f"attention_backend: must be auto, cuda, triton or torch, got {self.attention_backend!r}")
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+            if on_cpu:
+                raise ValueError(f"gpu_memory_utilization: sizes a GPU's KV pool, device is {self.device!r}; "
+                                 f"on the CPU give --kv-cache-memory instead")
         if on_cpu and self.attention_backend in ("cuda", "triton"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} needs a CUDA device, device is "
                              f"{self.device!r}; use auto or torch, or --device cuda")
@@ -156,3 +172,10 @@ class NodeConfig:
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"kv_backend: must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
+        on_cpu = self.engine.device.split(":")[0] == "cpu"
+        if self.kv_backend == "shm" and not on_cpu and self.role == "decode":
+            raise ValueError(f"kv_backend: shm keeps the KV pool in host memory, device is "
+                             f"{self.engine.device!r}; use ipc (same host) or tcp on a GPU")
+        if self.kv_backend == "ipc" and on_cpu and self.role == "decode":
+            raise ValueError("kv_backend: ipc shares a CUDA KV pool and needs --device cuda; "
+                             "on the CPU use shm (same host) or tcp")

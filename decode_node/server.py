@@ -47,7 +47,7 @@ from splitserve.kvtransfer.state import TransferState, TransferTable
 from splitserve.node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
-RELEASE_GRACE_S = 0.5  # shm only: wait before reusing the blocks of a failed or aborted transfer
+RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer
 LEASE_CHECK_S = 0.5  # how often expired leases are failed
 
 
@@ -66,10 +66,7 @@ class DecodeNode:
         self.receiver = None
         self.session: aiohttp.ClientSession | None = None
         m = runtime.metrics
-        self.m_fallbacks = m.counter("splitserve_decode_fallback_prefills_total",
-                                     "requests prefilled locally after a failed or impossible transfer", ["reason"])
-        self.m_transfers = m.counter("splitserve_kv_transfers_total", "finished KV transfers", ["state"])
-        self.m_blocks = m.counter("splitserve_kv_blocks_received_total", "KV blocks received", ["ok"])
+        self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
 
     @property
     def loop(self) -> EngineLoop:
@@ -247,9 +244,9 @@ class DecodeNode:
                 call.cancel()
             if not admitted:
                 asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
-                # Over shm the prefill node writes into our memory before it tells us; give a
-                # sender that is still mid-frame time to stop before the blocks are reused.
-                if self.config.kv_backend == "shm":
+                # Over shm and ipc the prefill node writes into our memory before it tells us;
+                # give a sender that is still mid-frame time to stop before the blocks are reused.
+                if self.config.kv_backend in ("shm", "ipc"):
                     await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
                 await asyncio.shield(self.loop.submit(Release(rid)))
             self.transfers.remove(tid)

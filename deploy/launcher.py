@@ -10,6 +10,10 @@ in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1.
 
 Defaults come from ``deploy/local.toml``; flags override them.
 
+Devices (``splitserve up --device cuda``, ``--prefill-devices``, ``--decode-devices``,
+``--dtype``, ``--gpu-memory-utilization``): ``deploy/devices.py`` places each node and picks
+the KV backend (ipc when every node runs on CUDA); without them nodes run on the CPU as before.
+
 CPU pinning (``cpus``, ``splitserve up --cpus prefill=0 decode=1 router=0``): each
 listed role's processes start under ``taskset -c`` on those CPUs, and a pinned node
 gets one torch thread per CPU, so prefill and decode never share a core.
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from splitserve.common.auth import ENV as CLUSTER_TOKEN_ENV
 from splitserve.common.auth import auth_headers, new_cluster_token
+from splitserve.deploy.devices import DevicePlan, plan_devices
 from splitserve.deploy.supervisor import Supervisor
 
 DEFAULT_CONFIG = Path(__file__).with_name("local.toml")
@@ -95,9 +100,10 @@ class Cluster:
     def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
-                 router_args=(), cpus=None, cluster_token=None, redis_password=None):
+                 router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
+        self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
         self.cfg = dict(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, kv_backend=kv_backend,
                         kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
@@ -183,16 +189,24 @@ class Cluster:
             r.delete(node_key(name))
 
     def start_node(self, role: str, index: int, extra=()) -> Proc:
+        return self._spawn(f"{role}-{index}", self.node_args(role, index, extra), role)
+
+    def node_args(self, role: str, index: int, extra=()) -> list[str]:
+        """The command line of node ``index`` of ``role`` (after ``splitserve``)."""
         c = self.cfg
         threads = len(self.cpus[role]) if role in self.cpus else c["threads"]
+        decode_role = "colocated" if c["colocated"] else "decode"
+        counts = {"prefill": c["prefill_nodes"], decode_role: c["decode_nodes"]}
+        device = self.devices.node_args(role, index, counts) if self.devices else []
+        memory = [] if "--gpu-memory-utilization" in device else ["--kv-cache-memory", c["kv_cache_memory"]]
         args = ["decode" if role == "colocated" else role, "--host", c["host"], "--redis-url", self.redis_url,
-                "--kv-backend", c["kv_backend"], "--kv-cache-memory", c["kv_cache_memory"],
+                "--kv-backend", c["kv_backend"], *memory, *device,
                 "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
         if role == "colocated":
             args.append("--colocated")
         if c["model"]:
             args += ["--model", c["model"]]
-        return self._spawn(f"{role}-{index}", args, role)
+        return args
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         if self.redis_url is None:
@@ -333,11 +347,18 @@ def launch(args) -> int:
     """``splitserve up``."""
     defaults = tomllib.loads(Path(args.config or DEFAULT_CONFIG).read_text())["cluster"]
     pick = lambda flag, key: getattr(args, flag) if getattr(args, flag) is not None else defaults[key]
+    device_flag = lambda flag, key=None: getattr(args, flag, None) or defaults.get(key or flag)
+    devices = plan_devices(device_flag("device"), device_flag("prefill_devices"), device_flag("decode_devices"),
+                           args.kv_backend, defaults["kv_backend"], dtype=device_flag("dtype"),
+                           gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+                           kv_cache_memory_given=args.kv_cache_memory is not None,
+                           default_utilization=defaults.get("gpu_memory_utilization", 0.9))
     cluster = Cluster(prefill_nodes=pick("prefill_nodes", "prefill_nodes"),
                       decode_nodes=pick("decode_nodes", "decode_nodes"), router_port=pick("port", "router_port"),
-                      kv_backend=pick("kv_backend", "kv_backend"), kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
+                      kv_backend=devices.kv_backend, kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
                       threads_per_node=pick("threads_per_node", "threads_per_node"), redis_url=args.redis_url,
                       model=args.model, host=defaults["host"], cpus=parse_cpus(args.cpus or []),
+                      devices=devices if devices.devices or devices.dtype else None,
                       cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
                       redis_password=new_cluster_token())
     stop = threading.Event()

@@ -29,11 +29,19 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# SPLITSERVE_NO_APT=1 (the container images): no system packages.
+if [ -z "${SPLITSERVE_NO_APT:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
   echo "[setup] installing redis-server"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server
+fi
+# promtool (Debian's prometheus package): tests/test_deploy.py checks the alert rules with it.
+if [ -z "${SPLITSERVE_NO_APT:-}" ] && ! command -v promtool >/dev/null 2>&1; then
+  echo "[setup] installing promtool (prometheus)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus
 fi
 
 # One-time GGUF -> safetensors conversion (prints the cached folder).

@@ -149,8 +149,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._steps = 0
         self.stats = self._stats()  # replaced (never mutated) by the engine thread; read anywhere
+        self._prior_observer = engine.step_observer  # e.g. the node's step metrics: runs after the export
         if exporter is not None:
-            engine.step_observer = self._export_step
+            engine.step_observer = self._observe_step
 
     @property
     def load(self) -> EngineLoad:
@@ -209,6 +210,11 @@ class EngineLoop:
             case CachedHashes():
                 return list(e.kv.cached_hashes())
         raise TypeError(f"not an engine command: {cmd!r}")
+
+    def _observe_step(self, sched: SchedulerOutput) -> None:
+        self._export_step(sched)
+        if self._prior_observer is not None:
+            self._prior_observer(sched)
 
     def _export_step(self, sched: SchedulerOutput) -> None:
         """Pack the prompt blocks this step completed for exported requests (called by the

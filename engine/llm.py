@@ -4,10 +4,15 @@ A prompt is text, a list of token ids, or a chat conversation (a list of
 ``{"role", "content"}`` dicts, rendered with the model's chat template). The
 LLM tokenizes, runs the engine to completion and detokenizes, finishing
 requests on stop strings.
+
+The tokenizer is loaded on first use: a model folder without one (a bare
+``config.json`` with ``load_format="dummy"``) serves token-id prompts, with empty
+``text``; text, chat and stop strings then raise InvalidRequest saying so.
 """
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from transformers import AutoTokenizer
@@ -19,6 +24,12 @@ from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
 from splitserve.engine.engine_core import EngineCore
 
 Prompt = str | list[int] | list[dict]
+# Any of these in a model folder means it ships a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
 
 
 @dataclass(slots=True)
@@ -58,8 +69,28 @@ class LLM:
 
     def _init(self, config: EngineConfig) -> None:
         self.engine = EngineCore(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        self.has_tokenizer = has_tokenizer(self.engine.model_dir)
+        self._tokenizer = None  # loaded on first use
         self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        """The model folder's tokenizer; InvalidRequest when the folder has none."""
+        if self._tokenizer is None:
+            if not self.has_tokenizer:
+                raise InvalidRequest("prompt", f"{self.engine.model_dir} has no tokenizer (none of "
+                                     f"{', '.join(TOKENIZER_FILES)}): pass prompts as lists of token ids")
+            self._tokenizer = AutoTokenizer.from_pretrained(self.engine.model_dir)
+        return self._tokenizer
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        """None for a folder without a tokenizer (outputs carry token ids, no text)."""
+        if not self.has_tokenizer:
+            if params.stop:
+                raise InvalidRequest("stop", f"stop strings need a tokenizer and {self.engine.model_dir} "
+                                     "has none; use stop_token_ids")
+            return None
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -89,13 +120,14 @@ class LLM:
         token_lists = [self.tokenize(p) for p in prompts]
         for ids, p in zip(token_lists, params):
             self.engine.validate(ids, p)  # reject the whole batch before any request starts
+        detok_list = [self._detokenizer(ids, p) for ids, p in zip(token_lists, params)]
 
-        detoks: dict[str, IncrementalDetokenizer] = {}
+        detoks: dict[str, IncrementalDetokenizer | None] = {}
         order = []
-        for ids, p in zip(token_lists, params):
+        for ids, p, detok in zip(token_lists, params, detok_list):
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(rid, ids, p)
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, p.stop)
+            detoks[rid] = detok
             order.append(rid)
 
         finished: dict[str, str] = {}  # req_id -> finish reason
@@ -109,7 +141,8 @@ class LLM:
                 cached[rid] = d.num_cached_tokens
                 tokens[rid].extend(d.new_token_ids)
                 logprobs[rid].extend(d.new_logprobs)
-                if detoks[rid].add_tokens(d.new_token_ids).stop_string is not None:
+                det = detoks[rid]
+                if det is not None and det.add_tokens(d.new_token_ids).stop_string is not None:
                     self.engine.abort(rid, "stop")
                     on_stop_string.add(rid)
                     finished[rid] = "stop"
@@ -118,8 +151,9 @@ class LLM:
 
         outputs = []
         for rid, ids, p in zip(order, token_lists, params):
-            det = detoks[rid]
-            text = det.text if rid in on_stop_string else det.text + det.flush()
+            det, text = detoks[rid], ""
+            if det is not None:
+                text = det.text if rid in on_stop_string else det.text + det.flush()
             outputs.append(RequestOutput(rid, ids, text, tokens[rid], finished[rid], cached.get(rid, 0),
                                          logprobs[rid] if p.logprobs is not None else None))
         return outputs

@@ -1,6 +1,8 @@
 """A Llama-family decoder in plain torch: RMSNorm, RoPE (default, linear or llama3
-scaling), grouped-query attention over the paged KV cache, SwiGLU MLP, optional
-tied embeddings.
+scaling), grouped-query attention over the paged KV cache, SwiGLU MLP. One class
+serves Llama 2/3/3.1, Qwen2, Qwen3 and Mistral: their differences are flags of
+``ModelConfig`` (``qkv_bias``, ``o_bias``, ``mlp_bias``, ``qk_norm``,
+``tie_word_embeddings``, ``head_dim``), not subclasses.
 
 The model sees one flat batch of T tokens from many requests (see
 ``attention/base.py``); it never holds a per-request KV tensor. Weights use
@@ -81,13 +83,19 @@ class Attention(nn.Module):
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qk_size = q_size + kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm over head_dim shared by all q heads, one by all k heads
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, rope, kv_cache, meta, backend: AttentionBackend):
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2*KVH) * hd]: q heads, then k heads, then v heads
         qk = qkv[:, : self.qk_size].view(T, self.num_heads + self.kv_heads, self.head_dim)
+        if self.qk_norm:  # [T, H + KVH, hd], normalized per head before RoPE
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         qk = RotaryEmbedding.apply(qk, *rope)  # q and k rotated together
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(T, self.kv_heads, self.head_dim)
@@ -98,11 +106,11 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+    def forward(self, x):  # x [T, hidden]
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # each [T, intermediate]
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -119,7 +127,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -143,3 +151,6 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv_caches[i], meta, backend)
         x = self.norm(x[logits_indices])  # RMSNorm is per row: normalizing only the needed rows is exact
         return self.lm_head(x).float()
+
+
+LlamaForCausalLM = CausalLM  # the name before other families loaded; branches in flight import it

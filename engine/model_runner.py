@@ -1,10 +1,11 @@
 """ModelRunner: owns the model weights and the paged KV cache tensor, turns a
 SchedulerOutput into one forward pass, and samples.
 
-The KV pool is sized from a memory budget:
+The KV pool is sized and allocated by engine/kv_pool.py (kv_cache_memory, or on a GPU
+gpu_memory_utilization after a profiled dummy forward):
 
     bytes per block = num_layers * 2 (K, V) * block_size * kv_heads * head_dim * dtype bytes
-    num_blocks      = kv_cache_memory // bytes per block
+    num_blocks      = pool budget // bytes per block
 """
 
 from typing import Callable, NamedTuple
@@ -17,6 +18,7 @@ from splitserve.engine.attention.base import AttentionMetadata, PrefillChunk
 from splitserve.engine.attention.selector import select_backend
 from splitserve.engine.attention.torch_backend import build_decode_mask
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
 from splitserve.engine.loader import load_model
 from splitserve.engine.model_config import ModelConfig
 from splitserve.engine.sampler import Sampler
@@ -30,10 +32,6 @@ class StepResult(NamedTuple):
     num_tokens: int  # tokens computed this step
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-
-
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
 
 
@@ -44,18 +42,14 @@ class ModelRunner:
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.device = torch.device(config.device)
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, config.load_format)
         self.model_config: ModelConfig = self.model.cfg
-        cfg, bs = self.model_config, config.block_size
-        self.num_blocks = config.kv_cache_memory // kv_block_bytes(cfg, bs, self.dtype)
-        if self.num_blocks < 2:
-            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
-                             f"{kv_block_bytes(cfg, bs, self.dtype)} bytes; raise it")
-        shape = (cfg.num_layers, 2, self.num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        self.kv_caches = (kv_cache_factory(shape, self.dtype) if kv_cache_factory else
-                          torch.zeros(shape, dtype=self.dtype, device=self.device))
+        cfg = self.model_config
         self.backend = select_backend(config, self.device, cfg.head_dim)
+        self.kv_pool = plan_pool(config, self.model, self.backend, self.dtype, self.device)
+        self.num_blocks = self.kv_pool.num_blocks
+        # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_caches = allocate_pool(cfg, self.kv_pool, config, self.dtype, self.device, kv_cache_factory)
         self.sampler = Sampler(seed=config.seed)
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:

@@ -1,12 +1,13 @@
-"""KV block transport: interface, backends (tcp, shm, ucx, nccl), wire layout of a block,
+"""KV block transport: interface, backends (tcp, shm, ucx, nccl, ipc), wire layout of a block,
 handshake, and the per-transfer state machine.
 
 Must not import the model (``splitserve.engine``). The nodes use::
 
     layout = KVLayout(dtype, block_size, num_layers, num_kv_heads, head_dim)
-    store = KVBlockStore(kv_caches, layout[, shm_name])       # over the node's cache tensor
-    sender = make_sender("tcp" | "shm" | "ucx" | "nccl", layout[, device=...])  # prefill node
+    store = KVBlockStore(kv_caches, layout[, shm_name])       # over the node's cache (CPU or GPU)
+    sender = make_sender("tcp" | "shm" | "ucx" | "nccl" | "ipc", layout[, device=...])  # prefill node
     await sender.send_blocks(addr, transfer_id, list(zip(dest_ids, store.split(store.pack(src_ids)))))
+    # (on a GPU, pack gathers on the device and split yields PackedBlock rows; see packed.py)
     receiver = make_receiver(backend, layout, store, host, on_block[, device=...])  # decode node
     await receiver.start(); receiver.address                   # advertise it
     table = TransferTable()                                    # decode node, fed by on_block

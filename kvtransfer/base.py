@@ -51,8 +51,9 @@ class KVSender(ABC):
     @abstractmethod
     async def send_blocks(self, addr: str, transfer_id: str,
                           blocks: Sequence[tuple[int, object]]) -> None:
-        """Send ``[(dest_block_id, packed_block_bytes), ...]`` (each ``block_nbytes``
-        bytes, any buffer) for ``transfer_id``; return when all were acknowledged.
+        """Send ``[(dest_block_id, packed_block), ...]`` for ``transfer_id``: each block
+        ``block_nbytes`` bytes in any host buffer, or a ``PackedBlock`` row of a device pack
+        (``KVBlockStore.split``); return when all were acknowledged.
         Raises ``TransferError`` on any failure; the buffers may be reused after return."""
 
     @abstractmethod

@@ -1,20 +1,26 @@
 """A node's KV cache seen as an array of blocks: allocation, pack, write, read, checksum.
 
-Owns: allocating a cache tensor (optionally in POSIX shared memory under
-/dev/shm, so another process on the host can map it), the packed byte form of
-blocks (``layout.py`` draws it), and the block checksum (xxh3_64, ~4x faster
-than zlib.crc32 here: 7.8 vs 2.1 GB/s). Must not: know about sockets, peers or
-transfers, or import the model.
+Owns: allocating a cache tensor (on any torch device, or on the CPU in POSIX shared
+memory under /dev/shm, so another process on the host can map it), gathering blocks
+into their packed form (``layout.py`` draws it), landing verified blocks, and in-place
+block checksums. Must not: know about sockets, peers or transfers, or import the model.
 
 Contracts:
 - The cache is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``,
-  C-contiguous, on the CPU, with the layout's dtype (checked at construction).
-- ``pack`` returns one read-write byte view holding the blocks in the given order;
-  ``split`` cuts it into per-block views. Both are views: no copy beyond the one gather.
-- ``write`` / ``write_many`` copy packed bytes into destination blocks and never
-  check them; callers verify checksums first (the receivers do).
-- ``checksum(data)`` of a packed block equals ``store.checksums([b])[0]`` of the
-  block it was packed from: the latter reads the cache in place, run by run.
+  C-contiguous, on the store's device (CPU or a GPU), with the layout's dtype.
+- A store hashes blocks with ``checksum_algo``: xxh3_64 by default on the CPU (fast
+  there), wsum32_v1 on a GPU (torch ops on the device, ``checksum.py``).
+- ``pack`` is one gather (``index_select``) on the cache's device. A CPU store hashing
+  with xxh3 returns one read-write byte view; any other store returns ``PackedBlocks``
+  (``packed.py``: device tensor, host bytes on demand). ``split`` cuts either into the
+  per-block items a sender takes. No copy beyond the gather (and the one into pinned
+  host memory when a byte transport asks for it).
+- ``write`` / ``write_many`` copy packed bytes into destination blocks and never check
+  them; ``land`` verifies each block's checksum first (on the device for wsum32_v1)
+  and writes only the good ones (the receivers use it).
+- ``checksum(data)`` of a packed block equals ``store.checksums([b])[0]`` of an xxh3
+  store; ``checksums(ids, algo)`` reads the cache in place (xxh3 on the CPU) or
+  gathers the blocks and sums them on the device.
 """
 
 from __future__ import annotations
@@ -28,15 +34,22 @@ from contextlib import contextmanager
 import torch
 import xxhash
 
+from splitserve.kvtransfer.checksum import checksum, packed_sums
 from splitserve.kvtransfer.layout import KVLayout
+from splitserve.kvtransfer.packed import PackedBlocks
+from splitserve.kvtransfer.wire import CHECKSUM_ALGOS, CHECKSUM_WSUM, CHECKSUM_XXH3
+
+__all__ = ["CHECKSUM_ALGO", "KVBlockStore", "allocate_kv_cache", "byte_view", "checksum",
+           "default_checksum_algo", "free_shared_kv_cache", "layout_of", "map_shared_kv_cache",
+           "shared_kv_cache", "shm_path"]
 
 SHM_DIR = "/dev/shm"
-CHECKSUM_ALGO = "xxh3_64"  # named in every handshake: both ends must hash alike
+CHECKSUM_ALGO = CHECKSUM_XXH3  # what a host (CPU) store and sender name in the handshake
 
 
-def checksum(data) -> int:
-    """xxh3_64 of a bytes-like object (any C-contiguous buffer), as an unsigned 64-bit int."""
-    return xxhash.xxh3_64_intdigest(data)
+def default_checksum_algo(device: str | torch.device) -> str:
+    """xxh3_64 on the CPU (~30x faster there), wsum32_v1 (computed on the device) elsewhere."""
+    return CHECKSUM_XXH3 if torch.device(device).type == "cpu" else CHECKSUM_WSUM
 
 
 def byte_view(obj) -> memoryview:
@@ -71,8 +84,9 @@ def _map(fd: int, nbytes: int, layout: KVLayout, num_blocks: int) -> torch.Tenso
     return torch.frombuffer(mapping, dtype=torch_dtype(layout)).view(layout.cache_shape(num_blocks))
 
 
-def allocate_kv_cache(layout: KVLayout, num_blocks: int, shm_name: str | None = None) -> torch.Tensor:
-    """A zeroed cache ``[layers, 2, num_blocks, block_size, heads, head_dim]``.
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, shm_name: str | None = None,
+                      device: str | torch.device = "cpu") -> torch.Tensor:
+    """A zeroed cache ``[layers, 2, num_blocks, block_size, heads, head_dim]`` on ``device``.
 
     With ``shm_name`` the memory is the file /dev/shm/<shm_name>, created here
     (it must not exist) and shared with any process that maps it
@@ -81,7 +95,10 @@ def allocate_kv_cache(layout: KVLayout, num_blocks: int, shm_name: str | None = 
     """
     assert num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"
     if shm_name is None:
-        return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout))
+        return torch.zeros(layout.cache_shape(num_blocks), dtype=torch_dtype(layout), device=device)
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"shm_name: a /dev/shm cache lives in host memory, device is {device}; "
+                         f"use the ipc backend for a GPU pool")
     path, nbytes = shm_path(shm_name), num_blocks * layout.block_nbytes
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -134,60 +151,117 @@ def shared_kv_cache(layout: KVLayout, num_blocks: int, shm_name: str) -> Iterato
 
 class KVBlockStore:
     """Block-level access to one cache tensor. ``shm_name``: the cache's /dev/shm name, when it
-    was allocated there (the shm receiver advertises it)."""
+    was allocated there (the shm receiver advertises it). ``checksum_algo``: how this store
+    hashes blocks (default: ``default_checksum_algo`` of the cache's device)."""
 
-    def __init__(self, kv_caches: torch.Tensor, layout: KVLayout, shm_name: str | None = None):
-        assert kv_caches.device.type == "cpu", "KVBlockStore: the cache must be on the CPU"
+    def __init__(self, kv_caches: torch.Tensor, layout: KVLayout, shm_name: str | None = None,
+                 checksum_algo: str | None = None):
         assert kv_caches.is_contiguous(), "KVBlockStore: the cache must be C-contiguous"
         layout.check_compatible(layout_of(kv_caches))
+        self.checksum_algo = checksum_algo or default_checksum_algo(kv_caches.device)
+        assert self.checksum_algo in CHECKSUM_ALGOS, f"unknown checksum algorithm {self.checksum_algo!r}"
         self.kv_caches = kv_caches  # [layers, 2, num_blocks, block_size, heads, head_dim]
         self.layout = layout
         self.shm_name = shm_name
+        self.device = kv_caches.device
         self.num_blocks = kv_caches.shape[2]
         self._by_block = kv_caches.permute(2, 0, 1, 3, 4, 5)  # [num_blocks, layers, 2, bs, heads, hd]
-        self._flat = byte_view(kv_caches)  # the whole cache, for in-place checksums
+        self._host = self.device.type == "cpu" and self.checksum_algo == CHECKSUM_XXH3
+        # the whole cache as bytes, for in-place xxh3 (CPU only)
+        self._flat = byte_view(kv_caches) if self.device.type == "cpu" else None
 
-    def pack(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> memoryview:
-        """The blocks, packed (layout.py), back to back in the given order: one gather.
-        ``out``: optional reusable ``[n, *layout.block_shape]`` tensor of the cache dtype."""
+    def pack(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> memoryview | PackedBlocks:
+        """The blocks, packed (layout.py), back to back in the given order: one gather on the
+        cache's device. ``out``: optional reusable ``[n, *layout.block_shape]`` tensor of the
+        cache dtype and device. A byte view for a CPU xxh3 store, else ``PackedBlocks``."""
         self._check_ids(block_ids)
-        idx = torch.as_tensor(block_ids, dtype=torch.long)
+        idx = torch.as_tensor(block_ids, dtype=torch.long).to(self.device)
         if out is None:
-            out = torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.kv_caches.dtype)
+            out = torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.kv_caches.dtype,
+                              device=self.device)
         assert out.is_contiguous() and out.shape == (len(block_ids), *self.layout.block_shape)
         torch.index_select(self._by_block, 0, idx, out=out)
-        return byte_view(out)
+        return byte_view(out) if self._host else PackedBlocks(out, self.layout)
 
-    def split(self, packed) -> list[memoryview]:
-        """Per-block views of ``packed`` (a whole number of packed blocks)."""
+    def split(self, packed) -> list:
+        """Per-block items of ``packed``: views of a byte buffer (a whole number of packed
+        blocks), or the rows of ``PackedBlocks``."""
+        if isinstance(packed, PackedBlocks):
+            return packed.rows()
         view, n = byte_view(packed), self.layout.block_nbytes
         assert len(view) % n == 0, f"{len(view)} bytes is not a whole number of {n}-byte blocks"
         return [view[i:i + n] for i in range(0, len(view), n)]
 
     def read(self, block_id: int) -> bytes:
         """A copy of one block, packed."""
-        return bytes(self.pack([block_id]))
+        packed = self.pack([block_id])
+        return bytes(packed.host() if isinstance(packed, PackedBlocks) else packed)
 
     def write(self, block_id: int, data) -> None:
         """Copy one packed block (``block_nbytes`` bytes) into block ``block_id``."""
-        self._check_ids([block_id])
-        self._by_block[block_id].copy_(self._as_blocks(data, 1)[0])
+        self.write_many([block_id], data)
 
     def write_many(self, block_ids: Sequence[int], data) -> None:
         """Copy ``len(block_ids)`` packed blocks, back to back in ``data``, into those blocks."""
         self._check_ids(block_ids)
         src = self._as_blocks(data, len(block_ids))
+        if self.device.type != "cpu":
+            self.scatter(block_ids, src.to(self.device))
+            return
         for i, block_id in enumerate(block_ids):  # one strided copy per block, layers inside torch
             self._by_block[block_id].copy_(src[i])
 
-    def checksums(self, block_ids: Sequence[int]) -> list[int]:
-        """``checksum`` of each block's packed bytes, read in place (no gather copy).
+    def land(self, dests: Sequence[int | None], data, expected: Sequence[int], algo: str) -> list[bool]:
+        """Verify packed blocks (back to back in host ``data``) against ``expected`` under
+        ``algo`` and write the good ones to ``dests``. A ``None`` destination is skipped
+        (reported False). On a device: one upload, sums on the device, one scatter."""
+        n = len(dests)
+        self._check_ids([d for d in dests if d is not None])
+        view, size = byte_view(data), self.layout.block_nbytes
+        assert len(view) == n * size, f"expected {n} blocks of {size} bytes, got {len(view)} bytes"
+        if self.device.type == "cpu" and algo == CHECKSUM_XXH3:
+            ok = []
+            for i, d in enumerate(dests):  # copy each block right after hashing it, while in cache
+                block = view[i * size:(i + 1) * size]
+                ok.append(d is not None and checksum(block) == expected[i])
+                if ok[-1]:
+                    self._by_block[d].copy_(self._as_blocks(block, 1)[0])
+            return ok
+        blocks = self._as_blocks(view, n).to(self.device)  # [n, *block_shape]
+        sums = packed_sums(blocks, self.layout, algo, host=view)
+        ok = [d is not None and s == e for d, s, e in zip(dests, sums, expected)]
+        rows = [i for i in range(n) if ok[i]]
+        if rows:
+            self.scatter([dests[i] for i in rows], blocks[torch.as_tensor(rows, device=self.device)])
+        return ok
 
-        Hashes the block's ``2 * num_layers`` runs in packed order with a streaming
-        xxh3, which equals the one-shot hash of the packed block. Measured faster
+    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write packed blocks ``[n, *block_shape]``, already on this store's device, into
+        ``block_ids`` with one indexed copy (the ipc sender writes a peer's pool with it).
+        On a GPU it returns once the copy ran: the blocks are reported landed right after, and
+        the engine (another thread, maybe another stream) may read them from then on."""
+        self._check_ids(block_ids)
+        assert blocks.shape == (len(block_ids), *self.layout.block_shape) and blocks.device == self.device
+        self._by_block[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)] = blocks
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def checksums(self, block_ids: Sequence[int], algo: str | None = None) -> list[int]:
+        """Checksum (``algo``, default the store's) of each block's packed bytes, as they sit
+        in the cache: read in place for xxh3 on the CPU, else gathered and summed on the device.
+
+        In place, xxh3 hashes the block's ``2 * num_layers`` runs in packed order with a
+        streaming xxh3, which equals the one-shot hash of the packed block. Measured faster
         than pack-then-hash (5.4 vs ~2.7 GB/s) since it reads each byte once.
         """
+        algo = algo or self.checksum_algo
         self._check_ids(block_ids)
+        if algo != CHECKSUM_XXH3 or self._flat is None:
+            if not block_ids:
+                return []
+            idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+            blocks = torch.index_select(self._by_block, 0, idx)
+            return PackedBlocks(blocks, self.layout).sums(algo)
         run = self.layout.run_nbytes
         stride = self.num_blocks * run  # bytes from one (layer, K|V) run to the next
         runs = 2 * self.layout.num_layers
@@ -199,6 +273,12 @@ class KVBlockStore:
             out.append(h.intdigest())
         return out
 
+    def host_buffer(self, nbytes: int) -> memoryview:
+        """A writable host buffer for receiving packed blocks: pinned memory when the cache is
+        on a GPU (fast upload), a plain bytearray on the CPU."""
+        if self.device.type == "cuda":
+            return byte_view(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        return memoryview(bytearray(nbytes))
     def _as_blocks(self, data, n: int) -> torch.Tensor:
         view = byte_view(data)
         assert len(view) == n * self.layout.block_nbytes, \

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.wire import Message
+from splitserve.kvtransfer.wire import CHECKSUM_XXH3, Message
 
 MAX_HEADER_BYTES = 1 << 20  # a frame header lists at most a few thousand block ids
 
@@ -33,6 +33,7 @@ class ChannelClosed(ConnectionError):
 
 class Channel(ABC):
     peer: str  # "host:port" of the other end, for messages
+    checksum_algo: str = CHECKSUM_XXH3  # the block checksum its Hello named (receiver side)
 
     @abstractmethod
     async def send(self, msg: Message, payload: Sequence[memoryview] = ()) -> None:

@@ -4,22 +4,26 @@ Owns: ``make_sender`` / ``make_receiver``, the list of backends and the
 resolution of sender options from the environment (fault injection). Must not:
 import a backend before it is asked for (ucxx is heavy and optional).
 
-``device`` is the node's compute device. Only the nccl backend uses it (its
-payloads travel on gloo for cpu, on NCCL for cuda); tcp, shm and ucx move host
-bytes whatever the device.
+``device`` is the node's compute device. On a GPU the sender hashes blocks with
+wsum32_v1 on the device (``checksum.py``); the nccl backend moves payloads on NCCL
+(gloo for cpu); tcp and ucx move host bytes (a GPU pack is staged once into pinned
+memory); ipc (CUDA only) copies device to device into a same-host receiver's pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
+import torch
+
 from splitserve.kvtransfer.base import KVReceiver, KVSender, OnBlock
-from splitserve.kvtransfer.block_store import KVBlockStore
+from splitserve.kvtransfer.block_store import KVBlockStore, default_checksum_algo
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.kvtransfer.sender_core import SenderOptions
 
-BACKENDS = ("tcp", "shm", "ucx", "nccl")
+BACKENDS = ("tcp", "shm", "ucx", "nccl", "ipc")
 FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
 
 
@@ -43,9 +47,16 @@ def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = 
                 device: str = "cpu") -> KVSender:
     """A sender speaking ``backend``; ``options`` default to ``sender_options()`` (env-aware).
     ``"ucx"`` / ``"nccl"`` raise ``TransferError`` naming the reason when ucxx /
-    torch.distributed (gloo, or NCCL for a cuda ``device``) cannot be used."""
+    torch.distributed (gloo, or NCCL for a cuda ``device``) cannot be used; ``"ipc"``
+    raises ``TransferError`` without CUDA."""
     _check_backend(backend)
     options = options or sender_options()
+    if options.checksum is None:
+        algo = default_checksum_algo("cuda" if backend == "ipc" else device)
+        options = dataclasses.replace(options, checksum=algo)
+    if backend == "ipc":
+        from splitserve.kvtransfer.ipc import IpcSender
+        return IpcSender(layout, options, device="cuda" if torch.device(device).type == "cpu" else device)
     if backend == "tcp":
         from splitserve.kvtransfer.tcp import TcpSender
         return TcpSender(layout, options)
@@ -64,7 +75,7 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
                   device: str = "cpu") -> KVReceiver:
     """A receiver for ``backend`` landing blocks in ``store``, bound to ``host:port`` once
     started (ucx's listener and nccl's store bind every interface). ``"shm"`` needs a store
-    allocated in /dev/shm."""
+    allocated in /dev/shm, ``"ipc"`` one on a CUDA device."""
     _check_backend(backend)
     if backend == "nccl":
         from splitserve.kvtransfer.nccl import NcclReceiver
@@ -74,6 +85,8 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
         from splitserve.kvtransfer.tcp import TcpReceiver as cls
     elif backend == "shm":
         from splitserve.kvtransfer.shm import ShmReceiver as cls
+    elif backend == "ipc":
+        from splitserve.kvtransfer.ipc import IpcReceiver as cls
     else:
         from splitserve.kvtransfer.ucx import UcxReceiver as cls
     return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host)

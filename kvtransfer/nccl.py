@@ -29,10 +29,12 @@ process holds as many pairs as it has peers, each with its own store prefix.
 
 Devices: both ends take the node's device. CPU makes a gloo group that sends
 straight from the packed blocks and receives straight into the staging buffer (no
-copy). CUDA makes a NCCL group; ``KVBlockStore`` keeps the cache in host memory, so
-a payload goes host -> the sender's GPU -> NCCL -> the receiver's GPU -> host staging,
-where the receiver verifies checksums and lands blocks exactly as on the other
-backends. Both ends must be of one kind: the Hello names the sender's, and the
+copy). CUDA makes a NCCL group; the protocol hands it host bytes (a GPU pool's pack is
+staged once into pinned memory), so a payload goes the sender's pool -> pinned host ->
+the sender's GPU -> NCCL -> the receiver's GPU -> host staging, where the receiver
+verifies checksums (on its device for wsum32_v1) and lands blocks exactly as on the
+other backends. Sending the packed device rows straight through NCCL would skip both
+host hops; same-host pairs use the ipc backend instead. Both ends must be of one kind: the Hello names the sender's, and the
 receiver refuses another kind before any group exists (both sides name both kinds).
 NCCL cannot pair two ranks on one GPU, so a same-host pair needs two devices.
 
@@ -53,7 +55,6 @@ from datetime import timedelta
 
 import torch
 
-from splitserve.kvtransfer.block_store import CHECKSUM_ALGO
 from splitserve.kvtransfer.channel import Channel, ChannelClosed, coalesce, parse_address
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.pair_group import (PairGroup, check_available, group_kind,
@@ -163,7 +164,7 @@ class NcclSender(TcpSender):
         return NcclChannel(await super()._open(addr), self.device, self.options.timeout_s)
 
     def _hello(self) -> Hello:
-        return Hello(layout=self.layout, checksum=CHECKSUM_ALGO, group=group_kind(self.device))
+        return Hello(layout=self.layout, checksum=self.checksum_algo, group=group_kind(self.device))
 
     async def _on_welcome(self, conn: Connection) -> None:
         info = conn.welcome.nccl

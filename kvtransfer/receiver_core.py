@@ -12,7 +12,7 @@ One connection, as ``_serve`` runs it::
     recv Hello --check--> send Welcome        (or send Refused, log, close)
     loop:  recv Blocks header
            recv payload into the connection's staging buffer   (skipped for shm)
-           per block: checksum ok? -> store.write -> on_block(ok=True)
+           per block: checksum ok? (store.land: on the device for wsum32_v1) -> write -> on_block(ok=True)
                       else                       -> on_block(ok=False, reason)
            send Ack(seq, failed ids)
     a frame cut short (connection lost, receiver stopping) -> on_block(ok=False) for its blocks
@@ -29,13 +29,13 @@ from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.common.auth import token_ok
 from splitserve.kvtransfer.base import KVReceiver, OnBlock
-from splitserve.kvtransfer.block_store import CHECKSUM_ALGO, KVBlockStore, checksum
+from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.channel import Channel, ChannelClosed, format_address
 from splitserve.kvtransfer.layout import KVLayout
-from splitserve.common.auth import token_ok
-from splitserve.kvtransfer.wire import (PROTOCOL_VERSION, Ack, Blocks, Hello, Refused, Welcome,
-                                        layout_id)
+from splitserve.kvtransfer.wire import (CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello,
+                                        Refused, Welcome, layout_id)
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class FramedReceiver(KVReceiver):
         task = asyncio.current_task()
         self._serving[task] = channel
         self.stats.connections += 1
-        staging = bytearray(0)  # grows to the largest frame, then is reused
+        staging = memoryview(b"")  # grows to the largest frame, then is reused (pinned on a GPU)
         try:
             if self._stopped or not await self._handshake(channel):
                 return
@@ -127,8 +127,8 @@ class FramedReceiver(KVReceiver):
                 payload = None
                 if frame.payload_nbytes:
                     if len(staging) < frame.payload_nbytes:
-                        staging = bytearray(frame.payload_nbytes)
-                    payload = memoryview(staging)[:frame.payload_nbytes]
+                        staging = self.store.host_buffer(frame.payload_nbytes)
+                    payload = staging[:frame.payload_nbytes]
                     try:
                         await channel.recv_payload(payload)
                     except BaseException:
@@ -152,6 +152,7 @@ class FramedReceiver(KVReceiver):
             raise ChannelClosed(f"protocol error: expected Hello, got {type(hello).__name__}")
         refusal = self._check_hello(hello)
         if refusal is None:
+            channel.checksum_algo = hello.checksum  # every frame of this connection is hashed so
             await channel.send(self._welcome(channel))
             return True
         self.stats.refused += 1
@@ -169,9 +170,9 @@ class FramedReceiver(KVReceiver):
         diffs = hello.layout.differences(self.layout)
         if diffs:
             return Refused("KV layout mismatch (sender != receiver): " + "; ".join(diffs), code="layout")
-        if hello.checksum != CHECKSUM_ALGO:
-            return Refused(f"checksum algorithm {hello.checksum!r} != receiver's {CHECKSUM_ALGO!r}",
-                           code="checksum")
+        if hello.checksum not in CHECKSUM_ALGOS:
+            return Refused(f"checksum algorithm {hello.checksum!r} is not one of the receiver's "
+                           f"{', '.join(CHECKSUM_ALGOS)}", code="checksum")
         if hello.want_shm and not self._offers_shm():
             return Refused(f"receiver {self.address} has no shared-memory cache; use its "
                            f"{self.scheme} backend", code="shm")
@@ -192,9 +193,9 @@ class FramedReceiver(KVReceiver):
         """Verify and write the frame (on the loop: measured faster than a lander thread on a
         2-core host, where the thread only adds hand-offs), report each block, then ack."""
         if payload is not None:
-            results = self._land_inline(frame, payload)
+            results = self._land_inline(frame, payload, channel.checksum_algo)
         elif self._offers_shm():
-            results = self._land_in_place(frame)
+            results = self._land_in_place(frame, channel.checksum_algo)
         else:
             results = [(d, "frame carries no payload (shm frame sent to a non-shm receiver)")
                        for d in frame.dest_block_ids]
@@ -214,25 +215,21 @@ class FramedReceiver(KVReceiver):
             return f"destination block {dest} out of range [0, {self.store.num_blocks})"
         return None
 
-    def _land_inline(self, frame: Blocks, payload: memoryview) -> list[tuple[int, str | None]]:
-        """Verify each block in the staging buffer, write the good ones; (dest, reason|None)."""
-        size, out = self.layout.block_nbytes, []
-        for i, (dest, expected) in enumerate(zip(frame.dest_block_ids, frame.checksums)):
-            reason = self._precheck(frame, dest)
-            if reason is None:
-                block = payload[i * size:(i + 1) * size]
-                if checksum(block) == expected:
-                    self.store.write(dest, block)
-                else:
-                    reason = f"checksum mismatch on block {dest}: payload corrupted in transit"
-            out.append((dest, reason))
-        return out
+    def _land_inline(self, frame: Blocks, payload: memoryview, algo: str) -> list[tuple[int, str | None]]:
+        """Verify each block in the staging buffer (``algo``: on the store's device for
+        wsum32_v1), write the good ones; (dest, reason|None)."""
+        reasons = [self._precheck(frame, dest) for dest in frame.dest_block_ids]
+        dests = [d if r is None else None for d, r in zip(frame.dest_block_ids, reasons)]
+        ok = self.store.land(dests, payload, frame.checksums, algo)
+        return [(dest, None if good else reason or
+                 f"checksum mismatch on block {dest}: payload corrupted in transit")
+                for dest, reason, good in zip(frame.dest_block_ids, reasons, ok)]
 
-    def _land_in_place(self, frame: Blocks) -> list[tuple[int, str | None]]:
+    def _land_in_place(self, frame: Blocks, algo: str) -> list[tuple[int, str | None]]:
         """The sender already wrote the blocks into our shared cache: verify them where they are."""
         reasons = {d: self._precheck(frame, d) for d in frame.dest_block_ids}
         good = [d for d in frame.dest_block_ids if reasons[d] is None]
-        actual = dict(zip(good, self.store.checksums(good)))
+        actual = dict(zip(good, self.store.checksums(good, algo)))
         out = []
         for dest, expected in zip(frame.dest_block_ids, frame.checksums):
             reason = reasons[dest]

@@ -27,10 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitserve.kvtransfer.base import KVSender
-from splitserve.kvtransfer.block_store import CHECKSUM_ALGO, byte_view, checksum
+from splitserve.kvtransfer.block_store import CHECKSUM_ALGO
 from splitserve.kvtransfer.channel import Channel, ChannelClosed
 from splitserve.kvtransfer.errors import TransferError
 from splitserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from splitserve.kvtransfer.packed import frame_sums, frame_views, item_nbytes
 from splitserve.kvtransfer.wire import Ack, Blocks, Hello, Refused, Welcome, layout_id
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class SenderOptions:
     # pays a thread hand-off and a send/recv rendezvous per frame).
     max_frame_bytes: int | None = None
     corrupt_every: int = 0  # fault injection: flip one byte of every Nth block after its checksum
+    # Block checksum of every connection (wire.CHECKSUM_ALGOS). None: the backend's default
+    # (xxh3_64; ``make_sender`` picks wsum32_v1, computed on the device, for a GPU node).
+    checksum: str | None = None
     cluster_token: str | None = field(default=None, repr=False)  # sent in every Hello
 
 
@@ -85,6 +89,7 @@ class FramedSender(KVSender):
         self.layout = layout
         self.options = options or SenderOptions()
         self._layout_id = layout_id(layout)
+        self.checksum_algo = self.options.checksum or CHECKSUM_ALGO
         self._conns: dict[str, Connection] = {}  # addr -> live connection
         self._dialing: dict[str, asyncio.Lock] = {}  # addr -> lock held while dialing it
         self._blocks_sent = 0  # counts blocks for corrupt_every
@@ -95,18 +100,21 @@ class FramedSender(KVSender):
         """Dial ``addr``; raise ``TransferError`` / ``OSError`` / ``ChannelClosed`` on failure."""
 
     def _hello(self) -> Hello:
-        return Hello(layout=self.layout, checksum=CHECKSUM_ALGO)
+        return Hello(layout=self.layout, checksum=self.checksum_algo)
 
     async def _on_welcome(self, conn: Connection) -> None:
         """Finish a backend's connection from the welcome (shm: map the cache, ucx: open the
         data endpoint); raise ``TransferError`` to refuse it. Runs under the connect timeout."""
 
-    def _stage(self, conn: Connection, dest: list[int], views: list[memoryview],
+    def _stage(self, conn: Connection, dest: list[int], items: list,
                corrupt: list[int]) -> tuple[list[int], list[memoryview]]:
-        """(checksum of each block, the buffers to send). Fault injection damages the
-        ``corrupt`` blocks after their checksum was taken. The shm backend overrides this to
-        copy each block into place right after hashing it, while it is still in cache."""
-        sums = [checksum(v) for v in views]
+        """(checksum of each block, the buffers to send). ``items``: host buffers or
+        ``PackedBlock`` rows of a device pack (hashed on the device, staged to host once).
+        Fault injection damages the ``corrupt`` blocks after their checksum was taken. The
+        shm backend overrides this to copy each block into place right after hashing it,
+        the ipc backend to copy device to device."""
+        sums = frame_sums(items, self.layout, self.checksum_algo)
+        views = frame_views(items)
         return sums, [flip_one_byte(v) if i in corrupt else v for i, v in enumerate(views)]
 
     async def _deliver(self, conn: Connection, frame: Blocks, payload: list[memoryview]) -> None:
@@ -122,10 +130,11 @@ class FramedSender(KVSender):
                           blocks: Sequence[tuple[int, object]]) -> None:
         if not blocks:
             return
-        views = [byte_view(data) for _, data in blocks]
-        bad = [i for i, v in enumerate(views) if len(v) != self.layout.block_nbytes]
+        items = [data for _, data in blocks]  # host buffers or PackedBlock rows
+        sizes = [item_nbytes(it) for it in items]
+        bad = [i for i, n in enumerate(sizes) if n != self.layout.block_nbytes]
         if bad:
-            raise TransferError(f"transfer {transfer_id}: block #{bad[0]} has {len(views[bad[0]])} "
+            raise TransferError(f"transfer {transfer_id}: block #{bad[0]} has {sizes[bad[0]]} "
                                 f"bytes, a packed block of {self.layout} has {self.layout.block_nbytes}")
         dest = [int(d) for d, _ in blocks]
         conn: Connection | None = None
@@ -140,7 +149,7 @@ class FramedSender(KVSender):
                 futures = []
                 for start in range(0, len(blocks), per_frame):
                     futures.append(await self._send_frame(conn, transfer_id, dest[start:start + per_frame],
-                                                          views[start:start + per_frame]))
+                                                          items[start:start + per_frame]))
                 acks = await _gather(futures)
                 await conn.channel.flush()  # the caller may reuse the block buffers after return
         except TimeoutError:
@@ -169,10 +178,10 @@ class FramedSender(KVSender):
 
     # -- internals -------------------------------------------------------------------
     async def _send_frame(self, conn: Connection, transfer_id: str, dest: list[int],
-                          views: list[memoryview]) -> asyncio.Future:
+                          items: list) -> asyncio.Future:
         if conn.broken is not None:
             raise ChannelClosed(conn.broken)
-        sums, payload = self._stage(conn, dest, views, self._pick_corrupt(len(views)))
+        sums, payload = self._stage(conn, dest, items, self._pick_corrupt(len(items)))
         seq, conn.next_seq = conn.next_seq, conn.next_seq + 1
         fut = asyncio.get_running_loop().create_future()
         # Retrieve a failure even when send_blocks gave up before awaiting this frame.

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 
-from splitserve.kvtransfer.block_store import (CHECKSUM_ALGO, KVBlockStore, checksum,
-                                              map_shared_kv_cache, shm_path)
+from splitserve.kvtransfer.block_store import KVBlockStore, map_shared_kv_cache, shm_path
+from splitserve.kvtransfer.checksum import bytes_sum
 from splitserve.kvtransfer.channel import Channel
 from splitserve.kvtransfer.errors import TransferError
+from splitserve.kvtransfer.packed import frame_views
 from splitserve.kvtransfer.sender_core import Connection, flip_one_byte
 from splitserve.kvtransfer.tcp import TcpReceiver, TcpSender
 from splitserve.kvtransfer.wire import Blocks, Hello, ShmInfo, Welcome
@@ -87,7 +88,7 @@ class ShmSender(TcpSender):
     scheme = "shm"
 
     def _hello(self) -> Hello:
-        return Hello(layout=self.layout, checksum=CHECKSUM_ALGO, want_shm=True)
+        return Hello(layout=self.layout, checksum=self.checksum_algo, want_shm=True)
 
     async def _on_welcome(self, conn: Connection) -> None:
         info = conn.welcome.shm
@@ -113,14 +114,14 @@ class ShmSender(TcpSender):
                                 f"announced {info.num_blocks}")
         conn.backend_state = KVBlockStore(cache, self.layout, shm_name=info.shm_name)
 
-    def _stage(self, conn: Connection, dest: list[int], views: list[memoryview],
+    def _stage(self, conn: Connection, dest: list[int], items: list,
                corrupt: list[int]) -> tuple[list[int], list[memoryview]]:
         """Hash each block, then copy it into the receiver's cache while it is still in
         the CPU cache (measured ~13% faster than hashing the whole frame first)."""
         peer: KVBlockStore = conn.backend_state
         sums = []
-        for i, (block_id, view) in enumerate(zip(dest, views)):
-            sums.append(checksum(view))
+        for i, (block_id, view) in enumerate(zip(dest, frame_views(items))):
+            sums.append(bytes_sum(view, self.layout, self.checksum_algo))
             peer.write(block_id, flip_one_byte(view) if i in corrupt else view)
         return sums, []
 

@@ -28,13 +28,18 @@ import xxhash
 from splitserve.kvtransfer.layout import KVLayout
 
 PROTOCOL_VERSION = 1
+# Block checksum algorithms a Hello may name (``kvtransfer/checksum.py`` defines them): xxh3_64
+# over the packed bytes (host senders), wsum32_v1 computed with torch ops on the pool's device.
+CHECKSUM_XXH3 = "xxh3_64"
+CHECKSUM_WSUM = "wsum32_v1"
+CHECKSUM_ALGOS = (CHECKSUM_XXH3, CHECKSUM_WSUM)
 
 
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
     """Sender -> receiver, first message of a connection."""
 
     layout: KVLayout
-    checksum: str  # block checksum algorithm, e.g. "xxh3_64"
+    checksum: str  # block checksum algorithm of this connection, one of CHECKSUM_ALGOS
     version: int = PROTOCOL_VERSION
     want_shm: bool = False  # the sender writes through the receiver's shared cache
     group: str = ""  # nccl backend: the process group kind the sender joins, "gloo" or "nccl"
@@ -64,6 +69,25 @@ class NcclInfo(msgspec.Struct, tag="nccl_info", omit_defaults=True):
     prefix: str  # this connection's key prefix in that store
 
 
+class IpcInfo(msgspec.Struct, tag="ipc_info", omit_defaults=True):
+    """The receiver's CUDA KV pool as a CUDA IPC handle (the fields of
+    ``torch.multiprocessing.reductions.reduce_tensor``), opened once per connection."""
+
+    host_id: str  # the receiver's boot id: CUDA IPC works only on one host
+    device_uuid: str  # the pool's GPU; the sender maps it to its own device index
+    shape: list[int]  # the pool, [num_layers, 2, num_blocks, block_size, heads, head_dim]
+    stride: list[int]
+    offset: int  # tensor offset in its storage, elements
+    dtype: str
+    handle: bytes  # cudaIpcMemHandle of the allocation holding the storage
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None = None
+    event_sync_required: bool = False
+
+
 class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
     """Receiver -> sender: handshake accepted."""
 
@@ -72,6 +96,7 @@ class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
     shm: ShmInfo | None = None
     ucx: UcxInfo | None = None
     nccl: NcclInfo | None = None
+    ipc: IpcInfo | None = None
 
 
 class Refused(msgspec.Struct, tag="refused", omit_defaults=True):

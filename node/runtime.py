@@ -6,7 +6,7 @@
 - the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
   fed from the engine thread, under the same node id and epoch;
 - a per-node Prometheus registry and the routes GET /health, /metrics,
-  /debug/state (JSON: pool, load, transfers);
+  /debug/state (JSON: device, dtype, KV pool size, load, transfers);
 - the guard of every route: the cluster token (common/auth.py) on everything but
   /health and /metrics (401 without it, 403 with a wrong one), and 503 with
   Retry-After on new work while draining;
@@ -24,8 +24,6 @@ import signal
 from typing import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from splitserve.common.auth import HEADER, token_ok
 from splitserve.common.config import NodeConfig
@@ -38,6 +36,7 @@ from splitserve.engine.engine_loop import BlockExporter, EngineLoop
 from splitserve.kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.node.kv_publisher import KVEventPublisher
+from splitserve.node.metrics import NodeMetrics
 from splitserve.node.shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
@@ -45,19 +44,6 @@ RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
 NODE = web.AppKey("node", object)  # the role's server object (DecodeNode | PrefillNode)
 OPEN_PATHS = ("/health", "/metrics")  # no cluster token needed
 DRAIN_POLL_S = 0.1
-
-
-class Metrics:
-    """A per-node Prometheus registry (no module globals)."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-
-    def counter(self, name, doc, labels=()):
-        return Counter(name, doc, list(labels), registry=self.registry)
-
-    def gauge(self, name, doc, labels=()):
-        return Gauge(name, doc, list(labels), registry=self.registry)
 
 
 def layout_from_shape(shape: tuple[int, ...], dtype) -> KVLayout:
@@ -77,7 +63,7 @@ class NodeRuntime:
         self.shm_name: str | None = None
         self.kv_addr = ""
         self.http_addr = ""
-        self.metrics = Metrics()
+        self.metrics = NodeMetrics(config.engine.model_id, config.role)
         self.debug_extra: Callable[[], dict] = dict
         self.draining = False  # SIGTERM received: new work is refused with 503
         self._heartbeat_stopped = False
@@ -85,11 +71,6 @@ class NodeRuntime:
         self.publisher: KVEventPublisher | None = None
         self._registry: NodeRegistry | None = None
         self._index: KVIndex | None = None
-        g = self.metrics.gauge
-        self.m_load = {f: g(f"splitserve_node_{f}", f"engine load: {f}") for f in NodeLoad.__struct_fields__}
-        self.m_index_batches = self.metrics.counter(
-            "splitserve_kv_index_batches_total", "prefix-index writes to Redis, by result "
-            "(ok, refused: Redis lost earlier batches, error: unreachable)", ["result"])
 
     async def start_engine(self, shm: bool) -> None:
         """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
@@ -105,12 +86,30 @@ class NodeRuntime:
         self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
         kv = self.engine.runner.kv_caches
         self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
+        pool = self.kv_pool()
+        g = self.metrics.gauge
+        g("splitserve_node_device_info", "the engine's device and KV dtype (value 1)",
+          ["device", "dtype"]).labels(pool["device"], pool["dtype"]).set(1)
+        for unit in ("blocks", "bytes", "tokens"):
+            g(f"splitserve_node_kv_pool_{unit}", f"KV block pool size in {unit}").set(pool[unit])
+
+    def kv_pool(self) -> dict:
+        """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
+        kv, cfg = self.engine.runner.kv_caches, self.config.engine
+        blocks = kv.shape[2]
+        return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
+                "bytes": kv.numel() * kv.element_size(), "tokens": blocks * cfg.block_size,
+                "gpu_memory_utilization": cfg.gpu_memory_utilization}
 
     def loop_start(self, on_deltas, exporter: BlockExporter | None = None) -> None:
         def deliver(deltas):
             on_deltas(deltas)
+            self.metrics.observe_deltas(deltas)
             if self.heartbeat is not None and any(d.finish_reason for d in deltas):
                 self.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
+        # engine thread, after each step: request timing for the metrics (the EngineLoop chains
+        # its KV export, if any, in front of it)
+        self.engine.step_observer = lambda out: self.metrics.observe_step(out, len(self.engine.scheduler.requests))
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter)
         self.loop.start()
 
@@ -121,8 +120,6 @@ class NodeRuntime:
 
     def info(self) -> NodeInfo:
         load = self.loop.load
-        for f in NodeLoad.__struct_fields__:
-            self.m_load[f].set(getattr(load, f))
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
@@ -133,7 +130,7 @@ class NodeRuntime:
         if self.config.redis_url:
             self._index = KVIndex(self.config.redis_url)
             self.publisher = KVEventPublisher(self._index, self.node_id, self.epoch,
-                                              self.loop.request_kv_snapshot, self.m_index_batches)
+                                              self.loop.request_kv_snapshot, self.metrics.index_batches)
             self.publisher.start()
             self._registry = NodeRegistry(self.config.redis_url)
             self.heartbeat = Heartbeat(self._registry, self.info)
@@ -163,6 +160,7 @@ class NodeRuntime:
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
                 "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
+                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.kv_pool(),
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
                 "load": st.load._asdict(), "steps": st.steps, "busy_s": st.busy_s,
                 "computed_tokens": st.computed_tokens, "preemptions": st.preemptions, **self.debug_extra()}
@@ -219,9 +217,10 @@ def add_common_routes(app: web.Application) -> None:
 
     async def metrics(request):
         rt = request.app[RUNTIME]
-        rt.info()  # refresh the load gauges
-        return web.Response(body=generate_latest(rt.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        rt.metrics.set_load(rt.loop.load, rt.loop.stats.preemptions,
+                            rt.heartbeat.failures if rt.heartbeat is not None else 0)
+        body, content_type = rt.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def debug_state(request):
         return web.json_response(request.app[RUNTIME].state())

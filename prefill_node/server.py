@@ -63,8 +63,7 @@ class PrefillNode:
         self.exporter = BlockExporter(self.store.pack, self._on_blocks)
         self.senders = {}  # backend -> KVSender (one connection pool each)
         m = runtime.metrics
-        self.m_requests = m.counter("splitserve_prefill_requests_total", "prefill requests", ["outcome"])
-        self.m_blocks = m.counter("splitserve_kv_blocks_sent_total", "KV blocks handed to the transport")
+        self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
 
     def _sender(self, backend: str):
         if backend not in self.senders:

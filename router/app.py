@@ -57,7 +57,7 @@ def build_app(config: RouterConfig) -> web.Application:
                           middlewares=[_error_middleware])
     app[CONFIG] = config
     app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
-    app[METRICS] = RouterMetrics.create()
+    app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     make_policy(config.policy, config.weights)  # fail now on a bad name, not at the first request
     app.cleanup_ctx.append(_services)

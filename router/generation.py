@@ -78,6 +78,9 @@ class Generation:
                     self._t_first = now
                     self.metrics.ttft.observe(now - self.t_start)
                     self.on_first_token()
+                elif delta.token_ids:
+                    for _ in delta.token_ids:  # a frame of k tokens: k gaps of equal share
+                        self.metrics.itl.observe((now - self._t_last) / len(delta.token_ids))
                 self._t_last = now
                 self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
                 self.completion_tokens += len(delta.token_ids)
@@ -93,7 +96,7 @@ class Generation:
                     yield Piece(self.index, text, delta.token_ids, delta.logprobs, finish)
                 if finish is not None:
                     self.finish_reason = finish
-                    self.metrics.finished.labels(finish_reason=finish).inc()
+                    self.metrics.finished.labels(finished_reason=finish).inc()
                     return
         except NodeUnavailable as e:
             self._failure = "node_unavailable"
@@ -123,8 +126,12 @@ class Generation:
         if self.finish_reason is None:
             m.failures.labels(reason="client_disconnect" if client_gone
                               else self._failure or "cancelled").inc()
-        elif self._t_first is not None and self.completion_tokens >= 2:
-            m.tpot.observe((self._t_last - self._t_first) / (self.completion_tokens - 1))
+        elif self._t_first is not None:
+            m.e2e.observe(self._t_last - self.t_start)
+            m.request_prompt_tokens.observe(self.prompt_len)
+            m.request_generation_tokens.observe(self.completion_tokens)
+            if self.completion_tokens >= 2:
+                m.tpot.observe((self._t_last - self._t_first) / (self.completion_tokens - 1))
 
 
 async def merge_pieces(gens: list[Generation]) -> AsyncIterator[Piece]:

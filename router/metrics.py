@@ -1,20 +1,28 @@
 """The router's Prometheus metrics, in a registry owned by one app (no module
-globals, so several routers can live in one test process).
+globals, so several routers can live in one test process). Every series carries
+``model_name``; the names are vLLM's with our prefix (common/metric_names.py).
 
-Owns metric names, labels and buckets. Must not decide when to count (callers do).
+Owns the collectors, their help texts and buckets. Must not decide when to count (callers do).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from splitserve.common import metric_names as n
+from splitserve.common.model_metrics import ModelMetrics
 
-PREFIX = "splitserve_router_"
-# Seconds. TTFT includes routing, the prefill node's queue and the KV transfer.
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+# Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
+# cut below 10 ms.)
+TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+# Seconds between two output tokens (ITL) or their mean over a request (TPOT).
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)
 # Seconds from a prompt to its Decision: hashing, the prefix-index round trip, scoring.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 1.0)
@@ -22,87 +30,93 @@ DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 
 @dataclass(slots=True)
 class RouterMetrics:
-    """Every collector of one router. Build with `RouterMetrics.create()`."""
+    """Every collector of one router, model_name bound. Build with `RouterMetrics.create()`."""
 
-    registry: CollectorRegistry
-    requests: Counter  # labels endpoint, status
-    failures: Counter  # labels reason
-    finished: Counter  # labels finish_reason
-    ttft: Histogram
-    tpot: Histogram
-    prompt_tokens: Counter
-    generation_tokens: Counter
-    cached_tokens: Counter
-    nodes: Gauge  # labels role
-    decisions: Counter  # labels node_id, role
-    local_prefill: Counter
-    redis_errors: Counter  # labels op
-    inflight: Gauge
-    decision_seconds: Histogram
-    index_lookups: Counter  # labels result: ok | error | skipped
-    predicted_cached_tokens: Counter
-    predictions: Counter  # labels outcome (see decisions.py)
-    prediction_hit_rate: Gauge
+    collectors: ModelMetrics
+    requests: object  # labels endpoint, status
+    failures: object  # labels reason
+    finished: object  # labels finished_reason
+    ttft: object
+    itl: object
+    tpot: object
+    e2e: object
+    request_prompt_tokens: object
+    request_generation_tokens: object
+    prompt_tokens: object
+    generation_tokens: object
+    cached_tokens: object  # delivered prefix hits, prompt tokens
+    nodes: object  # labels role
+    decisions: object  # labels node_id, role
+    local_prefill: object
+    redis_errors: object  # labels op
+    inflight: object
+    decision_seconds: object
+    index_lookups: object  # labels result: ok | error | skipped
+    predicted_cached_tokens: object
+    predictions: object  # labels outcome (see decisions.py)
+    prediction_hit_rate: object
 
     @classmethod
-    def create(cls) -> RouterMetrics:
-        r = CollectorRegistry()
+    def create(cls, model_name: str) -> RouterMetrics:
+        c = ModelMetrics({n.MODEL_LABEL: model_name})
         m = cls(
-            registry=r,
-            requests=Counter(PREFIX + "requests", "HTTP requests answered, by endpoint and status",
-                             ["endpoint", "status"], registry=r),
-            failures=Counter(PREFIX + "request_failures",
-                             "Generations that did not complete, by reason "
-                             "(node_error, node_unavailable, client_disconnect)",
-                             ["reason"], registry=r),
-            finished=Counter(PREFIX + "finished", "Generations finished, by finish_reason",
-                             ["finish_reason"], registry=r),
-            ttft=Histogram(PREFIX + "time_to_first_token_seconds",
-                           "Request received -> first token from the decode node",
-                           buckets=TTFT_BUCKETS, registry=r),
-            tpot=Histogram(PREFIX + "time_per_output_token_seconds",
-                           "Mean time between output tokens after the first, per generation",
-                           buckets=TPOT_BUCKETS, registry=r),
-            prompt_tokens=Counter(PREFIX + "prompt_tokens", "Prompt tokens routed", registry=r),
-            generation_tokens=Counter(PREFIX + "generation_tokens", "Tokens generated",
-                                      registry=r),
-            cached_tokens=Counter(PREFIX + "cached_prompt_tokens",
-                                  "Prompt tokens served from a node's prefix cache", registry=r),
-            nodes=Gauge(PREFIX + "nodes", "Live nodes of the served model, by role", ["role"],
-                        registry=r),
-            decisions=Counter(PREFIX + "routing_decisions",
-                              "Requests routed to a node, by node and the role it played",
-                              ["node_id", "role"], registry=r),
-            local_prefill=Counter(PREFIX + "local_prefill_decisions",
-                                  "Requests routed with no prefill node (the decode node "
-                                  "prefills)", registry=r),
-            redis_errors=Counter(PREFIX + "redis_errors", "Failed Redis calls", ["op"],
-                                 registry=r),
-            inflight=Gauge(PREFIX + "inflight_generations", "Generations streaming now",
-                           registry=r),
-            decision_seconds=Histogram(PREFIX + "routing_decision_seconds",
-                                       "Prompt -> routing decision (hashing, prefix-index "
-                                       "lookup, scoring)", buckets=DECISION_BUCKETS, registry=r),
-            index_lookups=Counter(PREFIX + "prefix_index_lookups",
-                                  "Prefix-index lookups, by result (ok; error: Redis "
-                                  "unreachable or slow; skipped: backing off after an error)",
-                                  ["result"], registry=r),
-            predicted_cached_tokens=Counter(PREFIX + "predicted_cached_prompt_tokens",
-                                            "Prompt tokens the routing decisions predicted to be "
-                                            "cached (compare with cached_prompt_tokens)",
-                                            registry=r),
-            predictions=Counter(PREFIX + "prefix_predictions",
-                                "Finished generations by prediction outcome: hit (predicted > 0, "
-                                "delivered >= predicted), miss (delivered < predicted: a "
-                                "misprediction, e.g. a stale index entry), unseen (predicted 0, "
-                                "delivered > 0), none (both 0)", ["outcome"], registry=r),
-            prediction_hit_rate=Gauge(PREFIX + "prefix_prediction_hit_rate",
-                                      "hit / (hit + miss) since start", registry=r),
+            collectors=c,
+            requests=c.counter(n.HTTP_REQUESTS, "HTTP requests answered, by endpoint and status",
+                               ["endpoint", "status"]),
+            failures=c.counter(n.REQUEST_FAILURES, "Generations that did not complete, by reason "
+                               "(node_error, node_unavailable, client_disconnect, cancelled)",
+                               ["reason"]),
+            finished=c.counter(n.REQUEST_SUCCESS, "Generations finished, by finished_reason",
+                               [n.FINISHED_REASON_LABEL]),
+            ttft=c.histogram(n.TIME_TO_FIRST_TOKEN, "Request received -> first token from the "
+                             "decode node", TTFT_BUCKETS),
+            itl=c.histogram(n.INTER_TOKEN_LATENCY, "Time between two consecutive output tokens",
+                            TPOT_BUCKETS),
+            tpot=c.histogram(n.TIME_PER_OUTPUT_TOKEN, "Mean time between output tokens after the "
+                             "first, per finished generation", TPOT_BUCKETS),
+            e2e=c.histogram(n.E2E_REQUEST_LATENCY, "Request received -> last token, per finished "
+                            "generation", E2E_BUCKETS),
+            request_prompt_tokens=c.histogram(n.REQUEST_PROMPT_TOKENS, "Prompt tokens per "
+                                              "finished generation", TOKEN_BUCKETS),
+            request_generation_tokens=c.histogram(n.REQUEST_GENERATION_TOKENS, "Output tokens per "
+                                                  "finished generation", TOKEN_BUCKETS),
+            prompt_tokens=c.counter(n.PROMPT_TOKENS, "Prompt tokens routed"),
+            generation_tokens=c.counter(n.GENERATION_TOKENS, "Tokens generated"),
+            cached_tokens=c.counter(n.DELIVERED_CACHED_TOKENS, "Prompt tokens the nodes served from "
+                                    "their prefix cache (delivered hits)"),
+            nodes=c.gauge(n.ROUTER_NODES, "Live nodes of the served model, by role", ["role"]),
+            decisions=c.counter(n.ROUTING_DECISIONS, "Requests routed to a node, by node and the "
+                                "role it played", ["node_id", "role"]),
+            local_prefill=c.counter(n.LOCAL_PREFILL_DECISIONS, "Requests routed with no prefill "
+                                    "node (the decode node prefills)"),
+            redis_errors=c.counter(n.REDIS_ERRORS, "Failed Redis calls", ["op"]),
+            inflight=c.gauge(n.ROUTER_RUNNING, "Generations streaming now"),
+            decision_seconds=c.histogram(n.ROUTING_DECISION_SECONDS, "Prompt -> routing decision "
+                                         "(hashing, prefix-index lookup, scoring)",
+                                         DECISION_BUCKETS),
+            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups, by result (ok; "
+                                    "error: Redis unreachable or slow; skipped: backing off after "
+                                    "an error)", ["result"]),
+            predicted_cached_tokens=c.counter(n.PREDICTED_CACHED_TOKENS, "Prompt tokens the routing "
+                                              "decisions predicted to be cached (compare with "
+                                              + n.DELIVERED_CACHED_TOKENS + ")"),
+            predictions=c.counter(n.PREFIX_PREDICTIONS, "Finished generations by prediction "
+                                  "outcome: hit (predicted > 0, delivered >= predicted), miss "
+                                  "(delivered < predicted: a misprediction, e.g. a stale index "
+                                  "entry), unseen (predicted 0, delivered > 0), none (both 0)",
+                                  ["outcome"]),
+            prediction_hit_rate=c.gauge(n.PREFIX_PREDICTION_HIT_RATE, "hit / (hit + miss) since "
+                                        "start"),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
+        for counter, values in ((m.finished, n.FINISHED_REASONS), (m.failures, n.FAILURE_REASONS),
+                                (m.redis_errors, n.REDIS_OPS), (m.index_lookups, n.INDEX_LOOKUP_RESULTS),
+                                (m.predictions, n.PREDICTION_OUTCOMES)):
+            for value in values:
+                counter.labels(value)  # exported at 0 from the start
         return m
 
     def render(self) -> tuple[bytes, str]:
         """(exposition text, its content type)."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return self.collectors.render()

@@ -76,22 +76,42 @@ def run_engine():
     return run
 
 
-@pytest.fixture
-def tiny_llama_dir(tmp_path_factory):
-    """tiny_llama_dir(**LlamaConfig overrides) -> folder of a random Llama saved as sharded safetensors."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# family -> (transformers config class name, model class name)
+TINY_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
-    def make(**overrides):
+
+@pytest.fixture
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(family, **config overrides) -> (folder, transformers model): a random
+    2-layer, hidden-64 GQA model of ``family`` (a TINY_FAMILIES key) saved as sharded
+    safetensors. Weights are 10x transformers' default scale and biases and norm weights are random too (transformers starts them at 0 and
+    1), so a mixed-up bias or q/k norm changes the output."""
+    import transformers
+
+    def make(family, **overrides):
+        config_cls, model_cls = (getattr(transformers, n) for n in TINY_FAMILIES[family])
         cfg = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                   tie_word_embeddings=False, eos_token_id=256, bos_token_id=0)
+                   tie_word_embeddings=False, eos_token_id=256, bos_token_id=0,
+                   initializer_range=0.2)  # sharp attention: RoPE and masking errors change the tokens
         cfg.update(overrides)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
-        path = tmp_path_factory.mktemp("tiny_llama")
+        model = model_cls(config_cls(**cfg)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+        path = tmp_path_factory.mktemp(f"tiny_{family}")
         model.save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
         return path, model
     return make
+
+
+@pytest.fixture
+def tiny_llama_dir(tiny_model_dir):
+    """tiny_llama_dir(**LlamaConfig overrides) -> (folder, transformers model) of a tiny random Llama."""
+    return lambda **overrides: tiny_model_dir("llama", **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from splitserve.benchmarks.serve.config import normalize_base_url
 from splitserve.benchmarks.serve.datasets import load_tokenizer
 from splitserve.benchmarks.replay.trace import HASH_BLOCK, block_tokens
 from splitserve.benchmarks.serve.trace import trace_specs
+from splitserve.common import metric_names as names
+from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster, free_port
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -217,8 +219,7 @@ def cluster():
 
 def router_counter(cluster, name: str) -> float:
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith(f"splitserve_router_{name}_total"))
+        return sample_sum(r.read().decode(), name)
 
 
 def test_endpoint_checks(cluster):
@@ -231,7 +232,7 @@ def test_short_run_metrics_are_sane_and_match_the_router(cluster, tok):
     specs = load_dataset(cfg(num_prompts=6, random_input_len=24, random_output_len=6, seed=5), tok)
     chat = load_dataset(cfg(dataset="shared-prefix", num_prompts=2, num_tenants=1, prefix_len=16,
                             random_input_len=4, random_output_len=5), tok)
-    gen0, prompt0 = router_counter(cluster, "generation_tokens"), router_counter(cluster, "prompt_tokens")
+    gen0, prompt0 = router_counter(cluster, names.GENERATION_TOKENS), router_counter(cluster, names.PROMPT_TOKENS)
     ep = Endpoint(f"{cluster.url}/v1", MODEL, "completions", ignore_eos=True)
     r = asyncio.run(run(ep, specs, poisson_offsets(6, 20.0, seed=1), tok.decode, max_concurrency=3,
                         progress=False))
@@ -249,8 +250,8 @@ def test_short_run_metrics_are_sane_and_match_the_router(cluster, tok):
     for x, spec in zip(r.results, specs):
         assert x.prompt_tokens == spec.prompt_len  # token arrays go through as they are
     # the router counted what the streams' usage said
-    assert router_counter(cluster, "generation_tokens") - gen0 == sum(x.output_tokens for x in everything)
-    assert router_counter(cluster, "prompt_tokens") - prompt0 == sum(x.prompt_tokens for x in everything)
+    assert router_counter(cluster, names.GENERATION_TOKENS) - gen0 == sum(x.output_tokens for x in everything)
+    assert router_counter(cluster, names.PROMPT_TOKENS) - prompt0 == sum(x.prompt_tokens for x in everything)
 
     s = summarize(r.results, r.duration_s, Slo(ttft_ms=1e9, tpot_ms=1e9))
     assert (s.completed, s.failed, s.usage_reported) == (6, 0, 6)

@@ -10,6 +10,8 @@ import urllib.request
 import openai
 import pytest
 
+from splitserve.common import metric_names as names
+from splitserve.common.model_metrics import sample_sum
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster
 from splitserve.engine.llm import render_chat
@@ -32,11 +34,7 @@ def node_state(cluster: Cluster, name: str) -> dict:
 
 def metric(cluster: Cluster, name: str, metric_name: str) -> float:
     with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
-        total = 0.0
-        for line in r.read().decode().splitlines():
-            if line.startswith(metric_name) and not line.startswith("#"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return sample_sum(r.read().decode(), metric_name)
 
 
 def wait_pools_idle(cluster: Cluster, names, timeout=20.0) -> None:
@@ -80,7 +78,7 @@ def client(cluster):
 
 
 def test_chat_and_completions_match_offline_engine(cluster, client, offline, tokenizer):
-    sent_before = metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total")
+    sent_before = metric(cluster, "prefill-0", names.KV_BLOCKS_SENT)
     for messages in CHATS:
         ids = render_chat(tokenizer, messages)
         want = offline(ids, 24)
@@ -97,8 +95,8 @@ def test_chat_and_completions_match_offline_engine(cluster, client, offline, tok
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream if c.choices) == want
     # the KV really travelled: blocks were sent and nothing fell back to local prefill
-    assert metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total") > sent_before
-    assert metric(cluster, "decode-0", "splitserve_decode_fallback_prefills_total") == 0
+    assert metric(cluster, "prefill-0", names.KV_BLOCKS_SENT) > sent_before
+    assert metric(cluster, "decode-0", names.FALLBACK_PREFILLS) == 0
     wait_pools_idle(cluster, ["prefill-0", "decode-0"])
 
 
@@ -106,11 +104,11 @@ def test_shared_prefix_reports_cached_tokens_and_sends_fewer_blocks(cluster, cli
     system = "You are a support agent for a bicycle shop. " * 12
     first = [{"role": "system", "content": system}, {"role": "user", "content": "Do you sell helmets?"}]
     second = [{"role": "system", "content": system}, {"role": "user", "content": "When do you open?"}]
-    b0 = metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total")
+    b0 = metric(cluster, "prefill-0", names.KV_BLOCKS_SENT)
     r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=4, temperature=0)
-    b1 = metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total")
+    b1 = metric(cluster, "prefill-0", names.KV_BLOCKS_SENT)
     r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0)
-    b2 = metric(cluster, "prefill-0", "splitserve_kv_blocks_sent_total")
+    b2 = metric(cluster, "prefill-0", names.KV_BLOCKS_SENT)
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     assert r2.usage.prompt_tokens_details.cached_tokens >= 64
     assert (b2 - b1) < (b1 - b0)
@@ -160,7 +158,7 @@ def test_corrupted_block_falls_back_to_local_prefill(offline, tokenizer):
         prompt = "The history of the printing press begins"
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
         assert r.choices[0].text == offline(tokenizer(prompt)["input_ids"], 16)
-        assert metric(c, "decode-0", "splitserve_decode_fallback_prefills_total") >= 1
+        assert metric(c, "decode-0", names.FALLBACK_PREFILLS) >= 1
         wait_pools_idle(c, ["decode-0"])
 
 

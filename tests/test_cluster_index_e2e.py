@@ -16,7 +16,9 @@ import openai
 import pytest
 import redis
 
+from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks
+from splitserve.common.model_metrics import sample_sum
 from splitserve.common.kv_index import blocks_key
 from splitserve.deploy.launcher import Cluster, free_port, start_redis
 
@@ -31,20 +33,18 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def node_metric(cluster: Cluster, name: str, metric_name: str) -> float:
+def node_metric(cluster: Cluster, name: str, metric_name: str, **labels: str) -> float:
     with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith(metric_name) and not line.startswith("#"))
+        return sample_sum(r.read().decode(), metric_name, **labels)
 
 
-def router_metric(cluster: Cluster, name: str) -> float:
+def router_metric(cluster: Cluster, name: str, **labels: str) -> float:
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
-                   if line.startswith(name) and not line.startswith("#"))
+        return sample_sum(r.read().decode(), name, **labels)
 
 
 def served(cluster: Cluster) -> dict[str, float]:
-    return {p: node_metric(cluster, p, 'splitserve_prefill_requests_total{outcome="ok"}')
+    return {p: node_metric(cluster, p, names.PREFILL_REQUESTS, outcome="ok")
             for p in PREFILLS}
 
 
@@ -140,14 +140,14 @@ def test_stale_entry_is_a_counted_misprediction_not_an_error(env):
     target = PREFILLS[1]
     # An entry claiming blocks the node never computed (as if it evicted them unseen).
     env.r.sadd(blocks_key(target, epoch(env.cluster, target)), *map(str, fresh))
-    misses = router_metric(env.cluster, 'splitserve_router_prefix_predictions_total{outcome="miss"}')
+    misses = router_metric(env.cluster, names.PREFIX_PREDICTIONS, outcome="miss")
     r = env.complete(prompt)
     assert r.choices[0].text is not None and r.usage.prompt_tokens_details.cached_tokens == 0
     d = last_decision(env.cluster)
     assert d["prefill"] == target and d["predicted_cached_tokens"] > 0
     assert d["outcome"] == "miss"
     assert router_metric(env.cluster,
-                         'splitserve_router_prefix_predictions_total{outcome="miss"}') == misses + 1
+                         names.PREFIX_PREDICTIONS, outcome="miss") == misses + 1
 
 
 def test_restarted_node_old_entries_attract_nothing(env):
@@ -172,7 +172,7 @@ def test_redis_killed_mid_run_requests_still_succeed_and_the_index_comes_back(en
     env.complete(prompt)
     holder = last_decision(env.cluster)["prefill"]
     env.wait_held(holder, env.hashes(prompt))
-    errors = router_metric(env.cluster, 'splitserve_router_prefix_index_lookups_total{result="error"}')
+    errors = router_metric(env.cluster, names.PREFIX_INDEX_LOOKUPS, result="error")
     env.redis_proc[-1].kill()
     env.redis_proc[-1].wait()
     for question in ("Is there food?", "How long is the trip?", "Are pets allowed?", "Wifi?"):
@@ -180,7 +180,7 @@ def test_redis_killed_mid_run_requests_still_succeed_and_the_index_comes_back(en
         assert r.usage.completion_tokens == 4
         assert last_decision(env.cluster)["predicted_cached_tokens"] is None  # load only
     assert router_metric(env.cluster,
-                         'splitserve_router_prefix_index_lookups_total{result="error"}') > errors
+                         names.PREFIX_INDEX_LOOKUPS, result="error") > errors
     # Redis comes back empty: the nodes re-register and rewrite their entries
     env.redis_proc.append(start_redis(env.port)[0])
     time.sleep(0.6)  # a discovery poll reaches the empty Redis before the nodes' heartbeats do

@@ -114,13 +114,13 @@ def test_weights_are_configurable():
 
 
 def test_decisions_settle_into_hits_and_mispredictions():
-    metrics = RouterMetrics.create()
+    metrics = RouterMetrics.create("test-model")
     log = DecisionLog(metrics)
     d = Decision(node("p0"), node("d0", "decode"))
     hits = PrefixHits({"p0": 64, "d0": 32}, num_blocks=10, looked_up=True)
     rec = log.record("r1", "cache_aware", d, 170, hits, 0.001)
     assert rec.predicted_cached_tokens == 64  # the prefill node's hit
-    local = DecisionLog(RouterMetrics.create()).record("r0", "cache_aware", Decision(None, node("d0", "decode")), 170, hits, 0.001)
+    local = DecisionLog(RouterMetrics.create("test-model")).record("r0", "cache_aware", Decision(None, node("d0", "decode")), 170, hits, 0.001)
     assert local.predicted_cached_tokens == 32  # no prefill node: the decode node's hit
     log.settle(rec, 64)
     stale = log.record("r2", "cache_aware", d, 170, hits, 0.001)

@@ -14,6 +14,8 @@ import pytest
 from splitserve.deploy.launcher import free_port
 import redis
 
+from splitserve.common import metric_names as names
+from splitserve.common.model_metrics import sample_sum
 from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
@@ -99,11 +101,10 @@ async def wait_health(router: str, timeout: float = 3.0, **want) -> dict:
         await asyncio.sleep(POLL_S)
 
 
-async def metric(router: str, name: str) -> float:
+async def metric(router: str, name: str, **labels: str) -> float:
     async with aiohttp.ClientSession() as s, s.get(router + "/metrics") as resp:
         text = await resp.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name + " ") or line.startswith(name + "{"))
+    return sample_sum(text, name, **labels)
 
 
 async def test_health_counts_registered_nodes_by_role(router, registry):
@@ -121,7 +122,7 @@ async def test_health_counts_registered_nodes_by_role(router, registry):
                     "redis": "ok"}
     status, _ = await get_json(router + "/health")
     assert status == 200
-    assert await metric(router, 'splitserve_router_nodes{role="decode"}') == 1
+    assert await metric(router, names.ROUTER_NODES, role="decode") == 1
 
     await registry.deregister("d0")
     await registry.deregister("c0")
@@ -143,7 +144,7 @@ async def test_unreachable_decode_node_fails_fast_with_502(router, registry):
     assert body["error"]["type"] == "upstream_error"
     assert "unreachable" in body["error"]["message"]
     # both nodes were tried, then set aside: the next request is told none is reachable
-    assert await metric(router, "splitserve_router_routing_decisions_total") == 0
+    assert await metric(router, names.ROUTING_DECISIONS) == 0
     async with aiohttp.ClientSession() as s:
         async with s.post(router + "/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "hi"}]}) as resp:
@@ -160,7 +161,7 @@ async def test_redis_outage_keeps_last_known_nodes(router, registry, redis_serve
         await asyncio.sleep(5 * POLL_S)
     assert body["redis"] == "unreachable"
     assert body["decode_nodes"] == 1 and body["status"] == "ok"  # routing goes on
-    assert await metric(router, "splitserve_router_redis_errors_total") >= 3
+    assert await metric(router, names.REDIS_ERRORS) >= 3
     assert sum("Redis unreachable" in r.getMessage() for r in caplog.records) == 1  # once
     redis_server.start()  # an empty Redis: d0's record is gone with the old server
     body = await wait_health(router, redis="ok")

@@ -10,6 +10,8 @@ import aiohttp
 import openai
 import pytest
 
+from splitserve.common import metric_names as names
+from splitserve.common.model_metrics import sample_sum
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
 
@@ -247,14 +249,14 @@ async def test_metrics_count_requests_by_status(router, http):
         assert resp.status == 200
         assert resp.content_type == "text/plain"
         text = await resp.text()
-    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-                 "prompt_tokens_total", "generation_tokens_total", "cached_prompt_tokens_total",
-                 "routing_decisions", "redis_errors", 'nodes{role="decode"} 0.0'):
-        assert "splitserve_router_" + name in text, name
+    for name in (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY, names.E2E_REQUEST_LATENCY,
+                 names.PROMPT_TOKENS, names.GENERATION_TOKENS, names.DELIVERED_CACHED_TOKENS,
+                 names.ROUTING_DECISIONS, names.REDIS_ERRORS, names.ROUTER_NODES):
+        assert f"# TYPE {name} " in text or f"# TYPE {name}_count " in text, name
+    assert sample_sum(text, names.ROUTER_NODES, role="decode") == 0
 
     def count(status: str) -> float:
-        prefix = f'splitserve_router_requests_total{{endpoint="/v1/completions",status="{status}"}} '
-        return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
+        return sample_sum(text, names.HTTP_REQUESTS, endpoint="/v1/completions", status=status)
 
     assert count("400") >= 1 and count("503") >= 1
 

@@ -30,7 +30,7 @@ def node(node_id: str, block_size: int = BS) -> NodeInfo:
 
 
 def prefix_index(url: str, **kw) -> tuple[PrefixIndex, RouterMetrics]:
-    metrics = RouterMetrics.create()
+    metrics = RouterMetrics.create("test-model")
     kw.setdefault("timeout_s", 0.25)
     return PrefixIndex(KVIndex(url, timeout_s=kw["timeout_s"]), metrics, MODEL, BS, **kw), metrics
 

@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.benchmarks.replay.generate import summarize as trace_summary
 from splitserve.benchmarks.replay.trace import TraceRequest, load_trace, oracle_hits, prompt_tokens
+from splitserve.common import metric_names as names
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
 
@@ -185,7 +186,7 @@ def prefill_requests_per_node(metrics_text: str) -> dict[str, float]:
     """node_id -> requests the router sent to that prefill node."""
     counts = {}
     for family in text_string_to_metric_families(metrics_text):
-        if family.name == "splitserve_router_routing_decisions":
+        if family.name == names.ROUTING_DECISIONS.removesuffix("_total"):
             for s in family.samples:
                 if s.name.endswith("_total") and s.labels.get("role") == "prefill":
                     counts[s.labels["node_id"]] = s.value

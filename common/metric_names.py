@@ -1,0 +1,83 @@
+"""Every Prometheus metric name splitserve exports, defined once.
+
+Names follow vLLM's (``vllm:time_to_first_token_seconds`` -> ``splitserve:time_to_first_token_seconds``):
+the same suffixes and label names, so dashboards and alerts written for vLLM work with the
+prefix changed. Every series carries ``model_name`` (the served model name). Node series also
+carry ``role`` (prefill | decode | colocated), so one query can split by pool. The
+disaggregation-specific metrics (KV transfers, fallbacks, routing decisions, predicted versus
+delivered prefix hits) keep their own names alongside.
+
+Each constant is the name as scraped: counters end in ``_total`` (prometheus_client adds the
+suffix when given a name without it, and strips it when given one with it). Histograms expose
+``<name>_bucket``, ``<name>_sum`` and ``<name>_count``.
+
+Owns names and label names only; must not create collectors (router/metrics.py and
+node/metrics.py do) or import torch.
+"""
+
+PREFIX = "splitserve:"
+MODEL_LABEL = "model_name"  # on every series
+ROLE_LABEL = "role"  # on every node series: the node's pool
+
+# ---- request latencies and tokens (router: what the client sees; vLLM's frontend names) ----
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = PREFIX + "inter_token_latency_seconds"  # histogram, one sample per token gap
+TIME_PER_OUTPUT_TOKEN = PREFIX + "request_time_per_output_token_seconds"  # histogram, per request
+E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"  # histogram
+REQUEST_PROMPT_TOKENS = PREFIX + "request_prompt_tokens"  # histogram
+REQUEST_GENERATION_TOKENS = PREFIX + "request_generation_tokens"  # histogram
+PROMPT_TOKENS = PREFIX + "prompt_tokens_total"  # counter
+GENERATION_TOKENS = PREFIX + "generation_tokens_total"  # counter
+REQUEST_SUCCESS = PREFIX + "request_success_total"  # counter, label finished_reason
+FINISHED_REASON_LABEL = "finished_reason"
+
+# ---- router only -----------------------------------------------------------------------------
+HTTP_REQUESTS = PREFIX + "router_http_requests_total"  # counter, labels endpoint, status
+REQUEST_FAILURES = PREFIX + "request_failures_total"  # counter, label reason
+ROUTER_RUNNING = PREFIX + "router_requests_running"  # gauge: generations streaming now
+ROUTER_NODES = PREFIX + "router_nodes"  # gauge, label role: live nodes of the model
+ROUTING_DECISIONS = PREFIX + "routing_decisions_total"  # counter, labels node_id, role
+LOCAL_PREFILL_DECISIONS = PREFIX + "local_prefill_decisions_total"  # counter
+ROUTING_DECISION_SECONDS = PREFIX + "routing_decision_seconds"  # histogram
+REDIS_ERRORS = PREFIX + "redis_errors_total"  # counter, label op
+PREFIX_INDEX_LOOKUPS = PREFIX + "prefix_index_lookups_total"  # counter, label result
+# Predicted versus delivered prefix-cache hits of the routing decisions, in prompt tokens.
+PREDICTED_CACHED_TOKENS = PREFIX + "routing_predicted_cached_tokens_total"  # counter
+DELIVERED_CACHED_TOKENS = PREFIX + "routing_delivered_cached_tokens_total"  # counter
+PREFIX_PREDICTIONS = PREFIX + "prefix_predictions_total"  # counter, label outcome
+PREFIX_PREDICTION_HIT_RATE = PREFIX + "prefix_prediction_hit_rate"  # gauge
+
+# ---- nodes: engine state (vLLM's engine names) -------------------------------------------------
+NUM_REQUESTS_RUNNING = PREFIX + "num_requests_running"  # gauge
+NUM_REQUESTS_WAITING = PREFIX + "num_requests_waiting"  # gauge
+NUM_QUEUED_PREFILL_TOKENS = PREFIX + "num_queued_prefill_tokens"  # gauge: prompt tokens still to compute
+KV_CACHE_USAGE = PREFIX + "kv_cache_usage_perc"  # gauge, 0..1 (vLLM's name and range)
+KV_FREE_BLOCKS = PREFIX + "kv_cache_free_blocks"  # gauge
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"  # counter, prompt tokens looked up
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"  # counter, prompt tokens found cached
+NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"  # counter
+REQUEST_QUEUE_TIME = PREFIX + "request_queue_time_seconds"  # histogram: added -> first scheduled
+REQUEST_PREFILL_TIME = PREFIX + "request_prefill_time_seconds"  # histogram: first scheduled -> prompt done
+REQUEST_DECODE_TIME = PREFIX + "request_decode_time_seconds"  # histogram: first token -> finished
+HEARTBEAT_FAILURES = PREFIX + "node_heartbeat_failures"  # gauge: consecutive failed registry writes
+
+# ---- nodes: disaggregation ---------------------------------------------------------------------
+PREFILL_REQUESTS = PREFIX + "prefill_requests_total"  # counter, label outcome (prefill node)
+KV_BLOCKS_SENT = PREFIX + "kv_blocks_sent_total"  # counter (prefill node)
+KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (decode node)
+KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
+FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason
+KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
+
+# ---- the label values known in advance: every series starts at 0, so rate() and the alerts
+# see a counter before its first event (callers may still add values).
+FINISHED_REASONS = ("stop", "length", "abort")
+FAILURE_REASONS = ("node_error", "node_unavailable", "client_disconnect", "cancelled")
+REDIS_OPS = ("list_nodes", "index_lookup")
+INDEX_LOOKUP_RESULTS = ("ok", "error", "skipped")
+PREDICTION_OUTCOMES = ("hit", "miss", "unseen", "none")
+INDEX_BATCH_RESULTS = ("ok", "refused", "error")
+PREFILL_OUTCOMES = ("ok", "bad_request", "aborted", "error", "transfer_failed")
+BLOCK_OK = ("true", "false")
+TRANSFER_STATES = ("owned", "failed", "aborted")
+FALLBACK_REASONS = ("no_blocks", "transfer_failed")  # decode_node/server.py: reason up to ":"

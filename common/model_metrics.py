@@ -1,0 +1,64 @@
+"""Prometheus collectors whose every series carries the served model's ``model_name``
+(and, on nodes, the node's ``role``): `ModelMetrics` builds them in one registry and
+hands back objects with those labels already bound, so callers keep writing
+``m.ttft.observe(s)`` or ``m.failures.labels(reason="x").inc()``.
+
+Owns label binding only; the names are in metric_names.py, the collectors in
+router/metrics.py and node/metrics.py. No module globals: one registry per process part.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class BoundLabels:
+    """A labelled collector with its constant labels (model_name, ...) filled in:
+    ``labels(...)`` takes only the remaining ones, by position or by name."""
+
+    __slots__ = ("_metric", "_const")
+
+    def __init__(self, metric, const: dict[str, str]):
+        self._metric = metric
+        self._const = const  # label name -> value, the leading labels of the collector
+
+    def labels(self, *values: str, **named: str):
+        if values:
+            return self._metric.labels(*self._const.values(), *values)
+        return self._metric.labels(**self._const, **named)
+
+
+class ModelMetrics:
+    """One registry; every collector gets the labels ``const`` (e.g. model_name) first."""
+
+    def __init__(self, const: dict[str, str]):
+        self.registry = CollectorRegistry()
+        self.const = dict(const)
+
+    def _bind(self, metric, labels):
+        return BoundLabels(metric, self.const) if labels else metric.labels(**self.const)
+
+    def counter(self, name: str, doc: str, labels=()):
+        return self._bind(Counter(name, doc, [*self.const, *labels], registry=self.registry), labels)
+
+    def gauge(self, name: str, doc: str, labels=()):
+        return self._bind(Gauge(name, doc, [*self.const, *labels], registry=self.registry), labels)
+
+    def histogram(self, name: str, doc: str, buckets, labels=()):
+        return self._bind(Histogram(name, doc, [*self.const, *labels], buckets=buckets,
+                                    registry=self.registry), labels)
+
+    def render(self) -> tuple[bytes, str]:
+        """(exposition text, its content type)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` (as scraped, e.g. ``..._total``) in the
+    exposition ``text`` whose labels include ``labels``: how tests and benchmarks read
+    a metric over its other labels (model_name, role, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

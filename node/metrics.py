@@ -1,0 +1,132 @@
+"""NodeMetrics: every Prometheus collector of one node, ``model_name`` and ``role``
+bound on each series (names in common/metric_names.py), and the per-request timing
+that feeds the queue / prefill / decode time histograms.
+
+Request timing, per request the engine runs (vLLM's engine-side intervals):
+
+    added --queue--> first scheduled --prefill--> prompt computed --decode--> finished
+    (Request.arrival_time)   (observe_step, engine thread)     (observe_deltas, event loop)
+
+A request admitted with its prompt already computed (a KV transfer landed on a decode
+node) has no queue or prefill interval here: the prefill node measured them.
+
+Owns the collectors and that bookkeeping. Must not decide outcomes (the servers count
+fallbacks, transfers and blocks through the collectors here) or touch the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from splitserve.common import metric_names as n
+from splitserve.common.model_metrics import ModelMetrics
+from splitserve.common.registry import NodeLoad
+
+# Seconds (vLLM's request-interval buckets, cut below 10 ms).
+INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+PRUNE_SLACK = 64  # timing entries beyond the live requests before finished ones are dropped
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Monotonic times of one request, written on the engine thread."""
+    request: object  # engine Request (kept to notice one that finished without a delta)
+    scheduled: float
+    first_token: float | None = None
+
+
+class NodeMetrics:
+    def __init__(self, model_name: str, role: str):
+        c = self.collectors = ModelMetrics({n.MODEL_LABEL: model_name, n.ROLE_LABEL: role})
+        self.registry = c.registry
+        # Engine state, set from the engine's load at each scrape.
+        self.load = {
+            "running": c.gauge(n.NUM_REQUESTS_RUNNING, "Requests in the running batch"),
+            "waiting": c.gauge(n.NUM_REQUESTS_WAITING, "Requests admitted, not yet running"),
+            "queued_prefill_tokens": c.gauge(n.NUM_QUEUED_PREFILL_TOKENS,
+                                             "Prompt tokens admitted and not yet computed"),
+            "kv_usage": c.gauge(n.KV_CACHE_USAGE, "Fraction of KV blocks in use (0..1)"),
+            "kv_free_blocks": c.gauge(n.KV_FREE_BLOCKS, "Free KV blocks"),
+        }
+        assert set(self.load) == set(NodeLoad.__struct_fields__), "a load field has no gauge"
+        self.preemptions = c.counter(n.NUM_PREEMPTIONS, "Requests preempted (blocks freed, "
+                                     "recomputed later)")
+        self.heartbeat_failures = c.gauge(n.HEARTBEAT_FAILURES, "Consecutive failed registry "
+                                          "heartbeats (0: the router sees this node)")
+        self.prefix_queries = c.counter(n.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the "
+                                        "prefix cache at admission")
+        self.prefix_hits = c.counter(n.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix "
+                                     "cache at admission")
+        self.queue_time = c.histogram(n.REQUEST_QUEUE_TIME, "Request added -> first scheduled",
+                                      INTERVAL_BUCKETS)
+        self.prefill_time = c.histogram(n.REQUEST_PREFILL_TIME, "First scheduled -> prompt "
+                                        "computed (first token sampled)", INTERVAL_BUCKETS)
+        self.decode_time = c.histogram(n.REQUEST_DECODE_TIME, "First token -> finished",
+                                       INTERVAL_BUCKETS)
+        # Disaggregation.
+        self.index_batches = c.counter(n.KV_INDEX_BATCHES, "prefix-index writes to Redis, by "
+                                       "result (ok, refused: Redis lost earlier batches, error: "
+                                       "unreachable)", ["result"])
+        self.prefill_requests = c.counter(n.PREFILL_REQUESTS, "prefill tasks by outcome",
+                                          ["outcome"])
+        self.blocks_sent = c.counter(n.KV_BLOCKS_SENT, "KV blocks sent to decode nodes")
+        self.blocks_received = c.counter(n.KV_BLOCKS_RECEIVED, "KV blocks received", ["ok"])
+        self.transfers = c.counter(n.KV_TRANSFERS, "finished KV transfers, by end state",
+                                   ["state"])
+        self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
+                                   "failed or impossible transfer", ["reason"])
+        for counter, values in ((self.index_batches, n.INDEX_BATCH_RESULTS),
+                                (self.prefill_requests, n.PREFILL_OUTCOMES),
+                                (self.blocks_received, n.BLOCK_OK), (self.transfers, n.TRANSFER_STATES),
+                                (self.fallbacks, n.FALLBACK_REASONS)):
+            for value in values:
+                counter.labels(value)  # exported at 0 from the start
+        self._times: dict[str, RequestTimes] = {}  # req_id -> times; engine thread inserts
+        self._preemptions_seen = 0
+
+    def set_load(self, load, preemptions_total: int, heartbeat_failures: int) -> None:
+        """Refresh the engine-state gauges (``load``: an EngineLoad)."""
+        for field, gauge in self.load.items():
+            gauge.set(getattr(load, field))
+        self.preemptions.inc(preemptions_total - self._preemptions_seen)
+        self._preemptions_seen = preemptions_total
+        self.heartbeat_failures.set(heartbeat_failures)
+
+    def observe_step(self, out, live: int) -> None:
+        """Engine thread, after a step computed ``out`` (a SchedulerOutput); ``live``: the
+        engine's unfinished requests, to bound the timing entries."""
+        now = time.monotonic()
+        for req, num in out.scheduled:
+            prompt = len(req.prompt_token_ids)
+            before = req.num_computed_tokens - num  # computed before this step
+            t = self._times.get(req.request_id)
+            if t is None:
+                t = self._times[req.request_id] = RequestTimes(req, now)
+                if before < prompt:  # admitted from the queue (not a landed transfer)
+                    self.queue_time.observe(now - req.arrival_time)
+                    self.prefix_queries.inc(prompt)
+                    self.prefix_hits.inc(max(req.num_cached_tokens, 0))
+                else:
+                    t.first_token = now
+            if t.first_token is None and req.num_computed_tokens >= prompt:
+                t.first_token = now
+                self.prefill_time.observe(now - t.scheduled)
+        if len(self._times) > live + PRUNE_SLACK:  # aborted requests get no finishing delta
+            for rid, t in list(self._times.items()):
+                if getattr(t.request, "finished", False):
+                    self._times.pop(rid, None)
+
+    def observe_deltas(self, deltas) -> None:
+        """Event loop, with the engine's RequestDeltas: close finished requests' timing."""
+        now = time.monotonic()
+        for d in deltas:
+            if d.finish_reason is not None:
+                t = self._times.pop(d.request_id, None)
+                # a prefill node's requests end at their first token: no decode interval
+                if t is not None and t.first_token is not None and len(t.request.output_token_ids) > 1:
+                    self.decode_time.observe(now - t.first_token)
+
+    def render(self) -> tuple[bytes, str]:
+        return self.collectors.render()
