@@ -53,6 +53,10 @@ NUM_REQUESTS_WAITING = PREFIX + "num_requests_waiting"  # gauge
 NUM_QUEUED_PREFILL_TOKENS = PREFIX + "num_queued_prefill_tokens"  # gauge: prompt tokens still to compute
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_perc"  # gauge, 0..1 (vLLM's name and range)
 KV_FREE_BLOCKS = PREFIX + "kv_cache_free_blocks"  # gauge
+NODE_DEVICE_INFO = PREFIX + "node_device_info"  # gauge = 1, labels device, dtype
+KV_POOL_BLOCKS = PREFIX + "kv_pool_blocks"  # gauge: the KV pool's size
+KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge
+KV_POOL_TOKENS = PREFIX + "kv_pool_tokens"  # gauge
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"  # counter, prompt tokens looked up
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"  # counter, prompt tokens found cached
 NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"  # counter

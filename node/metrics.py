@@ -51,6 +51,11 @@ class NodeMetrics:
             "kv_free_blocks": c.gauge(n.KV_FREE_BLOCKS, "Free KV blocks"),
         }
         assert set(self.load) == set(NodeLoad.__struct_fields__), "a load field has no gauge"
+        self.device_info = c.gauge(n.NODE_DEVICE_INFO, "The engine's device and KV dtype (value 1)",
+                                   ["device", "dtype"])
+        self.kv_pool = {"blocks": c.gauge(n.KV_POOL_BLOCKS, "KV block pool size in blocks"),
+                        "bytes": c.gauge(n.KV_POOL_BYTES, "KV block pool size in bytes"),
+                        "tokens": c.gauge(n.KV_POOL_TOKENS, "KV block pool size in tokens")}
         self.preemptions = c.counter(n.NUM_PREEMPTIONS, "Requests preempted (blocks freed, "
                                      "recomputed later)")
         self.heartbeat_failures = c.gauge(n.HEARTBEAT_FAILURES, "Consecutive failed registry "
@@ -93,6 +98,12 @@ class NodeMetrics:
         self.preemptions.inc(preemptions_total - self._preemptions_seen)
         self._preemptions_seen = preemptions_total
         self.heartbeat_failures.set(heartbeat_failures)
+
+    def set_pool(self, pool: dict) -> None:
+        """The KV pool's place and size (``NodeRuntime.kv_pool()``), once at start."""
+        self.device_info.labels(pool["device"], pool["dtype"]).set(1)
+        for unit, gauge in self.kv_pool.items():
+            gauge.set(pool[unit])
 
     def observe_step(self, out, live: int) -> None:
         """Engine thread, after a step computed ``out`` (a SchedulerOutput); ``live``: the

@@ -86,12 +86,7 @@ class NodeRuntime:
         self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
         kv = self.engine.runner.kv_caches
         self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
-        pool = self.kv_pool()
-        g = self.metrics.gauge
-        g("splitserve_node_device_info", "the engine's device and KV dtype (value 1)",
-          ["device", "dtype"]).labels(pool["device"], pool["dtype"]).set(1)
-        for unit in ("blocks", "bytes", "tokens"):
-            g(f"splitserve_node_kv_pool_{unit}", f"KV block pool size in {unit}").set(pool[unit])
+        self.metrics.set_pool(self.kv_pool())
 
     def kv_pool(self) -> dict:
         """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""

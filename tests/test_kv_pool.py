@@ -7,7 +7,9 @@ import asyncio
 import pytest
 import torch
 
+from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
+from splitserve.common.model_metrics import sample_sum
 from splitserve.engine.attention.selector import select_backend
 from splitserve.engine.kv_pool import dummy_forward, gpu_pool_budget, kv_block_bytes
 from splitserve.engine.model_runner import ModelRunner
@@ -74,9 +76,10 @@ def test_node_shows_device_dtype_and_pool(tiny_llama_dir):
     assert state["device"] == "cpu" and state["dtype"] == "float32" and pool["device"] == "cpu"
     assert pool["blocks"] == (1 << 20) // block and pool["bytes"] == pool["blocks"] * block
     assert pool["tokens"] == pool["blocks"] * 16 and pool["gpu_memory_utilization"] is None
-    assert 'splitserve_node_device_info{device="cpu",dtype="float32"} 1.0' in metrics
-    assert f"splitserve_node_kv_pool_blocks {float(pool['blocks'])}" in metrics
-    assert f"splitserve_node_kv_pool_tokens {float(pool['tokens'])}" in metrics
+    assert sample_sum(metrics, names.NODE_DEVICE_INFO, device="cpu", dtype="float32") == 1
+    assert sample_sum(metrics, names.KV_POOL_BLOCKS) == pool["blocks"]
+    assert sample_sum(metrics, names.KV_POOL_TOKENS) == pool["tokens"]
+    assert sample_sum(metrics, names.KV_POOL_BYTES) == pool["bytes"]
 
 
 @pytest.mark.gpu
