@@ -88,6 +88,8 @@ def cmd_generate(args) -> int:
 
 
 def _add_node_args(p: argparse.ArgumentParser) -> None:
+    from splitserve.common.auth import add_cluster_token_args
+
     g = p.add_argument_group("node")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
@@ -96,14 +98,20 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-backend", choices=KV_BACKENDS, default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
+    add_cluster_token_args(g)
+    g.add_argument("--drain-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
 
 
 def node_config(args, role: str, sim=None):
+    from splitserve.common.auth import cluster_token_from_args
     from splitserve.common.config import NodeConfig
 
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
                       redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
-                      transfer_lease_s=args.transfer_lease, fault=args.fault)
+                      transfer_lease_s=args.transfer_lease, fault=args.fault,
+                      cluster_token=cluster_token_from_args(args),
+                      drain_grace_s=args.drain_grace)
 
 
 def cmd_node(args) -> int:

@@ -6,10 +6,15 @@ constant-time comparison, and credentials kept out of logs.
     cluster_token_from_args(args)      -> str | None (flag, else file, else $SPLITSERVE_CLUSTER_TOKEN)
     CLUSTER_TOKEN_HEADER               the header an internal request carries the token in
     token_matches(presented, expected) constant-time; False for a missing token
+    auth_headers(token)                the headers an internal request carries ({} without a token)
+    new_cluster_token()                a fresh random token (what `splitserve up` hands its members)
     bearer_token(authorization)        "Bearer <key>" -> "<key>" (None otherwise)
     redact_url(url)                    "redis://user:pw@host/0" -> "redis://user:***@host/0"
 
-Must not decide which endpoint needs which secret (the servers do) or log a secret.
+Nodes require the token on every internal endpoint (node/runtime.py) and in the KV
+handshake (kvtransfer/wire.py ``Hello.token``); the router and decode nodes send it.
+Must not decide which endpoint needs which secret (the servers do), log a secret, or
+import anything beyond the standard library.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -59,9 +65,10 @@ def read_secret(what: str, value: str | None, file: str | None, env: str) -> str
 
 
 def check_secret(what: str, value: str) -> None:
-    if len(value) < MIN_SECRET_LEN or value != value.strip():
+    if len(value) < MIN_SECRET_LEN or any(c.isspace() for c in value):
         raise ValueError(f"{what}: must be at least {MIN_SECRET_LEN} characters without "
-                         "surrounding whitespace")
+                         "whitespace; generate one with "
+                         "`python -c 'import secrets; print(secrets.token_urlsafe())'`")
 
 
 def token_matches(presented: str | None, expected: str) -> bool:
@@ -69,6 +76,16 @@ def token_matches(presented: str | None, expected: str) -> bool:
     if presented is None:
         return False
     return hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The headers an internal request carries ({} without a token)."""
+    return {} if token is None else {CLUSTER_TOKEN_HEADER: token}
+
+
+def new_cluster_token() -> str:
+    """A fresh random token (`splitserve up` generates one for its members)."""
+    return secrets.token_urlsafe(32)
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -3,7 +3,7 @@ line, before it starts, and passes it down; nothing writes back to it."""
 
 import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from splitserve.common.roofline import Roofline
@@ -179,6 +179,9 @@ class NodeConfig:
     kv_backend: str = "tcp"  # one of KV_BACKENDS: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
     fault: str | None = None  # fault injection for tests: "corrupt_block"
+    # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
+    cluster_token: str | None = field(default=None, repr=False)
+    drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode", "colocated"):

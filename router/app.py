@@ -104,7 +104,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     background = BackgroundTasks()
     client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
-                        config.cluster_token)
+                        config.cluster_token, on_node_down=directory.mark_addr_down)
     dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
                             config.retry_after_s)
