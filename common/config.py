@@ -3,8 +3,10 @@ line, before it starts, and passes it down; nothing writes back to it."""
 
 import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from splitserve.common.roofline import Roofline
 
 # The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
 # NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same host) needs CUDA.
@@ -36,6 +38,11 @@ class SimConfig:
         t = step_s + prefill_token_s * sum(n) + prefill_attn_s * sum(n * (ctx + n / 2))
               + decode_s(D)     (linear between the measured batch sizes, 0 when D = 0)
 
+    or, with ``roofline`` (a GPU profile, common/sim_profiles.py), the roofline's
+    step time (common/roofline.py), which also sees the decode rows' context.
+    ``max_model_len`` and ``kv_bytes_per_token`` (0: the model folder's own) make a
+    simulated node stand for the profile's model: its context and its KV pool size.
+
     The defaults are the fit of ``benchmarks/fit_timing.py`` to the real engine on the
     development machine (bundled model, fp32, 1 thread); the script writes the same
     fields as JSON for ``load``. ``speedup`` divides every sleep, so a replay can run
@@ -48,6 +55,9 @@ class SimConfig:
     # (decode batch size, seconds added to a step), ascending by batch size
     decode_s: tuple[tuple[int, float], ...] = ((1, 0.010), (4, 0.054), (16, 0.138), (32, 0.294), (64, 0.613))
     speedup: float = 1.0
+    roofline: Roofline | None = None
+    max_model_len: int = 0  # 0: the model folder's max_position_embeddings
+    kv_bytes_per_token: int = 0  # 0: the model folder's own (the pool holds as many tokens as it would)
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "prefill_attn_s"):
@@ -55,6 +65,8 @@ class SimConfig:
                 raise ValueError(f"sim {name}: must be >= 0, got {getattr(self, name)}")
         if self.speedup <= 0:
             raise ValueError(f"sim speedup: must be > 0, got {self.speedup}")
+        if self.max_model_len < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("sim max_model_len and kv_bytes_per_token: must be >= 0")
         batches = [b for b, _ in self.decode_s]
         if not batches or batches != sorted(set(batches)) or batches[0] < 1 or any(s < 0 for _, s in self.decode_s):
             raise ValueError("sim decode_s: needs (batch, seconds) pairs, batch >= 1 ascending, seconds >= 0")
@@ -75,8 +87,12 @@ class SimConfig:
             values["decode_s"] = tuple((int(b), float(s)) for b, s in values["decode_s"])
         return cls(**values, speedup=speedup)
 
-    def step_seconds(self, decode_batch: int, chunks: list[tuple[int, int]]) -> float:
-        """Simulated seconds of one step (before ``speedup``); ``chunks``: (n, ctx) pairs."""
+    def step_seconds(self, decode_batch: int, chunks: list[tuple[int, int]],
+                     decode_context: int = 0) -> float:
+        """Simulated seconds of one step (before ``speedup``); ``chunks``: (n, ctx) pairs;
+        ``decode_context``: the decode rows' context tokens, summed."""
+        if self.roofline is not None:
+            return self.roofline.step_seconds(decode_batch, decode_context, chunks)
         t = self.step_s
         for n, ctx in chunks:
             t += self.prefill_token_s * n + self.prefill_attn_s * n * (ctx + n / 2)
@@ -173,6 +189,9 @@ class NodeConfig:
     kv_backend: str = "tcp"  # one of KV_BACKENDS: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
     fault: str | None = None  # fault injection for tests: "corrupt_block"
+    # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
+    cluster_token: str | None = field(default=None, repr=False)
+    drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode", "colocated"):
