@@ -40,6 +40,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache (auto: float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--attention-backend", choices=("auto", "cuda", "triton", "torch"), default="auto",
                    help="auto: CUDA kernels, else Triton, else torch (always torch on cpu)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no padded static decode and no CUDA graphs: every step runs at its exact shape")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch-size buckets (default: 1 2 4 8, then multiples of 8 up to --max-num-seqs)")
 
 
 def engine_config(args, sim=None):
@@ -55,6 +59,8 @@ def engine_config(args, sim=None):
                         prefill_chunk_size=args.prefill_chunk_size,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                        enforce_eager=args.enforce_eager,
+                        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
                         sim=sim)
 
 

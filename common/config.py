@@ -137,6 +137,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seeds the shared generator of unseeded sampled requests
+    # Decode-only steps run a padded, fixed-shape forward per batch-size bucket (captured
+    # as a CUDA graph on a GPU); True runs every step eagerly at its exact shape.
+    enforce_eager: bool = False
+    # Decode batch-size buckets; None: 1, 2, 4, 8, then multiples of 8 up to max_num_seqs (as vLLM)
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Simulated node: timing model in place of the forward pass (no weights are loaded;
     # the model's config.json still gives vocab, context and the KV block size).
     sim: SimConfig | None = None
@@ -146,6 +151,11 @@ class EngineConfig:
                      "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"cuda_graph_sizes: must be batch sizes >= 1, got {self.cuda_graph_sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -91,9 +91,10 @@ class NodeRuntime:
     def kv_pool(self) -> dict:
         """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
         kv, cfg = self.engine.runner.kv_caches, self.config.engine
-        blocks = kv.shape[2]
+        blocks = self.engine.num_blocks  # the tensor may hold one more: static decode's scratch block
+        block_bytes = kv.numel() * kv.element_size() // kv.shape[2]
         return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
-                "bytes": kv.numel() * kv.element_size(), "tokens": blocks * cfg.block_size,
+                "bytes": blocks * block_bytes, "tokens": blocks * cfg.block_size,
                 "gpu_memory_utilization": cfg.gpu_memory_utilization}
 
     def loop_start(self, on_deltas, exporter: BlockExporter | None = None) -> None:
