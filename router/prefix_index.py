@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 
 NodeKey = tuple[str, str]  # (node_id, epoch)
 CHUNK_BLOCKS = 32  # a lookup hashes and checks the prompt this many blocks at a time
+STOP_ATTEMPTS = 20  # cancellations stop() sends, STOP_WAIT_S apart
+STOP_WAIT_S = 0.25
 
 
 class PrefixHits(NamedTuple):
@@ -146,10 +148,19 @@ class PrefixIndex:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="prefix-mirror")
 
     async def stop(self) -> None:
-        if self._task is not None:
+        """Cancel the mirror task and wait for it. A cancellation that lands while
+        redis-py's pub/sub read is inside its own read timeout can be swallowed (the
+        task then waits for the next message forever), so cancel again until it ends."""
+        if self._task is None:
+            return
+        for _ in range(STOP_ATTEMPTS):
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+            done, _ = await asyncio.wait({self._task}, timeout=STOP_WAIT_S)
+            if done:
+                break
+        else:
+            log.warning("router: the prefix index task did not stop after %d cancellations", STOP_ATTEMPTS)
+        self._task = None
 
     async def _run(self) -> None:
         down = False

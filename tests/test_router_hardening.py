@@ -44,7 +44,7 @@ async def router(redis_url):
 
 @pytest.fixture(scope="module")
 async def http():
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
 
 
