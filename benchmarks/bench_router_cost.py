@@ -59,7 +59,7 @@ async def decide_loop(prompts, seconds: float, concurrency: int, redis_url: str)
         nonlocal hits, done
         i = k
         while time.perf_counter() < stop_at:
-            prep = prepare_completion(bodies[i % len(bodies)], tok, BUNDLED_MODEL_ID)
+            prep = prepare_completion(bodies[i % len(bodies)], tok, (BUNDLED_MODEL_ID,))
             t0 = time.perf_counter()
             nodes = directory.live()
             found = await prefix.lookup(prep.prompts[0], nodes)

@@ -28,7 +28,7 @@ from aiohttp import web
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
-from splitserve.router import endpoints, openai_api
+from splitserve.router import endpoints, extra_endpoints, openai_api
 from splitserve.router.background import BackgroundTasks
 from splitserve.router.config import RouterConfig
 from splitserve.router.decisions import DecisionLog
@@ -68,6 +68,7 @@ def build_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", endpoints.health)
     app.router.add_get("/metrics", endpoints.metrics)
     app.router.add_get("/debug/decisions", endpoints.decisions)
+    extra_endpoints.register(app)  # vLLM's /tokenize, /detokenize, /version, /ping
     return app
 
 
@@ -76,6 +77,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     registry = NodeRegistry(config.redis_url)
     directory = NodeDirectory(registry, config.model_id, metrics, config.poll_interval_s)
     await directory.refresh()  # know the nodes before the first request (Redis may be down)
+    if (mismatch := directory.model_mismatch()) is not None:
+        await registry.close()
+        raise ValueError(mismatch)  # the CLI prints it and exits 2
     directory.start()
     index = KVIndex(config.redis_url, timeout_s=config.index_timeout_s)
     prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,

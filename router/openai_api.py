@@ -62,7 +62,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     t_start = asyncio.get_running_loop().time()
     app = request.app
     body = await read_body(request, app[CONFIG].max_body_bytes)
-    prep: PreparedRequest = prepare(body, app[TOKENIZER], app[CONFIG].model_id)
+    prep: PreparedRequest = prepare(body, app[TOKENIZER], app[CONFIG].served_model_names)
     response_id = id_prefix + uuid.uuid4().hex
     builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
