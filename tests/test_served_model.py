@@ -6,9 +6,11 @@ name is a 404 OpenAI error; nodes register and label metrics under the first nam
 router expecting another model refuses to start."""
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 
 import openai
@@ -76,6 +78,18 @@ def test_served_model_name_through_openai_client(cluster, model_dir):
     assert asyncio.run(registered()) == {"my-model"}
     with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
         assert 'model_name="my-model"' in r.read().decode()
+
+    # Router and nodes key block hashes with the same name: a repeated prompt is predicted
+    # cached (index entries take a moment to arrive, hence the retries).
+    shared = "The same long prompt, sent again and again. " * 8
+    for _ in range(10):
+        client.completions.create(model="my-alias", prompt=shared, max_tokens=1)
+        with urllib.request.urlopen(f"{cluster.url}/debug/decisions?limit=1", timeout=10) as r:
+            last = json.loads(r.read())["decisions"][-1]
+        if last["predicted_cached_tokens"]:
+            break
+        time.sleep(0.5)
+    assert last["predicted_cached_tokens"] >= 32 and last["outcome"] == "hit", last
 
     # A router expecting another model (here the bundled one) refuses to start.
     out = subprocess.run([sys.executable, "-m", "splitserve.cli", "router", "--port", "0",
