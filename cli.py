@@ -54,6 +54,8 @@ def engine_config(args, sim=None):
     if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
         raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
     model_id = args.served_model_name[0] if args.served_model_name else args.model or BUNDLED_MODEL_ID
+    if not model_id.strip():
+        raise ValueError("served_model_name: names must be non-empty")
     return EngineConfig(model=args.model, model_id=model_id, max_model_len=args.max_model_len,
                         load_format=args.load_format,
                         kv_cache_memory=parse_size(args.kv_cache_memory or "1GiB"),
