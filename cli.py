@@ -45,6 +45,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache (auto: float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--attention-backend", choices=("auto", "cuda", "triton", "torch"), default="auto",
                    help="auto: CUDA kernels, else Triton, else torch (always torch on cpu)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no padded static decode and no CUDA graphs: every step runs at its exact shape")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch-size buckets (default: 1 2 4 8, then multiples of 8 up to --max-num-seqs)")
 
 
 def engine_config(args, sim=None):
@@ -65,6 +69,8 @@ def engine_config(args, sim=None):
                         prefill_chunk_size=args.prefill_chunk_size,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                        enforce_eager=args.enforce_eager,
+                        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
                         sim=sim)
 
 
@@ -98,6 +104,8 @@ def cmd_generate(args) -> int:
 
 
 def _add_node_args(p: argparse.ArgumentParser) -> None:
+    from splitserve.common.auth import add_cluster_token_args
+
     g = p.add_argument_group("node")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
@@ -106,14 +114,20 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-backend", choices=KV_BACKENDS, default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
+    add_cluster_token_args(g)
+    g.add_argument("--drain-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
 
 
 def node_config(args, role: str, sim=None):
+    from splitserve.common.auth import cluster_token_from_args
     from splitserve.common.config import NodeConfig
 
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
                       redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
-                      transfer_lease_s=args.transfer_lease, fault=args.fault)
+                      transfer_lease_s=args.transfer_lease, fault=args.fault,
+                      cluster_token=cluster_token_from_args(args),
+                      drain_grace_s=args.drain_grace)
 
 
 def cmd_node(args) -> int:
@@ -127,22 +141,39 @@ def cmd_sim_nodes(args) -> int:
     from splitserve.common.config import SimConfig
     from splitserve.node.sim_fleet import fleet_configs, run_fleet
 
-    template = node_config(args, "decode", SimConfig.load(args.sim_timing, args.sim_speedup))
+    if args.list_profiles:
+        from splitserve.common.sim_profiles import format_profiles, load_profiles
+        print(format_profiles(load_profiles()))
+        return 0
+    sim = SimConfig.load(args.sim_timing, args.sim_speedup)
+    if args.profile:  # the profile's model and GPU: context, KV pool, chunking, roofline timing
+        from splitserve.common.sim_profiles import get_profile
+        p = get_profile(args.profile)
+        sim = p.sim_config(args.sim_speedup)
+        args.kv_cache_memory, args.block_size = str(p.kv_pool_bytes), p.block_size
+        args.prefill_chunk_size, args.max_num_batched_tokens = p.prefill_chunk_size, p.max_num_batched_tokens
+        args.max_num_seqs = p.max_num_seqs
+    template = node_config(args, "decode", sim)
     run_fleet(fleet_configs(template, args.prefill_nodes, args.decode_nodes, args.id_prefix))
     return 0
 
 
 def cmd_make_trace(args) -> int:
-    from splitserve.benchmarks.replay.generate import TraceSpec, generate, summarize
+    import dataclasses
+
+    from splitserve.benchmarks.replay.generate import PRESETS, generate, summarize
     from splitserve.benchmarks.replay.trace import dump_trace
 
-    spec = TraceSpec(tenants=args.tenants, max_system_blocks=args.max_system_blocks,
-                     users_per_tenant=args.users_per_tenant, user_blocks=args.user_blocks, rate=args.rate,
-                     duration_s=args.duration, mean_turns=args.mean_turns, mean_user_tokens=args.user_tokens,
-                     mean_output_tokens=args.output_tokens, mean_think_s=args.think_time, seed=args.seed)
+    base = PRESETS[args.preset]
+    flags = dict(tenants=args.tenants, max_system_blocks=args.max_system_blocks,
+                 users_per_tenant=args.users_per_tenant, user_blocks=args.user_blocks, rate=args.rate,
+                 duration_s=args.duration, mean_turns=args.mean_turns, mean_user_tokens=args.user_tokens,
+                 mean_output_tokens=args.output_tokens, mean_think_s=args.think_time, seed=args.seed)
+    # flags given on the command line override the preset (argparse defaults are None)
+    spec = dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
     trace = generate(spec)
     dump_trace(trace, args.out)
-    print(json.dumps({"out": args.out, **summarize(trace)}))
+    print(json.dumps({"out": args.out, "preset": args.preset, **summarize(trace)}))
     return 0
 
 
@@ -153,7 +184,8 @@ def cmd_replay(args) -> int:
         trace=args.trace, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, policy=args.policy,
         speedup=args.speedup, max_output_tokens=args.max_output_tokens, kv_cache_memory=args.kv_cache_memory,
         fleet_procs=args.fleet_procs, sim_timing=args.sim_timing, limit=args.limit,
-        router_args=tuple(args.router_arg or ()), result_json=args.result_json))
+        router_args=tuple(args.router_arg or ()), result_json=args.result_json,
+        profile=args.profile, trace_block_size=args.trace_block_size))
     print_summary(result)
     return 0 if result["failed"] == 0 else 1
 
@@ -213,24 +245,28 @@ def main(argv=None) -> int:
                      help="timing-model JSON from benchmarks/fit_timing.py (default: the built-in fit)")
     sim.add_argument("--sim-speedup", type=float, default=1.0, help="divide every simulated step by this")
     sim.add_argument("--id-prefix", default="sim", help="node ids are <prefix>-<role>-<i>")
+    sim.add_argument("--profile", default=None, help="a GPU deployment to stand for (common/sim_profiles.toml): "
+                     "sets context, KV pool, block size, chunking and a roofline timing")
+    sim.add_argument("--list-profiles", action="store_true", help="print the profiles' derived numbers and exit")
     sim.set_defaults(func=cmd_sim_nodes)
 
     mk = sub.add_parser("make-trace", help="write a multi-tenant shared-prefix routing trace (JSONL)")
     mk.add_argument("out")
-    from splitserve.benchmarks.replay.generate import TraceSpec
-    d = TraceSpec()
-    mk.add_argument("--tenants", type=int, default=d.tenants, help="system prompts (default %(default)s)")
-    mk.add_argument("--max-system-blocks", type=int, default=d.max_system_blocks,
-                    help="system prompts have 1..N blocks of 512 tokens (default %(default)s)")
-    mk.add_argument("--users-per-tenant", type=int, default=d.users_per_tenant)
-    mk.add_argument("--user-blocks", type=int, default=d.user_blocks, help="blocks of a user's profile")
-    mk.add_argument("--rate", type=float, default=d.rate, help="new conversations per second")
-    mk.add_argument("--duration", type=float, default=d.duration_s, help="seconds in which conversations start")
-    mk.add_argument("--mean-turns", type=float, default=d.mean_turns)
-    mk.add_argument("--user-tokens", type=int, default=d.mean_user_tokens, help="mean user-message tokens")
-    mk.add_argument("--output-tokens", type=int, default=d.mean_output_tokens, help="mean answer tokens")
-    mk.add_argument("--think-time", type=float, default=d.mean_think_s, help="mean seconds between turns")
-    mk.add_argument("--seed", type=int, default=d.seed)
+    from splitserve.benchmarks.replay.generate import PRESETS
+    mk.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                    help="long-context: input p50 ~10k, p90 ~30k, max ~128k tokens (flags below override)")
+    mk.add_argument("--tenants", type=int, default=None, help="system prompts")
+    mk.add_argument("--max-system-blocks", type=int, default=None,
+                    help="system prompts have 1..N blocks of 512 tokens")
+    mk.add_argument("--users-per-tenant", type=int, default=None)
+    mk.add_argument("--user-blocks", type=int, default=None, help="blocks of a user's profile")
+    mk.add_argument("--rate", type=float, default=None, help="new conversations per second")
+    mk.add_argument("--duration", type=float, default=None, help="seconds in which conversations start")
+    mk.add_argument("--mean-turns", type=float, default=None)
+    mk.add_argument("--user-tokens", type=int, default=None, help="mean user-message tokens")
+    mk.add_argument("--output-tokens", type=int, default=None, help="mean answer tokens")
+    mk.add_argument("--think-time", type=float, default=None, help="mean seconds between turns")
+    mk.add_argument("--seed", type=int, default=None)
     mk.set_defaults(func=cmd_make_trace)
 
     rp = sub.add_parser("replay", help="replay a routing trace through the router against simulated nodes")
@@ -248,6 +284,9 @@ def main(argv=None) -> int:
     rp.add_argument("--router-arg", action="append", help="extra router flag (repeatable), e.g. "
                     "--router-arg=--score-weights=prefill_request=16")
     rp.add_argument("--result-json", default=None)
+    rp.add_argument("--profile", default=None, help="simulated nodes stand for this GPU deployment "
+                    "(splitserve sim-nodes --list-profiles); replaces --kv-cache-memory and --sim-timing")
+    rp.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id in the trace")
     rp.set_defaults(func=cmd_replay)
 
     router = sub.add_parser("router", help="run the OpenAI-compatible router")

@@ -1,20 +1,29 @@
-"""What one routing decision costs the router, with 64 prefill + 16 decode nodes.
+"""What one routing decision costs the router with 64 and 256 prefill nodes and
+100k-token prompts, how much memory its prefix-index mirror takes, and whether
+routers sharing one Redis agree (with and without lost updates).
 
-    .venv/bin/python benchmarks/bench_router_cost.py [--seconds 10] [--concurrency 1 8 32]
+    .venv/bin/python benchmarks/bench_router_cost.py [--nodes 64 256] [--seconds 5]
 
-Starts a real Redis and 80 simulated nodes (``splitserve sim-nodes``: real
-registration, real prefix-index writes), warms their caches by replaying the
-start of a generated 64-node trace through a real router, then, in this process
-pinned to one core, runs the router's own decision path on the trace's prompts as
-fast as it goes: parse the OpenAI body (``prepare_completion``) -> chained block
-hashes and the prefix-index lookup in Redis (``PrefixIndex.lookup``, one Lua round
-trip over the 80 nodes' sets) -> the ``cache_aware`` policy over the node list the
-``NodeDirectory`` read from the registry. The HTTP server and the token streaming
-around it are left out: they are the same for every policy.
+Per node count: a real redis-server; the nodes' index writes (``KVIndex.apply``,
+the same Lua write + PUBLISH a node's publisher makes) of ``--conversations``
+long conversations (a shared 2k-token system prompt, a document of 20k-60k tokens
+shared by a few conversations, turns up to ~100k tokens), each held by 1-4 prefill
+nodes up to a random depth; two router mirrors (``PrefixIndex``) follow the updates.
+Then, in this process pinned to one core:
 
-Reports decision latency (lookup + scoring, as the router's histogram measures it)
-at p50/p99 and decisions per second, at 1, 8 and 32 decisions in flight. Targets
-(issue 4): p99 <= 2 ms, >= 1000 decisions/s on one core. Writes
+- decisions: the router's decision path on 100k-token prompts (each a held
+  conversation plus a new turn, or a new conversation sharing only the system
+  prompt): chained block hashes + the mirror lookup (``PrefixIndex.lookup``, no I/O)
+  + ``cache_aware`` scoring over every node. Decisions/s and latency p50/p99.
+  Parsing the OpenAI body and tokenizing are left out (the same for every policy).
+- memory: the mirror's bytes (tracemalloc) per million (block, node) entries.
+- agreement: a router started late catches up from the snapshots; it and the two
+  running ones answer the same for every probe prompt. Then the nodes churn
+  (store new turns, evict tails) while one mirror drops 1% of the updates; its
+  predicted cached tokens during the churn and after one catch-up interval are
+  compared with a lossless mirror's.
+
+Targets (issue 13): >= 1000 decisions/s on one core, p99 <= 2 ms. Writes
 ``benchmarks/results/router_cost.json`` and ``router_cost.png``.
 """
 
@@ -22,115 +31,237 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+MODEL = "bench-model"
+BS = 16
+SYSTEM_TOKENS = 2048
 
 
-async def decide_loop(prompts, seconds: float, concurrency: int, redis_url: str) -> dict:
-    from splitserve.common.bundled import BUNDLED_MODEL_ID
+def conversations(n: int, rng: random.Random) -> list[list[int]]:
+    """``n`` token sequences of ~100k tokens: system prompt + shared document + turns."""
+    system = [rng.randrange(100, 50000) for _ in range(SYSTEM_TOKENS)]
+    docs = [[rng.randrange(100, 50000) for _ in range(rng.randrange(20000, 60000))]
+            for _ in range(max(1, n // 3))]
+    out = []
+    for _ in range(n):
+        doc = rng.choice(docs)
+        turns = [rng.randrange(100, 50000) for _ in range(100_000 - SYSTEM_TOKENS - len(doc))]
+        out.append(system + doc + turns)
+    return out
+
+
+async def build(redis_url: str, prefills: int, decodes: int, convs: list[list[int]], rng: random.Random):
+    """Write every node's index entries; (nodes, writer, per-node (epoch, seq, held hashes))."""
+    from splitserve.common.hashing import hash_blocks
+    from splitserve.common.kv_index import IndexDelta, KVIndex
+    from splitserve.common.registry import NodeInfo, NodeLoad, new_epoch
+
+    writer = KVIndex(redis_url, ttl_s=600.0, timeout_s=10.0)
+    nodes = [NodeInfo(node_id=f"p{i}", role="prefill", http_addr="http://127.0.0.1:1", model=MODEL,
+                      epoch=new_epoch(), block_size=BS,
+                      load=NodeLoad(running=rng.randrange(4), queued_prefill_tokens=rng.randrange(20000)))
+             for i in range(prefills)]
+    nodes += [NodeInfo(node_id=f"d{i}", role="decode", http_addr="http://127.0.0.1:1", model=MODEL,
+                       epoch=new_epoch(), block_size=BS, load=NodeLoad(running=rng.randrange(32)))
+              for i in range(decodes)]
+    held: dict[str, set[int]] = {n.node_id: set() for n in nodes}
+    chains = [hash_blocks(c, BS, (MODEL,)) for c in convs]
+    for chain in chains:
+        for n in rng.sample(nodes[:prefills], rng.randrange(1, 5)):
+            held[n.node_id].update(chain[: rng.randrange(len(chain) // 2, len(chain))])
+    state = {}
+    for n in nodes:
+        await writer.apply(n.node_id, n.epoch, IndexDelta.full(held[n.node_id]), seq=1)
+        state[n.node_id] = [n.epoch, 1, held[n.node_id]]
+    return nodes, writer, state, chains
+
+
+async def churn(writer, state, chains, seconds: float, rng: random.Random) -> int:
+    """Nodes store deeper turns and evict tails, one delta per node in turn; updates sent."""
+    from splitserve.common.kv_index import IndexDelta
+
+    sent, stop = 0, time.perf_counter() + seconds
+    ids = [k for k in state if k.startswith("p")]
+    while time.perf_counter() < stop:
+        nid = rng.choice(ids)
+        epoch, seq, held = state[nid]
+        chain = rng.choice(chains)
+        depth = rng.randrange(len(chain))
+        stored = set(chain[:depth]) - held
+        removed = set(rng.sample(sorted(held), min(len(held), 200))) if len(held) > 2000 else set()
+        removed -= stored
+        held.difference_update(removed)
+        held.update(stored)
+        state[nid][1] = seq + 1
+        assert await writer.apply(nid, epoch, IndexDelta(stored=stored, removed=removed), seq + 1)
+        sent += 1
+        await asyncio.sleep(0.005)
+    return sent
+
+
+def mirror(redis_url: str, **kw):
     from splitserve.common.kv_index import KVIndex
-    from splitserve.common.registry import NodeRegistry
-    from splitserve.router.cache_aware import CacheAware
-    from splitserve.router.config import RouterConfig
-    from splitserve.router.discovery import NodeDirectory
     from splitserve.router.metrics import RouterMetrics
     from splitserve.router.prefix_index import PrefixIndex
-    from splitserve.router.prepare import prepare_completion
-    from splitserve.router.tokenizer import RouterTokenizer
 
-    config = RouterConfig(redis_url=redis_url)
-    metrics = RouterMetrics.create("bench-model")
-    tok = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
-    registry = NodeRegistry(redis_url)
-    directory = NodeDirectory(registry, config.model_id, metrics)
-    await directory.refresh()
-    index = KVIndex(redis_url, timeout_s=config.index_timeout_s)
-    prefix = PrefixIndex(index, metrics, config.model_id, config.block_size)
-    policy = CacheAware(config.weights)
-    bodies = [json.dumps({"model": BUNDLED_MODEL_ID, "prompt": p, "max_tokens": 16}).encode() for p in prompts]
-    latencies, hits, done = [], 0, 0
-    stop_at = time.perf_counter() + seconds
+    px = PrefixIndex(KVIndex(redis_url, timeout_s=10.0), RouterMetrics.create(MODEL), MODEL, BS, **kw)
+    px.start()
+    return px
 
-    async def worker(k: int):
-        nonlocal hits, done
-        i = k
-        while time.perf_counter() < stop_at:
-            prep = prepare_completion(bodies[i % len(bodies)], tok, (BUNDLED_MODEL_ID,))
-            t0 = time.perf_counter()
-            nodes = directory.live()
-            found = await prefix.lookup(prep.prompts[0], nodes)
-            decision = policy.choose(prep.prompts[0], nodes, cached=found.cached)
-            latencies.append(time.perf_counter() - t0)
-            hits += bool(found.cached.get(decision.prefill.node_id))
-            done += 1
-            i += concurrency
 
+async def caught_up(pxs, state, timeout_s: float = 120.0) -> float:
+    t0 = time.perf_counter()
+    while True:
+        if all(all(px._nodes.get((nid, e)) is not None and px._nodes[(nid, e)].seq == s
+                   for nid, (e, s, _) in state.items()) for px in pxs):
+            return time.perf_counter() - t0
+        assert time.perf_counter() - t0 < timeout_s, "mirrors did not catch up"
+        await asyncio.sleep(0.05)
+
+
+def decide(px, policy, prompts, nodes, seconds: float) -> dict:
+    lat, hit_tokens, done = [], 0, 0
+    stop = time.perf_counter() + seconds
     start = time.perf_counter()
-    await asyncio.gather(*(worker(k) for k in range(concurrency)))
+    while time.perf_counter() < stop:
+        prompt = prompts[done % len(prompts)]
+        t0 = time.perf_counter()
+        found = px.lookup(prompt, nodes)
+        d = policy.choose(prompt, nodes, cached=found.cached)
+        lat.append(time.perf_counter() - t0)
+        hit_tokens += found.cached.get(d.prefill.node_id, 0)
+        done += 1
     wall = time.perf_counter() - start
-    await index.close()
-    await registry.close()
-    lat = sorted(latencies)
-    return {"concurrency": concurrency, "decisions": done, "decisions_per_s": round(done / wall, 1),
+    lat.sort()
+    return {"decisions": done, "decisions_per_s": round(done / wall, 1),
             "latency_p50_ms": round(lat[len(lat) // 2] * 1000, 3),
             "latency_p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 3),
             "latency_mean_ms": round(statistics.fmean(lat) * 1000, 3),
-            "nodes_seen": len(directory.live()), "decisions_with_a_hit": round(hits / max(1, done), 3)}
+            "mean_predicted_cached_tokens_of_choice": round(hit_tokens / max(1, done))}
+
+
+def mirror_bytes(state) -> tuple[int, int, int]:
+    """(bytes, (block, node) entries, distinct blocks) of a mirror filled from the
+    nodes' snapshots decoded from msgpack, as the router receives them."""
+    from splitserve.common.kv_events import IndexUpdate, decode_index_update, encode_index_update
+    from splitserve.router.prefix_index import PrefixIndex
+
+    payloads = [encode_index_update(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    px = PrefixIndex(None, None, MODEL, BS)  # never started: filled directly
+    for p in payloads:
+        u = decode_index_update(p)
+        px._replace((u.node_id, u.epoch), u.seq, set(u.stored))
+        del u
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used, sum(px.nodes_mirrored().values()), len(px._holders)
+
+
+async def run_one(prefills: int, args) -> dict:
+    from splitserve.deploy.launcher import start_redis
+    from splitserve.router.cache_aware import CacheAware
+
+    rng = random.Random(prefills)
+    proc, url = start_redis()
+    try:
+        convs = conversations(args.conversations, rng)
+        a, b = mirror(url), mirror(url)
+        nodes, writer, state, chains = await build(url, prefills, prefills // 4, convs, rng)
+        await caught_up([a, b], state)
+        late = mirror(url)
+        late_s = await caught_up([late], state)
+        prompts = [c + [rng.randrange(100, 50000) for _ in range(200)] for c in rng.sample(convs, min(16, len(convs)))]
+        prompts += [c[:SYSTEM_TOKENS] + [rng.randrange(100, 50000) for _ in range(98_000)] for c in convs[:4]]
+        agree = sum(a.lookup(p, nodes) == b.lookup(p, nodes) == late.lookup(p, nodes) for p in prompts)
+        await late.stop()
+        os.sched_setaffinity(0, {0})
+        decision = decide(a, CacheAware(), prompts, nodes, args.seconds)
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        nbytes, entries, distinct = mirror_bytes(state)
+        # 1% of updates lost on one mirror while the nodes churn
+        lossy = mirror(url, event_loss=0.01, check_interval_s=1.0)
+        await caught_up([lossy], state)
+        samples = []
+
+        async def sample():
+            while True:
+                await asyncio.sleep(0.2)
+                p = rng.choice(prompts)
+                samples.append((sum(a.lookup(p, nodes).cached.values()),
+                                sum(lossy.lookup(p, nodes).cached.values())))
+
+        sampler = asyncio.create_task(sample())
+        sent = await churn(writer, state, chains, args.churn_seconds, rng)
+        sampler.cancel()
+        await asyncio.sleep(2.5)  # two catch-up checks
+        after = sum(a.lookup(p, nodes) == lossy.lookup(p, nodes) for p in prompts)
+        lossless_tokens = sum(s[0] for s in samples)
+        lossy_tokens = sum(s[1] for s in samples)
+        result = {
+            "prefill_nodes": prefills, "decode_nodes": prefills // 4, "prompt_tokens": len(prompts[0]),
+            "conversations": len(convs), **decision,
+            "late_router_catch_up_s": round(late_s, 2),
+            "routers_agree": f"{agree}/{len(prompts)}",
+            "mirror_entries": entries, "mirror_distinct_blocks": distinct,
+            "mirror_bytes_per_million_entries": round(nbytes / entries * 1e6),
+            "event_loss": {"updates_sent": sent, "updates_lost": lossy.dropped,
+                           "resyncs": lossy.resyncs,
+                           "predicted_cached_tokens_ratio_during_churn": round(lossy_tokens / max(1, lossless_tokens), 4),
+                           "samples": len(samples),
+                           "agree_after_catch_up": f"{after}/{len(prompts)}"},
+        }
+        for px in (a, b, lossy):
+            await px.stop()
+            await px.index.close()
+        await writer.close()
+        return result
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--warm-requests", type=int, default=400)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[64, 256], help="prefill node counts")
+    ap.add_argument("--seconds", type=float, default=5.0, help="of decisions per node count")
+    ap.add_argument("--conversations", type=int, default=48)
+    ap.add_argument("--churn-seconds", type=float, default=10.0)
     args = ap.parse_args()
-
-    from splitserve.benchmarks.replay.generate import TraceSpec, generate
-    from splitserve.benchmarks.replay.run import replay
-    from splitserve.benchmarks.replay.trace import prompt_tokens
-    from splitserve.common.bundled import BUNDLED_MODEL_ID
-    from splitserve.deploy.launcher import SimCluster
-
-    trace = generate(TraceSpec(rate=1.0))
-    warm, probe = trace[:args.warm_requests], trace[args.warm_requests:args.warm_requests + 500]
-    cluster = SimCluster(64, 16, fleet_procs=2, sim_args=["--sim-speedup", "50"], kv_cache_memory="4GiB")
-    print("[router-cost] starting redis and 64 + 16 simulated nodes ...", file=sys.stderr, flush=True)
-    with cluster:
-        asyncio.run(replay(warm, cluster.url, BUNDLED_MODEL_ID, 50.0, 4))
-        os.sched_setaffinity(0, {0})  # this process on one core; nodes and Redis on the rest
-        prompts = [prompt_tokens(r) for r in probe]
-        rows = []
-        for c in args.concurrency:
-            row = asyncio.run(decide_loop(prompts, args.seconds, c, cluster.redis_url))
-            rows.append(row)
-            print(f"[router-cost] {c:3d} in flight: {row['decisions_per_s']:7.1f} decisions/s, "
-                  f"p50 {row['latency_p50_ms']:.3f} ms, p99 {row['latency_p99_ms']:.3f} ms "
-                  f"({row['nodes_seen']} nodes, {row['decisions_with_a_hit']:.0%} with a hit)", flush=True)
-    result = {"nodes": {"prefill": 64, "decode": 16}, "mean_prompt_tokens": round(
-        statistics.fmean(len(p) for p in prompts)), "rows": rows,
-        "targets": {"p99_ms_max": 2.0, "decisions_per_s_min": 1000}}
+    rows = []
+    for n in args.nodes:
+        print(f"[router-cost] {n} prefill + {n // 4} decode nodes ...", file=sys.stderr, flush=True)
+        row = asyncio.run(run_one(n, args))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = {"rows": rows, "targets": {"p99_ms_max": 2.0, "decisions_per_s_min": 1000},
+              "block_size": BS, "args": vars(args)}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "router_cost.json").write_text(json.dumps(result, indent=1))
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    xs = [str(r["concurrency"]) for r in rows]
-    a.bar(xs, [r["decisions_per_s"] for r in rows])
-    a.axhline(1000, ls="--", color="r", lw=1)
-    a.set_title("decisions / s on one core")
-    a.set_xlabel("decisions in flight")
-    b.bar(xs, [r["latency_p99_ms"] for r in rows], label="p99")
-    b.bar(xs, [r["latency_p50_ms"] for r in rows], label="p50")
-    b.axhline(2.0, ls="--", color="r", lw=1)
-    b.set_title("decision latency, ms (64 + 16 nodes)")
-    b.set_xlabel("decisions in flight")
-    b.legend()
+    fig, (x, y) = plt.subplots(1, 2, figsize=(10, 3.5))
+    xs = [f"{r['prefill_nodes']}+{r['decode_nodes']}" for r in rows]
+    x.bar(xs, [r["decisions_per_s"] for r in rows])
+    x.axhline(1000, ls="--", color="r", lw=1)
+    x.set_title("decisions / s on one core (100k-token prompts)")
+    x.set_xlabel("prefill + decode nodes")
+    y.bar(xs, [r["latency_p99_ms"] for r in rows], label="p99")
+    y.bar(xs, [r["latency_p50_ms"] for r in rows], label="p50")
+    y.axhline(2.0, ls="--", color="r", lw=1)
+    y.set_title("decision latency, ms")
+    y.set_xlabel("prefill + decode nodes")
+    y.legend()
     fig.tight_layout()
     fig.savefig(RESULTS / "router_cost.png", dpi=110)
     print(f"wrote {RESULTS / 'router_cost.json'} and router_cost.png")

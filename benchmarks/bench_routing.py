@@ -3,6 +3,12 @@ on generated multi-tenant traces replayed against 16 and 64 simulated prefill no
 through the real router and a real Redis (``splitserve replay``, one run each).
 
     .venv/bin/python benchmarks/bench_routing.py [--nodes 16 64] [--speedup 10 8] [--duration 1800]
+    .venv/bin/python benchmarks/bench_routing.py --preset long-context --profile llama3-8b-h100 \
+        --rate-per-16 1.0 --duration 300 --out routing_long_context
+
+``--preset`` picks the trace generator's preset (``make-trace --preset``),
+``--profile`` the GPU deployment the simulated nodes stand for (their context,
+KV pool and roofline timing; ``--kv-cache-memory`` is then ignored).
 
 Each size gets its own trace (``make-trace`` defaults, conversations starting at
 ``0.25 / s per 16 prefill nodes`` for ``--duration`` seconds, so the load per node
@@ -18,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from splitserve.benchmarks.replay.generate import TraceSpec, generate, summarize
+from splitserve.benchmarks.replay.generate import generate, summarize
 from splitserve.benchmarks.replay.run import ReplayConfig, print_summary, run_replay
 from splitserve.benchmarks.replay.trace import dump_trace
 
@@ -64,31 +70,47 @@ def main() -> int:
                     help="per size: trace seconds per wall second (the 64-node run needs more wall time)")
     ap.add_argument("--kv-cache-memory", default="4GiB", help="per simulated node")
     ap.add_argument("--fleet-procs", type=int, default=2)
+    ap.add_argument("--preset", default="default", help="trace preset (make-trace --preset)")
+    ap.add_argument("--profile", default=None, help="simulated-node profile (sim-nodes --list-profiles)")
+    ap.add_argument("--rate-per-16", type=float, default=RATE_PER_16_NODES,
+                    help="new conversations per second of trace time per 16 prefill nodes")
+    ap.add_argument("--max-output-tokens", type=int, default=16)
+    ap.add_argument("--out", default="routing", help="results/<out>.json and .png")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     args = ap.parse_args()
+    import dataclasses
+    from splitserve.benchmarks.replay.generate import PRESETS
     RESULTS.mkdir(exist_ok=True)
     results = {}
     for size, speedup in zip(args.nodes, args.speedup + args.speedup[-1:] * len(args.nodes)):
-        trace = generate(TraceSpec(rate=RATE_PER_16_NODES * size / 16, duration_s=args.duration))
+        trace = generate(dataclasses.replace(PRESETS[args.preset], rate=args.rate_per_16 * size / 16,
+                                             duration_s=args.duration))
         path = RESULTS / f"routing_trace_{size}.jsonl"
         dump_trace(trace, path)
         info = summarize(trace)
         print(f"== {size} prefill nodes: trace {info}", file=sys.stderr, flush=True)
         runs = {}
-        for policy in POLICIES:
+        for policy in args.policies:
             r = run_replay(ReplayConfig(trace=str(path), prefill_nodes=size, policy=policy, speedup=speedup,
-                                        kv_cache_memory=args.kv_cache_memory, fleet_procs=args.fleet_procs))
+                                        kv_cache_memory=args.kv_cache_memory, fleet_procs=args.fleet_procs,
+                                        profile=args.profile, max_output_tokens=args.max_output_tokens))
             print_summary(r)
             runs[policy] = {k: v for k, v in r.items() if k != "per_request"}
-        ca, rr = runs["cache_aware"], runs["round_robin"]
         results[size] = {
             "oracle_hit_rate": info["oracle_hit_rate"], "trace": info, "speedup": speedup, "runs": runs,
-            "targets": {"hit_rate_vs_oracle": ca["hit_rate_vs_oracle"],
-                        "ttft_p50_rr_over_ca": round(rr["ttft_p50"] / ca["ttft_p50"], 2),
-                        "max_mean_load": ca["max_mean_load"]},
+            "preset": args.preset, "profile": args.profile, "rate_per_16": args.rate_per_16,
         }
+        if set(runs) == set(POLICIES):
+            ca, rr, ll = runs["cache_aware"], runs["round_robin"], runs["least_load"]
+            results[size]["targets"] = {
+                "hit_rate_vs_oracle": ca["hit_rate_vs_oracle"],
+                "ttft_p50_rr_over_ca": round(rr["ttft_p50"] / ca["ttft_p50"], 2),
+                "ttft_p99_ca_over_ll": round(ca["ttft_p99"] / ll["ttft_p99"], 2),
+                "failed": sum(r["failed"] for r in runs.values()), "max_mean_load": ca["max_mean_load"]}
         path.unlink()  # regenerated from the spec; not worth keeping in the repository
-    (RESULTS / "routing.json").write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "routing.png")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
+    if all(set(r["runs"]) == set(POLICIES) for r in results.values()):
+        plot(results, RESULTS / f"{args.out}.png")
     print(f"\n{'nodes':>6s} {'policy':>12s} {'hit':>7s} {'oracle':>7s} {'p50 s':>8s} {'p99 s':>8s} "
           f"{'load':>6s} {'reqs':>6s} {'failed':>6s}")
     for size, res in results.items():
@@ -96,10 +118,13 @@ def main() -> int:
             print(f"{size:6d} {policy:>12s} {r['hit_rate']:7.1%} {r['oracle_hit_rate']:7.1%} "
                   f"{r['ttft_p50']:8.2f} {r['ttft_p99']:8.2f} {r['max_mean_load']:6.2f} "
                   f"{r['max_mean_requests']:6.2f} {r['failed']:6d}")
-        t = res["targets"]
+        t = res.get("targets")
+        if t is None:
+            continue
         print(f"{size:6d} targets: hit/oracle {t['hit_rate_vs_oracle']:.3f} (>= 0.9), RR/CA TTFT p50 "
-              f"{t['ttft_p50_rr_over_ca']:.2f} (>= 2), max/mean load {t['max_mean_load']:.2f} (<= 1.3)")
-    print(f"wrote {RESULTS / 'routing.json'} and routing.png")
+              f"{t['ttft_p50_rr_over_ca']:.2f} (>= 2), CA/LL TTFT p99 {t['ttft_p99_ca_over_ll']:.2f} (<= 1), "
+              f"max/mean load {t['max_mean_load']:.2f} (<= 1.3), failed {t['failed']} (0)")
+    print(f"wrote {RESULTS / (args.out + '.json')} and {args.out}.png")
     return 0
 
 

@@ -3,10 +3,11 @@ line, before it starts, and passes it down; nothing writes back to it."""
 
 import json
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from splitserve.common.bundled import BUNDLED_MODEL_ID
+from splitserve.common.roofline import Roofline
 
 # The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
 # NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same host) needs CUDA.
@@ -38,6 +39,11 @@ class SimConfig:
         t = step_s + prefill_token_s * sum(n) + prefill_attn_s * sum(n * (ctx + n / 2))
               + decode_s(D)     (linear between the measured batch sizes, 0 when D = 0)
 
+    or, with ``roofline`` (a GPU profile, common/sim_profiles.py), the roofline's
+    step time (common/roofline.py), which also sees the decode rows' context.
+    ``max_model_len`` and ``kv_bytes_per_token`` (0: the model folder's own) make a
+    simulated node stand for the profile's model: its context and its KV pool size.
+
     The defaults are the fit of ``benchmarks/fit_timing.py`` to the real engine on the
     development machine (bundled model, fp32, 1 thread); the script writes the same
     fields as JSON for ``load``. ``speedup`` divides every sleep, so a replay can run
@@ -50,6 +56,9 @@ class SimConfig:
     # (decode batch size, seconds added to a step), ascending by batch size
     decode_s: tuple[tuple[int, float], ...] = ((1, 0.010), (4, 0.054), (16, 0.138), (32, 0.294), (64, 0.613))
     speedup: float = 1.0
+    roofline: Roofline | None = None
+    max_model_len: int = 0  # 0: the model folder's max_position_embeddings
+    kv_bytes_per_token: int = 0  # 0: the model folder's own (the pool holds as many tokens as it would)
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "prefill_attn_s"):
@@ -57,6 +66,8 @@ class SimConfig:
                 raise ValueError(f"sim {name}: must be >= 0, got {getattr(self, name)}")
         if self.speedup <= 0:
             raise ValueError(f"sim speedup: must be > 0, got {self.speedup}")
+        if self.max_model_len < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("sim max_model_len and kv_bytes_per_token: must be >= 0")
         batches = [b for b, _ in self.decode_s]
         if not batches or batches != sorted(set(batches)) or batches[0] < 1 or any(s < 0 for _, s in self.decode_s):
             raise ValueError("sim decode_s: needs (batch, seconds) pairs, batch >= 1 ascending, seconds >= 0")
@@ -77,8 +88,12 @@ class SimConfig:
             values["decode_s"] = tuple((int(b), float(s)) for b, s in values["decode_s"])
         return cls(**values, speedup=speedup)
 
-    def step_seconds(self, decode_batch: int, chunks: list[tuple[int, int]]) -> float:
-        """Simulated seconds of one step (before ``speedup``); ``chunks``: (n, ctx) pairs."""
+    def step_seconds(self, decode_batch: int, chunks: list[tuple[int, int]],
+                     decode_context: int = 0) -> float:
+        """Simulated seconds of one step (before ``speedup``); ``chunks``: (n, ctx) pairs;
+        ``decode_context``: the decode rows' context tokens, summed."""
+        if self.roofline is not None:
+            return self.roofline.step_seconds(decode_batch, decode_context, chunks)
         t = self.step_s
         for n, ctx in chunks:
             t += self.prefill_token_s * n + self.prefill_attn_s * n * (ctx + n / 2)
@@ -123,6 +138,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     seed: int = 0  # seeds the shared generator of unseeded sampled requests
+    # Decode-only steps run a padded, fixed-shape forward per batch-size bucket (captured
+    # as a CUDA graph on a GPU); True runs every step eagerly at its exact shape.
+    enforce_eager: bool = False
+    # Decode batch-size buckets; None: 1, 2, 4, 8, then multiples of 8 up to max_num_seqs (as vLLM)
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # Simulated node: timing model in place of the forward pass (no weights are loaded;
     # the model's config.json still gives vocab, context and the KV block size).
     sim: SimConfig | None = None
@@ -132,6 +152,11 @@ class EngineConfig:
                      "prefill_chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(sorted(set(self.cuda_graph_sizes)))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"cuda_graph_sizes: must be batch sizes >= 1, got {self.cuda_graph_sizes!r}")
+            object.__setattr__(self, "cuda_graph_sizes", sizes)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -165,6 +190,9 @@ class NodeConfig:
     kv_backend: str = "tcp"  # one of KV_BACKENDS: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
     fault: str | None = None  # fault injection for tests: "corrupt_block"
+    # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
+    cluster_token: str | None = field(default=None, repr=False)
+    drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits
 
     def __post_init__(self):
         if self.role not in ("prefill", "decode", "colocated"):

@@ -1,8 +1,9 @@
 """Wire types of the prefix-cache event stream a node publishes (the Redis index
-consumes it).
+consumes it) and of the index updates routers mirror it from.
 
-Owns: the event structs and their msgpack encoding. Must not: know about Redis,
-the node's epoch or id (the publisher wraps batches with those), or import torch.
+Owns: the event structs, ``IndexUpdate`` (a node's folded batch tagged with its id,
+epoch and sequence number) and their msgpack encoding. Must not: know about Redis
+keys or channels, or import torch.
 
 Semantics, in stream order:
 
@@ -67,3 +68,27 @@ def encode_event_batch(batch: EventBatch) -> bytes:
 def decode_event_batch(data: bytes) -> EventBatch:
     """Inverse of ``encode_event_batch``; raises msgspec.ValidationError on bad input."""
     return msgspec.msgpack.decode(data, type=EventBatch)
+
+
+class IndexUpdate(msgspec.Struct, tag=True, omit_defaults=True):
+    """One applied index write of (node_id, epoch), published on ``EVENTS_CHANNEL``
+    (common/kv_index.py) atomically with the write: batch ``seq`` of the node's
+    folded events. ``clear``: a full write, ``stored`` is then everything the node
+    holds (a resync point); otherwise ``removed`` then ``stored`` apply on top of
+    batch ``seq - 1``. Routers mirror the index from these."""
+
+    node_id: str
+    epoch: str
+    seq: int
+    clear: bool = False
+    stored: list[int] = []
+    removed: list[int] = []
+
+
+def encode_index_update(update: IndexUpdate) -> bytes:
+    return msgspec.msgpack.encode(update)
+
+
+def decode_index_update(data: bytes) -> IndexUpdate:
+    """Inverse of ``encode_index_update``; raises msgspec.ValidationError on bad input."""
+    return msgspec.msgpack.decode(data, type=IndexUpdate)

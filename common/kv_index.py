@@ -1,62 +1,67 @@
 """The global prefix-cache index in Redis: which node (at which epoch) holds which
-block hashes, written by the nodes, read by the router.
+block hashes, written by the nodes, mirrored in memory by every router.
 
-Owns the Redis layout, the folding of a node's event stream into one write, and
-the two Lua scripts (an atomic, sequence-checked write and the longest-run lookup).
-Must not: import torch or node code, decide when to write or what to do when Redis
-is down (callers do: the node's publisher resyncs, the router degrades to load-only;
-every method here raises one of ``REDIS_ERRORS`` when Redis is unreachable).
+Owns the Redis layout, the folding of a node's event stream into one write, the
+atomic sequence-checked write that also publishes the write to the routers, and
+the reads a router needs to (re)build its mirror. Must not: import torch or node
+code, decide when to write or what to do when Redis is down (callers do: the node's
+publisher resyncs, the router degrades to load-only; every method here raises one
+of ``REDIS_ERRORS`` when Redis is unreachable).
 
 Data model: one Redis SET per (node, epoch) of the block hashes that node holds,
-plus the sequence number of the last batch written into it::
+plus the sequence number of the last batch written into it, and one channel::
 
     splitserve:kv:{node_id}:{epoch}     SET  {block hash as unsigned decimal, ...}   PX ttl
     splitserve:kvseq:{node_id}:{epoch}  STR  last applied batch seq                  PX ttl
+    splitserve:kvevents                 pub/sub channel of IndexUpdate (msgpack)
 
 - Write (one batch per node per flush interval): ``EVALSHA apply`` = the delta folded
   from the batch's events (clear?, SREM removed, SADD stored), SET seq, PEXPIRE both,
-  atomically; only if the stored seq is the batch's predecessor. A missing or other seq
-  (Redis restarted, the keys expired, a write was lost) refuses the batch: the node then
-  rewrites its whole state (a *full* write: DEL + SADD of every held hash, which needs
-  no predecessor). One round trip per batch.
+  PUBLISH the delta as ``IndexUpdate(seq)``, atomically; only if the stored seq is
+  the batch's predecessor. A missing or other seq (Redis restarted, the keys
+  expired, a write was lost) refuses the batch: the node then rewrites its whole
+  state (a *full* write: DEL + SADD of every held hash, which needs no predecessor,
+  published with ``clear``). One round trip per batch.
+- The SET and seq are each node's snapshot: ``snapshot`` reads both in one
+  MULTI, so a router that missed an update (a gap in seq, a new epoch, a late
+  start, a lost connection) rebuilds that node at exactly batch ``seq`` and applies
+  the updates after it. ``published_seqs`` lists every (node, epoch) with its seq in
+  a few round trips, for the router's periodic catch-up.
 - Refresh (every heartbeat-ish interval): PEXPIRE both keys, pipelined; a node that
   stops refreshing (crash, partition) loses its entries after ``ttl_s``.
 - ``AllBlocksCleared`` makes the batch full: the set is deleted first.
-- Epochs: readers build keys from the (node_id, epoch) of the registry's live record,
-  so a restarted node's old set (old epoch) is never read; it just expires.
-- Lookup: ``EVALSHA longest_runs`` with one key per candidate node and the request's
-  chained hashes; per node, a binary search for the last held hash. One round trip;
-  cost 1 + log2(blocks) SISMEMBER per node, each O(1) (a linear scan from the root
-  cost nodes x shared blocks: 80 nodes all holding a 2k-token system prompt meant
-  ~10,000 calls, ~10 ms). The search relies on each set being prefix-closed (a held
-  block's ancestors are held), which engines keep by evicting a sequence's tail
-  first (KVCacheManager.free); a set with a hole may be read long, and the router
-  counts that as a misprediction. Memory: about 60-80 bytes per (block, node) entry.
+- Epochs: a restarted node writes under a new epoch; its old keys just expire, and
+  routers drop the old epoch's entries once they see the new one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from splitserve.common.registry import REDIS_ERRORS, NodeInfo, make_redis
+from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
+                                         KVEvent, encode_index_update)
+from splitserve.common.registry import REDIS_ERRORS, make_redis
 
-__all__ = ["KVIndex", "IndexDelta", "REDIS_ERRORS", "blocks_key", "seq_key"]
+__all__ = ["KVIndex", "IndexDelta", "NodeSnapshot", "REDIS_ERRORS", "EVENTS_CHANNEL", "blocks_key",
+           "seq_key"]
 
 SET_PREFIX = "splitserve:kv:"
 SEQ_PREFIX = "splitserve:kvseq:"
+EVENTS_CHANNEL = "splitserve:kvevents"
 _ARGS_PER_CALL = 1000  # members per SADD / SREM inside the script (Lua's unpack limit is ~8000)
 
 # KEYS[1] set, KEYS[2] seq. ARGV: prev seq ("" = full write, no check), new seq, ttl ms,
-# clear "1"|"0", number of removed hashes, members per SADD/SREM, removed..., stored...
-# Returns 1 when applied, 0 when the stored seq is not ``prev`` (nothing changed).
+# clear "1"|"0", number of removed hashes, members per SADD/SREM, channel, IndexUpdate
+# payload, removed..., stored...
+# Returns 1 when applied (and published), 0 when the stored seq is not ``prev`` (nothing changed).
 _APPLY_LUA = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 if ARGV[4] == '1' then redis.call('DEL', KEYS[1]) end
 local chunk = tonumber(ARGV[6])
-local first_add = 7 + tonumber(ARGV[5])
-local i = 7
+local first_add = 9 + tonumber(ARGV[5])
+local i = 9
 while i < first_add do
   local j = math.min(i + chunk - 1, first_add - 1)
   redis.call('SREM', KEYS[1], unpack(ARGV, i, j))
@@ -69,25 +74,8 @@ while i <= #ARGV do
 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('PUBLISH', ARGV[7], ARGV[8])
 return 1
-"""
-
-# KEYS: one set per node. ARGV: the request's chained hashes, root first.
-# Returns, per key, how many leading hashes the set holds.
-# Per key, binary search for the last held hash: lo blocks are known held, blocks past hi
-# are known missing.
-_LONGEST_RUNS_LUA = """
-local out = {}
-for k = 1, #KEYS do
-  local lo, hi = 0, #ARGV
-  if redis.call('SISMEMBER', KEYS[k], ARGV[1]) == 0 then hi = 0 else lo = 1 end
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    if redis.call('SISMEMBER', KEYS[k], ARGV[mid]) == 1 then lo = mid else hi = mid - 1 end
-  end
-  out[k] = lo
-end
-return out
 """
 
 
@@ -97,6 +85,11 @@ def blocks_key(node_id: str, epoch: str) -> str:
 
 def seq_key(node_id: str, epoch: str) -> str:
     return f"{SEQ_PREFIX}{node_id}:{epoch}"
+
+
+class NodeSnapshot(NamedTuple):
+    seq: int | None  # the last batch applied; None: Redis holds nothing for the node
+    hashes: set[int]
 
 
 @dataclass(slots=True)
@@ -149,7 +142,6 @@ class KVIndex:
         self.ttl_s = ttl_s
         self._redis = make_redis(redis_url, timeout_s)
         self._apply = self._redis.register_script(_APPLY_LUA)
-        self._longest_runs = self._redis.register_script(_LONGEST_RUNS_LUA)
 
     @property
     def _ttl_ms(self) -> int:
@@ -166,9 +158,11 @@ class KVIndex:
         """
         assert seq >= 1, f"batch seq must start at 1, got {seq}"
         prev = "" if delta.clear else str(seq - 1)
-        removed = [] if delta.clear else [str(h) for h in delta.removed]
+        removed = [] if delta.clear else list(delta.removed)
+        stored = list(delta.stored)
+        update = encode_index_update(IndexUpdate(node_id, epoch, seq, delta.clear, stored, removed))
         args = [prev, str(seq), self._ttl_ms, "1" if delta.clear else "0", len(removed),
-                _ARGS_PER_CALL, *removed, *(str(h) for h in delta.stored)]
+                _ARGS_PER_CALL, EVENTS_CHANNEL, update, *map(str, removed), *map(str, stored)]
         keys = [blocks_key(node_id, epoch), seq_key(node_id, epoch)]
         return await self._apply(keys=keys, args=args) == 1
 
@@ -187,16 +181,33 @@ class KVIndex:
 
     # -- router side -----------------------------------------------------------------
 
-    async def longest_runs(self, block_hashes: Sequence[int],
-                           nodes: Sequence[NodeInfo]) -> dict[str, int]:
-        """node_id -> how many leading ``block_hashes`` the node holds at the epoch of
-        its record (entries of any other epoch are never read). One round trip; none
-        when there is nothing to look up."""
-        if not block_hashes or not nodes:
+    def pubsub(self):
+        """A pub/sub client on this index's connection pool (the caller subscribes to
+        ``EVENTS_CHANNEL``, reads the confirmation, and closes it)."""
+        return self._redis.pubsub()
+
+    async def snapshot(self, node_id: str, epoch: str) -> NodeSnapshot:
+        """Everything (node_id, epoch) holds and the seq of the batch it is as of,
+        read atomically (one MULTI)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.get(seq_key(node_id, epoch))
+            pipe.smembers(blocks_key(node_id, epoch))
+            raw_seq, members = await pipe.execute()
+        return NodeSnapshot(None if raw_seq is None else int(raw_seq), {int(m) for m in members})
+
+    async def published_seqs(self) -> dict[tuple[str, str], int]:
+        """(node_id, epoch) -> last applied seq, for every node in the index (SCAN
+        then one MGET)."""
+        keys = [k async for k in self._redis.scan_iter(match=SEQ_PREFIX + "*", count=1000)]
+        if not keys:
             return {}
-        keys = [blocks_key(n.node_id, n.epoch) for n in nodes]
-        runs = await self._longest_runs(keys=keys, args=[str(h) for h in block_hashes])
-        return {n.node_id: int(r) for n, r in zip(nodes, runs)}
+        out = {}
+        for key, raw in zip(keys, await self._redis.mget(keys)):
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            node_id, _, epoch = key.decode()[len(SEQ_PREFIX):].rpartition(":")
+            out[(node_id, epoch)] = int(raw)
+        return out
 
     # -- inspection (tests, debugging) ---------------------------------------------------
 

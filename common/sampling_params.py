@@ -16,7 +16,15 @@ import msgspec
 from splitserve.common.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+# OpenAI's range. Above 2 sampling is close to uniform noise; a huge value is a typo.
+MAX_TEMPERATURE = 2.0
+MAX_REPETITION_PENALTY = 2.0  # as SGLang; 1 disables, typical values are 1.0-1.3
+# Upper bound of max_tokens, top_k and token ids: far above any context or vocabulary,
+# and within every integer type a node stores them in.
+MAX_INT = 2**31 - 1
 # Below this a temperature is treated as 0 (greedy): dividing logits by it would
 # overflow float32 to inf and turn the softmax into NaN. vLLM uses the same cut-off.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -33,17 +41,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     not checked until `validate()`.
     """
 
-    max_tokens: int = 16  # >= 1
-    temperature: float = 1.0  # >= 0; 0 means greedy
+    max_tokens: int = 16  # [1, MAX_INT]
+    temperature: float = 1.0  # [0, 2]; 0 means greedy
     top_p: float = 1.0  # (0, 1]
-    top_k: int = 0  # 0 or -1 disable; else >= 1
+    top_k: int = 0  # 0 or -1 disable; else [1, MAX_INT]
     min_p: float = 0.0  # [0, 1], relative to the most likely token's probability
     seed: int | None = None  # None: the node's shared generator
     presence_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= presence * (count > 0)
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI: logit -= frequency * count
-    repetition_penalty: float = 1.0  # > 0, CTRL/HF, over prompt + output tokens
-    stop: list[str] = []  # at most 16 non-empty strings; excluded from the output
-    stop_token_ids: list[int] = []  # token ids that end the request (kept in output)
+    repetition_penalty: float = 1.0  # (0, 2], CTRL/HF, over prompt + output tokens
+    stop: list[str] = []  # at most 16 non-empty strings of <= 512 chars; excluded from the output
+    stop_token_ids: list[int] = []  # at most 256 token ids that end the request (kept in output)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k in 0..20: sampled token + k alternatives
 
@@ -57,39 +65,53 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Check every field's type and range; raise `InvalidRequest(field, msg)` on
         the first bad one. Floats given as ints are converted to float in place.
         Returns self so a caller can write `params = SamplingParams(...).validate()`."""
-        if _int(self, "max_tokens") < 1:
-            raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if _float(self, "temperature") < 0.0:
+        if not 1 <= _int(self, "max_tokens") <= MAX_INT:
             raise InvalidRequest(
-                "temperature", f"must be >= 0 (0 means greedy), got {self.temperature}"
+                "max_tokens", f"must be in [1, {MAX_INT}], got {_show(self.max_tokens)}"
+            )
+        if not 0.0 <= _float(self, "temperature") <= MAX_TEMPERATURE:
+            raise InvalidRequest(
+                "temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy), got "
+                f"{self.temperature}"
             )
         if not 0.0 < _float(self, "top_p") <= 1.0:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
         top_k = _int(self, "top_k")
-        if top_k < -1:
-            raise InvalidRequest("top_k", f"must be 0 or -1 (disabled) or >= 1, got {top_k}")
+        if not -1 <= top_k <= MAX_INT:
+            raise InvalidRequest(
+                "top_k", f"must be 0 or -1 (disabled) or in [1, {MAX_INT}], got {_show(top_k)}"
+            )
         if not 0.0 <= _float(self, "min_p") <= 1.0:
             raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not _SEED_MIN <= _int(self, "seed") <= _SEED_MAX:
-            raise InvalidRequest("seed", f"must be in [-2**63, 2**64 - 1], got {self.seed}")
+            raise InvalidRequest("seed", f"must be in [-2**63, 2**64 - 1], got {_show(self.seed)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
-        if _float(self, "repetition_penalty") <= 0.0:
+        if not 0.0 < _float(self, "repetition_penalty") <= MAX_REPETITION_PENALTY:
             raise InvalidRequest(
-                "repetition_penalty", f"must be > 0 (1 disables), got {self.repetition_penalty}"
+                "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables), "
+                f"got {self.repetition_penalty}"
             )
         self._validate_stop()
         if not isinstance(self.stop_token_ids, list) or not all(
-            type(t) is int and t >= 0 for t in self.stop_token_ids
+            type(t) is int and 0 <= t <= MAX_INT for t in self.stop_token_ids
         ):
-            raise InvalidRequest("stop_token_ids", "must be a list of token ids (integers >= 0)")
+            raise InvalidRequest(
+                "stop_token_ids", f"must be a list of token ids (integers in [0, {MAX_INT}])"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                f"{len(self.stop_token_ids)}"
+            )
         if type(self.ignore_eos) is not bool:
             raise InvalidRequest("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
         if self.logprobs is not None and not 0 <= _int(self, "logprobs") <= MAX_LOGPROBS:
             raise InvalidRequest(
-                "logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+                "logprobs",
+                f"must be null or an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}",
             )
         return self
 
@@ -103,6 +125,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         if any(s == "" for s in stop):
             raise InvalidRequest("stop", "stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise InvalidRequest("stop", f"stop strings must be at most {MAX_STOP_CHARS} characters")
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -122,6 +146,13 @@ def _int(params: SamplingParams, name: str) -> int:
     if type(value) is not int:  # bool is a subclass of int: reject it explicitly
         raise InvalidRequest(name, f"must be an integer, got {value!r}")
     return value
+
+
+def _show(value: int) -> str:
+    """An int for an error message: Python refuses to format one of over 4300 digits."""
+    if abs(value) < 10**30:
+        return str(value)
+    return f"{'-' if value < 0 else ''}an integer of about {int(value.bit_length() * 0.30103)} digits"
 
 
 def _float(params: SamplingParams, name: str) -> float:

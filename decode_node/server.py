@@ -6,13 +6,23 @@ HTTP API (msgpack bodies, see common/protocol.py):
   POST /generate  GenerateRequest -> stream of length-prefixed TokenDelta frames
   POST /abort     Abort -> 200 (idempotent)
   GET  /health, /metrics (Prometheus), /debug/state (pool and transfers, JSON)
+With a cluster token set, everything but /health and /metrics needs it (node/runtime.py),
+and so does the KV receiver's handshake: nobody without it can make this node reserve
+blocks or connect out to a prefill address.
 
 One request's path when a prefill node is named:
 
-  reserve blocks (own prefix cache subtracted) -> TransferTable.reserve
-  -> POST prefill/prefill --> blocks land via kvtransfer (checksummed) --> PrefillResult
-  -> all landed: admit into the batch (first token from the prefill node) -> stream
-  any failure / lease expiry: release the blocks, prefill locally, count a fallback
+  Reserve blocks (own prefix cache subtracted) -> TransferTable.reserve (lease)
+  -> POST prefill/prefill --> blocks land via kvtransfer (checksummed; each renews the lease)
+                          --> PrefillResult (the first token)
+  -> every block landed and the result in: admit into the batch -> stream
+  any failure / refusal (503) / lease expiry: release the blocks, prefill locally, count a fallback
+
+One signal ends a transfer's wait: ``finished[transfer_id]``, resolved only by
+``_settle`` after each input (a block, the prefill node's answer or failure, the
+lease sweeper). Whatever stage a request reached when its client left, the handler's
+``_end`` sends the engine one ``AbortRequest`` after the driver stopped, which frees
+every block it holds (a reservation included).
 """
 
 import asyncio
@@ -23,13 +33,14 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from splitserve.common.auth import auth_headers
 from splitserve.common.config import NodeConfig
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.http import MSGPACK, decode_error_body, error_response, read_msgpack
 from splitserve.common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta,
                                         encode_frame)
 from splitserve.engine.engine_core import EngineCore, RequestDelta
-from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.engine_loop import AbortRequest, AddPrefilled, AddRequest, EngineLoop, Release, Reserve
 from splitserve.kvtransfer import TransferError, make_receiver
 from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.state import TransferState, TransferTable
@@ -37,16 +48,21 @@ from splitserve.node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
 RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer
+LEASE_CHECK_S = 0.5  # how often expired leases are failed
 
 
 class DecodeNode:
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
-        self.engine: EngineCore = runtime.engine
+        self.engine: EngineCore = runtime.engine  # config and cache tensor only: the engine thread owns it
+        self.exporter = None  # a decode node exports no blocks
         self.transfers = TransferTable()
         self.streams: dict[str, asyncio.Queue] = {}  # req_id -> TokenDelta queue of its HTTP stream
-        self.landed: dict[str, asyncio.Event] = {}  # transfer_id -> set when all landed or failed
+        # transfer_id -> the one "transfer finished" signal: True once every block landed and the
+        # prefill node answered, False once it failed or was aborted (set only by _settle)
+        self.finished: dict[str, asyncio.Future] = {}
+        self.prefill_results: dict[str, PrefillResult] = {}  # transfer_id -> the prefill node's answer
         self.receiver = None
         self.session: aiohttp.ClientSession | None = None
         m = runtime.metrics
@@ -58,12 +74,14 @@ class DecodeNode:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                             headers=auth_headers(self.config.cluster_token))
         if self.config.role == "decode":
             store = KVBlockStore(self.engine.runner.kv_caches, self.rt.layout, self.rt.shm_name)
             self.receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
                                           self._on_block, device=self.config.engine.device)
             self.receiver.accepts = self.transfers.is_live
+            self.receiver.cluster_token = self.config.cluster_token
             await self.receiver.start()
             self.rt.kv_addr = self.receiver.address
         self._lease_task = asyncio.create_task(self._expire_leases())
@@ -74,6 +92,9 @@ class DecodeNode:
             await self.receiver.stop()
         await self.session.close()
 
+    def inflight(self) -> int:
+        return len(self.streams)
+
     # ---- engine output ---------------------------------------------------------------------
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         for d in deltas:
@@ -83,29 +104,57 @@ class DecodeNode:
                                         logprobs=d.new_logprobs, finish_reason=d.finish_reason,
                                         num_cached_tokens=d.num_cached_tokens))
 
-    # ---- KV receiver callbacks (on this event loop) -----------------------------------------
+    # ---- transfer events (on this event loop) ------------------------------------------------
+    def _settle(self, transfer_id: str) -> None:
+        """Resolve the transfer's finished signal if its state says it is over."""
+        fut = self.finished.get(transfer_id)
+        if fut is None or fut.done():
+            return
+        t = self.transfers.get(transfer_id)
+        if t is None or t.state in (TransferState.FAILED, TransferState.ABORTED):
+            fut.set_result(False)
+        elif self.transfers.ready(transfer_id):
+            fut.set_result(True)
+
     def _on_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
         self.m_blocks.labels(str(ok).lower()).inc()
-        self.transfers.on_block(transfer_id, dest_block_id, ok, reason)
-        t = self.transfers.get(transfer_id)
-        ev = self.landed.get(transfer_id)
-        if ev is not None and (t is None or t.state is TransferState.FAILED or self.transfers.all_landed(transfer_id)):
-            ev.set()
+        self.transfers.on_block(transfer_id, dest_block_id, ok, reason)  # renews the lease
+        self._settle(transfer_id)
 
     async def _expire_leases(self) -> None:
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(LEASE_CHECK_S)
             for t in self.transfers.expired():
-                self.transfers.fail(t.transfer_id, "lease expired")
-                ev = self.landed.get(t.transfer_id)
-                if ev is not None:
-                    ev.set()
+                self.transfers.fail(t.transfer_id, "lease expired: no block arrived for "
+                                    f"{self.config.transfer_lease_s:g}s")
+                self._settle(t.transfer_id)
+
+    async def _call_prefill(self, addr: str, task: PrefillRequest) -> None:
+        """Ask the prefill node; its answer (or failure) goes into the transfer's state."""
+        tid = task.transfer_id
+        try:
+            async with self.session.post(f"{addr}/prefill", data=msgspec.msgpack.encode(task),
+                                         headers={"Content-Type": MSGPACK}) as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise TransferError(f"prefill node answered {r.status}: {decode_error_body(body)}")
+            result = msgspec.msgpack.decode(body, type=PrefillResult)
+        except Exception as e:  # transport, HTTP or a bad answer: the transfer fails, we fall back
+            if not isinstance(e, (TransferError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError)):
+                log.exception("request %s: unexpected error calling the prefill node", task.request_id)
+            self.transfers.fail(tid, f"{type(e).__name__}: {e}")
+            self._settle(tid)
+            return
+        if tid in self.finished:  # still waited for
+            self.prefill_results[tid] = result
+            self.transfers.prefilled(tid)
+            self._settle(tid)
 
     # ---- request path ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
-            self.engine.validate(req.token_ids, req.sampling_params)  # pure: safe off the engine thread
+            self.engine.validate(req.token_ids, req.sampling_params)  # pure: reads the frozen config only
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:
@@ -114,14 +163,12 @@ class DecodeNode:
         self.streams[req.request_id] = queue
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
         driver = asyncio.create_task(self._drive(req, queue))
-        finished = False
         try:
             await resp.prepare(request)
             while True:
                 delta: TokenDelta = await queue.get()
                 await resp.write(encode_frame(delta))
                 if delta.finish_reason is not None:
-                    finished = True
                     break
             await resp.write_eof()
             return resp
@@ -129,9 +176,14 @@ class DecodeNode:
             self.streams.pop(req.request_id, None)
             if not driver.done():
                 driver.cancel()
-                await asyncio.gather(driver, return_exceptions=True)
-            if not finished:
-                await self.loop.call(lambda e: e.abort(req.request_id))
+            await asyncio.shield(self._end(req.request_id, driver))
+
+    async def _end(self, rid: str, driver: asyncio.Task) -> None:
+        """The request's one terminal step, whatever stage it reached: after the driver
+        is done, AbortRequest frees what any earlier command took (a reservation made by
+        a Reserve whose awaiter was cancelled included); a no-op for a finished request."""
+        await asyncio.gather(driver, return_exceptions=True)
+        await self.loop.submit(AbortRequest(rid))
 
     async def _drive(self, req: GenerateRequest, queue: asyncio.Queue) -> None:
         """Get the request into the running batch: through a KV transfer, or locally."""
@@ -143,42 +195,35 @@ class DecodeNode:
             self.m_fallbacks.labels(reason.split(":")[0]).inc()
             log.warning("request %s: falling back to local prefill (%s)", rid, reason)
         try:
-            await self.loop.call(lambda e: e.add_request(rid, req.token_ids, req.sampling_params))
+            await self.loop.submit(AddRequest(rid, req.token_ids, req.sampling_params))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
     async def _transfer(self, req: GenerateRequest, queue: asyncio.Queue) -> str | None:
         """Run the transfer; None when the request was admitted, else the failure reason."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
-        res = await self.loop.call(lambda e: e.reserve(rid, req.token_ids))
+        res = await self.loop.submit(Reserve(rid, req.token_ids))
         if res is None:
             return "no_blocks: pool full"
         bs = self.engine.config.block_size
         skip = res.num_cached_tokens // bs
         self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
-        self.landed[tid] = ev = asyncio.Event()
+        self.finished[tid] = done = asyncio.get_running_loop().create_future()
         task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
                               kv_addr=self.rt.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:])
+        call = asyncio.create_task(self._call_prefill(req.prefill_addr, task))
         admitted = False
         try:
-            async with asyncio.timeout(self.config.transfer_lease_s):
-                async with self.session.post(f"{req.prefill_addr}/prefill", data=msgspec.msgpack.encode(task),
-                                             headers={"Content-Type": MSGPACK}) as r:
-                    body = await r.read()
-                    if r.status != 200:
-                        raise TransferError(f"prefill node answered {r.status}: {decode_error_body(body)}")
-                result = msgspec.msgpack.decode(body, type=PrefillResult)
-                await ev.wait()
-            t = self.transfers.get(tid)
-            if t.state is TransferState.FAILED or not self.transfers.all_landed(tid):
-                raise TransferError(t.reason or "blocks missing")
+            if not await done:
+                raise TransferError(self.transfers.get(tid).reason or "failed")
+            result = self.prefill_results[tid]  # settled True only after the prefill node answered
             self.transfers.complete(tid)
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
-            cached = result.num_cached_tokens
-            delta = await self.loop.call(lambda e: e.add_prefilled(
-                rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs, cached))
+            delta = await self.loop.submit(AddPrefilled(
+                rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs,
+                result.num_cached_tokens))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels("owned").inc()
@@ -187,23 +232,23 @@ class DecodeNode:
         except asyncio.CancelledError:
             self.transfers.abort(tid, "request cancelled")
             self.m_transfers.labels("aborted").inc()
-            asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
             raise
-        except Exception as e:  # transport, HTTP, timeout or a bad answer: all fall back
-            if not isinstance(e, (TransferError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError)):
-                log.exception("request %s: unexpected transfer error", rid)
-            self.transfers.fail(tid, f"{type(e).__name__}: {e}")
+        except (TransferError, InvalidRequest) as e:
+            self.transfers.fail(tid, str(e))
             self.m_transfers.labels("failed").inc()
-            asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
-            return f"transfer_failed: {type(e).__name__}: {e}"
+            return f"transfer_failed: {e}"
         finally:
-            self.landed.pop(tid, None)
+            self.finished.pop(tid, None)
+            self.prefill_results.pop(tid, None)
+            if not call.done():
+                call.cancel()
             if not admitted:
+                asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
                 # Over shm and ipc the prefill node writes into our memory before it tells us;
                 # give a sender that is still mid-frame time to stop before the blocks are reused.
                 if self.config.kv_backend in ("shm", "ipc"):
                     await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
-                await asyncio.shield(self.loop.call(lambda e: e.release(rid)))
+                await asyncio.shield(self.loop.submit(Release(rid)))
             self.transfers.remove(tid)
 
     async def _abort_prefill(self, prefill_addr: str, rid: str) -> None:
@@ -221,7 +266,7 @@ class DecodeNode:
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         q = self.streams.get(msg.request_id)
-        found = await self.loop.call(lambda e: e.abort(msg.request_id))
+        found = await self.loop.submit(AbortRequest(msg.request_id))
         if q is not None:
             q.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="abort"))
         return web.json_response({"aborted": bool(found or q is not None)})

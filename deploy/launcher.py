@@ -1,6 +1,12 @@
 """Local cluster launcher behind ``splitserve up`` (and the end-to-end tests):
 a redis-server on a free port (unless one is given), N prefill and M decode
-nodes, and the router, each a real process. Stops everything on Ctrl-C/SIGTERM.
+nodes, and the router, each a real process. ``splitserve up`` supervises them
+(deploy/supervisor.py: a member that dies is restarted with backoff, the others keep
+serving) and stops everything, draining, only on Ctrl-C/SIGTERM.
+
+Nothing is open: ``up`` starts Redis with a random password and hands every member the
+URL with it, and generates the cluster token (common/auth.py), passed to every member
+in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1.
 
 Defaults come from ``deploy/local.toml``; flags override them.
 
@@ -25,9 +31,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token
 from splitserve.deploy.devices import DevicePlan, plan_devices
+from splitserve.deploy.supervisor import Supervisor
 
 DEFAULT_CONFIG = Path(__file__).with_name("local.toml")
+NODE_DRAIN_GRACE_S = 30.0  # the nodes' --drain-grace default: `up` waits that long (+5 s) on Ctrl-C
 
 
 def free_port() -> int:
@@ -36,20 +45,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server on ``port`` (None: a free loopback port), no persistence;
-    (process, url). Starting it again on the same port simulates a Redis restart."""
+def start_redis(port: int | None = None, password: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on ``port`` (None: a free loopback port), no persistence,
+    with ``--requirepass password`` when given; (process, url with the password).
+    Starting it again on the same port simulates a Redis restart."""
     port = port or free_port()
+    auth = ["--requirepass", password] if password else []
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"],
+                             "--save", "", "--appendonly", "no", *auth],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    hello = (f"AUTH {password}\r\n" if password else "").encode() + b"PING\r\n"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return proc, f"redis://127.0.0.1:{port}/0"
+                s.sendall(hello)
+                time.sleep(0.02)
+                if b"+PONG" in s.recv(64):
+                    user = f":{password}@" if password else ""
+                    return proc, f"redis://{user}127.0.0.1:{port}/0"
         except OSError:
             time.sleep(0.05)
     proc.kill()
@@ -63,6 +77,8 @@ class Proc:
     ready: threading.Event = field(default_factory=threading.Event)
     addr: str = ""
     log: list[str] = field(default_factory=list)  # the last lines it printed
+    args: list[str] = field(default_factory=list)  # splitserve.cli arguments, to start it again
+    role: str = ""  # prefill | decode | colocated | router | fleet (its --cpus key)
 
     def pump(self) -> None:
         """Read the child's output: catch its READY line, echo the rest with its name."""
@@ -83,7 +99,8 @@ class Cluster:
     def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
-                 router_args=(), cpus=None, devices=None, served_model_names=()):
+                 router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
+                 served_model_names=()):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -92,9 +109,14 @@ class Cluster:
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
                         router_args=list(router_args), served=list(served_model_names))
         self.router_port = router_port or free_port()
+        self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
+        self.redis_password = redis_password  # for the Redis this cluster starts
         self.redis_url = redis_url
         self.redis: subprocess.Popen | None = None
         self.procs: list[Proc] = []
+        self._stopping = threading.Event()  # set by stop(): supervision ends
+        self._supervisor: Supervisor | None = None
+        self.status_port = 0  # the supervisor's status endpoint, once supervised
 
     @property
     def url(self) -> str:
@@ -102,18 +124,69 @@ class Cluster:
 
     def _spawn(self, name: str, args: list[str], role: str) -> Proc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop(CLUSTER_TOKEN_ENV, None)
+        if self.cluster_token:
+            env[CLUSTER_TOKEN_ENV] = self.cluster_token
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
         if role in self.cpus:
             cmd = ["taskset", "-c", ",".join(map(str, self.cpus[role])), *cmd]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        proc = Proc(name, p)
+        proc = Proc(name, p, args=list(args), role=role)
         threading.Thread(target=proc.pump, daemon=True).start()
         self.procs.append(proc)
         return proc
 
-    def start_redis(self) -> None:
-        self.redis, self.redis_url = start_redis()
+    def start_redis(self, port: int | None = None) -> None:
+        self.redis, self.redis_url = start_redis(port, self.redis_password)
+
+    def auth_headers(self) -> dict[str, str]:
+        """Headers for a request to a node's internal endpoints (/debug/state, ...)."""
+        return auth_headers(self.cluster_token)
+
+    # ---- supervision (deploy/supervisor.py) -----------------------------------------------
+    def member_names(self) -> list[str]:
+        names = list(dict.fromkeys(p.name for p in self.procs))
+        return names + (["redis"] if self.redis is not None else [])
+
+    def exit_code(self, name: str) -> int | None:
+        """None while member ``name`` runs, else its exit status."""
+        if name == "redis":
+            return self.redis.poll()
+        return self.node(name).popen.poll()
+
+    def respawn(self, name: str) -> None:
+        """Start member ``name`` again as it was started (same node id, port, password)."""
+        if self._stopping.is_set():
+            return  # the cluster is stopping: its members exit on purpose
+        if name == "redis":
+            self.start_redis(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
+            return
+        old = self.node(name)
+        self._spawn(name, old.args, old.role)
+
+    def supervise(self, poll_s: float = 0.25) -> Supervisor:
+        """Restart members that die (a thread polling until ``stop()``); serves the
+        supervisor's status endpoint."""
+        sup = Supervisor(self.member_names, self.exit_code, self.respawn, self.forget_node)
+        self.status_port = sup.serve_status()
+        self._supervisor = sup
+
+        def run():
+            while not self._stopping.wait(poll_s):
+                sup.poll()
+        threading.Thread(target=run, name="supervisor", daemon=True).start()
+        return sup
+
+    def forget_node(self, name: str) -> None:
+        """Delete a dead node's registry record now, so routers stop choosing it within
+        one discovery poll (its index entries are keyed by the old epoch: never read again)."""
+        if name in ("router", "redis") or self.redis_url is None:
+            return
+        import redis
+        from splitserve.common.registry import node_key
+        with redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1) as r:
+            r.delete(node_key(name))
 
     def start_node(self, role: str, index: int, extra=()) -> Proc:
         return self._spawn(f"{role}-{index}", self.node_args(role, index, extra), role)
@@ -195,11 +268,19 @@ class Cluster:
         self.wait_ready(new, timeout)
         return new
 
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the router first (it stops taking requests), then the nodes (they
+        drain); whatever has not exited after ``grace_s`` is killed."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.close()
+            self._supervisor = None
+        routers = [p for p in self.procs if p.name == "router"]
+        for group in (routers, [p for p in self.procs if p.name != "router"]):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
             try:
                 p.popen.wait(max(0.1, deadline - time.monotonic()))
@@ -288,7 +369,9 @@ def launch(args) -> int:
                       threads_per_node=pick("threads_per_node", "threads_per_node"), redis_url=args.redis_url,
                       model=args.model, served_model_names=getattr(args, "served_model_name", None) or (),
                       host=getattr(args, "host", None) or defaults["host"], cpus=parse_cpus(args.cpus or []),
-                      devices=devices if devices.devices or devices.dtype else None)
+                      devices=devices if devices.devices or devices.dtype else None,
+                      cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
+                      redis_password=new_cluster_token())
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -298,18 +381,18 @@ def launch(args) -> int:
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    cluster.supervise()
+    status_port = cluster.status_port
     print(f"""
-splitserve is serving the OpenAI API at {cluster.url}/v1  (redis: {cluster.redis_url})
+splitserve is serving the OpenAI API at {cluster.url}/v1
+  supervisor status: http://127.0.0.1:{status_port}/status  (restart counters also at /metrics)
 
   curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{served_name(args)}", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
 
-Ctrl-C stops everything.""", flush=True)
+A member that dies is restarted; Ctrl-C stops everything.""", flush=True)
     while not stop.wait(0.5):
-        dead = [p for p in cluster.procs if p.popen.poll() is not None]
-        if dead:
-            print(f"error: {dead[0].name} exited:\n" + "\n".join(dead[0].log[-20:]), file=sys.stderr)
-            break
-    print("[splitserve] stopping ...", file=sys.stderr, flush=True)
-    cluster.stop()
+        pass
+    print("[splitserve] stopping (draining) ...", file=sys.stderr, flush=True)
+    cluster.stop(grace_s=NODE_DRAIN_GRACE_S + 5)
     return 0

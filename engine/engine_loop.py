@@ -1,49 +1,161 @@
 """EngineLoop: runs an EngineCore on its own thread so that network I/O never
 stalls a step and a long forward pass never stalls the sockets.
 
-    asyncio side                          engine thread
-    ------------                          -------------
-    await loop.call(fn, *args)  --queue-->  fn(engine, *args) between steps
-    on_deltas(deltas)  <--call_soon_threadsafe--  engine.step()
-    on_kv_events(events, None)  <--------------  engine.kv.take_events() after each pass
-    request_kv_snapshot()  ----flag---> on_kv_events([], every cached hash)
+The boundary is strict. Only the engine thread touches the engine; the event loop
+owns requests, transfers and sockets. They exchange typed messages, and nothing
+else crosses:
 
-The engine is touched only on its thread; everything else talks to it through
-``call``. Owns no sockets. This thread is the only drainer of the prefix-cache
-events, so a snapshot and the event batches reach the event loop in engine order:
-a snapshot replaces every batch handed over before it.
+    event loop                                       engine thread
+    ----------                                       -------------
+    await loop.submit(Command)      --queue-->       handled between steps, in order;
+                                    <--result--      its return value (or exception)
+    on_deltas([RequestDelta])       <--------------  after each step
+    on_kv_events(events, None)      <--------------  prefix-cache events, after each pass
+    request_kv_snapshot() --flag--> on_kv_events([], every cached hash)
+    on_blocks(BlocksReady)          <--------------  prompt blocks packed for an ExportKV
+    loop.stats (EngineStats)        <--publishes---  a fresh immutable snapshot per pass
+
+Commands (NamedTuples; ``submit`` answers with what the engine call returns):
+
+    AddRequest(id, tokens, params)         -> None     schedule a prompt (prefill + decode here)
+    Reserve(id, tokens)                    -> Reservation | None (pool full)
+    AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens) -> RequestDelta
+    Release(id)                            -> None     give back a reservation never admitted
+    AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
+                                                       reservation, stop its export; idempotent
+    ExportKV(id, start_block)              -> None     pack the request's prompt blocks
+                                                       [start_block, ...) as each step completes
+                                                       them -> BlocksReady events (send it before
+                                                       the AddRequest; it ends with the request)
+    ResetPrefixCache()                     -> bool
+    CachedHashes()                         -> list[int]
+
+A command runs even when its awaiting coroutine was cancelled meanwhile, so a
+request's owner ends it with ``AbortRequest`` (queued after anything it sent
+before): that frees whatever the earlier commands took. Events reach the loop in
+engine order, so a request's ``BlocksReady`` events come before the delta that
+finishes it, and a snapshot replaces every event batch handed over before it.
+Callbacks run on the event loop; the engine thread never reads or writes loop
+state. Owns no sockets.
 """
+
+from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from splitserve.common.kv_events import KVEvent
-from splitserve.engine.engine_core import EngineCore, RequestDelta
+from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+from splitserve.engine.engine_core import EngineCore, EngineLoad, RequestDelta
+from splitserve.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
-
 
 # (events since the last call, or [] with a snapshot; every cached hash, or None)
 KVEventsCallback = Callable[[list[KVEvent], "list[int] | None"], None]
 
 
+# ---- commands (event loop -> engine thread) ----------------------------------------------
+class AddRequest(NamedTuple):
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class Reserve(NamedTuple):
+    request_id: str
+    token_ids: list[int]
+
+
+class AddPrefilled(NamedTuple):
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    first_token: int
+    logprobs: TokenLogprobs | None
+    num_cached_tokens: int
+
+
+class Release(NamedTuple):
+    request_id: str
+
+
+class AbortRequest(NamedTuple):
+    request_id: str
+    reason: str = "abort"
+
+
+class ExportKV(NamedTuple):
+    request_id: str
+    start_block: int  # prompt blocks before it are not packed (the receiver has them)
+
+
+class ResetPrefixCache(NamedTuple):
+    pass
+
+
+class CachedHashes(NamedTuple):
+    pass
+
+
+Command = (AddRequest | Reserve | AddPrefilled | Release | AbortRequest | ExportKV | ResetPrefixCache
+           | CachedHashes)
+
+
+# ---- events (engine thread -> event loop) ------------------------------------------------
+class BlocksReady(NamedTuple):
+    """Prompt blocks [start, end) of ``request_id``, packed (``end`` is the last block,
+    partial, once the prompt is computed)."""
+    request_id: str
+    start: int
+    end: int
+    packed: Any  # what the exporter's pack function returned for those blocks
+
+
+class EngineStats(NamedTuple):
+    """What the event loop may know about the engine, published after every pass."""
+    load: EngineLoad
+    steps: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    busy_s: float
+    computed_tokens: int
+    preemptions: int
+
+
+class BlockExporter(NamedTuple):
+    """How ExportKV packs blocks (engine thread) and where the BlocksReady go (event loop)."""
+    pack: Callable[[list[int]], Any]  # engine block ids -> a fresh buffer (not a view of the cache)
+    on_ready: Callable[[BlocksReady], None]
+
+
 class EngineLoop:
     def __init__(self, engine: EngineCore, aio_loop: asyncio.AbstractEventLoop,
                  on_deltas: Callable[[list[RequestDelta]], None],
-                 on_kv_events: KVEventsCallback | None = None):
-        self.engine = engine
+                 on_kv_events: KVEventsCallback | None = None, exporter: BlockExporter | None = None):
+        self.engine = engine  # engine thread only (and before start())
         self._aio = aio_loop
         self._on_deltas = on_deltas
         self._on_kv_events = on_kv_events  # None: events are drained and dropped
+        self._exporter = exporter
+        self._exports: dict[str, int] = {}  # engine thread: req_id -> prompt blocks packed so far
         self._snapshot_wanted = False
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (fn, args, future)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (Command, future) | None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.steps = 0
-        self.load = engine.load()  # refreshed on the engine thread after every step; read anywhere
+        self._steps = 0
+        self.stats = self._stats()  # replaced (never mutated) by the engine thread; read anywhere
+        self._prior_observer = engine.step_observer  # e.g. the node's step metrics: runs after the export
+        if exporter is not None:
+            engine.step_observer = self._observe_step
+
+    @property
+    def load(self) -> EngineLoad:
+        return self.stats.load
 
     def start(self) -> None:
         self._thread.start()
@@ -53,17 +165,72 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    async def call(self, fn: Callable[..., Any], *args) -> Any:
-        """Run ``fn(engine, *args)`` on the engine thread; its result or exception comes back here."""
+    def submit(self, command: Command) -> asyncio.Future:
+        """Queue ``command`` for the engine thread now (commands run in submission order);
+        await the future for its result or exception."""
         fut = self._aio.create_future()
-        self._commands.put((fn, args, fut))
-        return await fut
+        self._commands.put((command, fut))
+        return fut
 
     def request_kv_snapshot(self) -> None:
         """Ask for ``on_kv_events([], hashes)`` with every hash cached now, after the
         event batches already drained (from any thread; at most one per request)."""
         self._snapshot_wanted = True
         self._commands.put(None)  # wakes an idle engine thread
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _stats(self) -> EngineStats:
+        e = self.engine
+        return EngineStats(e.load(), self._steps, e.kv.num_blocks, e.kv.num_free_blocks, e.busy_s,
+                           e.num_computed_tokens_total, e.num_preemptions_total)
+
+    def _handle(self, cmd: Command) -> Any:
+        e = self.engine
+        match cmd:
+            case AddRequest(rid, ids, params):
+                return e.add_request(rid, ids, params)
+            case Reserve(rid, ids):
+                return e.reserve(rid, ids)
+            case AddPrefilled(rid, ids, params, first, logprobs, cached):
+                return e.add_prefilled(rid, ids, params, first, logprobs, cached)
+            case Release(rid):
+                return e.release(rid)
+            case AbortRequest(rid, reason):
+                self._exports.pop(rid, None)
+                found = e.abort(rid, reason)
+                held = rid in e.kv
+                e.release(rid)  # a reservation never admitted (no-op once aborted above)
+                return found or held
+            case ExportKV(rid, start):
+                assert self._exporter is not None, "ExportKV needs an EngineLoop built with an exporter"
+                self._exports[rid] = start
+                return None
+            case ResetPrefixCache():
+                return e.kv.reset_prefix_cache()
+            case CachedHashes():
+                return list(e.kv.cached_hashes())
+        raise TypeError(f"not an engine command: {cmd!r}")
+
+    def _observe_step(self, sched: SchedulerOutput) -> None:
+        self._export_step(sched)
+        if self._prior_observer is not None:
+            self._prior_observer(sched)
+
+    def _export_step(self, sched: SchedulerOutput) -> None:
+        """Pack the prompt blocks this step completed for exported requests (called by the
+        engine inside step(), before finished requests free their blocks)."""
+        bs = self.engine.config.block_size
+        for req, _ in sched.scheduled:
+            done = self._exports.get(req.request_id)
+            if done is None:
+                continue
+            n_prompt = len(req.prompt_token_ids)
+            upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
+            if upto <= done:
+                continue
+            packed = self._exporter.pack(self.engine.kv.block_ids(req.request_id)[done:upto])
+            self._exports[req.request_id] = upto
+            self._aio.call_soon_threadsafe(self._exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
 
     def _drain_kv_events(self) -> None:
         events = self.engine.kv.take_events()
@@ -75,11 +242,8 @@ class EngineLoop:
         elif events:
             self._aio.call_soon_threadsafe(self._on_kv_events, events, None)
 
-    def call_soon(self, fn: Callable[..., Any], *args) -> None:
-        """From the engine thread: run ``fn(*args)`` on the event loop."""
-        self._aio.call_soon_threadsafe(fn, *args)
-
-    def _resolve(self, fut: asyncio.Future, result, exc) -> None:
+    @staticmethod
+    def _resolve(fut: asyncio.Future, result, exc) -> None:
         if fut.cancelled():
             return
         if exc is not None:
@@ -88,11 +252,12 @@ class EngineLoop:
             fut.set_result(result)
 
     def _run_command(self, item) -> None:
-        fn, args, fut = item
+        cmd, fut = item
         try:
-            result, exc = fn(self.engine, *args), None
+            result, exc = self._handle(cmd), None
         except Exception as e:  # handed to the awaiting coroutine, which decides
             result, exc = None, e
+        self.stats = self._stats()  # an awaiter of AbortRequest sees the blocks it freed
         self._aio.call_soon_threadsafe(self._resolve, fut, result, exc)
 
     def _run(self) -> None:
@@ -108,9 +273,9 @@ class EngineLoop:
                     item = self._commands.get_nowait()
                 except queue.Empty:
                     item = None
-                self.load = self.engine.load()
             if self._stop.is_set():
                 break
+            deltas = []
             if self.engine.has_unfinished():
                 try:
                     deltas = self.engine.step()
@@ -119,8 +284,11 @@ class EngineLoop:
                     deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self.engine.scheduler.requests)]
                     for d in deltas:
                         self.engine.abort(d.request_id, "error")
-                self.steps += 1
-                self.load = self.engine.load()
-                if deltas:
-                    self._aio.call_soon_threadsafe(self._on_deltas, deltas)
+                self._steps += 1
+                for d in deltas:  # finished requests export nothing more
+                    if d.finish_reason is not None:
+                        self._exports.pop(d.request_id, None)
+            self.stats = self._stats()  # before the deltas: a client that saw its end sees its blocks free
+            if deltas:
+                self._aio.call_soon_threadsafe(self._on_deltas, deltas)
             self._drain_kv_events()

@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 
 from splitserve.common.config import EngineConfig
-from splitserve.engine.attention.base import AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.base import AttentionMetadata
+from splitserve.engine.attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from splitserve.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def dummy_forward(model, backend, config: EngineConfig, dtype: torch.dtype, devi
         slot_mapping=torch.arange(n, device=device), num_decodes=0,
         decode_block_tables=torch.zeros((0, 1), dtype=torch.long, device=device),
         decode_seq_lens=torch.zeros(0, dtype=torch.long, device=device), decode_mask=None,
-        prefills=[PrefillChunk(0, n, 0, torch.arange(blocks, device=device))])
+        prefills=build_prefill_groups([ChunkSpec(0, n, 0, torch.arange(n))], device,
+                                      varlen_available(device, dtype)))  # as the engine's prefill runs
     ids = torch.zeros(n, dtype=torch.long, device=device)
     with torch.inference_mode():
         model(ids, torch.arange(n, device=device), cache, meta, backend,

@@ -11,6 +11,11 @@ order (as vLLM by default):
        +--> random rows: / temperature -> top-k -> top-p -> min-p -> softmax
                          -> argmax(probs / Exponential(1) noise)
 
+Every op runs on the logits' device as batched tensor ops; the host receives one
+device-to-host copy per call (the sampled ids, with the logprobs packed in when asked).
+Seeded rows draw from their own generators (CPU generators in the engine, so a seed
+samples the same tokens on every device) and reach the device in one copy.
+
 Must not know about scheduling, the KV cache, detokenization or stop conditions, and
 never mutates its inputs (the logits tensor, the requests or their token lists).
 """
@@ -80,7 +85,10 @@ class Sampler:
             if random_rows:
                 sampled = self._sample(penalized[random_rows], [reqs[i] for i in random_rows])
                 token_ids[random_rows] = sampled
-        return SamplerOutput(token_ids.tolist(), _logprobs(logits, token_ids, params))
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not lp_rows:
+            return SamplerOutput(token_ids.tolist(), [None] * len(reqs))  # the step's one device-to-host copy
+        return _with_logprobs(logits, token_ids, params, lp_rows)
 
     @staticmethod
     def skip_step(req: SamplingInput, vocab: int) -> None:
@@ -112,11 +120,13 @@ class Sampler:
         elif shared:
             draw = torch.empty(len(shared), vocab, device=device)  # [S, V]
             noise[shared] = _exponential(draw, self._shared_generator(device))
-        for i, req in enumerate(reqs):
-            gen = req.generator
-            if gen is not None:
-                row = _exponential(torch.empty(vocab, device=gen.device), gen)  # [V]
-                noise[i] = row.to(device)
+        seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+        if seeded:
+            # each seeded row draws [V] from its own generator, where that generator lives (the
+            # engine makes them on the CPU, so a seed gives the same tokens on every device)
+            rows = [_exponential(torch.empty(vocab, device=reqs[i].generator.device), reqs[i].generator)
+                    for i in seeded]  # [V] each
+            noise[seeded] = torch.stack(rows).to(device, non_blocking=True)  # one copy for all seeded rows
         return noise
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -216,25 +226,29 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return kept
 
 
-def _logprobs(
-    raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> list[TokenLogprobs | None]:
-    """Logprobs of the chosen tokens and the top alternatives, from the raw logits
-    `raw` [B, V]; `token_ids` [B]. None for rows that did not ask."""
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if not rows:
-        return out
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
+                   rows: list[int]) -> SamplerOutput:
+    """Token ids [B] plus, for ``rows`` (those that asked), the logprob of the chosen token
+    and the top alternatives, from the raw logits ``raw`` [B, V]. Everything the host needs
+    is packed into one float64 tensor (ids < 2**53 and float32 values convert exactly), so
+    the step still makes one device-to-host copy."""
     logprobs = torch.log_softmax(raw[rows], dim=-1)  # [L, V]
-    chosen_ids = token_ids[rows]  # [L]
-    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()  # [L]
+    chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1)  # [L]
     k_max = min(max(params[i].logprobs for i in rows), raw.shape[1])
     top_values, top_ids = logprobs.topk(k_max, dim=-1)  # [L, k_max], best first
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, (i, token_id) in enumerate(zip(rows, chosen_ids.tolist())):
+    b, n = len(params), len(rows)
+    packed = torch.cat([token_ids.double(), chosen.double(), top_values.double().flatten(),
+                        top_ids.double().flatten()]).tolist()  # [B + L + 2 * L * k_max]
+    ids = [int(t) for t in packed[:b]]
+    chosen_values = packed[b:b + n]
+    values_at, ids_at = b + n, b + n + n * k_max
+    out: list[TokenLogprobs | None] = [None] * b
+    for j, i in enumerate(rows):
         k = params[i].logprobs
-        out[i] = TokenLogprobs(token_id, chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
-    return out
+        top_v = packed[values_at + j * k_max: values_at + j * k_max + k]
+        top_i = [int(t) for t in packed[ids_at + j * k_max: ids_at + j * k_max + k]]
+        out[i] = TokenLogprobs(ids[i], chosen_values[j], list(zip(top_i, top_v)))
+    return SamplerOutput(ids, out)
 
 
 class _Padded(NamedTuple):

@@ -3,9 +3,12 @@ scheduler and every server around the engine run for real; only the forward pass
 is replaced by a sleep as long as the timing model (``common.config.SimConfig``)
 says the real model would take, and a deterministic token.
 
-Owns: the pool size (the real model's block bytes, so a simulated node holds as
-many tokens as a real one with the same ``kv_cache_memory``) and a KV tensor of
-one float per token slot, so the KV transport moves real, checksummed, tiny blocks:
+Owns: the pool size (the real model's block bytes, or the profile's
+``SimConfig.kv_bytes_per_token``, so a simulated node holds as many tokens as a
+real one with the same ``kv_cache_memory``), the context (the profile's
+``SimConfig.max_model_len`` replaces the model folder's, so a node standing for a
+128k-context model is not held to the bundled model's 8192), and a KV tensor of one
+float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 
     kv_caches  [1 layer, 2 (K, V), num_blocks, block_size, 1 head, head_dim 1]
 
@@ -13,6 +16,7 @@ Must not: load weights or compute. Sampled tokens are never an EOS or stop id,
 so a simulated request runs to ``max_tokens``.
 """
 
+import dataclasses
 import time
 
 import torch
@@ -31,9 +35,13 @@ class SimRunner:
         assert config.sim is not None
         self.config = config
         self.sim = config.sim
-        self.model_config = ModelConfig.from_dir(model_dir)
+        model_config = ModelConfig.from_dir(model_dir)
+        if self.sim.max_model_len:
+            model_config = dataclasses.replace(model_config, max_position_embeddings=self.sim.max_model_len)
+        self.model_config = model_config
         bs = config.block_size
-        real_bytes = kv_block_bytes(self.model_config, bs, torch.float32)
+        real_bytes = (self.sim.kv_bytes_per_token * bs if self.sim.kv_bytes_per_token
+                      else kv_block_bytes(self.model_config, bs, torch.float32))
         self.num_blocks = config.kv_cache_memory // real_bytes
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
@@ -47,9 +55,9 @@ class SimRunner:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
         token for every request whose scheduled tokens reach the end of its sequence."""
         start = time.monotonic()
-        decodes = sum(1 for _, n in out.scheduled if n == 1)
+        decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        seconds = self.sim.step_seconds(decodes, chunks)
+        seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
         self.simulated_seconds += seconds
         sampled = []
         for req, n in out.scheduled:

@@ -29,6 +29,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from splitserve.common.auth import token_matches
 from splitserve.kvtransfer.base import KVReceiver, OnBlock
 from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.kvtransfer.channel import Channel, ChannelClosed, format_address
@@ -72,6 +73,7 @@ class FramedReceiver(KVReceiver):
         # Set by the owner: False for a transfer id whose blocks must not be written (aborted,
         # failed, unknown), so a late frame never lands in blocks already given to another request.
         self.accepts: Callable[[str], bool] | None = None
+        self.cluster_token: str | None = None  # set by the owner: senders must present it
         self._layout_id = layout_id(layout)
         self._serving: dict[asyncio.Task, Channel] = {}  # connection task -> its channel
         self._stopped = False
@@ -160,6 +162,8 @@ class FramedReceiver(KVReceiver):
         return False
 
     def _check_hello(self, hello: Hello) -> Refused | None:
+        if self.cluster_token is not None and not token_matches(hello.token or None, self.cluster_token):
+            return Refused("the sender did not present this cluster's token", code="auth")
         if hello.version != PROTOCOL_VERSION:
             return Refused(f"protocol version {hello.version} != receiver's {PROTOCOL_VERSION}",
                            code="version")

@@ -51,6 +51,7 @@ class SenderOptions:
     # Block checksum of every connection (wire.CHECKSUM_ALGOS). None: the backend's default
     # (xxh3_64; ``make_sender`` picks wsum32_v1, computed on the device, for a GPU node).
     checksum: str | None = None
+    cluster_token: str | None = field(default=None, repr=False)  # sent in every Hello
 
 
 @dataclass(slots=True, eq=False)
@@ -216,7 +217,10 @@ class FramedSender(KVSender):
         try:
             async with asyncio.timeout(self.options.connect_timeout_s):
                 channel = await self._open(addr)
-                await channel.send(self._hello())
+                hello = self._hello()
+                if self.options.cluster_token:
+                    hello.token = self.options.cluster_token
+                await channel.send(hello)
                 reply = await channel.recv()
         except TimeoutError:
             if channel is not None:

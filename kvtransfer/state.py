@@ -8,12 +8,17 @@ aborted, and hands them to the request when it is owned.
 
 ::
 
-    reserve --> RESERVED --first block--> TRANSFERRING --every block ok + complete()--> COMPLETE
+    reserve --> RESERVED --first block--> TRANSFERRING --every block ok, prefilled, complete()--> COMPLETE
                    |                          |                                            |
                    |  fail(): a block not ok, lease expired, peer error              own(): request admitted
                    +--------------------------+--------> FAILED                            v
                    |  abort(): client gone, request cancelled                            OWNED
                    +--------------------------+--------> ABORTED    (COMPLETE may fail or abort too)
+
+The lease renews with every block that lands, so a long prompt whose blocks keep
+coming is never cut off, while a sender that stops (dead, partitioned, stuck) lets it
+expire ``lease_s`` after its last block. ``prefilled()`` records that the prefill node
+answered (the first token is known); ``ready()`` is what the decode node waits for.
 
 ``fail`` and ``abort`` are idempotent: on a transfer already FAILED or ABORTED they
 change nothing, and ``abort`` of an OWNED transfer is a no-op (the request now
@@ -49,9 +54,11 @@ class Transfer:
     request_id: str
     dest_block_ids: tuple[int, ...]  # the decode node's blocks reserved for this transfer
     created: float  # clock() at reserve
+    lease_s: float  # the lease, renewed to now + lease_s by every block that lands
     lease_deadline: float  # clock() after which a transfer not yet complete has expired
     state: TransferState = TransferState.RESERVED
     landed: set[int] = field(default_factory=set)  # dest ids reported ok
+    prefilled: bool = False  # the prefill node answered with the first token
     reason: str | None = None  # why it failed or was aborted
 
     @property
@@ -84,7 +91,7 @@ class TransferTable:
         assert lease_s > 0, f"lease_s must be > 0, got {lease_s}"
         now = self._clock()
         transfer = Transfer(transfer_id=transfer_id, request_id=request_id,
-                            dest_block_ids=tuple(dest_block_ids), created=now,
+                            dest_block_ids=tuple(dest_block_ids), created=now, lease_s=lease_s,
                             lease_deadline=now + lease_s)
         self._transfers[transfer_id] = transfer
         return transfer
@@ -106,7 +113,20 @@ class TransferTable:
             self.fail(transfer_id, f"block {dest_block_id}: {reason or 'rejected'}")
         else:
             transfer.landed.add(dest_block_id)
+            transfer.lease_deadline = self._clock() + transfer.lease_s
         return transfer
+
+    def prefilled(self, transfer_id: str) -> Transfer | None:
+        """Record the prefill node's answer (ignored unless the transfer is live)."""
+        transfer = self._transfers.get(transfer_id)
+        if transfer is not None and transfer.state in LIVE:
+            transfer.prefilled = True
+        return transfer
+
+    def ready(self, transfer_id: str) -> bool:
+        """Every block landed and the prefill node answered: ``complete()`` may be called."""
+        transfer = self._transfers.get(transfer_id)
+        return transfer is not None and transfer.state in LIVE and transfer.all_landed and transfer.prefilled
 
     def is_live(self, transfer_id: str) -> bool:
         """Whether blocks for this transfer may still be written (reserved or transferring)."""
@@ -175,7 +195,8 @@ class TransferTable:
         """One JSON-ready dict per transfer, oldest first, for ``/debug/transfers``."""
         now = self._clock()
         return [{"transfer_id": t.transfer_id, "request_id": t.request_id, "state": t.state.value,
-                 "blocks": len(t.dest_block_ids), "landed": len(t.landed), "reason": t.reason,
+                 "blocks": len(t.dest_block_ids), "landed": len(t.landed), "prefilled": t.prefilled,
+                 "reason": t.reason,
                  "age_s": round(now - t.created, 3),
                  "lease_left_s": round(t.lease_deadline - now, 3)}
                 for t in sorted(self._transfers.values(), key=lambda t: t.created)]

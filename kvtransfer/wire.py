@@ -43,6 +43,7 @@ class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
     version: int = PROTOCOL_VERSION
     want_shm: bool = False  # the sender writes through the receiver's shared cache
     group: str = ""  # nccl backend: the process group kind the sender joins, "gloo" or "nccl"
+    token: str = ""  # the cluster token (common/auth.py); a receiver that has one refuses others
 
 
 class ShmInfo(msgspec.Struct, tag="shm_info", omit_defaults=True):
@@ -102,7 +103,7 @@ class Refused(msgspec.Struct, tag="refused", omit_defaults=True):
     """Receiver -> sender: handshake refused; the receiver closes the connection after it."""
 
     reason: str
-    code: str = ""  # "layout", "checksum", "version", "shm" or "" (other)
+    code: str = ""  # "layout", "checksum", "version", "shm", "auth" or "" (other)
 
 
 class Blocks(msgspec.Struct, tag="blocks", omit_defaults=True):

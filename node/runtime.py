@@ -6,32 +6,44 @@
 - the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
   fed from the engine thread, under the same node id and epoch;
 - a per-node Prometheus registry and the routes GET /health, /metrics,
-  /debug/state (JSON: device, dtype, KV pool size, load, transfers).
+  /debug/state (JSON: device, dtype, KV pool size, load, transfers);
+- the guard of every route: the cluster token (common/auth.py) on everything but
+  /health and /metrics (401 without it, 403 with a wrong one), and 503 with
+  Retry-After on new work while draining;
+- the process's life: /dev/shm KV segments of dead owners removed on start
+  (node/shm_segments.py), its own on exit; SIGTERM drains (stop taking work,
+  deregister, let in-flight requests finish within ``drain_grace_s``, exit 0).
+
+Must not read engine state from the event loop: it reads ``EngineLoop.stats``.
 """
 
 import asyncio
 import logging
 import os
 import signal
-import uuid
 from typing import Awaitable, Callable
 
 from aiohttp import web
 
+from splitserve.common.auth import CLUSTER_TOKEN_HEADER, token_matches
 from splitserve.common.config import NodeConfig
+from splitserve.common.http import error_response
 from splitserve.common.kv_events import KVEvent
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.engine_loop import BlockExporter, EngineLoop
 from splitserve.kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from splitserve.kvtransfer.layout import KVLayout
 from splitserve.node.kv_publisher import KVEventPublisher
 from splitserve.node.metrics import NodeMetrics
+from splitserve.node.shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
 RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
 NODE = web.AppKey("node", object)  # the role's server object (DecodeNode | PrefillNode)
+OPEN_PATHS = ("/health", "/metrics")  # no cluster token needed
+DRAIN_POLL_S = 0.1
 
 
 def layout_from_shape(shape: tuple[int, ...], dtype) -> KVLayout:
@@ -53,6 +65,8 @@ class NodeRuntime:
         self.http_addr = ""
         self.metrics = NodeMetrics(config.engine.model_id, config.role)
         self.debug_extra: Callable[[], dict] = dict
+        self.draining = False  # SIGTERM received: new work is refused with 503
+        self._heartbeat_stopped = False
         self.heartbeat: Heartbeat | None = None
         self.publisher: KVEventPublisher | None = None
         self._registry: NodeRegistry | None = None
@@ -62,8 +76,11 @@ class NodeRuntime:
         """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
         /dev/shm so a same-host prefill node can write blocks straight into it."""
         factory = None
+        removed = remove_dead_segments()
+        if removed:
+            log.info("removed %d /dev/shm KV segments of dead processes: %s", len(removed), ", ".join(removed))
         if shm:
-            self.shm_name = f"splitserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.shm_name = segment_name(os.getpid())
             factory = lambda shape, dtype: allocate_kv_cache(layout_from_shape(shape, dtype), shape[2],
                                                              self.shm_name)
         self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
@@ -74,25 +91,22 @@ class NodeRuntime:
     def kv_pool(self) -> dict:
         """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
         kv, cfg = self.engine.runner.kv_caches, self.config.engine
-        blocks = kv.shape[2]
+        blocks = self.engine.num_blocks  # the tensor may hold one more: static decode's scratch block
+        block_bytes = kv.numel() * kv.element_size() // kv.shape[2]
         return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
-                "bytes": kv.numel() * kv.element_size(), "tokens": blocks * cfg.block_size,
+                "bytes": blocks * block_bytes, "tokens": blocks * cfg.block_size,
                 "gpu_memory_utilization": cfg.gpu_memory_utilization}
 
-    def loop_start(self, on_deltas) -> None:
+    def loop_start(self, on_deltas, exporter: BlockExporter | None = None) -> None:
         def deliver(deltas):
             on_deltas(deltas)
             self.metrics.observe_deltas(deltas)
             if self.heartbeat is not None and any(d.finish_reason for d in deltas):
                 self.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
-        role_observer = self.engine.step_observer  # the prefill node packs blocks there
-
-        def observe(out):
-            if role_observer is not None:
-                role_observer(out)
-            self.metrics.observe_step(out, len(self.engine.scheduler.requests))
-        self.engine.step_observer = observe
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), deliver, self._on_kv_events)
+        # engine thread, after each step: request timing for the metrics (the EngineLoop chains
+        # its KV export, if any, in front of it)
+        self.engine.step_observer = lambda out: self.metrics.observe_step(out, len(self.engine.scheduler.requests))
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter)
         self.loop.start()
 
     def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
@@ -119,6 +133,10 @@ class NodeRuntime:
             self.heartbeat.start()
 
     async def stop_heartbeat(self) -> None:
+        """Deregister and stop publishing (idempotent: drain calls it, then the lifespan)."""
+        if self._heartbeat_stopped:
+            return
+        self._heartbeat_stopped = True
         if self.heartbeat is not None:
             await self.heartbeat.stop()
             await self._registry.close()
@@ -133,29 +151,45 @@ class NodeRuntime:
             free_shared_kv_cache(self.shm_name)
 
     def state(self) -> dict:
-        kv = self.engine.kv
+        st = self.loop.stats
         index = None if self.publisher is None else {
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
-        return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "kv_index": index,
+        return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
+                "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
                 "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.kv_pool(),
-                "kv_blocks_total": kv.num_blocks, "kv_blocks_free": kv.num_free_blocks,
-                "load": self.loop.load._asdict(), "steps": self.loop.steps, "busy_s": self.engine.busy_s,
-                "computed_tokens": self.engine.num_computed_tokens_total,
-                "preemptions": self.engine.num_preemptions_total, **self.debug_extra()}
-
+                "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
+                "load": st.load._asdict(), "steps": st.steps, "busy_s": st.busy_s,
+                "computed_tokens": st.computed_tokens, "preemptions": st.preemptions, **self.debug_extra()}
 
 
 def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str]) -> web.Application:
     """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` live in the
     app's lifespan; ``posts`` maps POST paths to the node's handler method names.
-    A node class provides ``on_deltas``, ``debug_state``, ``async start()`` and ``async stop()``."""
-    app = web.Application(client_max_size=64 << 20)  # prompts of a long context fit
+    A node class provides ``on_deltas``, ``exporter`` (a BlockExporter or None), ``inflight()``,
+    ``debug_state``, ``async start()`` and ``async stop()``."""
+    new_work = set(posts) - {"/abort"}  # refused while draining; aborts still work
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            presented = request.headers.get(CLUSTER_TOKEN_HEADER)
+            if config.cluster_token is not None and not token_matches(presented, config.cluster_token):
+                status = 401 if presented is None else 403
+                return error_response(status, f"{request.path} is internal: send this cluster's token "
+                                      f"in {CLUSTER_TOKEN_HEADER}")
+        if request.path in new_work and RUNTIME in request.app and request.app[RUNTIME].draining:
+            resp = error_response(503, "this node is draining (shutting down); use another node")
+            resp.headers["Retry-After"] = "1"
+            return resp
+        return await handler(request)
+
+    app = web.Application(client_max_size=64 << 20, middlewares=[guard])  # prompts of a long context fit
 
     async def lifespan(app):
         rt = NodeRuntime(config)
         await rt.start_engine(shm)
         node = node_cls(config, rt)
-        rt.loop_start(node.on_deltas)
+        rt.loop_start(node.on_deltas, node.exporter)
         await node.start()
         rt.debug_extra = node.debug_state
         app[RUNTIME], app[NODE] = rt, node
@@ -179,7 +213,7 @@ def add_common_routes(app: web.Application) -> None:
 
     async def metrics(request):
         rt = request.app[RUNTIME]
-        rt.metrics.set_load(rt.loop.load, rt.engine.num_preemptions_total,
+        rt.metrics.set_load(rt.loop.load, rt.loop.stats.preemptions,
                             rt.heartbeat.failures if rt.heartbeat is not None else 0)
         body, content_type = rt.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -221,13 +255,30 @@ def build_app(config: NodeConfig) -> web.Application:
 
 
 async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> None:
-    """Run a node app until ``stop`` is set; prints ``READY <http_addr> <node_id>`` for launchers."""
+    """Run a node app until ``stop`` is set, then drain; prints ``READY <http_addr> <node_id>``
+    for launchers."""
     runner = await start_site(app, config)
     try:
         print(f"READY {app[RUNTIME].http_addr} {app[RUNTIME].node_id}", flush=True)
         await stop.wait()
+        await drain(app, config.drain_grace_s)
     finally:
         await runner.cleanup()
+
+
+async def drain(app: web.Application, grace_s: float) -> None:
+    """Stop taking new work (503), deregister so routers stop choosing this node, and
+    wait up to ``grace_s`` for in-flight requests; what is left is cancelled by the
+    cleanup that follows (its blocks freed like any aborted request's)."""
+    rt, node = app[RUNTIME], app[NODE]
+    rt.draining = True
+    await rt.stop_heartbeat()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while node.inflight() and loop.time() < deadline:
+        await asyncio.sleep(DRAIN_POLL_S)
+    left = node.inflight()
+    log.warning("node %s drained%s", rt.node_id, f"; cancelling {left} requests past the grace period" if left else "")
 
 
 def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

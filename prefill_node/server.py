@@ -7,12 +7,19 @@ HTTP API (msgpack, see common/protocol.py):
   POST /prefill  PrefillRequest -> PrefillResult, once every block was sent
   POST /abort    Abort -> 200 (idempotent)
   GET  /health, /metrics, /debug/state
+(the cluster token guards all but /health and /metrics; the KV sender presents it in
+its handshake)
 
 Block streaming, per request (engine thread -> event loop -> transport):
 
+  ExportKV(req, skip_blocks), then AddRequest (engine/engine_loop.py):
   step k computes tokens .. n_k:  blocks [sent, n_k // bs) are complete -> pack
   last step (prompt done):        also the partial last block            -> pack
-  packed blocks -> per-transfer queue -> KVSender.send_blocks (in order)
+  BlocksReady events -> per-transfer queue -> KVSender.send_blocks (in order)
+
+A prompt that cannot start now (too many waiting, KV pool full, node draining) is
+refused with 503 and Retry-After, so the decode node prefills it itself at once
+instead of waiting out its lease.
 """
 
 import asyncio
@@ -28,7 +35,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.http import error_response, msgpack_response, read_msgpack
 from splitserve.common.protocol import Abort, PrefillRequest, PrefillResult
 from splitserve.engine.engine_core import EngineCore, RequestDelta
-from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
 from splitserve.kvtransfer import TransferError, make_sender, sender_options
 from splitserve.kvtransfer.block_store import KVBlockStore
 from splitserve.node.runtime import NodeRuntime, build_node_app
@@ -38,29 +45,30 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Outgoing:
-    """One request's outgoing transfer."""
+    """One request's outgoing transfer (event loop only)."""
     task: PrefillRequest
-    packed_upto: int  # blocks [0, packed_upto) handed to the send queue (starts at skip_blocks)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (dest ids, packed bytes) | None
     first: RequestDelta | None = None  # the sampled first token, once the prompt is done
-    done: asyncio.Future | None = None  # resolved with the first-token delta, or an exception
 
 
 class PrefillNode:
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
-        self.engine: EngineCore = runtime.engine
-        self.out: dict[str, Outgoing] = {}  # req_id -> transfer state; read by the engine thread
+        self.engine: EngineCore = runtime.engine  # config and block store only: the engine thread owns it
+        self.out: dict[str, Outgoing] = {}  # req_id -> transfer state
         self.store = KVBlockStore(self.engine.runner.kv_caches, runtime.layout)
+        # the engine thread packs completed prompt blocks (a fresh buffer, not a view of the cache:
+        # safe once the blocks are freed) and hands them to _on_blocks here
+        self.exporter = BlockExporter(self.store.pack, self._on_blocks)
         self.senders = {}  # backend -> KVSender (one connection pool each)
         m = runtime.metrics
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
-        self.engine.step_observer = self._after_step
 
     def _sender(self, backend: str):
         if backend not in self.senders:
-            options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0)
+            options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0,
+                                     cluster_token=self.config.cluster_token)
             self.senders[backend] = make_sender(backend, self.rt.layout, options,
                                                 device=self.config.engine.device)
         return self.senders[backend]
@@ -72,24 +80,16 @@ class PrefillNode:
         for s in self.senders.values():
             await s.close()
 
-    # ---- engine thread -----------------------------------------------------------------------
-    def _after_step(self, sched: SchedulerOutput) -> None:
-        """Pack blocks completed by this step (engine thread, before finished requests free them)."""
-        bs = self.engine.config.block_size
-        for req, _ in sched.scheduled:
-            o = self.out.get(req.request_id)
-            if o is None:
-                continue
-            n_prompt = len(req.prompt_token_ids)
-            upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
-            if upto <= o.packed_upto:
-                continue
-            ids = self.engine.kv.block_ids(req.request_id)[o.packed_upto:upto]
-            skip = o.task.skip_blocks
-            dests = o.task.dest_block_ids[o.packed_upto - skip:upto - skip]
-            packed = self.store.pack(ids)  # a fresh buffer, not a view of the cache: safe once blocks are freed
-            o.packed_upto = upto
-            self.rt.loop.call_soon(o.queue.put_nowait, (dests, packed))
+    def inflight(self) -> int:
+        return len(self.out)
+
+    # ---- engine events (on this event loop) -----------------------------------------------
+    def _on_blocks(self, ev: BlocksReady) -> None:
+        o = self.out.get(ev.request_id)
+        if o is None:
+            return  # aborted meanwhile
+        skip = o.task.skip_blocks
+        o.queue.put_nowait((o.task.dest_block_ids[ev.start - skip:ev.end - skip], ev.packed))
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         for d in deltas:
@@ -99,6 +99,19 @@ class PrefillNode:
                 o.queue.put_nowait(None)  # every block is queued before the first token is sampled
 
     # ---- event loop ----------------------------------------------------------------------------
+    def _refusal(self, task: PrefillRequest) -> str | None:
+        """Why this node cannot start ``task`` now (None: it can). Read from the engine's
+        published load: a prompt that would wait for blocks is better prefilled elsewhere
+        than accepted and left to time out."""
+        load = self.rt.loop.load
+        bs = self.engine.config.block_size
+        if load.waiting >= self.engine.config.max_num_seqs:
+            return f"{load.waiting} requests already wait here"
+        need = math.ceil((load.queued_prefill_tokens + len(task.token_ids)) / bs)
+        if need > load.kv_free_blocks:
+            return f"KV pool full ({load.kv_free_blocks} free blocks, {need} needed with the queue)"
+        return None
+
     async def prefill(self, request: web.Request) -> web.Response:
         try:
             task = await read_msgpack(request, PrefillRequest)
@@ -109,14 +122,23 @@ class PrefillNode:
         rid = task.request_id
         if rid in self.out:
             return error_response(409, f"request {rid} is already being prefilled", "request_id")
+        refusal = self._refusal(task)
+        if refusal is not None:
+            self.m_requests.labels("refused").inc()
+            resp = error_response(503, f"prefill node busy: {refusal}")
+            resp.headers["Retry-After"] = "1"
+            return resp
         # one token, sampled with the request's own parameters; stops are the decode node's job
         params = msgspec.structs.replace(task.sampling_params, max_tokens=1, ignore_eos=True, stop=[],
                                          stop_token_ids=[])
-        o = Outgoing(task, packed_upto=task.skip_blocks)
+        o = Outgoing(task)
         self.out[rid] = o
         sender_task = None
+        loop = self.rt.loop
         try:
-            await self.rt.loop.call(lambda e: e.add_request(rid, task.token_ids, params))
+            export = loop.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
+            await loop.submit(AddRequest(rid, task.token_ids, params))
+            await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))
             sent = await sender_task
@@ -142,7 +164,7 @@ class PrefillNode:
             self.out.pop(rid, None)
             if sender_task is not None and not sender_task.done():
                 sender_task.cancel()
-            await asyncio.shield(self.rt.loop.call(lambda e: e.abort(rid)))
+            await asyncio.shield(loop.submit(AbortRequest(rid)))
 
     async def _send_all(self, sender, o: Outgoing) -> int:
         sent = 0
@@ -170,7 +192,7 @@ class PrefillNode:
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         o = self.out.get(msg.request_id)
-        found = await self.rt.loop.call(lambda e: e.abort(msg.request_id))
+        found = await self.rt.loop.submit(AbortRequest(msg.request_id))
         if o is not None:
             o.queue.put_nowait(None)
         return web.json_response({"aborted": bool(found or o is not None)})

@@ -3,10 +3,17 @@ lifespan that owns its clients.
 
     build_app(config)            -> web.Application (loads the tokenizer; no I/O yet)
     await start_router(config)   -> RunningRouter (serving; port 0 picks a free port)
-    run_router(config)           blocks serving until SIGINT / SIGTERM (the CLI)
+    run_router(config)           blocks serving until SIGINT / SIGTERM (the CLI); the
+                                 first signal drains (new requests 503, in-flight ones
+                                 finish within --drain-grace), a second stops at once
+
+Middlewares, outermost first: errors (OpenAI bodies, request ids, the request
+counter) -> API key (auth.py, 401) -> admission (admission.py: 429 over
+--max-inflight, 503 while draining). Below them, the listener (listener.py) caps
+open connections and aiohttp's keep-alive timer doubles as the header timeout.
 
 The lifespan (cleanup_ctx) creates, in order, the Redis `NodeRegistry`, the node
-discovery task, the Redis `KVIndex` (prefix-index reads), the pooled
+discovery task, the Redis `KVIndex` and the prefix-index mirror task, the pooled
 `aiohttp.ClientSession` to the nodes and the dispatcher, and closes them in reverse
 after waiting for pending aborts.
 
@@ -16,8 +23,8 @@ Must not import torch or `splitserve.engine`, or touch tensors.
 from __future__ import annotations
 
 import asyncio
-import signal
 import logging
+import signal
 import uuid
 from collections.abc import AsyncIterator
 from typing import NamedTuple
@@ -25,39 +32,51 @@ from typing import NamedTuple
 import aiohttp
 from aiohttp import web
 
+from splitserve.common.auth import redact_url
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
 from splitserve.router import endpoints, extra_endpoints, openai_api
+from splitserve.router.admission import Admission
+from splitserve.router.auth import api_key_middleware
 from splitserve.router.background import BackgroundTasks
 from splitserve.router.config import RouterConfig
 from splitserve.router.decisions import DecisionLog
 from splitserve.router.discovery import NodeDirectory
 from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import ApiError
+from splitserve.router.listener import listen, raise_file_limit
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.node_client import NodeClient
 from splitserve.router.policy import make_policy
 from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.state import (CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES, TOKENIZER,
-                                     RouterServices)
+from splitserve.router.state import (ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES,
+                                     TOKENIZER, RouterServices)
 from splitserve.router.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 128
 ABORT_DRAIN_S = 5.0  # shutdown waits this long for pending aborts to reach the nodes
+# After the drain, handlers still running get this long before they are cancelled.
+HANDLER_SHUTDOWN_S = 1.0
+# After an answer that left the body unread (401, 413, 415, 429, 408), aiohttp reads and
+# drops the rest for up to this long before closing, so the client sees the answer
+# rather than a reset; short, since a slow client could hold the socket meanwhile.
+LINGER_S = 2.0
 
 
 def build_app(config: RouterConfig) -> web.Application:
     """The router app for ``config``. Raises ValueError naming the setting when the
     model folder is unusable."""
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_error_middleware])
+                          middlewares=[_error_middleware, api_key_middleware,
+                                       _admission_middleware])
     app[CONFIG] = config
     app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
     app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
+    app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
     make_policy(config.policy, config.weights)  # fail now on a bad name, not at the first request
     app.cleanup_ctx.append(_services)
     app.on_response_prepare.append(_add_request_id)
@@ -83,21 +102,25 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     directory.start()
     index = KVIndex(config.redis_url, timeout_s=config.index_timeout_s)
     prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,
-                         config.index_timeout_s, config.index_retry_s)
+                         retry_s=config.index_retry_s)
+    prefix.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
     # No connection cap: every streaming request holds one connection to its node.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     background = BackgroundTasks()
-    client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s)
+    client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
+                        config.cluster_token, on_node_down=directory.mark_addr_down)
     dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
-                            app[TOKENIZER], metrics, background, prefix, app[DECISIONS])
+                            app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
+                            config.retry_after_s)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
     log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
-             config.model_id, config.policy, config.block_size, config.redis_url,
+             config.model_id, config.policy, config.block_size, redact_url(config.redis_url),
              len(directory.nodes))
     try:
         yield
     finally:
         await directory.stop()
+        await prefix.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
         await index.close()
@@ -144,39 +167,82 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         request.app[METRICS].requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 
+@web.middleware
+async def _admission_middleware(request: web.Request, handler) -> web.StreamResponse:
+    return await request.app[ADMISSION].guard(request, handler)
+
+
 async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["x-request-id"] = request.get(REQUEST_ID) or uuid.uuid4().hex
 
 
 class RunningRouter(NamedTuple):
     runner: web.AppRunner
+    server: asyncio.Server  # the listening socket (listener.py)
     url: str  # "http://host:port", the port actually bound
 
+    @property
+    def admission(self) -> Admission:
+        return self.runner.app[ADMISSION]
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuse new requests (503), wait up to ``grace_s`` for in-flight ones;
+        True if none was left."""
+        self.admission.start_drain()
+        return await self.admission.wait_idle(grace_s)
+
     async def stop(self) -> None:
+        """Close the listener, cancel what still runs, close the app's clients."""
+        self.server.close()
         await self.runner.cleanup()
 
 
 async def start_router(config: RouterConfig) -> RunningRouter:
     """Serve the router in the running event loop (tests, embedding)."""
-    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    if config.exposed_without_key:
+        log.warning("router: listening on %s with NO API KEY: anyone who can reach this port "
+                    "can generate and read /debug/decisions. Pass --api-key (or set "
+                    "SPLITSERVE_API_KEY), or bind 127.0.0.1", config.host)
+    app = build_app(config)
+    # keepalive_timeout: aiohttp's keep-alive timer starts with the connection and closes
+    # one still waiting for a complete request, so it is also the header timeout.
+    # auto_decompress off: compressed bodies are refused (request_body.py), never inflated.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=config.header_timeout_s, auto_decompress=False,
+                           lingering_time=LINGER_S, shutdown_timeout=HANDLER_SHUTDOWN_S)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return RunningRouter(runner, f"http://{host}:{port}")
+    server = await listen(runner, config.host, config.port, config.max_connections,
+                          config.retry_after_s, app[METRICS])
+    host, port = server.sockets[0].getsockname()[:2]
+    return RunningRouter(runner, server, f"http://{host}:{port}")
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve until SIGINT / SIGTERM (``splitserve router``); prints ``READY <url>`` once bound."""
+    """Serve until SIGINT / SIGTERM (``splitserve router``); prints ``READY <url>`` once
+    bound. The first signal drains, a second one (or the grace period) stops."""
+    raise_file_limit(config.max_connections)
+
     async def main():
-        stop = asyncio.Event()
+        signalled = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            asyncio.get_running_loop().add_signal_handler(sig, signalled.set)
         running = await start_router(config)
         log.info("router: listening on %s", running.url)
         print(f"READY {running.url}", flush=True)
         try:
-            await stop.wait()
+            await signalled.wait()
+            signalled.clear()
+            inflight = running.admission.inflight
+            log.info("router: draining: refusing new requests, %d in flight get up to %g s",
+                     inflight, config.drain_grace_s)
+            drain = asyncio.create_task(running.drain(config.drain_grace_s))
+            second = asyncio.create_task(signalled.wait())
+            await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
+            second.cancel()
+            if not drain.done() or not drain.result():
+                drain.cancel()
+                log.warning("router: stopping with %d requests still in flight",
+                            running.admission.inflight)
         finally:
             await running.stop()
 

@@ -28,9 +28,16 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
     decode(d)  = w.transfer * (L - C(d))                           blocks sent to d
                + w.decode_request * reqs(d) + w.kv_usage * u(d)
       with no prefill node (d prefills itself), the transfer term is replaced by
-               W(d) + queued_prefill_tokens(d)
+               W(d) + max(queued_prefill_tokens(d), in-flight work on d)
 
-    pick (p, d) minimizing prefill(p) + decode(d)
+    pick (p, d) minimizing prefill(p) + decode(d) + w.remote_prefill
+    or, when some decode node d has at most w.local_prefill_tokens of the prompt
+    uncached (a short prompt, or one d mostly holds), d alone (it prefills itself,
+    no remote hop) if its local cost W(d) + queued(d) + decode load is lower
+
+    predicted TTFT (token-equivalents; x w.token_s = seconds, /debug/decisions):
+      remote: W(p) + max(queued(p), in-flight work) + w.prefill_request * reqs(p)
+              + w.remote_prefill          local: W(d) + queued_prefill_tokens(d)
 
 The pair cost is a sum of a prefill-only and a decode-only term, so the joint
 minimum is the cheapest prefill node with the cheapest decode node: O(P + D), not
@@ -91,14 +98,28 @@ class CacheAware:
         now = time.monotonic()
         recent = {p.node_id: self.recent.get(p.node_id, now) for p in prefills}
         mean = sum(recent.values()) / len(recent) if recent else 0.0
-        prefill = _cheapest(prefills, lambda p: self.prefill_cost(p, n, cached, inflight, inflight_tokens)
-                            + self.balance_cost(recent[p.node_id] - mean, n, cached.get(p.node_id, 0)),
-                            turn)
-        decode = _cheapest(decodes, lambda d: self.decode_cost(d, n, cached, inflight, local), turn)
-        work = self.work(n, cached.get((prefill or decode).node_id, 0))
+        prefill, p_cost = _cheapest(
+            prefills, lambda p: self.prefill_cost(p, n, cached, inflight, inflight_tokens)
+            + self.balance_cost(recent[p.node_id] - mean, n, cached.get(p.node_id, 0)), turn)
+        decode, d_cost = _cheapest(
+            decodes, lambda d: self.decode_cost(d, n, cached, inflight, local, inflight_tokens), turn)
+        if prefill is not None:
+            # Skip the remote prefill when a decode node holds most of the prompt or it is short.
+            near = [d for d in decodes if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens]
+            alone, a_cost = _cheapest(
+                near, lambda d: self.decode_cost(d, n, cached, inflight, True, inflight_tokens), turn)
+            if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
+                prefill, decode = None, alone
+        hit = cached.get((prefill or decode).node_id, 0)
+        work = self.work(n, hit)
         if prefill is not None:
             self.recent.add(prefill.node_id, work, now)
-        return Decision(prefill, decode, work)
+            ahead = max(prefill.load.queued_prefill_tokens, inflight_tokens.get(prefill.node_id, 0))
+            ttft = (work + ahead + self.w.prefill_request * _requests(prefill, inflight)
+                    + self.w.remote_prefill)
+        else:
+            ttft = work + max(decode.load.queued_prefill_tokens, inflight_tokens.get(decode.node_id, 0))
+        return Decision(prefill, decode, work, ttft, ttft * self.w.token_s if self.w.token_s else None)
 
     def work(self, prompt_len: int, hit: int) -> float:
         """Prefill work of a prompt with ``hit`` tokens cached, in token-equivalents:
@@ -119,11 +140,13 @@ class CacheAware:
         return self.w.balance * max(0.0, excess) * (prompt_len - hit) / prompt_len
 
     def decode_cost(self, d: NodeInfo, prompt_len: int, cached: Mapping[str, int],
-                    inflight: Mapping[str, int], local_prefill: bool) -> float:
+                    inflight: Mapping[str, int], local_prefill: bool,
+                    inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> float:
         w = self.w
         hit = cached.get(d.node_id, 0)
-        if local_prefill:
-            prompt = self.work(prompt_len, hit) + d.load.queued_prefill_tokens
+        if local_prefill:  # d prefills: its own prefill queue, fresh from this router's in-flight work
+            ahead = max(d.load.queued_prefill_tokens, inflight_tokens.get(d.node_id, 0))
+            prompt = self.work(prompt_len, hit) + ahead
         else:
             prompt = w.transfer * (prompt_len - hit)
         return prompt + w.decode_request * _requests(d, inflight) + w.kv_usage * d.load.kv_usage
@@ -134,13 +157,14 @@ def _requests(node: NodeInfo, inflight: Mapping[str, int]) -> int:
 
 
 def _cheapest(nodes: list[NodeInfo], cost: Callable[[NodeInfo], float], turn: int
-              ) -> NodeInfo | None:
+              ) -> tuple[NodeInfo | None, float]:
+    """(the cheapest node, ties rotating with ``turn``, its cost); (None, inf) for none."""
     if not nodes:
-        return None
+        return None, math.inf
     costs = [cost(n) for n in nodes]
     best = min(costs)
     tied = [n for n, c in zip(nodes, costs) if c <= best + _TIE_EPS]
-    return tied[turn % len(tied)]
+    return tied[turn % len(tied)], best
 
 
 class RecentWork:

@@ -2,10 +2,15 @@
 starts. Must not be written back to, and must not import torch or node code."""
 
 import argparse
+import ipaddress
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from splitserve.common.auth import add_cluster_token_args, check_secret, cluster_token_from_args
 from splitserve.common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 
@@ -30,6 +35,19 @@ class CacheAwareWeights:
     # prefixes; this caps how far one node's share runs ahead of the others'
     balance: float = 2.0
     balance_half_life_s: float = 300.0  # conversations last minutes
+    # The decode node prefills itself (no remote prefill) when at most this many prompt
+    # tokens are not in its cache (a short prompt, or one it mostly holds) and that is
+    # cheaper than the remote pair plus ``remote_prefill``, the fixed cost of the extra hop
+    # (task to the prefill node, KV handshake, last block's transfer). Off by default:
+    # on the long-context replay (benchmarks/README.md) 512 lowered TTFT p50 0.65 -> 0.37 s
+    # but raised max/mean prefill load 1.28 -> 1.45, and its cost to the decode node's
+    # running batch (TPOT) is not measured yet.
+    local_prefill_tokens: float = 0.0
+    remote_prefill: float = 128.0
+    # Seconds per token-equivalent, to report predicted TTFT in seconds in
+    # /debug/decisions (0: reported in token-equivalents only). A profile's prefill
+    # time per token (sim-nodes --list-profiles) is a fair value.
+    token_s: float = 0.0
 
     def __post_init__(self):
         for f in fields(self):
@@ -61,7 +79,7 @@ class CacheAwareWeights:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # nothing is open by default; 0.0.0.0 without an API key is warned about
     port: int = 8000  # 0: any free port (tests)
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Model folder (tokenizer.json, config.json, chat template), as the nodes' --model.
@@ -87,6 +105,29 @@ class RouterConfig:
     # request is failed (a hung node must not hang the client forever).
     node_read_timeout_s: float = 300.0
     node_connect_timeout_s: float = 2.0
+    # Clients must send "Authorization: Bearer <one of these>" on /v1/* and /debug/*.
+    # Empty: no authentication (fine on loopback; warned about anywhere else).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    protect_health: bool = False  # /health also needs an API key (off: probes stay simple)
+    protect_metrics: bool = False  # /metrics also needs an API key
+    # Sent to the nodes on every internal request; shows request ids on /debug/decisions
+    # to callers presenting it. None: no cluster token.
+    cluster_token: str | None = field(default=None, repr=False)
+    # Generating requests (/v1/completions, /v1/chat/completions) being served at once,
+    # body read to last byte streamed; more get a 429 with Retry-After. Each costs the
+    # router little (a socket to a node, a detokenizer); the nodes queue what they accept.
+    max_inflight: int = 512
+    # Open client connections; more are answered 503 and closed at once. Below the
+    # process's file limit, leaving room for one connection to a node per stream.
+    max_connections: int = 2048
+    # A connection must deliver a request's headers within this (it is also how long an
+    # idle keep-alive connection stays open), and a body within body_timeout_s (408):
+    # slow clients (slowloris) cannot hold connections for long.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # SIGTERM: new requests get 503 while in-flight ones finish, for at most this long.
+    drain_grace_s: float = 30.0
+    retry_after_s: int = 1  # Retry-After of 429 and 503 answers
 
     def __post_init__(self):
         names = tuple(self.served_model_names) or (self.model or BUNDLED_MODEL_ID,)
@@ -102,11 +143,27 @@ class RouterConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         for name in ("poll_interval_s", "node_read_timeout_s", "node_connect_timeout_s",
-                     "index_timeout_s", "index_retry_s"):
+                     "index_timeout_s", "index_retry_s", "header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        for name in ("max_inflight", "max_connections", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
+        for key in self.api_keys:
+            check_secret("api key", key)
+        if self.cluster_token is not None:
+            check_secret("cluster token", self.cluster_token)
+        if (self.protect_health or self.protect_metrics) and not self.api_keys:
+            raise ValueError("protect_health / protect_metrics: need an API key (--api-key)")
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Bound beyond loopback with no API key: anyone who reaches it can generate."""
+        return not self.api_keys and not _is_loopback(self.host)
 
     @property
     def model_id(self) -> str:
@@ -143,6 +200,27 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between reads of the node registry")
     g.add_argument("--node-read-timeout", type=float, default=d.node_read_timeout_s,
                    help="seconds a node's token stream may stay silent before the request fails")
+    s = p.add_argument_group("router security and admission")
+    s.add_argument("--api-key", action="append", default=None,
+                   help=f"a client key for 'Authorization: Bearer <key>' on /v1/* and /debug/* "
+                        f"(repeatable; default: ${API_KEY_ENV}, comma-separated; none: no "
+                        "authentication)")
+    s.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    s.add_argument("--protect-health", action="store_true", help="/health needs an API key too")
+    s.add_argument("--protect-metrics", action="store_true", help="/metrics needs an API key too")
+    add_cluster_token_args(s)
+    s.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                   help="generating requests served at once; more get 429 (default %(default)s)")
+    s.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open client connections; more get 503 (default %(default)s)")
+    s.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds to receive a request's headers, and keep-alive idle time "
+                        "(default %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds to receive a request's body; slower gets 408 (default %(default)s)")
+    s.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
+                   help="on SIGTERM, seconds in-flight requests may take to finish (default "
+                        "%(default)s)")
 
 
 def add_model_args(g) -> None:
@@ -163,4 +241,32 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         policy=args.policy, weights=CacheAwareWeights.parse(args.score_weights),
                         block_size=args.block_size, poll_interval_s=args.poll_interval,
                         node_read_timeout_s=args.node_read_timeout,
-                        index_timeout_s=args.index_timeout)
+                        index_timeout_s=args.index_timeout, api_keys=api_keys_from_args(args),
+                        protect_health=args.protect_health, protect_metrics=args.protect_metrics,
+                        cluster_token=cluster_token_from_args(args),
+                        max_inflight=args.max_inflight, max_connections=args.max_connections,
+                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        drain_grace_s=args.drain_grace)
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key flags plus the lines of --api-key-file; neither: $SPLITSERVE_API_KEY
+    (comma-separated). Raises ValueError naming the option when the file is unreadable."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        try:
+            keys += Path(args.api_key_file).read_text().split()
+        except OSError as e:
+            raise ValueError(f"api key file: cannot read {args.api_key_file}: {e.strerror}") from None
+    if not keys:
+        keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    return tuple(dict.fromkeys(keys))  # the config checks each
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

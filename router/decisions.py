@@ -2,8 +2,9 @@
 (``GET /debug/decisions``) and the prediction metrics.
 
 Owns the record of one decision (nodes chosen, predicted cached tokens per node and
-for the decision, how long deciding took) and its settlement once the response
-reported the cached tokens it really got. Must not route or talk to nodes.
+for the decision, the policy's predicted TTFT, how long deciding took) and its
+settlement once the response reported the cached tokens it really got and its
+first token came (delivered TTFT). Must not route or talk to nodes.
 
 Outcome of a settled decision with a prediction (predicted P, delivered D)::
 
@@ -32,7 +33,7 @@ KEEP = 256  # decisions kept for /debug/decisions
 
 @dataclass(slots=True)
 class DecisionRecord:
-    request_id: str
+    request_id: str | None  # None as /debug/decisions shows it without the cluster token
     ts: float  # unix time of the decision
     policy: str
     prefill: str | None  # node id; None: the decode node prefills
@@ -43,7 +44,11 @@ class DecisionRecord:
     predicted_cached_tokens: int | None
     node_cached_tokens: dict[str, int]  # node_id -> predicted cached tokens (hits only)
     decision_s: float
+    # The policy's TTFT prediction: token-equivalents, and seconds when it knows the rate.
+    predicted_ttft: float | None = None
+    predicted_ttft_s: float | None = None
     delivered_cached_tokens: int | None = None  # set when the generation finished
+    delivered_ttft_s: float | None = None  # router-measured, request start -> first token
     outcome: str | None = None  # hit | miss | unseen | none | failed
 
 
@@ -72,19 +77,22 @@ class DecisionLog:
             decode=decision.decode.node_id, prompt_tokens=prompt_tokens,
             predicted_cached_tokens=predicted,
             node_cached_tokens=dict(hits.cached) if hits is not None else {},
-            decision_s=decision_s)
+            decision_s=decision_s,
+            predicted_ttft=None if decision.predicted_ttft is None else round(decision.predicted_ttft, 1),
+            predicted_ttft_s=decision.predicted_ttft_s)
         self.records.append(rec)
         if predicted:
             self.metrics.predicted_cached_tokens.inc(predicted)
         return rec
 
-    def settle(self, rec: DecisionRecord, delivered: int | None) -> None:
+    def settle(self, rec: DecisionRecord, delivered: int | None, ttft_s: float | None = None) -> None:
         """The generation of ``rec`` ended; ``delivered``: the cached tokens it
-        reported, None when it failed (no outcome counted)."""
+        reported, None when it failed (no outcome counted); ``ttft_s``: its TTFT."""
         if delivered is None:
             rec.outcome = "failed"
             return
         rec.delivered_cached_tokens = delivered
+        rec.delivered_ttft_s = ttft_s
         predicted = rec.predicted_cached_tokens
         if predicted is None:
             return

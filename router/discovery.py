@@ -102,7 +102,17 @@ class NodeDirectory:
 
     def mark_unreachable(self, node: NodeInfo) -> None:
         """Avoid ``node`` until it restarts (new epoch) or the quarantine passes."""
+        if node.node_id not in self._unreachable:
+            log.warning("router: node %s (%s) is down; not routing to it until it re-registers "
+                        "with a new epoch", node.node_id, node.http_addr)
         self._unreachable[node.node_id] = (node.epoch, time.monotonic() + UNREACHABLE_QUARANTINE_S)
+
+    def mark_addr_down(self, http_addr: str) -> None:
+        """``mark_unreachable`` for the known node serving ``http_addr`` (a connection to it
+        failed or broke): routing stops at once instead of after its record expires."""
+        for n in self.nodes:
+            if n.http_addr == http_addr:
+                self.mark_unreachable(n)
 
     def counts(self) -> dict[str, int]:
         """role -> number of live nodes."""

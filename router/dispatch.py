@@ -9,7 +9,7 @@ policy sees). Answers "no decode node" with a 503 and a node's refusal with its 
 4xx.
 
 Must not talk to Redis itself (discovery.py keeps the node list, prefix_index.py
-reads the index) or detokenize.
+mirrors the index) or detokenize.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Dispatcher:
     background: BackgroundTasks
     prefix: PrefixIndex
     decisions: DecisionLog
+    retry_after_s: int = 1  # Retry-After of the 503 "no decode node"
     inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
     # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
     inflight_tokens: Counter = field(default_factory=Counter)
@@ -65,7 +66,7 @@ class Dispatcher:
             t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
             if hits is None and self.policy.uses_prefix_index:
-                hits = await self.prefix.lookup(prompt, nodes)
+                hits = self.prefix.lookup(prompt, nodes)
             decision = self.policy.choose(prompt, nodes, self.inflight,
                                           cached=hits.cached if hits else NO_CACHED,
                                           inflight_tokens=self.inflight_tokens)
@@ -101,7 +102,7 @@ class Dispatcher:
                 stream=stream, detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
                 metrics=self.metrics, abort=self._schedule_abort,
                 on_first_token=prefill_slot.release, on_close=decode_slot.release,
-                t_start=t_start, on_settle=lambda delivered: self.decisions.settle(rec, delivered))
+                t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s))
         if last_error is None:
             raise self._no_decode_node()
         self.metrics.failures.labels(reason="node_unavailable").inc()
@@ -116,7 +117,8 @@ class Dispatcher:
         else:
             msg = (f"no decode node for model `{d.model_id}` is reachable right now; "
                    "retry shortly")
-        return ApiError(503, msg, code="no_decode_node")
+        return ApiError(503, msg, code="no_decode_node",
+                        headers={"Retry-After": str(self.retry_after_s)})
 
     async def _open(self, d: Decision, req: GenerateRequest
                     ) -> tuple[TokenStream, InflightSlot, InflightSlot]:
@@ -124,8 +126,10 @@ class Dispatcher:
         it runs (and its ``d.prefill_work`` on the prefill node until the first
         token): (stream, prefill slot, decode slot). On any error the slots are
         released and the error re-raised."""
-        prefill = InflightSlot(self.inflight, self.inflight_tokens,
-                               d.prefill.node_id if d.prefill else None, d.prefill_work)
+        # The prefill work is in flight on the node that computes it (the decode node
+        # when it prefills itself) until the first token.
+        prefill = InflightSlot(self.inflight, self.inflight_tokens, (d.prefill or d.decode).node_id,
+                               d.prefill_work, count_request=d.prefill is not None)
         decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
         try:
             return await self.client.generate(d.decode.http_addr, req), prefill, decode
@@ -159,18 +163,22 @@ class InflightSlot:
     tokens: Counter
     node_id: str | None
     num_tokens: float = 0
+    count_request: bool = True  # False: tokens only (the request is counted by another slot)
     released: bool = False
 
     def __post_init__(self):
         if self.node_id is not None:
-            self.counts[self.node_id] += 1
+            if self.count_request:
+                self.counts[self.node_id] += 1
             self.tokens[self.node_id] += self.num_tokens
 
     def release(self) -> None:
         if self.released or self.node_id is None:
             return
         self.released = True
-        for counter, amount in ((self.counts, 1), (self.tokens, self.num_tokens)):
+        for counter, amount in ((self.counts, int(self.count_request)), (self.tokens, self.num_tokens)):
+            if not amount:
+                continue
             counter[self.node_id] -= amount
             if counter[self.node_id] <= 0:
                 del counter[self.node_id]

@@ -1,15 +1,22 @@
 """The router's small read-only endpoints: ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` and
-``GET /debug/decisions`` (the last routing decisions, predicted vs delivered).
-Must not change any state."""
+``GET /debug/decisions`` (the last routing decisions, predicted vs delivered; the
+request ids only to a caller presenting the cluster token: with an id anyone could
+abort another client's request on its node). Must not change any state."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import msgspec
 from aiohttp import web
 
+from splitserve.router.auth import has_cluster_token
+from splitserve.router.decisions import KEEP
 from splitserve.router.errors import ApiError
-from splitserve.router.state import CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
+from splitserve.router.state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
+
+DEFAULT_DECISIONS = 50
 
 
 def _model_card(request: web.Request, name: str) -> dict:
@@ -35,15 +42,18 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while at least one decode-capable node is known, else 503."""
+    """200 while at least one decode-capable node is known and the router is not
+    draining, else 503."""
     directory = request.app[SERVICES].directory
     counts = directory.counts()
     decode_capable = counts["decode"] + counts["colocated"]
-    body = {"status": "ok" if decode_capable else "no_decode_node",
+    draining = request.app[ADMISSION].draining
+    status = "draining" if draining else "ok" if decode_capable else "no_decode_node"
+    body = {"status": status,
             "prefill_nodes": counts["prefill"], "decode_nodes": counts["decode"],
             "colocated_nodes": counts["colocated"],
             "redis": "ok" if directory.redis_ok else "unreachable"}
-    return web.json_response(body, status=200 if decode_capable else 503)
+    return web.json_response(body, status=200 if status == "ok" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -52,10 +62,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def decisions(request: web.Request) -> web.Response:
-    """``?limit=N`` (default 50) most recent routing decisions, oldest first."""
-    raw = request.query.get("limit", "50")
-    if not raw.isdigit():
-        raise ApiError(400, f"limit: must be a non-negative integer, got {raw!r}", param="limit")
+    """``?limit=N`` (0..KEEP, default 50) most recent routing decisions, oldest first;
+    ``request_id`` null unless the caller presents the cluster token."""
+    raw = request.query.get("limit", str(DEFAULT_DECISIONS))
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and int(raw) <= KEEP):
+        raise ApiError(400, f"limit: must be an integer in [0, {KEEP}], got {raw[:20]!r}",
+                       param="limit")
     records = request.app[DECISIONS].last(int(raw))
+    if not has_cluster_token(request):
+        records = [dataclasses.replace(r, request_id=None) for r in records]
     return web.Response(body=msgspec.json.encode({"decisions": records}),
                         content_type="application/json")

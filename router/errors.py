@@ -20,10 +20,13 @@ from splitserve.common.errors import InvalidRequest
 # HTTP status -> OpenAI error type
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_error",
     502: "upstream_error",
     503: "service_unavailable",
@@ -35,12 +38,15 @@ class ApiError(Exception):
     """An error answer: raise it from a handler; the middleware turns it into JSON."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str | None = None):
+                 code: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None, close_connection: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}  # extra response headers: Retry-After, WWW-Authenticate
+        self.close_connection = close_connection  # no keep-alive after this answer
         self.type = type_ or _TYPES.get(status, "invalid_request_error" if status < 500
                                         else "internal_error")
 
@@ -53,8 +59,12 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def response(self, headers: dict | None = None) -> web.Response:
-        return web.Response(status=self.status, text=json.dumps(self.body()),
-                            content_type="application/json", headers=headers)
+        resp = web.Response(status=self.status, text=json.dumps(self.body()),
+                            content_type="application/json",
+                            headers={**self.headers, **(headers or {})})
+        if self.close_connection:
+            resp.force_close()
+        return resp
 
 
 def sse_error(err: ApiError) -> bytes:

@@ -6,8 +6,9 @@
     GET  /version                                               -> {"version": str}
     GET|POST /ping     200 with an empty body while a decode-capable node is known, else 503
 
-Owns only the parsing of these bodies; every bad field is a 400 naming it (a wrong
-``model`` a 404), as on the generation endpoints. Must not reach the nodes or change
+Owns only the parsing of these bodies, read and checked as the generation endpoints'
+(request_body.py, prepare.py): every bad field is a 400 naming it, a wrong ``model`` a
+404. With API keys set, /ping is open like /health (a probe), the rest need a key. Must not reach the nodes or change
 any state.
 """
 
@@ -23,6 +24,7 @@ from splitserve.router import endpoints
 from splitserve.router.errors import ApiError
 from splitserve.router.openai_types import ChatMessage
 from splitserve.router.prepare import chat_messages, check_model, decode_body
+from splitserve.router.request_body import read_body
 from splitserve.router.state import CONFIG, TOKENIZER
 
 
@@ -60,8 +62,9 @@ def register(app: web.Application) -> None:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    tok, served = request.app[TOKENIZER], request.app[CONFIG].served_model_names
-    body = await request.read()
+    config, tok = request.app[CONFIG], request.app[TOKENIZER]
+    served = config.served_model_names
+    body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
     if "messages" in _peek(body):  # vLLM tells the two request kinds apart the same way
         req: TokenizeChatRequest = decode_body(body, TokenizeChatRequest)
         check_model(req.model, served)
@@ -83,9 +86,10 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    tok = request.app[TOKENIZER]
-    req: DetokenizeRequest = decode_body(await request.read(), DetokenizeRequest)
-    check_model(req.model, request.app[CONFIG].served_model_names)
+    config, tok = request.app[CONFIG], request.app[TOKENIZER]
+    body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+    req: DetokenizeRequest = decode_body(body, DetokenizeRequest)
+    check_model(req.model, config.served_model_names)
     for i, t in enumerate(req.tokens):
         if not 0 <= t < tok.vocab_size:
             raise ApiError(400, f"tokens[{i}]: token id {t} is outside the vocabulary "
@@ -106,6 +110,6 @@ def _peek(body: bytes) -> dict:
     """The body as a dict when it is a JSON object, else {} (decode_body reports the error)."""
     try:
         obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return {}
     return obj if isinstance(obj, dict) else {}

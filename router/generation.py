@@ -51,7 +51,7 @@ class Generation:
     t_start: float  # loop time the HTTP request arrived
     # Called once by close() with the cached tokens reported (None: it did not finish):
     # settles the routing decision's prediction.
-    on_settle: Callable[[int | None], None] | None = None
+    on_settle: Callable[[int | None, float | None], None] | None = None  # (cached tokens, TTFT s)
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -122,7 +122,8 @@ class Generation:
         m.cached_tokens.inc(self.cached_tokens)
         if self.on_settle is not None:
             ok = self.finish_reason is not None and self._t_first is not None
-            self.on_settle(self.cached_tokens if ok else None)
+            self.on_settle(self.cached_tokens if ok else None,
+                           self._t_first - self.t_start if ok else None)
         if self.finish_reason is None:
             m.failures.labels(reason="client_disconnect" if client_gone
                               else self._failure or "cancelled").inc()

@@ -55,6 +55,8 @@ class RouterMetrics:
     predicted_cached_tokens: object
     predictions: object  # labels outcome (see decisions.py)
     prediction_hit_rate: object
+    inflight_requests: object  # generating HTTP requests admitted (admission.py)
+    admission_rejections: object  # labels reason (n.ADMISSION_REJECTION_REASONS)
 
     @classmethod
     def create(cls, model_name: str) -> RouterMetrics:
@@ -94,9 +96,9 @@ class RouterMetrics:
             decision_seconds=c.histogram(n.ROUTING_DECISION_SECONDS, "Prompt -> routing decision "
                                          "(hashing, prefix-index lookup, scoring)",
                                          DECISION_BUCKETS),
-            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups, by result (ok; "
-                                    "error: Redis unreachable or slow; skipped: backing off after "
-                                    "an error)", ["result"]),
+            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups in the router's "
+                                    "in-memory mirror, by result (ok; skipped: the mirror is not "
+                                    "usable, Redis unreachable: routing by load only)", ["result"]),
             predicted_cached_tokens=c.counter(n.PREDICTED_CACHED_TOKENS, "Prompt tokens the routing "
                                               "decisions predicted to be cached (compare with "
                                               + n.DELIVERED_CACHED_TOKENS + ")"),
@@ -107,12 +109,19 @@ class RouterMetrics:
                                   ["outcome"]),
             prediction_hit_rate=c.gauge(n.PREFIX_PREDICTION_HIT_RATE, "hit / (hit + miss) since "
                                         "start"),
+            inflight_requests=c.gauge(n.ROUTER_INFLIGHT_REQUESTS, "Generating HTTP requests being "
+                                      "served (admission counts these against --max-inflight)"),
+            admission_rejections=c.counter(n.ADMISSION_REJECTIONS, "Requests or connections "
+                                           "refused before any work, by reason (busy: 429 at "
+                                           "--max-inflight; draining: 503 after SIGTERM; "
+                                           "connections: 503 at --max-connections)", ["reason"]),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
         for counter, values in ((m.finished, n.FINISHED_REASONS), (m.failures, n.FAILURE_REASONS),
                                 (m.redis_errors, n.REDIS_OPS), (m.index_lookups, n.INDEX_LOOKUP_RESULTS),
-                                (m.predictions, n.PREDICTION_OUTCOMES)):
+                                (m.predictions, n.PREDICTION_OUTCOMES),
+                                (m.admission_rejections, n.ADMISSION_REJECTION_REASONS)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
         return m

@@ -4,7 +4,8 @@ stream, abort a request.
 Owns the wire side of the proxy: ``POST {node}/generate`` (msgpack
 `GenerateRequest`) answered by a stream of length-prefixed msgpack `TokenDelta`
 frames, or by a 4xx with a msgpack `ErrorBody`; ``POST {node}/abort`` (msgpack
-`Abort`, idempotent). Every failure becomes `NodeRejected` (the node refused the
+`Abort`, idempotent). Every request carries the cluster token, when the router has
+one, in the `CLUSTER_TOKEN_HEADER`. Every failure becomes `NodeRejected` (the node refused the
 request: the client's fault) or `NodeUnavailable` (the node failed); a silent node
 times out after ``read_timeout_s`` instead of hanging.
 
@@ -16,20 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 
+from splitserve.common.auth import auth_headers
+from splitserve.common.http import MSGPACK
 from splitserve.common.protocol import Abort, ErrorBody, FrameReader, GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
-MSGPACK = "application/msgpack"
 ABORT_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 0.2  # after the finishing frame, the node is expected to end the body at once
 _READ_CHUNK = 1 << 16
+# A stream cut by these means the node process or its host went away (not a slow node).
+CONNECTION_LOST = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
 
 class NodeRejected(Exception):
@@ -56,9 +60,11 @@ class TokenStream:
     """The open token stream of one request: `deltas()` yields `TokenDelta`s and ends
     after the one that carries a ``finish_reason``. Always `close()` it."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, addr: str):
+    def __init__(self, resp: aiohttp.ClientResponse, addr: str,
+                 on_node_down: Callable[[str], None] | None = None):
         self._resp = resp
         self._addr = addr
+        self._on_node_down = on_node_down
         self._reader = FrameReader(TokenDelta)
         self.finished = False  # the node sent the finishing delta
         self._drained = False  # the body was read to its end
@@ -78,6 +84,8 @@ class TokenStream:
                         break
                     yield delta
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if self._on_node_down is not None and isinstance(e, CONNECTION_LOST):
+                self._on_node_down(self._addr)
             raise NodeUnavailable(f"decode node {self._addr} failed mid-stream: {e!r}") from e
         except msgspec.DecodeError as e:
             raise NodeUnavailable(f"decode node {self._addr} sent a bad frame: {e}") from e
@@ -107,6 +115,13 @@ class NodeClient:
     session: aiohttp.ClientSession
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 300.0  # longest silence between two frames
+    cluster_token: str | None = None  # sent on every request; None: no header
+    # Called with a node's address when a connection to it fails or breaks (the directory
+    # stops routing there at once, not after its registry record expires).
+    on_node_down: Callable[[str], None] | None = None
+
+    def _headers(self) -> dict[str, str]:
+        return {"Content-Type": MSGPACK, **auth_headers(self.cluster_token)}
 
     async def generate(self, addr: str, req: GenerateRequest) -> TokenStream:
         """Start ``req`` on the decode node at ``addr``; returns once the node accepted
@@ -115,13 +130,19 @@ class NodeClient:
                                         sock_read=self.read_timeout_s)
         try:
             resp = await self.session.post(f"{addr}/generate", data=msgspec.msgpack.encode(req),
-                                           headers={"Content-Type": MSGPACK}, timeout=timeout)
+                                           headers=self._headers(), timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            if self.on_node_down is not None:
+                self.on_node_down(addr)
             raise NodeUnavailable(f"decode node {addr} is unreachable: {e}", unreachable=True) from e
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            # Cut before any answer: the node died (its requests died with it) or closed an idle
+            # pooled connection; either way nothing runs there, so another node may take it.
+            raise NodeUnavailable(f"decode node {addr} dropped the connection: {e!r}", retryable=True) from e
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise NodeUnavailable(f"decode node {addr} failed: {e!r}") from e
         if resp.status == 200:
-            return TokenStream(resp, addr)
+            return TokenStream(resp, addr, self.on_node_down)
         try:
             body = await _error_body(resp)
         finally:
@@ -137,7 +158,7 @@ class NodeClient:
         try:
             async with self.session.post(
                     f"{addr}/abort", data=msgspec.msgpack.encode(Abort(request_id)),
-                    headers={"Content-Type": MSGPACK},
+                    headers=self._headers(),
                     timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
                 if resp.status >= 300:
                     log.warning("abort of %s on %s answered %d", request_id, addr, resp.status)

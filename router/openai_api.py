@@ -3,7 +3,8 @@ streamed (SSE) or whole.
 
 Owns one request's life on the router::
 
-    read body (413) -> prepare (400/404) -> start every prompt on a decode node (503/4xx/502)
+    read body (415/413/408: request_body.py) -> prepare (400/404)
+      -> start every prompt on a decode node (503/4xx/502)
       -> stream: 200 text/event-stream, "data: {chunk}\\n\\n"..., "data: [DONE]\\n\\n"
       -> whole:  200 JSON once every choice finished
       -> always: close every generation (aborts it on its node unless it finished)
@@ -31,6 +32,7 @@ from splitserve.router.dispatch import Dispatcher
 from splitserve.router.errors import ApiError, sse_error
 from splitserve.router.generation import Generation, merge_pieces
 from splitserve.router.prepare import PreparedRequest, prepare_chat, prepare_completion
+from splitserve.router.request_body import read_body
 from splitserve.router.responses import ResponseBuilder
 from splitserve.router.state import CONFIG, SERVICES, TOKENIZER
 
@@ -47,22 +49,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, prepare_chat, "chatcmpl-")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, or a 413 when it is over ``limit`` bytes."""
-    too_large = ApiError(413, f"request body is larger than the limit of {limit} bytes")
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    try:
-        return await request.read()  # the app's client_max_size is ``limit``
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
-
-
 async def _generate(request: web.Request, prepare, id_prefix: str) -> web.StreamResponse:
     t_start = asyncio.get_running_loop().time()
     app = request.app
-    body = await read_body(request, app[CONFIG].max_body_bytes)
-    prep: PreparedRequest = prepare(body, app[TOKENIZER], app[CONFIG].served_model_names)
+    config = app[CONFIG]
+    body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+    prep: PreparedRequest = prepare(body, app[TOKENIZER], config.served_model_names)
     response_id = id_prefix + uuid.uuid4().hex
     builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)

@@ -5,15 +5,24 @@ the path of the field, which request parsing turns into a 400 naming it. Unknown
 fields are ignored, as OpenAI-compatible servers do. Not tagged: clients send
 plain OpenAI JSON.
 
+Lengths are bounded here (msgspec's ``Meta``), so no later message can echo a
+megabyte of text back: names and ids to `MAX_NAME_CHARS`, lists of messages and of
+content parts to `MAX_MESSAGES`.
+
 Must not check ranges or cross-field rules (prepare.py and `SamplingParams.validate`
 do) or know about tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+MAX_NAME_CHARS = 256  # model, user, role, name, content part type
+MAX_MESSAGES = 4096  # messages of a chat, and text parts of one message
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -23,7 +32,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 class _SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by both endpoints. None means "not given": the default applies."""
 
-    model: str | None = None
+    model: Name | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -40,7 +49,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, Any] | None = None  # not supported
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted, unused
+    user: Name | None = None  # accepted, unused
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -55,20 +64,21 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
-    type: str
+    type: Name
     text: str | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
-    content: str | list[ContentPart] | None  # null only for assistant messages
-    name: str | None = None
+    role: Name
+    # null only for assistant messages
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None
+    name: Name | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = None  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -35,6 +35,10 @@ class Decision(NamedTuple):
     # What the prefill node (or the decode node prefilling locally) will compute, in
     # token-equivalents; dispatch counts it in flight there until the first token.
     prefill_work: float = 0.0
+    # The policy's TTFT prediction in token-equivalents (work queued ahead + this
+    # request's work + the hop); None: the policy does not predict (load-only ones).
+    predicted_ttft: float | None = None
+    predicted_ttft_s: float | None = None  # the same in seconds, when the policy knows the rate
 
 
 class RoutingPolicy(Protocol):

@@ -1,35 +1,72 @@
-"""The router's view of the prefix index: a prompt -> predicted cached prompt tokens
-per node, or nothing when Redis is unreachable.
+"""The router's in-memory mirror of the global prefix index: a prompt -> predicted
+cached prompt tokens per node, with no Redis round trip per request.
 
-Owns the router's half of "one hash, everywhere" (the prompt's chained block hashes,
-computed with ``common.hashing``, the served model id as the extra key and
-RouterConfig.block_size, as every node does), the lookup timeout, the back-off
-after a failed lookup, and the metrics and log lines of an outage. Must not create
-its Redis client (the app's lifespan owns the `KVIndex`) or raise: a lookup that
-fails is an empty result, and routing goes on by load only.
+    nodes --EVALSHA apply (SET + seq + PUBLISH IndexUpdate, atomic)--> Redis
+    Redis --pub/sub splitserve:kvevents--> this mirror (one task per router)
+        update seq == mirrored seq + 1     apply (SREM, SADD on the node's bit)
+        update with clear                  replace the node (a full write)
+        seq older                          ignore (already in a snapshot)
+        gap, unknown node or epoch         resync the node: KVIndex.snapshot (one
+                                           MULTI: its SET and the seq it is as of)
+        a newer epoch of a node id         the old epoch's entries are dropped
+    every check_interval_s: KVIndex.published_seqs; a node still behind what Redis
+        applied one check ago (a lost last update), or not mirrored at all (a late
+        start), is resynced; a node whose keys are gone (expired, dropped) leaves
+    Redis unreachable: the mirror empties and lookups say "not looked up" (routing
+        by load only) until it reconnects, resubscribes and resyncs every node.
+
+Data: ``_holders`` maps a block hash to a bitmask of node slots (one bit per
+mirrored (node, epoch)). A lookup walks the prompt's chained hashes once, hashing
+lazily ``CHUNK_BLOCKS`` at a time, AND-ing the candidates' bits; a node leaves the
+walk at its first missing block, and the walk stops when no candidate is left, so
+its cost is the longest cached run (plus a chunk), not prompt length x nodes. A
+chunk whose last block every remaining candidate holds is taken whole: a node's
+set is prefix-closed (engines evict a sequence's tail first, KVCacheManager.free),
+so one dict read stands for the chunk; a set with a hole may be read long, which
+the router counts as a misprediction.
+
+Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
+served model id as the extra key and RouterConfig.block_size, as every node does),
+the mirror task and its resync rules. Must not create its Redis client (the app's
+lifespan owns the `KVIndex`) or raise from ``lookup``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.common.hashing import hash_blocks
-from splitserve.common.kv_index import REDIS_ERRORS, KVIndex
+import msgspec
+
+from splitserve.common.hashing import iter_hash_chunks
+from splitserve.common.kv_events import IndexUpdate, decode_index_update
+from splitserve.common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from splitserve.common.registry import NodeInfo
 from splitserve.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
+NodeKey = tuple[str, str]  # (node_id, epoch)
+CHUNK_BLOCKS = 32  # a lookup hashes and checks the prompt this many blocks at a time
+
 
 class PrefixHits(NamedTuple):
     cached: dict[str, int]  # node_id -> predicted cached prompt tokens (nodes with a hit only)
     num_blocks: int  # full blocks of the prompt
-    looked_up: bool  # False: the index was not read (Redis down): no prediction
+    looked_up: bool  # False: the mirror is not usable (Redis down): no prediction
+
+
+@dataclass(slots=True)
+class MirroredNode:
+    slot: int  # bit position in the hash -> nodes masks
+    seq: int = 0  # the last batch applied
+    hashes: set[int] = field(default_factory=set)
+    behind: int | None = None  # a seq Redis had applied at the last check that we had not
 
 
 @dataclass(slots=True)
@@ -38,47 +75,218 @@ class PrefixIndex:
     metrics: RouterMetrics
     model_id: str  # the extra key of every block hash
     block_size: int
-    timeout_s: float = 0.25
-    retry_s: float = 1.0  # after a failed lookup, skip the index this long
-    _retry_at: float = 0.0  # monotonic time before which lookups are skipped
-    _down: bool = False  # in an outage (logged once)
+    check_interval_s: float = 1.0  # catch-up against Redis's seqs, off the request path
+    retry_s: float = 1.0  # reconnect delay after Redis failed
+    # Fault injection for benchmarks and tests: drop this share of received updates.
+    event_loss: float = 0.0
+    connected: bool = False  # subscribed and caught up: lookups use the mirror
+    resyncs: int = 0  # snapshots read (late start, gaps, epochs, lost connection)
+    updates: int = 0  # updates received (dropped ones included)
+    dropped: int = 0  # updates dropped by ``event_loss``
+    _holders: dict[int, int] = field(default_factory=dict)  # block hash -> bitmask of slots
+    _nodes: dict[NodeKey, MirroredNode] = field(default_factory=dict)
+    _retired: set[NodeKey] = field(default_factory=set)  # epochs superseded by a newer one
+    _free_slots: list[int] = field(default_factory=list)
+    _next_slot: int = 0
+    _rng: random.Random = field(default_factory=lambda: random.Random(0))
     _mismatched: set[str] = field(default_factory=set)  # node ids warned about
+    _task: asyncio.Task | None = None
 
-    async def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo]) -> PrefixHits:
+    # -- lookups (request path, no I/O) -------------------------------------------------
+
+    def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo]) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
         leading blocks each node holds (at the epoch of its registry record), in
-        tokens, capped like the engine caps a hit (at least one token is computed).
-        Never raises; one Redis round trip at most."""
+        tokens, capped like the engine caps a hit (at least one token is computed)."""
         bs = self.block_size
-        hashes = hash_blocks(prompt, bs, (self.model_id,))
-        usable = [n for n in nodes if self._same_block_size(n)]
-        max_blocks = min(len(hashes), (len(prompt) - 1) // bs)
-        if max_blocks == 0 or not usable:
-            return PrefixHits({}, len(hashes), True)  # nothing any node could serve
-        if time.monotonic() < self._retry_at:
+        num_blocks = len(prompt) // bs
+        if not self.connected:
             self.metrics.index_lookups.labels(result="skipped").inc()
-            return PrefixHits({}, len(hashes), False)
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                runs = await self.index.longest_runs(hashes[:max_blocks], usable)
-        except REDIS_ERRORS as e:  # asyncio.timeout raises TimeoutError, one of them
-            self._failed(e)
-            return PrefixHits({}, len(hashes), False)
-        if self._down:
-            self._down = False
-            log.info("router: prefix index reachable again; routing by cache and load")
-        self._retry_at = 0.0
+            return PrefixHits({}, num_blocks, False)
+        max_blocks = min(num_blocks, (len(prompt) - 1) // bs)
+        slot_node: dict[int, str] = {}  # slot -> node_id of the candidates
+        alive = 0
+        for n in nodes:
+            entry = self._nodes.get((n.node_id, n.epoch))
+            if entry is not None and self._same_block_size(n):
+                slot_node[entry.slot] = n.node_id
+                alive |= 1 << entry.slot
         self.metrics.index_lookups.labels(result="ok").inc()
-        return PrefixHits({nid: run * bs for nid, run in runs.items() if run}, len(hashes), True)
+        if max_blocks == 0 or not alive:
+            return PrefixHits({}, num_blocks, True)
+        cached: dict[str, int] = {}
+        get = self._holders.get
+        depth = 0  # blocks every node in ``alive`` holds
+        for chunk in iter_hash_chunks(prompt, bs, (self.model_id,), chunk_blocks=CHUNK_BLOCKS):
+            chunk = chunk[: max_blocks - depth]
+            if get(chunk[-1], 0) & alive == alive:  # prefix-closed sets: the whole chunk is held
+                depth += len(chunk)
+            else:
+                for h in chunk:
+                    held = get(h, 0) & alive
+                    if held != alive:
+                        _settle(alive & ~held, depth * bs, slot_node, cached)
+                        alive = held
+                        if not alive:
+                            break
+                    depth += 1
+            if not alive or depth >= max_blocks:
+                break
+        _settle(alive, depth * bs, slot_node, cached)
+        return PrefixHits(cached, num_blocks, True)
 
-    def _failed(self, e: BaseException) -> None:
-        self.metrics.index_lookups.labels(result="error").inc()
-        self.metrics.redis_errors.labels(op="index_lookup").inc()
-        self._retry_at = time.monotonic() + self.retry_s
-        if not self._down:
-            self._down = True
-            log.warning("router: prefix index lookup failed (%r); routing by load only, "
-                        "retrying every %.1fs", e, self.retry_s)
+    def nodes_mirrored(self) -> dict[NodeKey, int]:
+        """(node_id, epoch) -> blocks mirrored (tests, debugging)."""
+        return {k: len(e.hashes) for k, e in self._nodes.items()}
+
+    # -- the mirror task -----------------------------------------------------------------
+
+    def start(self) -> None:
+        assert self._task is None, "PrefixIndex.start called twice"
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="prefix-mirror")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _run(self) -> None:
+        down = False
+        while True:
+            pubsub = self.index.pubsub()
+            try:
+                await pubsub.subscribe(EVENTS_CHANNEL)
+                await _confirmed(pubsub, self.retry_s + 1.0)  # live before the snapshots are read
+                await self._catch_up()  # everything published before the subscription
+                self.connected = True
+                if down:
+                    down = False
+                    log.info("router: prefix index reachable again; routing by cache and load")
+                await self._follow(pubsub)
+            except REDIS_ERRORS as e:
+                self.metrics.redis_errors.labels(op="index_events").inc()
+                if not down:
+                    down = True
+                    log.warning("router: prefix index events unavailable (%r); routing by load "
+                                "only, reconnecting every %.1fs", e, self.retry_s)
+            finally:
+                self._forget_all()
+                await asyncio.shield(_close(pubsub))
+            await asyncio.sleep(self.retry_s)
+
+    async def _follow(self, pubsub) -> None:
+        next_check = time.monotonic() + self.check_interval_s
+        while True:
+            wait = max(0.0, next_check - time.monotonic())
+            msg = await pubsub.get_message(timeout=wait)
+            if msg is not None and msg.get("type") == "message":
+                await self._on_update(msg["data"])
+            if time.monotonic() >= next_check:
+                await self._catch_up()
+                next_check = time.monotonic() + self.check_interval_s
+
+    async def _on_update(self, data: bytes) -> None:
+        self.updates += 1
+        if self.event_loss and self._rng.random() < self.event_loss:
+            self.dropped += 1
+            return
+        try:
+            u = decode_index_update(data)
+        except msgspec.ValidationError as e:
+            log.warning("router: ignoring a malformed prefix index update: %s", e)
+            return
+        key = (u.node_id, u.epoch)
+        if key in self._retired:
+            return
+        entry = self._nodes.get(key)
+        if entry is None:
+            self._retire_other_epochs(key)
+        if u.clear:
+            self._replace(key, u.seq, set(u.stored))
+        elif entry is not None and u.seq == entry.seq + 1:
+            self._apply(entry, u)
+        elif entry is None or u.seq > entry.seq:  # unknown node, or a gap
+            await self._resync(key)
+
+    async def _catch_up(self) -> None:
+        seqs = await self.index.published_seqs()
+        for key in [k for k in self._nodes if k not in seqs]:
+            self._drop(key)  # expired or dropped: the node is gone
+        for key, seq in seqs.items():
+            if key in self._retired:
+                continue
+            entry = self._nodes.get(key)
+            if entry is None or (entry.behind is not None and entry.seq < entry.behind):
+                await self._resync(key)
+            else:
+                entry.behind = seq if entry.seq < seq else None
+
+    async def _resync(self, key: NodeKey) -> None:
+        snap = await self.index.snapshot(*key)
+        self.resyncs += 1
+        if snap.seq is None:
+            self._drop(key)
+        else:
+            self._replace(key, snap.seq, snap.hashes)
+
+    # -- mirror state ----------------------------------------------------------------------
+
+    def _replace(self, key: NodeKey, seq: int, hashes: set[int]) -> None:
+        self._drop(key)
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        self._next_slot = max(self._next_slot, slot + 1)
+        entry = self._nodes[key] = MirroredNode(slot, seq)
+        self._add(entry, hashes)
+
+    def _apply(self, entry: MirroredNode, u: IndexUpdate) -> None:
+        bit = 1 << entry.slot
+        holders = self._holders
+        for h in u.removed:
+            if h in entry.hashes:
+                entry.hashes.discard(h)
+                left = holders[h] & ~bit
+                if left:
+                    holders[h] = left
+                else:
+                    del holders[h]
+        self._add(entry, u.stored)
+        entry.seq = u.seq
+
+    def _add(self, entry: MirroredNode, hashes) -> None:
+        bit = 1 << entry.slot
+        holders = self._holders
+        for h in hashes:
+            if h not in entry.hashes:
+                entry.hashes.add(h)
+                holders[h] = holders.get(h, 0) | bit
+
+    def _drop(self, key: NodeKey) -> None:
+        entry = self._nodes.pop(key, None)
+        if entry is None:
+            return
+        keep = ~(1 << entry.slot)
+        holders = self._holders
+        for h in entry.hashes:
+            left = holders[h] & keep
+            if left:
+                holders[h] = left
+            else:
+                del holders[h]
+        self._free_slots.append(entry.slot)
+
+    def _retire_other_epochs(self, key: NodeKey) -> None:
+        """``key`` is a node id at a new epoch: its earlier epochs hold nothing now."""
+        for old in [k for k in self._nodes if k[0] == key[0] and k != key]:
+            self._drop(old)
+            self._retired.add(old)
+
+    def _forget_all(self) -> None:
+        self.connected = False
+        self._nodes.clear()
+        self._holders.clear()
+        self._free_slots.clear()
+        self._next_slot = 0
 
     def _same_block_size(self, node: NodeInfo) -> bool:
         if node.block_size in (0, self.block_size):  # 0: a node that does not say
@@ -89,3 +297,29 @@ class PrefixIndex:
                         "its prefix cache is invisible to routing", node.node_id,
                         node.block_size, self.block_size)
         return False
+
+
+def _settle(slots: int, tokens: int, slot_node: dict[int, str], cached: dict[str, int]) -> None:
+    """Record ``tokens`` as the hit of every node whose bit is set in ``slots``."""
+    if not tokens:
+        return
+    while slots:
+        low = slots & -slots
+        cached[slot_node[low.bit_length() - 1]] = tokens
+        slots ^= low
+
+
+async def _confirmed(pubsub, timeout_s: float) -> None:
+    """Wait for the subscription's confirmation; TimeoutError after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            msg = await pubsub.get_message(timeout=timeout_s)
+            if msg is not None and msg.get("type") == "subscribe":
+                return
+
+
+async def _close(pubsub) -> None:
+    try:
+        await pubsub.aclose()
+    except REDIS_ERRORS:
+        pass

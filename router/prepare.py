@@ -20,6 +20,7 @@ import msgspec
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.errors import ApiError
+from splitserve.router.json_shape import MAX_JSON_DEPTH, check_shape
 from splitserve.router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from splitserve.router.tokenizer import RouterTokenizer
 
@@ -51,8 +52,15 @@ def decode_body(body: bytes, type_: type) -> Any:
         obj = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from e
+    except RecursionError:  # msgspec's own guard, far beyond MAX_JSON_DEPTH
+        raise ApiError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels",
+                       param="body") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        check_shape(obj)
+    except InvalidRequest as e:
+        raise ApiError.invalid(e) from e
     try:
         return msgspec.convert(obj, type_)
     except msgspec.ValidationError as e:

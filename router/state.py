@@ -10,6 +10,7 @@ from aiohttp import web
 
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
+from splitserve.router.admission import Admission
 from splitserve.router.background import BackgroundTasks
 from splitserve.router.config import RouterConfig
 from splitserve.router.decisions import DecisionLog
@@ -37,4 +38,5 @@ TOKENIZER = web.AppKey("tokenizer", RouterTokenizer)
 METRICS = web.AppKey("metrics", RouterMetrics)
 DECISIONS = web.AppKey("decisions", DecisionLog)
 SERVICES = web.AppKey("services", RouterServices)
+ADMISSION = web.AppKey("admission", Admission)
 REQUEST_ID = web.RequestKey("request_id", str)  # the x-request-id of this request

@@ -18,8 +18,9 @@ import redis
 
 from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks
+from splitserve.common.kv_events import IndexUpdate, encode_index_update
+from splitserve.common.kv_index import EVENTS_CHANNEL, blocks_key, seq_key
 from splitserve.common.model_metrics import sample_sum
-from splitserve.common.kv_index import blocks_key
 from splitserve.deploy.launcher import Cluster, free_port, start_redis
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -138,8 +139,13 @@ def test_stale_entry_is_a_counted_misprediction_not_an_error(env):
     prompt = long_prompt("volcano tour", "What should I wear?")
     fresh = env.hashes(prompt)
     target = PREFILLS[1]
-    # An entry claiming blocks the node never computed (as if it evicted them unseen).
-    env.r.sadd(blocks_key(target, epoch(env.cluster, target)), *map(str, fresh))
+    # An entry claiming blocks the node never computed (as if it evicted them unseen),
+    # written and published as the node's next batch would be.
+    ep = epoch(env.cluster, target)
+    env.r.sadd(blocks_key(target, ep), *map(str, fresh))
+    seq = env.r.incr(seq_key(target, ep))
+    env.r.publish(EVENTS_CHANNEL, encode_index_update(IndexUpdate(target, ep, seq, stored=fresh)))
+    time.sleep(0.3)  # the router's mirror applies it
     misses = router_metric(env.cluster, names.PREFIX_PREDICTIONS, outcome="miss")
     r = env.complete(prompt)
     assert r.choices[0].text is not None and r.usage.prompt_tokens_details.cached_tokens == 0
@@ -172,15 +178,16 @@ def test_redis_killed_mid_run_requests_still_succeed_and_the_index_comes_back(en
     env.complete(prompt)
     holder = last_decision(env.cluster)["prefill"]
     env.wait_held(holder, env.hashes(prompt))
-    errors = router_metric(env.cluster, names.PREFIX_INDEX_LOOKUPS, result="error")
+    skipped = router_metric(env.cluster, names.PREFIX_INDEX_LOOKUPS, result="skipped")
     env.redis_proc[-1].kill()
     env.redis_proc[-1].wait()
+    time.sleep(0.3)  # the router's mirror notices its connection is gone
     for question in ("Is there food?", "How long is the trip?", "Are pets allowed?", "Wifi?"):
         r = env.complete(long_prompt("ferry", question))
         assert r.usage.completion_tokens == 4
         assert last_decision(env.cluster)["predicted_cached_tokens"] is None  # load only
     assert router_metric(env.cluster,
-                         names.PREFIX_INDEX_LOOKUPS, result="error") > errors
+                         names.PREFIX_INDEX_LOOKUPS, result="skipped") > skipped
     # Redis comes back empty: the nodes re-register and rewrite their entries
     env.redis_proc.append(start_redis(env.port)[0])
     time.sleep(0.6)  # a discovery poll reaches the empty Redis before the nodes' heartbeats do

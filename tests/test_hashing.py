@@ -1,7 +1,6 @@
 """The one block hash: stable across processes, chained, versioned; and the
 prefix-cache event wire types."""
 
-import hashlib
 import os
 import struct
 import subprocess
@@ -9,6 +8,7 @@ import sys
 
 import msgspec
 import pytest
+import xxhash
 
 from splitserve.common.hashing import (
     BLOCK_HASH_SEED,
@@ -16,6 +16,8 @@ from splitserve.common.hashing import (
     block_hash,
     extend_block_hashes,
     hash_blocks,
+    iter_block_hashes,
+    token_bytes,
 )
 from splitserve.common.kv_events import (
     AllBlocksCleared,
@@ -28,8 +30,9 @@ from splitserve.common.kv_events import (
 
 # Pinned: if one of these changes, the seed or the encoding changed, and every
 # router/node pair of mixed versions loses its cache hits. Bump BLOCK_HASH_VERSION.
-PINNED_ROOT = 12641472218322507973  # block_hash(None, [1, 2, 3, 4])
-PINNED_CHAIN = [10078489029300613668, 4592904716972722497]  # hash_blocks(range(10), 4, ("m",))
+PINNED_SEED = 14744545482444077501  # BLOCK_HASH_SEED of version 2
+PINNED_ROOT = 5150712336806779412  # block_hash(None, [1, 2, 3, 4])
+PINNED_CHAIN = [6698018389303806814, 5201479971293227470]  # hash_blocks(range(10), 4, ("m",))
 
 _CHILD_CODE = (
     "from splitserve.common.hashing import block_hash, hash_blocks;"
@@ -48,25 +51,36 @@ def _in_process_values() -> list[str]:
 
 
 def test_pinned_values():
-    assert BLOCK_HASH_VERSION == 1
+    assert BLOCK_HASH_VERSION == 2
+    assert BLOCK_HASH_SEED == PINNED_SEED
     assert block_hash(None, [1, 2, 3, 4]) == PINNED_ROOT
     assert hash_blocks(list(range(10)), 4, ("m",)) == PINNED_CHAIN
 
 
 def test_encoding_matches_documented_layout():
-    # Re-derive from the layout in the hashing module docstring with hashlib alone.
+    # Re-derive from the layout in the hashing module docstring with xxhash alone.
     tokens = [5, 70000, 0, 2**32 - 1]
     parent = 2**64 - 1
-    data = (
-        b"\x01" + struct.pack("<Q", parent)
-        + struct.pack("<I", 4) + struct.pack("<4I", *tokens)
-        + struct.pack("<I", 2)
-        + b"s" + struct.pack("<I", 5) + b"model"
-        + b"i" + struct.pack("<I", 2) + b"42"
-    )
-    digest = hashlib.blake2b(data, digest_size=8, key=BLOCK_HASH_SEED).digest()
-    assert block_hash(parent, tokens, ("model", 42)) == int.from_bytes(digest, "little")
-    assert BLOCK_HASH_SEED == hashlib.sha256(b"splitserve.block_hash.v1").digest()
+    seed = xxhash.xxh3_64_intdigest(b"splitserve.block_hash.v2", seed=0)
+    assert BLOCK_HASH_SEED == seed
+    extra = (struct.pack("<I", 2) + b"s" + struct.pack("<I", 5) + b"model"
+             + b"i" + struct.pack("<I", 2) + b"42")
+    salt = xxhash.xxh3_64_intdigest(extra, seed=seed)
+    data = struct.pack("<4I", *tokens)
+    assert block_hash(parent, tokens, ("model", 42)) == xxhash.xxh3_64_intdigest(data, seed=salt ^ parent)
+    root = xxhash.xxh3_64_intdigest(b"splitserve.block_hash.root", seed=seed)
+    assert block_hash(None, tokens, ("model", 42)) == xxhash.xxh3_64_intdigest(data, seed=salt ^ root)
+    with pytest.raises(OverflowError):
+        block_hash(None, [2**32])
+    with pytest.raises(OverflowError):
+        block_hash(None, [-1])
+
+
+def test_iter_block_hashes_is_lazy_and_equal():
+    tokens = list(range(64))
+    it = iter_block_hashes(tokens, 16, ("m",))
+    assert next(it) == hash_blocks(tokens, 16, ("m",))[0]
+    assert list(iter_block_hashes(token_bytes(tokens), 16, ("m",))) == hash_blocks(tokens, 16, ("m",))
 
 
 @pytest.mark.parametrize("seed", ["0", "1", "12345", "random"])

@@ -1,14 +1,17 @@
-"""The Redis prefix index against a real redis-server: event folding, longest runs
-per node, epochs, sequence-checked batches, full rewrites, TTL and refresh, large
-batches, and fast errors when Redis is down."""
+"""The Redis prefix index against a real redis-server: event folding, the updates
+published with each applied write, snapshots and the seq listing routers resync
+from, sequence-checked batches, full rewrites, TTL and refresh, large batches, and
+fast errors when Redis is down."""
 
 import asyncio
 
 import pytest
 
 from splitserve.common.hashing import hash_blocks
-from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from splitserve.common.kv_index import REDIS_ERRORS, IndexDelta, KVIndex, blocks_key
+from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
+                                         decode_index_update)
+from splitserve.common.kv_index import (EVENTS_CHANNEL, REDIS_ERRORS, IndexDelta, KVIndex,
+                                        NodeSnapshot, blocks_key)
 from splitserve.common.registry import NodeInfo, new_epoch
 from splitserve.deploy.launcher import free_port
 
@@ -51,20 +54,32 @@ def test_fold_keeps_the_last_event_per_hash_and_a_clear_drops_the_past():
     assert not IndexDelta() and IndexDelta(clear=True)
 
 
-async def test_longest_leading_run_per_node_and_epoch(index):
+async def test_applied_writes_are_published_and_snapshots_match(index):
     h = chain(6)
-    a, b, c = node("a"), node("b"), node("c")
-    await index.apply("a", a.epoch, IndexDelta.full(h[:4]), seq=1)
-    await index.apply("b", b.epoch, IndexDelta.full(h[:2]), seq=1)  # evicted tail first: h2.. gone
-    runs = await index.longest_runs(h, [a, b, c])
-    assert runs == {"a": 4, "b": 2, "c": 0}
-    # the same node id at another epoch (a restart) sees none of the old entries
-    assert await index.longest_runs(h, [node("a")]) == {"a": 0}
-    # another prompt sharing only the first block
-    other = hash_blocks(list(range(BS)) + [999] * BS, BS, EXTRA)
-    assert other[0] == h[0] and other[1] != h[1]
-    assert await index.longest_runs(other, [a, b]) == {"a": 1, "b": 1}
-    assert await index.longest_runs([], [a]) == {} and await index.longest_runs(h, []) == {}
+    a, b = node("a"), node("b")
+    pubsub = index.pubsub()
+    await pubsub.subscribe(EVENTS_CHANNEL)
+    try:
+        assert await index.apply("a", a.epoch, IndexDelta.full(h[:4]), seq=1)
+        assert await index.apply("a", a.epoch, IndexDelta(stored={h[4]}, removed={h[0]}), seq=2)
+        assert not await index.apply("a", a.epoch, IndexDelta(stored={h[5]}), seq=4)  # refused: not published
+        assert await index.apply("b", b.epoch, IndexDelta.full(h[:2]), seq=1)
+        got = []
+        while len(got) < 3:
+            msg = await pubsub.get_message(timeout=2.0)
+            assert msg is not None, f"only {len(got)} updates published"
+            if msg["type"] == "message":
+                got.append(decode_index_update(msg["data"]))
+        assert await pubsub.get_message(timeout=0.2) is None
+    finally:
+        await pubsub.aclose()
+    assert got[0] == IndexUpdate("a", a.epoch, 1, True, got[0].stored, [])
+    assert set(got[0].stored) == set(h[:4])
+    assert got[1] == IndexUpdate("a", a.epoch, 2, False, [h[4]], [h[0]])
+    assert got[2].node_id == "b" and got[2].clear and set(got[2].stored) == set(h[:2])
+    assert await index.snapshot("a", a.epoch) == NodeSnapshot(2, set(h[1:5]))
+    assert await index.snapshot("a", new_epoch()) == NodeSnapshot(None, set())
+    assert await index.published_seqs() == {("a", a.epoch): 2, ("b", b.epoch): 1}
 
 
 async def test_batches_apply_in_sequence_and_a_gap_is_refused(index):
@@ -110,7 +125,9 @@ async def test_entries_expire_unless_refreshed(redis_url):
         for _ in range(4):
             await asyncio.sleep(0.2)
             assert await idx.refresh("live", live.epoch)
-        assert await idx.longest_runs(h, [live, dead]) == {"live": 2, "dead": 0}
+        seqs = await idx.published_seqs()
+        assert ("live", live.epoch) in seqs and ("dead", dead.epoch) not in seqs
+        assert await idx.members("dead", dead.epoch) == set()
         assert not await idx.refresh("dead", dead.epoch)  # gone: the node must rewrite
     finally:
         await idx.close()
@@ -124,7 +141,7 @@ async def test_batches_larger_than_one_redis_call(index):
     d.fold([BlockRemoved(block_hashes=h[100:2600])])
     assert await index.apply("big", e, d, seq=2)
     assert await index.members("big", e) == set(h[:100])
-    assert await index.longest_runs(h, [node("big", e)]) == {"big": 100}
+    assert await index.snapshot("big", e) == NodeSnapshot(2, set(h[:100]))
 
 
 async def test_unreachable_redis_raises_fast():
@@ -133,7 +150,7 @@ async def test_unreachable_redis_raises_fast():
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         with pytest.raises(REDIS_ERRORS):
-            await idx.longest_runs(chain(2), [node("a")])
+            await idx.snapshot("a", "e")
         with pytest.raises(REDIS_ERRORS):
             await idx.apply("a", "e", IndexDelta.full([1]), seq=1)
         assert loop.time() - t0 < 2.0

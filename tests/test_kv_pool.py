@@ -50,7 +50,8 @@ def test_runner_pool_from_kv_cache_memory_and_the_profiling_forward_on_cpu(tiny_
     runner = ModelRunner(config, path)
     block = kv_block_bytes(runner.model_config, 8, torch.float32)
     assert runner.kv_pool.block_bytes == block and runner.num_blocks == (1 << 20) // block
-    assert runner.kv_caches.shape[2] == runner.num_blocks and runner.kv_pool.weights_bytes is None
+    # one block more in the tensor: the scratch block padded static-decode rows write (model_runner.py)
+    assert runner.kv_caches.shape[2] == runner.num_blocks + 1 and runner.kv_pool.weights_bytes is None
     backend = select_backend(config, torch.device("cpu"), runner.model_config.head_dim)
     scratch = dummy_forward(runner.model, backend, config, torch.float32, torch.device("cpu"))
     assert scratch == 5 * block  # 40 tokens in 8-token blocks
@@ -93,5 +94,6 @@ def test_gpu_memory_utilization_sizes_the_pool_on_cuda(tiny_llama_dir):
     plan = runner.kv_pool
     assert runner.kv_caches.is_cuda and plan.weights_bytes > 0 and plan.activation_peak_bytes >= 0
     assert plan.budget_bytes == int(total * util) - plan.weights_bytes - plan.activation_peak_bytes
-    assert runner.kv_caches.numel() * runner.kv_caches.element_size() == plan.num_blocks * plan.block_bytes
+    # the pool plus the scratch block of static decode
+    assert runner.kv_caches.numel() * runner.kv_caches.element_size() == (plan.num_blocks + 1) * plan.block_bytes
     assert plan.num_blocks * plan.block_bytes <= plan.budget_bytes < (plan.num_blocks + 1) * plan.block_bytes

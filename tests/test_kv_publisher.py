@@ -14,7 +14,7 @@ from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import new_epoch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import free_port, start_redis
-from splitserve.engine.engine_loop import EngineLoop
+from splitserve.engine.engine_loop import AddRequest, CachedHashes, EngineLoop, ResetPrefixCache
 from splitserve.node.kv_publisher import KVEventPublisher
 
 pytestmark = pytest.mark.anyio
@@ -56,11 +56,11 @@ class Harness:
     async def generate(self, rid: str, ids: list[int], n: int = 4) -> None:
         fut = self.done[rid] = asyncio.get_running_loop().create_future()
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        await self.loop.call(lambda e: e.add_request(rid, ids, params))
+        await self.loop.submit(AddRequest(rid, ids, params))
         await asyncio.wait_for(fut, 60)
 
     async def cached(self) -> set[int]:
-        return await self.loop.call(lambda e: set(e.kv.cached_hashes()))
+        return set(await self.loop.submit(CachedHashes()))
 
     async def wait_index_equals_cache(self, timeout=10.0) -> set[int]:
         deadline = time.monotonic() + timeout
@@ -116,7 +116,7 @@ async def test_index_follows_the_prefix_cache(make_engine, tokenizer, redis_port
         assert h.batches.labels("error")._value.get() >= 1
 
         # a prefix-cache reset (AllBlocksCleared) wipes the node's entries
-        assert await h.loop.call(lambda e: e.kv.reset_prefix_cache())
+        assert await h.loop.submit(ResetPrefixCache())
         assert await h.wait_index_equals_cache() == set()
         await h.generate("d", ids)
         assert set(router_hashes) <= await h.wait_index_equals_cache()

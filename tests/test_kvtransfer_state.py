@@ -147,5 +147,29 @@ def test_counts_and_snapshot():
     snap = table.snapshot()
     assert [s["transfer_id"] for s in snap] == ["a", "b"]
     assert snap[0] == {"transfer_id": "a", "request_id": "r1", "state": "transferring", "blocks": 2,
-                       "landed": 1, "reason": None, "age_s": 3.0, "lease_left_s": 7.0}
+                       "landed": 1, "prefilled": False, "reason": None, "age_s": 3.0,
+                       "lease_left_s": 8.0}  # renewed by the block that landed at age 1
     assert snap[1]["state"] == "aborted" and snap[1]["reason"] == "cancelled"
+
+
+def test_lease_renews_while_blocks_arrive_and_expires_after_the_last():
+    table, clock = make_table()
+    table.reserve("t", "r", [1, 2, 3, 4], lease_s=5)
+    for block in (1, 2, 3):  # a slow prefill: one block every 4 s, 12 s in all > one lease
+        clock.now += 4
+        table.on_block("t", block, True, None)
+        assert table.expired() == []
+    clock.now += 5  # the sender went silent for one lease
+    assert [t.transfer_id for t in table.expired()] == ["t"]
+
+
+def test_ready_needs_every_block_and_the_prefill_answer():
+    table, _ = make_table()
+    table.reserve("t", "r", [1, 2], lease_s=5)
+    table.on_block("t", 1, True, None)
+    table.prefilled("t")
+    assert not table.ready("t")
+    table.on_block("t", 2, True, None)
+    assert table.ready("t")
+    table.fail("t", "x")
+    assert not table.ready("t") and table.prefilled("t").state is TransferState.FAILED

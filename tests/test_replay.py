@@ -98,3 +98,24 @@ def test_replay_command_end_to_end(tmp_path):
     assert r["max_mean_load"] >= 1
     assert sum(r["prefill_requests_per_node"].values()) == 10
     assert "hit rate" in proc.stdout
+
+
+def test_trace_block_size_maps_any_hash_block_onto_the_node_blocks(tmp_path):
+    lines = ['{"timestamp": 0, "input_length": 300, "output_length": 5, "hash_ids": [1, 2, 3]}',
+             '{"timestamp": 5, "input_length": 290, "output_length": 5, "hash_ids": [1, 2, 4]}']
+    with pytest.raises(ValueError, match="one per 512 tokens; --trace-block-size"):
+        load_trace(write(tmp_path, lines))
+    trace = load_trace(write(tmp_path, lines), hash_block=128)
+    a, b = (prompt_tokens(r, hash_block=128) for r in trace)
+    assert len(a) == 300 and len(b) == 290 and a[:256] == b[:256] and a[256:] != b[256:]
+    assert oracle_hits(trace, 128) == [0, 256]
+    with pytest.raises(ValueError, match="trace_block_size"):
+        load_trace(write(tmp_path, lines), hash_block=0)
+
+
+def test_long_context_preset_has_the_published_length_distribution():
+    from splitserve.benchmarks.replay.generate import PRESETS
+
+    info = summarize(generate(PRESETS["long-context"]))
+    assert 7000 <= info["input_p50"] <= 12000 and 27000 <= info["input_p90"] <= 39000
+    assert info["input_max"] > 80000 and info["requests"] > 500

@@ -92,6 +92,26 @@ def test_local_prefill_weighs_the_hit_against_the_decode_node_queue():
     assert pick(CacheAware(), nodes, {"c0": 960}) == (None, "c1")
 
 
+def test_remote_prefill_is_skipped_for_a_prompt_the_decode_node_mostly_holds_or_a_short_one():
+    nodes = [node("p0"), node("p1"), node("d0", "decode"), node("d1", "decode")]
+    assert pick(CacheAware(), nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")  # off by default
+    policy = CacheAware(CacheAwareWeights(local_prefill_tokens=512))
+    d = policy.choose(PROMPT, nodes, cached={"p1": 960, "d1": 960})
+    assert (d.prefill, d.decode.node_id) == (None, "d1")  # 40 tokens to compute: no hop
+    assert d.predicted_ttft == pytest.approx(policy.work(L, 960))
+    short = policy.choose(PROMPT[:200], nodes)
+    assert short.prefill is None  # 200 tokens: cheaper than the remote hop
+    # a decode node busy prefilling its own queue does not take it: remote prefill wins
+    busy = [node("p0"), node("d1", "decode", queued_prefill_tokens=4 * L)]
+    assert pick(policy, busy, {"d1": 960}) == ("p0", "d1")
+    # above local_prefill_tokens uncached, the remote pair is always used
+    far = policy.choose(PROMPT, nodes, cached={"d1": 400})
+    assert far.prefill is not None
+    assert far.predicted_ttft == pytest.approx(policy.work(L, 0) + policy.w.remote_prefill)
+    never = CacheAware(CacheAwareWeights(local_prefill_tokens=0))
+    assert never.choose(PROMPT[:200], nodes).prefill is not None
+
+
 def test_equal_nodes_take_turns_and_no_decode_node_is_none():
     nodes = [node("p0"), node("p1"), node("d0", "decode"), node("d1", "decode")]
     policy = CacheAware()
@@ -122,7 +142,11 @@ def test_decisions_settle_into_hits_and_mispredictions():
     assert rec.predicted_cached_tokens == 64  # the prefill node's hit
     local = DecisionLog(RouterMetrics.create("test-model")).record("r0", "cache_aware", Decision(None, node("d0", "decode")), 170, hits, 0.001)
     assert local.predicted_cached_tokens == 32  # no prefill node: the decode node's hit
-    log.settle(rec, 64)
+    log.settle(rec, 64, 0.25)
+    assert rec.delivered_ttft_s == 0.25 and rec.predicted_ttft is None  # a hand-made Decision predicts nothing
+    timed = CacheAware(CacheAwareWeights(token_s=1e-4)).choose(PROMPT, [node("p0"), node("d0", "decode")])
+    trec = log.record("rt", "cache_aware", timed, L, PrefixHits({}, 62, True), 0.001)
+    assert trec.predicted_ttft_s == pytest.approx(timed.predicted_ttft * 1e-4) and trec.predicted_ttft > L
     stale = log.record("r2", "cache_aware", d, 170, hits, 0.001)
     log.settle(stale, 32)  # the prefill node no longer held it
     log.settle(log.record("r3", "cache_aware", d, 170, PrefixHits({}, 10, True), 0.001), 16)
@@ -130,7 +154,7 @@ def test_decisions_settle_into_hits_and_mispredictions():
     failed = log.record("r5", "cache_aware", d, 170, hits, 0.001)
     log.settle(failed, None)
     outcomes = [r.outcome for r in log.last(10)]
-    assert outcomes == ["hit", "miss", "unseen", None, "failed"]
+    assert outcomes == ["hit", None, "miss", "unseen", None, "failed"]
     assert metrics.predictions.labels(outcome="miss")._value.get() == 1
     assert metrics.prediction_hit_rate._value.get() == 0.5
     assert metrics.predicted_cached_tokens._value.get() == 64 * 3

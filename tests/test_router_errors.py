@@ -121,6 +121,26 @@ BAD_COMPLETIONS = [
     (completion(prompt=[[1] * 8000], max_tokens=500), "max_tokens"),
     (completion(prompt=[1] * CONTEXT), "prompt"),
     ({"model": MODEL}, "prompt"),
+    # ranges (issue 12): values beyond what any node stores, absurd floats, long strings
+    (completion(temperature=1e9), "temperature"),
+    (completion(temperature=2.01), "temperature"),
+    (completion(top_k=2**40), "top_k"),
+    (completion(top_k=2**64), "top_k"),
+    (completion(top_k=2**64 + 1), "top_k"),
+    (completion(max_tokens=10**30), "max_tokens"),
+    (completion(logprobs=2**63), "logprobs"),
+    (completion(seed=-(2**63) - 1), "seed"),
+    (completion(n=2**70), "n"),
+    (completion(best_of=-(2**70)), "best_of"),
+    (completion(repetition_penalty=3), "repetition_penalty"),
+    (completion(presence_penalty=1e308), "presence_penalty"),
+    (completion(stop_token_ids=[2**40]), "stop_token_ids"),
+    (completion(stop_token_ids=[2**65]), "stop_token_ids[0]"),
+    (completion(stop_token_ids=list(range(257))), "stop_token_ids"),
+    (completion(stop=["x" * 513]), "stop"),
+    (completion(model="m" * 257), "model"),
+    (completion(user="u" * 257), "user"),
+    (completion(prompt=[[1, 2], [2**64]]), "prompt[1][0]"),
 ]
 
 BAD_CHATS = [
@@ -151,6 +171,13 @@ BAD_CHATS = [
     (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (chat(response_format={"type": "json_object"}), "response_format"),
     (chat(stop=""), "stop"),
+    (chat(messages=USER * 4097), "messages"),
+    (chat(messages=[{"role": "r" * 300, "content": "hi"}]), "messages[0].role"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 4097}]),
+     "messages[0].content"),
+    (chat(top_logprobs=2**64 + 5, logprobs=True), "top_logprobs"),
+    (chat(max_completion_tokens=2**63), "max_completion_tokens"),
+    (chat(temperature=1e9), "temperature"),
 ]
 
 
@@ -267,7 +294,7 @@ async def test_metrics_count_requests_by_status(router, http):
 @pytest.mark.parametrize("kwargs,param", [
     (dict(max_tokens="ten"), "max_tokens"),
     (dict(temperature="hot"), "temperature"),
-    (dict(temperature=5.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.5, top_p=0.0), "top_p"),
     (dict(n=2), "n"),
     (dict(echo=True), "echo"),
     (dict(prompt=""), "prompt"),

@@ -71,6 +71,20 @@ def test_mutable_defaults_are_not_shared():
         ("logprobs", 21),
         ("logprobs", True),
         ("logprobs", 1.0),
+        # upper bounds (issue 12)
+        ("max_tokens", 2**31),
+        # too long to format: the message must still be built
+        pytest.param("max_tokens", 10**5000, id="max_tokens-5000-digits"),
+        ("temperature", 2.01),
+        ("temperature", 1e9),
+        ("top_k", 2**31),
+        pytest.param("top_k", -(10**5000), id="top_k-5000-digits"),
+        pytest.param("seed", 10**5000, id="seed-5000-digits"),
+        pytest.param("logprobs", 10**5000, id="logprobs-5000-digits"),
+        ("repetition_penalty", 2.5),
+        ("stop", ["x" * 513]),
+        ("stop_token_ids", [2**31]),
+        ("stop_token_ids", list(range(257))),
     ],
 )
 def test_each_bad_value_names_its_field(field, value):
@@ -105,6 +119,12 @@ def test_each_bad_value_names_its_field(field, value):
         ("ignore_eos", True),
         ("logprobs", 0),
         ("logprobs", 20),
+        ("temperature", 2.0),
+        ("top_k", 2**31 - 1),
+        ("max_tokens", 2**31 - 1),
+        ("repetition_penalty", 2.0),
+        ("stop", ["x" * 512]),
+        ("stop_token_ids", list(range(256))),
     ],
 )
 def test_boundary_values_are_accepted(field, value):

@@ -11,6 +11,13 @@
               answer_tpot_s) and the user has thought (exponential, mean mean_think_s)
     history blocks: ids private to the conversation and stable across turns, so turn
               k+1 lists turn k's ids (its last, partial block then longer) plus new ones
+    documents: with probability doc_share a conversation starts (after the system
+              prompt and profile) with one of ``docs`` long documents (whole blocks,
+              lognormal around mean_doc_tokens, ids shared by every conversation that
+              reads it: a tool-use file or retrieved context)
+    tool results: with probability tool_share a turn carries a tool result of
+              lognormal(mean_tool_tokens) tokens besides the user message, so
+              prompts grow fast over the turns
 
         turn 1   [sys][sys][usr][c0 ]                 input = sys + profile + user1
         turn 2   [sys][sys][usr][c0 ][c1 ][c2]        ... + user1 + answer1 + user2
@@ -46,6 +53,12 @@ class TraceSpec:
     mean_think_s: float = 30.0  # between the end of an answer and the next turn
     answer_tpot_s: float = 0.05  # seconds per answer token assumed for the answer's duration
     max_context: int = 7680  # prompt + output tokens of one request at most
+    docs: int = 0  # long documents shared between conversations (0: none)
+    doc_share: float = 0.0  # share of conversations that start with a document
+    mean_doc_tokens: int = 16000
+    tool_share: float = 0.0  # share of turns that carry a tool result
+    mean_tool_tokens: int = 2000
+    length_sigma: float = 0.5  # lognormal sigma of message lengths (documents: twice this)
     seed: int = 0
 
     def __post_init__(self):
@@ -58,6 +71,10 @@ class TraceSpec:
         for name in ("rate", "duration_s", "mean_think_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if not (0 <= self.doc_share <= 1 and 0 <= self.tool_share <= 1):
+            raise ValueError("doc_share and tool_share: must be within [0, 1]")
+        if self.doc_share and self.docs < 1:
+            raise ValueError("docs: must be >= 1 when doc_share > 0")
         if self.user_blocks < 0:
             raise ValueError(f"user_blocks: must be >= 0, got {self.user_blocks}")
         if self.mean_turns < 1:
@@ -77,9 +94,11 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
     weights = 1.0 / np.arange(1, spec.tenants + 1) ** spec.zipf_s
     weights /= weights.sum()
 
-    def lognormal(mean: float) -> int:
-        sigma = 0.5
+    def lognormal(mean: float, sigma: float = spec.length_sigma) -> int:
         return max(1, int(rng.lognormal(math.log(mean) - sigma ** 2 / 2, sigma)))
+
+    docs = [[next(ids) for _ in range(-(-lognormal(spec.mean_doc_tokens, 2 * spec.length_sigma) // HASH_BLOCK))]
+            for _ in range(spec.docs)]
 
     out: list[TraceRequest] = []
     t = float(rng.exponential(1.0 / spec.rate))
@@ -89,11 +108,15 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
         if user not in profiles:
             profiles[user] = [next(ids) for _ in range(spec.user_blocks)]
         blocks = system[tenant] + profiles[user]  # the conversation's hash ids so far
-        length = len(blocks) * HASH_BLOCK  # tokens so far (system prompt, profile, history)
+        if docs and rng.random() < spec.doc_share:
+            blocks = blocks + docs[int(rng.integers(len(docs)))]
+        length = len(blocks) * HASH_BLOCK  # tokens so far (system prompt, profile, document, history)
         turns = int(rng.geometric(1.0 / spec.mean_turns))
         at = t
         for _ in range(turns):
             user, answer = lognormal(spec.mean_user_tokens), lognormal(spec.mean_output_tokens)
+            if spec.tool_share and rng.random() < spec.tool_share:
+                user += lognormal(spec.mean_tool_tokens, 2 * spec.length_sigma)
             prompt = length + user
             if prompt + answer > spec.max_context:
                 break
@@ -108,13 +131,31 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
     return out
 
 
+# Named presets of ``make-trace --preset``. long-context: the input lengths of the
+# published long-context production traces (p50 7-12k, p90 27-39k, max ~128k):
+# multi-turn conversations whose prompts grow, shared system prompts, shared
+# documents and tool results.
+PRESETS = {
+    "default": TraceSpec(),
+    # seeds 0 / 1: input p50 10.6k / 9.6k, p90 34.7k / 31.7k, max 92k / 127k tokens
+    "long-context": TraceSpec(tenants=16, max_system_blocks=8, users_per_tenant=50, rate=0.5,
+                              duration_s=600.0, mean_turns=3.5, mean_user_tokens=400,
+                              mean_output_tokens=300, mean_think_s=30.0, max_context=131072,
+                              docs=200, doc_share=0.55, mean_doc_tokens=9000, tool_share=0.2,
+                              mean_tool_tokens=8000, length_sigma=0.6),
+}
+
+
 def summarize(requests: list[TraceRequest]) -> dict:
     """Trace-level figures printed by ``make-trace`` (and by ``replay``)."""
     from splitserve.benchmarks.replay.trace import oracle_hits
 
     total = sum(r.input_length for r in requests)
     span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if len(requests) > 1 else 0.0
+    lengths = sorted(r.input_length for r in requests)
     return {"requests": len(requests), "span_s": round(span_s, 1),
+            "input_p50": lengths[len(lengths) // 2], "input_p90": lengths[int(len(lengths) * 0.9)],
+            "input_max": lengths[-1],
             "rate_per_s": round(len(requests) / span_s, 3) if span_s else None,
             "mean_input_tokens": round(total / len(requests), 1),
             "mean_output_tokens": round(sum(r.output_length for r in requests) / len(requests), 1),

@@ -41,7 +41,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.benchmarks.replay.generate import summarize as trace_summary
-from splitserve.benchmarks.replay.trace import TraceRequest, load_trace, oracle_hits, prompt_tokens
+from splitserve.benchmarks.replay.trace import (HASH_BLOCK, TraceRequest, load_trace, oracle_hits,
+                                                prompt_tokens)
 from splitserve.common import metric_names as names
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
@@ -61,6 +62,8 @@ class ReplayConfig:
     limit: int | None = None  # replay the first N requests only
     router_args: tuple[str, ...] = field(default=())
     result_json: str | None = None
+    profile: str | None = None  # simulated nodes stand for this GPU deployment (sim_profiles.toml)
+    trace_block_size: int = 512  # tokens per hash id in the trace
 
     def __post_init__(self):
         if self.prefill_nodes < 1:
@@ -73,6 +76,11 @@ class ReplayConfig:
             raise ValueError("max_output_tokens and fleet_procs: must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit: must be >= 1, got {self.limit}")
+        if self.trace_block_size < 1:
+            raise ValueError(f"trace_block_size: must be >= 1, got {self.trace_block_size}")
+        if self.profile is not None:
+            from splitserve.common.sim_profiles import get_profile
+            get_profile(self.profile)  # an unknown name fails here, naming the choices
 
     @property
     def num_decode_nodes(self) -> int:
@@ -116,7 +124,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
 
 
 async def replay(requests: list[TraceRequest], url: str, model: str, speedup: float,
-                 max_output_tokens: int) -> list[Outcome]:
+                 max_output_tokens: int, hash_block: int = HASH_BLOCK) -> list[Outcome]:
     """Send every request at its timestamp / speedup; the outcomes in trace order."""
     t0_trace = requests[0].timestamp
     done = 0
@@ -126,7 +134,7 @@ async def replay(requests: list[TraceRequest], url: str, model: str, speedup: fl
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         async def one(i: int, req: TraceRequest):
             nonlocal done
-            outcomes[i] = await send(session, "", model, prompt_tokens(req),
+            outcomes[i] = await send(session, "", model, prompt_tokens(req, hash_block=hash_block),
                                      min(req.output_length, max_output_tokens))
             done += 1
 
@@ -207,14 +215,19 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
               per_node: dict[str, float], states: dict[str, dict], wall_s: float) -> dict:
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
-    oracle = sum(oracle_hits(requests)) / sum(r.input_length for r in requests)
+    oracle = sum(oracle_hits(requests, cfg.trace_block_size)) / sum(r.input_length for r in requests)
     hit = sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0
     ttft = [o.ttft_s * cfg.speedup for o in ok]
     busy = {nid: st["busy_s"] * cfg.speedup for nid, st in states.items()}  # trace seconds
     errors = sorted({o.error for o in outcomes if not o.ok})
+    failed_by_error: dict[str, int] = {}  # first 80 characters of the error -> requests
+    for o in outcomes:
+        if not o.ok:
+            failed_by_error[o.error[:80]] = failed_by_error.get(o.error[:80], 0) + 1
     return {
         "policy": cfg.policy, "prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.num_decode_nodes,
         "requests": len(requests), "failed": len(outcomes) - len(ok), "errors": errors[:5],
+        "failed_by_error": failed_by_error, "profile": cfg.profile,
         "hit_rate": round(hit, 4), "oracle_hit_rate": round(oracle, 4),
         "hit_rate_vs_oracle": round(hit / oracle, 4) if oracle else None,
         "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
@@ -237,13 +250,17 @@ def run_replay(cfg: ReplayConfig) -> dict:
     from splitserve.deploy.launcher import SimCluster
     from splitserve.router.config import CacheAwareWeights
 
-    requests = load_trace(cfg.trace)[:cfg.limit]
+    requests = load_trace(cfg.trace, cfg.trace_block_size)[:cfg.limit]
     print(f"[replay] {cfg.trace}: {trace_summary(requests)}", file=sys.stderr, flush=True)
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
     half_life = CacheAwareWeights().balance_half_life_s / cfg.speedup
     router_args = (f"--score-weights=balance_half_life_s={half_life:g}", *cfg.router_args)
+    if cfg.profile:  # the nodes' model: its context on the router too
+        from splitserve.common.sim_profiles import get_profile
+        sim_args += ["--profile", cfg.profile]
+        router_args = ("--max-model-len", str(get_profile(cfg.profile).context), *router_args)
     cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
                          kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
     print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "
@@ -251,7 +268,7 @@ def run_replay(cfg: ReplayConfig) -> dict:
     with cluster:
         start = time.perf_counter()
         outcomes = asyncio.run(replay(requests, cluster.url, BUNDLED_MODEL_ID, cfg.speedup,
-                                      cfg.max_output_tokens))
+                                      cfg.max_output_tokens, cfg.trace_block_size))
         wall_s = time.perf_counter() - start
         import urllib.request
         with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:

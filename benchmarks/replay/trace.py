@@ -2,8 +2,11 @@
 
     {"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}
 
-Each hash id stands for one block of ``HASH_BLOCK`` (512) prompt tokens shared by
-every request that lists it. A request's prompt is its ids expanded in order, each
+Each hash id stands for one block of ``hash_block`` prompt tokens (the trace's
+block size, ``--trace-block-size``, default ``HASH_BLOCK`` = 512 as in the published
+Mooncake traces) shared by every request that lists it. The node's own, smaller KV
+block size then cuts each expanded block again (512 = 32 blocks of 16): a hash id
+shared by two requests is a run of identical node blocks. A request's prompt is its ids expanded in order, each
 into a fixed deterministic token block, the last cut to ``input_length``:
 
     hash_ids     [ 7 ][ 7 ][ 12 ][ 40 ]          (4 ids -> 1537..2048 tokens)
@@ -38,9 +41,11 @@ class TraceRequest(msgspec.Struct, frozen=True):
     hash_ids: list[int]
 
 
-def load_trace(path: str | Path) -> list[TraceRequest]:
+def load_trace(path: str | Path, hash_block: int = HASH_BLOCK) -> list[TraceRequest]:
     """Every request of the JSONL file at ``path``, sorted by timestamp. Raises
     ValueError naming the line and the field of the first bad record."""
+    if hash_block < 1:
+        raise ValueError(f"trace_block_size: must be >= 1, got {hash_block}")
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -56,7 +61,7 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
             raise ValueError(f"trace line {number}: {e}") from None
         except msgspec.DecodeError as e:
             raise ValueError(f"trace line {number}: not JSON: {e}") from None
-        _check(req, number)
+        _check(req, number, hash_block)
         requests.append(req)
     if not requests:
         raise ValueError(f"trace: {path} holds no request")
@@ -64,16 +69,17 @@ def load_trace(path: str | Path) -> list[TraceRequest]:
     return requests
 
 
-def _check(req: TraceRequest, number: int) -> None:
+def _check(req: TraceRequest, number: int, hash_block: int) -> None:
     where = f"trace line {number}"
     if req.timestamp < 0:
         raise ValueError(f"{where}: timestamp must be >= 0, got {req.timestamp}")
     if req.input_length < 1 or req.output_length < 1:
         raise ValueError(f"{where}: input_length and output_length must be >= 1")
-    need = -(-req.input_length // HASH_BLOCK)
+    need = -(-req.input_length // hash_block)
     if len(req.hash_ids) != need:
         raise ValueError(f"{where}: hash_ids has {len(req.hash_ids)} ids; input_length "
-                         f"{req.input_length} needs {need} (one per {HASH_BLOCK} tokens)")
+                         f"{req.input_length} needs {need} (one per {hash_block} tokens; "
+                         "--trace-block-size sets it)")
 
 
 def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
@@ -83,22 +89,24 @@ def dump_trace(requests: Iterable[TraceRequest], path: str | Path) -> None:
 
 
 @lru_cache(maxsize=65536)
-def block_tokens(hash_id: int, vocab_size: int = BUNDLED_VOCAB) -> tuple[int, ...]:
+def block_tokens(hash_id: int, vocab_size: int = BUNDLED_VOCAB,
+                 hash_block: int = HASH_BLOCK) -> tuple[int, ...]:
     """The fixed token block of ``hash_id`` for a vocabulary of ``vocab_size``."""
     rng = np.random.default_rng([_SEED, hash_id & 0xFFFFFFFFFFFFFFFF])
     high = min(_TOKEN_HIGH, vocab_size - _TOKEN_LOW)
-    return tuple(rng.integers(_TOKEN_LOW, high, HASH_BLOCK).tolist())
+    return tuple(rng.integers(_TOKEN_LOW, high, hash_block).tolist())
 
 
-def prompt_tokens(req: TraceRequest, vocab_size: int = BUNDLED_VOCAB) -> list[int]:
+def prompt_tokens(req: TraceRequest, vocab_size: int = BUNDLED_VOCAB,
+                  hash_block: int = HASH_BLOCK) -> list[int]:
     """The request's prompt: its hash ids expanded, cut to ``input_length``."""
     tokens: list[int] = []
     for hid in req.hash_ids:
-        tokens.extend(block_tokens(hid, vocab_size))
+        tokens.extend(block_tokens(hid, vocab_size, hash_block))
     return tokens[:req.input_length]
 
 
-def oracle_hits(requests: Iterable[TraceRequest]) -> list[int]:
+def oracle_hits(requests: Iterable[TraceRequest], hash_block: int = HASH_BLOCK) -> list[int]:
     """Per request, the prompt tokens a shared never-evicting cache would hold: the
     tokens of every block whose id an earlier request listed."""
     seen: set[int] = set()
@@ -107,7 +115,7 @@ def oracle_hits(requests: Iterable[TraceRequest]) -> list[int]:
         hit = 0
         for i, hid in enumerate(r.hash_ids):
             if hid in seen:
-                hit += min(HASH_BLOCK, r.input_length - i * HASH_BLOCK)
+                hit += min(hash_block, r.input_length - i * hash_block)
         seen.update(r.hash_ids)
         hits.append(hit)
     return hits

@@ -1,5 +1,5 @@
 """The CUDA kernel backend: csrc/ kernels for the KV cache write and the decode rows
-(kernel_backend.py); prefill chunks go through the torch reference's SDPA.
+(kernel_backend.py); prefill groups go through TorchAttention.prefill (varlen flash or SDPA).
 
 Constructing it builds the kernels on first use (``csrc.build.load_ops``), raising
 ``CsrcBuildError`` with what to do when they cannot be built.

@@ -1,6 +1,6 @@
 """The shape both GPU kernel backends share: their kernels write the KV cache and
-compute the decode rows (split-K, partition size from partition.py); prefill chunks
-go through the torch reference's SDPA (TorchAttention.prefill). A subclass names
+compute the decode rows (split-K, partition size from partition.py); prefill groups
+go through TorchAttention.prefill (varlen flash in half precision, else masked SDPA). A subclass names
 its kernel module, which provides ``write_kv_cache`` and ``paged_decode_attention``
 with the same signatures (csrc/ops.py, triton_kernels.py)."""
 

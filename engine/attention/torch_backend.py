@@ -8,15 +8,16 @@ attention never copies K/V per query head:
 
     q [D, H, hd] -> [D, kv_heads, H/kv_heads, hd]   (head h uses KV head h // group)
 
-Prefill chunks: one SDPA call each; a chunk without cached context attends to its
-own fresh K/V with a causal mask, a chunk after a cached prefix reads the whole
-context back from the cache with an offset causal mask.
+Prefill: one call per PrefillGroup (prefill_batch.py). A lone chunk without cached
+context attends to its own fresh K/V (is_causal); otherwise the group's keys are read
+back from the cache in one gather over ``key_slots`` and go through torch's varlen
+flash kernel (CUDA, half precision) or SDPA with the group's block-diagonal causal mask.
 """
 
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillGroup
 
 
 def build_decode_mask(seq_lens: torch.Tensor, width: int, dtype: torch.dtype,
@@ -44,8 +45,8 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if meta.num_decodes:
             self.decode(q[:meta.num_decodes], kv_cache, meta, out[:meta.num_decodes])
-        for p in meta.prefills:
-            self.prefill(q, k, v, kv_cache, p, out)
+        for group in meta.prefills:
+            self.prefill(q, k, v, kv_cache, group, out)
         return out.view(num_tokens, num_heads * head_dim)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -70,24 +71,26 @@ class TorchAttention(AttentionBackend):
         out.copy_(od.reshape(nd, num_heads, head_dim))
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                p: PrefillChunk, out: torch.Tensor) -> None:
-        """out[rows of p] = causal attention of chunk p (q, k, v, out: the whole flat batch)."""
-        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, kv_heads, hd]
-        block_size, kv_heads, head_dim = k_cache.shape[1:]
-        rows = slice(p.q_start, p.q_start + p.q_len)
-        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
-        if p.ctx_len == 0:
+                g: PrefillGroup, out: torch.Tensor) -> None:
+        """out[rows of g] = causal attention of the chunks of g (q, k, v, out: the whole flat batch)."""
+        kv_heads, head_dim = kv_cache.shape[-2:]
+        rows = slice(g.q_start, g.q_start + g.q_len)
+        if g.key_slots is None:  # one chunk, nothing cached before it
+            qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
             kp = k[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
             vp = v[rows].transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-        else:
-            total = p.ctx_len + p.q_len
-            nb = (total + block_size - 1) // block_size
-            table = p.block_table[:nb]
-            kp = k_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
-            vp = v_cache.index_select(0, table).view(-1, kv_heads, head_dim)[:total].transpose(0, 1).unsqueeze(0)
-            # query i (absolute position ctx_len + i) sees keys 0 .. ctx_len + i
-            qpos = torch.arange(p.ctx_len, total, device=q.device).unsqueeze(1)
-            mask = torch.arange(total, device=q.device).unsqueeze(0) <= qpos  # [n, total] bool
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+            out[rows] = op[0].transpose(0, 1)
+            return
+        kg = kv_cache[0].view(-1, kv_heads, head_dim).index_select(0, g.key_slots)  # [K, kv_heads, hd]
+        vg = kv_cache[1].view(-1, kv_heads, head_dim).index_select(0, g.key_slots)
+        if g.mask is None:  # varlen flash: chunk boundaries from cu_q / cu_k, causal aligned bottom-right
+            from torch.nn.attention.varlen import varlen_attn
+
+            out[rows] = varlen_attn(q[rows].contiguous(), kg, vg, g.cu_q, g.cu_k, g.max_q, g.max_k,
+                                    window_size=(-1, 0), enable_gqa=True)  # [Q, H, hd]
+            return
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, hd]
+        op = F.scaled_dot_product_attention(qp, kg.transpose(0, 1).unsqueeze(0), vg.transpose(0, 1).unsqueeze(0),
+                                            attn_mask=g.mask, enable_gqa=True)  # [1, H, Q, hd]
         out[rows] = op[0].transpose(0, 1)

@@ -1,5 +1,5 @@
 """The Triton kernel backend: triton_kernels.py for the KV cache write and the decode
-rows (kernel_backend.py); prefill chunks go through the torch reference's SDPA.
+rows (kernel_backend.py); prefill groups go through TorchAttention.prefill (varlen flash or SDPA).
 Needs triton and a cache block size that is a power of two >= 16."""
 
 from splitserve.engine.attention import triton_kernels

@@ -1,0 +1,146 @@
+"""Named simulated-node profiles: a model on a GPU deployment, so simulated nodes
+stand for real ones (``splitserve sim-nodes --profile NAME``, ``replay --profile``,
+``--list-profiles``).
+
+Owns reading ``sim_profiles.toml`` (next to this file; the numbers, their sources
+and their calibration state live there) and deriving from it:
+
+    kv_bytes_per_token = 2 (K, V) x layers x kv_heads x head_dim x dtype_bytes
+    weight_bytes       = parameters x dtype_bytes
+    kv_pool_bytes      = gpus x memory x utilization - weight_bytes - gpus x activation
+    kv_pool_tokens     = kv_pool_bytes // kv_bytes_per_token (whole blocks)
+    timing             = common/roofline.py with flops = 2 x (parameters - vocab x hidden),
+                         peak x flops_efficiency x gpus (x tp_efficiency when gpus > 1),
+                         bandwidth x bandwidth_efficiency x gpus (same), step overhead
+                         (a CPU profile keeps SimConfig's fitted timing instead)
+
+Must not import torch or node code; a bad profile raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.common.config import SimConfig
+from splitserve.common.roofline import Roofline
+
+PROFILES_FILE = Path(__file__).with_name("sim_profiles.toml")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class SimProfile:
+    name: str
+    model: str
+    hardware: str
+    context: int  # max model length, tokens
+    block_size: int
+    kv_bytes_per_token: int
+    weight_bytes: int
+    kv_pool_bytes: int
+    prefill_chunk_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    calibrated: bool
+    roofline: Roofline | None  # None: SimConfig's fitted CPU timing
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_size) * self.block_size
+
+    def sim_config(self, speedup: float = 1.0) -> SimConfig:
+        return SimConfig(speedup=speedup, roofline=self.roofline, max_model_len=self.context,
+                         kv_bytes_per_token=self.kv_bytes_per_token)
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """One request's prompt of ``tokens``, alone on the node, in chunks."""
+        sim, t, done = self.sim_config(), 0.0, 0
+        while done < tokens:
+            n = min(self.prefill_chunk_size, tokens - done)
+            t += sim.step_seconds(0, [(n, done)])
+            done += n
+        return t
+
+    def summary(self) -> dict:
+        sim = self.sim_config()
+        return {
+            "profile": self.name, "model": self.model, "hardware": self.hardware,
+            "context": self.context, "block_size": self.block_size,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "weight_gib": round(self.weight_bytes / GIB, 2),
+            "kv_pool_gib": round(self.kv_pool_bytes / GIB, 2), "kv_pool_tokens": self.kv_pool_tokens,
+            "prefill_8k_s": round(self.prefill_seconds(8192), 3),
+            "prefill_32k_s": round(self.prefill_seconds(min(32768, self.context - 1)), 3),
+            "decode_step_b32_ctx8k_ms": round(sim.step_seconds(32, [], 32 * 8192) * 1000, 2),
+            "calibrated": self.calibrated,
+        }
+
+
+def load_profiles(path: str | Path = PROFILES_FILE) -> dict[str, SimProfile]:
+    """Every profile of ``path``, derived; ValueError naming the profile and field."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"sim profiles: cannot read {path}: {e}") from None
+    return {name: _derive(name, p, data) for name, p in data.get("profile", {}).items()}
+
+
+def get_profile(name: str, path: str | Path = PROFILES_FILE) -> SimProfile:
+    profiles = load_profiles(path)
+    if name not in profiles:
+        raise ValueError(f"profile: unknown simulated-node profile {name!r}; one of "
+                         f"{', '.join(sorted(profiles))} (splitserve sim-nodes --list-profiles)")
+    return profiles[name]
+
+
+def format_profiles(profiles: dict[str, SimProfile]) -> str:
+    head = (f"{'profile':22} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
+            f"{'pool tokens':>12} {'prefill 8k':>10} {'32k':>8} {'decode b32':>10}  calibrated")
+    lines = [head]
+    for p in profiles.values():
+        s = p.summary()
+        lines.append(f"{p.name:22} {p.context:>7} {p.kv_bytes_per_token:>9} "
+                     f"{s['weight_gib']:>6.1f}GiB {s['kv_pool_gib']:>6.1f}GiB {p.kv_pool_tokens:>12} "
+                     f"{s['prefill_8k_s']:>9.3f}s {s['prefill_32k_s']:>7.3f}s "
+                     f"{s['decode_step_b32_ctx8k_ms']:>8.2f}ms  {'yes' if p.calibrated else 'no (stated)'}")
+    lines.append("decode b32: one step of 32 requests with 8k tokens of context each. "
+                 f"Numbers and their sources: {PROFILES_FILE}")
+    return "\n".join(lines)
+
+
+def _derive(name: str, p: dict, data: dict) -> SimProfile:
+    where = f"profile {name}"
+    try:
+        m = data["model"][p["model"]]
+        hw = data["hardware"][p["hardware"]]
+        dtype = p["dtype_bytes"]
+        kv_tok = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * dtype
+        weights = int(m["parameters"] * dtype)
+        gpus = p["gpus"]
+        if gpus:
+            pool = int(gpus * hw["memory_gib"] * GIB * p["gpu_memory_utilization"]
+                       - weights - gpus * p["activation_gib"] * GIB)
+            scale = gpus * (hw["tp_efficiency"] if gpus > 1 else 1.0)
+            roofline = Roofline(
+                flops_per_token=2 * (m["parameters"] - m["vocab"] * m["hidden"]),
+                attn_flops=4 * m["layers"] * m["heads"] * m["head_dim"],
+                weight_bytes=weights, kv_bytes_per_token=kv_tok,
+                flops_per_s=hw["peak_bf16_flops"] * hw["flops_efficiency"] * scale,
+                bytes_per_s=hw["hbm_bytes_per_s"] * hw["bandwidth_efficiency"] * scale,
+                step_overhead_s=hw["step_overhead_s"])
+        else:
+            pool, roofline = int(p["kv_cache_gib"] * GIB), None
+        prof = SimProfile(name=name, model=p["model"], hardware=p["hardware"], context=m["context"],
+                          block_size=p["block_size"], kv_bytes_per_token=kv_tok, weight_bytes=weights,
+                          kv_pool_bytes=pool, prefill_chunk_size=p["prefill_chunk_size"],
+                          max_num_batched_tokens=p["max_num_batched_tokens"],
+                          max_num_seqs=p["max_num_seqs"], calibrated=bool(hw["calibrated"]),
+                          roofline=roofline)
+    except KeyError as e:
+        raise ValueError(f"{where}: missing field {e}") from None
+    if prof.kv_pool_tokens < prof.context:
+        raise ValueError(f"{where}: its KV pool holds {prof.kv_pool_tokens} tokens, less than one "
+                         f"context of {prof.context}; lower the weights or raise the memory")
+    return prof

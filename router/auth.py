@@ -1,0 +1,63 @@
+"""Client authentication on the router: the API-key middleware and who may see
+other clients' request ids.
+
+    every path but /health, /ping and     needs "Authorization: Bearer <API key>"
+      /metrics                            when the router has API keys
+    /health and /ping, /metrics           open unless --protect-health / --protect-metrics
+    no API key configured                 everything open (the bind warning in app.py)
+
+A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_key``)
+and ``WWW-Authenticate: Bearer``, before the body is read. Keys are compared in
+constant time, every configured key each time.
+
+Must not read request bodies or log a presented credential.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from splitserve.common.auth import CLUSTER_TOKEN_HEADER, bearer_token, token_matches
+from splitserve.router.config import RouterConfig
+from splitserve.router.errors import ApiError
+from splitserve.router.state import CONFIG
+
+
+def needs_api_key(config: RouterConfig, path: str) -> bool:
+    if not config.api_keys:
+        return False
+    if path in ("/health", "/ping"):  # /ping: vLLM's name for the same probe
+        return config.protect_health
+    if path == "/metrics":
+        return config.protect_metrics
+    return True
+
+
+def key_matches(config: RouterConfig, presented: str | None) -> bool:
+    matched = False
+    for key in config.api_keys:  # no early exit: the time does not tell which key matched
+        matched |= token_matches(presented, key)
+    return matched
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
+    config = request.app[CONFIG]
+    if needs_api_key(config, request.path):
+        presented = bearer_token(request.headers.get("Authorization"))
+        if presented is None:
+            raise _unauthorized("missing API key: send the header 'Authorization: Bearer "
+                                "<key>' (the router was started with --api-key)")
+        if not key_matches(config, presented):
+            raise _unauthorized("invalid API key")
+    return await handler(request)
+
+
+def has_cluster_token(request: web.Request) -> bool:
+    """Whether the caller presented this router's cluster token (never, when it has none)."""
+    token = request.app[CONFIG].cluster_token
+    return token is not None and token_matches(request.headers.get(CLUSTER_TOKEN_HEADER), token)
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})

@@ -1,0 +1,90 @@
+"""``splitserve up`` as a user runs it: a node killed with SIGKILL is restarted (the
+others keep serving, the status endpoint counts it), and Ctrl-C drains and stops
+everything with exit status 0, leaving no /dev/shm segment."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from splitserve.deploy.launcher import free_port
+from splitserve.node.shm_segments import list_segments, owner_pid
+
+pytestmark = pytest.mark.slow
+
+
+def completion(url: str) -> str:
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The sea is", "max_tokens": 4,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_up_restarts_a_killed_node_and_ctrl_c_stops_cleanly():
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    env.pop("SPLITSERVE_CLUSTER_TOKEN", None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
+                           "--kv-cache-memory", "48MiB", "--kv-backend", "shm"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        status_url = None
+        deadline = time.monotonic() + 240
+        while status_url is None:
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            line = up.stdout.readline()
+            lines.append(line.rstrip())
+            m = re.search(r"supervisor status: (http://\S+/status)", line)
+            status_url = m and m.group(1)
+        url = f"http://127.0.0.1:{port}"
+        want = completion(url)
+        nodes = {m["name"] for m in get_json(status_url)["members"]}
+        assert nodes == {"prefill-0", "decode-0", "router", "redis"}
+
+        # the launcher's children are in their own sessions: find the prefill node's pid
+        ps = subprocess.run(["pgrep", "-f", "-P", str(up.pid), "splitserve.cli prefill"],
+                            capture_output=True, text=True).stdout.split()
+        assert len(ps) == 1
+        os.kill(int(ps[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        while True:  # the cluster keeps answering (decode prefills locally) while it restarts
+            assert completion(url) == want
+            st = {m["name"]: m for m in get_json(status_url)["members"]}
+            if st["prefill-0"]["restarts"] == 1 and st["prefill-0"]["alive"]:
+                break
+            assert time.monotonic() - t0 < 60, st
+            time.sleep(0.5)
+        assert st["prefill-0"]["last_exit"] == -9 and st["decode-0"]["restarts"] == 0
+        with urllib.request.urlopen(status_url.replace("/status", "/metrics"), timeout=10) as r:
+            assert 'splitserve_launcher_restarts_total{member="prefill-0"} 1' in r.read().decode()
+        shm = [n for n in list_segments() if owner_pid(n) and _child_of(owner_pid(n), up.pid)]
+        assert len(shm) == 1  # the decode node's pool
+
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        assert not any(os.path.exists(f"/dev/shm/{n}") for n in shm)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _child_of(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
+    except OSError:
+        return False
