@@ -108,3 +108,12 @@ async def test_unknown_model_is_404(router, http, path, body):
 async def test_not_json_is_400(router, http):
     status, err = await call(http, "POST", f"{router}/tokenize", b"{nope")
     assert status == 400 and "JSON" in err["error"]["message"]
+
+
+def test_api_key_guards_tokenize_but_not_ping():
+    from splitserve.router.auth import needs_api_key
+    keyed = RouterConfig(api_keys=("sekret-key-1234567890",))
+    assert [needs_api_key(keyed, p) for p in ("/tokenize", "/detokenize", "/version", "/ping")] == [
+        True, True, True, False]  # /ping is a probe, open like /health
+    assert needs_api_key(RouterConfig(api_keys=keyed.api_keys, protect_health=True), "/ping")
+    assert not needs_api_key(RouterConfig(), "/tokenize")
