@@ -304,9 +304,9 @@ class SimCluster(Cluster):
     processes. ``sim_args`` go to every fleet (e.g. ``--sim-speedup 10``)."""
 
     def __init__(self, prefill_nodes: int, decode_nodes: int, fleet_procs: int = 2, sim_args=(),
-                 kv_cache_memory="1GiB", policy=None, router_args=()):
+                 kv_cache_memory="1GiB", policy=None, router_args=(), cluster_token=None):
         super().__init__(prefill_nodes, decode_nodes, kv_cache_memory=kv_cache_memory, policy=policy,
-                         router_args=router_args)
+                         router_args=router_args, cluster_token=cluster_token)
         self.fleet_procs = max(1, min(fleet_procs, prefill_nodes + decode_nodes))
         self.sim_args = list(sim_args)
 

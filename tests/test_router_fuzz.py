@@ -9,14 +9,13 @@ answers /health and the node process is alive. Also here, with the same cluster:
 /debug/decisions shows request ids only to a caller with the cluster token."""
 
 import json
-import os
 import urllib.request
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from splitserve.benchmarks.openai_fuzz import FuzzCase, fuzz_cases, send
-from splitserve.common.auth import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
+from splitserve.common.auth import CLUSTER_TOKEN_HEADER
 
 pytestmark = pytest.mark.slow
 
@@ -26,21 +25,13 @@ TOKEN = "fuzz-cluster-token-0123456789"
 @pytest.fixture(scope="module")
 def cluster():
     """Redis, one simulated decode node and the router, every process given the cluster
-    token through the environment (as `splitserve up` would)."""
+    token through the environment (as `splitserve up` does)."""
     from splitserve.deploy.launcher import SimCluster
 
-    before = os.environ.get(CLUSTER_TOKEN_ENV)
-    os.environ[CLUSTER_TOKEN_ENV] = TOKEN
-    try:
-        # --max-model-len 128: every valid case generates few tokens
-        with SimCluster(0, 1, fleet_procs=1, sim_args=["--sim-speedup", "50"],
-                        kv_cache_memory="256MiB", router_args=["--max-model-len", "128"]) as c:
-            yield c
-    finally:
-        if before is None:
-            os.environ.pop(CLUSTER_TOKEN_ENV, None)
-        else:
-            os.environ[CLUSTER_TOKEN_ENV] = before
+    # --max-model-len 128: every valid case generates few tokens
+    with SimCluster(0, 1, fleet_procs=1, sim_args=["--sim-speedup", "50"], kv_cache_memory="256MiB",
+                    router_args=["--max-model-len", "128"], cluster_token=TOKEN) as c:
+        yield c
 
 
 def get(url: str, headers=None) -> tuple[int, dict]:
