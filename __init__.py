@@ -4,6 +4,36 @@ The top-level folders are the architecture (see ../shared/DESIGN.md):
 ``common`` (configs, wire types, hashing), ``engine`` (model, KV cache, scheduler,
 sampler), ``prefill_node``, ``decode_node``, ``kvtransfer``, ``router``, ``csrc``,
 ``deploy``.
+
+The offline API is importable from the top, as in vLLM::
+
+    from splitserve import LLM, SamplingParams
+
+Those names are resolved on first use (PEP 562 ``__getattr__``), so ``import
+splitserve`` stays light: it never imports torch unless ``LLM`` is used.
 """
 
+import importlib
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it (imported when the name is first read)
+_LAZY = {
+    "LLM": "splitserve.engine.llm",
+    "RequestOutput": "splitserve.engine.llm",
+    "SamplingParams": "splitserve.common.sampling_params",
+}
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'splitserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later reads skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -21,6 +21,11 @@ from splitserve.common.config import KV_BACKENDS, LOAD_FORMATS
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face safetensors folder (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's names; the first is registered for routers to match, labels the "
+                        "metrics and keys the block hashes (default: --model as given)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's, capped at a sliding window)")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto/safetensors: the folder's weights; dummy: seeded random weights from its "
                         "config.json alone (e.g. benchmarks/model_configs/llama3-8b)")
@@ -47,11 +52,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args, sim=None):
+    from splitserve.common.bundled import BUNDLED_MODEL_ID
     from splitserve.common.config import EngineConfig, parse_size
 
     if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
         raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
-    return EngineConfig(model=args.model, load_format=args.load_format,
+    model_id = args.served_model_name[0] if args.served_model_name else args.model or BUNDLED_MODEL_ID
+    if not model_id.strip():
+        raise ValueError("served_model_name: names must be non-empty")
+    return EngineConfig(model=args.model, model_id=model_id, max_model_len=args.max_model_len,
+                        load_format=args.load_format,
                         kv_cache_memory=parse_size(args.kv_cache_memory or "1GiB"),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -296,7 +306,10 @@ def main(argv=None) -> int:
                     help="pin roles to CPUs, e.g. prefill=0 decode=1 router=0 (a pinned node gets "
                          "one torch thread per CPU)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--model", default=None)
+    up.add_argument("--host", default=None, help="bind address of the router and nodes (default: "
+                    "deploy/local.toml's, 127.0.0.1)")
+    from splitserve.router.config import add_model_args
+    add_model_args(up)
     up.add_argument("--device", default=None, help="every node's device: cpu (default), cuda, cuda:N")
     up.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
                     help="devices the prefill nodes cycle through, e.g. cuda:0 (default: --device)")

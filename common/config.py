@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from splitserve.common.bundled import BUNDLED_MODEL_ID
 from splitserve.common.roofline import Roofline
 
 # The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
@@ -118,7 +119,7 @@ class EngineConfig:
     model: str | None = None
     load_format: str = "auto"  # one of LOAD_FORMATS
     # Served model name; also an extra key of every block hash, so two models never share blocks.
-    model_id: str = "SmolLM2-135M-Instruct"
+    model_id: str = BUNDLED_MODEL_ID
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool; the engine reports the tokens it holds
     # CUDA only: the fraction of the device's total memory this process may use; the KV pool

@@ -99,14 +99,15 @@ class Cluster:
     def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
-                 router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None):
+                 router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
+                 served_model_names=()):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
         self.cfg = dict(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, kv_backend=kv_backend,
                         kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
-                        router_args=list(router_args))
+                        router_args=list(router_args), served=list(served_model_names))
         self.router_port = router_port or free_port()
         self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
         self.redis_password = redis_password  # for the Redis this cluster starts
@@ -203,9 +204,13 @@ class Cluster:
                 "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
         if role == "colocated":
             args.append("--colocated")
-        if c["model"]:
-            args += ["--model", c["model"]]
-        return args
+        return args + self._model_args()
+
+    def _model_args(self) -> list[str]:
+        """--model / --served-model-name, the same for the router and every node."""
+        c = self.cfg
+        return ((["--model", c["model"]] if c["model"] else [])
+                + (["--served-model-name", *c["served"]] if c["served"] else []))
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         if self.redis_url is None:
@@ -224,7 +229,7 @@ class Cluster:
         c = self.cfg
         policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
         return ["router", "--host", c["host"], "--port", str(self.router_port), "--redis-url", self.redis_url,
-                *policy, *c["router_args"]]
+                *policy, *self._model_args(), *c["router_args"]]
 
     def wait_ready(self, p: Proc, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -342,6 +347,12 @@ def parse_cpus(items: list[str]) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def served_name(args) -> str:
+    """The name clients give as "model": the first --served-model-name, else --model as given."""
+    from splitserve.common.bundled import BUNDLED_MODEL_ID
+    return (getattr(args, "served_model_name", None) or [args.model or BUNDLED_MODEL_ID])[0]
+
+
 def launch(args) -> int:
     """``splitserve up``."""
     defaults = tomllib.loads(Path(args.config or DEFAULT_CONFIG).read_text())["cluster"]
@@ -356,7 +367,8 @@ def launch(args) -> int:
                       decode_nodes=pick("decode_nodes", "decode_nodes"), router_port=pick("port", "router_port"),
                       kv_backend=devices.kv_backend, kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
                       threads_per_node=pick("threads_per_node", "threads_per_node"), redis_url=args.redis_url,
-                      model=args.model, host=defaults["host"], cpus=parse_cpus(args.cpus or []),
+                      model=args.model, served_model_names=getattr(args, "served_model_name", None) or (),
+                      host=getattr(args, "host", None) or defaults["host"], cpus=parse_cpus(args.cpus or []),
                       devices=devices if devices.devices or devices.dtype else None,
                       cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
                       redis_password=new_cluster_token())
@@ -376,7 +388,7 @@ splitserve is serving the OpenAI API at {cluster.url}/v1
   supervisor status: http://127.0.0.1:{status_port}/status  (restart counters also at /metrics)
 
   curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "SmolLM2-135M-Instruct", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
+    -d '{{"model": "{served_name(args)}", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
 
 A member that dies is restarted; Ctrl-C stops everything.""", flush=True)
     while not stop.wait(0.5):

@@ -36,7 +36,7 @@ from splitserve.common.auth import redact_url
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import NodeRegistry
-from splitserve.router import endpoints, openai_api
+from splitserve.router import endpoints, extra_endpoints, openai_api
 from splitserve.router.admission import Admission
 from splitserve.router.auth import api_key_middleware
 from splitserve.router.background import BackgroundTasks
@@ -87,6 +87,7 @@ def build_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", endpoints.health)
     app.router.add_get("/metrics", endpoints.metrics)
     app.router.add_get("/debug/decisions", endpoints.decisions)
+    extra_endpoints.register(app)  # vLLM's /tokenize, /detokenize, /version, /ping
     return app
 
 
@@ -95,6 +96,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     registry = NodeRegistry(config.redis_url)
     directory = NodeDirectory(registry, config.model_id, metrics, config.poll_interval_s)
     await directory.refresh()  # know the nodes before the first request (Redis may be down)
+    if (mismatch := directory.model_mismatch()) is not None:
+        await registry.close()
+        raise ValueError(mismatch)  # the CLI prints it and exits 2
     directory.start()
     index = KVIndex(config.redis_url, timeout_s=config.index_timeout_s)
     prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,

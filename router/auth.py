@@ -1,9 +1,9 @@
 """Client authentication on the router: the API-key middleware and who may see
 other clients' request ids.
 
-    every path but /health and /metrics   needs "Authorization: Bearer <API key>"
-                                          when the router has API keys
-    /health, /metrics                     open unless --protect-health / --protect-metrics
+    every path but /health, /ping and     needs "Authorization: Bearer <API key>"
+      /metrics                            when the router has API keys
+    /health and /ping, /metrics           open unless --protect-health / --protect-metrics
     no API key configured                 everything open (the bind warning in app.py)
 
 A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_key``)
@@ -26,7 +26,7 @@ from splitserve.router.state import CONFIG
 def needs_api_key(config: RouterConfig, path: str) -> bool:
     if not config.api_keys:
         return False
-    if path == "/health":
+    if path in ("/health", "/ping"):  # /ping: vLLM's name for the same probe
         return config.protect_health
     if path == "/metrics":
         return config.protect_metrics

@@ -82,11 +82,14 @@ class RouterConfig:
     host: str = "127.0.0.1"  # nothing is open by default; 0.0.0.0 without an API key is warned about
     port: int = 8000  # 0: any free port (tests)
     redis_url: str = "redis://127.0.0.1:6379/0"
-    # Served model id: clients must name it; only nodes registered with it are used.
-    model_id: str = BUNDLED_MODEL_ID
-    # Folder with tokenizer.json, config.json and the chat template. None: the bundled model.
-    model_dir: str | None = None
-    max_model_len: int | None = None  # None: config.json's max_position_embeddings
+    # Model folder (tokenizer.json, config.json, chat template), as the nodes' --model.
+    # None or BUNDLED_MODEL_ID: the converted bundled model.
+    model: str | None = None
+    # Names clients may give as "model" (vLLM's --served-model-name). The first is reported
+    # in responses and /v1/models, labels the metrics, is the model id nodes register under
+    # and an extra key of every block hash. Empty: resolved to (model or BUNDLED_MODEL_ID,).
+    served_model_names: tuple[str, ...] = ()
+    max_model_len: int | None = None  # None: the model's usable context (ModelConfig)
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413
     policy: str = "cache_aware"
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # cache_aware only
@@ -127,6 +130,10 @@ class RouterConfig:
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
 
     def __post_init__(self):
+        names = tuple(self.served_model_names) or (self.model or BUNDLED_MODEL_ID,)
+        if any(not isinstance(n, str) or not n.strip() for n in names):
+            raise ValueError(f"served_model_name: names must be non-empty, got {list(names)}")
+        object.__setattr__(self, "served_model_names", names)  # resolved before anyone reads it
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_body_bytes < 1024:
@@ -159,8 +166,15 @@ class RouterConfig:
         return not self.api_keys and not _is_loopback(self.host)
 
     @property
+    def model_id(self) -> str:
+        """The primary served name: what nodes register under and block hashes carry."""
+        return self.served_model_names[0]
+
+    @property
     def resolved_model_dir(self) -> Path:
-        return Path(self.model_dir) if self.model_dir else bundled_model_dir()
+        if self.model is None or self.model == BUNDLED_MODEL_ID:
+            return bundled_model_dir()
+        return Path(self.model).expanduser()
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -169,12 +183,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--redis-url", default=d.redis_url, help="node registry (default %(default)s)")
-    g.add_argument("--model-id", default=d.model_id, help="served model name (default %(default)s)")
-    g.add_argument("--model-dir", default=None,
-                   help="folder with tokenizer.json, config.json and the chat template "
-                        "(default: the converted bundled model)")
+    add_model_args(g)
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: config.json's max_position_embeddings)")
+                   help="context length (default: the model's, capped at a sliding window)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument("--policy", choices=POLICIES, default=d.policy)
     g.add_argument("--score-weights", default="",
@@ -212,9 +223,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
 
 
+def add_model_args(g) -> None:
+    """``--model`` and ``--served-model-name`` as vLLM spells them (``splitserve up`` too)."""
+    g.add_argument("--model", "--model-dir", dest="model", default=None,
+                   help="model folder with tokenizer.json, config.json and the chat template, as "
+                        f"the nodes' --model (default: the bundled {BUNDLED_MODEL_ID})")
+    g.add_argument("--served-model-name", "--model-id", dest="served_model_name", nargs="+",
+                   default=None, metavar="NAME",
+                   help="names clients may request; the first is reported and labels the metrics "
+                        "(default: --model as given)")
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
-                        model_id=args.model_id, model_dir=args.model_dir,
+                        model=args.model, served_model_names=tuple(args.served_model_name or ()),
                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                         policy=args.policy, weights=CacheAwareWeights.parse(args.score_weights),
                         block_size=args.block_size, poll_interval_s=args.poll_interval,

@@ -36,7 +36,7 @@ class NodeDirectory:
     redis_ok: bool | None = None  # the last poll reached Redis (None: not polled yet)
     polls: int = 0  # successful polls
     _unreachable: dict[str, tuple[str, float]] = field(default_factory=dict)  # node_id -> (epoch, until)
-    _other_models: set[str] = field(default_factory=set)  # node ids already warned about
+    other_models: dict[str, str] = field(default_factory=dict)  # node_id -> the other model it serves
     _task: asyncio.Task | None = None
     _recovered_until: float = 0.0  # until then, keep last known nodes missing from the registry
 
@@ -72,11 +72,20 @@ class NodeDirectory:
     def _serves_model(self, node: NodeInfo) -> bool:
         if node.model == self.model_id:
             return True
-        if node.node_id not in self._other_models:
-            self._other_models.add(node.node_id)
+        if self.other_models.get(node.node_id) != node.model:  # warn once per node and model
+            self.other_models[node.node_id] = node.model
             log.warning("router: ignoring node %s: it serves model %r, this router serves %r",
                         node.node_id, node.model, self.model_id)
         return False
+
+    def model_mismatch(self) -> str | None:
+        """Why this router must not start: every node registered serves another model
+        (None when some node serves ours, or none is registered yet)."""
+        if self.nodes or not self.other_models:
+            return None
+        models = ", ".join(sorted({f"`{m}`" for m in self.other_models.values()}))
+        return (f"served_model_name: the registered nodes serve {models}, this router serves "
+                f"`{self.model_id}`; give the router the nodes' --model and --served-model-name")
 
     def live(self) -> list[NodeInfo]:
         """The nodes to route to: the last known list minus nodes recently unreachable."""

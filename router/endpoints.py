@@ -19,21 +19,26 @@ from splitserve.router.state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVI
 DEFAULT_DECISIONS = 50
 
 
-def _model_card(request: web.Request) -> dict:
-    return {"id": request.app[CONFIG].model_id, "object": "model", "created": 0,
-            "owned_by": "splitserve", "max_model_len": request.app[TOKENIZER].max_model_len}
+def _model_card(request: web.Request, name: str) -> dict:
+    """vLLM's model card: ``root`` is the model as loaded, ``max_model_len`` its context."""
+    config = request.app[CONFIG]
+    return {"id": name, "object": "model", "created": 0, "owned_by": "splitserve",
+            "root": config.model or config.model_id, "parent": None,
+            "max_model_len": request.app[TOKENIZER].max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request)]})
+    """One card per served name, the primary first."""
+    names = request.app[CONFIG].served_model_names
+    return web.json_response({"object": "list", "data": [_model_card(request, n) for n in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
-    if name != request.app[CONFIG].model_id:
+    if name not in request.app[CONFIG].served_model_names:
         raise ApiError(404, f"The model `{name}` does not exist", param="model",
                        code="model_not_found")
-    return web.json_response(_model_card(request))
+    return web.json_response(_model_card(request, name))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -54,7 +54,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     app = request.app
     config = app[CONFIG]
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
-    prep: PreparedRequest = prepare(body, app[TOKENIZER], config.model_id)
+    prep: PreparedRequest = prepare(body, app[TOKENIZER], config.served_model_names)
     response_id = id_prefix + uuid.uuid4().hex
     builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)

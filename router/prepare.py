@@ -21,7 +21,7 @@ from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.errors import ApiError
 from splitserve.router.json_shape import MAX_JSON_DEPTH, check_shape
-from splitserve.router.openai_types import ChatCompletionRequest, CompletionRequest
+from splitserve.router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from splitserve.router.tokenizer import RouterTokenizer
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
@@ -80,9 +80,10 @@ def _field_error(e: msgspec.ValidationError) -> InvalidRequest:
     return InvalidRequest(path or "body", text)
 
 
-def prepare_completion(body: bytes, tok: RouterTokenizer, model_id: str) -> PreparedRequest:
+def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> PreparedRequest:
+    """``served``: the names clients may request (RouterConfig.served_model_names)."""
     req: CompletionRequest = decode_body(body, CompletionRequest)
-    _check_common(req, model_id)
+    model_id = _check_common(req, served)
     if req.echo:
         raise ApiError(400, "echo: not supported; send echo=false", param="echo")
     if req.best_of not in (None, 1):
@@ -97,9 +98,9 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, model_id: str) -> Prep
                            _include_usage(req), req.logprobs is not None)
 
 
-def prepare_chat(body: bytes, tok: RouterTokenizer, model_id: str) -> PreparedRequest:
+def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> PreparedRequest:
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
-    _check_common(req, model_id)
+    model_id = _check_common(req, served)
     if req.tools:
         raise ApiError(400, "tools: tool calling is not supported", param="tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -121,16 +122,25 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, model_id: str) -> PreparedRe
                            _include_usage(req), req.logprobs)
 
 
-def _check_common(req, model_id: str) -> None:
-    if req.model is not None and req.model != model_id:
-        raise ApiError(404, f"The model `{req.model}` does not exist; this router serves "
-                       f"`{model_id}`", param="model", code="model_not_found")
+def check_model(model: str | None, served: tuple[str, ...]) -> str:
+    """The model name to answer with: the one requested, as vLLM does, or the first
+    served name when none was given; 404 for a name this router does not serve."""
+    if model is not None and model not in served:
+        raise ApiError(404, f"The model `{model}` does not exist; this router serves "
+                       + ", ".join(f"`{n}`" for n in served), param="model", code="model_not_found")
+    return served[0] if model is None else model
+
+
+def _check_common(req, served: tuple[str, ...]) -> str:
+    """Checks shared by both endpoints; returns the model name to answer with."""
+    model = check_model(req.model, served)
     if req.n != 1:
         raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
     if req.logit_bias:
         raise ApiError(400, "logit_bias: not supported", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options")
+    return model
 
 
 def _include_usage(req) -> bool:
@@ -188,15 +198,21 @@ def _is_token_id(x) -> bool:
     return type(x) is int  # not bool, not float
 
 
-def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
-    if not req.messages:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Checked messages -> the ``{"role", "content"}`` dicts the chat template renders."""
+    if not messages:
         raise ApiError(400, "messages: must contain at least one message", param="messages")
-    messages = []
-    for i, m in enumerate(req.messages):
+    out = []
+    for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
                            f"got {m.role!r}", param=f"messages[{i}].role")
-        messages.append({"role": m.role, "content": _message_text(m.content, m.role, i)})
+        out.append({"role": m.role, "content": _message_text(m.content, m.role, i)})
+    return out
+
+
+def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
+    messages = chat_messages(req.messages)
     try:
         ids = tok.render_chat(messages)
     except InvalidRequest as e:

@@ -1,6 +1,7 @@
 """The router's view of the model: tokenizer, chat template and context length,
 read from the model folder (tokenizer.json, tokenizer_config.json,
-chat_template.jinja, config.json).
+chat_template.jinja, config.json). The context comes from the engine's torch-free
+`ModelConfig`, so a sliding-window cap is the same here as on the nodes.
 
 Owns text <-> token ids for the whole cluster (nodes speak token ids only).
 Must not import torch or transformers (``AutoTokenizer`` pulls torch in): it uses
@@ -18,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from splitserve.common.errors import InvalidRequest
+from splitserve.engine.model_config import ModelConfig  # config.json only: no torch
 
 
 class RouterTokenizer:
@@ -30,28 +32,25 @@ class RouterTokenizer:
         if not (model_dir / "tokenizer.json").is_file():
             raise ValueError(
                 f"model_dir: {model_dir} has no tokenizer.json; pass the model folder with "
-                "--model-dir, or convert the bundled model (python -m splitserve.engine.convert)")
+                "--model, or convert the bundled model (python -m splitserve.engine.convert)")
         self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tok_cfg = _read_json(model_dir / "tokenizer_config.json")
-        model_cfg = _read_json(model_dir / "config.json")
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
-                              int(model_cfg.get("vocab_size", 0)))
-        context = model_cfg.get("max_position_embeddings")
-        if max_model_len is None:
-            if not isinstance(context, int):
-                raise ValueError(f"max_model_len: {model_dir}/config.json has no "
-                                 "max_position_embeddings; pass --max-model-len")
-            max_model_len = context
-        self.max_model_len = max_model_len
+        model_cfg = ModelConfig.from_dir(model_dir)
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), model_cfg.vocab_size)
+        context = model_cfg.max_position_embeddings  # usable context, as the engine caps it
+        if max_model_len is not None and max_model_len > context:
+            raise ValueError(f"max_model_len: {max_model_len} exceeds the model's usable context of "
+                             f"{context} tokens ({model_dir}/config.json); pass at most {context}")
+        self.max_model_len = context if max_model_len is None else max_model_len
         self._special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token")}
         self._template = _load_template(model_dir, tok_cfg)
 
     # -- text <-> ids ----------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of a completion prompt (with the tokenizer's own special tokens, as
-        ``tokenizer(text)`` does)."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a completion prompt (by default with the tokenizer's own special tokens,
+        as ``tokenizer(text)`` does)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool | None = None) -> str:
@@ -64,20 +63,27 @@ class RouterTokenizer:
         """One token as text, for logprobs (may show U+FFFD for part of a character)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary entries of ``token_ids`` (``convert_ids_to_tokens``: byte-level
+        BPE shows a leading space as "Ġ")."""
+        return [self._tok.id_to_token(i) or "" for i in token_ids]
+
     # -- chat ------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        """Ids of a conversation through the chat template, ready for the reply.
-        ``messages`` are ``{"role", "content"}`` dicts with string content."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Ids of a conversation through the chat template, by default ready for the reply.
+        ``messages`` are ``{"role", "content"}`` dicts with string content;
+        ``add_special_tokens`` adds the tokenizer's own (BOS) on top of the template's."""
         if self._template is None:
             raise InvalidRequest("messages", "this model has no chat template; "
                                  "use /v1/completions with a prompt")
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=True,
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **self._special)
         except jinja2.TemplateError as e:  # includes raise_exception() from the template
             raise InvalidRequest("messages", f"the chat template rejected the messages: {e}") from e
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def _read_json(path: Path) -> dict:

@@ -157,6 +157,62 @@ def test_sharegpt_dataset(tok, tmp_path):
         load_dataset(cfg(dataset="nope"), tok)
 
 
+@pytest.mark.parametrize("kind", [dict(send_text=True), dict(endpoint_type="chat"),
+                                  dict(send_text=True, dataset="prefix-repetition", prefix_len=48)])
+def test_text_prompts_encode_to_the_requested_length(tok, kind):
+    """Decoded random ids re-encode to more tokens than asked (about 67 for 64); the text
+    sent must encode to the asked count, as the router counts it."""
+    specs = load_dataset(cfg(num_prompts=30, random_input_len=64, seed=3, **kind), tok)
+    want = 64 + kind.get("prefix_len", 0)
+    assert all(isinstance(s.prompt, str) and s.prompt_len == len(tok.encode(s.prompt)) for s in specs)
+    assert all(s.prompt_len == want for s in specs), [s.prompt_len for s in specs]
+    ids = load_dataset(cfg(num_prompts=30, random_input_len=64, seed=3), tok)
+    assert sum(len(tok.encode(tok.decode(s.prompt))) for s in ids) > 30 * 64  # the drift this fixes
+
+
+def test_custom_jsonl_dataset(tok, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Tell me about the sea."}\n\n{"prompt": "And the sky?", "x": 1}\n')
+    specs = load_dataset(cfg(dataset=f"custom:{path}", custom_output_len=12), tok)
+    assert [(s.prompt, s.prompt_len, s.output_len) for s in specs] == [
+        ("Tell me about the sea.", len(tok.encode("Tell me about the sea.")), 12),
+        ("And the sky?", len(tok.encode("And the sky?")), 12)]
+    assert len(load_dataset(cfg(dataset=f"custom:{path}", num_prompts=1), tok)) == 1
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        load_dataset(cfg(dataset=f"custom:{path}"), tok)
+    with pytest.raises(ValueError, match="custom"):
+        load_dataset(cfg(dataset=f"custom:{tmp_path / 'missing.jsonl'}"), tok)
+
+
+def bench_config(*argv) -> BenchConfig:
+    import argparse
+    from splitserve.benchmarks.serve.cli import add_bench_args, config_from_args
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    return config_from_args(p.parse_args(list(argv)))
+
+
+def test_vllm_style_dataset_and_backend_flags(tmp_path):
+    assert bench_config().dataset == "random" and bench_config().endpoint_type == "completions"
+    c = bench_config("--dataset-name", "prefix-repetition", "--prefix-repetition-prefix-len", "40",
+                     "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "2",
+                     "--prefix-repetition-output-len", "3", "--backend", "openai-chat")
+    assert (c.dataset, c.prefix_len, c.random_input_len, c.num_tenants, c.random_output_len,
+            c.endpoint_type) == ("prefix-repetition", 40, 8, 2, 3, "chat")
+    c = bench_config("--dataset-name", "custom", "--dataset-path", "p.jsonl", "--custom-output-len", "7",
+                     "--backend", "openai")
+    assert (c.dataset, c.custom_output_len, c.endpoint_type) == ("custom:p.jsonl", 7, "completions")
+    assert bench_config("--random-input-len", "9").random_input_len == 9
+    for argv, flag in [(("--dataset-name", "custom"), "--dataset-path"),
+                       (("--dataset-name", "random", "--dataset-path", "x"), "--dataset-path"),
+                       (("--dataset-path", "x"), "--dataset-path"),
+                       (("--dataset", "random", "--dataset-name", "random"), "--dataset-name"),
+                       (("--backend", "openai", "--endpoint-type", "chat"), "--backend")]:
+        with pytest.raises(ValueError, match=flag):
+            bench_config(*argv)
+
+
 def test_trace_expansion_shares_blocks_and_keeps_the_schedule(tmp_path):
     rows = [{"timestamp": 1000, "input_length": 1100, "output_length": 4, "hash_ids": [7, 8, 9]},
             {"timestamp": 1250, "input_length": 600, "output_length": 5, "hash_ids": [7, 10]},
@@ -268,6 +324,26 @@ def test_short_run_metrics_are_sane_and_match_the_router(cluster, tok):
     # the chat pair shares a 16-token prefix + template, one after the other: the second hits
     sc = summarize(rc.results, rc.duration_s)
     assert 0.0 < sc.cached_share <= 1.0
+
+
+def test_sent_text_is_counted_as_requested(cluster, tok, tmp_path):
+    """--send-text with 64 input tokens: the router's usage counts 64 for each prompt."""
+    for kind in (dict(send_text=True), dict(send_text=True, dataset="prefix-repetition", prefix_len=32)):
+        specs = load_dataset(cfg(num_prompts=4, random_input_len=64, random_output_len=2, **kind), tok)
+        ep = Endpoint(f"{cluster.url}/v1", MODEL, "completions", send_text=True)
+        r = asyncio.run(run(ep, specs, [0.0] * 4, tok.decode, max_concurrency=2, progress=False))
+        assert all(x.ok and x.usage_reported for x in r.results), [x.error for x in r.results]
+        want = 64 + kind.get("prefix_len", 0)
+        assert all(abs(x.prompt_tokens - want) <= 2 for x in r.results), [x.prompt_tokens for x in r.results]
+    # custom JSONL through the chat backend (vLLM's flags)
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Hi there", "Name a colour")) + "\n")
+    p = bench_cli("--base-url", cluster.url, "--backend", "openai-chat", "--dataset-name", "custom",
+                  "--dataset-path", str(path), "--custom-output-len", "3", "--ignore-eos", "--disable-tqdm",
+                  "--result-json", str(tmp_path / "custom.json"))
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "custom.json").read_text())["runs"][0]["summary"]
+    assert summary["completed"] == 2 and summary["total_output_tokens"] == 6
 
 
 def test_cli_run_writes_json_and_plots(cluster, tmp_path):

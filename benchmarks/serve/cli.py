@@ -29,21 +29,35 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000",
                    help="the server; /v1 is appended unless given (default %(default)s)")
     p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
-    p.add_argument("--endpoint-type", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint-type", choices=("completions", "chat"), default=None,
+                   help="/v1/completions or /v1/chat/completions (default completions)")
+    p.add_argument("--backend", choices=tuple(BACKENDS), default=None,
+                   help="vLLM's name for the same: openai = completions, openai-chat = chat")
     p.add_argument("--request-rate", type=float, nargs="+", default=None, metavar="RATE",
                    help="Poisson arrivals, requests/s; several values run one after another; "
                         "inf sends all at once (default: inf, or a trace's own timestamps)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 100; "
                    "a trace: all its lines)")
-    p.add_argument("--dataset", default="random",
-                   help="random | shared-prefix | sharegpt:PATH | trace:PATH (default random)")
+    p.add_argument("--dataset", default=None,
+                   help="random | shared-prefix | sharegpt:PATH | custom:PATH | trace:PATH (default random)")
+    p.add_argument("--dataset-name", choices=DATASET_NAMES, default=None,
+                   help="vLLM's spelling: the dataset's name, its file in --dataset-path")
+    p.add_argument("--dataset-path", default=None, help="the file of sharegpt, custom (JSONL of "
+                   "{\"prompt\": ...}) and trace datasets")
+    p.add_argument("--custom-output-len", type=int, default=256, help="custom: max_tokens of each request")
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random lengths uniform in len*(1-r)..len*(1+r)")
-    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per tenant prefix")
-    p.add_argument("--num-tenants", type=int, default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=int,
+                   default=512, help="shared-prefix: tokens per tenant prefix")
+    p.add_argument("--num-tenants", "--prefix-repetition-num-prefixes", dest="num_tenants", type=int,
+                   default=4, help="shared-prefix: distinct prefixes")
+    p.add_argument("--prefix-repetition-suffix-len", dest="random_input_len", type=int,
+                   help="prefix-repetition: tokens after the prefix (= --random-input-len)")
+    p.add_argument("--prefix-repetition-output-len", dest="random_output_len", type=int,
+                   help="prefix-repetition: max_tokens (= --random-output-len)")
     p.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: fixed output length instead of the reply's")
     p.add_argument("--trace-time-scale", type=float, default=1.0,
@@ -80,18 +94,45 @@ def parse_slo(items: list[str] | None) -> Slo | None:
     return Slo(**bounds)
 
 
+BACKENDS = {"openai": "completions", "openai-chat": "chat"}  # vLLM's --backend -> endpoint type
+DATASET_NAMES = ("random", "prefix-repetition", "shared-prefix", "custom", "sharegpt", "trace")
+_NEEDS_PATH = ("custom", "sharegpt", "trace")
+
+
+def _dataset(a: argparse.Namespace) -> str:
+    """--dataset, or --dataset-name with --dataset-path, as one dataset string."""
+    if a.dataset_name is None:
+        if a.dataset_path is not None:
+            raise ValueError("--dataset-path: give --dataset-name with it")
+        return a.dataset or "random"
+    if a.dataset is not None:
+        raise ValueError("--dataset-name: give it or --dataset, not both")
+    if (a.dataset_path is None) == (a.dataset_name in _NEEDS_PATH):
+        raise ValueError(f"--dataset-path: {'required' if a.dataset_path is None else 'not used'} "
+                         f"with --dataset-name {a.dataset_name}")
+    return f"{a.dataset_name}:{a.dataset_path}" if a.dataset_path else a.dataset_name
+
+
+def _endpoint_type(a: argparse.Namespace) -> str:
+    from_backend = BACKENDS[a.backend] if a.backend else None
+    if from_backend and a.endpoint_type and from_backend != a.endpoint_type:
+        raise ValueError(f"--backend {a.backend}: contradicts --endpoint-type {a.endpoint_type}")
+    return from_backend or a.endpoint_type or "completions"
+
+
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     try:
         percentiles = tuple(float(x) for x in a.percentiles.split(","))
     except ValueError:
         raise ValueError(f"--percentiles: {a.percentiles!r} is not a comma list of numbers") from None
-    for name in ("num_prompts", "max_concurrency"):
+    for name in ("num_prompts", "max_concurrency", "custom_output_len"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
     return BenchConfig(
-        base_url=normalize_base_url(a.base_url), model=a.model, endpoint_type=a.endpoint_type,
+        base_url=normalize_base_url(a.base_url), model=a.model, endpoint_type=_endpoint_type(a),
         request_rates=tuple(a.request_rate or ()), max_concurrency=a.max_concurrency,
-        num_prompts=a.num_prompts, dataset=a.dataset, random_input_len=a.random_input_len,
+        num_prompts=a.num_prompts, dataset=_dataset(a), custom_output_len=a.custom_output_len,
+        random_input_len=a.random_input_len,
         random_output_len=a.random_output_len, random_range_ratio=a.random_range_ratio,
         prefix_len=a.prefix_len, num_tenants=a.num_tenants, sharegpt_output_len=a.sharegpt_output_len,
         trace_time_scale=a.trace_time_scale, tokenizer=a.tokenizer, send_text=a.send_text,

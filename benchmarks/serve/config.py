@@ -25,7 +25,7 @@ class BenchConfig:
     request_rates: tuple[float, ...] = ()
     max_concurrency: int | None = None  # None: no cap
     num_prompts: int | None = None  # None: 100, or every line of a trace
-    dataset: str = "random"  # random | shared-prefix | sharegpt:PATH | trace:PATH
+    dataset: str = "random"  # random | shared-prefix | sharegpt:PATH | custom:PATH | trace:PATH
     random_input_len: int = 256
     random_output_len: int = 64
     random_range_ratio: float = 0.0  # lengths uniform in [len*(1-r), len*(1+r)]
@@ -33,6 +33,7 @@ class BenchConfig:
     num_tenants: int = 4  # shared-prefix: distinct prefixes
     sharegpt_output_len: int | None = None  # None: the length of the dataset's own answer
     trace_time_scale: float = 1.0  # trace: multiply the timestamps by this
+    custom_output_len: int = 256  # custom: max_tokens of every request (vLLM's default)
     tokenizer: str | None = None  # model folder with tokenizer.json; None: the bundled model
     send_text: bool = False  # completions: send decoded text instead of token-id arrays
     ignore_eos: bool = False  # send ignore_eos=true (a vLLM extension splitserve supports)

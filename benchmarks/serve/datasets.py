@@ -3,12 +3,18 @@
     random           random token ids, lengths uniform around --random-input-len/-output-len
     shared-prefix    --num-tenants tenants; each request is its tenant's fixed
                      --prefix-len tokens + a random suffix of --random-input-len tokens
+                     (vLLM's prefix-repetition, under its name too)
     sharegpt:PATH    a ShareGPT-format JSON file: the first human turn is the prompt, the
                      reply's token count the output length
+    custom:PATH      a JSONL file, one {"prompt": str} a line (vLLM's custom dataset);
+                     --custom-output-len tokens each
     trace:PATH       a routing trace (trace.py), with its timestamps as the schedule
 
 Everything is deterministic given the seed. Token-id prompts are sent as token
-arrays to /v1/completions (unless ``send_text``) and decoded to text for chat.
+arrays to /v1/completions. When text is sent instead (``send_text``, or chat), the
+ids become text that re-encodes to the requested count (`exact_text`): the decoded
+text of random ids does not (about 5% more tokens with the bundled tokenizer: tokens
+merge and split differently at their seams).
 Must not do I/O other than reading the dataset file.
 """
 
@@ -57,22 +63,83 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 
 
 def load_dataset(cfg: BenchConfig, tok: Tokenizer) -> list[RequestSpec]:
+    specs = _load(cfg, tok)
+    if cfg.send_text or cfg.endpoint_type == "chat":
+        rng = random.Random(cfg.seed + 1)  # its own stream: the ids built above stay the same
+        specs = [s if isinstance(s.prompt, str) else
+                 s._replace(**exact_text(rng, tok, s.prompt)._asdict()) for s in specs]
+    return specs
+
+
+def _load(cfg: BenchConfig, tok: Tokenizer) -> list[RequestSpec]:
     name, _, path = cfg.dataset.partition(":")
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts
     if name == "random":
         return random_specs(rng, tok, n or DEFAULT_NUM_PROMPTS, cfg.random_input_len,
                             cfg.random_output_len, cfg.random_range_ratio)
-    if name == "shared-prefix":
+    if name in ("shared-prefix", "prefix-repetition"):
         return shared_prefix_specs(rng, tok, n or DEFAULT_NUM_PROMPTS, cfg.num_tenants,
                                    cfg.prefix_len, cfg.random_input_len, cfg.random_output_len)
     if name == "sharegpt" and path:
         return sharegpt_specs(rng, tok, Path(path), n or DEFAULT_NUM_PROMPTS, cfg.sharegpt_output_len)
+    if name == "custom" and path:
+        return custom_specs(Path(path), n, cfg.custom_output_len, tok)
     if name == "trace" and path:
         from splitserve.benchmarks.serve.trace import trace_specs
         return trace_specs(Path(path), tok.vocab_size, n, cfg.trace_time_scale)
-    raise ValueError(f"--dataset: unknown {cfg.dataset!r}; use random, shared-prefix, "
-                     "sharegpt:PATH or trace:PATH")
+    raise ValueError(f"--dataset: unknown {cfg.dataset!r}; use random, shared-prefix "
+                     "(prefix-repetition), sharegpt:PATH, custom:PATH or trace:PATH")
+
+
+class TextPrompt(NamedTuple):
+    prompt: str
+    prompt_len: int  # tokens the text encodes to, as the endpoint counts them
+
+
+EXACT_TEXT_TRIES = 10  # re-encodings before settling for the closest text
+
+
+def exact_text(rng: random.Random, tok: Tokenizer, ids: list[int]) -> TextPrompt:
+    """Text that encodes to ``len(ids)`` tokens. Decoding ids and encoding the text gives
+    other ids (BPE merges across the seams between random tokens), usually a few more;
+    so cut the re-encoded ids to the target or pad them with random ids and repeat until
+    the count holds (as vLLM's random dataset does)."""
+    target = len(ids)
+    best = None
+    for _ in range(EXACT_TEXT_TRIES):
+        text = tok.decode(ids)
+        got = tok.encode(text)
+        if best is None or abs(len(got) - target) < abs(best.prompt_len - target):
+            best = TextPrompt(text, len(got))
+        if len(got) == target:
+            break
+        ids = got[:target] if len(got) > target else got + random_tokens(rng, target - len(got), tok.vocab_size)
+    return best
+
+
+def custom_specs(path: Path, n: int | None, output_len: int, tok: Tokenizer) -> list[RequestSpec]:
+    """One request per line of the JSONL at ``path``: ``{"prompt": str}`` (other keys ignored)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"--dataset custom:{path}: cannot read it: {e}") from e
+    specs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--dataset custom:{path}: line {i} is not JSON: {e}") from e
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"--dataset custom:{path}: line {i} needs a non-empty string \"prompt\"")
+        specs.append(RequestSpec(row["prompt"], len(tok.encode(row["prompt"])), output_len))
+        if len(specs) == n:
+            break
+    if not specs:
+        raise ValueError(f"--dataset custom:{path}: no prompt in it")
+    return specs
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
