@@ -153,4 +153,3 @@ class CausalLM(nn.Module):
         return self.lm_head(x).float()
 
 
-LlamaForCausalLM = CausalLM  # the name before other families loaded; branches in flight import it
