@@ -15,7 +15,7 @@ import logging
 import json
 import sys
 
-from splitserve.common.config import KV_BACKENDS, LOAD_FORMATS
+from .common.config import KV_BACKENDS, LOAD_FORMATS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,8 +52,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args, sim=None):
-    from splitserve.common.bundled import BUNDLED_MODEL_ID
-    from splitserve.common.config import EngineConfig, parse_size
+    from .common.bundled import BUNDLED_MODEL_ID
+    from .common.config import EngineConfig, parse_size
 
     if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
         raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
@@ -75,9 +75,9 @@ def engine_config(args, sim=None):
 
 
 def cmd_generate(args) -> int:
-    from splitserve.common.errors import InvalidRequest
-    from splitserve.common.sampling_params import SamplingParams
-    from splitserve.engine.llm import LLM
+    from .common.errors import InvalidRequest
+    from .common.sampling_params import SamplingParams
+    from .engine.llm import LLM
 
     llm = LLM.from_config(engine_config(args))
     print(f"[splitserve] KV cache holds {llm.engine.kv_capacity_tokens} tokens "
@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
 
 
 def _add_node_args(p: argparse.ArgumentParser) -> None:
-    from splitserve.common.auth import add_cluster_token_args
+    from .common.auth import add_cluster_token_args
 
     g = p.add_argument_group("node")
     g.add_argument("--host", default="127.0.0.1")
@@ -120,8 +120,8 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
 
 
 def node_config(args, role: str, sim=None):
-    from splitserve.common.auth import cluster_token_from_args
-    from splitserve.common.config import NodeConfig
+    from .common.auth import cluster_token_from_args
+    from .common.config import NodeConfig
 
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
                       redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
@@ -131,23 +131,23 @@ def node_config(args, role: str, sim=None):
 
 
 def cmd_node(args) -> int:
-    from splitserve.node.runtime import run_node
+    from .node.runtime import run_node
 
     run_node(node_config(args, "colocated" if args.command == "decode" and args.colocated else args.command))
     return 0
 
 
 def cmd_sim_nodes(args) -> int:
-    from splitserve.common.config import SimConfig
-    from splitserve.node.sim_fleet import fleet_configs, run_fleet
+    from .common.config import SimConfig
+    from .node.sim_fleet import fleet_configs, run_fleet
 
     if args.list_profiles:
-        from splitserve.common.sim_profiles import format_profiles, load_profiles
+        from .common.sim_profiles import format_profiles, load_profiles
         print(format_profiles(load_profiles()))
         return 0
     sim = SimConfig.load(args.sim_timing, args.sim_speedup)
     if args.profile:  # the profile's model and GPU: context, KV pool, chunking, roofline timing
-        from splitserve.common.sim_profiles import get_profile
+        from .common.sim_profiles import get_profile
         p = get_profile(args.profile)
         sim = p.sim_config(args.sim_speedup)
         args.kv_cache_memory, args.block_size = str(p.kv_pool_bytes), p.block_size
@@ -161,8 +161,8 @@ def cmd_sim_nodes(args) -> int:
 def cmd_make_trace(args) -> int:
     import dataclasses
 
-    from splitserve.benchmarks.replay.generate import PRESETS, generate, summarize
-    from splitserve.benchmarks.replay.trace import dump_trace
+    from .benchmarks.replay.generate import PRESETS, generate, summarize
+    from .benchmarks.replay.trace import dump_trace
 
     base = PRESETS[args.preset]
     flags = dict(tenants=args.tenants, max_system_blocks=args.max_system_blocks,
@@ -178,7 +178,7 @@ def cmd_make_trace(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from splitserve.benchmarks.replay.run import ReplayConfig, print_summary, run_replay
+    from .benchmarks.replay.run import ReplayConfig, print_summary, run_replay
 
     result = run_replay(ReplayConfig(
         trace=args.trace, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, policy=args.policy,
@@ -191,21 +191,21 @@ def cmd_replay(args) -> int:
 
 
 def cmd_router(args) -> int:
-    from splitserve.router.app import run_router
-    from splitserve.router.config import router_config
+    from .router.app import run_router
+    from .router.config import router_config
 
     run_router(router_config(args))
     return 0
 
 
 def cmd_up(args) -> int:
-    from splitserve.deploy.launcher import launch
+    from .deploy.launcher import launch
 
     return launch(args)
 
 
 def cmd_bench(args) -> int:
-    from splitserve.benchmarks.serve.cli import main as bench_main
+    from .benchmarks.serve.cli import main as bench_main
 
     return bench_main(args)
 
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
 
     mk = sub.add_parser("make-trace", help="write a multi-tenant shared-prefix routing trace (JSONL)")
     mk.add_argument("out")
-    from splitserve.benchmarks.replay.generate import PRESETS
+    from .benchmarks.replay.generate import PRESETS
     mk.add_argument("--preset", choices=sorted(PRESETS), default="default",
                     help="long-context: input p50 ~10k, p90 ~30k, max ~128k tokens (flags below override)")
     mk.add_argument("--tenants", type=int, default=None, help="system prompts")
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     rp.add_argument("trace", help="JSONL: {timestamp (ms), input_length, output_length, hash_ids}")
     rp.add_argument("--prefill-nodes", type=int, default=16)
     rp.add_argument("--decode-nodes", type=int, default=None, help="default: prefill nodes / 4")
-    from splitserve.router.config import POLICIES
+    from .router.config import POLICIES
     rp.add_argument("--policy", choices=POLICIES, default="cache_aware")
     rp.add_argument("--speedup", type=float, default=10.0, help="trace seconds per wall-clock second")
     rp.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's max_tokens")
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     rp.set_defaults(func=cmd_replay)
 
     router = sub.add_parser("router", help="run the OpenAI-compatible router")
-    from splitserve.router.config import add_router_args
+    from .router.config import add_router_args
     add_router_args(router)
     router.set_defaults(func=cmd_router)
 
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
     up.add_argument("--host", default=None, help="bind address of the router and nodes (default: "
                     "deploy/local.toml's, 127.0.0.1)")
-    from splitserve.router.config import add_model_args
+    from .router.config import add_model_args
     add_model_args(up)
     up.add_argument("--device", default=None, help="every node's device: cpu (default), cuda, cuda:N")
     up.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, "
                            "E2E percentiles, throughput, goodput")
-    from splitserve.benchmarks.serve.cli import add_bench_args
+    from .benchmarks.serve.cli import add_bench_args
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)

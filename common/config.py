@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from splitserve.common.bundled import BUNDLED_MODEL_ID
-from splitserve.common.roofline import Roofline
+from .bundled import BUNDLED_MODEL_ID
+from .roofline import Roofline
 
 # The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
 # NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same host) needs CUDA.

@@ -4,8 +4,8 @@ answers as ``ErrorBody``. No torch, no engine."""
 import msgspec
 from aiohttp import web
 
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.protocol import ErrorBody
+from .errors import InvalidRequest
+from .protocol import ErrorBody
 
 MSGPACK = "application/msgpack"
 _encoder = msgspec.msgpack.Encoder()

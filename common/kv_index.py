@@ -40,9 +40,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
+from .kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
                                          KVEvent, encode_index_update)
-from splitserve.common.registry import REDIS_ERRORS, make_redis
+from .registry import REDIS_ERRORS, make_redis
 
 __all__ = ["KVIndex", "IndexDelta", "NodeSnapshot", "REDIS_ERRORS", "EVENTS_CHANNEL", "blocks_key",
            "seq_key"]

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import msgspec
 
-from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+from .sampling_params import SamplingParams, TokenLogprobs
 
 
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

@@ -13,7 +13,7 @@ import math
 
 import msgspec
 
-from splitserve.common.errors import InvalidRequest
+from .errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # characters of one stop string

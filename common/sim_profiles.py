@@ -23,8 +23,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.common.config import SimConfig
-from splitserve.common.roofline import Roofline
+from .config import SimConfig
+from .roofline import Roofline
 
 PROFILES_FILE = Path(__file__).with_name("sim_profiles.toml")
 GIB = 1 << 30

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.common.bundled import cache_root
+from ..common.bundled import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.csrc.checks import check_cache_write, check_decode, num_partitions
+from .checks import check_cache_write, check_decode, num_partitions
 
 CUDA_HEAD_DIMS = (64, 128)  # head dims the attention kernel is instantiated for
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y and z (sequences, planes)

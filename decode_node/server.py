@@ -33,18 +33,18 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from splitserve.common.auth import auth_headers
-from splitserve.common.config import NodeConfig
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.http import MSGPACK, decode_error_body, error_response, read_msgpack
-from splitserve.common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta,
+from ..common.auth import auth_headers
+from ..common.config import NodeConfig
+from ..common.errors import InvalidRequest
+from ..common.http import MSGPACK, decode_error_body, error_response, read_msgpack
+from ..common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta,
                                         encode_frame)
-from splitserve.engine.engine_core import EngineCore, RequestDelta
-from splitserve.engine.engine_loop import AbortRequest, AddPrefilled, AddRequest, EngineLoop, Release, Reserve
-from splitserve.kvtransfer import TransferError, make_receiver
-from splitserve.kvtransfer.block_store import KVBlockStore
-from splitserve.kvtransfer.state import TransferState, TransferTable
-from splitserve.node.runtime import NodeRuntime, build_node_app
+from ..engine.engine_core import EngineCore, RequestDelta
+from ..engine.engine_loop import AbortRequest, AddPrefilled, AddRequest, EngineLoop, Release, Reserve
+from ..kvtransfer import TransferError, make_receiver
+from ..kvtransfer.block_store import KVBlockStore
+from ..kvtransfer.state import TransferState, TransferTable
+from ..node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
 RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer

@@ -31,9 +31,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitserve.common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token
-from splitserve.deploy.devices import DevicePlan, plan_devices
-from splitserve.deploy.supervisor import Supervisor
+from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token
+from .devices import DevicePlan, plan_devices
+from .supervisor import Supervisor
 
 DEFAULT_CONFIG = Path(__file__).with_name("local.toml")
 NODE_DRAIN_GRACE_S = 30.0  # the nodes' --drain-grace default: `up` waits that long (+5 s) on Ctrl-C
@@ -184,7 +184,7 @@ class Cluster:
         if name in ("router", "redis") or self.redis_url is None:
             return
         import redis
-        from splitserve.common.registry import node_key
+        from ..common.registry import node_key
         with redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1) as r:
             r.delete(node_key(name))
 
@@ -349,7 +349,7 @@ def parse_cpus(items: list[str]) -> dict[str, tuple[int, ...]]:
 
 def served_name(args) -> str:
     """The name clients give as "model": the first --served-model-name, else --model as given."""
-    from splitserve.common.bundled import BUNDLED_MODEL_ID
+    from ..common.bundled import BUNDLED_MODEL_ID
     return (getattr(args, "served_model_name", None) or [args.model or BUNDLED_MODEL_ID])[0]
 
 

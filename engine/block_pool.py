@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ..common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True, eq=False)

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from splitserve.common.bundled import BUNDLED_GGUF, BUNDLED_PACKAGE, converted_dir
+from ..common.bundled import BUNDLED_GGUF, BUNDLED_PACKAGE, converted_dir
 
 
 def bundled_gguf_path() -> Path:

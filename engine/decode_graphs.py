@@ -32,8 +32,8 @@ import logging
 
 import torch
 
-from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata
-from splitserve.engine.attention.torch_backend import build_decode_mask
+from .attention.base import AttentionBackend, AttentionMetadata
+from .attention.torch_backend import build_decode_mask
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,16 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from splitserve.common.config import EngineConfig
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.hashing import hash_blocks
-from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.loader import resolve_model_dir
-from splitserve.engine.model_runner import KVCacheFactory, ModelRunner
-from splitserve.engine.request import Request
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from ..common.config import EngineConfig
+from ..common.errors import InvalidRequest
+from ..common.hashing import hash_blocks
+from ..common.sampling_params import SamplingParams, TokenLogprobs
+from .kv_cache_manager import KVCacheManager
+from .loader import resolve_model_dir
+from .model_runner import KVCacheFactory, ModelRunner
+from .request import Request
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EngineCore:
         if config.sim is None:
             self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
         else:  # a simulated node: same engine, timing model in place of the forward pass
-            from splitserve.engine.sim_runner import SimRunner
+            from .sim_runner import SimRunner
             self.runner = SimRunner(config, self.model_dir, kv_cache_factory)
         self.model_config = self.runner.model_config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,

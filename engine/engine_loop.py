@@ -48,10 +48,10 @@ import queue
 import threading
 from typing import Any, Callable, NamedTuple
 
-from splitserve.common.kv_events import KVEvent
-from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
-from splitserve.engine.engine_core import EngineCore, EngineLoad, RequestDelta
-from splitserve.engine.scheduler import SchedulerOutput
+from ..common.kv_events import KVEvent
+from ..common.sampling_params import SamplingParams, TokenLogprobs
+from .engine_core import EngineCore, EngineLoad, RequestDelta
+from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from splitserve.common.kv_events import KVEvent
-from splitserve.engine.block_pool import BlockPool, KVBlock
+from ..common.kv_events import KVEvent
+from .block_pool import BlockPool, KVBlock
 
 
 class ComputedBlocks(NamedTuple):

@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.common.config import EngineConfig
-from splitserve.engine.attention.base import AttentionMetadata
-from splitserve.engine.attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
-from splitserve.engine.model_config import ModelConfig
+from ..common.config import EngineConfig
+from .attention.base import AttentionMetadata
+from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
+from .model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

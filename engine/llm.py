@@ -17,11 +17,11 @@ from typing import Sequence
 
 from transformers import AutoTokenizer
 
-from splitserve.common.config import EngineConfig
-from splitserve.common.detokenizer import IncrementalDetokenizer
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
-from splitserve.engine.engine_core import EngineCore
+from ..common.config import EngineConfig
+from ..common.detokenizer import IncrementalDetokenizer
+from ..common.errors import InvalidRequest
+from ..common.sampling_params import SamplingParams, TokenLogprobs
+from .engine_core import EngineCore
 
 Prompt = str | list[int] | list[dict]
 # Any of these in a model folder means it ships a tokenizer.

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from splitserve.common.config import LOAD_FORMATS
-from splitserve.engine.model import CausalLM
-from splitserve.engine.model_config import ModelConfig
+from ..common.config import LOAD_FORMATS
+from .model import CausalLM
+from .model_config import ModelConfig
 
 # Dummy weights: normal(0, std) matrices and biases, norms at 1. std is the usual HF
 # initializer_range: activations stay O(1) through 32+ layers in bf16 as in fp32.
@@ -34,8 +34,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 def resolve_model_dir(model: str | Path | None) -> Path:
     """The folder to load: the bundled model when ``model`` is None or its id."""
-    from splitserve.common.bundled import BUNDLED_MODEL_ID
-    from splitserve.engine.convert import bundled_model_dir
+    from ..common.bundled import BUNDLED_MODEL_ID
+    from .convert import bundled_model_dir
 
     if model is None or str(model) == BUNDLED_MODEL_ID:
         return bundled_model_dir()

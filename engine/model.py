@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata
-from splitserve.engine.model_config import ModelConfig
+from .attention.base import AttentionBackend, AttentionMetadata
+from .model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -26,19 +26,19 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from splitserve.common.config import EngineConfig
-from splitserve.common.sampling_params import TokenLogprobs
-from splitserve.engine.attention.base import AttentionMetadata
-from splitserve.engine.attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
-from splitserve.engine.attention.selector import select_backend
-from splitserve.engine.attention.torch_backend import build_decode_mask
-from splitserve.engine.decode_graphs import StaticDecode, default_graph_sizes
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
-from splitserve.engine.loader import load_model
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.scheduler import SchedulerOutput
+from ..common.config import EngineConfig
+from ..common.sampling_params import TokenLogprobs
+from .attention.base import AttentionMetadata
+from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
+from .attention.selector import select_backend
+from .attention.torch_backend import build_decode_mask
+from .decode_graphs import StaticDecode, default_graph_sizes
+from .kv_cache_manager import KVCacheManager
+from .kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
+from .loader import load_model
+from .model_config import ModelConfig
+from .sampler import Sampler
+from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

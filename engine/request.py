@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.common.hashing import extend_block_hashes
-from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+from ..common.hashing import extend_block_hashes
+from ..common.sampling_params import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):

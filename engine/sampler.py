@@ -28,7 +28,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from splitserve.common.sampling_params import SamplingParams, TokenLogprobs
+from ..common.sampling_params import SamplingParams, TokenLogprobs
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny  # noise floor, see _exponential

@@ -20,8 +20,8 @@ running request always progresses, and no request is dropped.
 from collections import deque
 from typing import NamedTuple
 
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.request import Request, Status
+from .kv_cache_manager import KVCacheManager
+from .request import Request, Status
 
 
 class SchedulerOutput(NamedTuple):

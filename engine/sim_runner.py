@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from splitserve.common.config import EngineConfig
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.model_runner import KVCacheFactory, StepResult, kv_block_bytes
-from splitserve.engine.scheduler import SchedulerOutput
+from ..common.config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .model_config import ModelConfig
+from .model_runner import KVCacheFactory, StepResult, kv_block_bytes
+from .scheduler import SchedulerOutput
 
 _TOKEN_BASE, _TOKEN_SPAN = 1000, 20000  # sampled ids cycle through [1000, 21000)
 

@@ -13,15 +13,15 @@ Must not import the model (``splitserve.engine``). The nodes use::
     table = TransferTable()                                    # decode node, fed by on_block
 """
 
-from splitserve.kvtransfer.base import KVReceiver, KVSender, OnBlock
-from splitserve.kvtransfer.block_store import (KVBlockStore, allocate_kv_cache, checksum,
+from .base import KVReceiver, KVSender, OnBlock
+from .block_store import (KVBlockStore, allocate_kv_cache, checksum,
                                                free_shared_kv_cache, layout_of,
                                                map_shared_kv_cache, shared_kv_cache)
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.factory import BACKENDS, make_receiver, make_sender, sender_options
-from splitserve.kvtransfer.layout import KVLayout, LayoutMismatch
-from splitserve.kvtransfer.sender_core import SenderOptions
-from splitserve.kvtransfer.state import Transfer, TransferState, TransferTable
+from .errors import TransferError
+from .factory import BACKENDS, make_receiver, make_sender, sender_options
+from .layout import KVLayout, LayoutMismatch
+from .sender_core import SenderOptions
+from .state import Transfer, TransferState, TransferTable
 
 __all__ = [
     "BACKENDS", "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "OnBlock",

@@ -29,8 +29,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.layout import KVLayout, LayoutMismatch
+from .errors import TransferError
+from .layout import KVLayout, LayoutMismatch
 
 __all__ = ["KVReceiver", "KVSender", "LayoutMismatch", "OnBlock", "TransferError"]
 

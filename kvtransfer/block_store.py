@@ -34,10 +34,10 @@ from contextlib import contextmanager
 import torch
 import xxhash
 
-from splitserve.kvtransfer.checksum import checksum, packed_sums
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.packed import PackedBlocks
-from splitserve.kvtransfer.wire import CHECKSUM_ALGOS, CHECKSUM_WSUM, CHECKSUM_XXH3
+from .checksum import checksum, packed_sums
+from .layout import KVLayout
+from .packed import PackedBlocks
+from .wire import CHECKSUM_ALGOS, CHECKSUM_WSUM, CHECKSUM_XXH3
 
 __all__ = ["CHECKSUM_ALGO", "KVBlockStore", "allocate_kv_cache", "byte_view", "checksum",
            "default_checksum_algo", "free_shared_kv_cache", "layout_of", "map_shared_kv_cache",

@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.wire import CHECKSUM_XXH3, Message
+from .errors import TransferError
+from .wire import CHECKSUM_XXH3, Message
 
 MAX_HEADER_BYTES = 1 << 20  # a frame header lists at most a few thousand block ids
 

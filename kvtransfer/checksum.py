@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.wire import CHECKSUM_WSUM, CHECKSUM_XXH3
+from .layout import KVLayout
+from .wire import CHECKSUM_WSUM, CHECKSUM_XXH3
 
 WEIGHT_PERIOD = 1021  # a prime: word i is weighted 1 + i mod 1021
 MAX_RUN_WORDS = 1 << 22  # keeps every run sum exact in int64 (see the docstring)

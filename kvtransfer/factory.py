@@ -18,10 +18,10 @@ from collections.abc import Mapping
 
 import torch
 
-from splitserve.kvtransfer.base import KVReceiver, KVSender, OnBlock
-from splitserve.kvtransfer.block_store import KVBlockStore, default_checksum_algo
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.sender_core import SenderOptions
+from .base import KVReceiver, KVSender, OnBlock
+from .block_store import KVBlockStore, default_checksum_algo
+from .layout import KVLayout
+from .sender_core import SenderOptions
 
 BACKENDS = ("tcp", "shm", "ucx", "nccl", "ipc")
 FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
@@ -55,18 +55,18 @@ def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = 
         algo = default_checksum_algo("cuda" if backend == "ipc" else device)
         options = dataclasses.replace(options, checksum=algo)
     if backend == "ipc":
-        from splitserve.kvtransfer.ipc import IpcSender
+        from .ipc import IpcSender
         return IpcSender(layout, options, device="cuda" if torch.device(device).type == "cpu" else device)
     if backend == "tcp":
-        from splitserve.kvtransfer.tcp import TcpSender
+        from .tcp import TcpSender
         return TcpSender(layout, options)
     if backend == "shm":
-        from splitserve.kvtransfer.shm import ShmSender
+        from .shm import ShmSender
         return ShmSender(layout, options)
     if backend == "nccl":
-        from splitserve.kvtransfer.nccl import NcclSender
+        from .nccl import NcclSender
         return NcclSender(layout, options, device=device)
-    from splitserve.kvtransfer.ucx import UcxSender
+    from .ucx import UcxSender
     return UcxSender(layout, options)
 
 
@@ -78,15 +78,15 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
     allocated in /dev/shm, ``"ipc"`` one on a CUDA device."""
     _check_backend(backend)
     if backend == "nccl":
-        from splitserve.kvtransfer.nccl import NcclReceiver
+        from .nccl import NcclReceiver
         return NcclReceiver(layout, store, on_block, host=host, port=port,
                             advertise_host=advertise_host, device=device)
     if backend == "tcp":
-        from splitserve.kvtransfer.tcp import TcpReceiver as cls
+        from .tcp import TcpReceiver as cls
     elif backend == "shm":
-        from splitserve.kvtransfer.shm import ShmReceiver as cls
+        from .shm import ShmReceiver as cls
     elif backend == "ipc":
-        from splitserve.kvtransfer.ipc import IpcReceiver as cls
+        from .ipc import IpcReceiver as cls
     else:
-        from splitserve.kvtransfer.ucx import UcxReceiver as cls
+        from .ucx import UcxReceiver as cls
     return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host)

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.kvtransfer.block_store import KVBlockStore
-from splitserve.kvtransfer.channel import Channel
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
-from splitserve.kvtransfer.sender_core import Connection
-from splitserve.kvtransfer.shm import host_id
-from splitserve.kvtransfer.tcp import TcpReceiver, TcpSender
-from splitserve.kvtransfer.wire import CHECKSUM_WSUM, Blocks, IpcInfo, Welcome
+from .block_store import KVBlockStore
+from .channel import Channel
+from .errors import TransferError
+from .layout import KVLayout
+from .packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
+from .sender_core import Connection
+from .shm import host_id
+from .tcp import TcpReceiver, TcpSender
+from .wire import CHECKSUM_WSUM, Blocks, IpcInfo, Welcome
 
 
 def check_cuda(role: str) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import msgspec
 
-from splitserve.kvtransfer.errors import TransferError
+from .errors import TransferError
 
 # dtype name -> bytes per element; the names are torch's (torch.float32 -> "float32").
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}

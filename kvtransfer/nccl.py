@@ -55,13 +55,13 @@ from datetime import timedelta
 
 import torch
 
-from splitserve.kvtransfer.channel import Channel, ChannelClosed, coalesce, parse_address
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.pair_group import (PairGroup, check_available, group_kind,
+from .channel import Channel, ChannelClosed, coalesce, parse_address
+from .errors import TransferError
+from .pair_group import (PairGroup, check_available, group_kind,
                                               payload_device)
-from splitserve.kvtransfer.sender_core import Connection
-from splitserve.kvtransfer.tcp import TcpChannel, TcpReceiver, TcpSender
-from splitserve.kvtransfer.wire import Hello, Message, NcclInfo, Refused, Welcome
+from .sender_core import Connection
+from .tcp import TcpChannel, TcpReceiver, TcpSender
+from .wire import Hello, Message, NcclInfo, Refused, Welcome
 
 PREFIX_BYTES = 8  # random bytes naming a connection in the receiver's store
 ATTACH_TIMEOUT_S = 10.0  # a receiver waits this long for the sender to join the group

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.kvtransfer.checksum import bytes_sum, packed_sums
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.wire import CHECKSUM_WSUM
+from .checksum import bytes_sum, packed_sums
+from .layout import KVLayout
+from .wire import CHECKSUM_WSUM
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:

@@ -45,8 +45,8 @@ from datetime import timedelta
 
 import torch
 
-from splitserve.kvtransfer.channel import ChannelClosed
-from splitserve.kvtransfer.errors import TransferError
+from .channel import ChannelClosed
+from .errors import TransferError
 
 TAG = 0  # one stream of payloads per pair: ops match in order
 NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}

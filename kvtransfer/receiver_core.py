@@ -29,12 +29,12 @@ from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from splitserve.common.auth import token_matches
-from splitserve.kvtransfer.base import KVReceiver, OnBlock
-from splitserve.kvtransfer.block_store import KVBlockStore
-from splitserve.kvtransfer.channel import Channel, ChannelClosed, format_address
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.kvtransfer.wire import (CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello,
+from ..common.auth import token_matches
+from .base import KVReceiver, OnBlock
+from .block_store import KVBlockStore
+from .channel import Channel, ChannelClosed, format_address
+from .layout import KVLayout
+from .wire import (CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello,
                                         Refused, Welcome, layout_id)
 
 log = logging.getLogger(__name__)

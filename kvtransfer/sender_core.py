@@ -26,13 +26,13 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitserve.kvtransfer.base import KVSender
-from splitserve.kvtransfer.block_store import CHECKSUM_ALGO
-from splitserve.kvtransfer.channel import Channel, ChannelClosed
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.layout import KVLayout, LayoutMismatch
-from splitserve.kvtransfer.packed import frame_sums, frame_views, item_nbytes
-from splitserve.kvtransfer.wire import Ack, Blocks, Hello, Refused, Welcome, layout_id
+from .base import KVSender
+from .block_store import CHECKSUM_ALGO
+from .channel import Channel, ChannelClosed
+from .errors import TransferError
+from .layout import KVLayout, LayoutMismatch
+from .packed import frame_sums, frame_views, item_nbytes
+from .wire import Ack, Blocks, Hello, Refused, Welcome, layout_id
 
 log = logging.getLogger(__name__)
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import os
 
-from splitserve.kvtransfer.block_store import KVBlockStore, map_shared_kv_cache, shm_path
-from splitserve.kvtransfer.checksum import bytes_sum
-from splitserve.kvtransfer.channel import Channel
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.packed import frame_views
-from splitserve.kvtransfer.sender_core import Connection, flip_one_byte
-from splitserve.kvtransfer.tcp import TcpReceiver, TcpSender
-from splitserve.kvtransfer.wire import Blocks, Hello, ShmInfo, Welcome
+from .block_store import KVBlockStore, map_shared_kv_cache, shm_path
+from .checksum import bytes_sum
+from .channel import Channel
+from .errors import TransferError
+from .packed import frame_views
+from .sender_core import Connection, flip_one_byte
+from .tcp import TcpReceiver, TcpSender
+from .wire import Blocks, Hello, ShmInfo, Welcome
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 

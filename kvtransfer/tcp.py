@@ -24,11 +24,11 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 
-from splitserve.kvtransfer.channel import (MAX_HEADER_BYTES, Channel, ChannelClosed,
+from .channel import (MAX_HEADER_BYTES, Channel, ChannelClosed,
                                            parse_address)
-from splitserve.kvtransfer.receiver_core import FramedReceiver
-from splitserve.kvtransfer.sender_core import FramedSender
-from splitserve.kvtransfer.wire import Message, decode, encode
+from .receiver_core import FramedReceiver
+from .sender_core import FramedSender
+from .wire import Message, decode, encode
 
 IOV_MAX = 512  # buffers per sendmsg call; Linux allows 1024
 SOCKET_BUFFER = 4 << 20  # bytes; bigger kernel buffers keep loopback and LAN links busy

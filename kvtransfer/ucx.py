@@ -44,11 +44,11 @@ import secrets
 from collections import deque
 from collections.abc import Sequence
 
-from splitserve.kvtransfer.channel import Channel, ChannelClosed, coalesce, parse_address
-from splitserve.kvtransfer.errors import TransferError
-from splitserve.kvtransfer.sender_core import Connection
-from splitserve.kvtransfer.tcp import TcpChannel, TcpReceiver, TcpSender
-from splitserve.kvtransfer.wire import Message, UcxInfo, Welcome
+from .channel import Channel, ChannelClosed, coalesce, parse_address
+from .errors import TransferError
+from .sender_core import Connection
+from .tcp import TcpChannel, TcpReceiver, TcpSender
+from .wire import Message, UcxInfo, Welcome
 
 TOKEN_BYTES = 16
 ATTACH_TIMEOUT_S = 10.0  # a receiver waits this long for the sender's UCX endpoint

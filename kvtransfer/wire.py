@@ -25,7 +25,7 @@ from __future__ import annotations
 import msgspec
 import xxhash
 
-from splitserve.kvtransfer.layout import KVLayout
+from .layout import KVLayout
 
 PROTOCOL_VERSION = 1
 # Block checksum algorithms a Hello may name (``kvtransfer/checksum.py`` defines them): xxh3_64

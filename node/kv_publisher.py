@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from splitserve.common.kv_events import KVEvent
-from splitserve.common.kv_index import REDIS_ERRORS, IndexDelta, KVIndex
+from ..common.kv_events import KVEvent
+from ..common.kv_index import REDIS_ERRORS, IndexDelta, KVIndex
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from splitserve.common import metric_names as n
-from splitserve.common.model_metrics import ModelMetrics
-from splitserve.common.registry import NodeLoad
+from ..common import metric_names as n
+from ..common.model_metrics import ModelMetrics
+from ..common.registry import NodeLoad
 
 # Seconds (vLLM's request-interval buckets, cut below 10 ms).
 INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,

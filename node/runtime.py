@@ -25,19 +25,19 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from splitserve.common.auth import CLUSTER_TOKEN_HEADER, token_matches
-from splitserve.common.config import NodeConfig
-from splitserve.common.http import error_response
-from splitserve.common.kv_events import KVEvent
-from splitserve.common.kv_index import KVIndex
-from splitserve.common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
-from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.engine_loop import BlockExporter, EngineLoop
-from splitserve.kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
-from splitserve.kvtransfer.layout import KVLayout
-from splitserve.node.kv_publisher import KVEventPublisher
-from splitserve.node.metrics import NodeMetrics
-from splitserve.node.shm_segments import remove_dead_segments, segment_name
+from ..common.auth import CLUSTER_TOKEN_HEADER, token_matches
+from ..common.config import NodeConfig
+from ..common.http import error_response
+from ..common.kv_events import KVEvent
+from ..common.kv_index import KVIndex
+from ..common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
+from ..engine.engine_core import EngineCore
+from ..engine.engine_loop import BlockExporter, EngineLoop
+from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
+from ..kvtransfer.layout import KVLayout
+from .kv_publisher import KVEventPublisher
+from .metrics import NodeMetrics
+from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
 RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
@@ -248,9 +248,9 @@ async def start_site(app: web.Application, config: NodeConfig) -> web.AppRunner:
 def build_app(config: NodeConfig) -> web.Application:
     """The app of a prefill, decode or colocated node."""
     if config.role == "prefill":
-        from splitserve.prefill_node.server import build_app as build
+        from ..prefill_node.server import build_app as build
     else:
-        from splitserve.decode_node.server import build_app as build
+        from ..decode_node.server import build_app as build
     return build(config)
 
 

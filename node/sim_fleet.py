@@ -15,8 +15,8 @@ import asyncio
 import dataclasses
 import logging
 
-from splitserve.common.config import NodeConfig
-from splitserve.node.runtime import RUNTIME, build_app, run_until_signal, start_site
+from ..common.config import NodeConfig
+from .runtime import RUNTIME, build_app, run_until_signal, start_site
 
 log = logging.getLogger(__name__)
 

@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from splitserve.common.config import NodeConfig
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.http import error_response, msgpack_response, read_msgpack
-from splitserve.common.protocol import Abort, PrefillRequest, PrefillResult
-from splitserve.engine.engine_core import EngineCore, RequestDelta
-from splitserve.engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
-from splitserve.kvtransfer import TransferError, make_sender, sender_options
-from splitserve.kvtransfer.block_store import KVBlockStore
-from splitserve.node.runtime import NodeRuntime, build_node_app
+from ..common.config import NodeConfig
+from ..common.errors import InvalidRequest
+from ..common.http import error_response, msgpack_response, read_msgpack
+from ..common.protocol import Abort, PrefillRequest, PrefillResult
+from ..engine.engine_core import EngineCore, RequestDelta
+from ..engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
+from ..kvtransfer import TransferError, make_sender, sender_options
+from ..kvtransfer.block_store import KVBlockStore
+from ..node.runtime import NodeRuntime, build_node_app
 
 log = logging.getLogger(__name__)
 

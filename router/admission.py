@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from splitserve.router.errors import ApiError
-from splitserve.router.metrics import RouterMetrics
+from .errors import ApiError
+from .metrics import RouterMetrics
 
 GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions")
 OPEN_WHILE_DRAINING = ("/health", "/metrics")  # probes and scrapes see the drain

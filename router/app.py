@@ -32,27 +32,27 @@ from typing import NamedTuple
 import aiohttp
 from aiohttp import web
 
-from splitserve.common.auth import redact_url
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.kv_index import KVIndex
-from splitserve.common.registry import NodeRegistry
-from splitserve.router import endpoints, extra_endpoints, openai_api
-from splitserve.router.admission import Admission
-from splitserve.router.auth import api_key_middleware
-from splitserve.router.background import BackgroundTasks
-from splitserve.router.config import RouterConfig
-from splitserve.router.decisions import DecisionLog
-from splitserve.router.discovery import NodeDirectory
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import ApiError
-from splitserve.router.listener import listen, raise_file_limit
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.node_client import NodeClient
-from splitserve.router.policy import make_policy
-from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.state import (ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES,
+from ..common.auth import redact_url
+from ..common.errors import InvalidRequest
+from ..common.kv_index import KVIndex
+from ..common.registry import NodeRegistry
+from . import endpoints, extra_endpoints, openai_api
+from .admission import Admission
+from .auth import api_key_middleware
+from .background import BackgroundTasks
+from .config import RouterConfig
+from .decisions import DecisionLog
+from .discovery import NodeDirectory
+from .dispatch import Dispatcher
+from .errors import ApiError
+from .listener import listen, raise_file_limit
+from .metrics import RouterMetrics
+from .node_client import NodeClient
+from .policy import make_policy
+from .prefix_index import PrefixIndex
+from .state import (ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES,
                                      TOKENIZER, RouterServices)
-from splitserve.router.tokenizer import RouterTokenizer
+from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from splitserve.common.auth import CLUSTER_TOKEN_HEADER, bearer_token, token_matches
-from splitserve.router.config import RouterConfig
-from splitserve.router.errors import ApiError
-from splitserve.router.state import CONFIG
+from ..common.auth import CLUSTER_TOKEN_HEADER, bearer_token, token_matches
+from .config import RouterConfig
+from .errors import ApiError
+from .state import CONFIG
 
 
 def needs_api_key(config: RouterConfig, path: str) -> bool:

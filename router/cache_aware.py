@@ -69,9 +69,9 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from splitserve.common.registry import NodeInfo
-from splitserve.router.config import CacheAwareWeights
-from splitserve.router.policy import NO_CACHED, NO_INFLIGHT, Decision, split_roles
+from ..common.registry import NodeInfo
+from .config import CacheAwareWeights
+from .policy import NO_CACHED, NO_INFLIGHT, Decision, split_roles
 
 _TIE_EPS = 1e-9  # costs this close are equal
 

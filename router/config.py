@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from splitserve.common.auth import add_cluster_token_args, check_secret, cluster_token_from_args
-from splitserve.common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
+from ..common.auth import add_cluster_token_args, check_secret, cluster_token_from_args
+from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas
 

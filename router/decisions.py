@@ -22,9 +22,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policy import Decision
-from splitserve.router.prefix_index import PrefixHits
+from .metrics import RouterMetrics
+from .policy import Decision
+from .prefix_index import PrefixHits
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from splitserve.common.registry import REDIS_ERRORS, NodeInfo, NodeRegistry
-from splitserve.router.metrics import RouterMetrics
+from ..common.registry import REDIS_ERRORS, NodeInfo, NodeRegistry
+from .metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

@@ -21,19 +21,19 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 
-from splitserve.common.detokenizer import IncrementalDetokenizer
-from splitserve.common.protocol import GenerateRequest
-from splitserve.common.sampling_params import SamplingParams
-from splitserve.router.background import BackgroundTasks
-from splitserve.router.decisions import DecisionLog
-from splitserve.router.discovery import NodeDirectory
-from splitserve.router.errors import ApiError
-from splitserve.router.generation import Generation
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
-from splitserve.router.policy import NO_CACHED, Decision, RoutingPolicy
-from splitserve.router.prefix_index import PrefixHits, PrefixIndex
-from splitserve.router.tokenizer import RouterTokenizer
+from ..common.detokenizer import IncrementalDetokenizer
+from ..common.protocol import GenerateRequest
+from ..common.sampling_params import SamplingParams
+from .background import BackgroundTasks
+from .decisions import DecisionLog
+from .discovery import NodeDirectory
+from .errors import ApiError
+from .generation import Generation
+from .metrics import RouterMetrics
+from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
+from .policy import NO_CACHED, Decision, RoutingPolicy
+from .prefix_index import PrefixHits, PrefixIndex
+from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 

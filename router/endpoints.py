@@ -11,10 +11,10 @@ import dataclasses
 import msgspec
 from aiohttp import web
 
-from splitserve.router.auth import has_cluster_token
-from splitserve.router.decisions import KEEP
-from splitserve.router.errors import ApiError
-from splitserve.router.state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
+from .auth import has_cluster_token
+from .decisions import KEEP
+from .errors import ApiError
+from .state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
 
 DEFAULT_DECISIONS = 50
 

@@ -19,13 +19,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-import splitserve
-from splitserve.router import endpoints
-from splitserve.router.errors import ApiError
-from splitserve.router.openai_types import ChatMessage
-from splitserve.router.prepare import chat_messages, check_model, decode_body
-from splitserve.router.request_body import read_body
-from splitserve.router.state import CONFIG, TOKENIZER
+from .. import __version__
+from . import endpoints
+from .errors import ApiError
+from .openai_types import ChatMessage
+from .prepare import chat_messages, check_model, decode_body
+from .request_body import read_body
+from .state import CONFIG, TOKENIZER
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):
@@ -98,7 +98,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return web.json_response({"version": splitserve.__version__})
+    return web.json_response({"version": __version__})
 
 
 async def ping(request: web.Request) -> web.Response:

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from splitserve.common.detokenizer import IncrementalDetokenizer
-from splitserve.common.sampling_params import TokenLogprobs
-from splitserve.router.errors import ApiError
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.node_client import NodeUnavailable, TokenStream
-from splitserve.router.policy import Decision
+from ..common.detokenizer import IncrementalDetokenizer
+from ..common.sampling_params import TokenLogprobs
+from .errors import ApiError
+from .metrics import RouterMetrics
+from .node_client import NodeUnavailable, TokenStream
+from .policy import Decision
 
 
 class Piece(NamedTuple):

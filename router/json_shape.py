@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.common.errors import InvalidRequest
+from ..common.errors import InvalidRequest
 
 MAX_JSON_DEPTH = 32  # OpenAI request bodies nest 4-6 levels; generous for extension fields
 INT_MIN = -(2**63)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from splitserve.router.metrics import RouterMetrics
+from .metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

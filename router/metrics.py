@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitserve.common import metric_names as n
-from splitserve.common.model_metrics import ModelMetrics
+from ..common import metric_names as n
+from ..common.model_metrics import ModelMetrics
 
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
 # cut below 10 ms.)

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from splitserve.common.auth import auth_headers
-from splitserve.common.http import MSGPACK
-from splitserve.common.protocol import Abort, ErrorBody, FrameReader, GenerateRequest, TokenDelta
+from ..common.auth import auth_headers
+from ..common.http import MSGPACK
+from ..common.protocol import Abort, ErrorBody, FrameReader, GenerateRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 

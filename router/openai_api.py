@@ -28,13 +28,13 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.errors import ApiError, sse_error
-from splitserve.router.generation import Generation, merge_pieces
-from splitserve.router.prepare import PreparedRequest, prepare_chat, prepare_completion
-from splitserve.router.request_body import read_body
-from splitserve.router.responses import ResponseBuilder
-from splitserve.router.state import CONFIG, SERVICES, TOKENIZER
+from .dispatch import Dispatcher
+from .errors import ApiError, sse_error
+from .generation import Generation, merge_pieces
+from .prepare import PreparedRequest, prepare_chat, prepare_completion
+from .request_body import read_body
+from .responses import ResponseBuilder
+from .state import CONFIG, SERVICES, TOKENIZER
 
 log = logging.getLogger(__name__)
 

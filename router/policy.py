@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-from splitserve.common.registry import NodeInfo
-from splitserve.router.config import CacheAwareWeights
+from ..common.registry import NodeInfo
+from .config import CacheAwareWeights
 
 NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
 NO_CACHED: Mapping[str, int] = MappingProxyType({})
@@ -125,7 +125,7 @@ def _least(nodes: list[NodeInfo], key, inflight: Mapping[str, int], turn: int) -
 def make_policy(name: str, weights: CacheAwareWeights | None = None) -> RoutingPolicy:
     """The policy called ``name``; ``weights`` configure cache_aware."""
     if name == "cache_aware":
-        from splitserve.router.cache_aware import CacheAware  # it builds on this module
+        from .cache_aware import CacheAware  # it builds on this module
         return CacheAware(weights)
     if name == "least_load":
         return LeastLoad()

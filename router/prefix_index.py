@@ -43,11 +43,11 @@ from typing import NamedTuple
 
 import msgspec
 
-from splitserve.common.hashing import iter_hash_chunks
-from splitserve.common.kv_events import IndexUpdate, decode_index_update
-from splitserve.common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
-from splitserve.common.registry import NodeInfo
-from splitserve.router.metrics import RouterMetrics
+from ..common.hashing import iter_hash_chunks
+from ..common.kv_events import IndexUpdate, decode_index_update
+from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
+from ..common.registry import NodeInfo
+from .metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 

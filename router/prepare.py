@@ -17,12 +17,12 @@ from typing import Any, Literal
 
 import msgspec
 
-from splitserve.common.errors import InvalidRequest
-from splitserve.common.sampling_params import SamplingParams
-from splitserve.router.errors import ApiError
-from splitserve.router.json_shape import MAX_JSON_DEPTH, check_shape
-from splitserve.router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
-from splitserve.router.tokenizer import RouterTokenizer
+from ..common.errors import InvalidRequest
+from ..common.sampling_params import SamplingParams
+from .errors import ApiError
+from .json_shape import MAX_JSON_DEPTH, check_shape
+from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .tokenizer import RouterTokenizer
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -19,7 +19,7 @@ import asyncio
 
 from aiohttp import web
 
-from splitserve.router.errors import ApiError
+from .errors import ApiError
 
 
 def check_headers(request: web.Request, limit: int) -> None:

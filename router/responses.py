@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from splitserve.common.sampling_params import TokenLogprobs
-from splitserve.router.generation import Generation, Piece
-from splitserve.router.prepare import PreparedRequest
-from splitserve.router.tokenizer import RouterTokenizer
+from ..common.sampling_params import TokenLogprobs
+from .generation import Generation, Piece
+from .prepare import PreparedRequest
+from .tokenizer import RouterTokenizer
 
 # JSON has no -inf: a token the model ruled out gets this logprob (as vLLM does).
 MIN_LOGPROB = -9999.0

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from splitserve.common.kv_index import KVIndex
-from splitserve.common.registry import NodeRegistry
-from splitserve.router.admission import Admission
-from splitserve.router.background import BackgroundTasks
-from splitserve.router.config import RouterConfig
-from splitserve.router.decisions import DecisionLog
-from splitserve.router.discovery import NodeDirectory
-from splitserve.router.dispatch import Dispatcher
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.tokenizer import RouterTokenizer
+from ..common.kv_index import KVIndex
+from ..common.registry import NodeRegistry
+from .admission import Admission
+from .background import BackgroundTasks
+from .config import RouterConfig
+from .decisions import DecisionLog
+from .discovery import NodeDirectory
+from .dispatch import Dispatcher
+from .metrics import RouterMetrics
+from .tokenizer import RouterTokenizer
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from splitserve.common.errors import InvalidRequest
-from splitserve.engine.model_config import ModelConfig  # config.json only: no torch
+from ..common.errors import InvalidRequest
+from ..engine.model_config import ModelConfig  # config.json only: no torch
 
 
 class RouterTokenizer:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from splitserve.benchmarks.replay.trace import HASH_BLOCK, TraceRequest
+from .trace import HASH_BLOCK, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ PRESETS = {
 
 def summarize(requests: list[TraceRequest]) -> dict:
     """Trace-level figures printed by ``make-trace`` (and by ``replay``)."""
-    from splitserve.benchmarks.replay.trace import oracle_hits
+    from .trace import oracle_hits
 
     total = sum(r.input_length for r in requests)
     span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if len(requests) > 1 else 0.0

@@ -40,10 +40,10 @@ from typing import NamedTuple
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.benchmarks.replay.generate import summarize as trace_summary
-from splitserve.benchmarks.replay.trace import (HASH_BLOCK, TraceRequest, load_trace, oracle_hits,
+from .generate import summarize as trace_summary
+from .trace import (HASH_BLOCK, TraceRequest, load_trace, oracle_hits,
                                                 prompt_tokens)
-from splitserve.common import metric_names as names
+from ...common import metric_names as names
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
 
@@ -79,7 +79,7 @@ class ReplayConfig:
         if self.trace_block_size < 1:
             raise ValueError(f"trace_block_size: must be >= 1, got {self.trace_block_size}")
         if self.profile is not None:
-            from splitserve.common.sim_profiles import get_profile
+            from ...common.sim_profiles import get_profile
             get_profile(self.profile)  # an unknown name fails here, naming the choices
 
     @property
@@ -169,7 +169,7 @@ def _progress(start: float, sent: int, done: int, total: int, outcomes) -> None:
 
 async def prefill_node_states(redis_url: str) -> dict[str, dict]:
     """node_id -> /debug/state of every registered prefill node."""
-    from splitserve.common.registry import NodeRegistry
+    from ...common.registry import NodeRegistry
 
     registry = NodeRegistry(redis_url)
     try:
@@ -246,9 +246,9 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
 
 def run_replay(cfg: ReplayConfig) -> dict:
     """Start the cluster, replay, stop it; the summary (also written to ``cfg.result_json``)."""
-    from splitserve.common.bundled import BUNDLED_MODEL_ID
-    from splitserve.deploy.launcher import SimCluster
-    from splitserve.router.config import CacheAwareWeights
+    from ...common.bundled import BUNDLED_MODEL_ID
+    from ...deploy.launcher import SimCluster
+    from ...router.config import CacheAwareWeights
 
     requests = load_trace(cfg.trace, cfg.trace_block_size)[:cfg.limit]
     print(f"[replay] {cfg.trace}: {trace_summary(requests)}", file=sys.stderr, flush=True)
@@ -258,7 +258,7 @@ def run_replay(cfg: ReplayConfig) -> dict:
     half_life = CacheAwareWeights().balance_half_life_s / cfg.speedup
     router_args = (f"--score-weights=balance_half_life_s={half_life:g}", *cfg.router_args)
     if cfg.profile:  # the nodes' model: its context on the router too
-        from splitserve.common.sim_profiles import get_profile
+        from ...common.sim_profiles import get_profile
         sim_args += ["--profile", cfg.profile]
         router_args = ("--max-model-len", str(get_profile(cfg.profile).context), *router_args)
     cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,

@@ -12,12 +12,12 @@ Other code (the comparison script, tests) uses the library directly: build specs
 ``await run(...)``, ``summarize(...)``.
 """
 
-from splitserve.benchmarks.serve.arrivals import poisson_offsets, trace_offsets
-from splitserve.benchmarks.serve.client import EndpointError, Endpoint, check_endpoint
-from splitserve.benchmarks.serve.config import BenchConfig, Slo
-from splitserve.benchmarks.serve.datasets import RequestSpec, load_dataset
-from splitserve.benchmarks.serve.metrics import Summary, summarize
-from splitserve.benchmarks.serve.runner import RunResult, run
+from .arrivals import poisson_offsets, trace_offsets
+from .client import EndpointError, Endpoint, check_endpoint
+from .config import BenchConfig, Slo
+from .datasets import RequestSpec, load_dataset
+from .metrics import Summary, summarize
+from .runner import RunResult, run
 
 __all__ = ["BenchConfig", "Endpoint", "EndpointError", "RequestSpec", "RunResult", "Slo",
            "Summary", "check_endpoint", "load_dataset", "poisson_offsets", "run", "summarize",

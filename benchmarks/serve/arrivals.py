@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 
-from splitserve.benchmarks.serve.datasets import RequestSpec
+from .datasets import RequestSpec
 
 
 def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:

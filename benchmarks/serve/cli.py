@@ -15,14 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from splitserve.benchmarks.serve.arrivals import poisson_offsets, trace_offsets
-from splitserve.benchmarks.serve.client import Endpoint, EndpointError, check_endpoint
-from splitserve.benchmarks.serve.config import BenchConfig, Slo, normalize_base_url
-from splitserve.benchmarks.serve.datasets import load_dataset, load_tokenizer
-from splitserve.benchmarks.serve.metrics import summarize
-from splitserve.benchmarks.serve.report import (format_summary, plot_cdfs, plot_vs_rate,
+from .arrivals import poisson_offsets, trace_offsets
+from .client import Endpoint, EndpointError, check_endpoint
+from .config import BenchConfig, Slo, normalize_base_url
+from .datasets import load_dataset, load_tokenizer
+from .metrics import summarize
+from .report import (format_summary, plot_cdfs, plot_vs_rate,
                                                 request_records, write_json)
-from splitserve.benchmarks.serve.runner import run
+from .runner import run
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:

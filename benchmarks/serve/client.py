@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import aiohttp
 
-from splitserve.benchmarks.serve.datasets import RequestSpec
+from .datasets import RequestSpec
 
 
 class EndpointError(Exception):

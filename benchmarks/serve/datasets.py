@@ -25,7 +25,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from splitserve.benchmarks.serve.config import BenchConfig
+from .config import BenchConfig
 
 DEFAULT_NUM_PROMPTS = 100
 LOWEST_TOKEN_ID = 100  # random prompts avoid the special tokens at the start of the vocabulary
@@ -51,13 +51,13 @@ class RequestSpec(NamedTuple):
 
 def load_tokenizer(path: str | None) -> Tokenizer:
     """The tokenizer of the model folder ``path``; None: the bundled model's."""
-    from splitserve.router.tokenizer import RouterTokenizer
+    from ...router.tokenizer import RouterTokenizer
 
     if path is None:
-        from splitserve.common.bundled import converted_dir
+        from ...common.bundled import converted_dir
         path = converted_dir()
         if not (Path(path) / "tokenizer.json").is_file():
-            from splitserve.engine.convert import bundled_model_dir
+            from ...engine.convert import bundled_model_dir
             path = bundled_model_dir()
     return RouterTokenizer(path)
 
@@ -86,7 +86,7 @@ def _load(cfg: BenchConfig, tok: Tokenizer) -> list[RequestSpec]:
     if name == "custom" and path:
         return custom_specs(Path(path), n, cfg.custom_output_len, tok)
     if name == "trace" and path:
-        from splitserve.benchmarks.serve.trace import trace_specs
+        from .trace import trace_specs
         return trace_specs(Path(path), tok.vocab_size, n, cfg.trace_time_scale)
     raise ValueError(f"--dataset: unknown {cfg.dataset!r}; use random, shared-prefix "
                      "(prefix-repetition), sharegpt:PATH, custom:PATH or trace:PATH")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splitserve.benchmarks.serve.client import RequestResult
-from splitserve.benchmarks.serve.config import Slo
+from .client import RequestResult
+from .config import Slo
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.benchmarks.serve.client import RequestResult
-from splitserve.benchmarks.serve.metrics import Summary
+from .client import RequestResult
+from .metrics import Summary
 
 _LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import aiohttp
 from tqdm import tqdm
 
-from splitserve.benchmarks.serve.client import Endpoint, RequestResult, send_request
-from splitserve.benchmarks.serve.datasets import RequestSpec
+from .client import Endpoint, RequestResult, send_request
+from .datasets import RequestSpec
 
 
 class RunResult(NamedTuple):

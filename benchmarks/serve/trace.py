@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitserve.benchmarks.replay.trace import load_trace, prompt_tokens
-from splitserve.benchmarks.serve.datasets import RequestSpec
+from ..replay.trace import load_trace, prompt_tokens
+from .datasets import RequestSpec
 
 
 def trace_specs(path: Path, vocab_size: int, limit: int | None,

@@ -7,9 +7,9 @@ Constructing it builds the kernels on first use (``csrc.build.load_ops``), raisi
 
 import torch
 
-from splitserve.csrc import ops
-from splitserve.csrc.build import load_ops
-from splitserve.engine.attention.kernel_backend import KernelAttention
+from ...csrc import ops
+from ...csrc.build import load_ops
+from .kernel_backend import KernelAttention
 
 SUPPORTED_HEAD_DIMS = ops.CUDA_HEAD_DIMS
 

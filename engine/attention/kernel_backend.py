@@ -6,9 +6,9 @@ with the same signatures (csrc/ops.py, triton_kernels.py)."""
 
 import torch
 
-from splitserve.engine.attention.base import AttentionMetadata
-from splitserve.engine.attention.partition import decode_partition_size
-from splitserve.engine.attention.torch_backend import TorchAttention
+from .base import AttentionMetadata
+from .partition import decode_partition_size
+from .torch_backend import TorchAttention
 
 
 class KernelAttention(TorchAttention):

@@ -6,7 +6,7 @@ kernels' largest partition and halve while the launch would have fewer than two
 blocks per SM, down to 128 tokens (or one cache block).
 """
 
-from splitserve.csrc.checks import MAX_PARTITION_SIZE
+from ...csrc.checks import MAX_PARTITION_SIZE
 
 MIN_PARTITION_SIZE = 128  # shorter partitions cost more in the merge than they gain in parallelism
 BLOCKS_PER_SM = 2

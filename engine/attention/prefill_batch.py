@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from splitserve.engine.attention.base import PrefillGroup
+from .base import PrefillGroup
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import logging
 
 import torch
 
-from splitserve.common.config import EngineConfig
-from splitserve.engine.attention.base import AttentionBackend
-from splitserve.engine.attention.torch_backend import TorchAttention
+from ...common.config import EngineConfig
+from .base import AttentionBackend
+from .torch_backend import TorchAttention
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ def select_backend(config: EngineConfig, device: torch.device, head_dim: int) ->
 
 
 def _cuda(device: torch.device, head_dim: int, block_size: int) -> AttentionBackend:
-    from splitserve.csrc.checks import MAX_PARTITION_SIZE
-    from splitserve.engine.attention.cuda_backend import SUPPORTED_HEAD_DIMS, CudaAttention
+    from ...csrc.checks import MAX_PARTITION_SIZE
+    from .cuda_backend import SUPPORTED_HEAD_DIMS, CudaAttention
 
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"attention_backend: the CUDA kernels support head_dim {SUPPORTED_HEAD_DIMS}, the model "
@@ -60,8 +60,8 @@ def _triton(device: torch.device, block_size: int) -> AttentionBackend:
         raise ValueError(f"attention_backend: the Triton kernels need a visible CUDA GPU, torch {torch.__version__} "
                          "sees none; use torch")
     try:
-        from splitserve.engine.attention.triton_backend import TritonAttention
-        from splitserve.engine.attention.triton_kernels import check_block_size
+        from .triton_backend import TritonAttention
+        from .triton_kernels import check_block_size
     except ImportError as e:
         raise ValueError(f"attention_backend: the Triton kernels need triton ({e}); install it "
                          "(deploy/requirements.txt pins it) or use cuda or torch") from e

@@ -17,7 +17,7 @@ flash kernel (CUDA, half precision) or SDPA with the group's block-diagonal caus
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillGroup
+from .base import AttentionBackend, AttentionMetadata, PrefillGroup
 
 
 def build_decode_mask(seq_lens: torch.Tensor, width: int, dtype: torch.dtype,

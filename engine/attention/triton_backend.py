@@ -2,8 +2,8 @@
 rows (kernel_backend.py); prefill groups go through TorchAttention.prefill (varlen flash or SDPA).
 Needs triton and a cache block size that is a power of two >= 16."""
 
-from splitserve.engine.attention import triton_kernels
-from splitserve.engine.attention.kernel_backend import KernelAttention
+from . import triton_kernels
+from .kernel_backend import KernelAttention
 
 
 class TritonAttention(KernelAttention):

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.csrc.checks import check_cache_write, check_decode, num_partitions
+from ...csrc.checks import check_cache_write, check_decode, num_partitions
 
 MIN_DOT = 16  # tl.dot's smallest tile side
 
