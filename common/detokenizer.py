@@ -76,11 +76,15 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ):
+        """``include_stop``: a matched stop string is emitted too (vLLM's
+        ``include_stop_str_in_output``); the text still ends right after it."""
         assert all(stop), "stop strings must be non-empty (SamplingParams.validate checks)"
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stops = tuple(stop)
+        self._include_stop = include_stop
         # ids[prefix_offset:]; starts with the last few prompt ids as context
         self._window: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._read = len(self._window)  # read_offset - prefix_offset
@@ -159,7 +163,8 @@ class IncrementalDetokenizer:
             self._held = ""
             self._stop_string = stop
             self._done = True
-            return DetokenizerStep(self._emit(buf[:pos]), stop)
+            end = pos + len(stop) if self._include_stop else pos
+            return DetokenizerStep(self._emit(buf[:end]), stop)
         keep = 0 if final else _longest_stop_prefix_suffix(buf, self._stops)
         self._held = buf[len(buf) - keep :]
         return DetokenizerStep(self._emit(buf[: len(buf) - keep]), None)

@@ -19,6 +19,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
 # OpenAI's range. Above 2 sampling is close to uniform noise; a huge value is a typo.
 MAX_TEMPERATURE = 2.0
 MAX_REPETITION_PENALTY = 2.0  # as SGLang; 1 disables, typical values are 1.0-1.3
@@ -54,6 +56,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = []  # at most 256 token ids that end the request (kept in output)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k in 0..20: sampled token + k alternatives
+    # None: none; k in 0..20: each prompt token's logprob and rank + k alternatives (vLLM's
+    # prompt_logprobs). The prompt is then computed without the prefix cache (cached blocks
+    # have no logits), as vLLM does.
+    prompt_logprobs: int | None = None
+    min_tokens: int = 0  # [0, max_tokens]: EOS and stop_token_ids are masked until this many tokens
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100]
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
 
     @property
     def greedy(self) -> bool:
@@ -108,12 +117,48 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         if type(self.ignore_eos) is not bool:
             raise InvalidRequest("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
-        if self.logprobs is not None and not 0 <= _int(self, "logprobs") <= MAX_LOGPROBS:
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= _int(self, name) <= MAX_LOGPROBS:
+                raise InvalidRequest(
+                    name, f"must be null or an integer in [0, {MAX_LOGPROBS}], got "
+                    f"{_show(getattr(self, name))}",
+                )
+        if not 0 <= _int(self, "min_tokens") <= self.max_tokens:
             raise InvalidRequest(
-                "logprobs",
-                f"must be null or an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}",
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got "
+                f"{_show(self.min_tokens)}"
             )
+        self._validate_logit_bias()
+        if type(self.include_stop_str_in_output) is not bool:
+            raise InvalidRequest("include_stop_str_in_output",
+                                 f"must be a boolean, got {self.include_stop_str_in_output!r}")
         return self
+
+    def _validate_logit_bias(self) -> None:
+        """Keys are token ids (the vocabulary bound is the caller's: the router and the
+        engine know it); values finite in [-100, 100], converted to float in place."""
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise InvalidRequest("logit_bias", "must be an object mapping token ids to numbers")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for token, value in bias.items():
+            if type(token) is not int or not 0 <= token <= MAX_INT:
+                raise InvalidRequest("logit_bias", f"keys must be token ids (integers in "
+                                     f"[0, {MAX_INT}]), got {token!r}")
+            if type(value) is int:
+                value = bias[token] = float(value)
+            if type(value) is not float or not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
+                raise InvalidRequest("logit_bias", f"values must be numbers in [-100, 100], got "
+                                     f"{value!r} for token {token}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The token ids of logit_bias must be in [0, vocab_size). (A stop token id
+        outside the vocabulary is harmless: it is never sampled.)"""
+        bad = next((t for t in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest("logit_bias", f"token id {bad} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
 
     def _validate_stop(self) -> None:
         stop = self.stop
@@ -137,6 +182,16 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
     token_id: int
     logprob: float
+    top: list[tuple[int, float]]
+
+
+class PromptLogprob(msgspec.Struct, array_like=True):
+    """One prompt token's logprob given the tokens before it (the first prompt token has
+    none), from the raw logits, its rank in the vocabulary (1 = most likely), and the
+    requested number of most likely alternatives as (token_id, logprob), best first."""
+
+    logprob: float
+    rank: int
     top: list[tuple[int, float]]
 
 

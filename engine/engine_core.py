@@ -16,9 +16,10 @@ import torch
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
 from ..common.hashing import hash_blocks
-from ..common.sampling_params import SamplingParams, TokenLogprobs
+from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .kv_cache_manager import KVCacheManager
 from .loader import resolve_model_dir
+from . import prompt_logprobs
 from .model_runner import KVCacheFactory, ModelRunner
 from .request import Request
 from .sampler import Sampler
@@ -34,6 +35,8 @@ class RequestDelta(NamedTuple):
     new_logprobs: list[TokenLogprobs | None]
     finish_reason: str | None  # None while running
     num_cached_tokens: int
+    # on the delta of the first token of a request that asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class Reservation(NamedTuple):
@@ -87,6 +90,7 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field if this request can never run."""
         params.validate()
+        params.check_vocab(self.model_config.vocab_size)
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequest("prompt", "must contain at least one token")
@@ -137,7 +141,8 @@ class EngineCore:
             self.kv.free(request_id)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int) -> RequestDelta:
+                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int,
+                      prompt_logprobs: list[PromptLogprob | None] | None = None) -> RequestDelta:
         """Admit a request whose prompt KV landed in its reserved blocks and whose
         first token was sampled elsewhere; it joins the running batch to decode."""
         req = self._new_request(request_id, prompt_token_ids, params)
@@ -150,7 +155,8 @@ class EngineCore:
         reason = req.check_stop(self.max_model_len)
         if reason is not None:
             self.scheduler.finish(request_id, reason)
-        return RequestDelta(request_id, [first_token], [logprobs], reason, num_cached_tokens)
+        return RequestDelta(request_id, [first_token], [logprobs], reason, num_cached_tokens,
+                            prompt_logprobs)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Finish a request now and free its blocks; idempotent."""
@@ -176,6 +182,8 @@ class EngineCore:
         self.num_computed_tokens_total += result.num_tokens
         if self.step_observer is not None:
             self.step_observer(out)
+        for req, start, values in result.prompt_logprobs:
+            prompt_logprobs.record(req, start, values)
         deltas = []
         for req_id, token, logprobs in result.sampled:
             req = self.scheduler.requests[req_id]
@@ -183,5 +191,7 @@ class EngineCore:
             reason = req.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(req_id, reason)
-            deltas.append(RequestDelta(req_id, [token], [logprobs], reason, req.num_cached_tokens))
+            first = len(req.output_token_ids) == 1 and req.sampling_params.prompt_logprobs is not None
+            deltas.append(RequestDelta(req_id, [token], [logprobs], reason, req.num_cached_tokens,
+                                       req.prompt_logprobs if first else None))
         return deltas

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from ..common.config import EngineConfig
 from ..common.detokenizer import IncrementalDetokenizer
 from ..common.errors import InvalidRequest
-from ..common.sampling_params import SamplingParams, TokenLogprobs
+from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .engine_core import EngineCore
 
 Prompt = str | list[int] | list[dict]
@@ -41,6 +41,8 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs | None] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -90,7 +92,8 @@ class LLM:
                 raise InvalidRequest("stop", f"stop strings need a tokenizer and {self.engine.model_dir} "
                                      "has none; use stop_token_ids")
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
+                                      include_stop=params.include_stop_str_in_output)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -135,12 +138,15 @@ class LLM:
         cached: dict[str, int] = {}
         tokens: dict[str, list[int]] = {rid: [] for rid in order}
         logprobs: dict[str, list] = {rid: [] for rid in order}
+        prompt_logprobs: dict[str, list] = {}
         while self.engine.has_unfinished():
             for d in self.engine.step():
                 rid = d.request_id
                 cached[rid] = d.num_cached_tokens
                 tokens[rid].extend(d.new_token_ids)
                 logprobs[rid].extend(d.new_logprobs)
+                if d.prompt_logprobs is not None:
+                    prompt_logprobs[rid] = d.prompt_logprobs
                 det = detoks[rid]
                 if det is not None and det.add_tokens(d.new_token_ids).stop_string is not None:
                     self.engine.abort(rid, "stop")
@@ -155,7 +161,8 @@ class LLM:
             if det is not None:
                 text = det.text if rid in on_stop_string else det.text + det.flush()
             outputs.append(RequestOutput(rid, ids, text, tokens[rid], finished[rid], cached.get(rid, 0),
-                                         logprobs[rid] if p.logprobs is not None else None))
+                                         logprobs[rid] if p.logprobs is not None else None,
+                                         prompt_logprobs.get(rid)))
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]],

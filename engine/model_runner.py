@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..common.config import EngineConfig
-from ..common.sampling_params import TokenLogprobs
+from ..common.sampling_params import PromptLogprob, TokenLogprobs
 from .attention.base import AttentionMetadata
 from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from .attention.selector import select_backend
@@ -37,6 +37,8 @@ from .kv_cache_manager import KVCacheManager
 from .kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
 from .loader import load_model
 from .model_config import ModelConfig
+from . import prompt_logprobs
+from .prompt_logprobs import PromptRows
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 
@@ -48,6 +50,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class StepResult(NamedTuple):
     sampled: list[tuple[str, int, TokenLogprobs | None]]  # (req_id, token, logprobs), requests that reached their end
     num_tokens: int  # tokens computed this step
+    # (request, first position, values) of the chunks whose requests asked for prompt logprobs
+    prompt_logprobs: list[tuple[object, int, list[PromptLogprob]]] = []
 
 
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
@@ -98,6 +102,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         sampling_reqs = []
+        prompt_rows: list[PromptRows] = []  # chunks whose logits give prompt logprobs
 
         tables = [kv.block_ids(r.request_id) for r, _ in decodes]
         for (req, _), table in zip(decodes, tables):
@@ -108,6 +113,8 @@ class ModelRunner:
             if pos + 1 == req.num_tokens:  # else: the last 1-token chunk of a prompt mid-way
                 logits_rows.append(len(ids) - 1)
                 sampling_reqs.append(req)
+            elif _wants_prompt_logprobs(req, pos, 1):
+                prompt_rows.append(PromptRows(req, pos, [len(ids) - 1]))
         nd = len(decodes)
         max_blocks = max((len(t) for t in tables), default=1)
         decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
@@ -123,6 +130,8 @@ class ModelRunner:
             pos = torch.arange(start + n)
             key_slots = table[pos // bs] * bs + pos % bs  # [start + n]: the context, then the new tokens
             chunks.append(ChunkSpec(len(ids), n, start, key_slots))
+            if m := _wants_prompt_logprobs(req, start, n):
+                prompt_rows.append(PromptRows(req, start, list(range(len(ids), len(ids) + m))))
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(key_slots[start:].tolist())
@@ -139,10 +148,15 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=build_prefill_groups(chunks, dev, self.prefill_varlen),
         )
+        extra = [row for c in prompt_rows for row in c.rows]  # after the sampling rows
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_caches, meta, self.backend,
-                            torch.tensor(logits_rows, dtype=torch.long, device=dev))
-        return StepResult(self._sample(logits, sampling_reqs), len(ids))
+                            torch.tensor(logits_rows + extra, dtype=torch.long, device=dev))
+        at, prompt = len(logits_rows), []
+        for c in prompt_rows:  # [len(c.rows), V] each, in order after the sampling rows
+            prompt.append(_prompt_chunk(c, logits[at:at + len(c.rows)]))
+            at += len(c.rows)
+        return StepResult(self._sample(logits[:len(logits_rows)], sampling_reqs), len(ids), prompt)
 
     def _execute_static(self, decodes, kv: KVCacheManager) -> StepResult:
         """A decode-only step through the padded fixed-shape forward."""
@@ -152,9 +166,12 @@ class ModelRunner:
                                         [kv.block_ids(r.request_id) for r in reqs])  # [D, vocab]
         # a 1-token chunk in the middle of a prompt computes KV but samples nothing
         rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.num_tokens]
+        prompt = [_prompt_chunk(PromptRows(r, p, [i]), logits[i:i + 1])
+                  for i, (r, p) in enumerate(zip(reqs, positions))
+                  if p + 1 < r.num_tokens and _wants_prompt_logprobs(r, p, 1)]
         if len(rows) < len(reqs):
             logits = logits[rows]
-        return StepResult(self._sample(logits, [reqs[i] for i in rows]), len(reqs))
+        return StepResult(self._sample(logits, [reqs[i] for i in rows]), len(reqs), prompt)
 
     def _sample(self, logits: torch.Tensor, reqs: list) -> list[tuple[str, int, TokenLogprobs | None]]:
         """logits [S, vocab], row i for reqs[i] -> (req_id, token, logprobs) per request."""
@@ -162,3 +179,17 @@ class ModelRunner:
             return []
         res = self.sampler(logits, reqs)
         return [(r.request_id, t, lp) for r, t, lp in zip(reqs, res.token_ids, res.logprobs)]
+
+
+def _wants_prompt_logprobs(req, start: int, n: int) -> int:
+    """Rows of the chunk [start, start + n) that give ``req`` prompt logprobs (0: none)."""
+    if req.sampling_params.prompt_logprobs is None:
+        return 0
+    return prompt_logprobs.wanted_positions(len(req.prompt_token_ids), start, n)
+
+
+def _prompt_chunk(c: PromptRows, logits: torch.Tensor) -> tuple[object, int, list[PromptLogprob]]:
+    """logits [len(c.rows), V] -> (request, first position, its prompt logprobs)."""
+    req = c.request
+    targets = req.prompt_token_ids[c.start + 1:c.start + 1 + len(c.rows)]
+    return req, c.start, prompt_logprobs.compute(logits, targets, req.sampling_params.prompt_logprobs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..common.hashing import extend_block_hashes
-from ..common.sampling_params import SamplingParams, TokenLogprobs
+from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -36,6 +36,8 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # one per prompt token (the first None) once the prompt is computed, if asked (prompt_logprobs.py)
+    prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted

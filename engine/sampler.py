@@ -5,6 +5,7 @@ order (as vLLM by default):
 
     raw logits --> logprobs (log_softmax of the RAW logits, if requested)
        |
+       +--> logit_bias, min_tokens masks (logit_masks.py)
        +--> repetition penalty (prompt + output tokens)
        +--> frequency / presence penalties (output tokens)
        +--> greedy rows: argmax
@@ -29,6 +30,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from ..common.sampling_params import SamplingParams, TokenLogprobs
+from .logit_masks import apply_logit_masks
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny  # noise floor, see _exponential
@@ -43,6 +45,7 @@ class SamplingInput(Protocol):
     # The request's own generator, seeded from `sampling_params.seed` by the engine;
     # None: the sampler's shared generator.
     generator: torch.Generator | None
+    stop_ids: frozenset[int]  # read only for a request with min_tokens (logit_masks.py)
 
 
 class SamplerOutput(NamedTuple):
@@ -75,7 +78,8 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         assert logits.dtype == torch.float32, logits.dtype
         params = [r.sampling_params for r in reqs]
-        penalized = apply_penalties(logits, reqs)  # [B, V]; `logits` itself if no penalty
+        masked = apply_logit_masks(logits, reqs)  # [B, V]; `logits` itself if no bias or min_tokens
+        penalized = apply_penalties(masked, reqs)  # [B, V]; its input itself if no penalty
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(random_rows) == len(reqs):

@@ -82,7 +82,10 @@ class Scheduler:
 
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.get_computed_blocks(req.block_hashes, req.all_token_ids)
+            # prompt logprobs need the logits of every prompt position: cached blocks have none
+            hit = self.kv.get_computed_blocks(
+                [] if req.sampling_params.prompt_logprobs is not None else req.block_hashes,
+                req.all_token_ids)
             n = min(req.num_tokens - hit.num_tokens, budget, self.chunk)
             if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks) is None:
                 break

@@ -34,6 +34,7 @@ from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, read_msgpack
 from ..common.protocol import Abort, PrefillRequest, PrefillResult
+from ..common.sampling_params import SamplingParams
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
 from ..kvtransfer import TransferError, make_sender, sender_options
@@ -128,9 +129,7 @@ class PrefillNode:
             resp = error_response(503, f"prefill node busy: {refusal}")
             resp.headers["Retry-After"] = "1"
             return resp
-        # one token, sampled with the request's own parameters; stops are the decode node's job
-        params = msgspec.structs.replace(task.sampling_params, max_tokens=1, ignore_eos=True, stop=[],
-                                         stop_token_ids=[])
+        params = _first_token_params(task.sampling_params)
         o = Outgoing(task)
         self.out[rid] = o
         sender_task = None
@@ -176,7 +175,7 @@ class PrefillNode:
         return sent
 
     def _check(self, task: PrefillRequest) -> None:
-        self.engine.validate(task.token_ids, msgspec.structs.replace(task.sampling_params, max_tokens=1))
+        self.engine.validate(task.token_ids, _first_token_params(task.sampling_params))
         n_blocks = math.ceil(len(task.token_ids) / self.engine.config.block_size)
         if not 0 <= task.skip_blocks < n_blocks:
             raise InvalidRequest("skip_blocks", f"must be in [0, {n_blocks})")
@@ -199,6 +198,12 @@ class PrefillNode:
 
     def debug_state(self) -> dict:
         return {"outgoing": len(self.out)}
+
+
+def _first_token_params(params: SamplingParams) -> SamplingParams:
+    """One token, sampled with the request's own parameters; stops are the decode node's
+    job (EOS and stop_token_ids stay: min_tokens masks them for this first token too)."""
+    return msgspec.structs.replace(params, max_tokens=1, stop=[], min_tokens=min(params.min_tokens, 1))
 
 
 def build_app(config: NodeConfig) -> web.Application:
