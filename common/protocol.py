@@ -16,7 +16,7 @@ from typing import Iterator
 
 import msgspec
 
-from .sampling_params import SamplingParams, TokenLogprobs
+from .sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 
 
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -48,6 +48,7 @@ class PrefillResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill node served from its prefix cache
     num_blocks_sent: int = 0
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # when asked, one per prompt token
 
 
 class TokenDelta(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -58,6 +59,8 @@ class TokenDelta(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_cached_tokens: int = 0  # prompt tokens not computed for this request (either node's cache)
     error: str | None = None
+    # on the first frame when SamplingParams.prompt_logprobs asked: one per prompt token (the first None)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class Abort(msgspec.Struct, tag=True, omit_defaults=True):

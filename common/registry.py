@@ -61,6 +61,7 @@ class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     kv_addr: str = ""
     capacity_tokens: int = 0  # tokens the node's KV pool holds
     block_size: int = 0  # tokens per KV block, as hashed into the prefix index (0: unknown)
+    max_model_len: int = 0  # the context the node accepts, prompt + output tokens (0: unknown)
     load: NodeLoad = msgspec.field(default_factory=NodeLoad)
     updated_at: float = 0.0  # unix time of the heartbeat that wrote this record
 

@@ -32,7 +32,7 @@ MAX_INT = 2**31 - 1
 GREEDY_TEMPERATURE_EPS = 1e-5
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN = -(2**63)
-_SEED_MAX = 2**64 - 1
+SEED_MAX = 2**64 - 1
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -92,7 +92,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             )
         if not 0.0 <= _float(self, "min_p") <= 1.0:
             raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not _SEED_MIN <= _int(self, "seed") <= _SEED_MAX:
+        if self.seed is not None and not _SEED_MIN <= _int(self, "seed") <= SEED_MAX:
             raise InvalidRequest("seed", f"must be in [-2**63, 2**64 - 1], got {_show(self.seed)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float(self, name)
@@ -146,7 +146,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if type(token) is not int or not 0 <= token <= MAX_INT:
                 raise InvalidRequest("logit_bias", f"keys must be token ids (integers in "
                                      f"[0, {MAX_INT}]), got {token!r}")
-            if type(value) is int:
+            if type(value) is int and abs(value) <= MAX_LOGIT_BIAS_VALUE:
                 value = bias[token] = float(value)
             if type(value) is not float or not -MAX_LOGIT_BIAS_VALUE <= value <= MAX_LOGIT_BIAS_VALUE:
                 raise InvalidRequest("logit_bias", f"values must be numbers in [-100, 100], got "

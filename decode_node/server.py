@@ -102,7 +102,8 @@ class DecodeNode:
             if q is not None:
                 q.put_nowait(TokenDelta(request_id=d.request_id, token_ids=d.new_token_ids,
                                         logprobs=d.new_logprobs, finish_reason=d.finish_reason,
-                                        num_cached_tokens=d.num_cached_tokens))
+                                        num_cached_tokens=d.num_cached_tokens,
+                                        prompt_logprobs=d.prompt_logprobs))
 
     # ---- transfer events (on this event loop) ------------------------------------------------
     def _settle(self, transfer_id: str) -> None:
@@ -223,7 +224,7 @@ class DecodeNode:
             # here only saves sending blocks; the prefill node still computes them).
             delta = await self.loop.submit(AddPrefilled(
                 rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs,
-                result.num_cached_tokens))
+                result.num_cached_tokens, result.prompt_logprobs))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels("owned").inc()

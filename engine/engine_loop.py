@@ -19,7 +19,8 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
 
     AddRequest(id, tokens, params)         -> None     schedule a prompt (prefill + decode here)
     Reserve(id, tokens)                    -> Reservation | None (pool full)
-    AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens) -> RequestDelta
+    AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens[, prompt_logprobs])
+                                           -> RequestDelta
     Release(id)                            -> None     give back a reservation never admitted
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
@@ -49,7 +50,7 @@ import threading
 from typing import Any, Callable, NamedTuple
 
 from ..common.kv_events import KVEvent
-from ..common.sampling_params import SamplingParams, TokenLogprobs
+from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .engine_core import EngineCore, EngineLoad, RequestDelta
 from .scheduler import SchedulerOutput
 
@@ -78,6 +79,7 @@ class AddPrefilled(NamedTuple):
     first_token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # computed by the prefill node
 
 
 class Release(NamedTuple):
@@ -191,8 +193,8 @@ class EngineLoop:
                 return e.add_request(rid, ids, params)
             case Reserve(rid, ids):
                 return e.reserve(rid, ids)
-            case AddPrefilled(rid, ids, params, first, logprobs, cached):
-                return e.add_prefilled(rid, ids, params, first, logprobs, cached)
+            case AddPrefilled(rid, ids, params, first, logprobs, cached, prompt_lps):
+                return e.add_prefilled(rid, ids, params, first, logprobs, cached, prompt_lps)
             case Release(rid):
                 return e.release(rid)
             case AbortRequest(rid, reason):

@@ -119,7 +119,8 @@ class NodeRuntime:
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
-                        block_size=self.engine.config.block_size, load=NodeLoad(**load._asdict()))
+                        block_size=self.engine.config.block_size, max_model_len=self.engine.max_model_len,
+                        load=NodeLoad(**load._asdict()))
 
     async def start_heartbeat(self) -> None:
         """Register the node and publish its prefix-cache index (both need the final node id)."""

@@ -151,7 +151,8 @@ class PrefillNode:
             self.m_requests.labels("ok").inc()
             return msgpack_response(PrefillResult(
                 transfer_id=task.transfer_id, first_token=first.new_token_ids[0],
-                logprobs=first.new_logprobs[0], num_cached_tokens=first.num_cached_tokens, num_blocks_sent=sent))
+                logprobs=first.new_logprobs[0], num_cached_tokens=first.num_cached_tokens, num_blocks_sent=sent,
+                prompt_logprobs=first.prompt_logprobs))
         except InvalidRequest as e:
             self.m_requests.labels("bad_request").inc()
             return error_response(400, str(e), e.field)

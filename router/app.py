@@ -94,7 +94,8 @@ def build_app(config: RouterConfig) -> web.Application:
 async def _services(app: web.Application) -> AsyncIterator[None]:
     config, metrics = app[CONFIG], app[METRICS]
     registry = NodeRegistry(config.redis_url)
-    directory = NodeDirectory(registry, config.model_id, metrics, config.poll_interval_s)
+    directory = NodeDirectory(registry, config.model_id, metrics, config.poll_interval_s,
+                              block_size=config.block_size)
     await directory.refresh()  # know the nodes before the first request (Redis may be down)
     if (mismatch := directory.model_mismatch()) is not None:
         await registry.close()

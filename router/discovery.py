@@ -1,7 +1,9 @@
 """Node discovery: the router's current list of live nodes, re-read from the Redis
 registry in a background task.
 
-Owns the last known node list of the served model and the decision to keep it when
+Owns the last known node list of the served model (nodes of another model, or whose
+KV block size differs from the router's, are ignored with a warning: their prefix
+hashes would never match), the context length they accept, and the decision to keep it when
 Redis is unreachable (routing degrades to the last known nodes; it never fails a
 request because Redis is down). Also remembers nodes this router just failed to
 reach, so retries and the next requests avoid them until they heart-beat again
@@ -32,11 +34,13 @@ class NodeDirectory:
     model_id: str
     metrics: RouterMetrics
     poll_interval_s: float = 0.5
+    block_size: int = 0  # the router's block size; nodes reporting another are ignored (0: no check)
     nodes: list[NodeInfo] = field(default_factory=list)  # last known nodes of model_id
     redis_ok: bool | None = None  # the last poll reached Redis (None: not polled yet)
     polls: int = 0  # successful polls
     _unreachable: dict[str, tuple[str, float]] = field(default_factory=dict)  # node_id -> (epoch, until)
     other_models: dict[str, str] = field(default_factory=dict)  # node_id -> the other model it serves
+    other_block_sizes: dict[str, int] = field(default_factory=dict)  # node_id -> its other block size
     _task: asyncio.Task | None = None
     _recovered_until: float = 0.0  # until then, keep last known nodes missing from the registry
 
@@ -71,12 +75,27 @@ class NodeDirectory:
 
     def _serves_model(self, node: NodeInfo) -> bool:
         if node.model == self.model_id:
-            return True
+            return self._same_block_size(node)
         if self.other_models.get(node.node_id) != node.model:  # warn once per node and model
             self.other_models[node.node_id] = node.model
             log.warning("router: ignoring node %s: it serves model %r, this router serves %r",
                         node.node_id, node.model, self.model_id)
         return False
+
+    def _same_block_size(self, node: NodeInfo) -> bool:
+        if not self.block_size or not node.block_size or node.block_size == self.block_size:
+            return True
+        if self.other_block_sizes.get(node.node_id) != node.block_size:  # warn once per node and size
+            self.other_block_sizes[node.node_id] = node.block_size
+            log.warning("router: ignoring node %s (%s): its KV block size is %d, this router hashes "
+                        "prompts in blocks of %d (--block-size); restart one side with the other's",
+                        node.node_id, node.http_addr, node.block_size, self.block_size)
+        return False
+
+    def max_model_len(self, default: int) -> int:
+        """The context every live node accepts: the smallest one they report, at most
+        ``default`` (the router's tokenizer's)."""
+        return min([default, *(n.max_model_len for n in self.nodes if n.max_model_len > 0)])
 
     def model_mismatch(self) -> str | None:
         """Why this router must not start: every node registered serves another model

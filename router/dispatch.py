@@ -56,20 +56,26 @@ class Dispatcher:
     inflight_tokens: Counter = field(default_factory=Counter)
 
     async def start(self, index: int, request_id: str, prompt: list[int], params: SamplingParams,
-                    t_start: float) -> Generation:
+                    t_start: float, pin: Decision | None = None,
+                    score_only: bool = False) -> Generation:
         """Route ``prompt`` and start it; raises `ApiError` (503 no decode node, the
-        node's 4xx, 502 when every tried node failed)."""
+        node's 4xx, 502 when every tried node failed). ``pin``: the nodes to try first
+        (another choice of the same prompt went there, so the prefill node's prefix
+        cache holds it); the policy chooses when they are gone or fail."""
         tried: set[str] = set()  # decode node ids
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
         for _ in range(MAX_ATTEMPTS):
             t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
-            if hits is None and self.policy.uses_prefix_index:
+            decision = _pinned(pin, nodes)
+            pin = None  # only the first attempt
+            if decision is None and hits is None and self.policy.uses_prefix_index:
                 hits = self.prefix.lookup(prompt, nodes)
-            decision = self.policy.choose(prompt, nodes, self.inflight,
-                                          cached=hits.cached if hits else NO_CACHED,
-                                          inflight_tokens=self.inflight_tokens)
+            if decision is None:
+                decision = self.policy.choose(prompt, nodes, self.inflight,
+                                              cached=hits.cached if hits else NO_CACHED,
+                                              inflight_tokens=self.inflight_tokens)
             if decision is None:
                 break
             decision_s = time.perf_counter() - t_route
@@ -99,10 +105,12 @@ class Dispatcher:
             self.metrics.inflight.inc()  # Generation.close() decrements
             return Generation(
                 index=index, request_id=request_id, prompt_len=len(prompt), decision=decision,
-                stream=stream, detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+                stream=stream, detok=IncrementalDetokenizer(
+                    self.tokenizer, prompt, params.stop, include_stop=params.include_stop_str_in_output),
                 metrics=self.metrics, abort=self._schedule_abort,
                 on_first_token=prefill_slot.release, on_close=decode_slot.release,
-                t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s))
+                t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s),
+                score_only=score_only)
         if last_error is None:
             raise self._no_decode_node()
         self.metrics.failures.labels(reason="node_unavailable").inc()
@@ -151,6 +159,17 @@ class Dispatcher:
 
     def _schedule_abort(self, addr: str, request_id: str) -> None:
         self.background.spawn(self.client.abort(addr, request_id), name=f"abort-{request_id}")
+
+
+def _pinned(pin: Decision | None, nodes: list) -> Decision | None:
+    """``pin`` when its nodes are still among ``nodes`` (its prefill work then is about
+    nothing: the prefix is the pinned prefill node's), else None."""
+    if pin is None:
+        return None
+    ids = {n.node_id for n in nodes}
+    if pin.decode.node_id not in ids or (pin.prefill is not None and pin.prefill.node_id not in ids):
+        return None
+    return pin._replace(prefill_work=0.0)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..common.detokenizer import IncrementalDetokenizer
-from ..common.sampling_params import TokenLogprobs
+from ..common.sampling_params import PromptLogprob, TokenLogprobs
 from .errors import ApiError
 from .metrics import RouterMetrics
 from .node_client import NodeUnavailable, TokenStream
@@ -34,6 +34,8 @@ class Piece(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     finish_reason: str | None
+    # on the choice's first piece, when the request asked for them: one per prompt token
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class Generation:
     # Called once by close() with the cached tokens reported (None: it did not finish):
     # settles the routing decision's prediction.
     on_settle: Callable[[int | None, float | None], None] | None = None  # (cached tokens, TTFT s)
+    score_only: bool = False  # max_tokens 0: the node's one token is dropped (prompt scoring)
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -83,6 +86,12 @@ class Generation:
                         self.metrics.itl.observe((now - self._t_last) / len(delta.token_ids))
                 self._t_last = now
                 self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
+                if self.score_only:  # the prompt was the point: nothing generated is shown
+                    self._node_done = delta.finish_reason is not None
+                    self.finish_reason = "length"
+                    self.metrics.finished.labels(finished_reason="length").inc()
+                    yield Piece(self.index, "", [], [], "length", delta.prompt_logprobs)
+                    return
                 self.completion_tokens += len(delta.token_ids)
                 step = self.detok.add_tokens(delta.token_ids)
                 text, finish = step.new_text, None
@@ -92,8 +101,9 @@ class Generation:
                     self._node_done = True
                     text += self.detok.flush()
                     finish = "stop" if self.detok.stop_string is not None else delta.finish_reason
-                if text or finish or delta.logprobs:
-                    yield Piece(self.index, text, delta.token_ids, delta.logprobs, finish)
+                if text or finish or delta.logprobs or delta.prompt_logprobs:
+                    yield Piece(self.index, text, delta.token_ids, delta.logprobs, finish,
+                                delta.prompt_logprobs)
                 if finish is not None:
                     self.finish_reason = finish
                     self.metrics.finished.labels(finished_reason=finish).inc()

@@ -54,7 +54,9 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     app = request.app
     config = app[CONFIG]
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
-    prep: PreparedRequest = prepare(body, app[TOKENIZER], config.served_model_names)
+    tok = app[TOKENIZER]
+    max_model_len = app[SERVICES].directory.max_model_len(tok.max_model_len)
+    prep: PreparedRequest = prepare(body, tok, config.served_model_names, max_model_len)
     response_id = id_prefix + uuid.uuid4().hex
     builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
@@ -81,14 +83,37 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
 
 async def _start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: str,
                      t_start: float) -> list[Generation]:
-    """Start every prompt of the request; all started or none (the started ones are
-    closed, which aborts them, before the first error is raised)."""
+    """Start every choice of the request; all started or none (the started ones are
+    closed, which aborts them, before the first error is raised).
+
+    With n > 1, the first choice of each prompt is routed and started first; the other
+    n - 1 are then pinned to its nodes, so the prompt's prefix is one prefill node's."""
+    def start(i: int, pin=None):
+        return dispatcher.start(i, f"{response_id}-{i}", prep.prompts[i], prep.choice_params(i),
+                                t_start, pin=pin, score_only=prep.score_only)
+
     if len(prep.prompts) == 1:
-        return [await dispatcher.start(0, f"{response_id}-0", prep.prompts[0], prep.params,
-                                       t_start)]
+        return [await start(0)]
+    leaders = await _start_group([start(i) for i in range(0, len(prep.prompts), prep.n)])
+    if prep.n == 1:
+        return leaders
+    try:
+        followers = await _start_group([start(i, pin=leader.decision) for leader in leaders
+                                        for i in range(leader.index + 1, leader.index + prep.n)])
+    except BaseException:
+        for g in leaders:
+            g.close(client_gone=True)
+        raise
+    by_index = {g.index: g for g in (*leaders, *followers)}
+    return [by_index[i] for i in range(len(prep.prompts))]
+
+
+async def _start_group(coros: list) -> list[Generation]:
+    """Run the starts concurrently; all started or none."""
+    if len(coros) == 1:
+        return [await coros[0]]
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(dispatcher.start(i, f"{response_id}-{i}", p, prep.params, t_start))
-             for i, p in enumerate(prep.prompts)]
+    tasks = [loop.create_task(c) for c in coros]
     try:
         await asyncio.wait(tasks)
     except asyncio.CancelledError:

@@ -45,8 +45,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM)
-    n: int = 1  # only 1 is supported
-    logit_bias: dict[str, Any] | None = None  # not supported
+    n: int = 1  # choices per prompt, [1, MAX_N] (prepare.py)
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
+    min_tokens: int | None = None  # extension (vLLM)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    prompt_logprobs: int | None = None  # extension (vLLM); not with stream
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None  # accepted, unused
@@ -58,8 +61,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     prompt: str | list[Any]
     logprobs: int | None = None  # sampled token + this many alternatives
-    echo: bool = False  # not supported
-    best_of: int | None = None  # only 1 is supported
+    echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) before the completion
+    best_of: int | None = None  # only equal to n (or null) is supported
     suffix: str | None = None  # not supported
 
 

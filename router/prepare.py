@@ -18,13 +18,15 @@ from typing import Any, Literal
 import msgspec
 
 from ..common.errors import InvalidRequest
-from ..common.sampling_params import SamplingParams
+from ..common.sampling_params import SEED_MAX, SamplingParams
 from .errors import ApiError
 from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .tokenizer import RouterTokenizer
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
+MAX_N = 16  # choices per prompt (n)
+MAX_CHOICES = 128  # prompts * n in one request: each is a generation on a decode node
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)
@@ -39,11 +41,26 @@ class PreparedRequest:
 
     kind: Literal["completion", "chat"]
     model: str
-    prompts: list[list[int]]  # one token-id list per choice, in index order
-    params: SamplingParams  # validated; shared by every prompt
+    prompts: list[list[int]]  # one token-id list per choice, in index order (prompt i: i*n .. i*n+n-1)
+    params: SamplingParams  # validated; shared by every prompt (`choice_params` gives choice j's)
     stream: bool
     include_usage: bool  # streaming: send a last chunk with usage
     logprobs: bool  # return logprobs (params.logprobs alternatives each)
+    n: int = 1  # choices per prompt
+    echo: list[str] | None = None  # completions with echo: each choice's prompt text
+    score_only: bool = False  # max_tokens 0: the one token generated is dropped
+    prompt_logprobs: bool = False  # return vLLM's prompt_logprobs (the user asked for them)
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters: with a seed, the j-th sample of a prompt uses
+        seed + j (as vLLM's parallel sampling does), so the n samples differ."""
+        j = index % self.n
+        if self.params.seed is None or j == 0:
+            return self.params
+        seed = self.params.seed + j
+        if seed > SEED_MAX:
+            seed -= 2**64  # stays in the accepted range
+        return msgspec.structs.replace(self.params, seed=seed)
 
 
 def decode_body(body: bytes, type_: type) -> Any:
@@ -80,25 +97,43 @@ def _field_error(e: msgspec.ValidationError) -> InvalidRequest:
     return InvalidRequest(path or "body", text)
 
 
-def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> PreparedRequest:
-    """``served``: the names clients may request (RouterConfig.served_model_names)."""
+def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
+                       max_model_len: int | None = None) -> PreparedRequest:
+    """``served``: the names clients may request (RouterConfig.served_model_names);
+    ``max_model_len``: the context the nodes accept (None: the tokenizer's)."""
+    max_model_len = max_model_len or tok.max_model_len
     req: CompletionRequest = decode_body(body, CompletionRequest)
     model_id = _check_common(req, served)
-    if req.echo:
-        raise ApiError(400, "echo: not supported; send echo=false", param="echo")
-    if req.best_of not in (None, 1):
-        raise ApiError(400, f"best_of: only 1 is supported, got {req.best_of}", param="best_of")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError(400, f"best_of: only best_of equal to n (or null) is supported, got "
+                       f"{_brief(req.best_of)} with n={req.n}", param="best_of")
     if req.suffix is not None:
         raise ApiError(400, "suffix: not supported", param="suffix")
     prompts = _completion_prompts(req.prompt, tok)
-    params = _sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                              logprobs=req.logprobs, renames={})
-    _check_context(prompts, params, tok.max_model_len, "prompt", "max_tokens")
-    return PreparedRequest("completion", model_id, prompts, params, req.stream,
-                           _include_usage(req), req.logprobs is not None)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    # max_tokens 0 scores the prompt (echo or prompt_logprobs): one token is generated, as
+    # vLLM does, and dropped
+    score_only = max_tokens == 0 and (req.echo or req.prompt_logprobs is not None)
+    # echo with logprobs returns the prompt's logprobs too: the prefill computes them
+    prompt_lps = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_lps = req.logprobs if prompt_lps is None else max(req.logprobs, prompt_lps)
+    params = _sampling_params(req, max_tokens=1 if score_only else max_tokens, logprobs=req.logprobs,
+                              renames={}, prompt_logprobs=prompt_lps, vocab_size=tok.vocab_size)
+    _check_context(prompts, params, max_model_len, "prompt", "max_tokens")
+    echo = None
+    if req.echo:
+        texts = req.prompt if isinstance(req.prompt, list) and all(isinstance(p, str) for p in req.prompt) \
+            else [req.prompt] if isinstance(req.prompt, str) else [tok.decode(p) for p in prompts]
+        echo = [t for t in texts for _ in range(req.n)]
+    return PreparedRequest("completion", model_id, _per_choice(prompts, req.n), params, req.stream,
+                           _include_usage(req), req.logprobs is not None, n=req.n, echo=echo,
+                           score_only=score_only, prompt_logprobs=req.prompt_logprobs is not None)
 
 
-def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> PreparedRequest:
+def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
+                 max_model_len: int | None = None) -> PreparedRequest:
+    max_model_len = max_model_len or tok.max_model_len
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     model_id = _check_common(req, served)
     if req.tools:
@@ -112,14 +147,28 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> 
     budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI: as many as the context leaves
-        max_tokens = max(1, tok.max_model_len - len(prompt))
+        max_tokens = max(1, max_model_len - len(prompt))
     renames = dict(_CHAT_FIELD_NAMES, max_tokens=budget_name)
     params = _sampling_params(req, max_tokens=max_tokens,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                              renames=renames)
-    _check_context([prompt], params, tok.max_model_len, "messages", budget_name)
-    return PreparedRequest("chat", model_id, [prompt], params, req.stream,
-                           _include_usage(req), req.logprobs)
+                              renames=renames, prompt_logprobs=req.prompt_logprobs,
+                              vocab_size=tok.vocab_size)
+    _check_context([prompt], params, max_model_len, "messages", budget_name)
+    return PreparedRequest("chat", model_id, _per_choice([prompt], req.n), params, req.stream,
+                           _include_usage(req), req.logprobs, n=req.n,
+                           prompt_logprobs=req.prompt_logprobs is not None)
+
+
+def _per_choice(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Prompt i once for each of its n choices (indices i*n .. i*n+n-1)."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(400, f"n: {len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most "
+                       f"{MAX_CHOICES} per request", param="n")
+    return [p for p in prompts for _ in range(n)]
+
+
+def _brief(value) -> str:
+    return str(value) if abs(value) < 10**12 else "a huge integer"
 
 
 def check_model(model: str | None, served: tuple[str, ...]) -> str:
@@ -134,10 +183,10 @@ def check_model(model: str | None, served: tuple[str, ...]) -> str:
 def _check_common(req, served: tuple[str, ...]) -> str:
     """Checks shared by both endpoints; returns the model name to answer with."""
     model = check_model(req.model, served)
-    if req.n != 1:
-        raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias: not supported", param="logit_bias")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n: must be in [1, {MAX_N}], got {_brief(req.n)}", param="n")
+    if req.prompt_logprobs is not None and req.stream:
+        raise ApiError(400, "prompt_logprobs: not available with stream=true", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options")
     return model
@@ -147,20 +196,38 @@ def _include_usage(req) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
-def _sampling_params(req, max_tokens: int, logprobs: int | None,
-                     renames: dict[str, str]) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, logprobs: int | None, renames: dict[str, str],
+                     prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
     given = {name: getattr(req, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "stop_token_ids")}
+        "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens")}
     kwargs = {k: v for k, v in given.items() if v is not None}
     if req.stop is not None:
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.logit_bias:
+        kwargs["logit_bias"] = _logit_bias(req.logit_bias)
     try:
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
-                              **kwargs).validate()
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
+                                prompt_logprobs=prompt_logprobs,
+                                include_stop_str_in_output=req.include_stop_str_in_output,
+                                **kwargs).validate()
+        params.check_vocab(vocab_size)
+        return params
     except InvalidRequest as e:
         field = renames.get(e.field, e.field)
         raise ApiError(400, f"{field}: {e.message}", param=field) from e
+
+
+def _logit_bias(bias: dict) -> dict:
+    """OpenAI's {"token id as a string": bias} -> {token id: bias}; ranges are checked by
+    `SamplingParams.validate`."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ApiError(400, f"logit_bias: keys must be token ids written as strings (\"50256\"), "
+                           f"got {key[:40]!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[list[int]]:

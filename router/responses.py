@@ -1,6 +1,12 @@
 """OpenAI response bodies: completions and chat completions, whole or as stream
 chunks, with usage and logprobs.
 
+Echo (completions) puts each choice's prompt text, and with logprobs its prompt tokens'
+entries (the first token's logprob null, as OpenAI), before the choice's first piece.
+vLLM's ``prompt_logprobs`` go on each completion choice, and at the top of a chat
+completion: ``[null, {"<token id>": {"logprob", "rank", "decoded_token"}, ...}, ...]``.
+Usage counts each prompt once and every choice's completion tokens (as vLLM with n).
+
 Owns the JSON shapes (``text_completion``, ``chat.completion``,
 ``chat.completion.chunk``) and the per-choice accumulation of a non-streamed
 answer. Must not do I/O or know about nodes: it turns `Piece`s into dicts.
@@ -11,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..common.sampling_params import TokenLogprobs
+from ..common.sampling_params import PromptLogprob, TokenLogprobs
 from .generation import Generation, Piece
 from .prepare import PreparedRequest
 from .tokenizer import RouterTokenizer
@@ -27,6 +33,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: dict | None = None  # completions: dict of lists; chat: {"content": [...]}
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None  # vLLM's shape, when asked
 
 
 class ResponseBuilder:
@@ -40,6 +47,7 @@ class ResponseBuilder:
         self._top = prep.params.logprobs or 0  # alternatives per token
         self._offsets = [0] * len(prep.prompts)  # completions: text offset of the next token
         self._choices = [_Choice() for _ in prep.prompts]
+        self._started = [False] * len(prep.prompts)  # a piece of this choice went out (echo)
 
     # -- streaming -------------------------------------------------------------
 
@@ -49,30 +57,32 @@ class ResponseBuilder:
                                 "logprobs": None, "finish_reason": None}])
 
     def chunk(self, piece: Piece) -> dict:
-        lp = self._logprobs(piece)
+        text, lp = self._text_and_logprobs(piece)
         if self._chat:
-            delta = {"content": piece.text} if piece.text else {}
+            delta = {"content": text} if text else {}
             choice = {"index": piece.index, "delta": delta, "logprobs": lp,
                       "finish_reason": piece.finish_reason}
         else:
-            choice = {"index": piece.index, "text": piece.text, "logprobs": lp,
+            choice = {"index": piece.index, "text": text, "logprobs": lp,
                       "finish_reason": piece.finish_reason}
         return self._envelope([choice])
 
     def usage_chunk(self, gens: list[Generation]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
         body = self._envelope([])
-        body["usage"] = usage(gens)
+        body["usage"] = usage(gens, self.prep.n)
         return body
 
     # -- whole answer ----------------------------------------------------------
 
     def add(self, piece: Piece) -> None:
         c = self._choices[piece.index]
-        c.text.append(piece.text)
+        text, lp = self._text_and_logprobs(piece)
+        c.text.append(text)
         if piece.finish_reason is not None:
             c.finish_reason = piece.finish_reason
-        lp = self._logprobs(piece)
+        if piece.prompt_logprobs is not None and self.prep.prompt_logprobs:
+            c.prompt_logprobs = self._prompt_logprobs_body(piece.index, piece.prompt_logprobs)
         if lp is None:
             return
         if c.logprobs is None:
@@ -91,8 +101,12 @@ class ResponseBuilder:
             else:
                 choices.append({"index": i, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason})
+                if self.prep.prompt_logprobs:
+                    choices[-1]["prompt_logprobs"] = c.prompt_logprobs
         body = self._envelope(choices, chunk=False)
-        body["usage"] = usage(gens)
+        if self._chat and self.prep.prompt_logprobs:  # vLLM: one list, for the one prompt
+            body["prompt_logprobs"] = self._choices[0].prompt_logprobs
+        body["usage"] = usage(gens, self.prep.n)
         return body
 
     # -- parts -----------------------------------------------------------------
@@ -105,12 +119,32 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.prep.model,
                 "choices": choices}
 
+    def _text_and_logprobs(self, piece: Piece) -> tuple[str, dict | None]:
+        """The piece's text and logprobs, after the echoed prompt on a choice's first piece."""
+        first = not self._started[piece.index]
+        self._started[piece.index] = True
+        if self.prep.echo is None or not first:
+            return piece.text, self._logprobs(piece)
+        prompt_ids = self.prep.prompts[piece.index]
+        prompt_lps = piece.prompt_logprobs or [None] * len(prompt_ids)
+        lp = None
+        if self.prep.logprobs:
+            lp = self._completion_logprobs(piece.index, [
+                (t, None if p is None else TokenLogprobs(t, p.logprob, p.top))
+                for t, p in zip(prompt_ids, prompt_lps)])
+            for key, values in (self._logprobs(piece) or {}).items():
+                lp[key].extend(values)
+        return self.prep.echo[piece.index] + piece.text, lp
+
     def _logprobs(self, piece: Piece) -> dict | None:
         if not self.prep.logprobs or not piece.token_ids:
             return None
         pairs = list(zip(piece.token_ids, piece.logprobs or [None] * len(piece.token_ids)))
         if self._chat:
             return {"content": [self._chat_entry(t, lp) for t, lp in pairs]}
+        return self._completion_logprobs(piece.index, pairs)
+
+    def _completion_logprobs(self, index: int, pairs: list[tuple[int, TokenLogprobs | None]]) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                 "text_offset": []}
         for token_id, lp in pairs:
@@ -119,9 +153,27 @@ class ResponseBuilder:
             out["token_logprobs"].append(_finite(lp.logprob) if lp else None)
             out["top_logprobs"].append(
                 {self._tok.token_text(t): _finite(v) for t, v in lp.top[:self._top]} if lp else None)
-            out["text_offset"].append(self._offsets[piece.index])
-            self._offsets[piece.index] += len(text)
+            out["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(text)
         return out
+
+    def _prompt_logprobs_body(self, index: int, values: list[PromptLogprob | None]) -> list:
+        """vLLM's prompt_logprobs of choice ``index``: per prompt token, null (the first)
+        or {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k."""
+        out: list[dict | None] = []
+        for token_id, lp in zip(self.prep.prompts[index], values):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(token_id): self._prompt_entry(token_id, lp.logprob, lp.rank)}
+            for rank, (t, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(t), self._prompt_entry(t, v, rank))
+            out.append(entry)
+        return out
+
+    def _prompt_entry(self, token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": _finite(logprob), "rank": rank,
+                "decoded_token": self._tok.token_text(token_id)}
 
     def _chat_entry(self, token_id: int, lp: TokenLogprobs | None) -> dict:
         text = self._tok.token_text(token_id)
@@ -132,12 +184,14 @@ class ResponseBuilder:
                 "bytes": list(text.encode()), "top_logprobs": top}
 
 
-def usage(gens: list[Generation]) -> dict:
-    prompt = sum(g.prompt_len for g in gens)
+def usage(gens: list[Generation], n: int = 1) -> dict:
+    """Each prompt counted once (its first choice's), completions of every choice."""
+    firsts = [g for g in gens if g.index % n == 0]
+    prompt = sum(g.prompt_len for g in firsts)
     completion = sum(g.completion_tokens for g in gens)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)}}
+            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in firsts)}}
 
 
 def _finite(x: float) -> float:
