@@ -222,14 +222,13 @@ class DecodeNode:
             self.transfers.complete(tid)
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
-            delta = await self.loop.submit(AddPrefilled(
+            await self.loop.submit(AddPrefilled(
                 rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs,
                 result.num_cached_tokens, result.prompt_logprobs))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels("owned").inc()
-            self.on_deltas([delta])
-            return None
+            return None  # the first token went out through on_deltas, ahead of the decode steps
         except asyncio.CancelledError:
             self.transfers.abort(tid, "request cancelled")
             self.m_transfers.labels("aborted").inc()

@@ -20,7 +20,7 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
     AddRequest(id, tokens, params)         -> None     schedule a prompt (prefill + decode here)
     Reserve(id, tokens)                    -> Reservation | None (pool full)
     AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens[, prompt_logprobs])
-                                           -> RequestDelta
+                                           -> RequestDelta     (also handed to on_deltas, in order)
     Release(id)                            -> None     give back a reservation never admitted
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
@@ -194,7 +194,11 @@ class EngineLoop:
             case Reserve(rid, ids):
                 return e.reserve(rid, ids)
             case AddPrefilled(rid, ids, params, first, logprobs, cached, prompt_lps):
-                return e.add_prefilled(rid, ids, params, first, logprobs, cached, prompt_lps)
+                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, prompt_lps)
+                # through on_deltas, queued before any step's deltas: the first token reaches the
+                # request's stream before the second (the awaiter of the result runs later)
+                self._aio.call_soon_threadsafe(self._on_deltas, [delta])
+                return delta
             case Release(rid):
                 return e.release(rid)
             case AbortRequest(rid, reason):
