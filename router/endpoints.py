@@ -20,11 +20,12 @@ DEFAULT_DECISIONS = 50
 
 
 def _model_card(request: web.Request, name: str) -> dict:
-    """vLLM's model card: ``root`` is the model as loaded, ``max_model_len`` its context."""
+    """vLLM's model card: ``root`` is the model as loaded, ``max_model_len`` its context
+    (the smallest the nodes report, at most the router's own)."""
     config = request.app[CONFIG]
+    context = request.app[SERVICES].directory.max_model_len(request.app[TOKENIZER].max_model_len)
     return {"id": name, "object": "model", "created": 0, "owned_by": "splitserve",
-            "root": config.model or config.model_id, "parent": None,
-            "max_model_len": request.app[TOKENIZER].max_model_len}
+            "root": config.model or config.model_id, "parent": None, "max_model_len": context}
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import aiohttp
+import msgspec
 import pytest
 
 from splitserve.deploy.launcher import free_port
@@ -170,3 +171,25 @@ async def test_redis_outage_keeps_last_known_nodes(router, registry, redis_serve
     # ... then a node that never came back is dropped
     body = await wait_health(router, timeout=UNREACHABLE_QUARANTINE_S + 3, decode_nodes=0)
     assert body["decode_nodes"] == 0
+
+
+async def test_nodes_with_another_block_size_are_ignored_and_the_nodes_context_bounds_prompts(
+        router, registry, caplog):
+    """A node hashing KV blocks of another size than the router's (16) is never routed to
+    (one warning naming it); the smallest context the nodes report bounds the 400 check."""
+    with caplog.at_level(logging.WARNING, logger="splitserve.router.discovery"):
+        await registry.heartbeat(msgspec.structs.replace(node("d32", "decode"), block_size=32))
+        await registry.heartbeat(msgspec.structs.replace(node("d16", "decode"), block_size=16,
+                                                         max_model_len=1024))
+        body = await wait_health(router, decode_nodes=1)
+        await asyncio.sleep(5 * POLL_S)
+    assert body["decode_nodes"] == 1  # d16 only
+    warnings = [r.getMessage() for r in caplog.records if "d32" in r.getMessage()]
+    assert len(warnings) == 1 and "block size is 32" in warnings[0]
+
+    async with aiohttp.ClientSession() as s:
+        async with s.post(router + "/v1/completions",
+                          json={"model": MODEL, "prompt": [1] * 1000, "max_tokens": 30}) as resp:
+            assert resp.status == 400  # within the tokenizer's 8192, beyond the nodes' 1024
+            err = (await resp.json())["error"]
+    assert err["param"] == "max_tokens" and "1024" in err["message"]
