@@ -9,6 +9,13 @@ One rule for everything (see ``request.py``): a scheduled request computes
     '-- then waiting requests, FIFO, while budget, blocks and max_num_seqs last:
         prefix-cache hit first (those tokens are never computed), then a chunk
 
+A waiting request whose next uncached prompt block is being computed right now by a
+running request (the n choices of one prompt, or prompts sharing a system prompt,
+arriving together) waits at the head of the queue until that block is cached, then
+takes it from the prefix cache instead of computing it again. It never waits on a
+request that is not running, and running requests always progress, so it cannot
+wait forever.
+
 When the pool cannot hold a running request's next tokens, the most recently
 admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the head of the queue with ``num_computed_tokens = 0`` (its full
@@ -83,9 +90,10 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # prompt logprobs need the logits of every prompt position: cached blocks have none
-            hit = self.kv.get_computed_blocks(
-                [] if req.sampling_params.prompt_logprobs is not None else req.block_hashes,
-                req.all_token_ids)
+            hashes = [] if req.sampling_params.prompt_logprobs is not None else req.block_hashes
+            hit = self.kv.get_computed_blocks(hashes, req.all_token_ids)
+            if self._prefix_in_flight(req, hashes, hit.num_tokens):
+                break
             n = min(req.num_tokens - hit.num_tokens, budget, self.chunk)
             if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks) is None:
                 break
@@ -98,6 +106,19 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         return SchedulerOutput(scheduled, preempted)
+
+    def _prefix_in_flight(self, req: Request, hashes: list[int], num_cached: int) -> bool:
+        """Whether the block after ``req``'s cached prefix is one a running request is
+        computing (its prompt's full blocks not yet computed), so it will be cached soon."""
+        if not self.kv.enable_prefix_caching:
+            return False
+        bs = self.kv.block_size
+        nxt = num_cached // bs
+        if nxt >= min(len(hashes), (req.num_tokens - 1) // bs):
+            return False  # no further block could be a hit
+        want = hashes[nxt]
+        return any(want in r.block_hashes[r.num_computed_tokens // bs:len(r.prompt_token_ids) // bs]
+                   for r in self.running if r.num_computed_tokens < len(r.prompt_token_ids))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
