@@ -115,7 +115,11 @@ PLAUSIBLE = {  # field -> values a client might really send
     "frequency_penalty": st.floats(min_value=-2, max_value=2),
     "repetition_penalty": st.floats(min_value=0.5, max_value=2),
     "n": st.sampled_from([1, 1, 2]),
-    "logit_bias": st.none() | st.dictionaries(st.text(max_size=4), st.integers(-100, 100), max_size=2),
+    "logit_bias": st.none() | st.dictionaries(st.text(max_size=4) | st.integers(0, 50_000).map(str),
+                                              st.integers(-100, 100), max_size=2),
+    "min_tokens": st.none() | st.integers(min_value=-1, max_value=10),
+    "prompt_logprobs": st.none() | st.integers(min_value=0, max_value=3),
+    "include_stop_str_in_output": st.booleans(),
     "stream": st.booleans(),
     "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.booleans()}),
     "user": text,
@@ -124,8 +128,8 @@ COMPLETION = {
     "prompt": text | token_ids | st.lists(text, min_size=1, max_size=3)
     | st.lists(token_ids, min_size=1, max_size=3),
     "logprobs": st.none() | st.integers(min_value=0, max_value=5),
-    "echo": st.just(False),
-    "best_of": st.none() | st.just(1),
+    "echo": st.booleans(),
+    "best_of": st.none() | st.sampled_from([1, 2]),
 }
 CHAT = {
     "messages": messages,
