@@ -121,11 +121,7 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...
     params = _sampling_params(req, max_tokens=1 if score_only else max_tokens, logprobs=req.logprobs,
                               renames={}, prompt_logprobs=prompt_lps, vocab_size=tok.vocab_size)
     _check_context(prompts, params, max_model_len, "prompt", "max_tokens")
-    echo = None
-    if req.echo:
-        texts = req.prompt if isinstance(req.prompt, list) and all(isinstance(p, str) for p in req.prompt) \
-            else [req.prompt] if isinstance(req.prompt, str) else [tok.decode(p) for p in prompts]
-        echo = [t for t in texts for _ in range(req.n)]
+    echo = [t for t in _prompt_texts(req.prompt, prompts, tok) for _ in range(req.n)] if req.echo else None
     return PreparedRequest("completion", model_id, _per_choice(prompts, req.n), params, req.stream,
                            _include_usage(req), req.logprobs is not None, n=req.n, echo=echo,
                            score_only=score_only, prompt_logprobs=req.prompt_logprobs is not None)
@@ -157,6 +153,15 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
     return PreparedRequest("chat", model_id, _per_choice([prompt], req.n), params, req.stream,
                            _include_usage(req), req.logprobs, n=req.n,
                            prompt_logprobs=req.prompt_logprobs is not None)
+
+
+def _prompt_texts(prompt: str | list, prompts: list[list[int]], tok: RouterTokenizer) -> list[str]:
+    """Each prompt's text as echoed: as sent, or decoded when sent as token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [tok.decode(ids) for ids in prompts]
 
 
 def _per_choice(prompts: list[list[int]], n: int) -> list[list[int]]:

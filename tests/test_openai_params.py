@@ -159,6 +159,18 @@ def test_echo_and_scoring_the_prompt_match_transformers(client, cluster, model):
     assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
 
+    streamed = list(client.completions.create(model=NAME, prompt=[PROMPT, "Hello"], echo=True, max_tokens=4,
+                                              temperature=0, stream=True))
+    first = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            first.setdefault(c.index, c.text)
+    assert first[0].startswith(PROMPT) and first[1].startswith("Hello")
+    assert "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == 0) == \
+        gen.choices[0].text
+    ids_only = client.completions.create(model=NAME, prompt=ids, echo=True, max_tokens=0)
+    assert ids_only.choices[0].text == PROMPT  # token ids are echoed as their text
+
     # echo + logprobs with generation: the prompt's entries, then the completion's
     both = client.completions.create(model=NAME, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3,
                                      temperature=0)
