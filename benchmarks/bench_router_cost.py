@@ -61,7 +61,8 @@ async def build(redis_url: str, prefills: int, decodes: int, convs: list[list[in
     """Write every node's index entries; (nodes, writer, per-node (epoch, seq, held hashes))."""
     from splitserve.common.hashing import hash_blocks
     from splitserve.common.kv_index import IndexDelta, KVIndex
-    from splitserve.common.registry import NodeInfo, NodeLoad, new_epoch
+    from splitserve.common.load import NodeLoad
+    from splitserve.common.registry import NodeInfo, new_epoch
 
     writer = KVIndex(redis_url, ttl_s=600.0, timeout_s=10.0)
     nodes = [NodeInfo(node_id=f"p{i}", role="prefill", http_addr="http://127.0.0.1:1", model=MODEL,

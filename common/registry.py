@@ -29,6 +29,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
+from .load import NodeLoad
+
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "splitserve:node:"
@@ -36,16 +38,6 @@ KEY_PREFIX = "splitserve:node:"
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 NodeRole = Literal["prefill", "decode", "colocated"]
-
-
-class NodeLoad(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
-    """A node's load at its last heartbeat."""
-
-    running: int = 0  # requests in the running batch
-    waiting: int = 0  # requests admitted but not yet running
-    queued_prefill_tokens: int = 0  # prompt tokens still to compute
-    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    kv_free_blocks: int = 0
 
 
 class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

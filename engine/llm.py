@@ -119,7 +119,7 @@ class LLM:
             raise InvalidRequest("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         token_lists = [self.tokenize(p) for p in prompts]
         for ids, p in zip(token_lists, params):
-            self.engine.validate(ids, p)  # reject the whole batch before any request starts
+            self.engine.limits.check(ids, p)  # reject the whole batch before any request starts
         detok_list = [self._detokenizer(ids, p) for ids, p in zip(token_lists, params)]
 
         detoks: dict[str, IncrementalDetokenizer | None] = {}

@@ -14,7 +14,10 @@
   (node/shm_segments.py), its own on exit; SIGTERM drains (stop taking work,
   deregister, let in-flight requests finish within ``drain_grace_s``, exit 0).
 
-Must not read engine state from the event loop: it reads ``EngineLoop.stats``.
+Holds the engine only between building it and handing it to the EngineLoop: from
+then on the engine thread owns it, and the event loop knows it through what was
+fixed at build time (``limits``, ``kv_caches``, ``layout``, ``pool``) and the
+EngineLoop's messages and published ``stats`` (engine/engine_loop.py).
 """
 
 import asyncio
@@ -23,6 +26,7 @@ import os
 import signal
 from typing import Awaitable, Callable
 
+import msgspec
 from aiohttp import web
 
 from ..common.auth import CLUSTER_TOKEN_HEADER, token_matches
@@ -30,9 +34,10 @@ from ..common.config import NodeConfig
 from ..common.http import error_response
 from ..common.kv_events import KVEvent
 from ..common.kv_index import KVIndex
-from ..common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
+from ..common.registry import Heartbeat, NodeInfo, NodeRegistry, new_epoch
 from ..engine.engine_core import EngineCore
 from ..engine.engine_loop import BlockExporter, EngineLoop
+from ..engine.limits import RequestLimits
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout
 from .kv_publisher import KVEventPublisher
@@ -46,20 +51,18 @@ OPEN_PATHS = ("/health", "/metrics")  # no cluster token needed
 DRAIN_POLL_S = 0.1
 
 
-def layout_from_shape(shape: tuple[int, ...], dtype) -> KVLayout:
-    layers, _, _, block_size, kv_heads, head_dim = shape
-    return KVLayout(dtype=str(dtype).removeprefix("torch."), block_size=block_size, num_layers=layers,
-                    num_kv_heads=kv_heads, head_dim=head_dim)
-
-
 class NodeRuntime:
     def __init__(self, config: NodeConfig):
         self.config = config
         self.epoch = new_epoch()
         self.node_id = config.node_id
-        self.engine: EngineCore | None = None
+        self._engine: EngineCore | None = None  # built, not yet handed to the EngineLoop
         self.loop: EngineLoop | None = None
+        # fixed once the engine is built:
+        self.limits: RequestLimits | None = None
+        self.kv_caches = None  # the engine's KV tensor: transfers read/write the blocks they were given
         self.layout: KVLayout | None = None
+        self.pool: dict = {}  # where the KV pool lives and how big it is (/debug/state, metrics)
         self.shm_name: str | None = None
         self.kv_addr = ""
         self.http_addr = ""
@@ -81,32 +84,27 @@ class NodeRuntime:
             log.info("removed %d /dev/shm KV segments of dead processes: %s", len(removed), ", ".join(removed))
         if shm:
             self.shm_name = segment_name(os.getpid())
-            factory = lambda shape, dtype: allocate_kv_cache(layout_from_shape(shape, dtype), shape[2],
+            factory = lambda shape, dtype: allocate_kv_cache(KVLayout.of_cache(shape, dtype), shape[2],
                                                              self.shm_name)
-        self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
-        kv = self.engine.runner.kv_caches
-        self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
-        self.metrics.set_pool(self.kv_pool())
-
-    def kv_pool(self) -> dict:
-        """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
-        kv, cfg = self.engine.runner.kv_caches, self.config.engine
-        blocks = self.engine.num_blocks  # the tensor may hold one more: static decode's scratch block
+        engine = self._engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
+        kv, cfg = engine.runner.kv_caches, self.config.engine
+        self.limits, self.kv_caches = engine.limits, kv
+        self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
+        blocks = engine.num_blocks  # the tensor may hold one more: static decode's scratch block
         block_bytes = kv.numel() * kv.element_size() // kv.shape[2]
-        return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
-                "bytes": blocks * block_bytes, "tokens": blocks * cfg.block_size,
-                "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        self.pool = {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
+                     "bytes": blocks * block_bytes, "tokens": blocks * cfg.block_size,
+                     "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        self.metrics.set_pool(self.pool)
 
     def loop_start(self, on_deltas, exporter: BlockExporter | None = None) -> None:
         def deliver(deltas):
             on_deltas(deltas)
-            self.metrics.observe_deltas(deltas)
             if self.heartbeat is not None and any(d.finish_reason for d in deltas):
                 self.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
-        # engine thread, after each step: request timing for the metrics (the EngineLoop chains
-        # its KV export, if any, in front of it)
-        self.engine.step_observer = lambda out: self.metrics.observe_step(out, len(self.engine.scheduler.requests))
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter)
+        self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter,
+                               step_observer=self.metrics.observe_step)
+        self._engine = None  # the engine thread's from here on
         self.loop.start()
 
     def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
@@ -115,11 +113,10 @@ class NodeRuntime:
             self.publisher.on_kv(events, snapshot)
 
     def info(self) -> NodeInfo:
-        load = self.loop.load
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
-                        kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
-                        block_size=self.engine.config.block_size, load=NodeLoad(**load._asdict()))
+                        kv_addr=self.kv_addr, capacity_tokens=self.limits.kv_capacity_tokens,
+                        block_size=self.config.engine.block_size, load=self.loop.load)
 
     async def start_heartbeat(self) -> None:
         """Register the node and publish its prefix-cache index (both need the final node id)."""
@@ -156,9 +153,9 @@ class NodeRuntime:
             "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
                 "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
-                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.kv_pool(),
+                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.pool,
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
-                "load": st.load._asdict(), "steps": st.steps, "busy_s": st.busy_s,
+                "load": msgspec.structs.asdict(st.load), "steps": st.steps, "busy_s": st.busy_s,
                 "computed_tokens": st.computed_tokens, "preemptions": st.preemptions, **self.debug_extra()}
 
 
@@ -200,9 +197,15 @@ def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str
 
     app.cleanup_ctx.append(lifespan)
     for path, method in posts.items():
-        app.router.add_post(path, lambda r, m=method: getattr(r.app[NODE], m)(r))
+        app.router.add_post(path, _node_handler(method))
     add_common_routes(app)
     return app
+
+
+def _node_handler(method: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await getattr(request.app[NODE], method)(request)
+    return handler
 
 
 def add_common_routes(app: web.Application) -> None:
