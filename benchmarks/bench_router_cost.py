@@ -151,15 +151,17 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
 def mirror_bytes(state) -> tuple[int, int, int]:
     """(bytes, (block, node) entries, distinct blocks) of a mirror filled from the
     nodes' snapshots decoded from msgpack, as the router receives them."""
-    from splitserve.common.kv_events import IndexUpdate, decode_index_update, encode_index_update
+    import msgspec
+
+    from splitserve.common.kv_events import IndexUpdate
     from splitserve.router.prefix_index import PrefixIndex
 
-    payloads = [encode_index_update(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
+    payloads = [msgspec.msgpack.encode(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     px = PrefixIndex(None, None, MODEL, BS)  # never started: filled directly
     for p in payloads:
-        u = decode_index_update(p)
+        u = msgspec.msgpack.decode(p, type=IndexUpdate)
         px._replace((u.node_id, u.epoch), u.seq, set(u.stored))
         del u
     used = tracemalloc.get_traced_memory()[0] - base

@@ -11,7 +11,6 @@ from .bundled import BUNDLED_MODEL_ID
 from .roofline import Roofline
 
 
-
 class KVBackend(StrEnum):
     """The KV transports a node can use (kvtransfer/factory.py maps each to its classes).
     nccl runs NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same

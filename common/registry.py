@@ -92,14 +92,12 @@ class NodeRegistry:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
         self._redis = make_redis(redis_url)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(NodeInfo)
 
     async def heartbeat(self, info: NodeInfo) -> None:
         """Write `info` with a fresh TTL, in one pipelined round trip."""
         ttl_ms = max(1, int(self.ttl_s * 1000))
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(node_key(info.node_id), self._encoder.encode(info), px=ttl_ms)
+            pipe.set(node_key(info.node_id), msgspec.msgpack.encode(info), px=ttl_ms)
             await pipe.execute()
 
     async def deregister(self, node_id: str) -> None:
@@ -117,7 +115,7 @@ class NodeRegistry:
             if raw is None:  # expired between SCAN and MGET
                 continue
             try:
-                nodes.append(self._decoder.decode(raw))
+                nodes.append(msgspec.msgpack.decode(raw, type=NodeInfo))
             except msgspec.DecodeError as e:
                 log.warning("registry: skipping undecodable record %r: %s", key, e)
         nodes.sort(key=lambda n: n.node_id)

@@ -38,9 +38,8 @@ from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import MSGPACK, decode_error_body, error_response, read_msgpack
-from ..common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta,
-                                        encode_frame)
 from ..common.outcomes import FallbackReason, TransferEnd
+from ..common.protocol import Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_loop import AbortRequest, AddPrefilled, AddRequest, EngineLoop, Release, Reserve
 from ..kvtransfer import TransferError, make_receiver

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import msgspec
 
 from ..common.hashing import iter_hash_chunks
-from ..common.kv_events import IndexUpdate, decode_index_update
+from ..common.kv_events import IndexUpdate
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from ..common.outcomes import IndexLookupResult
 from ..common.registry import NodeInfo
@@ -204,7 +204,7 @@ class PrefixIndex:
             self.dropped += 1
             return
         try:
-            u = decode_index_update(data)
+            u = msgspec.msgpack.decode(data, type=IndexUpdate)
         except msgspec.ValidationError as e:
             log.warning("router: ignoring a malformed prefix index update: %s", e)
             return
