@@ -22,12 +22,13 @@ input ids need them, so step N+1 cannot be scheduled before step N's tokens land
 """
 
 import logging
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from ..common.config import EngineConfig
 from ..common.sampling_params import PromptLogprob, TokenLogprobs
+from . import prompt_logprobs
 from .attention.base import AttentionMetadata
 from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from .attention.selector import select_backend
@@ -37,7 +38,6 @@ from .kv_cache_manager import KVCacheManager
 from .kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
 from .loader import load_model
 from .model_config import ModelConfig
-from . import prompt_logprobs
 from .prompt_logprobs import PromptRows
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -51,7 +51,7 @@ class StepResult(NamedTuple):
     sampled: list[tuple[str, int, TokenLogprobs | None]]  # (req_id, token, logprobs), requests that reached their end
     num_tokens: int  # tokens computed this step
     # (request, first position, values) of the chunks whose requests asked for prompt logprobs
-    prompt_logprobs: list[tuple[object, int, list[PromptLogprob]]] = []
+    prompt_logprobs: Sequence[tuple[object, int, list[PromptLogprob]]] = ()
 
 
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor

@@ -13,6 +13,10 @@ chunk recomputed after a preemption rewrites its entries, so the list is right
 whatever order chunks run in. Prefix-cached blocks have no logits: the scheduler
 admits such requests without the prefix cache (scheduler.py).
 
+Cost: the chunk's rows go through the LM head too, so a chunk of C tokens holds
+[C, V] float32 logits and their log-softmax at once (the prefill chunk size bounds it:
+512 x 128k vocabulary is 256 MiB each).
+
 Must not know about HTTP or scheduling; it turns logits rows into `PromptLogprob`s
 with one device-to-host copy per chunk.
 """
