@@ -23,6 +23,7 @@ from .model_runner import KVCacheFactory, ModelRunner
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .structured import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_blocks = self.runner.num_blocks
+        # structured outputs: thread-safe (validate() may run off the engine thread)
+        self.grammars = GrammarCache(self.model_dir, self.model_config.vocab_size,
+                                     self.model_config.eos_token_ids)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
@@ -103,6 +107,10 @@ class EngineCore:
         if n + params.max_tokens > self.kv_capacity_tokens:
             raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceed "
                                  f"the KV cache ({self.kv_capacity_tokens} tokens); lower max_tokens")
+        if params.structured_outputs is not None:
+            if self.config.sim is not None:
+                raise InvalidRequest("structured_outputs", "a simulated node samples no real tokens")
+            self.grammars.compile(params.structured_outputs)  # cached: the engine thread compiles again
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
@@ -112,8 +120,10 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        grammar = (None if params.structured_outputs is None
+                   else self.grammars.new_state(params.structured_outputs))
         return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                       (self.config.model_id,), frozenset(stop_ids), gen)
+                       (self.config.model_id,), frozenset(stop_ids), gen, grammar)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.kv:
@@ -145,7 +155,7 @@ class EngineCore:
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
         self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens)
-        req.append_token(first_token, logprobs)
+        req.append_token(first_token, logprobs)  # advances its grammar past the first token
         self.scheduler.add_running(req)
         reason = req.check_stop(self.max_model_len)
         if reason is not None:
