@@ -154,7 +154,10 @@ class DecodeNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
-            self.engine.validate(req.token_ids, req.sampling_params)  # pure: reads the frozen config only
+            if req.sampling_params.structured_outputs is not None:  # a grammar's first compile: off the loop
+                await asyncio.to_thread(self.engine.validate, req.token_ids, req.sampling_params)
+            else:
+                self.engine.validate(req.token_ids, req.sampling_params)  # pure: reads the frozen config only
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:

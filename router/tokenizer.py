@@ -43,7 +43,7 @@ class RouterTokenizer:
                              f"{context} tokens ({model_dir}/config.json); pass at most {context}")
         self.max_model_len = context if max_model_len is None else max_model_len
         self._special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token")}
-        self._template = _load_template(model_dir, tok_cfg)
+        self._template, self.renders_tools = _load_template(model_dir, tok_cfg)
 
     # -- text <-> ids ----------------------------------------------------------
 
@@ -71,16 +71,17 @@ class RouterTokenizer:
     # -- chat ------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Ids of a conversation through the chat template, by default ready for the reply.
         ``messages`` are ``{"role", "content"}`` dicts with string content;
-        ``add_special_tokens`` adds the tokenizer's own (BOS) on top of the template's."""
+        ``add_special_tokens`` adds the tokenizer's own (BOS) on top of the template's;
+        ``tools`` (OpenAI tool dicts) are passed to the template (see `renders_tools`)."""
         if self._template is None:
             raise InvalidRequest("messages", "this model has no chat template; "
                                  "use /v1/completions with a prompt")
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._special)
+                                         tools=tools, **self._special)
         except jinja2.TemplateError as e:  # includes raise_exception() from the template
             raise InvalidRequest("messages", f"the chat template rejected the messages: {e}") from e
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -97,14 +98,15 @@ def _token_text(token) -> str | None:
     return token
 
 
-def _load_template(model_dir: Path, tok_cfg: dict) -> jinja2.Template | None:
+def _load_template(model_dir: Path, tok_cfg: dict) -> tuple[jinja2.Template | None, bool]:
+    """The chat template, and whether it renders ``tools`` (it mentions them)."""
     source = None
     if (model_dir / "chat_template.jinja").is_file():
         source = (model_dir / "chat_template.jinja").read_text()
     elif isinstance(tok_cfg.get("chat_template"), str):
         source = tok_cfg["chat_template"]
     if source is None:
-        return None
+        return None, False
 
     def raise_exception(message: str):
         raise jinja2.TemplateError(message)
@@ -116,4 +118,4 @@ def _load_template(model_dir: Path, tok_cfg: dict) -> jinja2.Template | None:
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+    return env.from_string(source), "tools" in source
