@@ -9,10 +9,10 @@ Owns, per engine:
   - `GrammarState`: a request's matcher, advanced by every token appended to the
     request (``Request.append_token``), the first token sampled on another node included;
   - `GrammarMasker`: for the rows of a sampling step that have a grammar, one batched
-    xgrammar call fills a `[R, ceil(V / 32)]` int32 bitmask on the host, then torch ops
-    on the logits' device unpack it and set every refused token to -inf. It runs after
-    the forward pass is queued and before the sampler's one device-to-host copy, so on
-    CUDA the host fills the mask while the GPU computes.
+    xgrammar call fills a `[S, ceil(V / 32)]` int32 bitmask on the host, copied to the
+    logits' device, where xgrammar's kernel sets every refused token to -inf. It runs
+    after the forward pass is queued and before the sampler's one device-to-host copy,
+    so on CUDA the host fills the mask while the GPU computes.
 
 A grammar that completes allows only the stop tokens (EOS), and a request whose grammar
 terminated finishes with "stop" (``Request.check_stop``).
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
 MAX_CACHED_GRAMMARS = 256  # distinct grammars kept compiled per engine
 # Threads xgrammar may use to compile one grammar and to fill one batch's bitmask.
 XGRAMMAR_THREADS = 4
-_NEG_INF = float("-inf")
-_BITS = 32  # tokens per bitmask word
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " and may add "Check failed: ...: "
 _XGR_PREFIX = re.compile(r"^(\[[\d:]+\] \S+:\d+: )?(Check failed: .*? is false: )?")
 _KIND_FIELDS = {GrammarKind.JSON: "json", GrammarKind.JSON_OBJECT: "json_object", GrammarKind.REGEX: "regex",
@@ -138,35 +137,33 @@ def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGr
 
 
 class GrammarMasker:
-    """Masks the logits of the rows whose request has a grammar. Engine thread only."""
+    """Masks the logits of the rows whose request has a grammar, in place (the logits
+    are the forward pass's fresh output; the sampler reads them next). Engine thread only."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         import xgrammar as xgr
         self._vocab = vocab_size
         self._device = device
         self._batch = xgr.BatchGrammarMatcher(max_threads=XGRAMMAR_THREADS)
-        self._bitmask = self._allocate(1)  # [R, ceil(V / 32)] int32, grown on demand
-        self._shifts = torch.arange(_BITS, dtype=torch.int32, device=device)  # [32]
+        self._bitmask = self._allocate(1)  # [S, ceil(V / 32)] int32 on the host, grown on demand
+        self.busy_s = 0.0  # host seconds spent filling and applying masks (a metric)
 
     def __call__(self, logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> torch.Tensor:
-        """``logits`` [S, V], row i for ``grammars[i]`` (None: unconstrained). Returns
-        ``logits`` itself when no row has a grammar, else a new tensor."""
+        """``logits`` [S, V], row i for ``grammars[i]`` (None: unconstrained); returns them."""
+        import xgrammar as xgr
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return logits
-        if self._bitmask.shape[0] < len(rows):
-            self._bitmask = self._allocate(len(rows))
-        bitmask = self._bitmask[:len(rows)]  # [R, W]
-        self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask)
-        words = bitmask.to(self._device, non_blocking=True)  # [R, W]
-        allowed = ((words[:, :, None] >> self._shifts) & 1).bool()  # [R, W, 32]
-        allowed = allowed.view(len(rows), -1)[:, :logits.shape[1]]  # [R, V]
-        out = logits.clone()
-        if len(rows) == logits.shape[0]:
-            return out.masked_fill_(~allowed, _NEG_INF)
-        index = torch.tensor(rows, device=logits.device)  # [R]
-        out[index] = logits[index].masked_fill(~allowed, _NEG_INF)
-        return out
+        t0 = time.perf_counter()
+        if self._bitmask.shape[0] < len(grammars):
+            self._bitmask = self._allocate(len(grammars))
+        bitmask = self._bitmask[:len(grammars)]  # [S, W]; rows without a grammar are not read
+        self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, rows)
+        words = bitmask.to(logits.device, non_blocking=True)  # [S, W]
+        # xgrammar's kernel: a C++ loop on the CPU, Triton on CUDA; refused tokens -> -inf
+        xgr.apply_token_bitmask_inplace(logits, words, vocab_size=self._vocab, indices=rows)
+        self.busy_s += time.perf_counter() - t0
+        return logits
 
     def _allocate(self, rows: int) -> torch.Tensor:
         """A host bitmask (pinned when it is copied to a GPU: the copy is then asynchronous)."""
