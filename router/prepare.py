@@ -24,7 +24,7 @@ from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .structured import Constraint, request_constraint
 from .tokenizer import RouterTokenizer
-from .tool_calls import ToolMode, ToolPlan, inline_tools, plan_tools
+from .tool_calls import ToolPlan, inline_tools, plan_tools
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -115,7 +115,7 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> 
         if constraint is not None:
             raise ApiError(400, f"{constraint.field}: cannot be combined with tool_choice "
                            f"{tools.mode.value}", param=constraint.field)
-        constraint = Constraint(tools.constraint, _tool_field(req, tools))
+        constraint = Constraint(tools.constraint, tools.field)
     prompt = _chat_prompt(req, tok, tools)
     budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -129,14 +129,6 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> 
     return PreparedRequest("chat", model_id, [prompt], params, req.stream,
                            _include_usage(req), req.logprobs,
                            constraint.field if constraint else None, tools)
-
-
-def _tool_field(req: ChatCompletionRequest, tools: ToolPlan) -> str:
-    """The parameter a forced tool call's grammar comes from (named in compile errors)."""
-    if tools.mode is ToolMode.NAMED:
-        i = next(i for i, t in enumerate(req.tools) if t.function.name == tools.named)
-        return f"tools[{i}].function.parameters"
-    return "tools"
 
 
 def check_model(model: str | None, served: tuple[str, ...]) -> str:

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..common.errors import InvalidRequest
 from ..common.structured_outputs import StructuredOutputsParams
 from .errors import ApiError
 from .openai_types import ChatCompletionRequest
@@ -51,7 +52,8 @@ class ToolPlan:
     mode: ToolMode
     tools: list[dict]  # OpenAI tool dicts, as templates take them; [] when not rendered
     named: str | None = None  # NAMED: the function's name
-    constraint: StructuredOutputsParams | None = None  # REQUIRED, NAMED
+    constraint: StructuredOutputsParams | None = None  # REQUIRED, NAMED (validated)
+    field: str | None = None  # the parameter the constraint comes from, named in its errors
 
 
 class ToolCall(NamedTuple):
@@ -92,7 +94,7 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan(ToolMode.REQUIRED, tools, constraint=StructuredOutputsParams(json=schema))
+        return ToolPlan(ToolMode.REQUIRED, tools, constraint=_constraint(schema, "tools"), field="tools")
     if isinstance(choice, str):
         raise ApiError(400, "tool_choice: must be none, auto, required or {\"type\": \"function\", "
                        f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
@@ -103,8 +105,16 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     if name not in names:
         raise ApiError(400, f"tool_choice.function.name: {name!r} is not one of the tools",
                        param="tool_choice.function.name")
+    field = f"tools[{list(names).index(name)}].function.parameters"
     return ToolPlan(ToolMode.NAMED, tools, named=name,
-                    constraint=StructuredOutputsParams(json=names[name]["function"]["parameters"]))
+                    constraint=_constraint(names[name]["function"]["parameters"], field), field=field)
+
+
+def _constraint(schema: dict, field: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(json=schema).validate()
+    except InvalidRequest as e:  # e.g. a schema too large
+        raise ApiError(400, f"{field}: {e.message}", param=field) from None
 
 
 def system_prompt(tools: list[dict]) -> str:
