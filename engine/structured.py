@@ -3,7 +3,8 @@ request, and the logits mask of each sampling step.
 
 Owns, per engine:
   - the tokenizer's xgrammar view (`TokenizerInfo`, built once, on the first structured
-    request, from the model folder's tokenizer and the model's vocab size and EOS ids);
+    request, from the model folder's tokenizer (transformers' `AutoTokenizer`) and the
+    model's vocab size and EOS ids);
   - the compiled grammars, cached by `GrammarSpec` (LRU, `MAX_CACHED_GRAMMARS`), so a
     schema is compiled once per node however many requests use it;
   - `GrammarState`: a request's matcher, advanced by every token appended to the
@@ -110,12 +111,12 @@ class GrammarCache:
         request never loads xgrammar or the tokenizer twice."""
         if self._compiler is None:
             import xgrammar as xgr
-            from transformers import PreTrainedTokenizerFast
-            path = self._model_dir / "tokenizer.json"
-            if not path.is_file():
-                raise InvalidRequest(FIELD, f"structured outputs need the model's tokenizer.json, and "
-                                     f"{self._model_dir} has none")
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
+            from transformers import AutoTokenizer
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+            except (OSError, ValueError, TypeError) as e:  # no tokenizer files (load_format dummy)
+                raise InvalidRequest(FIELD, f"structured outputs need the model's tokenizer, and "
+                                     f"{self._model_dir} has none that loads: {e}") from None
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
                                                       stop_token_ids=self._eos)
             self._compiler = xgr.GrammarCompiler(info, max_threads=XGRAMMAR_THREADS)

@@ -130,3 +130,12 @@ def _run(engine):
     while engine.has_unfinished():
         deltas += engine.step()
     return deltas
+
+
+def test_model_without_tokenizer_refuses_structured_outputs(tiny_llama_dir):
+    path, _ = tiny_llama_dir()
+    llm = LLM(model=str(path), kv_cache_memory=4 << 20)
+    with pytest.raises(InvalidRequest) as err:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
+            choice=["a"])))
+    assert err.value.field == "structured_outputs" and "tokenizer" in err.value.message
