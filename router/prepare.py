@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..common.chat import CHAT_ROLES
 from ..common.errors import InvalidRequest
 from ..common.sampling_params import SamplingParams
 from .errors import ApiError
@@ -27,7 +28,6 @@ from .tokenizer import RouterTokenizer
 from .tool_calls import ToolPlan, inline_tools, plan_tools
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)
 _MISSING = re.compile(r"missing required field `([^`]+)`")
