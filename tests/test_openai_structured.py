@@ -181,3 +181,13 @@ def test_bad_structured_requests_are_400(client, cluster, kwargs, param):
     assert err.value.body["message"].startswith(param)
     with urllib.request.urlopen(f"{cluster.node('decode-0').addr}/health", timeout=10) as r:
         assert r.status == 200  # the node is alive
+
+
+def test_colocated_node_constrains_too():
+    """A colocated node (prefill and decode in one engine) runs the same grammar path."""
+    with Cluster(prefill_nodes=0, decode_nodes=1, colocated=True, kv_cache_memory="32MiB") as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=180)
+        answer = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=48, temperature=1.0, seed=7,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+        jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)

@@ -139,3 +139,11 @@ def test_model_without_tokenizer_refuses_structured_outputs(tiny_llama_dir):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(
             choice=["a"])))
     assert err.value.field == "structured_outputs" and "tokenizer" in err.value.message
+
+
+def test_limits_without_grammars_refuse_structured_outputs():
+    from splitserve.engine.limits import RequestLimits
+    limits = RequestLimits(vocab_size=100, max_model_len=64, kv_capacity_tokens=256)  # a simulated engine's
+    with pytest.raises(InvalidRequest) as err:
+        limits.check([1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
+    assert err.value.field == "structured_outputs"
