@@ -136,8 +136,7 @@ def inline_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
         calls = m.pop("tool_calls", None)
         m.pop("tool_call_id", None)
         if calls:
-            text = "\n".join(f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': _loads(c['function']['arguments'])}, ensure_ascii=False)}\n{CLOSE}"
-                             for c in calls)
+            text = "\n".join(_tagged(c["function"]) for c in calls)
             m["content"] = (m["content"] + "\n" if m["content"] else "") + text
         out.append(m)
     if tools:
@@ -147,6 +146,12 @@ def inline_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _tagged(function: dict) -> str:
+    """An earlier call as the model would have written it."""
+    call = {"name": function["name"], "arguments": _loads(function["arguments"])}
+    return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
 
 
 def parse(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
