@@ -33,6 +33,7 @@ from splitserve.deploy.launcher import free_port
 from splitserve.node.shm_segments import list_segments, owner_pid
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
+os.environ.setdefault("SPLITSERVE_QUIET", "1")
 LEASE_S = 3.0
 BLOCK = 16  # tokens per KV block (the nodes' default)
 
