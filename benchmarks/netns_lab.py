@@ -17,6 +17,9 @@ not refused by the sender's own stack):
   - delay and jitter: ``tc netem`` on the egress, where the kernel has sch_netem
     (``Lab.has_netem``; many VM kernels lack it: the caller skips);
   - a bandwidth cap: ``tc tbf`` on the egress (a slow link, to stretch a transfer).
+A shaped link (``link(a, b, shaped=True)``, netns_shaper.py) carries packets through
+this process instead of a veth, delayed and dropped in userspace: delay where the
+kernel has no netem. ``route_over(link)`` sends a pair's traffic over one of its links.
 
 Owns the names (random per ``Lab``, with this process's pid so a later run removes
 what a killed run left), the addresses, the processes it started and their cleanup:
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..deploy.launcher import Proc
+from .netns_shaper import Shaper, open_tun
 
 NS_PREFIX = "splitserve-test-"  # namespaces are named NS_PREFIX<pid>-<tag>-<label>
 TC_ACT_OK, TC_ACT_SHOT = 0, 2  # a direct-action classifier's verdicts
@@ -100,6 +104,7 @@ class Link(NamedTuple):
     a_dev: str
     b: "Netns"
     b_dev: str
+    shaper: Shaper | None = None  # a shaped link's packet carrier (None: a veth pair)
 
 
 @dataclass(slots=True)
@@ -123,6 +128,7 @@ class Lab:
     subnet: int = field(default_factory=lambda: random.randint(64, 250))  # the A of 10.A.x.y
     spaces: list[Netns] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
+    shapers: list[Shaper] = field(default_factory=list)
     links: int = 0
     has_netem: bool = False
 
@@ -179,16 +185,36 @@ class Lab:
             ns.run("sysctl", "-qw", f"net.ipv4.conf.{key.replace('.', '/')}.rp_filter=0")
         return ns
 
-    def link(self, a: Netns, b: Netns) -> Link:
-        """A veth straight from ``a`` to ``b``; each reaches the other's address over it."""
+    def link(self, a: Netns, b: Netns, shaped: bool = False) -> Link:
+        """A veth straight from ``a`` to ``b`` (``shaped``: two TUN devices and a Shaper);
+        each reaches the other's address over the newest link (``route_over`` switches)."""
         self.links += 1
         a_dev, b_dev = f"s{self.tag}a{self.links}", f"s{self.tag}b{self.links}"
-        run("ip", "link", "add", a_dev, "netns", a.name, "type", "veth", "peer", "name", b_dev, "netns", b.name)
-        for ns, dev, peer in ((a, a_dev, b), (b, b_dev, a)):
+        shaper = None
+        if shaped:
+            fds = [open_tun(a_dev)]
+            try:
+                fds.append(open_tun(b_dev))
+            except OSError:
+                os.close(fds[0])
+                raise
+            shaper = Shaper(*fds, seed=self.links)
+            self.shapers.append(shaper)  # closed by close(): the devices go with it
+            run("ip", "link", "set", a_dev, "netns", a.name)
+            run("ip", "link", "set", b_dev, "netns", b.name)
+        else:
+            run("ip", "link", "add", a_dev, "netns", a.name, "type", "veth", "peer", "name", b_dev, "netns", b.name)
+        for ns, dev in ((a, a_dev), (b, b_dev)):
             ns.run("ip", "link", "set", dev, "up")
             ns.run("sysctl", "-qw", f"net.ipv4.conf.{dev}.rp_filter=0")
-            ns.run("ip", "route", "add", f"{peer.addr}/32", "dev", dev, "src", ns.addr)
-        return Link(a, a_dev, b, b_dev)
+        link = Link(a, a_dev, b, b_dev, shaper)
+        self.route_over(link)
+        return link
+
+    def route_over(self, link: Link) -> None:
+        """From now on the link's two namespaces reach each other over ``link``."""
+        for ns, dev, peer in ((link.a, link.a_dev, link.b), (link.b, link.b_dev, link.a)):
+            ns.run("ip", "route", "replace", f"{peer.addr}/32", "dev", dev, "src", ns.addr)
 
     # ---- faults -------------------------------------------------------------------------
     def set_fault(self, ns: Netns, dev: str, fault: Fault) -> None:
@@ -212,6 +238,11 @@ class Lab:
 
     def set_link_fault(self, link: Link, fault: Fault) -> None:
         """``fault`` on both ends of ``link`` (both directions)."""
+        if link.shaper is not None:
+            if fault.drop_port or fault.rate_kbit:
+                raise ValueError("a shaped link does delay, jitter and loss only")
+            link.shaper.set(fault.delay_ms / 1000, fault.jitter_ms / 1000, fault.loss)
+            return
         self.set_fault(link.a, link.a_dev, fault)
         self.set_fault(link.b, link.b_dev, fault)
 
@@ -237,6 +268,9 @@ class Lab:
                     pass
             p.popen.wait()
         self.procs.clear()
+        for shaper in self.shapers:
+            shaper.close()
+        self.shapers.clear()
         for ns in self.spaces:
             subprocess.run(["ip", "netns", "del", ns.name], capture_output=True)
         self.spaces.clear()
