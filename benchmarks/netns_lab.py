@@ -121,6 +121,10 @@ class Netns:
     def run(self, *argv: str) -> str:
         return run(*self.cmd(*argv))
 
+    def no_rp_filter(self, conf: str) -> None:
+        """Accept packets on ``conf`` (an interface, "all", "default") whatever the route back."""
+        self.run("sh", "-c", f"echo 0 > /proc/sys/net/ipv4/conf/{conf}/rp_filter")
+
 
 @dataclass(slots=True)
 class Lab:
@@ -131,6 +135,7 @@ class Lab:
     shapers: list[Shaper] = field(default_factory=list)
     links: int = 0
     has_netem: bool = False
+    has_tun: bool = False  # /dev/net/tun works: shaped links can be made
 
     @staticmethod
     def check() -> None:
@@ -165,6 +170,11 @@ class Lab:
                 raise Unavailable(f"tc cannot attach a BPF filter (cls_bpf): {e}") from None
         finally:
             run("ip", "netns", "del", probe)
+        try:
+            os.close(open_tun(f"s{self.tag}probe"))
+            self.has_tun = True
+        except OSError:
+            self.has_tun = False
         return self
 
     def add(self, label: str) -> Netns:
@@ -182,7 +192,7 @@ class Lab:
         for dev in ("lo", ns.veth):
             ns.run("ip", "link", "set", dev, "up")
         for key in ("all", "default", ns.veth):  # replies over a link arrive on another interface
-            ns.run("sysctl", "-qw", f"net.ipv4.conf.{key.replace('.', '/')}.rp_filter=0")
+            ns.no_rp_filter(key)
         return ns
 
     def link(self, a: Netns, b: Netns, shaped: bool = False) -> Link:
@@ -192,6 +202,8 @@ class Lab:
         a_dev, b_dev = f"s{self.tag}a{self.links}", f"s{self.tag}b{self.links}"
         shaper = None
         if shaped:
+            if not self.has_tun:
+                raise Unavailable("no /dev/net/tun: a shaped link cannot be made")
             fds = [open_tun(a_dev)]
             try:
                 fds.append(open_tun(b_dev))
@@ -206,7 +218,7 @@ class Lab:
             run("ip", "link", "add", a_dev, "netns", a.name, "type", "veth", "peer", "name", b_dev, "netns", b.name)
         for ns, dev in ((a, a_dev), (b, b_dev)):
             ns.run("ip", "link", "set", dev, "up")
-            ns.run("sysctl", "-qw", f"net.ipv4.conf.{dev}.rp_filter=0")
+            ns.no_rp_filter(dev)
         link = Link(a, a_dev, b, b_dev, shaper)
         self.route_over(link)
         return link

@@ -18,6 +18,7 @@ import asyncio
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 
@@ -66,6 +67,49 @@ def model_dir(tmp_path_factory, bundled_dir):
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled_dir / name, path / name)
     return path
+
+
+PROBE = """import socket, sys, time
+t0 = time.monotonic()
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()
+    print(round(time.monotonic() - t0, 3))
+except OSError:
+    print("unreachable")
+"""
+
+
+def test_lab_links_carry_faults(lab):
+    """The lab itself: a link partitions and heals, a port filter cuts one service only,
+    a shaped link delays (each connect crosses it twice: SYN, SYN-ACK)."""
+    a, b = lab.add("lab-a"), lab.add("lab-b")
+    veth = lab.link(a, b)
+    server = subprocess.Popen(b.cmd(sys.executable, "-c", "import socket, time\n"
+                                    f"s = socket.create_server(({b.addr!r}, 7007)); time.sleep(60)"))
+    try:
+        def connect(ns) -> str:  # from namespace ns (None: the root namespace)
+            argv = [sys.executable, "-c", PROBE, b.addr, "7007"]
+            return subprocess.run(ns.cmd(*argv) if ns else argv, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        t0 = time.monotonic()
+        while connect(a) == "unreachable":
+            assert time.monotonic() - t0 < 10, "the server in lab-b never listened"
+        lab.set_link_fault(veth, Fault(loss=1.0))
+        assert connect(a) == "unreachable" and connect(None) != "unreachable"  # only the link is cut
+        lab.set_link_fault(veth, Fault())
+        assert connect(a) != "unreachable"
+        lab.set_fault(b, b.veth, Fault(drop_port=7007))
+        assert connect(None) == "unreachable" and connect(a) != "unreachable"
+        lab.set_fault(b, b.veth, Fault())
+        if lab.has_tun:
+            shaped = lab.link(a, b, shaped=True)
+            lab.set_link_fault(shaped, Fault(delay_ms=150))
+            assert float(connect(a)) > 0.3
+            lab.route_over(veth)
+            assert float(connect(a)) < 0.3
+    finally:
+        server.kill()
+        server.wait()
 
 
 class NetCluster:
@@ -209,6 +253,8 @@ def test_healthy_links_transfer_every_prompt(cluster):
 def test_delay_between_prefill_and_decode_slows_ttft_only(cluster):
     """50 +- 10 ms each way between prefill and decode: tc netem on the links where the
     kernel has it, else shaped links (the same delay applied in userspace)."""
+    if not (cluster.lab.has_netem or cluster.lab.has_tun):
+        pytest.skip("neither tc netem nor /dev/net/tun: delay cannot be simulated")
     links = cluster.links if cluster.lab.has_netem else \
         [cluster.lab.link(cluster.prefill, d, shaped=True) for d in cluster.decodes]
     try:
