@@ -315,7 +315,7 @@ def test_partition_mid_transfer_frees_blocks_within_the_lease_and_heals(cluster)
     took = result.ended - t_cut
     print(f"partition mid-transfer: request ended {took:.2f}s after the cut, pools free {freed_s:.2f}s later")
     assert result.outcome is Outcome.OK, result.error  # the decode node prefilled it itself
-    assert LEASE_S - 0.5 < took < LEASE_S + 20
+    assert LEASE_S - 1.0 < took < LEASE_S + 20  # the lease runs from the last block that landed
     after = cluster.counters()
     assert after.get("fallback", 0) - before.get("fallback", 0) == 1
 
