@@ -18,11 +18,10 @@ MSGPACK = "application/msgpack"
 # a dead host or a partition trips it; without it a request written to a pooled
 # connection into a partition waits for the read timeout (minutes).
 PEER_DEAD_AFTER_S = 5
-_encoder = msgspec.msgpack.Encoder()
 
 
 def msgpack_response(msg, status: int = 200) -> web.Response:
-    return web.Response(body=_encoder.encode(msg), status=status, content_type=MSGPACK)
+    return web.Response(body=msgspec.msgpack.encode(msg), status=status, content_type=MSGPACK)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..common.detokenizer import IncrementalDetokenizer
+from ..common.outcomes import FailureReason
 from ..common.protocol import GenerateRequest
 from ..common.sampling_params import SamplingParams
 from .background import BackgroundTasks
@@ -87,7 +88,7 @@ class Dispatcher:
             except NodeUnavailable as e:
                 last_error = e
                 if not e.retryable:
-                    self.metrics.failures.labels(reason="node_unavailable").inc()
+                    self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
                     raise ApiError(502, str(e)) from e
                 log.warning("router: %s; trying another node", e)
                 if e.unreachable:
@@ -105,7 +106,7 @@ class Dispatcher:
                 t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s))
         if last_error is None:
             raise self._no_decode_node()
-        self.metrics.failures.labels(reason="node_unavailable").inc()
+        self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
 
     def _no_decode_node(self) -> ApiError:
