@@ -55,7 +55,7 @@ class Unavailable(Exception):
 
 
 def run(*argv: str) -> str:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip() or r.stdout.strip()}")
     return r.stdout
@@ -100,9 +100,9 @@ class Fault:
 
 class Link(NamedTuple):
     """A direct link: ``a_dev`` in namespace ``a`` faces ``b_dev`` in ``b``."""
-    a: "Netns"
+    a: Netns
     a_dev: str
-    b: "Netns"
+    b: Netns
     b_dev: str
     shaper: Shaper | None = None  # a shaped link's packet carrier (None: a veth pair)
 
@@ -146,7 +146,7 @@ class Lab:
         if missing:
             raise Unavailable(f"{' and '.join(missing)} not installed (iproute2)")
 
-    def open(self) -> "Lab":
+    def open(self) -> Lab:
         """Check the machine, remove namespaces left by dead test runs, probe netem."""
         self.check()
         remove_stale()
@@ -204,13 +204,13 @@ class Lab:
         if shaped:
             if not self.has_tun:
                 raise Unavailable("no /dev/net/tun: a shaped link cannot be made")
-            fds = [open_tun(a_dev)]
+            fd_a = open_tun(a_dev)
             try:
-                fds.append(open_tun(b_dev))
+                fd_b = open_tun(b_dev)
             except OSError:
-                os.close(fds[0])
+                os.close(fd_a)
                 raise
-            shaper = Shaper(*fds, seed=self.links)
+            shaper = Shaper(fd_a, fd_b, seed=self.links)
             self.shapers.append(shaper)  # closed by close(): the devices go with it
             run("ip", "link", "set", a_dev, "netns", a.name)
             run("ip", "link", "set", b_dev, "netns", b.name)
@@ -233,8 +233,8 @@ class Lab:
         """Replace whatever ``dev`` (in ``ns``) did to packets with ``fault``."""
         if (fault.delay_ms or fault.jitter_ms) and not self.has_netem:
             raise Unavailable("this kernel has no sch_netem (tc netem): delay cannot be simulated")
-        subprocess.run(ns.cmd("tc", "qdisc", "del", "dev", dev, "clsact"), capture_output=True)
-        subprocess.run(ns.cmd("tc", "qdisc", "del", "dev", dev, "root"), capture_output=True)
+        subprocess.run(ns.cmd("tc", "qdisc", "del", "dev", dev, "clsact"), capture_output=True, check=False)
+        subprocess.run(ns.cmd("tc", "qdisc", "del", "dev", dev, "root"), capture_output=True, check=False)
         if fault.delay_ms or fault.jitter_ms:
             ns.run("tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{fault.delay_ms}ms",
                    f"{fault.jitter_ms}ms", "distribution", "normal")
@@ -284,7 +284,7 @@ class Lab:
             shaper.close()
         self.shapers.clear()
         for ns in self.spaces:
-            subprocess.run(["ip", "netns", "del", ns.name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns.name], capture_output=True, check=False)
         self.spaces.clear()
 
 
@@ -298,6 +298,6 @@ def remove_stale() -> list[str]:
     for name in names:
         pid = name.removeprefix(NS_PREFIX).split("-")[0] if name.startswith(NS_PREFIX) else ""
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
             stale.append(name)
     return stale

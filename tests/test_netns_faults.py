@@ -36,7 +36,6 @@ from splitserve.node.shm_segments import list_segments, owner_pid
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
 LEASE_S = 3.0
-BLOCK = 16  # tokens per KV block (the nodes' default)
 
 
 def run(coro):
@@ -89,7 +88,7 @@ def test_lab_links_carry_faults(lab):
     try:
         def connect(ns) -> str:  # from namespace ns (None: the root namespace)
             argv = [sys.executable, "-c", PROBE, b.addr, "7007"]
-            return subprocess.run(ns.cmd(*argv) if ns else argv, capture_output=True, text=True,
+            return subprocess.run(ns.cmd(*argv) if ns else argv, capture_output=True, text=True, check=False,
                                   timeout=30).stdout.strip()
         t0 = time.monotonic()
         while connect(a) == "unreachable":
@@ -210,7 +209,7 @@ def cluster(lab, model_dir):
 
 @pytest.fixture(autouse=True)
 def healthy_links(request):
-    """Every test starts and ends with healthy links and free pools."""
+    """Every cluster test starts and ends with healthy links and the routes over the veths."""
     if "cluster" not in request.fixturenames:
         yield
         return
@@ -218,6 +217,8 @@ def healthy_links(request):
     c.set_links(Fault())
     yield
     c.set_links(Fault())
+    for link in c.links:
+        c.lab.route_over(link)
     for ns in [c.prefill, *c.decodes]:
         c.lab.set_fault(ns, ns.veth, Fault())
 
@@ -257,15 +258,11 @@ def test_delay_between_prefill_and_decode_slows_ttft_only(cluster):
         pytest.skip("neither tc netem nor /dev/net/tun: delay cannot be simulated")
     links = cluster.links if cluster.lab.has_netem else \
         [cluster.lab.link(cluster.prefill, d, shaped=True) for d in cluster.decodes]
-    try:
-        base = latencies(run(requests(cluster.url, 4, 200, 1)))  # max_tokens 1: latency = TTFT
-        for link in links:
-            cluster.lab.set_link_fault(link, Fault(delay_ms=50, jitter_ms=10))
-        before = cluster.counters()
-        results = run(requests(cluster.url, 4, 200, 1))
-    finally:
-        for link in cluster.links:
-            cluster.lab.route_over(link)
+    base = latencies(run(requests(cluster.url, 4, 200, 1)))  # max_tokens 1: latency = TTFT
+    for link in links:  # (healthy_links routes over the veths again afterwards)
+        cluster.lab.set_link_fault(link, Fault(delay_ms=50, jitter_ms=10))
+    before = cluster.counters()
+    results = run(requests(cluster.url, 4, 200, 1))
     assert failures(results) == []
     slow = latencies(results)
     print(f"TTFT median {base[len(base) // 2]:.3f}s -> {slow[len(slow) // 2]:.3f}s with 50+-10 ms each way "
