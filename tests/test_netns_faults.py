@@ -35,7 +35,7 @@ from splitserve.node.shm_segments import list_segments, owner_pid
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
-LEASE_S = 3.0
+LEASE_S = 8.0  # longer than a dead peer takes to notice (common/http.py PEER_DEAD_AFTER_S)
 
 
 def run(coro):
@@ -322,6 +322,22 @@ def test_partition_mid_transfer_frees_blocks_within_the_lease_and_heals(cluster)
     assert cluster.counters().get("owned", 0) - after.get("owned", 0) == 2
     pids = {p.popen.pid for p in cluster.nodes}
     assert not [n for n in list_segments() if owner_pid(n) in pids]  # KV over TCP: no /dev/shm segment
+
+
+def test_prefill_node_cut_from_the_decode_nodes_falls_back_before_the_lease(cluster):
+    """Both links down before the requests (the decode nodes hold pooled connections to
+    the prefill node): each request falls back to local prefill once its task to the
+    prefill node cannot be delivered, well before the lease."""
+    run(requests(cluster.url, 2, 100, 2))  # the decode nodes' pooled connections to prefill-0
+    cluster.set_links(Fault(loss=1.0))
+    before = cluster.counters()
+    results = run(requests(cluster.url, 4, 100, 4, timeout_s=60))
+    assert failures(results) == []
+    lat = latencies(results)
+    print(f"prefill node cut from the decode nodes: latency median {lat[len(lat) // 2]:.2f}s, max {lat[-1]:.2f}s")
+    assert lat[-1] < LEASE_S - 1
+    assert cluster.counters().get("fallback", 0) - before.get("fallback", 0) == 4
+    run(wait_pools_free(cluster.addrs, cluster.headers, LEASE_S + 5))
 
 
 def test_router_cut_from_a_decode_node_routes_to_the_other(cluster):
