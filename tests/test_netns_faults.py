@@ -288,8 +288,10 @@ def test_packet_loss_between_prefill_and_decode_fails_nothing(cluster):
     run(wait_pools_free(cluster.addrs, cluster.headers, 10))
 
 
-def test_partition_mid_transfer_frees_blocks_within_the_lease_and_heals(cluster):
-    """A long prompt's blocks trickle over a slowed link; cut the link once some landed."""
+def test_partition_mid_transfer_falls_back_frees_blocks_and_heals(cluster):
+    """A long prompt's blocks trickle over a slowed link; cut the link once some landed:
+    the request still succeeds (local prefill), both nodes free its blocks within the
+    lease, and once the link heals prompts travel again."""
     cluster.set_links(Fault(rate_kbit=200))
     before = cluster.counters()
 
@@ -312,7 +314,9 @@ def test_partition_mid_transfer_frees_blocks_within_the_lease_and_heals(cluster)
     took = result.ended - t_cut
     print(f"partition mid-transfer: request ended {took:.2f}s after the cut, pools free {freed_s:.2f}s later")
     assert result.outcome is Outcome.OK, result.error  # the decode node prefilled it itself
-    assert LEASE_S - 1.0 < took < LEASE_S + 20  # the lease runs from the last block that landed
+    # the decode node notices the dead prefill node (PEER_DEAD_AFTER_S of silence on its
+    # task's connection) or its lease runs out (LEASE_S after the last block landed)
+    assert took < LEASE_S + 10
     after = cluster.counters()
     assert after.get("fallback", 0) - before.get("fallback", 0) == 1
 
