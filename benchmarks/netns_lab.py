@@ -22,7 +22,7 @@ this process instead of a veth, delayed and dropped in userspace: delay where th
 kernel has no netem. ``route_over(link)`` sends a pair's traffic over one of its links.
 
 Owns the names (random per ``Lab``, with this process's pid so a later run removes
-what a killed run left), the addresses, the processes it started and their cleanup:
+what a killed run left), the addresses (a 10.A.0.0/16 no route uses), the processes it started and their cleanup:
 ``close()`` kills them and deletes every namespace (the veths go with them).
 Must not know what runs inside the namespaces.
 """
@@ -114,6 +114,7 @@ class Netns:
     addr: str  # this namespace's address: its services bind it
     gateway: str  # the root namespace's end of its veth (how it reaches Redis)
     veth: str  # its end of the veth to the root namespace
+    root_veth: str  # the root namespace's end
 
     def cmd(self, *argv: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *argv]
@@ -129,7 +130,7 @@ class Netns:
 @dataclass(slots=True)
 class Lab:
     tag: str = field(default_factory=lambda: f"{random.getrandbits(24):06x}")
-    subnet: int = field(default_factory=lambda: random.randint(64, 250))  # the A of 10.A.x.y
+    subnet: int = 0  # the A of 10.A.x.y: picked by open() among those no route uses
     spaces: list[Netns] = field(default_factory=list)
     procs: list[Proc] = field(default_factory=list)
     shapers: list[Shaper] = field(default_factory=list)
@@ -150,6 +151,8 @@ class Lab:
         """Check the machine, remove namespaces left by dead test runs, probe netem."""
         self.check()
         remove_stale()
+        used = {line.split(".")[1] for line in run("ip", "-4", "route").splitlines() if line.startswith("10.")}
+        self.subnet = random.choice([a for a in range(64, 251) if str(a) not in used])
         probe = f"{NS_PREFIX}{os.getpid()}-{self.tag}-probe"
         try:
             run("ip", "netns", "add", probe)
@@ -181,8 +184,9 @@ class Lab:
         """A namespace with loopback up and a veth to the root namespace."""
         i = len(self.spaces) + 1
         ns = Netns(name=f"{NS_PREFIX}{os.getpid()}-{self.tag}-{label}", label=label,
-                   addr=f"10.{self.subnet}.{i}.2", gateway=f"10.{self.subnet}.{i}.1", veth=f"s{self.tag}n{i}")
-        root_end = f"s{self.tag}r{i}"
+                   addr=f"10.{self.subnet}.{i}.2", gateway=f"10.{self.subnet}.{i}.1", veth=f"s{self.tag}n{i}",
+                   root_veth=f"s{self.tag}r{i}")
+        root_end = ns.root_veth
         run("ip", "netns", "add", ns.name)
         self.spaces.append(ns)  # deleted by close() from here on
         run("ip", "link", "add", root_end, "type", "veth", "peer", "name", ns.veth, "netns", ns.name)
@@ -284,6 +288,9 @@ class Lab:
             shaper.close()
         self.shapers.clear()
         for ns in self.spaces:
+            # The root end first: a process elsewhere that copied the mount table while the
+            # namespace was named can keep it alive after `ip netns del`, but not its veth.
+            subprocess.run(["ip", "link", "del", ns.root_veth], capture_output=True, check=False)
             subprocess.run(["ip", "netns", "del", ns.name], capture_output=True, check=False)
         self.spaces.clear()
 
