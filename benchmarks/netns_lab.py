@@ -15,15 +15,16 @@ not refused by the sender's own stack):
   - loss and partition: a classic-BPF ``tc`` filter (cls_bpf, direct action) that
     drops a random share of packets, every packet, or the TCP packets to one port;
   - delay and jitter: ``tc netem`` on the egress, where the kernel has sch_netem
-    (``Lab.has_netem``; many VM kernels lack it: the caller skips);
+    (``Lab.has_netem``; many VM kernels lack it: use a shaped link there);
   - a bandwidth cap: ``tc tbf`` on the egress (a slow link, to stretch a transfer).
 A shaped link (``link(a, b, shaped=True)``, netns_shaper.py) carries packets through
 this process instead of a veth, delayed and dropped in userspace: delay where the
 kernel has no netem. ``route_over(link)`` sends a pair's traffic over one of its links.
 
 Owns the names (random per ``Lab``, with this process's pid so a later run removes
-what a killed run left), the addresses (a 10.A.0.0/16 no route uses), the processes it started and their cleanup:
-``close()`` kills them and deletes every namespace (the veths go with them).
+what a killed run left), the addresses (a 10.A.0.0/16 no route uses), the processes
+it started and their cleanup: ``close()`` kills them, closes the shapers and deletes
+every veth and namespace.
 Must not know what runs inside the namespaces.
 """
 

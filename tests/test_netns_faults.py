@@ -228,7 +228,7 @@ def prompt(words: int) -> str:
     return f"{uuid.uuid4().hex} " + " ".join(["the sea is calm today"] * (words // 5))
 
 
-async def requests(url: str, n: int, words: int, max_tokens: int, timeout_s: float = 120.0):
+async def send_requests(url: str, n: int, words: int, max_tokens: int, timeout_s: float = 120.0):
     async with aiohttp.ClientSession() as s:
         return await asyncio.gather(*(stream_request(s, url, prompt(words), max_tokens, timeout_s=timeout_s)
                                       for _ in range(n)))
@@ -244,7 +244,7 @@ def latencies(results) -> list[float]:
 
 def test_healthy_links_transfer_every_prompt(cluster):
     before = cluster.counters()
-    results = run(requests(cluster.url, 4, 200, 4))
+    results = run(send_requests(cluster.url, 4, 200, 4))
     assert failures(results) == []
     after = cluster.counters()
     assert after.get("owned", 0) - before.get("owned", 0) == 4  # every prompt came over a link
@@ -258,11 +258,11 @@ def test_delay_between_prefill_and_decode_slows_ttft_only(cluster):
         pytest.skip("neither tc netem nor /dev/net/tun: delay cannot be simulated")
     links = cluster.links if cluster.lab.has_netem else \
         [cluster.lab.link(cluster.prefill, d, shaped=True) for d in cluster.decodes]
-    base = latencies(run(requests(cluster.url, 4, 200, 1)))  # max_tokens 1: latency = TTFT
+    base = latencies(run(send_requests(cluster.url, 4, 200, 1)))  # max_tokens 1: latency = TTFT
     for link in links:  # (healthy_links routes over the veths again afterwards)
         cluster.lab.set_link_fault(link, Fault(delay_ms=50, jitter_ms=10))
     before = cluster.counters()
-    results = run(requests(cluster.url, 4, 200, 1))
+    results = run(send_requests(cluster.url, 4, 200, 1))
     assert failures(results) == []
     slow = latencies(results)
     print(f"TTFT median {base[len(base) // 2]:.3f}s -> {slow[len(slow) // 2]:.3f}s with 50+-10 ms each way "
@@ -277,7 +277,7 @@ def test_delay_between_prefill_and_decode_slows_ttft_only(cluster):
 def test_packet_loss_between_prefill_and_decode_fails_nothing(cluster):
     cluster.set_links(Fault(loss=0.05))
     before = cluster.counters()
-    results = run(requests(cluster.url, 6, 300, 4))
+    results = run(send_requests(cluster.url, 6, 300, 4))
     assert failures(results) == []
     lat = latencies(results)
     print(f"5% loss each way: latency median {lat[len(lat) // 2]:.2f}s, max {lat[-1]:.2f}s")
@@ -321,7 +321,7 @@ def test_partition_mid_transfer_falls_back_frees_blocks_and_heals(cluster):
     assert after.get("fallback", 0) - before.get("fallback", 0) == 1
 
     cluster.set_links(Fault())  # healed: prompts travel again
-    results = run(requests(cluster.url, 2, 200, 4))
+    results = run(send_requests(cluster.url, 2, 200, 4))
     assert failures(results) == []
     assert cluster.counters().get("owned", 0) - after.get("owned", 0) == 2
     pids = {p.popen.pid for p in cluster.nodes}
@@ -332,10 +332,10 @@ def test_prefill_node_cut_from_the_decode_nodes_falls_back_before_the_lease(clus
     """Both links down before the requests (the decode nodes hold pooled connections to
     the prefill node): each request falls back to local prefill once its task to the
     prefill node cannot be delivered, well before the lease."""
-    run(requests(cluster.url, 2, 100, 2))  # the decode nodes' pooled connections to prefill-0
+    run(send_requests(cluster.url, 2, 100, 2))  # the decode nodes' pooled connections to prefill-0
     cluster.set_links(Fault(loss=1.0))
     before = cluster.counters()
-    results = run(requests(cluster.url, 4, 100, 4, timeout_s=60))
+    results = run(send_requests(cluster.url, 4, 100, 4, timeout_s=60))
     assert failures(results) == []
     lat = latencies(results)
     print(f"prefill node cut from the decode nodes: latency median {lat[len(lat) // 2]:.2f}s, max {lat[-1]:.2f}s")
@@ -350,7 +350,7 @@ def test_router_cut_from_a_decode_node_routes_to_the_other(cluster):
     d0 = cluster.decodes[0]
     port = int(cluster.nodes[1].addr.rsplit(":", 1)[1])
     cluster.lab.set_fault(d0, d0.veth, Fault(drop_port=port))
-    results = run(requests(cluster.url, 6, 100, 4, timeout_s=60))
+    results = run(send_requests(cluster.url, 6, 100, 4, timeout_s=60))
     assert failures(results) == []
     lat = latencies(results)
     print(f"router cut from decode-0: latency median {lat[len(lat) // 2]:.2f}s, max {lat[-1]:.2f}s")
