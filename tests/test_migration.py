@@ -87,10 +87,13 @@ async def kill_streaming_decode_node(c: Cluster, killed: list) -> None:
     """SIGKILL the decode node that holds a stream now (once)."""
     async with aiohttp.ClientSession(headers=c.auth_headers()) as s:
         for name in ("decode-0", "decode-1"):
-            async with s.get(f"{c.node(name).addr}/debug/state") as r:
+            p = c.node(name)
+            if p.popen.poll() is not None or not p.ready.is_set() or (name, p.popen.pid) in killed:
+                continue  # killed before, not back yet
+            async with s.get(f"{p.addr}/debug/state") as r:
                 if (await r.json())["streams"]:
-                    killed.append((name, c.node(name).popen.pid))
-                    os.killpg(c.node(name).popen.pid, signal.SIGKILL)
+                    killed.append((name, p.popen.pid))
+                    os.killpg(p.popen.pid, signal.SIGKILL)
                     return
     raise AssertionError("no decode node is streaming")
 
@@ -164,3 +167,18 @@ def test_bad_migration_limit_is_refused():
         r = subprocess.run([sys.executable, "-m", "splitserve.cli", "router", "--port", "0",
                             "--migration-limit", value], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "migration-limit" in r.stderr.replace("_", "-"), (value, r.stderr[-300:])
+
+
+def test_past_the_limit_the_stream_ends_with_the_clean_error(cluster):
+    """--migration-limit 1: the second dead decode node ends the stream with an error
+    event (then [DONE]), as without migration. Last: it leaves both decode nodes restarting."""
+    killed: list = []
+
+    async def on_chunk(n: int) -> None:
+        if n in (3, 8) and len(killed) < (1 if n == 3 else 2):
+            await kill_streaming_decode_node(cluster, killed)
+    before = migrations(cluster)
+    got = asyncio.run(stream_chat(cluster.url, on_chunk=on_chunk))
+    assert len(killed) == 2 and killed[0][0] != killed[1][0]
+    assert got.done and "error" in got.events[-1] and got.finish_reason is None
+    assert migrations(cluster) == before + 1
