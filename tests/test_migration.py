@@ -24,7 +24,7 @@ from splitserve.deploy.launcher import Cluster
 pytestmark = pytest.mark.slow
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
-MAX_TOKENS = 64
+MAX_TOKENS = 48
 NODES = ("prefill-0", "decode-0", "decode-1")
 
 
