@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Callable, NamedTuple
 
-from .common.config import KV_BACKENDS, LOAD_FORMATS
+from .common.config import LOAD_FORMATS, KVBackend
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +125,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
     g.add_argument("--redis-url", default=None, help="registry; without it the node is not discoverable")
     g.add_argument("--node-id", default="")
-    g.add_argument("--kv-backend", choices=KV_BACKENDS, default="tcp")
+    g.add_argument("--kv-backend", choices=tuple(KVBackend), default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
     add_cluster_token_args(g)
@@ -290,7 +290,7 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nodes", type=int)
     p.add_argument("--decode-nodes", type=int)
     p.add_argument("--port", type=int, help="router port")
-    p.add_argument("--kv-backend", choices=KV_BACKENDS)
+    p.add_argument("--kv-backend", choices=tuple(KVBackend))
     p.add_argument("--kv-cache-memory")
     p.add_argument("--threads-per-node", type=int)
     p.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",

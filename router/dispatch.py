@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..common.detokenizer import IncrementalDetokenizer
+from ..common.outcomes import FailureReason
 from ..common.protocol import GenerateRequest
 from ..common.sampling_params import SamplingParams
 from .background import BackgroundTasks
@@ -71,7 +72,7 @@ class Dispatcher:
             leg = await self.open(request_id, prompt, params, t_start)
         except ApiError as e:
             if e.status == 502:
-                self.metrics.failures.labels(reason="node_unavailable").inc()
+                self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
             raise
         self.metrics.inflight.inc()  # Generation.close() decrements
         return Generation(

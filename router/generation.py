@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..common.detokenizer import IncrementalDetokenizer
+from ..common.outcomes import FailureReason
 from ..common.sampling_params import SamplingParams, TokenLogprobs
 from .errors import ApiError
 from .metrics import RouterMetrics
@@ -84,7 +85,7 @@ class Generation:
     closed: bool = False
     _t_first: float | None = None
     _t_last: float = 0.0
-    _failure: str | None = None  # metrics reason when it failed
+    _failure: FailureReason | None = None  # why it failed, for the metrics
 
     @property
     def prompt_len(self) -> int:
@@ -105,7 +106,7 @@ class Generation:
                 return
             except NodeUnavailable as e:
                 if self.closed or self.migrate is None or not await self.migrate(self, e):
-                    self._failure = "node_unavailable"
+                    self._failure = FailureReason.NODE_UNAVAILABLE
                     raise ApiError(502, str(e)) from e
 
     async def _leg_pieces(self) -> AsyncIterator[Piece]:
@@ -117,7 +118,7 @@ class Generation:
             async for delta in deltas:
                 if delta.error is not None or delta.finish_reason in ("error", "abort"):
                     leg.node_done = delta.finish_reason is not None
-                    self._failure = "node_error"
+                    self._failure = FailureReason.NODE_ERROR
                     raise ApiError(502, f"decode node {leg.decision.decode.node_id} failed the "
                                    f"request: {delta.error or delta.finish_reason}")
                 now = loop.time()
@@ -178,8 +179,8 @@ class Generation:
         m.generation_tokens.inc(self.completion_tokens)
         m.cached_tokens.inc(self.cached_tokens)
         if self.finish_reason is None:
-            m.failures.labels(reason="client_disconnect" if client_gone
-                              else self._failure or "cancelled").inc()
+            m.failures.labels(reason=FailureReason.CLIENT_DISCONNECT if client_gone
+                              else self._failure or FailureReason.CANCELLED).inc()
         elif self._t_first is not None:
             m.e2e.observe(self._t_last - self.t_start)
             m.request_prompt_tokens.observe(self.prompt_len)
