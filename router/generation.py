@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -95,7 +95,7 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
-    async def pieces(self) -> AsyncIterator[Piece]:
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The choice's pieces; the last one has a finish_reason. Raises `ApiError`
         (502) when the node fails mid-stream and no migration takes over."""
         while True:
@@ -109,7 +109,7 @@ class Generation:
                     self._failure = FailureReason.NODE_UNAVAILABLE
                     raise ApiError(502, str(e)) from e
 
-    async def _leg_pieces(self) -> AsyncIterator[Piece]:
+    async def _leg_pieces(self) -> AsyncGenerator[Piece, None]:
         """The pieces of the current leg; raises `NodeUnavailable` when its node breaks
         the stream, `ApiError` when the node reports a failure."""
         loop = asyncio.get_running_loop()
@@ -163,8 +163,10 @@ class Generation:
         leg.release_prefill()
         leg.release_decode()
         if leg.settle is not None:
-            ok = self.finish_reason is not None and leg.t_first is not None
-            leg.settle(leg.cached_tokens if ok else None, leg.t_first - leg.t_open if ok else None)
+            if self.finish_reason is not None and leg.t_first is not None:
+                leg.settle(leg.cached_tokens, leg.t_first - leg.t_open)
+            else:
+                leg.settle(None, None)
             leg.settle = None
 
     def close(self, client_gone: bool = False) -> None:
