@@ -77,6 +77,10 @@ async def pools_free_s(c: Cluster, args) -> float:
     return round(free_s, 2)
 
 
+def longest_gap(results) -> float:
+    return round(max((r.longest_gap_s for r in results if r.outcome is Outcome.OK), default=0.0), 3)
+
+
 async def kill_phase(c: Cluster, args, name: str) -> dict:
     old = c.node(name).popen.pid
     migrations_before = await router_migrations(c)
@@ -96,6 +100,11 @@ async def kill_phase(c: Cluster, args, name: str) -> dict:
             "slowest_error_after_kill_s": round(max((r.ended - t_kill for r in failed), default=0.0), 3),
             "back_serving_s": round(back_s, 2),
             "migrations": await router_migrations(c) - migrations_before,
+            # A migrated stream stalls from the kill to its new leg's first token. The longest
+            # silence in the streams that completed across the kill bounds that stall (it also
+            # includes a stream's wait for its first token: compare with the requests before it).
+            "longest_gap_across_kill_s": longest_gap(r for r in results if r.started < t_kill < r.ended),
+            "longest_gap_before_kill_s": longest_gap(r for r in results if r.ended < t_kill),
             "pools_free_after_s": await pools_free_s(c, args), "lease_s": args.lease,
             "errors": sorted({r.error for r in failed})[:5]}
 

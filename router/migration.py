@@ -65,9 +65,10 @@ class Migrator:
     metrics: RouterMetrics
 
     async def migrate(self, gen: Generation, error: NodeUnavailable) -> bool:
-        """Move ``gen`` to a new leg after its current one failed with ``error``;
-        False (nothing left running for it) when the limit is reached or no node
-        took it: the caller then fails the generation."""
+        """Move ``gen`` to a new leg after its current one failed with ``error``.
+        False when the limit is reached, every token already arrived, or no node
+        took the new leg: the caller then fails the generation (its close() ends
+        whatever leg it holds)."""
         failed = gen.leg.decision.decode
         if gen.migrations >= self.limit:
             log.warning("router: %s: not migrated (limit %d reached): %s", gen.request_id,
