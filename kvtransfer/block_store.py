@@ -221,11 +221,11 @@ class KVBlockStore:
             return ok
         blocks = self._as_blocks(view, n).to(self.device)  # [n, *block_shape]
         sums = packed_sums(blocks, self.layout, algo, host=view)
-        ok = [d is not None and s == e for d, s, e in zip(dests, sums, expected)]
-        rows = [i for i in range(n) if ok[i]]
-        if rows:
-            self.scatter([dests[i] for i in rows], blocks[torch.as_tensor(rows, device=self.device)])
-        return ok
+        good = {i: d for i, (d, s, e) in enumerate(zip(dests, sums, expected))
+                if d is not None and s == e}  # row -> destination block
+        if good:
+            self.scatter(list(good.values()), blocks[torch.as_tensor(list(good), device=self.device)])
+        return [i in good for i in range(n)]
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write packed blocks ``[n, *block_shape]``, already on this store's device, into

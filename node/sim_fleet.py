@@ -15,6 +15,8 @@ import asyncio
 import dataclasses
 import logging
 
+from aiohttp import web
+
 from ..common.config import NodeConfig
 from .runtime import RUNTIME, build_app, run_until_signal, start_site
 
@@ -39,15 +41,16 @@ async def serve_fleet(configs: list[NodeConfig], stop: asyncio.Event) -> None:
     runners = []
     gate = asyncio.Semaphore(8)
 
-    async def start(cfg: NodeConfig):
+    async def start(cfg: NodeConfig) -> tuple[web.Application, web.AppRunner]:
         async with gate:
             app = build_app(cfg)
             return app, await start_site(app, cfg)
 
     try:
-        started = await asyncio.gather(*(start(c) for c in configs), return_exceptions=True)
-        runners = [s[1] for s in started if not isinstance(s, BaseException)]
-        failed = [s for s in started if isinstance(s, BaseException)]
+        results = await asyncio.gather(*(start(c) for c in configs), return_exceptions=True)
+        started = [s for s in results if not isinstance(s, BaseException)]
+        runners = [runner for _, runner in started]
+        failed = [s for s in results if isinstance(s, BaseException)]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(configs)} simulated nodes failed to start: {failed[0]!r}")
         print(f"READY {len(configs)} nodes", flush=True)
