@@ -82,13 +82,13 @@ class NcclChannel(Channel):
         self.pair = PairGroup(device, control.peer)
         self._control = control
         self._op_timeout_s = op_timeout_s
-        self._joined: asyncio.Future | None = None  # the pair's open(), once started
+        self._joined: asyncio.Future[None] | None = None  # the pair's open(), once started
         self._send_lock = asyncio.Lock()  # a header and its payload go out together
-        self._in_flight: deque[asyncio.Future] = deque()  # payload sends not yet reaped
+        self._in_flight: deque[asyncio.Future[None]] = deque()  # payload sends not yet reaped
         self._closed = False
 
     def join(self, rank: int, store_host: str, store_port: int, prefix: str,
-             timeout_s: float) -> asyncio.Future:
+             timeout_s: float) -> asyncio.Future[None]:
         """Start joining the group as ``rank``; the future resolves once the pair is up
         (``recv_payload`` awaits it too). Raises ``ChannelClosed`` through the future."""
         self._joined = self.pair.open(rank, store_host, store_port, prefix, self.local_host, timeout_s)
@@ -132,7 +132,7 @@ class NcclChannel(Channel):
         self._control.close()
         self.pair.close()
 
-    def _check_sent(self, fut: asyncio.Future) -> None:
+    def _check_sent(self, fut: asyncio.Future[None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             self.close()  # the header is out without its payload: the stream is lost
 

@@ -50,20 +50,20 @@ from .channel import ChannelClosed
 from .errors import TransferError
 
 if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Work
+    from torch.distributed import Work
 
 TAG = 0  # one stream of payloads per pair: ops match in order
 NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
-Job = tuple[Callable[[], None], "asyncio.Future[None]"]  # what the thread runs, the future it settles
+Job = tuple[Callable[[], None], asyncio.Future[None]]  # what the thread runs, the future it settles
 
 
 class _Group(Protocol):
     """What a pair calls on its ``ProcessGroupGloo`` / ``ProcessGroupNCCL``. torch's stubs
     declare ``send`` / ``recv`` on ``ProcessGroup`` only, though every backend binds them."""
 
-    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work: ...
-    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work: ...
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int, /) -> Work: ...
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int, /) -> Work: ...
     def abort(self) -> None: ...
 
 
