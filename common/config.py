@@ -5,10 +5,14 @@ import json
 import re
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
+from typing import Literal
 from pathlib import Path
 
 from .bundled import BUNDLED_MODEL_ID
 from .roofline import Roofline
+
+
+NodeRole = Literal["prefill", "decode", "colocated"]
 
 
 class KVBackend(StrEnum):
@@ -191,7 +195,7 @@ class EngineConfig:
 class NodeConfig:
     """A prefill, decode or colocated node process."""
 
-    role: str  # "prefill" | "decode" | "colocated" (a decode node that never asks a prefill node)
+    role: NodeRole  # colocated: a decode node that never asks a prefill node
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port

@@ -21,7 +21,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -29,6 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
+from .config import NodeRole
 from .load import NodeLoad
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ KEY_PREFIX = "splitserve:node:"
 # What a Redis call can raise when the server is down, slow or unreachable.
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
-NodeRole = Literal["prefill", "decode", "colocated"]
 
 
 class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

@@ -267,16 +267,13 @@ class DecodeNode:
         except (aiohttp.ClientError, OSError, TimeoutError):
             pass  # the prefill node is gone: nothing of ours is left there
 
-    async def abort(self, request: web.Request) -> web.Response:
-        try:
-            msg = await read_msgpack(request, Abort)
-        except InvalidRequest as e:
-            return error_response(400, str(e), e.field)
-        q = self.streams.get(msg.request_id)
-        found = await self.loop.submit(AbortRequest(msg.request_id))
+    def end_stream(self, request_id: str) -> bool:
+        """POST /abort (node/runtime.py), after the engine let go of the request: end its
+        stream here; False when no stream of that id is open."""
+        q = self.streams.get(request_id)
         if q is not None:
-            q.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="abort"))
-        return web.json_response({"aborted": bool(found or q is not None)})
+            q.put_nowait(TokenDelta(request_id=request_id, finish_reason="abort"))
+        return q is not None
 
     def debug_state(self) -> dict:
         return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
@@ -285,4 +282,4 @@ class DecodeNode:
 
 def build_app(config: NodeConfig) -> web.Application:
     shm = config.role == "decode" and config.kv_backend == "shm"
-    return build_node_app(config, DecodeNode, shm, {"/generate": "generate", "/abort": "abort"})
+    return build_node_app(config, DecodeNode, shm, {"/generate": "generate"})

@@ -24,19 +24,22 @@ import asyncio
 import logging
 import os
 import signal
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple, Protocol
 
 import msgspec
+import torch
 from aiohttp import web
 
 from ..common.auth import CLUSTER_TOKEN_HEADER, token_matches
 from ..common.config import NodeConfig
-from ..common.http import error_response
+from ..common.errors import InvalidRequest
+from ..common.http import error_response, read_msgpack
 from ..common.kv_events import KVEvent
 from ..common.kv_index import KVIndex
+from ..common.protocol import Abort
 from ..common.registry import Heartbeat, NodeInfo, NodeRegistry, new_epoch
-from ..engine.engine_core import EngineCore
-from ..engine.engine_loop import BlockExporter, EngineLoop
+from ..engine.engine_core import EngineCore, RequestDelta
+from ..engine.engine_loop import AbortRequest, BlockExporter, EngineLoop
 from ..engine.limits import RequestLimits
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout
@@ -45,24 +48,44 @@ from .metrics import NodeMetrics
 from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
-RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
-NODE = web.AppKey("node", object)  # the role's server object (DecodeNode | PrefillNode)
 OPEN_PATHS = ("/health", "/metrics")  # no cluster token needed
 DRAIN_POLL_S = 0.1
 
 
+class NodeServer(Protocol):
+    """What a role's server object (DecodeNode, PrefillNode) gives the runtime."""
+    @property
+    def exporter(self) -> BlockExporter | None: ...  # how the engine thread packs prompt blocks
+
+    def on_deltas(self, deltas: list[RequestDelta]) -> None: ...
+    def end_stream(self, request_id: str) -> bool: ...  # POST /abort, once the engine let go
+    def inflight(self) -> int: ...
+    def debug_state(self) -> dict: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class RedisLink(NamedTuple):
+    """The node's presence in Redis: its registry record and its prefix-index stream."""
+    registry: NodeRegistry
+    heartbeat: Heartbeat
+    kv_index: KVIndex
+    publisher: KVEventPublisher
+
+
 class NodeRuntime:
+    # Set by start_engine / loop_start, which the app's lifespan runs before any request:
+    limits: RequestLimits
+    kv_caches: torch.Tensor  # the engine's KV tensor: transfers read/write the blocks they were given
+    layout: KVLayout
+    pool: dict  # where the KV pool lives and how big it is (/debug/state, metrics)
+    loop: EngineLoop  # the only way to the engine once started
+
     def __init__(self, config: NodeConfig):
         self.config = config
         self.epoch = new_epoch()
         self.node_id = config.node_id
         self._engine: EngineCore | None = None  # built, not yet handed to the EngineLoop
-        self.loop: EngineLoop | None = None
-        # fixed once the engine is built:
-        self.limits: RequestLimits | None = None
-        self.kv_caches = None  # the engine's KV tensor: transfers read/write the blocks they were given
-        self.layout: KVLayout | None = None
-        self.pool: dict = {}  # where the KV pool lives and how big it is (/debug/state, metrics)
         self.shm_name: str | None = None
         self.kv_addr = ""
         self.http_addr = ""
@@ -70,10 +93,7 @@ class NodeRuntime:
         self.debug_extra: Callable[[], dict] = dict
         self.draining = False  # SIGTERM received: new work is refused with 503
         self._heartbeat_stopped = False
-        self.heartbeat: Heartbeat | None = None
-        self.publisher: KVEventPublisher | None = None
-        self._registry: NodeRegistry | None = None
-        self._index: KVIndex | None = None
+        self.redis: RedisLink | None = None  # None: no --redis-url, the node is not discoverable
 
     async def start_engine(self, shm: bool) -> None:
         """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
@@ -97,11 +117,13 @@ class NodeRuntime:
                      "gpu_memory_utilization": cfg.gpu_memory_utilization}
         self.metrics.set_pool(self.pool)
 
-    def loop_start(self, on_deltas, exporter: BlockExporter | None = None) -> None:
-        def deliver(deltas):
+    def loop_start(self, on_deltas: Callable[[list[RequestDelta]], None],
+                   exporter: BlockExporter | None = None) -> None:
+        def deliver(deltas: list[RequestDelta]) -> None:
             on_deltas(deltas)
-            if self.heartbeat is not None and any(d.finish_reason for d in deltas):
-                self.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
+            if self.redis is not None and any(d.finish_reason for d in deltas):
+                self.redis.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
+        assert self._engine is not None, "start_engine first"
         self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter,
                                step_observer=self.metrics.observe_step)
         self._engine = None  # the engine thread's from here on
@@ -109,8 +131,8 @@ class NodeRuntime:
 
     def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
         # Before the publisher starts the events are dropped: its first write is a snapshot.
-        if self.publisher is not None:
-            self.publisher.on_kv(events, snapshot)
+        if self.redis is not None:
+            self.redis.publisher.on_kv(events, snapshot)
 
     def info(self) -> NodeInfo:
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
@@ -121,36 +143,35 @@ class NodeRuntime:
     async def start_heartbeat(self) -> None:
         """Register the node and publish its prefix-cache index (both need the final node id)."""
         if self.config.redis_url:
-            self._index = KVIndex(self.config.redis_url)
-            self.publisher = KVEventPublisher(self._index, self.node_id, self.epoch,
-                                              self.loop.request_kv_snapshot, self.metrics.index_batches)
-            self.publisher.start()
-            self._registry = NodeRegistry(self.config.redis_url)
-            self.heartbeat = Heartbeat(self._registry, self.info)
-            self.heartbeat.start()
+            index = KVIndex(self.config.redis_url)
+            publisher = KVEventPublisher(index, self.node_id, self.epoch, self.loop.request_kv_snapshot,
+                                         self.metrics.index_batches)
+            registry = NodeRegistry(self.config.redis_url)
+            self.redis = RedisLink(registry, Heartbeat(registry, self.info), index, publisher)
+            publisher.start()
+            self.redis.heartbeat.start()
 
     async def stop_heartbeat(self) -> None:
         """Deregister and stop publishing (idempotent: drain calls it, then the lifespan)."""
         if self._heartbeat_stopped:
             return
         self._heartbeat_stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-            await self._registry.close()
-        if self.publisher is not None:
-            await self.publisher.stop()
-            await self._index.close()
+        if self.redis is not None:
+            await self.redis.heartbeat.stop()
+            await self.redis.registry.close()
+            await self.redis.publisher.stop()
+            await self.redis.kv_index.close()
 
     def shutdown(self) -> None:
-        if self.loop is not None:
+        if hasattr(self, "loop"):
             self.loop.stop()
         if self.shm_name:
             free_shared_kv_cache(self.shm_name)
 
     def state(self) -> dict:
         st = self.loop.stats
-        index = None if self.publisher is None else {
-            "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
+        pub = None if self.redis is None else self.redis.publisher
+        index = None if pub is None else {"seq": pub.seq, "in_sync": pub.in_sync, "snapshots": pub.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
                 "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
                 "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.pool,
@@ -159,12 +180,16 @@ class NodeRuntime:
                 "computed_tokens": st.computed_tokens, "preemptions": st.preemptions, **self.debug_extra()}
 
 
-def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str]) -> web.Application:
-    """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` live in the
-    app's lifespan; ``posts`` maps POST paths to the node's handler method names.
-    A node class provides ``on_deltas``, ``exporter`` (a BlockExporter or None), ``inflight()``,
-    ``debug_state``, ``async start()`` and ``async stop()``."""
-    new_work = set(posts) - {"/abort"}  # refused while draining; aborts still work
+RUNTIME = web.AppKey("node_runtime", NodeRuntime)
+NODE = web.AppKey("node", NodeServer)  # the role's server object
+
+
+def build_node_app(config: NodeConfig, node_cls: Callable[[NodeConfig, NodeRuntime], NodeServer], shm: bool,
+                   posts: dict[str, str]) -> web.Application:
+    """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` (a
+    NodeServer) live in the app's lifespan; ``posts`` maps POST paths to the node's
+    handler method names."""
+    new_work = set(posts)  # refused while draining; /abort still works
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -198,8 +223,21 @@ def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str
     app.cleanup_ctx.append(lifespan)
     for path, method in posts.items():
         app.router.add_post(path, _node_handler(method))
+    app.router.add_post("/abort", abort)
     add_common_routes(app)
     return app
+
+
+async def abort(request: web.Request) -> web.Response:
+    """POST /abort (Abort): the engine drops the request and frees its blocks, then the
+    node ends its stream or transfer. Idempotent; says whether anything was running."""
+    try:
+        msg = await read_msgpack(request, Abort)
+    except InvalidRequest as e:
+        return error_response(400, str(e), e.field)
+    found = await request.app[RUNTIME].loop.submit(AbortRequest(msg.request_id))
+    ended = request.app[NODE].end_stream(msg.request_id)
+    return web.json_response({"aborted": bool(found or ended)})
 
 
 def _node_handler(method: str):
@@ -217,7 +255,7 @@ def add_common_routes(app: web.Application) -> None:
     async def metrics(request):
         rt = request.app[RUNTIME]
         rt.metrics.set_load(rt.loop.load, rt.loop.stats.preemptions,
-                            rt.heartbeat.failures if rt.heartbeat is not None else 0)
+                            rt.redis.heartbeat.failures if rt.redis is not None else 0)
         body, content_type = rt.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -237,7 +275,7 @@ async def start_site(app: web.Application, config: NodeConfig) -> web.AppRunner:
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         rt: NodeRuntime = app[RUNTIME]
         rt.http_addr = f"http://{config.host}:{port}"
         rt.node_id = config.node_id or f"{config.role}-{config.host}-{port}"

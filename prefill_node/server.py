@@ -33,8 +33,8 @@ from aiohttp import web
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, read_msgpack
-from ..common.protocol import Abort, PrefillRequest, PrefillResult
 from ..common.outcomes import PrefillOutcome
+from ..common.protocol import PrefillRequest, PrefillResult
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
 from ..kvtransfer import TransferError, make_sender, sender_options
@@ -186,20 +186,17 @@ class PrefillNode:
             raise InvalidRequest("kv_backend", f"this node sends over {self.config.kv_backend}, "
                                  f"not {task.kv_backend}")
 
-    async def abort(self, request: web.Request) -> web.Response:
-        try:
-            msg = await read_msgpack(request, Abort)
-        except InvalidRequest as e:
-            return error_response(400, str(e), e.field)
-        o = self.out.get(msg.request_id)
-        found = await self.rt.loop.submit(AbortRequest(msg.request_id))
+    def end_stream(self, request_id: str) -> bool:
+        """POST /abort (node/runtime.py), after the engine let go of the request: stop
+        sending its blocks; False when none are being sent."""
+        o = self.out.get(request_id)
         if o is not None:
             o.queue.put_nowait(None)
-        return web.json_response({"aborted": bool(found or o is not None)})
+        return o is not None
 
     def debug_state(self) -> dict:
         return {"outgoing": len(self.out)}
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    return build_node_app(config, PrefillNode, False, {"/prefill": "prefill", "/abort": "abort"})
+    return build_node_app(config, PrefillNode, False, {"/prefill": "prefill"})

@@ -110,7 +110,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                         config.cluster_token, on_node_down=directory.mark_addr_down)
     dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
-                            config.retry_after_s)
+                            config.retry_after_s, config.migration_limit)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
     log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
              config.model_id, config.policy, config.block_size, redact_url(config.redis_url),

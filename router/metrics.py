@@ -58,6 +58,7 @@ class RouterMetrics:
     prediction_hit_rate: object
     inflight_requests: object  # generating HTTP requests admitted (admission.py)
     admission_rejections: object  # labels reason (n.ADMISSION_REJECTION_REASONS)
+    migrations: object  # generations moved mid-stream to another decode node (migration.py)
 
     @classmethod
     def create(cls, model_name: str) -> RouterMetrics:
@@ -116,6 +117,8 @@ class RouterMetrics:
                                            "refused before any work, by reason (busy: 429 at "
                                            "--max-inflight; draining: 503 after SIGTERM; "
                                            "connections: 503 at --max-connections)", ["reason"]),
+            migrations=c.counter(n.REQUEST_MIGRATIONS, "Generations moved mid-stream to another "
+                                 "decode node after theirs failed (--migration-limit)"),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
