@@ -17,7 +17,7 @@ import logging
 
 from aiohttp import web
 
-from ..common.config import NodeConfig
+from ..common.config import NodeConfig, NodeRole
 from .runtime import RUNTIME, build_app, run_until_signal, start_site
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,8 @@ def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
     if prefill_nodes < 0 or decode_nodes < 0 or prefill_nodes + decode_nodes < 1:
         raise ValueError(f"sim-nodes: need at least one node, got {prefill_nodes} prefill and "
                          f"{decode_nodes} decode nodes")
-    roles = [("prefill", i) for i in range(prefill_nodes)] + [("decode", i) for i in range(decode_nodes)]
+    roles: list[tuple[NodeRole, int]] = ([("prefill", i) for i in range(prefill_nodes)]
+                                         + [("decode", i) for i in range(decode_nodes)])
     return [dataclasses.replace(template, role=role, port=0, node_id=f"{id_prefix}-{role}-{i}")
             for role, i in roles]
 
