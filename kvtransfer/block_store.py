@@ -40,7 +40,7 @@ from .packed import PackedBlocks
 from .wire import CHECKSUM_ALGOS, CHECKSUM_WSUM, CHECKSUM_XXH3
 
 __all__ = ["CHECKSUM_ALGO", "KVBlockStore", "allocate_kv_cache", "byte_view", "checksum",
-           "default_checksum_algo", "free_shared_kv_cache", "layout_of", "map_shared_kv_cache",
+           "default_checksum_algo", "free_shared_kv_cache", "map_shared_kv_cache",
            "shared_kv_cache", "shm_path"]
 
 SHM_DIR = "/dev/shm"

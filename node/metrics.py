@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..common import metric_names as n
+from ..common.load import NodeLoad
 from ..common.model_metrics import ModelMetrics
 from ..common.outcomes import FallbackReason, IndexBatchResult, PrefillOutcome, TransferEnd
-from ..common.load import NodeLoad
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
     from ..engine.engine_core import RequestDelta
