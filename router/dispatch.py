@@ -55,9 +55,9 @@ class Dispatcher:
     decisions: DecisionLog
     retry_after_s: int = 1  # Retry-After of the 503 "no decode node"
     migration_limit: int = 0  # legs a generation may move to after its decode node fails (migration.py)
-    inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
+    inflight: Counter[str] = field(default_factory=Counter)  # node_id -> this router's requests there
     # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
-    inflight_tokens: Counter = field(default_factory=Counter)
+    inflight_tokens: Counter[str] = field(default_factory=Counter)
     migrator: Migrator | None = field(init=False, default=None)  # None: migration off
 
     def __post_init__(self):
@@ -151,7 +151,7 @@ class Dispatcher:
         # The prefill work is in flight on the node that computes it (the decode node
         # when it prefills itself) until the first token.
         prefill = InflightSlot(self.inflight, self.inflight_tokens, (d.prefill or d.decode).node_id,
-                               d.prefill_work, count_request=d.prefill is not None)
+                               round(d.prefill_work), count_request=d.prefill is not None)
         decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
         try:
             return await self.client.generate(d.decode.http_addr, req), prefill, decode
@@ -181,10 +181,10 @@ class InflightSlot:
     ``tokens[node_id]``, until `release()` (idempotent). ``node_id`` None: no node
     (local prefill), nothing counted."""
 
-    counts: Counter
-    tokens: Counter
+    counts: Counter[str]
+    tokens: Counter[str]
     node_id: str | None
-    num_tokens: float = 0
+    num_tokens: int = 0  # token-equivalents of prefill work, rounded
     count_request: bool = True  # False: tokens only (the request is counted by another slot)
     released: bool = False
 
