@@ -54,6 +54,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = True
+    # Tokens already generated under this grammar, the last ones of the prompt: the matcher
+    # starts past them (a request migrated to another node mid-stream continues its grammar).
+    resume_token_ids: list[int] = []
 
     def validate(self) -> StructuredOutputsParams:
         """Raise `InvalidRequest` naming ``structured_outputs.<field>``; a schema given as
@@ -67,6 +70,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                                  f"got {', '.join(given) or 'none'}")
         if type(self.disable_any_whitespace) is not bool:
             raise InvalidRequest(f"{FIELD}.disable_any_whitespace", "must be a boolean")
+        if not isinstance(self.resume_token_ids, list) or not all(
+                type(t) is int and t >= 0 for t in self.resume_token_ids):
+            raise InvalidRequest(f"{FIELD}.resume_token_ids", "must be a list of token ids")
         if self.json is not None:
             self.json = _schema_text(self.json)
         for name in ("regex", "grammar"):

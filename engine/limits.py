@@ -49,4 +49,4 @@ class RequestLimits(NamedTuple):
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise InvalidRequest("structured_outputs", "not supported by a simulated node")
-            self.grammars.compile(params.structured_outputs)  # cached: the engine compiles again
+            self.grammars.check(params.structured_outputs)  # cached: the engine compiles again

@@ -103,9 +103,23 @@ class GrammarCache:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def check(self, params: StructuredOutputsParams) -> None:
+        """`InvalidRequest` unless the grammar compiles (and accepts ``resume_token_ids``)."""
+        if params.resume_token_ids:
+            self.new_state(params)
+        else:
+            self.compile(params)
+
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A matcher at the grammar's start, advanced past ``params.resume_token_ids``."""
         import xgrammar as xgr
-        return GrammarState(xgr.GrammarMatcher(self.compile(params)))
+        state = GrammarState(xgr.GrammarMatcher(self.compile(params)))
+        for token_id in params.resume_token_ids:
+            state.accept(token_id)
+        if state.rejected is not None:
+            raise InvalidRequest(f"{FIELD}.resume_token_ids", f"token {state.rejected} does not follow the "
+                                 "grammar from its start")
+        return state
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         """Built on first use (under the lock): a node that never sees a structured

@@ -12,6 +12,7 @@ node excluded::
     prompt      = the client's prompt + every token already received from the old leg
     max_tokens  = the original max_tokens - those tokens
     request id  = "<choice's id>~m<k>" for the k-th migration (fresh on every node)
+    structured outputs: the grammar resumes past those tokens (``resume_token_ids``)
     everything else in SamplingParams unchanged
 
 The `Generation` keeps its detokenizer, counts and client stream: the client sees
@@ -81,6 +82,10 @@ class Migrator:
         gen.failed_nodes += (failed.node_id,)
         request_id = f"{gen.request_id}~m{gen.migrations + 1}"
         params = msgspec.structs.replace(gen.params, max_tokens=remaining)
+        so = gen.params.structured_outputs
+        if so is not None:  # the new node's grammar starts past the tokens already streamed
+            params.structured_outputs = msgspec.structs.replace(
+                so, resume_token_ids=so.resume_token_ids + gen.output_ids)
         try:
             leg = await self.open_leg(request_id, gen.prompt + gen.output_ids, params,
                                       asyncio.get_running_loop().time(), frozenset(gen.failed_nodes))

@@ -147,3 +147,20 @@ def test_limits_without_grammars_refuse_structured_outputs():
     with pytest.raises(InvalidRequest) as err:
         limits.check([1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
     assert err.value.field == "structured_outputs"
+
+
+def test_resume_token_ids_continue_the_grammar(llm):
+    """A migrated request (router/migration.py): prompt + the tokens already streamed,
+    with the grammar resumed past them, ends the same JSON document."""
+    so = StructuredOutputsParams(json=SCHEMA)
+    prompt = llm.tokenize(ASK)
+    head = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, structured_outputs=so))[0]
+    assert head.finish_reason == "length"
+    resumed = StructuredOutputsParams(json=SCHEMA, resume_token_ids=head.token_ids)
+    tail = llm.generate([prompt + head.token_ids], SamplingParams(temperature=0, max_tokens=40,
+                                                                  structured_outputs=resumed))[0]
+    jsonschema.validate(json.loads(head.text + tail.text), SCHEMA)
+    with pytest.raises(InvalidRequest) as err:  # tokens the grammar refuses
+        bad = StructuredOutputsParams(json=SCHEMA, resume_token_ids=llm.tokenizer("hi")["input_ids"])
+        llm.generate([prompt], SamplingParams(max_tokens=4, structured_outputs=bad))
+    assert err.value.field == "structured_outputs.resume_token_ids"
