@@ -56,11 +56,12 @@ class Streamed:
                      if e.get("choices") and e["choices"][0]["finish_reason"]), None)
 
 
-async def stream_chat(url: str, stop: list[str] | None = None, on_chunk=None) -> Streamed:
+async def stream_chat(url: str, stop: list[str] | None = None, on_chunk=None, extra: dict | None = None) -> Streamed:
     """Stream one greedy chat completion to its end; ``await on_chunk(n)`` after the
-    n-th content chunk."""
+    n-th content chunk. ``extra``: more request fields."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     if stop:
         body["stop"] = stop
     out, content_chunks = Streamed(), 0
@@ -139,6 +140,25 @@ def test_killed_decode_node_mid_stream_the_stream_completes_unchanged(cluster):
     assert got.finish_reason == "length"
     assert got.text == ref.text  # token-exact greedy continuation (fp32)
 
+    wait_back(cluster, *killed[0])
+    asyncio.run(wait_pools_free([cluster.node(n).addr for n in NODES], cluster.auth_headers(), 10.0))
+
+
+def test_json_schema_output_stays_valid_across_a_migration(cluster):
+    """The new leg's grammar resumes past the tokens already streamed (resume_token_ids):
+    the client gets one valid JSON document, not a second one started mid-way."""
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": ["title", "words"],
+              "properties": {"title": {"type": "string", "maxLength": 30},
+                             "words": {"type": "array", "minItems": 3, "maxItems": 3,
+                                       "items": {"type": "string", "maxLength": 12}}}}
+    extra = {"max_tokens": 64, "response_format": {"type": "json_schema",
+                                                   "json_schema": {"name": "story", "schema": schema}}}
+    before, killed = migrations(cluster), []
+    got = asyncio.run(stream_chat(cluster.url, on_chunk=kill_after(cluster, 4, killed), extra=extra))
+    assert killed and got.done and migrations(cluster) == before + 1
+    assert got.finish_reason == "stop"
+    jsonschema.validate(json.loads(got.text), schema)
     wait_back(cluster, *killed[0])
     asyncio.run(wait_pools_free([cluster.node(n).addr for n in NODES], cluster.auth_headers(), 10.0))
 
