@@ -16,13 +16,13 @@ cached prompt tokens per node, with no Redis round trip per request.
         by load only) until it reconnects, resubscribes and resyncs every node.
 
 Data: ``_holders`` maps a block hash to a bitmask of node slots (one bit per
-mirrored (node, epoch)). A lookup walks the prompt's chained hashes once, hashing
-lazily ``CHUNK_BLOCKS`` at a time, AND-ing the candidates' bits; a node leaves the
-walk at its first missing block, and the walk stops when no candidate is left, so
-its cost is the longest cached run (plus a chunk), not prompt length x nodes. A
-chunk whose last block every remaining candidate holds is taken whole: a node's
-set is prefix-closed (engines evict a sequence's tail first, KVCacheManager.free),
-so one dict read stands for the chunk; a set with a hole may be read long, which
+mirrored (node, epoch)). A lookup takes the prompt's chained hashes (computed once
+per request by the caller, or here), AND-s the candidates' bits at the first block,
+then bisects for the last block every remaining candidate holds: a node's set is
+prefix-closed (engines evict a sequence's tail first, KVCacheManager.free), so the
+nodes missing block i miss every later one. Those leave with their depth and the
+rest go on, so a lookup costs ~log2(blocks) dict reads per distinct depth among the
+candidates, not prompt length x nodes. A set with a hole may be read long, which
 the router counts as a misprediction.
 
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
+import numpy as np
 
-from ..common.hashing import iter_hash_chunks
+from ..common.hashing import hash_blocks_array
 from ..common.kv_events import IndexUpdate, decode_index_update
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from ..common.registry import NodeInfo
@@ -52,7 +53,6 @@ from .metrics import RouterMetrics
 log = logging.getLogger(__name__)
 
 NodeKey = tuple[str, str]  # (node_id, epoch)
-CHUNK_BLOCKS = 32  # a lookup hashes and checks the prompt this many blocks at a time
 STOP_ATTEMPTS = 20  # cancellations stop() sends, STOP_WAIT_S apart
 STOP_WAIT_S = 0.25
 
@@ -96,10 +96,13 @@ class PrefixIndex:
 
     # -- lookups (request path, no I/O) -------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo]) -> PrefixHits:
+    def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo],
+               hashes: Sequence[int] | np.ndarray | None = None) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
         leading blocks each node holds (at the epoch of its registry record), in
-        tokens, capped like the engine caps a hit (at least one token is computed)."""
+        tokens, capped like the engine caps a hit (at least one token is computed).
+        ``hashes``: the prompt's block hashes when the caller has them (computed
+        once per request, `PromptHashes`); otherwise they are computed here."""
         bs = self.block_size
         num_blocks = len(prompt) // bs
         if not self.connected:
@@ -116,25 +119,10 @@ class PrefixIndex:
         self.metrics.index_lookups.labels(result="ok").inc()
         if max_blocks == 0 or not alive:
             return PrefixHits({}, num_blocks, True)
+        if hashes is None:
+            hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, (self.model_id,))
         cached: dict[str, int] = {}
-        get = self._holders.get
-        depth = 0  # blocks every node in ``alive`` holds
-        for chunk in iter_hash_chunks(prompt, bs, (self.model_id,), chunk_blocks=CHUNK_BLOCKS):
-            chunk = chunk[: max_blocks - depth]
-            if get(chunk[-1], 0) & alive == alive:  # prefix-closed sets: the whole chunk is held
-                depth += len(chunk)
-            else:
-                for h in chunk:
-                    held = get(h, 0) & alive
-                    if held != alive:
-                        _settle(alive & ~held, depth * bs, slot_node, cached)
-                        alive = held
-                        if not alive:
-                            break
-                    depth += 1
-            if not alive or depth >= max_blocks:
-                break
-        _settle(alive, depth * bs, slot_node, cached)
+        _walk(self._holders.get, hashes, max_blocks, alive, bs, slot_node, cached)
         return PrefixHits(cached, num_blocks, True)
 
     def nodes_mirrored(self) -> dict[NodeKey, int]:
@@ -308,6 +296,31 @@ class PrefixIndex:
                         "its prefix cache is invisible to routing", node.node_id,
                         node.block_size, self.block_size)
         return False
+
+
+def _walk(get, hashes, max_blocks: int, alive: int, bs: int, slot_node: dict[int, str],
+          cached: dict[str, int]) -> None:
+    """Settle in ``cached`` the depth of every node in ``alive``: the first block must
+    be held; then, sets being prefix-closed, the last block every remaining node
+    holds is found by bisection, the nodes missing the next one leave, and the rest
+    go on. ~log2(blocks) dict reads per distinct depth among the candidates."""
+    alive &= get(int(hashes[0]), 0)
+    depth = 1  # blocks every node in ``alive`` holds
+    while alive and depth < max_blocks:
+        if get(int(hashes[max_blocks - 1]), 0) & alive == alive:
+            depth = max_blocks
+            break
+        lo, hi = depth - 1, max_blocks - 1  # every node holds block lo; some miss block hi
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if get(int(hashes[mid]), 0) & alive == alive:
+                lo = mid
+            else:
+                hi = mid
+        held = get(int(hashes[hi]), 0) & alive
+        _settle(alive & ~held, hi * bs, slot_node, cached)
+        alive, depth = held, hi + 1
+    _settle(alive, depth * bs, slot_node, cached)
 
 
 def _settle(slots: int, tokens: int, slot_node: dict[int, str], cached: dict[str, int]) -> None:
