@@ -299,6 +299,9 @@ def main(argv=None) -> int:
     up.add_argument("--prefill-nodes", type=int)
     up.add_argument("--decode-nodes", type=int)
     up.add_argument("--port", type=int, help="router port")
+    up.add_argument("--router-replicas", type=int, default=1,
+                    help="routers behind the same Redis, each with its own prefix-index mirror "
+                         "(the first on --port, the others on free ports; all URLs are printed)")
     up.add_argument("--kv-backend", choices=KV_BACKENDS)
     up.add_argument("--kv-cache-memory")
     up.add_argument("--threads-per-node", type=int)

@@ -74,6 +74,7 @@ KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (d
 KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
+PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
 
 # ---- the label values known in advance: every series starts at 0, so rate() and the alerts
 # see a counter before its first event (callers may still add values).
@@ -88,3 +89,4 @@ PREFILL_OUTCOMES = ("ok", "bad_request", "aborted", "error", "transfer_failed")
 BLOCK_OK = ("true", "false")
 TRANSFER_STATES = ("owned", "failed", "aborted")
 FALLBACK_REASONS = ("no_blocks", "transfer_failed")  # decode_node/server.py: reason up to ":"
+PROMPT_HASH_RESULTS = ("adopted", "rehashed", "absent")  # node/metrics.py NodeMetrics.adopt_hashes

@@ -82,14 +82,27 @@ class NodeMetrics:
                                    ["state"])
         self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
                                    "failed or impossible transfer", ["reason"])
+        self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
+                                       "the router carried (adopted; rehashed: they did not check "
+                                       "out; absent: none carried)", ["result"])
         for counter, values in ((self.index_batches, n.INDEX_BATCH_RESULTS),
                                 (self.prefill_requests, n.PREFILL_OUTCOMES),
                                 (self.blocks_received, n.BLOCK_OK), (self.transfers, n.TRANSFER_STATES),
-                                (self.fallbacks, n.FALLBACK_REASONS)):
+                                (self.fallbacks, n.FALLBACK_REASONS),
+                                (self.prompt_hashes, n.PROMPT_HASH_RESULTS)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
         self._times: dict[str, RequestTimes] = {}  # req_id -> times; engine thread inserts
         self._preemptions_seen = 0
+
+    def adopt_hashes(self, carried, token_ids: list[int], block_size: int,
+                     model: str) -> list[int] | None:
+        """The carried `PromptHashes` of ``token_ids`` when they check out for this node
+        (counted adopted), else None: the engine hashes the prompt (rehashed / absent)."""
+        hashes = carried.adopt(token_ids, block_size, model) if carried is not None else None
+        result = "adopted" if hashes is not None else "rehashed" if carried is not None else "absent"
+        self.prompt_hashes.labels(result).inc()
+        return hashes
 
     def set_load(self, load, preemptions_total: int, heartbeat_failures: int) -> None:
         """Refresh the engine-state gauges (``load``: an EngineLoad)."""

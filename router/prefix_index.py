@@ -47,6 +47,7 @@ import numpy as np
 from ..common.hashing import hash_blocks_array
 from ..common.kv_events import IndexUpdate, decode_index_update
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
+from ..common.protocol import PromptHashes
 from ..common.registry import NodeInfo
 from .metrics import RouterMetrics
 
@@ -124,6 +125,15 @@ class PrefixIndex:
         cached: dict[str, int] = {}
         _walk(self._holders.get, hashes, max_blocks, alive, bs, slot_node, cached)
         return PrefixHits(cached, num_blocks, True)
+
+    def hash_prompt(self, prompt: Sequence[int]) -> np.ndarray:
+        """The prompt's block hashes as every node keys them (this router's block size,
+        the served model id): computed once per request, for ``lookup`` and the nodes."""
+        return hash_blocks_array(prompt, self.block_size, (self.model_id,))
+
+    def carried(self, hashes: np.ndarray) -> PromptHashes:
+        """``hash_prompt``'s result on the wire, for the nodes to adopt."""
+        return PromptHashes.of(hashes, self.block_size, self.model_id)
 
     def nodes_mirrored(self) -> dict[NodeKey, int]:
         """(node_id, epoch) -> blocks mirrored (tests, debugging)."""
