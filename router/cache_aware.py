@@ -59,7 +59,9 @@ stays short. The balance term charges a node for the work it recently got above
 the average, scaled by the share of the prompt it would have to compute: a new
 conversation that only shares a system prompt goes elsewhere once the holder runs
 ahead, while the next turn of a long conversation it holds (mostly cached) stays.
-Equal costs rotate.
+Equal costs rotate, by ``tie_key`` when the caller gives one (dispatch: the prompt's
+last block hash, so every router replica breaks a tie for the same prompt the same
+way), else by a counter.
 """
 
 from __future__ import annotations
@@ -88,12 +90,13 @@ class CacheAware:
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
-               inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+               tie_key: int | None = None) -> Decision | None:
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
         n = len(request_token_ids)
-        turn = next(self._tie)
+        turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills
         now = time.monotonic()
         prefill, p_cost = _cheapest(prefills, self.prefill_costs(prefills, n, cached, inflight,

@@ -73,7 +73,8 @@ class Dispatcher:
                 hits = self.prefix.lookup(prompt, nodes, hashes)
             decision = self.policy.choose(prompt, nodes, self.inflight,
                                           cached=hits.cached if hits else NO_CACHED,
-                                          inflight_tokens=self.inflight_tokens)
+                                          inflight_tokens=self.inflight_tokens,
+                                          tie_key=int(hashes[-1]) if len(hashes) else None)
             if decision is None:
                 break
             decision_s, hash_s = time.perf_counter() - t_route + hash_s, 0.0
