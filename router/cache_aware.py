@@ -69,7 +69,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..common.registry import NodeInfo
 from .config import CacheAwareWeights
@@ -217,11 +217,14 @@ def _cheapest(nodes: Sequence[NodeInfo], costs: list[float], turn: int
 
 
 class RecentWork:
-    """node_id -> prompt tokens sent there to compute, each decaying with a half-life."""
+    """node_id -> prompt tokens sent there to compute, each decaying with a half-life.
+    ``listener(node_id, tokens)`` hears this router's own additions (router/shared_work.py
+    publishes them to the other replicas, whose entries come in through ``merge``)."""
 
     def __init__(self, half_life_s: float):
         self.rate = math.log(2) / half_life_s
         self._work: dict[str, tuple[float, float]] = {}  # node_id -> (value, monotonic time of value)
+        self.listener: Callable[[str, float], None] | None = None
 
     def values(self, nodes: Sequence[NodeInfo], now: float) -> list[float]:
         """``get`` of every node, in one pass."""
@@ -237,4 +240,11 @@ class RecentWork:
         return value * math.exp(-self.rate * (now - at))
 
     def add(self, node_id: str, tokens: float, now: float) -> None:
-        self._work[node_id] = (self.get(node_id, now) + tokens, now)
+        self.merge(node_id, tokens, now)
+        if self.listener is not None:
+            self.listener(node_id, tokens)
+
+    def merge(self, node_id: str, tokens: float, at: float) -> None:
+        """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly
+        earlier than the last entry: the decay runs from ``at`` either way)."""
+        self._work[node_id] = (self.get(node_id, at) + tokens, at)
