@@ -148,12 +148,13 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
     from splitserve.common.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=16)
-    lat, routed, hit_tokens, done = [], [], 0, 0
+    lat, routed, cpu, cpu_routed, hit_tokens, done = [], [], [], [], 0, 0
     parts = {"read_tokens": [], "hash": [], "lookup": [], "score": [], "encode": []}
     stop = time.perf_counter() + seconds
     start = time.perf_counter()
     while time.perf_counter() < stop:
         prompt = prompts[done % len(prompts)]
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         hashes = px.hash_prompt(prompt)
         t1 = time.perf_counter()
@@ -162,10 +163,13 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
         d = policy.choose(prompt, nodes, cached=found.cached,
                           tie_key=int(hashes[-1]) if len(hashes) else None)
         t3 = time.perf_counter()
+        c3 = time.thread_time()
         wire = msgspec.msgpack.encode(GenerateRequest(
             request_id="r", token_ids=prompt, sampling_params=params, prefill_addr=d.prefill.http_addr,
             transfer_id="t", prompt_hashes=px.carried(hashes)))
         t4 = time.perf_counter()
+        cpu_routed.append(time.thread_time() - c0)
+        cpu.append(c3 - c0)
         lat.append(t3 - t0)
         routed.append(t4 - t0)
         if done % 8 == 0:  # the share of reading the list, timed on its own now and then
@@ -185,6 +189,12 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
             "routed_per_s": round(done / sum(routed), 1), "routed_p50_ms": ms(routed, 0.5),
             "routed_p99_ms": ms(routed, 0.99), "loop_per_s": round(done / wall, 1),
             "parts_p50_ms": {k: ms(v, 0.5) for k, v in parts.items()},
+            # CPU time of this thread: what the work costs the core, without the time other
+            # processes of the shared machine took the core away (the wall figures above)
+            "decision_per_cpu_s": round(done / sum(cpu), 1), "decision_cpu_p50_ms": ms(cpu, 0.5),
+            "decision_cpu_p99_ms": ms(cpu, 0.99),
+            "routed_per_cpu_s": round(done / sum(cpu_routed), 1), "routed_cpu_p50_ms": ms(cpu_routed, 0.5),
+            "routed_cpu_p99_ms": ms(cpu_routed, 0.99),
             "mean_predicted_cached_tokens_of_choice": round(hit_tokens / max(1, done))}
 
 
@@ -206,27 +216,39 @@ def parse_cost(prompt: list[int], runs: int = 20) -> dict:
     return {"parse_body_p50_ms": round(times[len(times) // 2] * 1000, 3), "body_bytes": len(body)}
 
 
-def agreement(a, b, prompts, nodes, rng: random.Random, requests: int = 400, weights=None) -> dict:
-    """Two routers (mirrors ``a`` and ``b``, each its own cache_aware with its own
-    recent-work history) take alternate requests of a steady stream; for each request
-    the other router's choice at the same moment (on a copy of its policy, so its
-    history stays its own) is compared with the serving router's."""
-    import copy
-
+async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests: int = 400,
+                    share: bool = True, rate: float = 200.0) -> dict:
+    """Two routers (mirrors ``a`` and ``b``, each with its own cache_aware) take
+    alternate requests of a steady stream at ``rate``/s; for each request the other
+    router's choice at the same moment (on a copy of its policy's history, so that stays
+    its own) is compared with the serving router's. ``share``: the routers share their
+    recent work per node over Redis (router/shared_work.py, as ``splitserve router``
+    does); without it each one's balance term sees only its own half of the traffic."""
+    from splitserve.common.kv_index import KVIndex
     from splitserve.router.cache_aware import CacheAware
-    from splitserve.router.config import CacheAwareWeights
+    from splitserve.router.shared_work import SharedWork
 
-    pols = {id(a): CacheAware(weights), id(b): CacheAware(weights)}
+    pols = {id(a): CacheAware(), id(b): CacheAware()}
+    shared = [SharedWork(KVIndex(url), p.recent) for p in pols.values()] if share else []
+    for s in shared:
+        s.start()
+    await asyncio.sleep(0.3)  # subscribed
     same = 0
     for i in range(requests):
         prompt = rng.choice(prompts)
         serve, other = (a, b) if i % 2 == 0 else (b, a)
         key = int(serve.hash_prompt(prompt)[-1])  # as dispatch breaks ties
         d = pols[id(serve)].choose(prompt, nodes, cached=serve.lookup(prompt, nodes).cached, tie_key=key)
-        o = copy.deepcopy(pols[id(other)]).choose(prompt, nodes, cached=other.lookup(prompt, nodes).cached,
-                                                  tie_key=key)
+        peek = CacheAware()  # the other router's policy with its history, choosing without recording
+        peek.recent._work = dict(pols[id(other)].recent._work)
+        o = peek.choose(prompt, nodes, cached=other.lookup(prompt, nodes).cached, tie_key=key)
         same += (d.prefill.node_id, d.decode.node_id) == (o.prefill.node_id, o.decode.node_id)
-    return {"requests": requests, "same_decision": same, "share": round(same / requests, 4)}
+        await asyncio.sleep(1 / rate)
+    for s in shared:
+        await s.stop()
+        await s.index.close()
+    return {"requests": requests, "rate_per_s": rate, "shared_recent_work": share,
+            "same_decision": same, "share": round(same / requests, 4)}
 
 
 def mirror_bytes(state) -> tuple[int, int, int]:
@@ -265,9 +287,8 @@ async def run_one(prefills: int, args) -> dict:
         prompts += [c[:SYSTEM_TOKENS] + [rng.randrange(100, 50000) for _ in range(98_000)] for c in convs[:4]]
         agree = sum(a.lookup(p, nodes) == b.lookup(p, nodes) == late.lookup(p, nodes) for p in prompts)
         await late.stop()
-        agree_decisions = agreement(a, b, prompts, nodes, rng)
-        # the same without the balance term (its recent-work history is each router's own)
-        agree_no_balance = agreement(a, b, prompts, nodes, rng, weights=CacheAwareWeights(balance=0.0))
+        agree_decisions = await agreement(a, b, url, prompts, nodes, rng)
+        agree_unshared = await agreement(a, b, url, prompts, nodes, rng, share=False)
         os.sched_setaffinity(0, {0})
         decision = decide(a, CacheAware(), prompts, nodes, args.seconds)
         decision.update(parse_cost(prompts[0]))
@@ -298,7 +319,7 @@ async def run_one(prefills: int, args) -> dict:
             "late_router_catch_up_s": round(late_s, 2),
             "routers_agree": f"{agree}/{len(prompts)}",
             "routers_same_decision": agree_decisions,
-            "routers_same_decision_without_balance_term": agree_no_balance,
+            "routers_same_decision_without_sharing_recent_work": agree_unshared,
             "mirror_entries": entries, "mirror_distinct_blocks": distinct,
             "mirror_bytes_per_million_entries": round(nbytes / entries * 1e6),
             "event_loss": {"updates_sent": sent, "updates_lost": lossy.dropped,

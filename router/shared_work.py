@@ -2,13 +2,14 @@
 cache_aware's balance term (`RecentWork` in router/cache_aware.py).
 
     a decision on this router      RecentWork.add at once (the policy), and queued here
-    every flush_s                  one PUBLISH of the queued (node_id, work, wall time)
-                                   on WORK_CHANNEL, tagged with this router's id
+    the flush task, woken by it    one PUBLISH of everything queued meanwhile (node_id,
+                                   work, wall time) on WORK_CHANNEL, tagged with this
+                                   router's id: at once when idle, batched under load
     every router's listener        adds the other routers' entries at their time (its
                                    own echo is skipped)
 
-Each replica's RecentWork is then everyone's recent work, up to one flush and the
-pub/sub delay, so replicas weigh a node's share of the work alike and make the same
+Each replica's RecentWork is then everyone's recent work, up to the pub/sub delay,
+so replicas weigh a node's share of the work alike and make the same
 choice for the same prompt. Redis unreachable (or a message lost): a router counts
 what it hears, at worst only its own decisions, the balance term from its share of
 the traffic; decisions never wait on Redis.
@@ -45,16 +46,17 @@ class RoutedWork(msgspec.Struct, tag=True, array_like=True):
 class SharedWork:
     index: KVIndex
     recent: RecentWork  # this router's policy's
-    flush_s: float = 0.01
     retry_s: float = 1.0
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     received: int = 0  # entries applied from other routers
     _queue: list[tuple[str, float, float]] = field(default_factory=list)
+    _queued: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     def record(self, node_id: str, work: float) -> None:
         """A decision of this router sent ``work`` to ``node_id`` (already in `recent`)."""
         self._queue.append((node_id, work, time.time()))
+        self._queued.set()
 
     def start(self) -> None:
         self.recent.listener = self.record
@@ -72,9 +74,8 @@ class SharedWork:
     async def _flush(self) -> None:
         enc = msgspec.msgpack.Encoder()
         while True:
-            await asyncio.sleep(self.flush_s)
-            if not self._queue:
-                continue
+            await self._queued.wait()
+            self._queued.clear()
             batch, self._queue = self._queue, []
             try:
                 await self.index.publish(WORK_CHANNEL, enc.encode(RoutedWork(self.router_id, batch)))
