@@ -11,11 +11,12 @@ hand it to the component; nothing here holds state.
 """
 
 import argparse
-import logging
 import json
+import logging
 import sys
+from typing import Callable, NamedTuple
 
-from .common.config import KV_BACKENDS, LOAD_FORMATS
+from .common.config import LOAD_FORMATS, KVBackend
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +75,19 @@ def engine_config(args, sim=None):
                         sim=sim)
 
 
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON line per prompt")
+
+
 def cmd_generate(args) -> int:
     from .common.errors import InvalidRequest
     from .common.sampling_params import SamplingParams
@@ -111,7 +125,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
     g.add_argument("--redis-url", default=None, help="registry; without it the node is not discoverable")
     g.add_argument("--node-id", default="")
-    g.add_argument("--kv-backend", choices=KV_BACKENDS, default="tcp")
+    g.add_argument("--kv-backend", choices=tuple(KVBackend), default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
     add_cluster_token_args(g)
@@ -130,11 +144,35 @@ def node_config(args, role: str, sim=None):
                       drain_grace_s=args.drain_grace)
 
 
+def _add_prefill_args(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    _add_node_args(p)
+
+
+def _add_decode_args(p: argparse.ArgumentParser) -> None:
+    _add_prefill_args(p)
+    p.add_argument("--colocated", action="store_true", help="prefill every request locally")
+
+
 def cmd_node(args) -> int:
     from .node.runtime import run_node
 
     run_node(node_config(args, "colocated" if args.command == "decode" and args.colocated else args.command))
     return 0
+
+
+def _add_sim_nodes_args(p: argparse.ArgumentParser) -> None:
+    _add_engine_args(p)
+    _add_node_args(p)
+    p.add_argument("--prefill-nodes", type=int, default=4)
+    p.add_argument("--decode-nodes", type=int, default=1)
+    p.add_argument("--sim-timing", default=None,
+                   help="timing-model JSON from benchmarks/fit_timing.py (default: the built-in fit)")
+    p.add_argument("--sim-speedup", type=float, default=1.0, help="divide every simulated step by this")
+    p.add_argument("--id-prefix", default="sim", help="node ids are <prefix>-<role>-<i>")
+    p.add_argument("--profile", default=None, help="a GPU deployment to stand for (common/sim_profiles.toml): "
+                   "sets context, KV pool, block size, chunking and a roofline timing")
+    p.add_argument("--list-profiles", action="store_true", help="print the profiles' derived numbers and exit")
 
 
 def cmd_sim_nodes(args) -> int:
@@ -158,6 +196,26 @@ def cmd_sim_nodes(args) -> int:
     return 0
 
 
+def _add_make_trace_args(p: argparse.ArgumentParser) -> None:
+    from .benchmarks.replay.generate import PRESETS
+
+    p.add_argument("out")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="long-context: input p50 ~10k, p90 ~30k, max ~128k tokens (flags below override)")
+    p.add_argument("--tenants", type=int, default=None, help="system prompts")
+    p.add_argument("--max-system-blocks", type=int, default=None,
+                   help="system prompts have 1..N blocks of 512 tokens")
+    p.add_argument("--users-per-tenant", type=int, default=None)
+    p.add_argument("--user-blocks", type=int, default=None, help="blocks of a user's profile")
+    p.add_argument("--rate", type=float, default=None, help="new conversations per second")
+    p.add_argument("--duration", type=float, default=None, help="seconds in which conversations start")
+    p.add_argument("--mean-turns", type=float, default=None)
+    p.add_argument("--user-tokens", type=int, default=None, help="mean user-message tokens")
+    p.add_argument("--output-tokens", type=int, default=None, help="mean answer tokens")
+    p.add_argument("--think-time", type=float, default=None, help="mean seconds between turns")
+    p.add_argument("--seed", type=int, default=None)
+
+
 def cmd_make_trace(args) -> int:
     import dataclasses
 
@@ -177,6 +235,27 @@ def cmd_make_trace(args) -> int:
     return 0
 
 
+def _add_replay_args(p: argparse.ArgumentParser) -> None:
+    from .router.config import POLICIES
+
+    p.add_argument("trace", help="JSONL: {timestamp (ms), input_length, output_length, hash_ids}")
+    p.add_argument("--prefill-nodes", type=int, default=16)
+    p.add_argument("--decode-nodes", type=int, default=None, help="default: prefill nodes / 4")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    p.add_argument("--speedup", type=float, default=10.0, help="trace seconds per wall-clock second")
+    p.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's max_tokens")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="per simulated node")
+    p.add_argument("--fleet-procs", type=int, default=2, help="processes the simulated nodes share")
+    p.add_argument("--sim-timing", default=None, help="timing-model JSON (default: the built-in fit)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--router-arg", action="append", help="extra router flag (repeatable), e.g. "
+                   "--router-arg=--score-weights=prefill_request=16")
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--profile", default=None, help="simulated nodes stand for this GPU deployment "
+                   "(splitserve sim-nodes --list-profiles); replaces --kv-cache-memory and --sim-timing")
+    p.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id in the trace")
+
+
 def cmd_replay(args) -> int:
     from .benchmarks.replay.run import ReplayConfig, print_summary, run_replay
 
@@ -190,6 +269,12 @@ def cmd_replay(args) -> int:
     return 0 if result["failed"] == 0 else 1
 
 
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    from .router.config import add_router_args
+
+    add_router_args(p)
+
+
 def cmd_router(args) -> int:
     from .router.app import run_router
     from .router.config import router_config
@@ -198,10 +283,46 @@ def cmd_router(args) -> int:
     return 0
 
 
+def _add_up_args(p: argparse.ArgumentParser) -> None:
+    from .router.config import add_model_args
+
+    p.add_argument("--config", default=None, help="TOML file (default: deploy/local.toml)")
+    p.add_argument("--prefill-nodes", type=int)
+    p.add_argument("--decode-nodes", type=int)
+    p.add_argument("--port", type=int, help="router port")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="routers behind the same Redis, each with its own prefix-index mirror "
+                        "(the first on --port, the others on free ports; all URLs are printed)")
+    p.add_argument("--kv-backend", choices=tuple(KVBackend))
+    p.add_argument("--kv-cache-memory")
+    p.add_argument("--threads-per-node", type=int)
+    p.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",
+                   help="pin roles to CPUs, e.g. prefill=0 decode=1 router=0 (a pinned node gets "
+                        "one torch thread per CPU)")
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--host", default=None, help="bind address of the router and nodes (default: "
+                   "deploy/local.toml's, 127.0.0.1)")
+    add_model_args(p)
+    p.add_argument("--device", default=None, help="every node's device: cpu (default), cuda, cuda:N")
+    p.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
+                   help="devices the prefill nodes cycle through, e.g. cuda:0 (default: --device)")
+    p.add_argument("--decode-devices", nargs="+", metavar="DEVICE",
+                   help="devices the decode nodes cycle through, e.g. cuda:1 (default: --device)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")
+
+
 def cmd_up(args) -> int:
     from .deploy.launcher import launch
 
     return launch(args)
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    from .benchmarks.serve.cli import add_bench_args
+
+    add_bench_args(p)
 
 
 def cmd_bench(args) -> int:
@@ -210,124 +331,39 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
+class Command(NamedTuple):
+    """One subcommand: its flags are added by ``add_args`` and ``run`` handles them."""
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS = (
+    Command("generate", "generate offline with the engine (no servers)", _add_generate_args, cmd_generate),
+    Command("prefill", "run a prefill node", _add_prefill_args, cmd_node),
+    Command("decode", "run a decode node", _add_decode_args, cmd_node),
+    Command("sim-nodes", "run simulated prefill and decode nodes in one process: real servers, block pool "
+            "and scheduler, a timing model in place of the model", _add_sim_nodes_args, cmd_sim_nodes),
+    Command("make-trace", "write a multi-tenant shared-prefix routing trace (JSONL)", _add_make_trace_args,
+            cmd_make_trace),
+    Command("replay", "replay a routing trace through the router against simulated nodes", _add_replay_args,
+            cmd_replay),
+    Command("router", "run the OpenAI-compatible router", _add_router_args, cmd_router),
+    Command("up", "start a local cluster (redis, router, nodes) and serve until Ctrl-C", _add_up_args, cmd_up),
+    Command("bench", "benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, E2E percentiles, throughput, "
+            "goodput", _add_bench_args, cmd_bench),
+)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate offline with the engine (no servers)")
-    _add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
-    gen.set_defaults(func=cmd_generate)
-
-    for role in ("prefill", "decode"):
-        node = sub.add_parser(role, help=f"run a {role} node")
-        _add_engine_args(node)
-        _add_node_args(node)
-        if role == "decode":
-            node.add_argument("--colocated", action="store_true", help="prefill every request locally")
-        node.set_defaults(func=cmd_node)
-
-    sim = sub.add_parser("sim-nodes", help="run simulated prefill and decode nodes in one process: real "
-                         "servers, block pool and scheduler, a timing model in place of the model")
-    _add_engine_args(sim)
-    _add_node_args(sim)
-    sim.add_argument("--prefill-nodes", type=int, default=4)
-    sim.add_argument("--decode-nodes", type=int, default=1)
-    sim.add_argument("--sim-timing", default=None,
-                     help="timing-model JSON from benchmarks/fit_timing.py (default: the built-in fit)")
-    sim.add_argument("--sim-speedup", type=float, default=1.0, help="divide every simulated step by this")
-    sim.add_argument("--id-prefix", default="sim", help="node ids are <prefix>-<role>-<i>")
-    sim.add_argument("--profile", default=None, help="a GPU deployment to stand for (common/sim_profiles.toml): "
-                     "sets context, KV pool, block size, chunking and a roofline timing")
-    sim.add_argument("--list-profiles", action="store_true", help="print the profiles' derived numbers and exit")
-    sim.set_defaults(func=cmd_sim_nodes)
-
-    mk = sub.add_parser("make-trace", help="write a multi-tenant shared-prefix routing trace (JSONL)")
-    mk.add_argument("out")
-    from .benchmarks.replay.generate import PRESETS
-    mk.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                    help="long-context: input p50 ~10k, p90 ~30k, max ~128k tokens (flags below override)")
-    mk.add_argument("--tenants", type=int, default=None, help="system prompts")
-    mk.add_argument("--max-system-blocks", type=int, default=None,
-                    help="system prompts have 1..N blocks of 512 tokens")
-    mk.add_argument("--users-per-tenant", type=int, default=None)
-    mk.add_argument("--user-blocks", type=int, default=None, help="blocks of a user's profile")
-    mk.add_argument("--rate", type=float, default=None, help="new conversations per second")
-    mk.add_argument("--duration", type=float, default=None, help="seconds in which conversations start")
-    mk.add_argument("--mean-turns", type=float, default=None)
-    mk.add_argument("--user-tokens", type=int, default=None, help="mean user-message tokens")
-    mk.add_argument("--output-tokens", type=int, default=None, help="mean answer tokens")
-    mk.add_argument("--think-time", type=float, default=None, help="mean seconds between turns")
-    mk.add_argument("--seed", type=int, default=None)
-    mk.set_defaults(func=cmd_make_trace)
-
-    rp = sub.add_parser("replay", help="replay a routing trace through the router against simulated nodes")
-    rp.add_argument("trace", help="JSONL: {timestamp (ms), input_length, output_length, hash_ids}")
-    rp.add_argument("--prefill-nodes", type=int, default=16)
-    rp.add_argument("--decode-nodes", type=int, default=None, help="default: prefill nodes / 4")
-    from .router.config import POLICIES
-    rp.add_argument("--policy", choices=POLICIES, default="cache_aware")
-    rp.add_argument("--speedup", type=float, default=10.0, help="trace seconds per wall-clock second")
-    rp.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's max_tokens")
-    rp.add_argument("--kv-cache-memory", default="1GiB", help="per simulated node")
-    rp.add_argument("--fleet-procs", type=int, default=2, help="processes the simulated nodes share")
-    rp.add_argument("--sim-timing", default=None, help="timing-model JSON (default: the built-in fit)")
-    rp.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    rp.add_argument("--router-arg", action="append", help="extra router flag (repeatable), e.g. "
-                    "--router-arg=--score-weights=prefill_request=16")
-    rp.add_argument("--result-json", default=None)
-    rp.add_argument("--profile", default=None, help="simulated nodes stand for this GPU deployment "
-                    "(splitserve sim-nodes --list-profiles); replaces --kv-cache-memory and --sim-timing")
-    rp.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id in the trace")
-    rp.set_defaults(func=cmd_replay)
-
-    router = sub.add_parser("router", help="run the OpenAI-compatible router")
-    from .router.config import add_router_args
-    add_router_args(router)
-    router.set_defaults(func=cmd_router)
-
-    up = sub.add_parser("up", help="start a local cluster (redis, router, nodes) and serve until Ctrl-C")
-    up.add_argument("--config", default=None, help="TOML file (default: deploy/local.toml)")
-    up.add_argument("--prefill-nodes", type=int)
-    up.add_argument("--decode-nodes", type=int)
-    up.add_argument("--port", type=int, help="router port")
-    up.add_argument("--router-replicas", type=int, default=1,
-                    help="routers behind the same Redis, each with its own prefix-index mirror "
-                         "(the first on --port, the others on free ports; all URLs are printed)")
-    up.add_argument("--kv-backend", choices=KV_BACKENDS)
-    up.add_argument("--kv-cache-memory")
-    up.add_argument("--threads-per-node", type=int)
-    up.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",
-                    help="pin roles to CPUs, e.g. prefill=0 decode=1 router=0 (a pinned node gets "
-                         "one torch thread per CPU)")
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--host", default=None, help="bind address of the router and nodes (default: "
-                    "deploy/local.toml's, 127.0.0.1)")
-    from .router.config import add_model_args
-    add_model_args(up)
-    up.add_argument("--device", default=None, help="every node's device: cpu (default), cuda, cuda:N")
-    up.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
-                    help="devices the prefill nodes cycle through, e.g. cuda:0 (default: --device)")
-    up.add_argument("--decode-devices", nargs="+", metavar="DEVICE",
-                    help="devices the decode nodes cycle through, e.g. cuda:1 (default: --device)")
-    up.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
-    up.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")
-    up.set_defaults(func=cmd_up)
-
-    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, "
-                           "E2E percentiles, throughput, goodput")
-    from .benchmarks.serve.cli import add_bench_args
-    add_bench_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help)
+        command.add_args(p)
+        p.set_defaults(func=command.run)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -69,7 +69,8 @@ async def build(redis_url: str, prefills: int, decodes: int, convs: list[list[in
     """Write every node's index entries; (nodes, writer, per-node (epoch, seq, held hashes))."""
     from splitserve.common.hashing import hash_blocks
     from splitserve.common.kv_index import IndexDelta, KVIndex
-    from splitserve.common.registry import NodeInfo, NodeLoad, new_epoch
+    from splitserve.common.load import NodeLoad
+    from splitserve.common.registry import NodeInfo, new_epoch
 
     writer = KVIndex(redis_url, ttl_s=600.0, timeout_s=10.0)
     nodes = [NodeInfo(node_id=f"p{i}", role="prefill", http_addr="http://127.0.0.1:1", model=MODEL,
@@ -256,15 +257,17 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
 def mirror_bytes(state) -> tuple[int, int, int]:
     """(bytes, (block, node) entries, distinct blocks) of a mirror filled from the
     nodes' snapshots decoded from msgpack, as the router receives them."""
-    from splitserve.common.kv_events import IndexUpdate, decode_index_update, encode_index_update
+    import msgspec
+
+    from splitserve.common.kv_events import IndexUpdate
     from splitserve.router.prefix_index import PrefixIndex
 
-    payloads = [encode_index_update(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
+    payloads = [msgspec.msgpack.encode(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     px = PrefixIndex(None, None, MODEL, BS)  # never started: filled directly
     for p in payloads:
-        u = decode_index_update(p)
+        u = msgspec.msgpack.decode(p, type=IndexUpdate)
         px._replace((u.node_id, u.epoch), u.seq, set(u.stored))
         del u
     used = tracemalloc.get_traced_memory()[0] - base

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import openai
 
-from splitserve.common.config import KV_BACKENDS
+from splitserve.common.config import KVBackend
 from splitserve.deploy.launcher import Cluster
 
 RESULTS = Path(__file__).parent / "results"
@@ -48,7 +48,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--backend", default="shm", choices=KV_BACKENDS)
+    ap.add_argument("--backend", default="shm", choices=tuple(KVBackend))
     ap.add_argument("--chunk", type=int, default=128, help="prefill chunk size (blocks stream per chunk)")
     ap.add_argument("--rounds", type=int, default=2, help="alternate the two setups this many times")
     ap.add_argument("--out", default=str(RESULTS / "ttft.json"))

@@ -24,9 +24,11 @@ from typing import Any, NamedTuple
 
 from hypothesis import strategies as st
 
+from ..common.chat import CHAT_ROLES
+
 MODEL = "SmolLM2-135M-Instruct"
 PATHS = ("/v1/completions", "/v1/chat/completions")
-ROLES = ("system", "developer", "user", "assistant", "tool", "wizard", "")
+ROLES = (*CHAT_ROLES, "wizard", "")  # and two the router must refuse
 
 
 class Raw(NamedTuple):

@@ -4,14 +4,28 @@ line, before it starts, and passes it down; nothing writes back to it."""
 import json
 import re
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Literal
 from pathlib import Path
 
 from .bundled import BUNDLED_MODEL_ID
 from .roofline import Roofline
 
-# The KV transports a node can use (kvtransfer.factory.BACKENDS implements them). nccl runs
-# NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same host) needs CUDA.
-KV_BACKENDS = ("tcp", "shm", "ucx", "nccl", "ipc")
+
+NodeRole = Literal["prefill", "decode", "colocated"]
+
+
+class KVBackend(StrEnum):
+    """The KV transports a node can use (kvtransfer/factory.py maps each to its classes).
+    nccl runs NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same
+    host) needs CUDA; shm (same host) needs the decode node's pool in host memory."""
+    TCP = "tcp"
+    SHM = "shm"
+    UCX = "ucx"
+    NCCL = "nccl"
+    IPC = "ipc"
+
+
 # How the engine gets its weights (engine.loader): auto and safetensors read the folder's
 # checkpoint; dummy draws seeded random weights from its config.json alone (benchmarks).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -181,13 +195,13 @@ class EngineConfig:
 class NodeConfig:
     """A prefill, decode or colocated node process."""
 
-    role: str  # "prefill" | "decode" | "colocated" (a decode node that never asks a prefill node)
+    role: NodeRole  # colocated: a decode node that never asks a prefill node
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
     redis_url: str | None = None  # None: not registered (tests, single-node use)
     node_id: str = ""  # "" : derived from role and port
-    kv_backend: str = "tcp"  # one of KV_BACKENDS: how KV blocks travel to decode nodes
+    kv_backend: str = KVBackend.TCP  # a KVBackend value: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
     fault: str | None = None  # fault injection for tests: "corrupt_block"
     # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
@@ -197,8 +211,8 @@ class NodeConfig:
     def __post_init__(self):
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
-        if self.kv_backend not in KV_BACKENDS:
-            raise ValueError(f"kv_backend: must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
+        if self.kv_backend not in tuple(KVBackend):
+            raise ValueError(f"kv_backend: must be one of {', '.join(KVBackend)}, got {self.kv_backend!r}")
         on_cpu = self.engine.device.split(":")[0] == "cpu"
         if self.kv_backend == "shm" and not on_cpu and self.role == "decode":
             raise ValueError(f"kv_backend: shm keeps the KV pool in host memory, device is "

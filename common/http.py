@@ -8,11 +8,10 @@ from .errors import InvalidRequest
 from .protocol import ErrorBody
 
 MSGPACK = "application/msgpack"
-_encoder = msgspec.msgpack.Encoder()
 
 
 def msgpack_response(msg, status: int = 200) -> web.Response:
-    return web.Response(body=_encoder.encode(msg), status=status, content_type=MSGPACK)
+    return web.Response(body=msgspec.msgpack.encode(msg), status=status, content_type=MSGPACK)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:

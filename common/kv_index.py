@@ -40,8 +40,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
-                                         KVEvent, encode_index_update)
+import msgspec
+
+from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate, KVEvent
 from .registry import REDIS_ERRORS, make_redis
 
 __all__ = ["KVIndex", "IndexDelta", "NodeSnapshot", "REDIS_ERRORS", "EVENTS_CHANNEL", "blocks_key",
@@ -160,7 +161,7 @@ class KVIndex:
         prev = "" if delta.clear else str(seq - 1)
         removed = [] if delta.clear else list(delta.removed)
         stored = list(delta.stored)
-        update = encode_index_update(IndexUpdate(node_id, epoch, seq, delta.clear, stored, removed))
+        update = msgspec.msgpack.encode(IndexUpdate(node_id, epoch, seq, delta.clear, stored, removed))
         args = [prev, str(seq), self._ttl_ms, "1" if delta.clear else "0", len(removed),
                 _ARGS_PER_CALL, EVENTS_CHANNEL, update, *map(str, removed), *map(str, stored)]
         keys = [blocks_key(node_id, epoch), seq_key(node_id, epoch)]

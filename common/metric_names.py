@@ -76,17 +76,10 @@ FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label 
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
 PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
 
-# ---- the label values known in advance: every series starts at 0, so rate() and the alerts
-# see a counter before its first event (callers may still add values).
+# ---- label values known in advance that are not outcomes (those are common/outcomes.py's
+# enums): every series starts at 0, so rate() and the alerts see a counter before its first
+# event (callers may still add values).
 FINISHED_REASONS = ("stop", "length", "abort")
-FAILURE_REASONS = ("node_error", "node_unavailable", "client_disconnect", "cancelled")
 REDIS_OPS = ("list_nodes", "index_lookup")
-INDEX_LOOKUP_RESULTS = ("ok", "error", "skipped")
-PREDICTION_OUTCOMES = ("hit", "miss", "unseen", "none")
 ADMISSION_REJECTION_REASONS = ("busy", "draining", "connections")  # router/admission.py, listener.py
-INDEX_BATCH_RESULTS = ("ok", "refused", "error")
-PREFILL_OUTCOMES = ("ok", "bad_request", "aborted", "error", "transfer_failed")
 BLOCK_OK = ("true", "false")
-TRANSFER_STATES = ("owned", "failed", "aborted")
-FALLBACK_REASONS = ("no_blocks", "transfer_failed")  # decode_node/server.py: reason up to ":"
-PROMPT_HASH_RESULTS = ("adopted", "rehashed", "absent")  # node/metrics.py NodeMetrics.adopt_hashes

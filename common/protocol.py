@@ -117,11 +117,10 @@ class ErrorBody(msgspec.Struct, omit_defaults=True):
 
 
 _LEN = struct.Struct("!I")
-_encoder = msgspec.msgpack.Encoder()
 
 
 def encode_frame(msg: msgspec.Struct) -> bytes:
-    body = _encoder.encode(msg)
+    body = msgspec.msgpack.encode(msg)
     return _LEN.pack(len(body)) + body
 
 

@@ -21,7 +21,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -29,23 +28,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
+from .config import NodeRole
+from .load import NodeLoad
+
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "splitserve:node:"
 # What a Redis call can raise when the server is down, slow or unreachable.
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
-NodeRole = Literal["prefill", "decode", "colocated"]
-
-
-class NodeLoad(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
-    """A node's load at its last heartbeat."""
-
-    running: int = 0  # requests in the running batch
-    waiting: int = 0  # requests admitted but not yet running
-    queued_prefill_tokens: int = 0  # prompt tokens still to compute
-    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    kv_free_blocks: int = 0
 
 
 class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -100,14 +91,12 @@ class NodeRegistry:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
         self._redis = make_redis(redis_url)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(NodeInfo)
 
     async def heartbeat(self, info: NodeInfo) -> None:
         """Write `info` with a fresh TTL, in one pipelined round trip."""
         ttl_ms = max(1, int(self.ttl_s * 1000))
         async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.set(node_key(info.node_id), self._encoder.encode(info), px=ttl_ms)
+            pipe.set(node_key(info.node_id), msgspec.msgpack.encode(info), px=ttl_ms)
             await pipe.execute()
 
     async def deregister(self, node_id: str) -> None:
@@ -125,7 +114,7 @@ class NodeRegistry:
             if raw is None:  # expired between SCAN and MGET
                 continue
             try:
-                nodes.append(self._decoder.decode(raw))
+                nodes.append(msgspec.msgpack.decode(raw, type=NodeInfo))
             except msgspec.DecodeError as e:
                 log.warning("registry: skipping undecodable record %r: %s", key, e)
         nodes.sort(key=lambda n: n.node_id)

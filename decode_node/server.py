@@ -28,6 +28,7 @@ every block it holds (a reservation included).
 import asyncio
 import logging
 import uuid
+from typing import NamedTuple
 
 import aiohttp
 import msgspec
@@ -37,9 +38,9 @@ from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import MSGPACK, decode_error_body, error_response, read_msgpack
-from ..common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta,
-                                        encode_frame)
-from ..engine.engine_core import EngineCore, RequestDelta
+from ..common.outcomes import FallbackReason, TransferEnd
+from ..common.protocol import Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
+from ..engine.engine_core import RequestDelta
 from ..engine.engine_loop import AbortRequest, AddPrefilled, AddRequest, EngineLoop, Release, Reserve
 from ..kvtransfer import TransferError, make_receiver
 from ..kvtransfer.block_store import KVBlockStore
@@ -51,11 +52,16 @@ RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or
 LEASE_CHECK_S = 0.5  # how often expired leases are failed
 
 
+class Fallback(NamedTuple):
+    """Why a request is prefilled here after all."""
+    reason: FallbackReason
+    detail: str  # for the log
+
+
 class DecodeNode:
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
-        self.engine: EngineCore = runtime.engine  # config and cache tensor only: the engine thread owns it
         self.exporter = None  # a decode node exports no blocks
         self.transfers = TransferTable()
         self.streams: dict[str, asyncio.Queue] = {}  # req_id -> TokenDelta queue of its HTTP stream
@@ -78,7 +84,7 @@ class DecodeNode:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                              headers=auth_headers(self.config.cluster_token))
         if self.config.role == "decode":
-            store = KVBlockStore(self.engine.runner.kv_caches, self.rt.layout, self.rt.shm_name)
+            store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
             self.receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
                                           self._on_block, device=self.config.engine.device)
             self.receiver.accepts = self.transfers.is_live
@@ -155,7 +161,7 @@ class DecodeNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
-            self.engine.validate(req.token_ids, req.sampling_params)  # pure: reads the frozen config only
+            self.rt.limits.check(req.token_ids, req.sampling_params)  # a 400 now, not an error frame later
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:
@@ -189,28 +195,29 @@ class DecodeNode:
     async def _drive(self, req: GenerateRequest, queue: asyncio.Queue) -> None:
         """Get the request into the running batch: through a KV transfer, or locally."""
         rid = req.request_id
-        cfg = self.engine.config
+        cfg = self.config.engine
         hashes = self.metrics.adopt_hashes(req.prompt_hashes, req.token_ids, cfg.block_size, cfg.model_id)
         if req.prefill_addr and self.config.role == "decode":
-            reason = await self._transfer(req, queue, hashes)
-            if reason is None:
+            fallback = await self._transfer(req, queue, hashes)
+            if fallback is None:
                 return
-            self.m_fallbacks.labels(reason.split(":")[0]).inc()
-            log.warning("request %s: falling back to local prefill (%s)", rid, reason)
+            self.m_fallbacks.labels(fallback.reason).inc()
+            log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
+                        fallback.detail)
         try:
             await self.loop.submit(AddRequest(rid, req.token_ids, req.sampling_params, hashes))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
     async def _transfer(self, req: GenerateRequest, queue: asyncio.Queue,
-                        hashes: list[int] | None) -> str | None:
-        """Run the transfer; None when the request was admitted, else the failure reason.
+                        hashes: list[int] | None) -> Fallback | None:
+        """Run the transfer; None when the request was admitted, else why it was not.
         ``hashes``: the prompt's block hashes when the router's checked out."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
         res = await self.loop.submit(Reserve(rid, req.token_ids, hashes))
         if res is None:
-            return "no_blocks: pool full"
-        bs = self.engine.config.block_size
+            return Fallback(FallbackReason.NO_BLOCKS, "pool full")
+        bs = self.config.engine.block_size
         skip = res.num_cached_tokens // bs
         self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
         self.finished[tid] = done = asyncio.get_running_loop().create_future()
@@ -232,17 +239,17 @@ class DecodeNode:
                 result.num_cached_tokens, hashes))
             admitted = True
             self.transfers.own(tid)
-            self.m_transfers.labels("owned").inc()
+            self.m_transfers.labels(TransferEnd.OWNED).inc()
             self.on_deltas([delta])
             return None
         except asyncio.CancelledError:
             self.transfers.abort(tid, "request cancelled")
-            self.m_transfers.labels("aborted").inc()
+            self.m_transfers.labels(TransferEnd.ABORTED).inc()
             raise
         except (TransferError, InvalidRequest) as e:
             self.transfers.fail(tid, str(e))
-            self.m_transfers.labels("failed").inc()
-            return f"transfer_failed: {e}"
+            self.m_transfers.labels(TransferEnd.FAILED).inc()
+            return Fallback(FallbackReason.TRANSFER_FAILED, str(e))
         finally:
             self.finished.pop(tid, None)
             self.prefill_results.pop(tid, None)
@@ -266,16 +273,13 @@ class DecodeNode:
         except (aiohttp.ClientError, OSError, TimeoutError):
             pass  # the prefill node is gone: nothing of ours is left there
 
-    async def abort(self, request: web.Request) -> web.Response:
-        try:
-            msg = await read_msgpack(request, Abort)
-        except InvalidRequest as e:
-            return error_response(400, str(e), e.field)
-        q = self.streams.get(msg.request_id)
-        found = await self.loop.submit(AbortRequest(msg.request_id))
+    def end_stream(self, request_id: str) -> bool:
+        """POST /abort (node/runtime.py), after the engine let go of the request: end its
+        stream here; False when no stream of that id is open."""
+        q = self.streams.get(request_id)
         if q is not None:
-            q.put_nowait(TokenDelta(request_id=msg.request_id, finish_reason="abort"))
-        return web.json_response({"aborted": bool(found or q is not None)})
+            q.put_nowait(TokenDelta(request_id=request_id, finish_reason="abort"))
+        return q is not None
 
     def debug_state(self) -> dict:
         return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
@@ -284,4 +288,4 @@ class DecodeNode:
 
 def build_app(config: NodeConfig) -> web.Application:
     shm = config.role == "decode" and config.kv_backend == "shm"
-    return build_node_app(config, DecodeNode, shm, {"/generate": "generate", "/abort": "abort"})
+    return build_node_app(config, DecodeNode, shm, {"/generate": "generate"})

@@ -236,22 +236,10 @@ class BlockPool:
         block.token_ids = tokens
         self.cached[block_hash] = block
         last = self._events[-1] if self._events else None
-        if (
-            isinstance(last, BlockStored)
-            and last.block_size == len(tokens)
-            and last.block_hashes[-1] == parent_hash
-        ):
-            last.block_hashes.append(block_hash)
-            last.token_ids.extend(tokens)
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent_hash:
+            last.block_hashes.append(block_hash)  # the chain goes on: one event
         else:
-            self._events.append(
-                BlockStored(
-                    block_hashes=[block_hash],
-                    parent_hash=parent_hash,
-                    token_ids=list(tokens),
-                    block_size=len(tokens),
-                )
-            )
+            self._events.append(BlockStored([block_hash]))
         return True
 
     def take_events(self) -> list[KVEvent]:

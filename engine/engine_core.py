@@ -16,8 +16,10 @@ import torch
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
 from ..common.hashing import hash_blocks
+from ..common.load import NodeLoad
 from ..common.sampling_params import SamplingParams, TokenLogprobs
 from .kv_cache_manager import KVCacheManager
+from .limits import RequestLimits
 from .loader import resolve_model_dir
 from .model_runner import KVCacheFactory, ModelRunner
 from .request import Request
@@ -42,14 +44,6 @@ class Reservation(NamedTuple):
     num_cached_tokens: int  # leading tokens already in this engine's prefix cache
 
 
-class EngineLoad(NamedTuple):
-    running: int
-    waiting: int
-    queued_prefill_tokens: int  # prompt tokens admitted but not yet computed
-    kv_usage: float
-    kv_free_blocks: int
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None):
         if config.num_threads:
@@ -65,6 +59,7 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_blocks = self.runner.num_blocks
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
@@ -84,29 +79,9 @@ class EngineCore:
     def num_preemptions_total(self) -> int:
         return self.scheduler.num_preemptions
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest naming the field if this request can never run."""
-        params.validate()
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequest("prompt", "must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise InvalidRequest("prompt", f"{n} tokens; this model's context is {self.max_model_len} "
-                                 "tokens, and at least one must be left to generate")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequest("max_tokens", f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) "
-                                 f"exceeds the model's context of {self.max_model_len} tokens; "
-                                 f"use max_tokens <= {self.max_model_len - n}")
-        if n + params.max_tokens > self.kv_capacity_tokens:
-            raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceed "
-                                 f"the KV cache ({self.kv_capacity_tokens} tokens); lower max_tokens")
-
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      block_hashes: list[int] | None = None) -> Request:
-        self.validate(prompt_token_ids, params)
+        self.limits.check(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         stop_ids = set(params.stop_token_ids)
@@ -167,11 +142,12 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def load(self) -> EngineLoad:
+    def load(self) -> NodeLoad:
         sched = self.scheduler
         queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
                      for r in (*sched.running, *sched.waiting))
-        return EngineLoad(len(sched.running), len(sched.waiting), queued, self.kv.usage, self.kv.num_free_blocks)
+        return NodeLoad(running=len(sched.running), waiting=len(sched.waiting), queued_prefill_tokens=queued,
+                        kv_usage=self.kv.usage, kv_free_blocks=self.kv.num_free_blocks)
 
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()

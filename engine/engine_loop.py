@@ -14,6 +14,8 @@ else crosses:
     request_kv_snapshot() --flag--> on_kv_events([], every cached hash)
     on_blocks(BlocksReady)          <--------------  prompt blocks packed for an ExportKV
     loop.stats (EngineStats)        <--publishes---  a fresh immutable snapshot per pass
+                                                     step_observer(SchedulerOutput, deltas, live)
+                                                     runs ON the engine thread (step metrics)
 
 Commands (NamedTuples; ``submit`` answers with what the engine call returns):
 
@@ -36,7 +38,10 @@ before): that frees whatever the earlier commands took. Events reach the loop in
 engine order, so a request's ``BlocksReady`` events come before the delta that
 finishes it, and a snapshot replaces every event batch handed over before it.
 Callbacks run on the event loop; the engine thread never reads or writes loop
-state. Owns no sockets.
+state. The EngineLoop is the only holder of the engine once built: the event loop
+gets the engine's fixed facts (RequestLimits, the KV tensor the transfers use)
+before ``start()``, and everything else through the messages above
+(tests/test_thread_boundary.py pins this). Owns no sockets.
 """
 
 from __future__ import annotations
@@ -50,13 +55,16 @@ from typing import Any, Callable, NamedTuple
 
 from ..common.kv_events import KVEvent
 from ..common.sampling_params import SamplingParams, TokenLogprobs
-from .engine_core import EngineCore, EngineLoad, RequestDelta
+from ..common.load import NodeLoad
+from .engine_core import EngineCore, RequestDelta
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 # (events since the last call, or [] with a snapshot; every cached hash, or None)
 KVEventsCallback = Callable[[list[KVEvent], "list[int] | None"], None]
+# engine thread, after each step: (what it scheduled, what it produced, unfinished requests left)
+StepObserver = Callable[[SchedulerOutput, list[RequestDelta], int], None]
 
 
 # ---- commands (event loop -> engine thread) ----------------------------------------------
@@ -121,7 +129,7 @@ class BlocksReady(NamedTuple):
 
 class EngineStats(NamedTuple):
     """What the event loop may know about the engine, published after every pass."""
-    load: EngineLoad
+    load: NodeLoad
     steps: int
     kv_blocks_total: int
     kv_blocks_free: int
@@ -139,8 +147,9 @@ class BlockExporter(NamedTuple):
 class EngineLoop:
     def __init__(self, engine: EngineCore, aio_loop: asyncio.AbstractEventLoop,
                  on_deltas: Callable[[list[RequestDelta]], None],
-                 on_kv_events: KVEventsCallback | None = None, exporter: BlockExporter | None = None):
-        self.engine = engine  # engine thread only (and before start())
+                 on_kv_events: KVEventsCallback | None = None, exporter: BlockExporter | None = None,
+                 step_observer: StepObserver | None = None):
+        self._engine = engine  # the engine thread's from start() on; nobody else holds it
         self._aio = aio_loop
         self._on_deltas = on_deltas
         self._on_kv_events = on_kv_events  # None: events are drained and dropped
@@ -152,12 +161,12 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._steps = 0
         self.stats = self._stats()  # replaced (never mutated) by the engine thread; read anywhere
-        self._prior_observer = engine.step_observer  # e.g. the node's step metrics: runs after the export
-        if exporter is not None:
-            engine.step_observer = self._observe_step
+        self._step_observer = step_observer
+        self._scheduled: SchedulerOutput | None = None  # engine thread: the step being computed
+        engine.step_observer = self._observe_step
 
     @property
-    def load(self) -> EngineLoad:
+    def load(self) -> NodeLoad:
         return self.stats.load
 
     def start(self) -> None:
@@ -183,12 +192,12 @@ class EngineLoop:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _stats(self) -> EngineStats:
-        e = self.engine
+        e = self._engine
         return EngineStats(e.load(), self._steps, e.kv.num_blocks, e.kv.num_free_blocks, e.busy_s,
                            e.num_computed_tokens_total, e.num_preemptions_total)
 
     def _handle(self, cmd: Command) -> Any:
-        e = self.engine
+        e = self._engine
         match cmd:
             case AddRequest(rid, ids, params, hashes):
                 return e.add_request(rid, ids, params, hashes)
@@ -215,14 +224,14 @@ class EngineLoop:
         raise TypeError(f"not an engine command: {cmd!r}")
 
     def _observe_step(self, sched: SchedulerOutput) -> None:
-        self._export_step(sched)
-        if self._prior_observer is not None:
-            self._prior_observer(sched)
+        self._scheduled = sched
+        if self._exporter is not None:
+            self._export_step(sched)
 
     def _export_step(self, sched: SchedulerOutput) -> None:
         """Pack the prompt blocks this step completed for exported requests (called by the
         engine inside step(), before finished requests free their blocks)."""
-        bs = self.engine.config.block_size
+        bs = self._engine.config.block_size
         for req, _ in sched.scheduled:
             done = self._exports.get(req.request_id)
             if done is None:
@@ -231,17 +240,17 @@ class EngineLoop:
             upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
             if upto <= done:
                 continue
-            packed = self._exporter.pack(self.engine.kv.block_ids(req.request_id)[done:upto])
+            packed = self._exporter.pack(self._engine.kv.block_ids(req.request_id)[done:upto])
             self._exports[req.request_id] = upto
             self._aio.call_soon_threadsafe(self._exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
 
     def _drain_kv_events(self) -> None:
-        events = self.engine.kv.take_events()
+        events = self._engine.kv.take_events()
         if self._on_kv_events is None:
             return
         if self._snapshot_wanted:
             self._snapshot_wanted = False  # the drained events are part of the snapshot
-            self._aio.call_soon_threadsafe(self._on_kv_events, [], self.engine.kv.cached_hashes())
+            self._aio.call_soon_threadsafe(self._on_kv_events, [], self._engine.kv.cached_hashes())
         elif events:
             self._aio.call_soon_threadsafe(self._on_kv_events, events, None)
 
@@ -265,7 +274,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished()
+            idle = not self._engine.has_unfinished()
             try:  # block only when there is nothing to compute
                 item = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
             except queue.Empty:
@@ -279,18 +288,21 @@ class EngineLoop:
             if self._stop.is_set():
                 break
             deltas = []
-            if self.engine.has_unfinished():
+            if self._engine.has_unfinished():
                 try:
-                    deltas = self.engine.step()
+                    deltas = self._engine.step()
                 except Exception:  # a bug must not hang every client: fail what was running
-                    log.exception("engine step failed; failing %d requests", len(self.engine.scheduler.requests))
-                    deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self.engine.scheduler.requests)]
+                    log.exception("engine step failed; failing %d requests", len(self._engine.scheduler.requests))
+                    deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self._engine.scheduler.requests)]
                     for d in deltas:
-                        self.engine.abort(d.request_id, "error")
+                        self._engine.abort(d.request_id, "error")
                 self._steps += 1
                 for d in deltas:  # finished requests export nothing more
                     if d.finish_reason is not None:
                         self._exports.pop(d.request_id, None)
+                if self._step_observer is not None and self._scheduled is not None:
+                    self._step_observer(self._scheduled, deltas, len(self._engine.scheduler.requests))
+                self._scheduled = None
             self.stats = self._stats()  # before the deltas: a client that saw its end sees its blocks free
             if deltas:
                 self._aio.call_soon_threadsafe(self._on_deltas, deltas)

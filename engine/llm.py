@@ -17,6 +17,7 @@ from typing import Sequence
 
 from transformers import AutoTokenizer
 
+from ..common.chat import CHAT_ROLES
 from ..common.config import EngineConfig
 from ..common.detokenizer import IncrementalDetokenizer
 from ..common.errors import InvalidRequest
@@ -50,8 +51,8 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise InvalidRequest(f"messages[{i}]", "must be an object with string 'role' and 'content'")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise InvalidRequest(f"messages[{i}].role", "must be one of system, user, assistant")
+        if m["role"] not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -119,7 +120,7 @@ class LLM:
             raise InvalidRequest("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         token_lists = [self.tokenize(p) for p in prompts]
         for ids, p in zip(token_lists, params):
-            self.engine.validate(ids, p)  # reject the whole batch before any request starts
+            self.engine.limits.check(ids, p)  # reject the whole batch before any request starts
         detok_list = [self._detokenizer(ids, p) for ids, p in zip(token_lists, params)]
 
         detoks: dict[str, IncrementalDetokenizer | None] = {}

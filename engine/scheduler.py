@@ -6,15 +6,17 @@ One rule for everything (see ``request.py``): a scheduled request computes
     step budget (max_num_batched_tokens)
     |-- running requests first, in admission order (decodes take 1, unfinished
     |   prompts take a chunk): continuous batching with chunked prefill
-    '-- then waiting requests, FIFO, while budget, blocks and max_num_seqs last:
-        prefix-cache hit first (those tokens are never computed), then a chunk
+    '-- then waiting requests, FIFO, while budget, blocks and max_num_seqs last
+        and nothing was preempted this step: prefix-cache hit first (those
+        tokens are never computed), then a chunk
 
 When the pool cannot hold a running request's next tokens, the most recently
 admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the head of the queue with ``num_computed_tokens = 0`` (its full
 blocks usually survive in the prefix cache). A request never waits on itself:
-``add`` rejects requests that could not fit the pool alone, so the oldest
-running request always progresses, and no request is dropped.
+the engine admits no request that could not fit the pool alone (RequestLimits,
+engine/limits.py), so the oldest running request always progresses, and no
+request is dropped.
 """
 
 from collections import deque

@@ -14,18 +14,17 @@ Must not import the model (``splitserve.engine``). The nodes use::
 """
 
 from .base import KVReceiver, KVSender, OnBlock
-from .block_store import (KVBlockStore, allocate_kv_cache, checksum,
-                                               free_shared_kv_cache, layout_of,
-                                               map_shared_kv_cache, shared_kv_cache)
+from .block_store import (KVBlockStore, allocate_kv_cache, checksum, free_shared_kv_cache, map_shared_kv_cache,
+                          shared_kv_cache)
 from .errors import TransferError
-from .factory import BACKENDS, make_receiver, make_sender, sender_options
+from .factory import make_receiver, make_sender, sender_options
 from .layout import KVLayout, LayoutMismatch
 from .sender_core import SenderOptions
 from .state import Transfer, TransferState, TransferTable
 
 __all__ = [
-    "BACKENDS", "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "OnBlock",
+    "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "OnBlock",
     "SenderOptions", "Transfer", "TransferError", "TransferState", "TransferTable",
-    "allocate_kv_cache", "checksum", "free_shared_kv_cache", "layout_of", "make_receiver",
+    "allocate_kv_cache", "checksum", "free_shared_kv_cache", "make_receiver",
     "make_sender", "map_shared_kv_cache", "sender_options", "shared_kv_cache",
 ]

@@ -64,14 +64,6 @@ def torch_dtype(layout: KVLayout) -> torch.dtype:
     return getattr(torch, layout.dtype)
 
 
-def layout_of(kv_caches: torch.Tensor) -> KVLayout:
-    """The layout of an existing cache tensor ``[layers, 2, blocks, block_size, heads, head_dim]``."""
-    num_layers, two, _, block_size, heads, head_dim = kv_caches.shape
-    assert two == 2, f"kv_caches dim 1 must be 2 (K, V), got shape {tuple(kv_caches.shape)}"
-    return KVLayout(dtype=str(kv_caches.dtype).removeprefix("torch."), block_size=block_size,
-                    num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim)
-
-
 def shm_path(shm_name: str) -> str:
     if not shm_name or "/" in shm_name or shm_name.startswith("."):
         raise ValueError(f"shm_name: must be a plain file name (no '/'), got {shm_name!r}")
@@ -157,7 +149,7 @@ class KVBlockStore:
     def __init__(self, kv_caches: torch.Tensor, layout: KVLayout, shm_name: str | None = None,
                  checksum_algo: str | None = None):
         assert kv_caches.is_contiguous(), "KVBlockStore: the cache must be C-contiguous"
-        layout.check_compatible(layout_of(kv_caches))
+        layout.check_compatible(KVLayout.of_cache(kv_caches.shape, kv_caches.dtype))
         self.checksum_algo = checksum_algo or default_checksum_algo(kv_caches.device)
         assert self.checksum_algo in CHECKSUM_ALGOS, f"unknown checksum algorithm {self.checksum_algo!r}"
         self.kv_caches = kv_caches  # [layers, 2, num_blocks, block_size, heads, head_dim]

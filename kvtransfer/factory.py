@@ -1,8 +1,8 @@
 """Backend selection: the only place that maps a backend name to its classes.
 
-Owns: ``make_sender`` / ``make_receiver``, the list of backends and the
-resolution of sender options from the environment (fault injection). Must not:
-import a backend before it is asked for (ucxx is heavy and optional).
+Owns: ``make_sender`` / ``make_receiver`` for each ``KVBackend`` (common/config.py)
+and the resolution of sender options from the environment (fault injection). Must
+not: import a backend before it is asked for (ucxx is heavy and optional).
 
 ``device`` is the node's compute device. On a GPU the sender hashes blocks with
 wsum32_v1 on the device (``checksum.py``); the nccl backend moves payloads on NCCL
@@ -18,12 +18,12 @@ from collections.abc import Mapping
 
 import torch
 
+from ..common.config import KVBackend
 from .base import KVReceiver, KVSender, OnBlock
 from .block_store import KVBlockStore, default_checksum_algo
 from .layout import KVLayout
 from .sender_core import SenderOptions
 
-BACKENDS = ("tcp", "shm", "ucx", "nccl", "ipc")
 FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
 
 
@@ -39,8 +39,8 @@ def sender_options(env: Mapping[str, str] = os.environ, **overrides) -> SenderOp
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend not in tuple(KVBackend):
+        raise ValueError(f"backend: must be one of {', '.join(KVBackend)}, got {backend!r}")
 
 
 def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = None,

@@ -34,7 +34,7 @@ from .errors import TransferError
 from .layout import KVLayout
 from .packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
 from .sender_core import Connection
-from .shm import host_id
+from .shm import host_id, require_same_host
 from .tcp import TcpReceiver, TcpSender
 from .wire import CHECKSUM_WSUM, Blocks, IpcInfo, Welcome
 
@@ -124,11 +124,7 @@ class IpcSender(TcpSender):
         info = conn.welcome.ipc
         if info is None:
             raise TransferError(f"receiver {conn.addr} offers no CUDA IPC pool; use its backend (tcp)")
-        mine = host_id()
-        if info.host_id != mine:
-            raise TransferError(f"ipc backend needs sender and receiver on the same host: receiver "
-                                f"{conn.addr} runs on boot id {info.host_id}, this host is {mine}; "
-                                f"use the tcp backend across hosts")
+        require_same_host("ipc", conn.addr, info.host_id, "the tcp backend")
         try:
             pool = open_pool(info)
         except RuntimeError as e:  # cudaIpcOpenMemHandle failed (another container, same process)

@@ -63,6 +63,15 @@ class KVLayout(msgspec.Struct, frozen=True, tag="kv_layout", omit_defaults=True)
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
 
+    @classmethod
+    def of_cache(cls, shape: tuple[int, ...], dtype) -> "KVLayout":
+        """The layout of a cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` of
+        ``dtype`` (a torch dtype or its name)."""
+        num_layers, two, _, block_size, heads, head_dim = shape
+        assert two == 2, f"kv cache dim 1 must be 2 (K, V), got shape {tuple(shape)}"
+        return cls(dtype=str(dtype).removeprefix("torch."), block_size=block_size, num_layers=num_layers,
+                   num_kv_heads=heads, head_dim=head_dim)
+
     @property
     def itemsize(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype]

@@ -57,8 +57,7 @@ import torch
 
 from .channel import Channel, ChannelClosed, coalesce, parse_address
 from .errors import TransferError
-from .pair_group import (PairGroup, check_available, group_kind,
-                                              payload_device)
+from .pair_group import PairGroup, check_available, group_kind, payload_device
 from .sender_core import Connection
 from .tcp import TcpChannel, TcpReceiver, TcpSender
 from .wire import Hello, Message, NcclInfo, Refused, Welcome

@@ -34,8 +34,7 @@ from .base import KVReceiver, OnBlock
 from .block_store import KVBlockStore
 from .channel import Channel, ChannelClosed, format_address
 from .layout import KVLayout
-from .wire import (CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello,
-                                        Refused, Welcome, layout_id)
+from .wire import CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello, Refused, Welcome, layout_id
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,15 @@ def host_id() -> str:
         return f.read().strip()
 
 
+def require_same_host(backend: str, addr: str, their_host_id: str, instead: str) -> None:
+    """Raise TransferError unless the receiver at ``addr`` runs on this machine."""
+    mine = host_id()
+    if their_host_id != mine:
+        raise TransferError(f"{backend} backend needs sender and receiver on the same host: receiver "
+                            f"{addr} runs on boot id {their_host_id}, this host is {mine}; use {instead} "
+                            "across hosts")
+
+
 def _file_identity(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -94,11 +103,7 @@ class ShmSender(TcpSender):
         info = conn.welcome.shm
         if info is None:
             raise TransferError(f"receiver {conn.addr} offers no shared-memory cache; use tcp")
-        mine = host_id()
-        if info.host_id != mine:
-            raise TransferError(f"shm backend needs sender and receiver on the same host: receiver "
-                                f"{conn.addr} runs on boot id {info.host_id}, this host is {mine}; "
-                                f"use the tcp or ucx backend across hosts")
+        require_same_host("shm", conn.addr, info.host_id, "the tcp or ucx backend")
         path = shm_path(info.shm_name)
         try:
             identity = _file_identity(path)

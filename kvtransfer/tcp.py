@@ -24,8 +24,7 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 
-from .channel import (MAX_HEADER_BYTES, Channel, ChannelClosed,
-                                           parse_address)
+from .channel import MAX_HEADER_BYTES, Channel, ChannelClosed, parse_address
 from .receiver_core import FramedReceiver
 from .sender_core import FramedSender
 from .wire import Message, decode, encode

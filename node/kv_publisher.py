@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from ..common.kv_events import KVEvent
 from ..common.kv_index import REDIS_ERRORS, IndexDelta, KVIndex
+from ..common.outcomes import IndexBatchResult
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,11 @@ class KVEventPublisher:
             return
         self._recovered()
         if applied:
-            self.batches.labels("ok").inc()
+            self.batches.labels(IndexBatchResult.OK).inc()
             self.in_sync = True
             return
         # Redis lost our keys (restart, expiry) or a batch went missing: start over.
-        self.batches.labels("refused").inc()
+        self.batches.labels(IndexBatchResult.REFUSED).inc()
         log.info("kv index: batch %d of node %s refused (Redis lost earlier batches); "
                  "rewriting the full state", self.seq, self.node_id)
         self.in_sync = False
@@ -127,7 +128,7 @@ class KVEventPublisher:
             self.in_sync = False
 
     def _outage(self, e: BaseException) -> None:
-        self.batches.labels("error").inc()
+        self.batches.labels(IndexBatchResult.ERROR).inc()
         self.in_sync = False  # whatever we failed to write is covered by the next snapshot
         if not self._failing:
             self._failing = True

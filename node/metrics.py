@@ -2,10 +2,11 @@
 bound on each series (names in common/metric_names.py), and the per-request timing
 that feeds the queue / prefill / decode time histograms.
 
-Request timing, per request the engine runs (vLLM's engine-side intervals):
+Request timing, per request the engine runs (vLLM's engine-side intervals), all of it
+taken on the engine thread by ``observe_step`` after each step:
 
     added --queue--> first scheduled --prefill--> prompt computed --decode--> finished
-    (Request.arrival_time)   (observe_step, engine thread)     (observe_deltas, event loop)
+    (Request.arrival_time)
 
 A request admitted with its prompt already computed (a KV transfer landed on a decode
 node) has no queue or prefill interval here: the prefill node measured them.
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 
 from ..common import metric_names as n
 from ..common.model_metrics import ModelMetrics
-from ..common.registry import NodeLoad
+from ..common.outcomes import (FallbackReason, IndexBatchResult, PrefillOutcome, PromptHashResult,
+                               TransferEnd)
+from ..common.load import NodeLoad
 
 # Seconds (vLLM's request-interval buckets, cut below 10 ms).
 INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
@@ -31,7 +34,7 @@ PRUNE_SLACK = 64  # timing entries beyond the live requests before finished ones
 
 @dataclass(slots=True)
 class RequestTimes:
-    """Monotonic times of one request, written on the engine thread."""
+    """Monotonic times of one request (engine thread only)."""
     request: object  # engine Request (kept to notice one that finished without a delta)
     scheduled: float
     first_token: float | None = None
@@ -85,14 +88,13 @@ class NodeMetrics:
         self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
                                        "the router carried (adopted; rehashed: they did not check "
                                        "out; absent: none carried)", ["result"])
-        for counter, values in ((self.index_batches, n.INDEX_BATCH_RESULTS),
-                                (self.prefill_requests, n.PREFILL_OUTCOMES),
-                                (self.blocks_received, n.BLOCK_OK), (self.transfers, n.TRANSFER_STATES),
-                                (self.fallbacks, n.FALLBACK_REASONS),
-                                (self.prompt_hashes, n.PROMPT_HASH_RESULTS)):
+        for counter, values in ((self.index_batches, IndexBatchResult),
+                                (self.prefill_requests, PrefillOutcome),
+                                (self.blocks_received, n.BLOCK_OK), (self.transfers, TransferEnd),
+                                (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
-        self._times: dict[str, RequestTimes] = {}  # req_id -> times; engine thread inserts
+        self._times: dict[str, RequestTimes] = {}  # req_id -> times (engine thread only)
         self._preemptions_seen = 0
 
     def adopt_hashes(self, carried, token_ids: list[int], block_size: int,
@@ -100,12 +102,13 @@ class NodeMetrics:
         """The carried `PromptHashes` of ``token_ids`` when they check out for this node
         (counted adopted), else None: the engine hashes the prompt (rehashed / absent)."""
         hashes = carried.adopt(token_ids, block_size, model) if carried is not None else None
-        result = "adopted" if hashes is not None else "rehashed" if carried is not None else "absent"
+        result = (PromptHashResult.ADOPTED if hashes is not None else PromptHashResult.REHASHED
+                  if carried is not None else PromptHashResult.ABSENT)
         self.prompt_hashes.labels(result).inc()
         return hashes
 
-    def set_load(self, load, preemptions_total: int, heartbeat_failures: int) -> None:
-        """Refresh the engine-state gauges (``load``: an EngineLoad)."""
+    def set_load(self, load: NodeLoad, preemptions_total: int, heartbeat_failures: int) -> None:
+        """Refresh the engine-state gauges (``load``: the published NodeLoad)."""
         for field, gauge in self.load.items():
             gauge.set(getattr(load, field))
         self.preemptions.inc(preemptions_total - self._preemptions_seen)
@@ -113,14 +116,15 @@ class NodeMetrics:
         self.heartbeat_failures.set(heartbeat_failures)
 
     def set_pool(self, pool: dict) -> None:
-        """The KV pool's place and size (``NodeRuntime.kv_pool()``), once at start."""
+        """The KV pool's place and size (``NodeRuntime.pool``), once at start."""
         self.device_info.labels(pool["device"], pool["dtype"]).set(1)
         for unit, gauge in self.kv_pool.items():
             gauge.set(pool[unit])
 
-    def observe_step(self, out, live: int) -> None:
-        """Engine thread, after a step computed ``out`` (a SchedulerOutput); ``live``: the
-        engine's unfinished requests, to bound the timing entries."""
+    def observe_step(self, out, deltas, live: int) -> None:
+        """Engine thread, after a step computed ``out`` (a SchedulerOutput) and produced
+        ``deltas`` (RequestDeltas); ``live``: the engine's unfinished requests, to bound
+        the timing entries."""
         now = time.monotonic()
         for req, num in out.scheduled:
             prompt = len(req.prompt_token_ids)
@@ -137,20 +141,16 @@ class NodeMetrics:
             if t.first_token is None and req.num_computed_tokens >= prompt:
                 t.first_token = now
                 self.prefill_time.observe(now - t.scheduled)
-        if len(self._times) > live + PRUNE_SLACK:  # aborted requests get no finishing delta
-            for rid, t in list(self._times.items()):
-                if getattr(t.request, "finished", False):
-                    self._times.pop(rid, None)
-
-    def observe_deltas(self, deltas) -> None:
-        """Event loop, with the engine's RequestDeltas: close finished requests' timing."""
-        now = time.monotonic()
         for d in deltas:
             if d.finish_reason is not None:
                 t = self._times.pop(d.request_id, None)
                 # a prefill node's requests end at their first token: no decode interval
                 if t is not None and t.first_token is not None and len(t.request.output_token_ids) > 1:
                     self.decode_time.observe(now - t.first_token)
+        if len(self._times) > live + PRUNE_SLACK:  # aborted requests get no finishing delta
+            for rid, t in list(self._times.items()):
+                if getattr(t.request, "finished", False):
+                    self._times.pop(rid, None)
 
     def render(self) -> tuple[bytes, str]:
         return self.collectors.render()

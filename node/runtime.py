@@ -14,25 +14,33 @@
   (node/shm_segments.py), its own on exit; SIGTERM drains (stop taking work,
   deregister, let in-flight requests finish within ``drain_grace_s``, exit 0).
 
-Must not read engine state from the event loop: it reads ``EngineLoop.stats``.
+Holds the engine only between building it and handing it to the EngineLoop: from
+then on the engine thread owns it, and the event loop knows it through what was
+fixed at build time (``limits``, ``kv_caches``, ``layout``, ``pool``) and the
+EngineLoop's messages and published ``stats`` (engine/engine_loop.py).
 """
 
 import asyncio
 import logging
 import os
 import signal
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple, Protocol
 
+import msgspec
+import torch
 from aiohttp import web
 
 from ..common.auth import CLUSTER_TOKEN_HEADER, token_matches
 from ..common.config import NodeConfig
-from ..common.http import error_response
+from ..common.errors import InvalidRequest
+from ..common.http import error_response, read_msgpack
 from ..common.kv_events import KVEvent
 from ..common.kv_index import KVIndex
-from ..common.registry import Heartbeat, NodeInfo, NodeLoad, NodeRegistry, new_epoch
-from ..engine.engine_core import EngineCore
-from ..engine.engine_loop import BlockExporter, EngineLoop
+from ..common.protocol import Abort
+from ..common.registry import Heartbeat, NodeInfo, NodeRegistry, new_epoch
+from ..engine.engine_core import EngineCore, RequestDelta
+from ..engine.engine_loop import AbortRequest, BlockExporter, EngineLoop
+from ..engine.limits import RequestLimits
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout
 from .kv_publisher import KVEventPublisher
@@ -40,26 +48,44 @@ from .metrics import NodeMetrics
 from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
-RUNTIME = web.AppKey("node_runtime", "NodeRuntime")
-NODE = web.AppKey("node", object)  # the role's server object (DecodeNode | PrefillNode)
 OPEN_PATHS = ("/health", "/metrics")  # no cluster token needed
 DRAIN_POLL_S = 0.1
 
 
-def layout_from_shape(shape: tuple[int, ...], dtype) -> KVLayout:
-    layers, _, _, block_size, kv_heads, head_dim = shape
-    return KVLayout(dtype=str(dtype).removeprefix("torch."), block_size=block_size, num_layers=layers,
-                    num_kv_heads=kv_heads, head_dim=head_dim)
+class NodeServer(Protocol):
+    """What a role's server object (DecodeNode, PrefillNode) gives the runtime."""
+    @property
+    def exporter(self) -> BlockExporter | None: ...  # how the engine thread packs prompt blocks
+
+    def on_deltas(self, deltas: list[RequestDelta]) -> None: ...
+    def end_stream(self, request_id: str) -> bool: ...  # POST /abort, once the engine let go
+    def inflight(self) -> int: ...
+    def debug_state(self) -> dict: ...
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class RedisLink(NamedTuple):
+    """The node's presence in Redis: its registry record and its prefix-index stream."""
+    registry: NodeRegistry
+    heartbeat: Heartbeat
+    kv_index: KVIndex
+    publisher: KVEventPublisher
 
 
 class NodeRuntime:
+    # Set by start_engine / loop_start, which the app's lifespan runs before any request:
+    limits: RequestLimits
+    kv_caches: torch.Tensor  # the engine's KV tensor: transfers read/write the blocks they were given
+    layout: KVLayout
+    pool: dict  # where the KV pool lives and how big it is (/debug/state, metrics)
+    loop: EngineLoop  # the only way to the engine once started
+
     def __init__(self, config: NodeConfig):
         self.config = config
         self.epoch = new_epoch()
         self.node_id = config.node_id
-        self.engine: EngineCore | None = None
-        self.loop: EngineLoop | None = None
-        self.layout: KVLayout | None = None
+        self._engine: EngineCore | None = None  # built, not yet handed to the EngineLoop
         self.shm_name: str | None = None
         self.kv_addr = ""
         self.http_addr = ""
@@ -67,10 +93,7 @@ class NodeRuntime:
         self.debug_extra: Callable[[], dict] = dict
         self.draining = False  # SIGTERM received: new work is refused with 503
         self._heartbeat_stopped = False
-        self.heartbeat: Heartbeat | None = None
-        self.publisher: KVEventPublisher | None = None
-        self._registry: NodeRegistry | None = None
-        self._index: KVIndex | None = None
+        self.redis: RedisLink | None = None  # None: no --redis-url, the node is not discoverable
 
     async def start_engine(self, shm: bool) -> None:
         """Load the model off the event loop (seconds); with ``shm`` the KV cache lives in
@@ -81,93 +104,92 @@ class NodeRuntime:
             log.info("removed %d /dev/shm KV segments of dead processes: %s", len(removed), ", ".join(removed))
         if shm:
             self.shm_name = segment_name(os.getpid())
-            factory = lambda shape, dtype: allocate_kv_cache(layout_from_shape(shape, dtype), shape[2],
+            factory = lambda shape, dtype: allocate_kv_cache(KVLayout.of_cache(shape, dtype), shape[2],
                                                              self.shm_name)
-        self.engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
-        kv = self.engine.runner.kv_caches
-        self.layout = layout_from_shape(tuple(kv.shape), kv.dtype)
-        self.metrics.set_pool(self.kv_pool())
-
-    def kv_pool(self) -> dict:
-        """Where the KV pool lives and how big it is (``/debug/state``, metrics)."""
-        kv, cfg = self.engine.runner.kv_caches, self.config.engine
-        blocks = self.engine.num_blocks  # the tensor may hold one more: static decode's scratch block
+        engine = self._engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
+        kv, cfg = engine.runner.kv_caches, self.config.engine
+        self.limits, self.kv_caches = engine.limits, kv
+        self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
+        blocks = engine.num_blocks  # the tensor may hold one more: static decode's scratch block
         block_bytes = kv.numel() * kv.element_size() // kv.shape[2]
-        return {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
-                "bytes": blocks * block_bytes, "tokens": blocks * cfg.block_size,
-                "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        self.pool = {"device": str(kv.device), "dtype": str(kv.dtype).removeprefix("torch."), "blocks": blocks,
+                     "bytes": blocks * block_bytes, "tokens": blocks * cfg.block_size,
+                     "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        self.metrics.set_pool(self.pool)
 
-    def loop_start(self, on_deltas, exporter: BlockExporter | None = None) -> None:
-        def deliver(deltas):
+    def loop_start(self, on_deltas: Callable[[list[RequestDelta]], None],
+                   exporter: BlockExporter | None = None) -> None:
+        def deliver(deltas: list[RequestDelta]) -> None:
             on_deltas(deltas)
-            self.metrics.observe_deltas(deltas)
-            if self.heartbeat is not None and any(d.finish_reason for d in deltas):
-                self.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
-        # engine thread, after each step: request timing for the metrics (the EngineLoop chains
-        # its KV export, if any, in front of it)
-        self.engine.step_observer = lambda out: self.metrics.observe_step(out, len(self.engine.scheduler.requests))
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter)
+            if self.redis is not None and any(d.finish_reason for d in deltas):
+                self.redis.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
+        assert self._engine is not None, "start_engine first"
+        self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter,
+                               step_observer=self.metrics.observe_step)
+        self._engine = None  # the engine thread's from here on
         self.loop.start()
 
     def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
         # Before the publisher starts the events are dropped: its first write is a snapshot.
-        if self.publisher is not None:
-            self.publisher.on_kv(events, snapshot)
+        if self.redis is not None:
+            self.redis.publisher.on_kv(events, snapshot)
 
     def info(self) -> NodeInfo:
-        load = self.loop.load
         return NodeInfo(node_id=self.node_id, role=self.config.role, http_addr=self.http_addr,
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
-                        kv_addr=self.kv_addr, capacity_tokens=self.engine.kv_capacity_tokens,
-                        block_size=self.engine.config.block_size, load=NodeLoad(**load._asdict()))
+                        kv_addr=self.kv_addr, capacity_tokens=self.limits.kv_capacity_tokens,
+                        block_size=self.config.engine.block_size, load=self.loop.load)
 
     async def start_heartbeat(self) -> None:
         """Register the node and publish its prefix-cache index (both need the final node id)."""
         if self.config.redis_url:
-            self._index = KVIndex(self.config.redis_url)
-            self.publisher = KVEventPublisher(self._index, self.node_id, self.epoch,
-                                              self.loop.request_kv_snapshot, self.metrics.index_batches)
-            self.publisher.start()
-            self._registry = NodeRegistry(self.config.redis_url)
-            self.heartbeat = Heartbeat(self._registry, self.info)
-            self.heartbeat.start()
+            index = KVIndex(self.config.redis_url)
+            publisher = KVEventPublisher(index, self.node_id, self.epoch, self.loop.request_kv_snapshot,
+                                         self.metrics.index_batches)
+            registry = NodeRegistry(self.config.redis_url)
+            self.redis = RedisLink(registry, Heartbeat(registry, self.info), index, publisher)
+            publisher.start()
+            self.redis.heartbeat.start()
 
     async def stop_heartbeat(self) -> None:
         """Deregister and stop publishing (idempotent: drain calls it, then the lifespan)."""
         if self._heartbeat_stopped:
             return
         self._heartbeat_stopped = True
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
-            await self._registry.close()
-        if self.publisher is not None:
-            await self.publisher.stop()
-            await self._index.close()
+        if self.redis is not None:
+            await self.redis.heartbeat.stop()
+            await self.redis.registry.close()
+            await self.redis.publisher.stop()
+            await self.redis.kv_index.close()
 
     def shutdown(self) -> None:
-        if self.loop is not None:
+        if hasattr(self, "loop"):
             self.loop.stop()
         if self.shm_name:
             free_shared_kv_cache(self.shm_name)
 
     def state(self) -> dict:
         st = self.loop.stats
-        index = None if self.publisher is None else {
-            "seq": self.publisher.seq, "in_sync": self.publisher.in_sync, "snapshots": self.publisher.snapshots}
+        pub = None if self.redis is None else self.redis.publisher
+        index = None if pub is None else {"seq": pub.seq, "in_sync": pub.in_sync, "snapshots": pub.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
                 "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
-                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.kv_pool(),
+                "device": self.config.engine.device, "dtype": self.config.engine.dtype, "kv_pool": self.pool,
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
-                "load": st.load._asdict(), "steps": st.steps, "busy_s": st.busy_s,
+                "load": msgspec.structs.asdict(st.load), "steps": st.steps, "busy_s": st.busy_s,
                 "computed_tokens": st.computed_tokens, "preemptions": st.preemptions, **self.debug_extra()}
 
 
-def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str]) -> web.Application:
-    """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` live in the
-    app's lifespan; ``posts`` maps POST paths to the node's handler method names.
-    A node class provides ``on_deltas``, ``exporter`` (a BlockExporter or None), ``inflight()``,
-    ``debug_state``, ``async start()`` and ``async stop()``."""
-    new_work = set(posts) - {"/abort"}  # refused while draining; aborts still work
+RUNTIME = web.AppKey("node_runtime", NodeRuntime)
+NODE = web.AppKey("node", NodeServer)  # the role's server object
+
+
+def build_node_app(config: NodeConfig, node_cls: Callable[[NodeConfig, NodeRuntime], NodeServer], shm: bool,
+                   posts: dict[str, str]) -> web.Application:
+    """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` (a
+    NodeServer) live in the app's lifespan; ``posts`` maps POST paths to the node's
+    handler method names."""
+    new_work = set(posts)  # refused while draining; /abort still works
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -200,9 +222,28 @@ def build_node_app(config: NodeConfig, node_cls, shm: bool, posts: dict[str, str
 
     app.cleanup_ctx.append(lifespan)
     for path, method in posts.items():
-        app.router.add_post(path, lambda r, m=method: getattr(r.app[NODE], m)(r))
+        app.router.add_post(path, _node_handler(method))
+    app.router.add_post("/abort", abort)
     add_common_routes(app)
     return app
+
+
+async def abort(request: web.Request) -> web.Response:
+    """POST /abort (Abort): the engine drops the request and frees its blocks, then the
+    node ends its stream or transfer. Idempotent; says whether anything was running."""
+    try:
+        msg = await read_msgpack(request, Abort)
+    except InvalidRequest as e:
+        return error_response(400, str(e), e.field)
+    found = await request.app[RUNTIME].loop.submit(AbortRequest(msg.request_id))
+    ended = request.app[NODE].end_stream(msg.request_id)
+    return web.json_response({"aborted": bool(found or ended)})
+
+
+def _node_handler(method: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await getattr(request.app[NODE], method)(request)
+    return handler
 
 
 def add_common_routes(app: web.Application) -> None:
@@ -214,7 +255,7 @@ def add_common_routes(app: web.Application) -> None:
     async def metrics(request):
         rt = request.app[RUNTIME]
         rt.metrics.set_load(rt.loop.load, rt.loop.stats.preemptions,
-                            rt.heartbeat.failures if rt.heartbeat is not None else 0)
+                            rt.redis.heartbeat.failures if rt.redis is not None else 0)
         body, content_type = rt.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -234,7 +275,7 @@ async def start_site(app: web.Application, config: NodeConfig) -> web.AppRunner:
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        port = runner.addresses[0][1]
         rt: NodeRuntime = app[RUNTIME]
         rt.http_addr = f"http://{config.host}:{port}"
         rt.node_id = config.node_id or f"{config.role}-{config.host}-{port}"

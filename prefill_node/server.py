@@ -33,8 +33,9 @@ from aiohttp import web
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, read_msgpack
-from ..common.protocol import Abort, PrefillRequest, PrefillResult
-from ..engine.engine_core import EngineCore, RequestDelta
+from ..common.outcomes import PrefillOutcome
+from ..common.protocol import PrefillRequest, PrefillResult
+from ..engine.engine_core import RequestDelta
 from ..engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
 from ..kvtransfer import TransferError, make_sender, sender_options
 from ..kvtransfer.block_store import KVBlockStore
@@ -55,9 +56,8 @@ class PrefillNode:
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
-        self.engine: EngineCore = runtime.engine  # config and block store only: the engine thread owns it
         self.out: dict[str, Outgoing] = {}  # req_id -> transfer state
-        self.store = KVBlockStore(self.engine.runner.kv_caches, runtime.layout)
+        self.store = KVBlockStore(runtime.kv_caches, runtime.layout)
         # the engine thread packs completed prompt blocks (a fresh buffer, not a view of the cache:
         # safe once the blocks are freed) and hands them to _on_blocks here
         self.exporter = BlockExporter(self.store.pack, self._on_blocks)
@@ -104,9 +104,9 @@ class PrefillNode:
         """Why this node cannot start ``task`` now (None: it can). Read from the engine's
         published load: a prompt that would wait for blocks is better prefilled elsewhere
         than accepted and left to time out."""
-        load = self.rt.loop.load
-        bs = self.engine.config.block_size
-        if load.waiting >= self.engine.config.max_num_seqs:
+        load, cfg = self.rt.loop.load, self.config.engine
+        bs = cfg.block_size
+        if load.waiting >= cfg.max_num_seqs:
             return f"{load.waiting} requests already wait here"
         need = math.ceil((load.queued_prefill_tokens + len(task.token_ids)) / bs)
         if need > load.kv_free_blocks:
@@ -118,14 +118,14 @@ class PrefillNode:
             task = await read_msgpack(request, PrefillRequest)
             self._check(task)
         except InvalidRequest as e:
-            self.m_requests.labels("bad_request").inc()
+            self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
             return error_response(400, str(e), e.field)
         rid = task.request_id
         if rid in self.out:
             return error_response(409, f"request {rid} is already being prefilled", "request_id")
         refusal = self._refusal(task)
         if refusal is not None:
-            self.m_requests.labels("refused").inc()
+            self.m_requests.labels(PrefillOutcome.REFUSED).inc()
             resp = error_response(503, f"prefill node busy: {refusal}")
             resp.headers["Retry-After"] = "1"
             return resp
@@ -138,7 +138,7 @@ class PrefillNode:
         loop = self.rt.loop
         try:
             export = loop.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
-            cfg = self.engine.config
+            cfg = self.config.engine
             hashes = self.metrics.adopt_hashes(task.prompt_hashes, task.token_ids, cfg.block_size,
                                                cfg.model_id)
             await loop.submit(AddRequest(rid, task.token_ids, params, hashes))
@@ -148,20 +148,20 @@ class PrefillNode:
             sent = await sender_task
             first = o.first
             if first is None:
-                self.m_requests.labels("aborted").inc()
+                self.m_requests.labels(PrefillOutcome.ABORTED).inc()
                 return error_response(409, f"request {rid} was aborted")
             if not first.new_token_ids:
-                self.m_requests.labels("error").inc()
+                self.m_requests.labels(PrefillOutcome.ERROR).inc()
                 return error_response(500, f"request {rid} failed in the engine")
-            self.m_requests.labels("ok").inc()
+            self.m_requests.labels(PrefillOutcome.OK).inc()
             return msgpack_response(PrefillResult(
                 transfer_id=task.transfer_id, first_token=first.new_token_ids[0],
                 logprobs=first.new_logprobs[0], num_cached_tokens=first.num_cached_tokens, num_blocks_sent=sent))
         except InvalidRequest as e:
-            self.m_requests.labels("bad_request").inc()
+            self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
             return error_response(400, str(e), e.field)
         except TransferError as e:
-            self.m_requests.labels("transfer_failed").inc()
+            self.m_requests.labels(PrefillOutcome.TRANSFER_FAILED).inc()
             log.warning("request %s: transfer %s failed: %s", rid, task.transfer_id, e)
             return error_response(502, f"KV transfer failed: {e}")
         finally:  # success, failure or the decode node hung up: nothing stays behind
@@ -180,8 +180,8 @@ class PrefillNode:
         return sent
 
     def _check(self, task: PrefillRequest) -> None:
-        self.engine.validate(task.token_ids, msgspec.structs.replace(task.sampling_params, max_tokens=1))
-        n_blocks = math.ceil(len(task.token_ids) / self.engine.config.block_size)
+        self.rt.limits.check(task.token_ids, msgspec.structs.replace(task.sampling_params, max_tokens=1))
+        n_blocks = math.ceil(len(task.token_ids) / self.config.engine.block_size)
         if not 0 <= task.skip_blocks < n_blocks:
             raise InvalidRequest("skip_blocks", f"must be in [0, {n_blocks})")
         if len(task.dest_block_ids) != n_blocks - task.skip_blocks:
@@ -190,20 +190,17 @@ class PrefillNode:
             raise InvalidRequest("kv_backend", f"this node sends over {self.config.kv_backend}, "
                                  f"not {task.kv_backend}")
 
-    async def abort(self, request: web.Request) -> web.Response:
-        try:
-            msg = await read_msgpack(request, Abort)
-        except InvalidRequest as e:
-            return error_response(400, str(e), e.field)
-        o = self.out.get(msg.request_id)
-        found = await self.rt.loop.submit(AbortRequest(msg.request_id))
+    def end_stream(self, request_id: str) -> bool:
+        """POST /abort (node/runtime.py), after the engine let go of the request: stop
+        sending its blocks; False when none are being sent."""
+        o = self.out.get(request_id)
         if o is not None:
             o.queue.put_nowait(None)
-        return web.json_response({"aborted": bool(found or o is not None)})
+        return o is not None
 
     def debug_state(self) -> dict:
         return {"outgoing": len(self.out)}
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    return build_node_app(config, PrefillNode, False, {"/prefill": "prefill", "/abort": "abort"})
+    return build_node_app(config, PrefillNode, False, {"/prefill": "prefill"})

@@ -52,8 +52,7 @@ from .node_client import NodeClient
 from .policy import make_policy
 from .prefix_index import PrefixIndex
 from .shared_work import SharedWork
-from .state import (ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES,
-                                     TOKENIZER, RouterServices)
+from .state import ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES, TOKENIZER, RouterServices
 from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)

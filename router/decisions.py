@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..common.outcomes import PredictionOutcome
 from .metrics import RouterMetrics
 from .policy import Decision
 from .prefix_index import PrefixHits
@@ -49,7 +50,7 @@ class DecisionRecord:
     predicted_ttft_s: float | None = None
     delivered_cached_tokens: int | None = None  # set when the generation finished
     delivered_ttft_s: float | None = None  # router-measured, request start -> first token
-    outcome: str | None = None  # hit | miss | unseen | none | failed
+    outcome: PredictionOutcome | None = None
 
 
 def predicted_cached(decision: Decision, hits: PrefixHits | None) -> int | None:
@@ -89,7 +90,7 @@ class DecisionLog:
         """The generation of ``rec`` ended; ``delivered``: the cached tokens it
         reported, None when it failed (no outcome counted); ``ttft_s``: its TTFT."""
         if delivered is None:
-            rec.outcome = "failed"
+            rec.outcome = PredictionOutcome.FAILED
             return
         rec.delivered_cached_tokens = delivered
         rec.delivered_ttft_s = ttft_s
@@ -97,15 +98,15 @@ class DecisionLog:
         if predicted is None:
             return
         if delivered < predicted:
-            outcome = "miss"
+            outcome = PredictionOutcome.MISS
             self.misses += 1
             log.debug("router: request %s mispredicted: %d cached tokens predicted on %s/%s, "
                       "%d delivered", rec.request_id, predicted, rec.prefill, rec.decode, delivered)
         elif predicted > 0:
-            outcome = "hit"
+            outcome = PredictionOutcome.HIT
             self.hits += 1
         else:
-            outcome = "unseen" if delivered > 0 else "none"
+            outcome = PredictionOutcome.UNSEEN if delivered > 0 else PredictionOutcome.NONE
         rec.outcome = outcome
         self.metrics.predictions.labels(outcome=outcome).inc()
         if self.hits + self.misses:

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..common.detokenizer import IncrementalDetokenizer
+from ..common.outcomes import FailureReason
 from ..common.protocol import GenerateRequest
 from ..common.sampling_params import SamplingParams
 from .background import BackgroundTasks
@@ -92,7 +93,7 @@ class Dispatcher:
             except NodeUnavailable as e:
                 last_error = e
                 if not e.retryable:
-                    self.metrics.failures.labels(reason="node_unavailable").inc()
+                    self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
                     raise ApiError(502, str(e)) from e
                 log.warning("router: %s; trying another node", e)
                 if e.unreachable:
@@ -110,7 +111,7 @@ class Dispatcher:
                 t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s))
         if last_error is None:
             raise self._no_decode_node()
-        self.metrics.failures.labels(reason="node_unavailable").inc()
+        self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
 
     def _no_decode_node(self) -> ApiError:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..common.detokenizer import IncrementalDetokenizer
+from ..common.outcomes import FailureReason
 from ..common.sampling_params import TokenLogprobs
 from .errors import ApiError
 from .metrics import RouterMetrics
@@ -59,7 +60,7 @@ class Generation:
     _t_first: float | None = None
     _t_last: float = 0.0
     _node_done: bool = False  # the node finished the request itself: no abort needed
-    _failure: str | None = None  # metrics reason when it failed
+    _failure: FailureReason | None = None  # why it failed, for the metrics
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The choice's pieces; the last one has a finish_reason. Raises `ApiError`
@@ -70,7 +71,7 @@ class Generation:
             async for delta in deltas:
                 if delta.error is not None or delta.finish_reason in ("error", "abort"):
                     self._node_done = delta.finish_reason is not None
-                    self._failure = "node_error"
+                    self._failure = FailureReason.NODE_ERROR
                     raise ApiError(502, f"decode node {self.decision.decode.node_id} failed the "
                                    f"request: {delta.error or delta.finish_reason}")
                 now = loop.time()
@@ -99,7 +100,7 @@ class Generation:
                     self.metrics.finished.labels(finished_reason=finish).inc()
                     return
         except NodeUnavailable as e:
-            self._failure = "node_unavailable"
+            self._failure = FailureReason.NODE_UNAVAILABLE
             raise ApiError(502, str(e)) from e
         finally:
             await deltas.aclose()
@@ -125,8 +126,8 @@ class Generation:
             self.on_settle(self.cached_tokens if ok else None,
                            self._t_first - self.t_start if ok else None)
         if self.finish_reason is None:
-            m.failures.labels(reason="client_disconnect" if client_gone
-                              else self._failure or "cancelled").inc()
+            m.failures.labels(reason=FailureReason.CLIENT_DISCONNECT if client_gone
+                              else self._failure or FailureReason.CANCELLED).inc()
         elif self._t_first is not None:
             m.e2e.observe(self._t_last - self.t_start)
             m.request_prompt_tokens.observe(self.prompt_len)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..common import metric_names as n
 from ..common.model_metrics import ModelMetrics
+from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome
 
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
 # cut below 10 ms.)
@@ -118,9 +119,10 @@ class RouterMetrics:
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
-        for counter, values in ((m.finished, n.FINISHED_REASONS), (m.failures, n.FAILURE_REASONS),
-                                (m.redis_errors, n.REDIS_OPS), (m.index_lookups, n.INDEX_LOOKUP_RESULTS),
-                                (m.predictions, n.PREDICTION_OUTCOMES),
+        counted_predictions = [o for o in PredictionOutcome if o is not PredictionOutcome.FAILED]
+        for counter, values in ((m.finished, n.FINISHED_REASONS), (m.failures, FailureReason),
+                                (m.redis_errors, n.REDIS_OPS), (m.index_lookups, IndexLookupResult),
+                                (m.predictions, counted_predictions),
                                 (m.admission_rejections, n.ADMISSION_REJECTION_REASONS)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start

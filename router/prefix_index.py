@@ -45,8 +45,9 @@ import msgspec
 import numpy as np
 
 from ..common.hashing import hash_blocks_array
-from ..common.kv_events import IndexUpdate, decode_index_update
+from ..common.kv_events import IndexUpdate
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
+from ..common.outcomes import IndexLookupResult
 from ..common.protocol import PromptHashes
 from ..common.registry import NodeInfo
 from .metrics import RouterMetrics
@@ -107,7 +108,7 @@ class PrefixIndex:
         bs = self.block_size
         num_blocks = len(prompt) // bs
         if not self.connected:
-            self.metrics.index_lookups.labels(result="skipped").inc()
+            self.metrics.index_lookups.labels(result=IndexLookupResult.SKIPPED).inc()
             return PrefixHits({}, num_blocks, False)
         max_blocks = min(num_blocks, (len(prompt) - 1) // bs)
         slot_node: dict[int, str] = {}  # slot -> node_id of the candidates
@@ -117,7 +118,7 @@ class PrefixIndex:
             if entry is not None and self._same_block_size(n):
                 slot_node[entry.slot] = n.node_id
                 alive |= 1 << entry.slot
-        self.metrics.index_lookups.labels(result="ok").inc()
+        self.metrics.index_lookups.labels(result=IndexLookupResult.OK).inc()
         if max_blocks == 0 or not alive:
             return PrefixHits({}, num_blocks, True)
         if hashes is None:
@@ -201,7 +202,7 @@ class PrefixIndex:
             self.dropped += 1
             return
         try:
-            u = decode_index_update(data)
+            u = msgspec.msgpack.decode(data, type=IndexUpdate)
         except msgspec.ValidationError as e:
             log.warning("router: ignoring a malformed prefix index update: %s", e)
             return

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..common.chat import CHAT_ROLES
 from ..common.errors import InvalidRequest
 from ..common.sampling_params import SamplingParams
 from .errors import ApiError
@@ -25,7 +26,6 @@ from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .tokenizer import RouterTokenizer
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)
 _MISSING = re.compile(r"missing required field `([^`]+)`")

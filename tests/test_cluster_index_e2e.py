@@ -13,12 +13,13 @@ import time
 import urllib.request
 
 import openai
+import msgspec
 import pytest
 import redis
 
 from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks
-from splitserve.common.kv_events import IndexUpdate, encode_index_update
+from splitserve.common.kv_events import IndexUpdate
 from splitserve.common.kv_index import EVENTS_CHANNEL, blocks_key, seq_key
 from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster, free_port, start_redis
@@ -148,7 +149,7 @@ def test_stale_entry_is_a_counted_misprediction_not_an_error(env):
     ep = epoch(env.cluster, target)
     env.r.sadd(blocks_key(target, ep), *map(str, fresh))
     seq = env.r.incr(seq_key(target, ep))
-    env.r.publish(EVENTS_CHANNEL, encode_index_update(IndexUpdate(target, ep, seq, stored=fresh)))
+    env.r.publish(EVENTS_CHANNEL, msgspec.msgpack.encode(IndexUpdate(target, ep, seq, stored=fresh)))
     time.sleep(0.3)  # the router's mirror applies it
     misses = router_metric(env.cluster, names.PREFIX_PREDICTIONS, outcome="miss")
     r = env.complete(prompt)

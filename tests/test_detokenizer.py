@@ -8,11 +8,11 @@ import random
 import pytest
 
 from splitserve.common.detokenizer import (
-    PROMPT_CONTEXT_TOKENS,
-    DetokenizerStep,
-    IncrementalDetokenizer,
-    _longest_stop_prefix_suffix,
-)
+                                           PROMPT_CONTEXT_TOKENS,
+                                           DetokenizerStep,
+                                           IncrementalDetokenizer,
+                                           _longest_stop_prefix_suffix,
+                                           )
 
 TEXTS = [
     "Héllo wörld 😀🎉 日本語のテキスト. Don't stop! Ünïcödé — “quotes” and 👩‍👩‍👧‍👦 family.",

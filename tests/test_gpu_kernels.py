@@ -109,14 +109,15 @@ def test_cache_write_matches_reference(kernels, make_kv_write, dtype, block_size
 def test_pack_unpack_blocks(cuda_kernels, dtype, shape):
     """pack == the CPU store's pack (the wire bytes), unpack inverts it; (1, 1, 3) runs are
     6 or 12 bytes, so the copy falls back to narrower words."""
-    from splitserve.kvtransfer.block_store import KVBlockStore, layout_of
+    from splitserve.kvtransfer.block_store import KVBlockStore
+    from splitserve.kvtransfer.layout import KVLayout
 
     g = torch.Generator().manual_seed(0)
     kv = torch.randn((3, 2, 10, *shape), generator=g).to(dtype)
     ids = [7, 0, 3, 9]
     packed = cuda_kernels.pack_blocks(kv.cuda(), ids)
     assert torch.equal(packed.cpu(), kv.permute(2, 0, 1, 3, 4, 5)[ids])
-    store_bytes = bytes(KVBlockStore(kv, layout_of(kv)).pack(ids))
+    store_bytes = bytes(KVBlockStore(kv, KVLayout.of_cache(kv.shape, kv.dtype)).pack(ids))
     assert packed.cpu().contiguous().view(torch.uint8).numpy().tobytes() == store_bytes
 
     dst = torch.zeros_like(kv).cuda()

@@ -3,35 +3,25 @@ prefix-cache event wire types."""
 
 import os
 import random
-import struct
 import subprocess
 import sys
 
-import msgspec
-import pytest
 import numpy as np
+import pytest
 import xxhash
 
 from splitserve.common.hashing import (
     BLOCK_HASH_SEED,
     BLOCK_HASH_VERSION,
     block_hash,
-    extend_block_hashes,
-    hash_blocks,
-    iter_block_hashes,
     encode_extra_keys,
+    extend_block_hashes,
     fmix64,
+    hash_blocks,
     hash_blocks_array,
+    iter_block_hashes,
     token_bytes,
     unfmix64,
-)
-from splitserve.common.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    decode_event_batch,
-    encode_event_batch,
 )
 
 # Pinned: if one of these changes, the seed or the encoding changed, and every
@@ -201,33 +191,3 @@ def test_extend_block_hashes_matches_hash_blocks():
     assert jumped == hash_blocks(tokens, 6)
 
 
-def test_event_batch_roundtrip():
-    batch = EventBatch(
-        ts=1700000000.25,
-        events=[
-            BlockStored(block_hashes=[2**64 - 1, 5], parent_hash=None, token_ids=list(range(8)), block_size=4),
-            BlockStored(block_hashes=[7], parent_hash=5, token_ids=[1, 2, 3, 4], block_size=4),
-            BlockRemoved(block_hashes=[2**64 - 1]),
-            AllBlocksCleared(),
-        ],
-    )
-    data = encode_event_batch(batch)
-    assert decode_event_batch(data) == batch
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=EventBatch) == batch
-    # Tagged: each event carries its type name on the wire.
-    raw = msgspec.msgpack.decode(data)
-    assert [e["type"] for e in raw["events"]] == [
-        "BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"
-    ]
-
-
-def test_block_stored_rejects_inconsistent_sizes():
-    with pytest.raises(ValueError):
-        BlockStored(block_hashes=[1, 2], parent_hash=None, token_ids=[1, 2, 3], block_size=2)
-    bad = msgspec.msgpack.encode(
-        {"type": "EventBatch", "ts": 0.0, "events": [
-            {"type": "BlockStored", "block_hashes": [1], "parent_hash": None,
-             "token_ids": [1], "block_size": 4}]}
-    )
-    with pytest.raises(msgspec.ValidationError):
-        decode_event_batch(bad)

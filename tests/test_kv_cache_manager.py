@@ -154,7 +154,7 @@ def test_cache_blocks_incremental_during_decode():
     m.allocate_slots("a", len(tokens))
     m.cache_blocks("a", hashes, tokens, len(tokens))
     assert m.take_events() == [
-        BlockStored(block_hashes=hashes, parent_hash=None, token_ids=tokens[:4], block_size=BS)
+        BlockStored(block_hashes=hashes)
     ]
     for t in range(6, 13):  # decode one token at a time
         tokens.append(1000 + t)
@@ -165,7 +165,7 @@ def test_cache_blocks_incremental_during_decode():
     assert hashes == hash_blocks(tokens, BS, MODEL) and len(hashes) == 3
     ev = m.take_events()
     assert ev == [
-        BlockStored(block_hashes=hashes[1:3], parent_hash=hashes[0], token_ids=tokens[4:12], block_size=BS)
+        BlockStored(block_hashes=hashes[1:3])
     ]
     blocks = m._req_blocks["a"]
     assert [b.block_hash for b in blocks] == hashes + [None]  # partial block uncached

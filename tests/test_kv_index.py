@@ -5,11 +5,11 @@ fast errors when Redis is down."""
 
 import asyncio
 
+import msgspec
 import pytest
 
 from splitserve.common.hashing import hash_blocks
-from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
-                                         decode_index_update)
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate
 from splitserve.common.kv_index import (EVENTS_CHANNEL, REDIS_ERRORS, IndexDelta, KVIndex,
                                         NodeSnapshot, blocks_key)
 from splitserve.common.registry import NodeInfo, new_epoch
@@ -25,9 +25,8 @@ def chain(n_blocks: int, start: int = 0) -> list[int]:
     return hash_blocks(list(range(start, start + n_blocks * BS)), BS, EXTRA)
 
 
-def stored(hashes: list[int], parent=None) -> BlockStored:
-    return BlockStored(block_hashes=hashes, parent_hash=parent, token_ids=[0] * (len(hashes) * BS),
-                       block_size=BS)
+def stored(hashes: list[int]) -> BlockStored:
+    return BlockStored(block_hashes=hashes)
 
 
 def node(node_id: str, epoch: str | None = None) -> NodeInfo:
@@ -69,7 +68,7 @@ async def test_applied_writes_are_published_and_snapshots_match(index):
             msg = await pubsub.get_message(timeout=2.0)
             assert msg is not None, f"only {len(got)} updates published"
             if msg["type"] == "message":
-                got.append(decode_index_update(msg["data"]))
+                got.append(msgspec.msgpack.decode(msg["data"], type=IndexUpdate))
         assert await pubsub.get_message(timeout=0.2) is None
     finally:
         await pubsub.aclose()
@@ -87,11 +86,11 @@ async def test_batches_apply_in_sequence_and_a_gap_is_refused(index):
     h = chain(4)
     assert await index.apply("n", e, IndexDelta.full(h[:2]), seq=1)
     d2 = IndexDelta()
-    d2.fold([stored([h[2]], parent=h[1]), BlockRemoved(block_hashes=[h[0]])])
+    d2.fold([stored([h[2]]), BlockRemoved(block_hashes=[h[0]])])
     assert await index.apply("n", e, d2, seq=2)
     assert await index.members("n", e) == {h[1], h[2]} and await index.last_seq("n", e) == 2
     d4 = IndexDelta()
-    d4.fold([stored([h[3]], parent=h[2])])
+    d4.fold([stored([h[3]])])
     assert not await index.apply("n", e, d4, seq=4)  # batch 3 never arrived
     assert await index.members("n", e) == {h[1], h[2]} and await index.last_seq("n", e) == 2
     # Redis loses everything (restart): deltas are refused until a full write

@@ -15,7 +15,8 @@ from collections import Counter
 import pytest
 import torch
 
-from splitserve.kvtransfer import (BACKENDS, KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
+from splitserve.common.config import KVBackend
+from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
                                    TransferError, allocate_kv_cache, free_shared_kv_cache,
                                    make_receiver, make_sender, sender_options)
 
@@ -50,7 +51,7 @@ def nccl_unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=tuple(KVBackend))
 def backend(request):
     if request.param == "ipc":  # a CUDA IPC handle cannot be opened by the process that made it
         pytest.skip("ipc needs CUDA and two processes: tests/test_kvtransfer_device.py")

@@ -13,7 +13,7 @@ import torch
 
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
                                    TransferError, allocate_kv_cache, checksum, free_shared_kv_cache,
-                                   layout_of, make_receiver, make_sender, map_shared_kv_cache,
+                                   make_receiver, make_sender, map_shared_kv_cache,
                                    shared_kv_cache)
 from splitserve.kvtransfer.channel import coalesce
 
@@ -55,7 +55,7 @@ def test_check_compatible_names_each_field():
 def test_pack_matches_the_documented_wire_layout():
     cache = random_cache()
     store = KVBlockStore(cache, LAYOUT)
-    assert layout_of(cache) == LAYOUT
+    assert KVLayout.of_cache(cache.shape, cache.dtype) == LAYOUT
     packed = store.pack([7, 2, 7])
     assert len(packed) == 3 * LAYOUT.block_nbytes and not packed.readonly
     for view, b in zip(store.split(packed), [7, 2, 7]):

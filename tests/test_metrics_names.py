@@ -78,19 +78,26 @@ def test_every_router_series_has_model_name():
                and s.value == 0 for s in found)
 
 
+def step_and_observe(engine, m: NodeMetrics) -> None:
+    """One engine step, then the metrics' look at it, as the EngineLoop does on its thread."""
+    scheduled = []
+    engine.step_observer = scheduled.append
+    deltas = engine.step()
+    m.observe_step(scheduled[0], deltas, len(engine.scheduler.requests))
+
+
 def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
     """Two requests sharing a 64-token prefix through a real engine: queue, prefill and
     decode intervals are observed once each per request, and the second request's
     prefix hit shows in prefix_cache_hits."""
     engine = make_engine(block_size=16)
     m = NodeMetrics("my-model", "decode")
-    engine.step_observer = lambda out: m.observe_step(out, len(engine.scheduler.requests))
     shared = list(range(100, 164))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for rid, tail in (("a", [7, 8, 9]), ("b", [10, 11, 12])):
         engine.add_request(rid, shared + tail, params)
         while engine.has_unfinished():
-            m.observe_deltas(engine.step())
+            step_and_observe(engine, m)
     m.set_load(engine.load(), engine.num_preemptions_total, 0)
     text = m.render()[0].decode()
     found = samples(text)
@@ -111,10 +118,9 @@ def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
 def test_aborted_requests_leave_no_timing_entries(make_engine, tiny_llama_dir):
     engine = make_engine(model=str(tiny_llama_dir()[0]), block_size=16)
     m = NodeMetrics("my-model", "decode")
-    engine.step_observer = lambda out: m.observe_step(out, len(engine.scheduler.requests))
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    for i in range(100):  # aborted after one step: no finishing delta reaches observe_deltas
+    for i in range(100):  # aborted after one step: no finishing delta reaches observe_step
         engine.add_request(f"r{i}", [5, 6, 7, i], params)
-        engine.step()
+        step_and_observe(engine, m)
         engine.abort(f"r{i}")
     assert len(m._times) <= 64 + 1

@@ -9,8 +9,8 @@ import pytest
 
 from splitserve.deploy.launcher import free_port
 
-from splitserve.common.registry import (KEY_PREFIX, REDIS_ERRORS, Heartbeat, NodeInfo, NodeLoad,
-                                        NodeRegistry, new_epoch)
+from splitserve.common.load import NodeLoad
+from splitserve.common.registry import KEY_PREFIX, REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, new_epoch
 
 pytestmark = pytest.mark.anyio
 
@@ -78,18 +78,18 @@ async def test_undecodable_record_is_skipped(registry):
 
 async def test_heartbeat_task_keeps_node_alive_with_current_load(redis_url, registry):
     reg = NodeRegistry(redis_url, ttl_s=0.3)  # beats every 0.1 s
-    load = NodeLoad()
+    load = {"running": 0}  # what the engine would publish
     node = make_node("hb")
 
     def info() -> NodeInfo:
-        node.load = NodeLoad(running=load.running)
+        node.load = NodeLoad(**load)
         return node
 
     hb = Heartbeat(reg, info)
     try:
         hb.start()
         await asyncio.sleep(0.05)
-        load.running = 4
+        load["running"] = 4
         await asyncio.sleep(0.6)  # two TTLs: alive only because it keeps beating
         [got] = await reg.list_nodes()
         assert got.load.running == 4

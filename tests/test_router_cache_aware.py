@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from splitserve.common.registry import NodeInfo, NodeLoad
+from splitserve.common.load import NodeLoad
+from splitserve.common.registry import NodeInfo
 from splitserve.router.cache_aware import CacheAware
 from splitserve.router.config import CacheAwareWeights, RouterConfig
 from splitserve.router.decisions import DecisionLog

@@ -30,12 +30,6 @@ async def router(redis_url):
 
 
 @pytest.fixture(scope="module")
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture(scope="module")
 async def client(router):
     async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="unused",
                                   max_retries=0) as c:

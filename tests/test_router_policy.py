@@ -5,7 +5,8 @@ from collections import Counter
 
 import pytest
 
-from splitserve.common.registry import NodeInfo, NodeLoad
+from splitserve.common.load import NodeLoad
+from splitserve.common.registry import NodeInfo
 from splitserve.router.policy import Decision, LeastLoad, RoundRobin, make_policy
 
 PROMPT = [1, 2, 3]

@@ -41,8 +41,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .generate import summarize as trace_summary
-from .trace import (HASH_BLOCK, TraceRequest, load_trace, oracle_hits,
-                                                prompt_tokens)
+from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from ...common import metric_names as names
 
 PROGRESS_S = 5.0  # wall seconds between progress lines

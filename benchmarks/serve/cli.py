@@ -20,8 +20,7 @@ from .client import Endpoint, EndpointError, check_endpoint
 from .config import BenchConfig, Slo, normalize_base_url
 from .datasets import load_dataset, load_tokenizer
 from .metrics import summarize
-from .report import (format_summary, plot_cdfs, plot_vs_rate,
-                                                request_records, write_json)
+from .report import format_summary, plot_cdfs, plot_vs_rate, request_records, write_json
 from .runner import run
 
 

@@ -1,0 +1,72 @@
+"""Outcomes: how a unit of work ended, one enum per kind, defined once.
+
+Code decides an outcome as one of these values and carries it to the metrics, where
+it becomes the label (a StrEnum is its own label string); every value of each enum is
+exported at 0 from the start, so rate() and alerts see a counter before its first
+event. Owns no collectors (node/metrics.py and router/metrics.py do).
+"""
+
+from enum import StrEnum
+
+
+# ---- nodes -------------------------------------------------------------------------------------
+class PrefillOutcome(StrEnum):
+    """One /prefill call on a prefill node."""
+    OK = "ok"
+    BAD_REQUEST = "bad_request"
+    REFUSED = "refused"  # could not start now (queue, pool, draining): 503
+    ABORTED = "aborted"
+    ERROR = "error"  # the engine failed it
+    TRANSFER_FAILED = "transfer_failed"
+
+
+class TransferEnd(StrEnum):
+    """How a KV transfer ended on the decode node."""
+    OWNED = "owned"  # every block landed; the request runs on them
+    FAILED = "failed"
+    ABORTED = "aborted"  # the request was cancelled while it ran
+
+
+class FallbackReason(StrEnum):
+    """Why a decode node prefilled a request itself instead of receiving its KV."""
+    NO_BLOCKS = "no_blocks"  # the pool could not reserve the prompt's blocks
+    TRANSFER_FAILED = "transfer_failed"  # refused, failed or timed out (the detail is logged)
+
+
+class PromptHashResult(StrEnum):
+    """What a node did with the block hashes the router carried (common/protocol.py
+    PromptHashes)."""
+    ADOPTED = "adopted"
+    REHASHED = "rehashed"  # they did not check out: the engine hashed the prompt
+    ABSENT = "absent"  # none carried
+
+
+class IndexBatchResult(StrEnum):
+    """One write of prefix-cache events to the Redis index."""
+    OK = "ok"
+    REFUSED = "refused"  # Redis lost earlier batches: a snapshot follows
+    ERROR = "error"  # Redis unreachable
+
+
+# ---- router ------------------------------------------------------------------------------------
+class FailureReason(StrEnum):
+    """Why a routed request ended without a finish reason."""
+    NODE_ERROR = "node_error"
+    NODE_UNAVAILABLE = "node_unavailable"
+    CLIENT_DISCONNECT = "client_disconnect"
+    CANCELLED = "cancelled"
+
+
+class IndexLookupResult(StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    SKIPPED = "skipped"
+
+
+class PredictionOutcome(StrEnum):
+    """A routing decision's predicted prefix hit against what the node delivered."""
+    HIT = "hit"  # delivered at least what was predicted
+    MISS = "miss"  # delivered less than predicted
+    UNSEEN = "unseen"  # nothing predicted, something delivered
+    NONE = "none"  # nothing predicted, nothing delivered
+    FAILED = "failed"  # the request failed: nothing to compare (in /debug/decisions, never counted)

@@ -1,0 +1,97 @@
+"""The thread boundary of engine/engine_loop.py: only the engine thread touches the
+engine. One check watches every attribute read of every EngineCore while a real
+prefill node and a real decode node serve a disaggregated request, scrape and
+abort; one check reads the source for code that could reach the engine."""
+
+import ast
+import asyncio
+import pathlib
+import threading
+
+import msgspec
+from aiohttp.test_utils import TestServer
+
+from splitserve.common.config import EngineConfig, NodeConfig
+from splitserve.common.protocol import Abort, FrameReader, GenerateRequest, TokenDelta
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.engine_core import EngineCore
+from splitserve.node.runtime import build_app
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENGINE_THREAD = "engine"  # EngineLoop's thread name
+
+
+def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
+    path, _ = tiny_llama_dir()
+    engine = EngineConfig(model=str(path), kv_cache_memory=1 << 20, num_threads=1)
+    prefill_cfg = NodeConfig(role="prefill", engine=engine)
+    decode_cfg = NodeConfig(role="decode", engine=engine)
+
+    watching = threading.Event()
+    seen: list[tuple[str, str]] = []  # (thread, attribute) of every read while watching
+    original = EngineCore.__getattribute__
+
+    def watched(self, name):
+        if watching.is_set():
+            seen.append((threading.current_thread().name, name))
+        return original(self, name)
+
+    monkeypatch.setattr(EngineCore, "__getattribute__", watched)
+
+    async def body():
+        prefill, decode = TestServer(build_app(prefill_cfg)), TestServer(build_app(decode_cfg))
+        await prefill.start_server()
+        await decode.start_server()
+        watching.set()  # both engine threads run from here on
+        try:
+            import aiohttp
+            async with aiohttp.ClientSession() as s:
+                req = GenerateRequest(request_id="r1", token_ids=list(range(1, 40)),
+                                      sampling_params=SamplingParams(max_tokens=6, ignore_eos=True),
+                                      prefill_addr=str(prefill.make_url("")).rstrip("/"), transfer_id="t1")
+                frames: list[TokenDelta] = []
+                async with s.post(decode.make_url("/generate"), data=msgspec.msgpack.encode(req),
+                                  headers={"Content-Type": "application/msgpack"}) as r:
+                    assert r.status == 200, await r.text()
+                    reader = FrameReader(TokenDelta)
+                    async for chunk in r.content.iter_any():
+                        frames.extend(reader.feed(chunk))
+                for server in (prefill, decode):
+                    for route in ("/metrics", "/debug/state", "/health"):
+                        async with s.get(server.make_url(route)) as r:
+                            assert r.status == 200
+                    async with s.post(server.make_url("/abort"), data=msgspec.msgpack.encode(Abort("r1")),
+                                      headers={"Content-Type": "application/msgpack"}) as r:
+                        assert r.status == 200
+            await asyncio.sleep(0.2)  # the engines' idle passes
+        finally:
+            watching.clear()
+            await decode.close()
+            await prefill.close()
+        return frames
+
+    frames = asyncio.run(body())
+    assert frames[-1].finish_reason == "length"
+    assert sum(len(f.token_ids) for f in frames) == 6
+    engine_reads = [name for thread, name in seen if thread == ENGINE_THREAD]
+    assert engine_reads, "the watch saw nothing: the test does not test"
+    elsewhere = sorted({(thread, name) for thread, name in seen if thread != ENGINE_THREAD})
+    assert elsewhere == [], f"engine read off the engine thread: {elsewhere}"
+
+
+def _attribute_names(tree: ast.AST) -> set[str]:
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+
+
+def test_only_the_runtime_builds_an_engine_and_only_the_engine_loop_holds_it():
+    """Outside engine/, EngineCore is built in one place (node/runtime.py) and handed to
+    the EngineLoop; nothing reaches for the EngineLoop's private engine."""
+    owners = {ROOT / "node" / "runtime.py"}
+    for folder in ("node", "decode_node", "prefill_node", "router", "kvtransfer", "common"):
+        for file in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(file.read_text(), str(file))
+            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            if file not in owners:
+                assert "EngineCore" not in names, f"{file.relative_to(ROOT)} uses EngineCore"
+            assert "_engine" not in _attribute_names(tree) or file in owners, \
+                f"{file.relative_to(ROOT)} reaches into an engine"
