@@ -17,13 +17,15 @@ cached prompt tokens per node, with no Redis round trip per request.
 
 Data: ``_holders`` maps a block hash to a bitmask of node slots (one bit per
 mirrored (node, epoch)). A lookup takes the prompt's chained hashes (computed once
-per request by the caller, or here), AND-s the candidates' bits at the first block,
-then bisects for the last block every remaining candidate holds: a node's set is
+per request by the caller, or here), keeps the mirrored nodes holding the first
+block, then bisects for the last block every remaining one holds: a node's set is
 prefix-closed (engines evict a sequence's tail first, KVCacheManager.free), so the
 nodes missing block i miss every later one. Those leave with their depth and the
-rest go on, so a lookup costs ~log2(blocks) dict reads per distinct depth among the
-candidates, not prompt length x nodes. A set with a hole may be read long, which
-the router counts as a misprediction.
+rest go on, so a lookup costs ~log2(blocks) dict reads per distinct depth, not
+prompt length x nodes; only the nodes with a hit are then matched to the request's
+candidates (registry epoch, block size), so a fleet of hundreds adds no loop over
+every node. A set with a hole may be read long, which the router counts as a
+misprediction.
 
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
 served model id as the extra key and RouterConfig.block_size, as every node does),
@@ -92,6 +94,8 @@ class PrefixIndex:
     _retired: set[NodeKey] = field(default_factory=set)  # epochs superseded by a newer one
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
+    _slot_key: dict[int, NodeKey] = field(default_factory=dict)  # slot -> the node it mirrors
+    _all: int = 0  # bitmask of every slot in use
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
     _mismatched: set[str] = field(default_factory=set)  # node ids warned about
     _task: asyncio.Task | None = None
@@ -111,20 +115,23 @@ class PrefixIndex:
             self.metrics.index_lookups.labels(result=IndexLookupResult.SKIPPED).inc()
             return PrefixHits({}, num_blocks, False)
         max_blocks = min(num_blocks, (len(prompt) - 1) // bs)
-        slot_node: dict[int, str] = {}  # slot -> node_id of the candidates
-        alive = 0
-        for n in nodes:
-            entry = self._nodes.get((n.node_id, n.epoch))
-            if entry is not None and self._same_block_size(n):
-                slot_node[entry.slot] = n.node_id
-                alive |= 1 << entry.slot
         self.metrics.index_lookups.labels(result=IndexLookupResult.OK).inc()
-        if max_blocks == 0 or not alive:
+        if max_blocks == 0 or not self._all:
             return PrefixHits({}, num_blocks, True)
         if hashes is None:
             hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, (self.model_id,))
+        found: dict[int, int] = {}  # slot -> tokens, every mirrored node with a hit
+        _walk(self._holders.get, hashes, max_blocks, self._all, bs, found)
+        # Only the nodes with a hit are matched to the candidates (their registry epoch,
+        # their block size): no per-request loop over every node of a large fleet.
         cached: dict[str, int] = {}
-        _walk(self._holders.get, hashes, max_blocks, alive, bs, slot_node, cached)
+        if found:
+            live = {n.node_id: n for n in nodes}  # node_id -> the registry's record
+            for slot, tokens in found.items():
+                node_id, epoch = self._slot_key[slot]
+                n = live.get(node_id)
+                if n is not None and n.epoch == epoch and self._same_block_size(n):
+                    cached[node_id] = tokens
         return PrefixHits(cached, num_blocks, True)
 
     def hash_prompt(self, prompt: Sequence[int]) -> np.ndarray:
@@ -247,6 +254,8 @@ class PrefixIndex:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
         entry = self._nodes[key] = MirroredNode(slot, seq)
+        self._slot_key[slot] = key
+        self._all |= 1 << slot
         self._add(entry, hashes)
 
     def _apply(self, entry: MirroredNode, u: IndexUpdate) -> None:
@@ -284,6 +293,8 @@ class PrefixIndex:
             else:
                 del holders[h]
         self._free_slots.append(entry.slot)
+        del self._slot_key[entry.slot]
+        self._all &= keep
 
     def _retire_other_epochs(self, key: NodeKey) -> None:
         """``key`` is a node id at a new epoch: its earlier epochs hold nothing now."""
@@ -297,6 +308,8 @@ class PrefixIndex:
         self._holders.clear()
         self._free_slots.clear()
         self._next_slot = 0
+        self._slot_key.clear()
+        self._all = 0
 
     def _same_block_size(self, node: NodeInfo) -> bool:
         if node.block_size in (0, self.block_size):  # 0: a node that does not say
@@ -309,12 +322,11 @@ class PrefixIndex:
         return False
 
 
-def _walk(get, hashes, max_blocks: int, alive: int, bs: int, slot_node: dict[int, str],
-          cached: dict[str, int]) -> None:
-    """Settle in ``cached`` the depth of every node in ``alive``: the first block must
-    be held; then, sets being prefix-closed, the last block every remaining node
-    holds is found by bisection, the nodes missing the next one leave, and the rest
-    go on. ~log2(blocks) dict reads per distinct depth among the candidates."""
+def _walk(get, hashes, max_blocks: int, alive: int, bs: int, found: dict[int, int]) -> None:
+    """Record in ``found`` (slot -> tokens) the depth of every node in ``alive``: the
+    first block must be held; then, sets being prefix-closed, the last block every
+    remaining node holds is found by bisection, the nodes missing the next one leave,
+    and the rest go on. ~log2(blocks) dict reads per distinct depth among the nodes."""
     alive &= get(int(hashes[0]), 0)
     depth = 1  # blocks every node in ``alive`` holds
     while alive and depth < max_blocks:
@@ -329,18 +341,16 @@ def _walk(get, hashes, max_blocks: int, alive: int, bs: int, slot_node: dict[int
             else:
                 hi = mid
         held = get(int(hashes[hi]), 0) & alive
-        _settle(alive & ~held, hi * bs, slot_node, cached)
+        _settle(alive & ~held, hi * bs, found)
         alive, depth = held, hi + 1
-    _settle(alive, depth * bs, slot_node, cached)
+    _settle(alive, depth * bs, found)
 
 
-def _settle(slots: int, tokens: int, slot_node: dict[int, str], cached: dict[str, int]) -> None:
-    """Record ``tokens`` as the hit of every node whose bit is set in ``slots``."""
-    if not tokens:
-        return
+def _settle(slots: int, tokens: int, found: dict[int, int]) -> None:
+    """Record ``tokens`` as the hit of every slot set in ``slots``."""
     while slots:
         low = slots & -slots
-        cached[slot_node[low.bit_length() - 1]] = tokens
+        found[low.bit_length() - 1] = tokens
         slots ^= low
 
 
