@@ -74,7 +74,8 @@ def build_app(config: RouterConfig) -> web.Application:
                           middlewares=[_error_middleware, api_key_middleware,
                                        _admission_middleware])
     app[CONFIG] = config
-    app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
+    app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len,
+                                     config.allow_long_max_model_len)
     app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
