@@ -34,6 +34,7 @@ FINISHED_REASON_LABEL = "finished_reason"
 # ---- router only -----------------------------------------------------------------------------
 HTTP_REQUESTS = PREFIX + "router_http_requests_total"  # counter, labels endpoint, status
 REQUEST_FAILURES = PREFIX + "request_failures_total"  # counter, label reason
+REQUEST_MIGRATIONS = PREFIX + "request_migrations_total"  # counter: generations moved to another decode node
 ROUTER_RUNNING = PREFIX + "router_requests_running"  # gauge: generations streaming now
 ROUTER_INFLIGHT_REQUESTS = PREFIX + "router_inflight_requests"  # gauge: generating HTTP requests admitted
 ADMISSION_REJECTIONS = PREFIX + "router_admission_rejections_total"  # counter, label reason

@@ -37,7 +37,7 @@ from aiohttp import web
 from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
-from ..common.http import MSGPACK, decode_error_body, error_response, read_msgpack
+from ..common.http import MSGPACK, decode_error_body, error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd
 from ..common.protocol import Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
 from ..engine.engine_core import RequestDelta
@@ -81,7 +81,9 @@ class DecodeNode:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        # peer_connector: a task written into a partition fails in seconds, not after the lease
+        self.session = aiohttp.ClientSession(connector=peer_connector(),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                              headers=auth_headers(self.config.cluster_token))
         if self.config.role == "decode":
             store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)

@@ -6,7 +6,9 @@ serving) and stops everything, draining, only on Ctrl-C/SIGTERM.
 
 Nothing is open: ``up`` starts Redis with a random password and hands every member the
 URL with it, and generates the cluster token (common/auth.py), passed to every member
-in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1.
+in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1. Client API keys (``up --api-key``,
+else $SPLITSERVE_API_KEY as the caller has it) reach the router in its environment, never
+on a command line.
 
 Defaults come from ``deploy/local.toml``; flags override them.
 
@@ -31,7 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token
+from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, check_secret, new_cluster_token
+from ..router.config import API_KEY_ENV
 from .devices import DevicePlan, plan_devices
 from .supervisor import Supervisor
 
@@ -100,7 +103,7 @@ class Cluster:
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
-                 served_model_names=(), router_replicas=1):
+                 served_model_names=(), api_keys=(), router_replicas=1):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -116,6 +119,7 @@ class Cluster:
         self.router_ports = [self.router_port] + [free_port() for _ in range(router_replicas - 1)]
         self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
         self.redis_password = redis_password  # for the Redis this cluster starts
+        self.api_keys = tuple(api_keys)  # the router's client keys; (): it reads $SPLITSERVE_API_KEY
         self.redis_url = redis_url
         self.redis: subprocess.Popen | None = None
         self.procs: list[Proc] = []
@@ -142,6 +146,8 @@ class Cluster:
         env.pop(CLUSTER_TOKEN_ENV, None)
         if self.cluster_token:
             env[CLUSTER_TOKEN_ENV] = self.cluster_token
+        if self.api_keys and role == "router":
+            env[API_KEY_ENV] = ",".join(self.api_keys)
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
         if role in self.cpus:
             cmd = ["taskset", "-c", ",".join(map(str, self.cpus[role])), *cmd]
@@ -376,6 +382,10 @@ def served_name(args) -> str:
 
 def launch(args) -> int:
     """``splitserve up``."""
+    api_keys = tuple(getattr(args, "api_key", None) or ())
+    for key in api_keys:
+        check_secret("--api-key", key)
+    keyed = bool(api_keys or os.environ.get(API_KEY_ENV, "").strip())
     defaults = tomllib.loads(Path(args.config or DEFAULT_CONFIG).read_text())["cluster"]
     pick = lambda flag, key: getattr(args, flag) if getattr(args, flag) is not None else defaults[key]
     device_flag = lambda flag, key=None: getattr(args, flag, None) or defaults.get(key or flag)
@@ -392,7 +402,7 @@ def launch(args) -> int:
                       host=getattr(args, "host", None) or defaults["host"], cpus=parse_cpus(args.cpus or []),
                       devices=devices if devices.devices or devices.dtype else None,
                       cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
-                      redis_password=new_cluster_token(),
+                      redis_password=new_cluster_token(), api_keys=api_keys,
                       router_replicas=getattr(args, "router_replicas", None) or 1)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -406,11 +416,12 @@ def launch(args) -> int:
     cluster.supervise()
     status_port = cluster.status_port
     replicas = "".join(f"\n  router replica: {u}/v1" for u in cluster.urls[1:])
+    auth = "\n    -H 'Authorization: Bearer <your API key>' \\" if keyed else ""
     print(f"""
 splitserve is serving the OpenAI API at {cluster.url}/v1{replicas}
   supervisor status: http://127.0.0.1:{status_port}/status  (restart counters also at /metrics)
 
-  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\{auth}
     -d '{{"model": "{served_name(args)}", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
 
 A member that dies is restarted; Ctrl-C stops everything.""", flush=True)

@@ -68,8 +68,12 @@ class PrefillNode:
 
     def _sender(self, backend: str):
         if backend not in self.senders:
+            # A send gets one lease, as the decode node's transfer does: past it the decode node
+            # has given up (and prefilled itself), so a partitioned peer cannot hold this
+            # request's blocks and its /prefill handler for the sender's default minute.
             options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0,
-                                     cluster_token=self.config.cluster_token)
+                                     cluster_token=self.config.cluster_token,
+                                     timeout_s=self.config.transfer_lease_s)
             self.senders[backend] = make_sender(backend, self.rt.layout, options,
                                                 device=self.config.engine.device)
         return self.senders[backend]

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from ..common.auth import redact_url
 from ..common.errors import InvalidRequest
+from ..common.http import peer_connector
 from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
 from . import endpoints, extra_endpoints, openai_api
@@ -107,7 +108,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                          retry_s=config.index_retry_s)
     prefix.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
     # No connection cap: every streaming request holds one connection to its node.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    session = aiohttp.ClientSession(connector=peer_connector(limit=0))
     background = BackgroundTasks()
     client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
                         config.cluster_token, on_node_down=directory.mark_addr_down)
@@ -118,7 +119,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         shared.start()
     dispatcher = Dispatcher(directory, policy, client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
-                            config.retry_after_s)
+                            config.retry_after_s, config.migration_limit)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
     log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
              config.model_id, config.policy, config.block_size, redact_url(config.redis_url),

@@ -93,8 +93,9 @@ class LeastLoad:
         if not decodes:
             return None
         turn = next(self._tie) if tie_key is None else tie_key
-        return Decision(_least(prefills, prefill_load, inflight, turn),
-                        _least(decodes, decode_load, inflight, turn), len(request_token_ids))
+        decode = _least(decodes, decode_load, inflight, turn)
+        assert decode is not None  # decodes is not empty
+        return Decision(_least(prefills, prefill_load, inflight, turn), decode, len(request_token_ids))
 
 
 class RoundRobin:
