@@ -103,6 +103,7 @@ class CacheAware:
                                                                  inflight_tokens, now), turn)
         decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, local,
                                                               inflight_tokens), turn)
+        assert decode is not None  # decodes is not empty
         if prefill is not None and self.w.local_prefill_tokens > 0:
             # Skip the remote prefill when a decode node holds most of the prompt or it is short.
             near = [d for d in decodes if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens]
