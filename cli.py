@@ -290,6 +290,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nodes", type=int)
     p.add_argument("--decode-nodes", type=int)
     p.add_argument("--port", type=int, help="router port")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="routers behind the same Redis, each with its own prefix-index mirror "
+                        "(the first on --port, the others on free ports; all URLs are printed)")
     p.add_argument("--kv-backend", choices=tuple(KVBackend))
     p.add_argument("--kv-cache-memory")
     p.add_argument("--threads-per-node", type=int)

@@ -75,6 +75,7 @@ KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (d
 KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
+PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
 
 # ---- label values known in advance that are not outcomes (those are common/outcomes.py's
 # enums): every series starts at 0, so rate() and the alerts see a counter before its first

@@ -85,7 +85,8 @@ class EngineCore:
     def num_preemptions_total(self) -> int:
         return self.scheduler.num_preemptions
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     block_hashes: list[int] | None = None) -> Request:
         self.limits.check(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
@@ -96,19 +97,25 @@ class EngineCore:
         grammar = (None if params.structured_outputs is None
                    else self.grammars.new_state(params.structured_outputs))
         return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                       (self.config.model_id,), frozenset(stop_ids), gen, grammar)
+                       (self.config.model_id,), frozenset(stop_ids), gen, grammar,
+                       block_hashes=list(block_hashes) if block_hashes is not None else [])
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    block_hashes: list[int] | None = None) -> None:
+        """Schedule a prompt. ``block_hashes``: its chained block hashes when the caller
+        has them (carried from the router and checked, `PromptHashes.adopt`)."""
         if request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} holds a KV reservation")
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int]) -> Reservation | None:
+    def reserve(self, request_id: str, prompt_token_ids: list[int],
+                block_hashes: list[int] | None = None) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix.
         None when the pool cannot supply them now (the caller prefills locally)."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        hashes = hash_blocks(prompt_token_ids, self.config.block_size, (self.config.model_id,))
+        hashes = block_hashes if block_hashes is not None else hash_blocks(
+            prompt_token_ids, self.config.block_size, (self.config.model_id,))
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks) is None:
             return None
@@ -120,10 +127,11 @@ class EngineCore:
             self.kv.free(request_id)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int) -> RequestDelta:
+                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int,
+                      block_hashes: list[int] | None = None) -> RequestDelta:
         """Admit a request whose prompt KV landed in its reserved blocks and whose
         first token was sampled elsewhere; it joins the running batch to decode."""
-        req = self._new_request(request_id, prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, block_hashes)
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token

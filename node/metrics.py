@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 from ..common import metric_names as n
 from ..common.load import NodeLoad
 from ..common.model_metrics import ModelMetrics
-from ..common.outcomes import FallbackReason, IndexBatchResult, PrefillOutcome, TransferEnd
+from ..common.outcomes import (FallbackReason, IndexBatchResult, PrefillOutcome, PromptHashResult,
+                               TransferEnd)
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
     from ..engine.engine_core import RequestDelta
@@ -90,14 +91,27 @@ class NodeMetrics:
                                    ["state"])
         self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
                                    "failed or impossible transfer", ["reason"])
+        self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
+                                       "the router carried (adopted; rehashed: they did not check "
+                                       "out; absent: none carried)", ["result"])
         for counter, values in ((self.index_batches, IndexBatchResult),
                                 (self.prefill_requests, PrefillOutcome),
                                 (self.blocks_received, n.BLOCK_OK), (self.transfers, TransferEnd),
-                                (self.fallbacks, FallbackReason)):
+                                (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
         self._times: dict[str, RequestTimes] = {}  # req_id -> times (engine thread only)
         self._preemptions_seen = 0
+
+    def adopt_hashes(self, carried, token_ids: list[int], block_size: int,
+                     model: str) -> list[int] | None:
+        """The carried `PromptHashes` of ``token_ids`` when they check out for this node
+        (counted adopted), else None: the engine hashes the prompt (rehashed / absent)."""
+        hashes = carried.adopt(token_ids, block_size, model) if carried is not None else None
+        result = (PromptHashResult.ADOPTED if hashes is not None else PromptHashResult.REHASHED
+                  if carried is not None else PromptHashResult.ABSENT)
+        self.prompt_hashes.labels(result).inc()
+        return hashes
 
     def set_load(self, load: NodeLoad, preemptions_total: int, heartbeat_failures: int) -> None:
         """Refresh the engine-state gauges (``load``: the published NodeLoad)."""

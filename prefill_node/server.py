@@ -63,6 +63,7 @@ class PrefillNode:
         self.exporter = BlockExporter(self.store.pack, self._on_blocks)
         self.senders = {}  # backend -> KVSender (one connection pool each)
         m = runtime.metrics
+        self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
 
     def _sender(self, backend: str):
@@ -144,7 +145,10 @@ class PrefillNode:
         loop = self.rt.loop
         try:
             export = loop.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
-            await loop.submit(AddRequest(rid, task.token_ids, params))
+            cfg = self.config.engine
+            hashes = self.metrics.adopt_hashes(task.prompt_hashes, task.token_ids, cfg.block_size,
+                                               cfg.model_id)
+            await loop.submit(AddRequest(rid, task.token_ids, params, hashes))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))

@@ -41,6 +41,7 @@ from . import endpoints, extra_endpoints, openai_api
 from .admission import Admission
 from .auth import api_key_middleware
 from .background import BackgroundTasks
+from .cache_aware import CacheAware
 from .config import RouterConfig
 from .decisions import DecisionLog
 from .discovery import NodeDirectory
@@ -51,6 +52,7 @@ from .metrics import RouterMetrics
 from .node_client import NodeClient
 from .policy import make_policy
 from .prefix_index import PrefixIndex
+from .shared_work import SharedWork
 from .state import ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES, TOKENIZER, RouterServices
 from .tokenizer import RouterTokenizer
 
@@ -73,7 +75,8 @@ def build_app(config: RouterConfig) -> web.Application:
                           middlewares=[_error_middleware, api_key_middleware,
                                        _admission_middleware])
     app[CONFIG] = config
-    app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
+    app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len,
+                                     config.allow_long_max_model_len)
     app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
@@ -109,7 +112,12 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     background = BackgroundTasks()
     client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
                         config.cluster_token, on_node_down=directory.mark_addr_down)
-    dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
+    policy = make_policy(config.policy, config.weights)
+    # cache_aware's recent work per node, shared with the other router replicas
+    shared = SharedWork(index, policy.recent) if isinstance(policy, CacheAware) else None
+    if shared is not None:
+        shared.start()
+    dispatcher = Dispatcher(directory, policy, client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
                             config.retry_after_s, config.migration_limit)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
@@ -121,6 +129,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     finally:
         await directory.stop()
         await prefix.stop()
+        if shared is not None:
+            await shared.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
         await index.close()

@@ -91,6 +91,9 @@ class RouterConfig:
     # and an extra key of every block hash. Empty: resolved to (model or BUNDLED_MODEL_ID,).
     served_model_names: tuple[str, ...] = ()
     max_model_len: int | None = None  # None: the model's usable context (ModelConfig)
+    # Accept a max_model_len beyond the tokenizer model's context (with a warning): the
+    # nodes serve another model than the tokenizer's config says (simulated GPU profiles).
+    allow_long_max_model_len: bool = False
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413
     policy: str = "cache_aware"
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # cache_aware only
@@ -193,6 +196,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_model_args(g)
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, capped at a sliding window)")
+    g.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="accept a --max-model-len beyond the model config's context (simulated "
+                        "nodes standing for a longer-context model)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument("--policy", choices=POLICIES, default=d.policy)
     g.add_argument("--score-weights", default="",
@@ -248,6 +254,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
                         model=args.model, served_model_names=tuple(args.served_model_name or ()),
                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
+                        allow_long_max_model_len=args.allow_long_max_model_len,
                         policy=args.policy, weights=CacheAwareWeights.parse(args.score_weights),
                         block_size=args.block_size, poll_interval_s=args.poll_interval,
                         node_read_timeout_s=args.node_read_timeout,

@@ -89,23 +89,28 @@ class Dispatcher:
         tried: set[str] = set(exclude)  # decode node ids
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
+        t_hash = time.perf_counter()
+        hashes = self.prefix.hash_prompt(prompt)  # once: the lookup and every node reuse them
+        carried = self.prefix.carried(hashes)
+        hash_s = time.perf_counter() - t_hash  # counted in the first decision's time
         for _ in range(MAX_ATTEMPTS):
             t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
             if hits is None and self.policy.uses_prefix_index:
-                hits = self.prefix.lookup(prompt, nodes)
+                hits = self.prefix.lookup(prompt, nodes, hashes)
             decision = self.policy.choose(prompt, nodes, self.inflight,
                                           cached=hits.cached if hits else NO_CACHED,
-                                          inflight_tokens=self.inflight_tokens)
+                                          inflight_tokens=self.inflight_tokens,
+                                          tie_key=int(hashes[-1]) if len(hashes) else None)
             if decision is None:
                 break
-            decision_s = time.perf_counter() - t_route
+            decision_s, hash_s = time.perf_counter() - t_route + hash_s, 0.0
             self.metrics.decision_seconds.observe(decision_s)
             tried.add(decision.decode.node_id)
             req = GenerateRequest(
                 request_id=request_id, token_ids=prompt, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
-                transfer_id=uuid.uuid4().hex)
+                transfer_id=uuid.uuid4().hex, prompt_hashes=carried)
             try:
                 stream, prefill_slot, decode_slot = await self._open(decision, req)
             except NodeRejected as e:

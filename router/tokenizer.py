@@ -12,6 +12,7 @@ transformers' ``apply_chat_template`` does (trim_blocks, lstrip_blocks, sandboxe
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jinja2
@@ -21,13 +22,16 @@ from tokenizers import Tokenizer
 from ..common.errors import InvalidRequest
 from ..engine.model_config import ModelConfig  # config.json only: no torch
 
+log = logging.getLogger(__name__)
+
 
 class RouterTokenizer:
     """Tokenizes prompts, renders chats, decodes ids. Satisfies the detokenizer's
     `TokenDecoder` protocol (``decode(ids, skip_special_tokens=,
     clean_up_tokenization_spaces=)``)."""
 
-    def __init__(self, model_dir: str | Path, max_model_len: int | None = None):
+    def __init__(self, model_dir: str | Path, max_model_len: int | None = None,
+                 allow_long: bool = False):
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             raise ValueError(
@@ -38,7 +42,10 @@ class RouterTokenizer:
         model_cfg = ModelConfig.from_dir(model_dir)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), model_cfg.vocab_size)
         context = model_cfg.max_position_embeddings  # usable context, as the engine caps it
-        if max_model_len is not None and max_model_len > context:
+        if max_model_len is not None and max_model_len > context and allow_long:
+            log.warning("router: max_model_len %d is beyond %s's context of %d tokens "
+                        "(--allow-long-max-model-len)", max_model_len, model_dir, context)
+        elif max_model_len is not None and max_model_len > context:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's usable context of "
                              f"{context} tokens ({model_dir}/config.json); pass at most {context}")
         self.max_model_len = context if max_model_len is None else max_model_len

@@ -133,3 +133,31 @@ def test_up_api_key_reaches_the_router(how):
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_up_router_replicas_prints_every_url_and_each_one_routes():
+    """``up --router-replicas 2``: both routers are listed in the banner, see the node
+    and serve completions; Ctrl-C stops both."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    env.pop("SPLITSERVE_API_KEY", None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
+                           "--decode-nodes", "1", "--kv-cache-memory", "32MiB", "--router-replicas", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            lines.append(up.stdout.readline().rstrip())
+        replicas = [m.group(1) for ln in lines if (m := re.search(r"router replica: (http://\S+)/v1", ln))]
+        assert len(replicas) == 1, lines
+        for url in (f"http://127.0.0.1:{port}", replicas[0]):
+            assert get_json(f"{url}/health")["decode_nodes"] == 1
+            assert isinstance(completion(url), str)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
