@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.benchmarks.bench_engine import ours_prefill  # prompt tokens/s of one batch
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
@@ -102,16 +103,6 @@ def engine_decode(engine: EngineCore, batch: list[list[int]], steps: int) -> lis
         engine.step()  # ends with the sampled ids on the host: the GPU work is done
         times.append(time.perf_counter() - t0)
     return times
-
-
-def engine_prefill(engine: EngineCore, batch: list[list[int]]) -> float:
-    params = SamplingParams(temperature=0, max_tokens=1)
-    for i, p in enumerate(batch):
-        engine.add_request(f"p{time.monotonic_ns()}-{i}", p, params)
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-    return sum(map(len, batch)) / (time.perf_counter() - t0)
 
 
 @torch.inference_mode()
@@ -185,7 +176,7 @@ def bench_bundled(args, plan: Plan, model_dir: Path, hf_model) -> dict:
                 times = engine_decode(engine, prompts(n, plan.prompt_len, vocab, 10 + n), plan.steps)
                 out["decode_tok_s"][f"b{n}"] = {"splitserve": round(n * len(times) / sum(times), 1)}
             for n, length in plan.prefill_batches:
-                runs = [engine_prefill(engine, prompts(n, length, vocab, 100 + r)) for r in range(args.runs)]
+                runs = [ours_prefill(engine, prompts(n, length, vocab, 100 + r)) for r in range(args.runs)]
                 out["prefill_tok_s"][f"{n}x{length}"] = {"splitserve": round(statistics.median(runs), 1)}
         print(f"bundled {name}: decode step at batch 1 {out['decode_step_b1_ms'][name]} ms", flush=True)
         del engine

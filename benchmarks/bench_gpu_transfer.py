@@ -30,6 +30,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from splitserve.benchmarks.bench_kvtransfer import stop_receiver
 from splitserve.kvtransfer import KVBlockStore, KVLayout, SenderOptions, TransferError, make_receiver, make_sender
 from splitserve.kvtransfer.checksum import wsum
 
@@ -137,13 +138,7 @@ def bench_backend(backend: str, store: KVBlockStore, device: str, sizes, runs: i
         except TransferError as e:
             return {"error": str(e)}
     finally:
-        if proc.is_alive():
-            parent.send("stop")
-            if parent.poll(20):
-                parent.recv()
-        proc.join(20)
-        if proc.is_alive():
-            proc.kill()
+        stop_receiver(proc, parent, 20)
 
 
 def main(argv=None) -> int:

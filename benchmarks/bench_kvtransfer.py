@@ -34,6 +34,17 @@ SIZES = (1, 16, 256)
 NUM_BLOCKS = 264  # per cache: room for the largest transfer
 
 
+def stop_receiver(proc, parent, timeout_s: float) -> None:
+    """Ask the receiver process to stop over its pipe, wait for its goodbye, kill it if stuck."""
+    if proc.is_alive():
+        parent.send("stop")
+        if parent.poll(timeout_s):
+            parent.recv()
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+
+
 def receiver_main(backend: str, shm_name: str | None, conn) -> None:
     """Child process: a receiver over its own cache until the parent says stop."""
     torch.set_num_threads(1)
@@ -107,13 +118,7 @@ def bench_backend(backend: str, store: KVBlockStore, runs: int,
         except TransferError as e:
             return str(e)
     finally:
-        if proc.is_alive():
-            parent.send("stop")
-            if parent.poll(10):
-                parent.recv()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        stop_receiver(proc, parent, 10)
         if shm_name:
             free_shared_kv_cache(shm_name)
 

@@ -14,6 +14,7 @@ import math
 import msgspec
 
 from .errors import InvalidRequest
+from .structured_outputs import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # characters of one stop string
@@ -63,6 +64,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     min_tokens: int = 0  # [0, max_tokens]: EOS and stop_token_ids are masked until this many tokens
     logit_bias: dict[int, float] = {}  # token id -> added to its logit, in [-100, 100]
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     @property
     def greedy(self) -> bool:
@@ -132,6 +134,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if type(self.include_stop_str_in_output) is not bool:
             raise InvalidRequest("include_stop_str_in_output",
                                  f"must be a boolean, got {self.include_stop_str_in_output!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequest("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         return self
 
     def _validate_logit_bias(self) -> None:

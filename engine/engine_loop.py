@@ -73,11 +73,13 @@ class AddRequest(NamedTuple):
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    block_hashes: list[int] | None = None  # the prompt's, when carried (PromptHashes.adopt)
 
 
 class Reserve(NamedTuple):
     request_id: str
     token_ids: list[int]
+    block_hashes: list[int] | None = None
 
 
 class AddPrefilled(NamedTuple):
@@ -87,6 +89,7 @@ class AddPrefilled(NamedTuple):
     first_token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int
+    block_hashes: list[int] | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None  # computed by the prefill node
 
 
@@ -198,12 +201,12 @@ class EngineLoop:
     def _handle(self, cmd: Command) -> Any:
         e = self._engine
         match cmd:
-            case AddRequest(rid, ids, params):
-                return e.add_request(rid, ids, params)
-            case Reserve(rid, ids):
-                return e.reserve(rid, ids)
-            case AddPrefilled(rid, ids, params, first, logprobs, cached, prompt_lps):
-                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, prompt_lps)
+            case AddRequest(rid, ids, params, hashes):
+                return e.add_request(rid, ids, params, hashes)
+            case Reserve(rid, ids, hashes):
+                return e.reserve(rid, ids, hashes)
+            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps):
+                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps)
                 # through on_deltas, queued before any step's deltas: the first token reaches the
                 # request's stream before the second (the awaiter of the result runs later)
                 self._aio.call_soon_threadsafe(self._on_deltas, [delta])

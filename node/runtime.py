@@ -32,12 +32,14 @@ from aiohttp import web
 
 from ..common.auth import CLUSTER_TOKEN_HEADER, token_matches
 from ..common.config import NodeConfig
-from ..common.http import error_response
+from ..common.errors import InvalidRequest
+from ..common.http import error_response, read_msgpack
 from ..common.kv_events import KVEvent
 from ..common.kv_index import KVIndex
+from ..common.protocol import Abort
 from ..common.registry import Heartbeat, NodeInfo, NodeRegistry, new_epoch
 from ..engine.engine_core import EngineCore, RequestDelta
-from ..engine.engine_loop import BlockExporter, EngineLoop
+from ..engine.engine_loop import AbortRequest, BlockExporter, EngineLoop
 from ..engine.limits import RequestLimits
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout
@@ -56,6 +58,7 @@ class NodeServer(Protocol):
     def exporter(self) -> BlockExporter | None: ...  # how the engine thread packs prompt blocks
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None: ...
+    def end_stream(self, request_id: str) -> bool: ...  # POST /abort, once the engine let go
     def inflight(self) -> int: ...
     def debug_state(self) -> dict: ...
     async def start(self) -> None: ...
@@ -187,7 +190,7 @@ def build_node_app(config: NodeConfig, node_cls: Callable[[NodeConfig, NodeRunti
     """The aiohttp app of a node: the runtime and ``node_cls(config, runtime)`` (a
     NodeServer) live in the app's lifespan; ``posts`` maps POST paths to the node's
     handler method names."""
-    new_work = set(posts) - {"/abort"}  # refused while draining; aborts still work
+    new_work = set(posts)  # refused while draining; /abort still works
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -221,8 +224,21 @@ def build_node_app(config: NodeConfig, node_cls: Callable[[NodeConfig, NodeRunti
     app.cleanup_ctx.append(lifespan)
     for path, method in posts.items():
         app.router.add_post(path, _node_handler(method))
+    app.router.add_post("/abort", abort)
     add_common_routes(app)
     return app
+
+
+async def abort(request: web.Request) -> web.Response:
+    """POST /abort (Abort): the engine drops the request and frees its blocks, then the
+    node ends its stream or transfer. Idempotent; says whether anything was running."""
+    try:
+        msg = await read_msgpack(request, Abort)
+    except InvalidRequest as e:
+        return error_response(400, str(e), e.field)
+    found = await request.app[RUNTIME].loop.submit(AbortRequest(msg.request_id))
+    ended = request.app[NODE].end_stream(msg.request_id)
+    return web.json_response({"aborted": bool(found or ended)})
 
 
 def _node_handler(method: str):

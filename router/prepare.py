@@ -23,7 +23,9 @@ from ..common.sampling_params import SEED_MAX, SamplingParams
 from .errors import ApiError
 from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .structured import Constraint, request_constraint
 from .tokenizer import RouterTokenizer
+from .tool_calls import ToolPlan, inline_tools, plan_tools
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
 MAX_N = 16  # choices per prompt (n)
@@ -46,6 +48,8 @@ class PreparedRequest:
     stream: bool
     include_usage: bool  # streaming: send a last chunk with usage
     logprobs: bool  # return logprobs (params.logprobs alternatives each)
+    constraint_field: str | None = None  # the parameter params.structured_outputs came from
+    tools: ToolPlan | None = None  # chat with tools: how to render and parse them
     n: int = 1  # choices per prompt
     echo: list[str] | None = None  # completions with echo: each choice's prompt text
     score_only: bool = False  # max_tokens 0: the one token generated is dropped
@@ -118,12 +122,15 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...
     prompt_lps = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_lps = req.logprobs if prompt_lps is None else max(req.logprobs, prompt_lps)
+    constraint = request_constraint(req)
     params = _sampling_params(req, max_tokens=1 if score_only else max_tokens, logprobs=req.logprobs,
-                              renames={}, prompt_logprobs=prompt_lps, vocab_size=tok.vocab_size)
+                              renames={}, prompt_logprobs=prompt_lps, vocab_size=tok.vocab_size,
+                              constraint=constraint)
     _check_context(prompts, params, max_model_len, "prompt", "max_tokens")
     echo = [t for t in _prompt_texts(req.prompt, prompts, tok) for _ in range(req.n)] if req.echo else None
     return PreparedRequest("completion", model_id, _per_choice(prompts, req.n), params, req.stream,
-                           _include_usage(req), req.logprobs is not None, n=req.n, echo=echo,
+                           _include_usage(req), req.logprobs is not None,
+                           constraint.field if constraint else None, n=req.n, echo=echo,
                            score_only=score_only, prompt_logprobs=req.prompt_logprobs is not None)
 
 
@@ -132,14 +139,16 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
     max_model_len = max_model_len or tok.max_model_len
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     model_id = _check_common(req, served)
-    if req.tools:
-        raise ApiError(400, "tools: tool calling is not supported", param="tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported",
-                       param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
-    prompt = _chat_prompt(req, tok)
+    tools = plan_tools(req)
+    constraint = request_constraint(req)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise ApiError(400, f"{constraint.field}: cannot be combined with tool_choice "
+                           f"{tools.mode.value}", param=constraint.field)
+        constraint = Constraint(tools.constraint, tools.field)
+    prompt = _chat_prompt(req, tok, tools)
     budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI: as many as the context leaves
@@ -148,10 +157,11 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
     params = _sampling_params(req, max_tokens=max_tokens,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                               renames=renames, prompt_logprobs=req.prompt_logprobs,
-                              vocab_size=tok.vocab_size)
+                              vocab_size=tok.vocab_size, constraint=constraint)
     _check_context([prompt], params, max_model_len, "messages", budget_name)
     return PreparedRequest("chat", model_id, _per_choice([prompt], req.n), params, req.stream,
-                           _include_usage(req), req.logprobs, n=req.n,
+                           _include_usage(req), req.logprobs,
+                           constraint.field if constraint else None, tools, n=req.n,
                            prompt_logprobs=req.prompt_logprobs is not None)
 
 
@@ -202,7 +212,8 @@ def _include_usage(req) -> bool:
 
 
 def _sampling_params(req, max_tokens: int, logprobs: int | None, renames: dict[str, str],
-                     prompt_logprobs: int | None, vocab_size: int) -> SamplingParams:
+                     prompt_logprobs: int | None, vocab_size: int,
+                     constraint: Constraint | None = None) -> SamplingParams:
     given = {name: getattr(req, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "stop_token_ids", "min_tokens")}
@@ -211,6 +222,8 @@ def _sampling_params(req, max_tokens: int, logprobs: int | None, renames: dict[s
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.logit_bias:
         kwargs["logit_bias"] = _logit_bias(req.logit_bias)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint.params
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                                 prompt_logprobs=prompt_logprobs,
@@ -271,7 +284,8 @@ def _is_token_id(x) -> bool:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Checked messages -> the ``{"role", "content"}`` dicts the chat template renders."""
+    """Checked messages -> the ``{"role", "content"}`` dicts the chat template renders
+    (with ``tool_calls`` / ``tool_call_id`` where given, as transformers takes them)."""
     if not messages:
         raise ApiError(400, "messages: must contain at least one message", param="messages")
     out = []
@@ -279,14 +293,23 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
                            f"got {m.role!r}", param=f"messages[{i}].role")
-        out.append({"role": m.role, "content": _message_text(m.content, m.role, i)})
+        msg = {"role": m.role, "content": _message_text(m.content, m.role, i, bool(m.tool_calls))}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
 
 
-def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
+def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer, tools: ToolPlan | None) -> list[int]:
     messages = chat_messages(req.messages)
+    rendered = tools.tools if tools is not None else []
+    if not tok.renders_tools:
+        messages, rendered = inline_tools(messages, rendered), []
     try:
-        ids = tok.render_chat(messages)
+        ids = tok.render_chat(messages, tools=rendered or None)
     except InvalidRequest as e:
         raise ApiError.invalid(e) from e
     if not ids:
@@ -294,10 +317,10 @@ def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
     return ids
 
 
-def _message_text(content, role: str, i: int) -> str:
+def _message_text(content, role: str, i: int, has_tool_calls: bool = False) -> str:
     param = f"messages[{i}].content"
     if content is None:
-        if role != "assistant":
+        if role != "assistant" and not has_tool_calls:
             raise ApiError(400, f"{param}: must be a string or a list of text parts", param=param)
         return ""
     if isinstance(content, str):

@@ -129,6 +129,14 @@ def anyio_backend():
     return "asyncio"
 
 
+@pytest.fixture(scope="module")
+async def http():
+    """One aiohttp client session for the module's raw HTTP requests (30 s per request)."""
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
 @pytest.fixture(scope="session")
 def make_paged_decode():
     """make_paged_decode(seq_lens, num_heads, kv_heads, head_dim, block_size, dtype, device="cpu", seed=0)

@@ -30,12 +30,6 @@ async def router(redis_url):
 
 
 @pytest.fixture(scope="module")
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture(scope="module")
 async def client(router):
     async with openai.AsyncOpenAI(base_url=router + "/v1", api_key="unused",
                                   max_retries=0) as c:
@@ -192,8 +186,11 @@ BAD_CHATS = [
     (chat(logprobs=1), "logprobs"),
     (chat(top_logprobs=5), "top_logprobs"),
     (chat(logprobs=True, top_logprobs=25), "top_logprobs"),
-    (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools[0].type"),
+    (chat(tool_choice="required"), "tool_choice"),
+    (chat(response_format={"type": "yaml"}), "response_format.type"),
+    (chat(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (chat(guided_regex="a", guided_choice=["b"]), "guided_choice"),
     (chat(stop=""), "stop"),
     (chat(messages=USER * 4097), "messages"),
     (chat(messages=[{"role": "r" * 300, "content": "hi"}]), "messages[0].role"),

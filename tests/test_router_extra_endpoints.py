@@ -5,7 +5,6 @@ to what generation uses), /detokenize round trips, /version, /ping; every bad fi
 
 import json
 
-import aiohttp
 import pytest
 
 import splitserve
@@ -24,12 +23,6 @@ async def router(redis_url):
                                               served_model_names=NAMES))
     yield running.url
     await running.stop()
-
-
-@pytest.fixture(scope="module")
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 @pytest.fixture(scope="module")

@@ -42,12 +42,6 @@ async def router(redis_url):
     await running.stop()
 
 
-@pytest.fixture(scope="module")
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
 async def request(http, method: str, url: str, data: bytes = b"", headers=None):
     async with http.request(method, url, data=data, headers=headers or {}) as resp:
         return resp.status, await resp.json(), resp.headers

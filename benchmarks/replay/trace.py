@@ -28,6 +28,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from ..jsonl import read_jsonl
+
 HASH_BLOCK = 512  # prompt tokens per hash id
 _SEED = 0x5EED  # the expansion never changes between runs or machines
 _TOKEN_LOW, _TOKEN_HIGH = 100, 49000  # clear of the bundled vocabulary's special tokens (at both ends)
@@ -46,21 +48,8 @@ def load_trace(path: str | Path, hash_block: int = HASH_BLOCK) -> list[TraceRequ
     ValueError naming the line and the field of the first bad record."""
     if hash_block < 1:
         raise ValueError(f"trace_block_size: must be >= 1, got {hash_block}")
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"trace: cannot read {path}: {e}") from None
     requests = []
-    decoder = msgspec.json.Decoder(TraceRequest)
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            req = decoder.decode(line)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"trace line {number}: {e}") from None
-        except msgspec.DecodeError as e:
-            raise ValueError(f"trace line {number}: not JSON: {e}") from None
+    for number, req in read_jsonl(path, TraceRequest, "trace"):
         _check(req, number, hash_block)
         requests.append(req)
     if not requests:

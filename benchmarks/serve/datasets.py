@@ -25,6 +25,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from ..jsonl import read_jsonl
 from .config import BenchConfig
 
 DEFAULT_NUM_PROMPTS = 100
@@ -120,19 +121,9 @@ def exact_text(rng: random.Random, tok: Tokenizer, ids: list[int]) -> TextPrompt
 
 def custom_specs(path: Path, n: int | None, output_len: int, tok: Tokenizer) -> list[RequestSpec]:
     """One request per line of the JSONL at ``path``: ``{"prompt": str}`` (other keys ignored)."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"--dataset custom:{path}: cannot read it: {e}") from e
     specs = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--dataset custom:{path}: line {i} is not JSON: {e}") from e
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+    for i, row in read_jsonl(path, dict, f"--dataset custom:{path}"):
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise ValueError(f"--dataset custom:{path}: line {i} needs a non-empty string \"prompt\"")
         specs.append(RequestSpec(row["prompt"], len(tok.encode(row["prompt"])), output_len))
         if len(specs) == n:
