@@ -177,9 +177,9 @@ def plot(out: dict, path: Path) -> None:
           title="latency per window; last = control window")
     b.legend(fontsize=8)
     pairs = out["control_pairs_s"]
-    for i, name in enumerate(("aged", "fresh")):
+    for i, (name, color) in enumerate((("aged", "C0"), ("fresh", "C2"))):
         xs = sorted(p[i] for p in pairs)
-        c.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], label=name)
+        c.plot(xs, [(k + 1) / len(xs) for k in range(len(xs))], color=color, label=name)
     d = out["control_drift"]
     c.set(xlabel="end-to-end latency (s)", ylabel="fraction of requests",
           title=f"control window, interleaved: p99 drift {d['p99_drift']:+.1%}")
