@@ -22,6 +22,7 @@ _LAZY = {
     "LLM": "splitserve.engine.llm",
     "RequestOutput": "splitserve.engine.llm",
     "SamplingParams": "splitserve.common.sampling_params",
+    "StructuredOutputsParams": "splitserve.common.structured_outputs",
 }
 __all__ = ["__version__", *_LAZY]
 

@@ -290,6 +290,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nodes", type=int)
     p.add_argument("--decode-nodes", type=int)
     p.add_argument("--port", type=int, help="router port")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="routers behind the same Redis, each with its own prefix-index mirror "
+                        "(the first on --port, the others on free ports; all URLs are printed)")
     p.add_argument("--kv-backend", choices=tuple(KVBackend))
     p.add_argument("--kv-cache-memory")
     p.add_argument("--threads-per-node", type=int)
@@ -308,6 +311,10 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="a client key the router requires as 'Authorization: Bearer <key>' on /v1/* "
+                        "(repeatable; default: $SPLITSERVE_API_KEY, comma-separated; none: no "
+                        "authentication)")
 
 
 def cmd_up(args) -> int:

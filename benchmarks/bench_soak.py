@@ -31,7 +31,12 @@ import time
 from pathlib import Path
 
 from splitserve.benchmarks.faults_client import Outcome, RequestResult, run_load
-from splitserve.benchmarks.soak_control import control_drift, ok_pairs, percentile, run_interleaved
+from splitserve.benchmarks.soak_control import (
+    control_drift,
+    ok_pairs,
+    percentile,
+    run_interleaved,
+)
 from splitserve.common.auth import new_cluster_token
 from splitserve.deploy.launcher import Cluster, parse_cpus
 from splitserve.deploy.supervisor import Supervisor

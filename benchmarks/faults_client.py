@@ -41,6 +41,7 @@ class RequestResult(NamedTuple):
     ended: float  # when the outcome was known
     text: str
     error: str | None
+    longest_gap_s: float = 0.0  # longest silence between two events of the stream (a stall)
 
 
 async def stream_request(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
@@ -51,6 +52,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, prompt: str, 
             "temperature": 0, "stream": True}
     t0 = time.monotonic()
     text, chunks = [], 0
+    t_last, gap = None, 0.0  # time of the last event, the longest silence between two
     if disconnect is Disconnect.BEFORE_FIRST_BYTE:
         task = asyncio.ensure_future(session.post(f"{url}/v1/chat/completions", json=body))
         await asyncio.sleep(random.uniform(0.0, 0.05))
@@ -72,8 +74,12 @@ async def stream_request(session: aiohttp.ClientSession, url: str, prompt: str, 
                     if not line.startswith(b"data: "):
                         continue
                     data = line[6:]
+                    now = time.monotonic()
+                    if t_last is not None:
+                        gap = max(gap, now - t_last)
+                    t_last = now
                     if data == b"[DONE]":
-                        return RequestResult(Outcome.OK, t0, time.monotonic(), "".join(text), None)
+                        return RequestResult(Outcome.OK, t0, now, "".join(text), None, gap)
                     event = json.loads(data)
                     if "error" in event:
                         return RequestResult(Outcome.FAILED, t0, time.monotonic(), "".join(text),

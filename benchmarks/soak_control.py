@@ -22,7 +22,6 @@ import time
 from typing import NamedTuple
 
 import aiohttp
-
 from splitserve.benchmarks.faults_client import Outcome, RequestResult, stream_request
 
 

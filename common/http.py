@@ -1,6 +1,10 @@
 """HTTP helpers shared by the node servers: msgpack bodies in and out, and error
-answers as ``ErrorBody``. No torch, no engine."""
+answers as ``ErrorBody``; and the client connector to peers that notices a dead or
+partitioned peer. No torch, no engine."""
 
+import socket
+
+import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -8,6 +12,12 @@ from .errors import InvalidRequest
 from .protocol import ErrorBody
 
 MSGPACK = "application/msgpack"
+# A connection whose peer stays silent this long is dead: sent data unacknowledged
+# (TCP_USER_TIMEOUT) or an idle or streaming connection whose keepalive probes go
+# unanswered. A live peer's kernel acknowledges even when its process is busy, so only
+# a dead host or a partition trips it; without it a request written to a pooled
+# connection into a partition waits for the read timeout (minutes).
+PEER_DEAD_AFTER_S = 5
 
 
 def msgpack_response(msg, status: int = 200) -> web.Response:
@@ -36,3 +46,21 @@ def decode_error_body(data: bytes) -> str:
         return msgspec.msgpack.decode(data, type=ErrorBody).message
     except (msgspec.DecodeError, msgspec.ValidationError):
         return data[:200].decode(errors="replace")
+
+
+def _peer_socket(addr_info) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family, type_, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, PEER_DEAD_AFTER_S * 1000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, PEER_DEAD_AFTER_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    return sock
+
+
+def peer_connector(limit: int = 100) -> aiohttp.TCPConnector:
+    """A connector for a service's client session to its peers: a dead or partitioned
+    peer fails the request within about ``PEER_DEAD_AFTER_S`` (an OSError in aiohttp)."""
+    return aiohttp.TCPConnector(limit=limit, socket_factory=_peer_socket)

@@ -182,6 +182,10 @@ class KVIndex:
 
     # -- router side -----------------------------------------------------------------
 
+    async def publish(self, channel: str, data: bytes) -> None:
+        """One PUBLISH on this index's pool (router replicas share their recent work)."""
+        await self._redis.publish(channel, data)
+
     def pubsub(self):
         """A pub/sub client on this index's connection pool (the caller subscribes to
         ``EVENTS_CHANNEL``, reads the confirmation, and closes it)."""

@@ -34,6 +34,7 @@ FINISHED_REASON_LABEL = "finished_reason"
 # ---- router only -----------------------------------------------------------------------------
 HTTP_REQUESTS = PREFIX + "router_http_requests_total"  # counter, labels endpoint, status
 REQUEST_FAILURES = PREFIX + "request_failures_total"  # counter, label reason
+REQUEST_MIGRATIONS = PREFIX + "request_migrations_total"  # counter: generations moved to another decode node
 ROUTER_RUNNING = PREFIX + "router_requests_running"  # gauge: generations streaming now
 ROUTER_INFLIGHT_REQUESTS = PREFIX + "router_inflight_requests"  # gauge: generating HTTP requests admitted
 ADMISSION_REJECTIONS = PREFIX + "router_admission_rejections_total"  # counter, label reason
@@ -74,6 +75,7 @@ KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (d
 KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
+PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
 
 # ---- label values known in advance that are not outcomes (those are common/outcomes.py's
 # enums): every series starts at 0, so rate() and the alerts see a counter before its first

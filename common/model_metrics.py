@@ -9,43 +9,67 @@ router/metrics.py and node/metrics.py. No module globals: one registry per proce
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Generic, TypeVar, overload
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+M = TypeVar("M", Counter, Gauge, Histogram)
 
-class BoundLabels:
+
+class BoundLabels(Generic[M]):
     """A labelled collector with its constant labels (model_name, ...) filled in:
     ``labels(...)`` takes only the remaining ones, by position or by name."""
 
     __slots__ = ("_metric", "_const")
 
-    def __init__(self, metric, const: dict[str, str]):
-        self._metric = metric
+    def __init__(self, metric: M, const: dict[str, str]):
+        self._metric: M = metric
         self._const = const  # label name -> value, the leading labels of the collector
 
-    def labels(self, *values: str, **named: str):
+    def labels(self, *values: str, **named: str) -> M:
         if values:
             return self._metric.labels(*self._const.values(), *values)
         return self._metric.labels(**self._const, **named)
 
 
 class ModelMetrics:
-    """One registry; every collector gets the labels ``const`` (e.g. model_name) first."""
+    """One registry; every collector gets the labels ``const`` (e.g. model_name) first.
+    Without further ``labels`` a collector comes back as its one bound series; with
+    them, as a BoundLabels that takes just those."""
 
     def __init__(self, const: dict[str, str]):
         self.registry = CollectorRegistry()
         self.const = dict(const)
 
-    def _bind(self, metric, labels):
+    def _bind(self, metric: M, labels: Sequence[str]) -> M | BoundLabels[M]:
         return BoundLabels(metric, self.const) if labels else metric.labels(**self.const)
 
-    def counter(self, name: str, doc: str, labels=()):
+    @overload
+    def counter(self, name: str, doc: str) -> Counter: ...
+    @overload
+    def counter(self, name: str, doc: str, labels: Sequence[str]) -> BoundLabels[Counter]: ...
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter | BoundLabels[Counter]:
         return self._bind(Counter(name, doc, [*self.const, *labels], registry=self.registry), labels)
 
-    def gauge(self, name: str, doc: str, labels=()):
+    @overload
+    def gauge(self, name: str, doc: str) -> Gauge: ...
+    @overload
+    def gauge(self, name: str, doc: str, labels: Sequence[str]) -> BoundLabels[Gauge]: ...
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge | BoundLabels[Gauge]:
         return self._bind(Gauge(name, doc, [*self.const, *labels], registry=self.registry), labels)
 
-    def histogram(self, name: str, doc: str, buckets, labels=()):
+    @overload
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram: ...
+    @overload
+    def histogram(self, name: str, doc: str, buckets: Sequence[float],
+                  labels: Sequence[str]) -> BoundLabels[Histogram]: ...
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float],
+                  labels: Sequence[str] = ()) -> Histogram | BoundLabels[Histogram]:
         return self._bind(Histogram(name, doc, [*self.const, *labels], buckets=buckets,
                                     registry=self.registry), labels)
 

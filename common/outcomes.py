@@ -33,6 +33,14 @@ class FallbackReason(StrEnum):
     TRANSFER_FAILED = "transfer_failed"  # refused, failed or timed out (the detail is logged)
 
 
+class PromptHashResult(StrEnum):
+    """What a node did with the block hashes the router carried (common/protocol.py
+    PromptHashes)."""
+    ADOPTED = "adopted"
+    REHASHED = "rehashed"  # they did not check out: the engine hashed the prompt
+    ABSENT = "absent"  # none carried
+
+
 class IndexBatchResult(StrEnum):
     """One write of prefix-cache events to the Redis index."""
     OK = "ok"

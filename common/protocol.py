@@ -15,8 +15,51 @@ import struct
 from typing import Iterator
 
 import msgspec
+import numpy as np
 
+from .hashing import BLOCK_HASH_VERSION, hash_blocks
 from .sampling_params import SamplingParams, TokenLogprobs
+
+
+class PromptHashes(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw_only=True):
+    """A prompt's chained block hashes (common/hashing.py) as the router computed them,
+    carried router -> decode node -> prefill node so that the prompt is hashed once.
+    A node adopts them only for its own hash version, block size and model key, when
+    their count fits the prompt and the first and last blocks re-hash to the same
+    values (a wrong or shifted token list fails that); otherwise it hashes itself."""
+    version: int
+    block_size: int
+    model: str  # the extra key of every hash (the served model id)
+    hashes: bytes  # u64 little-endian, one per full block of the prompt
+
+    @classmethod
+    def of(cls, hashes, block_size: int, model: str) -> "PromptHashes":
+        """From ``hash_blocks_array``'s result (a u64 array)."""
+        return cls(version=BLOCK_HASH_VERSION, block_size=block_size, model=model,
+                   hashes=hashes.astype("<u8", copy=False).tobytes())
+
+    def adopt(self, token_ids: list[int], block_size: int, model: str) -> list[int] | None:
+        """The hashes as ints, when they are ``token_ids``'s for this node's
+        ``block_size`` and ``model``; None when the node must hash the prompt itself."""
+        n = len(token_ids) // block_size
+        if (self.version != BLOCK_HASH_VERSION or self.block_size != block_size or self.model != model
+                or len(self.hashes) != 8 * n):
+            return None
+        hashes = hash_array(self.hashes).tolist()
+        if n == 0:
+            return hashes
+        keys = (model,)
+        if hashes[0] != hash_blocks(token_ids[:block_size], block_size, keys)[0]:
+            return None
+        if n > 1 and hashes[-1] != hash_blocks(token_ids[(n - 1) * block_size : n * block_size],
+                                               block_size, keys, parent=hashes[-2])[0]:
+            return None
+        return hashes
+
+
+def hash_array(raw: bytes):
+    """``PromptHashes.hashes`` as a u64 numpy array (no copy)."""
+    return np.frombuffer(raw, dtype="<u8")
 
 
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -26,6 +69,7 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
     sampling_params: SamplingParams
     prefill_addr: str | None = None  # http://host:port of the chosen prefill node
     transfer_id: str = ""
+    prompt_hashes: PromptHashes | None = None  # the router's, forwarded to the prefill node
 
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -39,6 +83,7 @@ class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True)
     kv_addr: str
     skip_blocks: int  # leading blocks the decode node already holds (its prefix cache)
     dest_block_ids: list[int]
+    prompt_hashes: PromptHashes | None = None  # the router's, when it sent them
 
 
 class PrefillResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

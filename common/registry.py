@@ -113,6 +113,7 @@ class NodeRegistry:
         for key, raw in zip(keys, await self._redis.mget(keys)):
             if raw is None:  # expired between SCAN and MGET
                 continue
+            assert isinstance(raw, bytes)  # make_redis's client does not decode responses
             try:
                 nodes.append(msgspec.msgpack.decode(raw, type=NodeInfo))
             except msgspec.DecodeError as e:

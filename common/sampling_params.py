@@ -14,6 +14,7 @@ import math
 import msgspec
 
 from .errors import InvalidRequest
+from .structured_outputs import StructuredOutputsParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # characters of one stop string
@@ -54,6 +55,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = []  # at most 256 token ids that end the request (kept in output)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k in 0..20: sampled token + k alternatives
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +115,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 "logprobs",
                 f"must be null or an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}",
             )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequest("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         return self
 
     def _validate_stop(self) -> None:

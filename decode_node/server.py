@@ -37,7 +37,7 @@ from aiohttp import web
 from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
-from ..common.http import MSGPACK, decode_error_body, error_response, read_msgpack
+from ..common.http import MSGPACK, decode_error_body, error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd
 from ..common.protocol import Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
 from ..engine.engine_core import RequestDelta
@@ -72,6 +72,7 @@ class DecodeNode:
         self.receiver = None
         self.session: aiohttp.ClientSession | None = None
         m = runtime.metrics
+        self.metrics = m
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
 
     @property
@@ -80,7 +81,9 @@ class DecodeNode:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        # peer_connector: a task written into a partition fails in seconds, not after the lease
+        self.session = aiohttp.ClientSession(connector=peer_connector(),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                              headers=auth_headers(self.config.cluster_token))
         if self.config.role == "decode":
             store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
@@ -160,7 +163,10 @@ class DecodeNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
-            self.rt.limits.check(req.token_ids, req.sampling_params)  # a 400 now, not an error frame later
+            if req.sampling_params.structured_outputs is not None:  # a grammar's first compile: off the loop
+                await asyncio.to_thread(self.rt.limits.check, req.token_ids, req.sampling_params)
+            else:
+                self.rt.limits.check(req.token_ids, req.sampling_params)  # a 400 now, not an error frame later
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:
@@ -194,22 +200,26 @@ class DecodeNode:
     async def _drive(self, req: GenerateRequest, queue: asyncio.Queue) -> None:
         """Get the request into the running batch: through a KV transfer, or locally."""
         rid = req.request_id
+        cfg = self.config.engine
+        hashes = self.metrics.adopt_hashes(req.prompt_hashes, req.token_ids, cfg.block_size, cfg.model_id)
         if req.prefill_addr and self.config.role == "decode":
-            fallback = await self._transfer(req, queue)
+            fallback = await self._transfer(req, queue, hashes)
             if fallback is None:
                 return
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
         try:
-            await self.loop.submit(AddRequest(rid, req.token_ids, req.sampling_params))
+            await self.loop.submit(AddRequest(rid, req.token_ids, req.sampling_params, hashes))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
-    async def _transfer(self, req: GenerateRequest, queue: asyncio.Queue) -> Fallback | None:
-        """Run the transfer; None when the request was admitted, else why it was not."""
+    async def _transfer(self, req: GenerateRequest, queue: asyncio.Queue,
+                        hashes: list[int] | None) -> Fallback | None:
+        """Run the transfer; None when the request was admitted, else why it was not.
+        ``hashes``: the prompt's block hashes when the router's checked out."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
-        res = await self.loop.submit(Reserve(rid, req.token_ids))
+        res = await self.loop.submit(Reserve(rid, req.token_ids, hashes))
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         bs = self.config.engine.block_size
@@ -218,7 +228,8 @@ class DecodeNode:
         self.finished[tid] = done = asyncio.get_running_loop().create_future()
         task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
-                              kv_addr=self.rt.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:])
+                              kv_addr=self.rt.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
+                              prompt_hashes=req.prompt_hashes if hashes is not None else None)
         call = asyncio.create_task(self._call_prefill(req.prefill_addr, task))
         admitted = False
         try:
@@ -230,7 +241,7 @@ class DecodeNode:
             # here only saves sending blocks; the prefill node still computes them).
             delta = await self.loop.submit(AddPrefilled(
                 rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs,
-                result.num_cached_tokens))
+                result.num_cached_tokens, hashes))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()

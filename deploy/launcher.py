@@ -6,7 +6,9 @@ serving) and stops everything, draining, only on Ctrl-C/SIGTERM.
 
 Nothing is open: ``up`` starts Redis with a random password and hands every member the
 URL with it, and generates the cluster token (common/auth.py), passed to every member
-in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1.
+in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1. Client API keys (``up --api-key``,
+else $SPLITSERVE_API_KEY as the caller has it) reach the router in its environment, never
+on a command line.
 
 Defaults come from ``deploy/local.toml``; flags override them.
 
@@ -31,7 +33,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token
+from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, check_secret, new_cluster_token
+from ..router.config import API_KEY_ENV
 from .devices import DevicePlan, plan_devices
 from .supervisor import Supervisor
 
@@ -100,7 +103,7 @@ class Cluster:
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
-                 served_model_names=()):
+                 served_model_names=(), api_keys=(), router_replicas=1):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -109,8 +112,14 @@ class Cluster:
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
                         router_args=list(router_args), served=list(served_model_names))
         self.router_port = router_port or free_port()
+        if router_replicas < 1:
+            raise ValueError(f"router_replicas: must be >= 1, got {router_replicas}")
+        # One port per router replica (the first is router_port); all share the Redis and
+        # keep their own prefix-index mirror, so any of them routes cache-aware alone.
+        self.router_ports = [self.router_port] + [free_port() for _ in range(router_replicas - 1)]
         self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
         self.redis_password = redis_password  # for the Redis this cluster starts
+        self.api_keys = tuple(api_keys)  # the router's client keys; (): it reads $SPLITSERVE_API_KEY
         self.redis_url = redis_url
         self.redis: subprocess.Popen | None = None
         self.procs: list[Proc] = []
@@ -122,11 +131,23 @@ class Cluster:
     def url(self) -> str:
         return f"http://{self.cfg['host']}:{self.router_port}"
 
+    @property
+    def urls(self) -> list[str]:
+        """Every router replica's base URL (``url`` first)."""
+        return [f"http://{self.cfg['host']}:{port}" for port in self.router_ports]
+
+    def start_routers(self) -> list[Proc]:
+        """The router replicas: ``router``, then ``router-1``, ``router-2``, ..."""
+        return [self._spawn("router" if i == 0 else f"router-{i}", self._router_args(port), "router")
+                for i, port in enumerate(self.router_ports)]
+
     def _spawn(self, name: str, args: list[str], role: str) -> Proc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(CLUSTER_TOKEN_ENV, None)
         if self.cluster_token:
             env[CLUSTER_TOKEN_ENV] = self.cluster_token
+        if self.api_keys and role == "router":
+            env[API_KEY_ENV] = ",".join(self.api_keys)
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
         if role in self.cpus:
             cmd = ["taskset", "-c", ",".join(map(str, self.cpus[role])), *cmd]
@@ -181,7 +202,7 @@ class Cluster:
     def forget_node(self, name: str) -> None:
         """Delete a dead node's registry record now, so routers stop choosing it within
         one discovery poll (its index entries are keyed by the old epoch: never read again)."""
-        if name in ("router", "redis") or self.redis_url is None:
+        if name == "redis" or name.startswith("router") or self.redis_url is None:
             return
         import redis
         from ..common.registry import node_key
@@ -219,16 +240,17 @@ class Cluster:
         nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
         decode_role = "colocated" if c["colocated"] else "decode"
         nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
-        router = self._spawn("router", self._router_args(), "router")
-        for p in [*nodes, router]:
+        routers = self.start_routers()
+        for p in [*nodes, *routers]:
             self.wait_ready(p, timeout)
         self.wait_for_nodes(len(nodes), timeout)
         return self
 
-    def _router_args(self) -> list[str]:
+    def _router_args(self, port: int | None = None) -> list[str]:
         c = self.cfg
         policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
-        return ["router", "--host", c["host"], "--port", str(self.router_port), "--redis-url", self.redis_url,
+        port = port or self.router_port
+        return ["router", "--host", c["host"], "--port", str(port), "--redis-url", self.redis_url,
                 *policy, *self._model_args(), *c["router_args"]]
 
     def wait_ready(self, p: Proc, timeout: float) -> None:
@@ -239,19 +261,22 @@ class Cluster:
                 raise RuntimeError(f"{p.name} failed to start:\n" + "\n".join(p.log[-20:]))
 
     def wait_for_nodes(self, n: int, timeout: float) -> None:
-        """Until the router's /health reports ``n`` nodes."""
+        """Until every router's /health reports ``n`` nodes."""
         import json
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        waiting = list(self.urls)
+        while waiting and time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{waiting[0]}/health", timeout=2) as r:
                     h = json.loads(r.read())
                     if sum(h.get(f"{role}_nodes", 0) for role in ("prefill", "decode", "colocated")) >= n:
-                        return
+                        waiting.pop(0)
+                        continue
             except OSError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"the router did not see {n} nodes within {timeout}s")
+        if waiting:
+            raise RuntimeError(f"the router at {waiting[0]} did not see {n} nodes within {timeout}s")
 
     def node(self, name: str) -> Proc:
         """The latest process started under ``name``."""
@@ -275,8 +300,8 @@ class Cluster:
         if self._supervisor is not None:
             self._supervisor.close()
             self._supervisor = None
-        routers = [p for p in self.procs if p.name == "router"]
-        for group in (routers, [p for p in self.procs if p.name != "router"]):
+        routers = [p for p in self.procs if p.role == "router"]
+        for group in (routers, [p for p in self.procs if p.role != "router"]):
             for p in group:
                 if p.popen.poll() is None:
                     p.popen.send_signal(signal.SIGTERM)
@@ -304,9 +329,11 @@ class SimCluster(Cluster):
     processes. ``sim_args`` go to every fleet (e.g. ``--sim-speedup 10``)."""
 
     def __init__(self, prefill_nodes: int, decode_nodes: int, fleet_procs: int = 2, sim_args=(),
-                 kv_cache_memory="1GiB", policy=None, router_args=(), cluster_token=None):
+                 kv_cache_memory="1GiB", policy=None, router_args=(), cluster_token=None,
+                 router_replicas=1):
         super().__init__(prefill_nodes, decode_nodes, kv_cache_memory=kv_cache_memory, policy=policy,
-                         router_args=router_args, cluster_token=cluster_token)
+                         router_args=router_args, cluster_token=cluster_token,
+                         router_replicas=router_replicas)
         self.fleet_procs = max(1, min(fleet_procs, prefill_nodes + decode_nodes))
         self.sim_args = list(sim_args)
 
@@ -321,8 +348,8 @@ class SimCluster(Cluster):
                 "sim-nodes", "--host", c["host"], "--redis-url", self.redis_url, "--kv-backend", c["kv_backend"],
                 "--kv-cache-memory", c["kv_cache_memory"], "--prefill-nodes", str(share(c["prefill_nodes"])),
                 "--decode-nodes", str(share(c["decode_nodes"])), "--id-prefix", f"f{i}", *self.sim_args], "fleet"))
-        router = self._spawn("router", self._router_args(), "router")
-        for p in [*fleets, router]:
+        routers = self.start_routers()
+        for p in [*fleets, *routers]:
             self.wait_ready(p, timeout)
         self.wait_for_nodes(c["prefill_nodes"] + c["decode_nodes"], timeout)
         return self
@@ -355,6 +382,10 @@ def served_name(args) -> str:
 
 def launch(args) -> int:
     """``splitserve up``."""
+    api_keys = tuple(getattr(args, "api_key", None) or ())
+    for key in api_keys:
+        check_secret("--api-key", key)
+    keyed = bool(api_keys or os.environ.get(API_KEY_ENV, "").strip())
     defaults = tomllib.loads(Path(args.config or DEFAULT_CONFIG).read_text())["cluster"]
     pick = lambda flag, key: getattr(args, flag) if getattr(args, flag) is not None else defaults[key]
     device_flag = lambda flag, key=None: getattr(args, flag, None) or defaults.get(key or flag)
@@ -371,7 +402,8 @@ def launch(args) -> int:
                       host=getattr(args, "host", None) or defaults["host"], cpus=parse_cpus(args.cpus or []),
                       devices=devices if devices.devices or devices.dtype else None,
                       cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
-                      redis_password=new_cluster_token())
+                      redis_password=new_cluster_token(), api_keys=api_keys,
+                      router_replicas=getattr(args, "router_replicas", None) or 1)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -383,11 +415,13 @@ def launch(args) -> int:
         return 1
     cluster.supervise()
     status_port = cluster.status_port
+    replicas = "".join(f"\n  router replica: {u}/v1" for u in cluster.urls[1:])
+    auth = "\n    -H 'Authorization: Bearer <your API key>' \\" if keyed else ""
     print(f"""
-splitserve is serving the OpenAI API at {cluster.url}/v1
+splitserve is serving the OpenAI API at {cluster.url}/v1{replicas}
   supervisor status: http://127.0.0.1:{status_port}/status  (restart counters also at /metrics)
 
-  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\{auth}
     -d '{{"model": "{served_name(args)}", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
 
 A member that dies is restarted; Ctrl-C stops everything.""", flush=True)

@@ -25,6 +25,7 @@ from .model_runner import KVCacheFactory, ModelRunner
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .structured import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,12 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_blocks = self.runner.num_blocks
-        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens)
+        # structured outputs (None on a simulated node, which samples no real tokens); thread-safe,
+        # so a node's event loop validates a grammar through `limits` off the engine thread
+        self.grammars = None if config.sim is not None else GrammarCache(
+            self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens,
+                                    self.grammars)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size)
@@ -79,7 +85,8 @@ class EngineCore:
     def num_preemptions_total(self) -> int:
         return self.scheduler.num_preemptions
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     block_hashes: list[int] | None = None) -> Request:
         self.limits.check(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
@@ -87,20 +94,28 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        grammar = (None if params.structured_outputs is None
+                   else self.grammars.new_state(params.structured_outputs))
         return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                       (self.config.model_id,), frozenset(stop_ids), gen)
+                       (self.config.model_id,), frozenset(stop_ids), gen, grammar,
+                       block_hashes=list(block_hashes) if block_hashes is not None else [])
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    block_hashes: list[int] | None = None) -> None:
+        """Schedule a prompt. ``block_hashes``: its chained block hashes when the caller
+        has them (carried from the router and checked, `PromptHashes.adopt`)."""
         if request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} holds a KV reservation")
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int]) -> Reservation | None:
+    def reserve(self, request_id: str, prompt_token_ids: list[int],
+                block_hashes: list[int] | None = None) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix.
         None when the pool cannot supply them now (the caller prefills locally)."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        hashes = hash_blocks(prompt_token_ids, self.config.block_size, (self.config.model_id,))
+        hashes = block_hashes if block_hashes is not None else hash_blocks(
+            prompt_token_ids, self.config.block_size, (self.config.model_id,))
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks) is None:
             return None
@@ -112,15 +127,16 @@ class EngineCore:
             self.kv.free(request_id)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int) -> RequestDelta:
+                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int,
+                      block_hashes: list[int] | None = None) -> RequestDelta:
         """Admit a request whose prompt KV landed in its reserved blocks and whose
         first token was sampled elsewhere; it joins the running batch to decode."""
-        req = self._new_request(request_id, prompt_token_ids, params)
+        req = self._new_request(request_id, prompt_token_ids, params, block_hashes)
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
         self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens)
-        req.append_token(first_token, logprobs)
+        req.append_token(first_token, logprobs)  # advances its grammar past the first token
         self.scheduler.add_running(req)
         reason = req.check_stop(self.max_model_len)
         if reason is not None:

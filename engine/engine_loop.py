@@ -72,11 +72,13 @@ class AddRequest(NamedTuple):
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    block_hashes: list[int] | None = None  # the prompt's, when carried (PromptHashes.adopt)
 
 
 class Reserve(NamedTuple):
     request_id: str
     token_ids: list[int]
+    block_hashes: list[int] | None = None
 
 
 class AddPrefilled(NamedTuple):
@@ -86,6 +88,7 @@ class AddPrefilled(NamedTuple):
     first_token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int
+    block_hashes: list[int] | None = None
 
 
 class Release(NamedTuple):
@@ -196,12 +199,12 @@ class EngineLoop:
     def _handle(self, cmd: Command) -> Any:
         e = self._engine
         match cmd:
-            case AddRequest(rid, ids, params):
-                return e.add_request(rid, ids, params)
-            case Reserve(rid, ids):
-                return e.reserve(rid, ids)
-            case AddPrefilled(rid, ids, params, first, logprobs, cached):
-                return e.add_prefilled(rid, ids, params, first, logprobs, cached)
+            case AddRequest(rid, ids, params, hashes):
+                return e.add_request(rid, ids, params, hashes)
+            case Reserve(rid, ids, hashes):
+                return e.reserve(rid, ids, hashes)
+            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes):
+                return e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes)
             case Release(rid):
                 return e.release(rid)
             case AbortRequest(rid, reason):

@@ -39,6 +39,7 @@ from .loader import load_model
 from .model_config import ModelConfig
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
+from .structured import GrammarMasker
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.kv_caches = allocate_pool(cfg, self.kv_pool._replace(num_blocks=self.num_blocks + 1), config,
                                        self.dtype, self.device, kv_cache_factory)
         self.sampler = Sampler(seed=config.seed)
+        self.grammar_masker: GrammarMasker | None = None  # made for the first structured request
         self.prefill_varlen = varlen_available(self.device, self.dtype)  # one attention call for all chunks
         self.static_decode = None if config.enforce_eager else self._static_decode()
 
@@ -160,5 +162,9 @@ class ModelRunner:
         """logits [S, vocab], row i for reqs[i] -> (req_id, token, logprobs) per request."""
         if not reqs:
             return []
+        if any(r.grammar is not None for r in reqs):  # structured outputs: refused tokens -> -inf
+            if self.grammar_masker is None:
+                self.grammar_masker = GrammarMasker(logits.shape[1], logits.device)
+            logits = self.grammar_masker(logits, [r.grammar for r in reqs])
         res = self.sampler(logits, reqs)
         return [(r.request_id, t, lp) for r, t, lp in zip(reqs, res.token_ids, res.logprobs)]

@@ -15,6 +15,7 @@ import torch
 
 from ..common.hashing import extend_block_hashes
 from ..common.sampling_params import SamplingParams, TokenLogprobs
+from .structured import GrammarState
 
 
 class Status(enum.Enum):
@@ -32,6 +33,7 @@ class Request:
     hash_keys: tuple  # extra keys of every block hash (the model id)
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # structured outputs: advanced by every appended token
     arrival_time: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -41,7 +43,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -59,12 +61,19 @@ class Request:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         self.logprobs.append(logprobs)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_keys)
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to go on."""
         if self.output_token_ids and self.output_token_ids[-1] in self.stop_ids:
             return "stop"
+        if self.grammar is not None:
+            if self.grammar.rejected is not None:  # never return output that breaks the grammar
+                return "error"
+            if self.grammar.terminated:
+                return "stop"
         if len(self.output_token_ids) >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

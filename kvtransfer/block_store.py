@@ -40,7 +40,7 @@ from .packed import PackedBlocks
 from .wire import CHECKSUM_ALGOS, CHECKSUM_WSUM, CHECKSUM_XXH3
 
 __all__ = ["CHECKSUM_ALGO", "KVBlockStore", "allocate_kv_cache", "byte_view", "checksum",
-           "default_checksum_algo", "free_shared_kv_cache", "layout_of", "map_shared_kv_cache",
+           "default_checksum_algo", "free_shared_kv_cache", "map_shared_kv_cache",
            "shared_kv_cache", "shm_path"]
 
 SHM_DIR = "/dev/shm"
@@ -221,11 +221,11 @@ class KVBlockStore:
             return ok
         blocks = self._as_blocks(view, n).to(self.device)  # [n, *block_shape]
         sums = packed_sums(blocks, self.layout, algo, host=view)
-        ok = [d is not None and s == e for d, s, e in zip(dests, sums, expected)]
-        rows = [i for i in range(n) if ok[i]]
-        if rows:
-            self.scatter([dests[i] for i in rows], blocks[torch.as_tensor(rows, device=self.device)])
-        return ok
+        good = {i: d for i, (d, s, e) in enumerate(zip(dests, sums, expected))
+                if d is not None and s == e}  # row -> destination block
+        if good:
+            self.scatter(list(good.values()), blocks[torch.as_tensor(list(good), device=self.device)])
+        return [i in good for i in range(n)]
 
     def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write packed blocks ``[n, *block_shape]``, already on this store's device, into

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -54,6 +55,11 @@ class Channel(ABC):
     @abstractmethod
     def close(self) -> None:
         """Abort the channel now (idempotent); pending calls raise ``ChannelClosed``."""
+
+
+# A backend's channel type (tcp: TcpChannel, ucx: UcxChannel, ...): what its senders'
+# connections and its receiver's served connections hold, with the backend's own attributes.
+ChannelT = TypeVar("ChannelT", bound=Channel)
 
 
 def parse_address(addr: str, scheme: str) -> tuple[str, int]:

@@ -88,7 +88,7 @@ def packed_sums(blocks: torch.Tensor, layout: KVLayout, algo: str,
     assert algo == CHECKSUM_XXH3, f"unknown checksum algorithm {algo!r}"
     if host is None:
         assert blocks.device.type == "cpu", "xxh3_64 of device blocks needs their host bytes"
-        host = memoryview(blocks.reshape(-1).view(torch.uint8).numpy())
+        host = blocks.reshape(-1).view(torch.uint8).numpy().data
     size = layout.block_nbytes
     return [checksum(host[i * size:(i + 1) * size]) for i in range(len(host) // size)]
 

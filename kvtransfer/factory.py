@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from ..common.config import KVBackend
 from .base import KVReceiver, KVSender, OnBlock
 from .block_store import KVBlockStore, default_checksum_algo
 from .layout import KVLayout
+from .receiver_core import FramedReceiver
 from .sender_core import SenderOptions
 
 FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
@@ -81,6 +83,7 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
         from .nccl import NcclReceiver
         return NcclReceiver(layout, store, on_block, host=host, port=port,
                             advertise_host=advertise_host, device=device)
+    cls: type[FramedReceiver[Any]]
     if backend == "tcp":
         from .tcp import TcpReceiver as cls
     elif backend == "shm":

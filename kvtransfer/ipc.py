@@ -29,13 +29,12 @@ from __future__ import annotations
 import torch
 
 from .block_store import KVBlockStore
-from .channel import Channel
 from .errors import TransferError
 from .layout import KVLayout
 from .packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
 from .sender_core import Connection
 from .shm import host_id, require_same_host
-from .tcp import TcpReceiver, TcpSender
+from .tcp import TcpChannel, TcpReceiver, TcpSender
 from .wire import CHECKSUM_WSUM, Blocks, IpcInfo, Welcome
 
 
@@ -101,7 +100,7 @@ class IpcReceiver(TcpReceiver):
     def _offers_shm(self) -> bool:
         return True  # frames without payload: the sender already wrote them into our pool
 
-    def _welcome(self, channel: Channel) -> Welcome:
+    def _welcome(self, channel: TcpChannel) -> Welcome:
         # one export per connection: each takes one count of torch's IPC reference counter,
         # which that sender's mapping gives back when it is dropped
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, ipc=export_pool(self.store.kv_caches))
@@ -120,7 +119,7 @@ class IpcSender(TcpSender):
                              f"got {self.checksum_algo!r}")
         self.device = torch.device(device)
 
-    async def _on_welcome(self, conn: Connection) -> None:
+    async def _on_welcome(self, conn: Connection[TcpChannel]) -> None:
         info = conn.welcome.ipc
         if info is None:
             raise TransferError(f"receiver {conn.addr} offers no CUDA IPC pool; use its backend (tcp)")
@@ -132,12 +131,13 @@ class IpcSender(TcpSender):
         if list(pool.shape) != list(self.layout.cache_shape(pool.shape[2])):
             raise TransferError(f"receiver {conn.addr}'s pool has shape {list(pool.shape)}, not a "
                                 f"cache of {self.layout}")
-        conn.backend_state = KVBlockStore(pool, self.layout)
+        conn.peer_store = KVBlockStore(pool, self.layout)
 
-    def _stage(self, conn: Connection, dest: list[int], items: list,
+    def _stage(self, conn: Connection[TcpChannel], dest: list[int], items: list,
                corrupt: list[int]) -> tuple[list[int], list[memoryview]]:
         """Checksum the rows on the device, copy them into the peer pool, wait for the copy."""
-        peer: KVBlockStore = conn.backend_state
+        peer = conn.peer_store
+        assert peer is not None  # set by _on_welcome before the connection carries a frame
         sums = frame_sums(items, self.layout, self.checksum_algo)
         if all(isinstance(it, PackedBlock) for it in items):
             src = frame_tensor(items)  # [n, *block_shape] on this node's device
@@ -151,6 +151,6 @@ class IpcSender(TcpSender):
         peer.scatter(dest, src)  # returns once the copy ran: the receiver verifies on the notice
         return sums, []
 
-    async def _deliver(self, conn: Connection, frame: Blocks, payload: list[memoryview]) -> None:
+    async def _deliver(self, conn: Connection[TcpChannel], frame: Blocks, payload: list[memoryview]) -> None:
         frame.payload_nbytes = 0  # the blocks are already in the receiver's pool
         await conn.channel.send(frame)

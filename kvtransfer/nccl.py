@@ -52,15 +52,19 @@ import secrets
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from .channel import Channel, ChannelClosed, coalesce, parse_address
 from .errors import TransferError
 from .pair_group import PairGroup, check_available, group_kind, payload_device
-from .sender_core import Connection
-from .tcp import TcpChannel, TcpReceiver, TcpSender
+from .sender_core import Connection, FramedSender
+from .tcp import TcpChannel, TcpControlReceiver, dial
 from .wire import Hello, Message, NcclInfo, Refused, Welcome
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 PREFIX_BYTES = 8  # random bytes naming a connection in the receiver's store
 ATTACH_TIMEOUT_S = 10.0  # a receiver waits this long for the sender to join the group
@@ -78,13 +82,13 @@ class NcclChannel(Channel):
         self.pair = PairGroup(device, control.peer)
         self._control = control
         self._op_timeout_s = op_timeout_s
-        self._joined: asyncio.Future | None = None  # the pair's open(), once started
+        self._joined: asyncio.Future[None] | None = None  # the pair's open(), once started
         self._send_lock = asyncio.Lock()  # a header and its payload go out together
-        self._in_flight: deque[asyncio.Future] = deque()  # payload sends not yet reaped
+        self._in_flight: deque[asyncio.Future[None]] = deque()  # payload sends not yet reaped
         self._closed = False
 
     def join(self, rank: int, store_host: str, store_port: int, prefix: str,
-             timeout_s: float) -> asyncio.Future:
+             timeout_s: float) -> asyncio.Future[None]:
         """Start joining the group as ``rank``; the future resolves once the pair is up
         (``recv_payload`` awaits it too). Raises ``ChannelClosed`` through the future."""
         self._joined = self.pair.open(rank, store_host, store_port, prefix, self.local_host, timeout_s)
@@ -128,7 +132,7 @@ class NcclChannel(Channel):
         self._control.close()
         self.pair.close()
 
-    def _check_sent(self, fut: asyncio.Future) -> None:
+    def _check_sent(self, fut: asyncio.Future[None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             self.close()  # the header is out without its payload: the stream is lost
 
@@ -146,7 +150,7 @@ def _one_buffer(views: Sequence[memoryview]) -> memoryview:
     return memoryview(joined)
 
 
-class NcclSender(TcpSender):
+class NcclSender(FramedSender[NcclChannel]):
     """Joins each receiver's group as rank 1; ``device`` must be of the receivers' kind."""
 
     scheme = "nccl"
@@ -159,13 +163,14 @@ class NcclSender(TcpSender):
         self.device = payload_device(device)
         check_available(self.device)
 
-    async def _open(self, addr: str) -> Channel:
-        return NcclChannel(await super()._open(addr), self.device, self.options.timeout_s)
+    async def _open(self, addr: str) -> NcclChannel:
+        control = await dial(*parse_address(addr, self.scheme))
+        return NcclChannel(control, self.device, self.options.timeout_s)
 
     def _hello(self) -> Hello:
         return Hello(layout=self.layout, checksum=self.checksum_algo, group=group_kind(self.device))
 
-    async def _on_welcome(self, conn: Connection) -> None:
+    async def _on_welcome(self, conn: Connection[NcclChannel]) -> None:
         info = conn.welcome.nccl
         if info is None:
             raise TransferError(f"receiver {conn.addr} offers no process group; use its backend")
@@ -173,11 +178,11 @@ class NcclSender(TcpSender):
         await conn.channel.join(1, host, info.store_port, info.prefix, self.options.connect_timeout_s)
 
 
-class NcclReceiver(TcpReceiver):
+class NcclReceiver(TcpControlReceiver[NcclChannel]):
     """TCP control on ``host:port``; a ``TCPStore`` on any free port of every interface."""
 
     scheme = "nccl"
-    _store = None
+    _store: TCPStore | None = None  # from _listen to _close_listener
 
     def __init__(self, *args, device: str | torch.device = "cpu", **kwargs):
         super().__init__(*args, **kwargs)
@@ -192,7 +197,7 @@ class NcclReceiver(TcpReceiver):
             wait_for_workers=False)
         await super()._listen()
 
-    def _make_channel(self, control: TcpChannel) -> Channel:
+    def _make_channel(self, control: TcpChannel) -> NcclChannel:
         return NcclChannel(control, self.device, PAYLOAD_TIMEOUT_S,
                            prefix=secrets.token_hex(PREFIX_BYTES))
 
@@ -205,14 +210,16 @@ class NcclReceiver(TcpReceiver):
                            f"the same device type (cpu: gloo, cuda: nccl)")
         return refusal
 
-    def _welcome(self, channel: Channel) -> Welcome:
+    def _welcome(self, channel: NcclChannel) -> Welcome:
+        assert self._store is not None, "a handshake runs only while listening"
         info = NcclInfo(store_port=self._store.port, prefix=channel.prefix)
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, nccl=info)
 
-    async def _handshake(self, channel: Channel) -> bool:
+    async def _handshake(self, channel: NcclChannel) -> bool:
         """After a Welcome, start joining the group as rank 0; ``recv_payload`` awaits it."""
         if not await super()._handshake(channel):
             return False
+        assert self._store is not None, "a handshake runs only while listening"
         channel.join(0, channel.local_host, self._store.port, channel.prefix, ATTACH_TIMEOUT_S)
         return True
 

@@ -31,7 +31,7 @@ from .wire import CHECKSUM_WSUM
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
     """A flat byte view of a C-contiguous CPU tensor (no copy)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class PackedBlocks:
@@ -88,10 +88,10 @@ class PackedBlocks:
 
 
 class PackedBlock(NamedTuple):
-    """Row ``index`` of ``packed``: one packed block, as ``KVBlockStore.split`` returns it."""
+    """Row ``row`` of ``packed``: one packed block, as ``KVBlockStore.split`` returns it."""
 
     packed: PackedBlocks
-    index: int
+    row: int  # not ``index``, which would shadow tuple.index
 
     @property
     def nbytes(self) -> int:
@@ -99,10 +99,10 @@ class PackedBlock(NamedTuple):
 
     def view(self) -> memoryview:
         n = self.nbytes
-        return self.packed.host()[self.index * n:(self.index + 1) * n]
+        return self.packed.host()[self.row * n:(self.row + 1) * n]
 
     def tensor(self) -> torch.Tensor:
-        return self.packed.blocks[self.index]  # [*block_shape] on the pool's device
+        return self.packed.blocks[self.row]  # [*block_shape] on the pool's device
 
 
 def item_nbytes(item) -> int:
@@ -115,7 +115,7 @@ def item_nbytes(item) -> int:
 def frame_sums(items: Sequence, layout: KVLayout, algo: str) -> list[int]:
     """``algo`` checksum of each item: a ``PackedBlock``'s comes from its batch (computed
     once for the whole pack), a host buffer is hashed here."""
-    return [it.packed.sums(algo)[it.index] if isinstance(it, PackedBlock) else bytes_sum(it, layout, algo)
+    return [it.packed.sums(algo)[it.row] if isinstance(it, PackedBlock) else bytes_sum(it, layout, algo)
             for it in items]
 
 
@@ -148,8 +148,8 @@ def frame_tensor(items: Sequence[PackedBlock]) -> torch.Tensor:
     first = items[0]
     for it in items:
         it.packed.wait()
-    if all(isinstance(it, PackedBlock) and it.packed is first.packed and it.index == first.index + k
+    if all(isinstance(it, PackedBlock) and it.packed is first.packed and it.row == first.row + k
            for k, it in enumerate(items)):
-        return first.packed.blocks[first.index:first.index + len(items)]
+        return first.packed.blocks[first.row:first.row + len(items)]
     assert all(isinstance(it, PackedBlock) for it in items), "device copies need packed device blocks"
     return torch.stack([it.tensor() for it in items])

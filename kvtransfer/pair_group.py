@@ -42,14 +42,29 @@ import threading
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from .channel import ChannelClosed
 from .errors import TransferError
 
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
 TAG = 0  # one stream of payloads per pair: ops match in order
 NCCL_ENV_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+Job = tuple[Callable[[], None], asyncio.Future[None]]  # what the thread runs, the future it settles
+
+
+class _Group(Protocol):
+    """What a pair calls on its ``ProcessGroupGloo`` / ``ProcessGroupNCCL``. torch's stubs
+    declare ``send`` / ``recv`` on ``ProcessGroup`` only, though every backend binds them."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int, /) -> Work: ...
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int, /) -> Work: ...
+    def abort(self) -> None: ...
 
 
 def group_kind(device: torch.device) -> str:
@@ -98,29 +113,29 @@ class PairGroup:
         self.kind = group_kind(device)
         self.name = name
         self._loop = asyncio.get_running_loop()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # (fn, future) | None to stop
-        self._pending: set[asyncio.Future] = set()  # futures the loop may await
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()  # None: stop
+        self._pending: set[asyncio.Future[None]] = set()  # futures the loop may await
         self._closed = False
         # Touched by the thread only (close() reads _group to abort NCCL):
-        self._group = None
+        self._group: _Group | None = None
         self._rank = -1
         self._staging: torch.Tensor | None = None  # CUDA only: [n] uint8, grows, reused
         threading.Thread(target=self._run, name=f"kv-pair {name}", daemon=True).start()
 
     # -- the loop side ---------------------------------------------------------------
     def open(self, rank: int, store_host: str, store_port: int, prefix: str, local_host: str,
-             timeout_s: float) -> asyncio.Future:
+             timeout_s: float) -> asyncio.Future[None]:
         """Join the pair as ``rank`` through the store at ``store_host:store_port``; the future
         resolves once the probe crossed. ``local_host``: the address this side's gloo
         listens on (the local end of the control connection, which reaches the peer)."""
         return self._submit(lambda: self._open(rank, store_host, store_port, prefix, local_host,
                                                timedelta(seconds=timeout_s)))
 
-    def send(self, view: memoryview, timeout_s: float) -> asyncio.Future:
+    def send(self, view: memoryview, timeout_s: float) -> asyncio.Future[None]:
         """Send ``view``'s bytes to the peer; the future resolves when the buffer is free again."""
         return self._submit(lambda: self._send(view, timedelta(seconds=timeout_s)))
 
-    def recv(self, view: memoryview, timeout_s: float) -> asyncio.Future:
+    def recv(self, view: memoryview, timeout_s: float) -> asyncio.Future[None]:
         """Fill ``view`` with the peer's next payload (exactly ``len(view)`` bytes)."""
         return self._submit(lambda: self._recv(view, timedelta(seconds=timeout_s)))
 
@@ -138,8 +153,8 @@ class PairGroup:
         if self.kind == "nccl" and group is not None:  # fails a NCCL op in flight
             threading.Thread(target=group.abort, name=f"kv-pair-abort {self.name}", daemon=True).start()
 
-    def _submit(self, fn: Callable[[], None]) -> asyncio.Future:
-        fut = self._loop.create_future()
+    def _submit(self, fn: Callable[[], None]) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self._loop.create_future()
         if self._closed:
             fut.set_exception(ChannelClosed(f"pair {self.name} closed"))
             return fut
@@ -148,7 +163,7 @@ class PairGroup:
         self._jobs.put((fn, fut))
         return fut
 
-    def _settle(self, fut: asyncio.Future, error: BaseException | None) -> None:
+    def _settle(self, fut: asyncio.Future[None], error: BaseException | None) -> None:
         """From the thread: resolve ``fut`` on the loop (unless close() already failed it)."""
         def settle():
             if not fut.done():
@@ -180,9 +195,11 @@ class PairGroup:
 
         client = dist.TCPStore(store_host, store_port, None, False, timeout)
         store = dist.PrefixStore(prefix, client)
+        options: Any  # gloo's _Options or NCCL's Options
         try:
             if self.kind == "gloo":
-                options = dist.ProcessGroupGloo._Options()
+                # torch's stubs name only the public Options, without a device list or thread count
+                options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
                 options._threads = 1  # its threads only run collectives; we use send/recv
                 options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host,
                                                                         lazy_init=False)]
@@ -194,10 +211,10 @@ class PairGroup:
             options._timeout = timeout
             options.group_name = prefix  # names the pair in torch's logs
             group_cls = dist.ProcessGroupGloo if self.kind == "gloo" else dist.ProcessGroupNCCL
-            self._group = group_cls(store, rank, 2, options)
+            group = self._group = cast(_Group, group_cls(store, rank, 2, options))
             self._rank = rank
             probe = torch.ones(1, dtype=torch.uint8, device=self.device)
-            op = self._group.send if rank == 1 else self._group.recv
+            op = group.send if rank == 1 else group.recv
             op([probe], 1 - rank, TAG).wait(timeout)
         finally:
             if rank == 0:  # the rendezvous is over (or failed): keep the receiver's store small
@@ -209,16 +226,22 @@ class PairGroup:
         tensor = _host_tensor(view)
         if self.kind == "nccl":
             tensor = self._device_buffer(len(view)).copy_(tensor)
-        self._group.send([tensor], 1 - self._rank, TAG).wait(timeout)
+        self._joined().send([tensor], 1 - self._rank, TAG).wait(timeout)
 
     def _recv(self, view: memoryview, timeout: timedelta) -> None:
         host = _host_tensor(view)
         if self.kind == "gloo":
-            self._group.recv([host], 1 - self._rank, TAG).wait(timeout)
+            self._joined().recv([host], 1 - self._rank, TAG).wait(timeout)
             return
         staged = self._device_buffer(len(view))
-        self._group.recv([staged], 1 - self._rank, TAG).wait(timeout)  # blocks until it landed
+        self._joined().recv([staged], 1 - self._rank, TAG).wait(timeout)  # blocks until it landed
         host.copy_(staged)
+
+    def _joined(self) -> _Group:
+        """The group an op runs on; raises (failing that op's future) when ``open`` did not make it."""
+        if self._group is None:
+            raise TransferError(f"pair {self.name} has no process group (its open failed)")
+        return self._group
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a reused CUDA buffer; safe since every op waits before the next."""

@@ -28,11 +28,12 @@ import logging
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic
 
 from ..common.auth import token_matches
 from .base import KVReceiver, OnBlock
 from .block_store import KVBlockStore
-from .channel import Channel, ChannelClosed, format_address
+from .channel import ChannelClosed, ChannelT, format_address
 from .layout import KVLayout
 from .wire import CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello, Refused, Welcome, layout_id
 
@@ -52,9 +53,9 @@ class ReceiverStats:
     blocks_failed: int = 0
 
 
-class FramedReceiver(KVReceiver):
-    """``KVReceiver`` over channels; a backend implements ``_listen`` / ``_close_listener``
-    and may override ``_welcome`` and ``_offers_shm``."""
+class FramedReceiver(KVReceiver, Generic[ChannelT]):
+    """``KVReceiver`` over channels of type ``ChannelT``; a backend implements ``_listen`` /
+    ``_close_listener`` and may override ``_welcome`` and ``_offers_shm``."""
 
     scheme: str = ""
 
@@ -74,7 +75,7 @@ class FramedReceiver(KVReceiver):
         self.accepts: Callable[[str], bool] | None = None
         self.cluster_token: str | None = None  # set by the owner: senders must present it
         self._layout_id = layout_id(layout)
-        self._serving: dict[asyncio.Task, Channel] = {}  # connection task -> its channel
+        self._serving: dict[asyncio.Task, ChannelT] = {}  # connection task -> its channel
         self._stopped = False
 
     @property
@@ -90,7 +91,7 @@ class FramedReceiver(KVReceiver):
     async def _close_listener(self) -> None:
         """Stop accepting (idempotent)."""
 
-    def _welcome(self, channel: Channel) -> Welcome:
+    def _welcome(self, channel: ChannelT) -> Welcome:
         """The handshake answer to the sender on ``channel``."""
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks)
 
@@ -112,9 +113,10 @@ class FramedReceiver(KVReceiver):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- one connection --------------------------------------------------------------
-    async def _serve(self, channel: Channel) -> None:
+    async def _serve(self, channel: ChannelT) -> None:
         """Run one connection to its end; never raises (except cancellation)."""
         task = asyncio.current_task()
+        assert task is not None  # a connection runs as its own task
         self._serving[task] = channel
         self.stats.connections += 1
         staging = memoryview(b"")  # grows to the largest frame, then is reused (pinned on a GPU)
@@ -145,7 +147,7 @@ class FramedReceiver(KVReceiver):
             channel.close()
             self._serving.pop(task, None)
 
-    async def _handshake(self, channel: Channel) -> bool:
+    async def _handshake(self, channel: ChannelT) -> bool:
         hello = await channel.recv()
         if not isinstance(hello, Hello):
             raise ChannelClosed(f"protocol error: expected Hello, got {type(hello).__name__}")
@@ -188,7 +190,7 @@ class FramedReceiver(KVReceiver):
                                 f"({n} ids, {len(frame.checksums)} sums, {frame.payload_nbytes} bytes)")
         return frame
 
-    async def _land_and_ack(self, channel: Channel, frame: Blocks, payload: memoryview | None) -> None:
+    async def _land_and_ack(self, channel: ChannelT, frame: Blocks, payload: memoryview | None) -> None:
         """Verify and write the frame (on the loop: measured faster than a lander thread on a
         2-core host, where the thread only adds hand-offs), report each block, then ack."""
         if payload is not None:

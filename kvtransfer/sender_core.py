@@ -25,10 +25,11 @@ import logging
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Generic
 
 from .base import KVSender
-from .block_store import CHECKSUM_ALGO
-from .channel import Channel, ChannelClosed
+from .block_store import CHECKSUM_ALGO, KVBlockStore
+from .channel import ChannelClosed, ChannelT
 from .errors import TransferError
 from .layout import KVLayout, LayoutMismatch
 from .packed import frame_sums, frame_views, item_nbytes
@@ -55,17 +56,17 @@ class SenderOptions:
 
 
 @dataclass(slots=True, eq=False)
-class Connection:
+class Connection(Generic[ChannelT]):
     """One live connection to a receiver."""
 
     addr: str
-    channel: Channel
+    channel: ChannelT
     welcome: Welcome
-    pending: dict[int, asyncio.Future] = field(default_factory=dict)  # seq -> future of its Ack
+    pending: dict[int, asyncio.Future[Ack]] = field(default_factory=dict)  # seq -> future of its Ack
     next_seq: int = 0
     broken: str | None = None  # why it can no longer carry frames
     reader: asyncio.Task | None = None
-    backend_state: object = None  # what a backend keeps per connection (shm: the mapped cache)
+    peer_store: KVBlockStore | None = None  # the receiver's cache, mapped here (shm, ipc)
 
     def fail(self, reason: str) -> None:
         """Mark broken, close the channel, fail every pending frame (idempotent)."""
@@ -78,9 +79,9 @@ class Connection:
         self.pending.clear()
 
 
-class FramedSender(KVSender):
-    """``KVSender`` over channels; a backend implements ``_open`` (and may override
-    ``_hello``, ``_on_welcome``, ``_stage``, ``_deliver``)."""
+class FramedSender(KVSender, Generic[ChannelT]):
+    """``KVSender`` over channels of type ``ChannelT``; a backend implements ``_open`` (and may
+    override ``_hello``, ``_on_welcome``, ``_stage``, ``_deliver``)."""
 
     scheme: str = ""  # address scheme, "tcp", "shm", "ucx"
     default_frame_bytes: int = 2 << 20  # measured best for tcp and shm (realistic 720 KiB blocks)
@@ -90,23 +91,23 @@ class FramedSender(KVSender):
         self.options = options or SenderOptions()
         self._layout_id = layout_id(layout)
         self.checksum_algo = self.options.checksum or CHECKSUM_ALGO
-        self._conns: dict[str, Connection] = {}  # addr -> live connection
+        self._conns: dict[str, Connection[ChannelT]] = {}  # addr -> live connection
         self._dialing: dict[str, asyncio.Lock] = {}  # addr -> lock held while dialing it
         self._blocks_sent = 0  # counts blocks for corrupt_every
 
     # -- backend hooks -------------------------------------------------------------
     @abstractmethod
-    async def _open(self, addr: str) -> Channel:
+    async def _open(self, addr: str) -> ChannelT:
         """Dial ``addr``; raise ``TransferError`` / ``OSError`` / ``ChannelClosed`` on failure."""
 
     def _hello(self) -> Hello:
         return Hello(layout=self.layout, checksum=self.checksum_algo)
 
-    async def _on_welcome(self, conn: Connection) -> None:
+    async def _on_welcome(self, conn: Connection[ChannelT]) -> None:
         """Finish a backend's connection from the welcome (shm: map the cache, ucx: open the
         data endpoint); raise ``TransferError`` to refuse it. Runs under the connect timeout."""
 
-    def _stage(self, conn: Connection, dest: list[int], items: list,
+    def _stage(self, conn: Connection[ChannelT], dest: list[int], items: list,
                corrupt: list[int]) -> tuple[list[int], list[memoryview]]:
         """(checksum of each block, the buffers to send). ``items``: host buffers or
         ``PackedBlock`` rows of a device pack (hashed on the device, staged to host once).
@@ -117,7 +118,7 @@ class FramedSender(KVSender):
         views = frame_views(items)
         return sums, [flip_one_byte(v) if i in corrupt else v for i, v in enumerate(views)]
 
-    async def _deliver(self, conn: Connection, frame: Blocks, payload: list[memoryview]) -> None:
+    async def _deliver(self, conn: Connection[ChannelT], frame: Blocks, payload: list[memoryview]) -> None:
         """Make the frame reach the receiver. Default: the blocks inline after the header."""
         frame.payload_nbytes = len(payload) * self.layout.block_nbytes
         await conn.channel.send(frame, payload)
@@ -137,7 +138,7 @@ class FramedSender(KVSender):
             raise TransferError(f"transfer {transfer_id}: block #{bad[0]} has {sizes[bad[0]]} "
                                 f"bytes, a packed block of {self.layout} has {self.layout.block_nbytes}")
         dest = [int(d) for d, _ in blocks]
-        conn: Connection | None = None
+        conn: Connection[ChannelT] | None = None
         try:
             async with asyncio.timeout(self.options.timeout_s):
                 conn = await self._connection(addr)
@@ -177,13 +178,13 @@ class FramedSender(KVSender):
         await asyncio.gather(*(c.reader for c in conns if c.reader is not None), return_exceptions=True)
 
     # -- internals -------------------------------------------------------------------
-    async def _send_frame(self, conn: Connection, transfer_id: str, dest: list[int],
-                          items: list) -> asyncio.Future:
+    async def _send_frame(self, conn: Connection[ChannelT], transfer_id: str, dest: list[int],
+                          items: list) -> asyncio.Future[Ack]:
         if conn.broken is not None:
             raise ChannelClosed(conn.broken)
         sums, payload = self._stage(conn, dest, items, self._pick_corrupt(len(items)))
         seq, conn.next_seq = conn.next_seq, conn.next_seq + 1
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         # Retrieve a failure even when send_blocks gave up before awaiting this frame.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         conn.pending[seq] = fut
@@ -199,7 +200,7 @@ class FramedSender(KVSender):
             return []
         return [i for i in range(n) if (first + i) % every == every - 1]
 
-    async def _connection(self, addr: str) -> Connection:
+    async def _connection(self, addr: str) -> Connection[ChannelT]:
         conn = self._conns.get(addr)
         if conn is not None and conn.broken is None:
             return conn
@@ -212,7 +213,7 @@ class FramedSender(KVSender):
             self._conns[addr] = conn
             return conn
 
-    async def _dial(self, addr: str) -> Connection:
+    async def _dial(self, addr: str) -> Connection[ChannelT]:
         channel = None
         try:
             async with asyncio.timeout(self.options.connect_timeout_s):
@@ -252,7 +253,7 @@ class FramedSender(KVSender):
         conn.reader = asyncio.create_task(self._read_acks(conn), name=f"kv-acks {addr}")
         return conn
 
-    async def _read_acks(self, conn: Connection) -> None:
+    async def _read_acks(self, conn: Connection[ChannelT]) -> None:
         try:
             while True:
                 msg = await conn.channel.recv()
@@ -268,13 +269,14 @@ class FramedSender(KVSender):
             conn.fail(f"{type(e).__name__}: {e}")
 
 
-async def _gather(futures: list[asyncio.Future]) -> list[Ack]:
+async def _gather(futures: list[asyncio.Future[Ack]]) -> list[Ack]:
     """Await all; raise the first failure only after every future settled (none left unretrieved)."""
-    results = await asyncio.gather(*futures, return_exceptions=True)
-    for r in results:
+    acks = []
+    for r in await asyncio.gather(*futures, return_exceptions=True):
         if isinstance(r, BaseException):
             raise r
-    return results
+        acks.append(r)
+    return acks
 
 
 def flip_one_byte(view: memoryview) -> memoryview:

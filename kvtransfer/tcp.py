@@ -3,7 +3,8 @@
 Owns: ``TcpChannel`` (framing on a byte stream, scatter-gather sends, reads
 straight into the receiver's preallocated buffers), ``TcpSender`` and
 ``TcpReceiver``. Must not: know the protocol's meaning (``sender_core`` /
-``receiver_core``) or import the model.
+``receiver_core``) or import the model. ``TcpControlReceiver`` is also the
+listener of the backends that keep their control messages on TCP (ucx, nccl).
 
 Framing on the stream::
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
-from .channel import MAX_HEADER_BYTES, Channel, ChannelClosed, parse_address
+from .channel import MAX_HEADER_BYTES, Channel, ChannelClosed, ChannelT, parse_address
 from .receiver_core import FramedReceiver
 from .sender_core import FramedSender
 from .wire import Message, decode, encode
@@ -48,8 +50,8 @@ class TcpChannel(Channel):
         self._fd = sock.fileno()
         self._prefix = bytearray(4)
         self._closed = False
-        self._read_waiter: asyncio.Future | None = None
-        self._write_waiter: asyncio.Future | None = None
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
 
     @property
     def local_host(self) -> str:
@@ -135,8 +137,12 @@ class TcpChannel(Channel):
     async def _wait(self, readable: bool) -> None:
         """Until the socket is readable (writable); ``close`` wakes it with ChannelClosed.
         At most one reader and one writer wait at a time (recv has one caller, send a lock)."""
-        fut = self._loop.create_future()
-        wake = lambda: fut.done() or fut.set_result(None)  # noqa: E731
+        fut: asyncio.Future[None] = self._loop.create_future()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
         if readable:
             self._read_waiter = fut
             self._loop.add_reader(self._fd, wake)
@@ -169,37 +175,38 @@ async def dial(host: str, port: int) -> TcpChannel:
     return TcpChannel(sock, f"{host}:{port}")
 
 
-class TcpSender(FramedSender):
+class TcpSender(FramedSender[TcpChannel]):
     scheme = "tcp"
 
-    async def _open(self, addr: str) -> Channel:
+    async def _open(self, addr: str) -> TcpChannel:
         return await dial(*parse_address(addr, self.scheme))
 
 
-class TcpReceiver(FramedReceiver):
-    """Listens on ``host:port`` (0: any free port)."""
+class TcpControlReceiver(FramedReceiver[ChannelT]):
+    """Listens on ``host:port`` (0: any free port) and serves each accepted TCP connection
+    as the backend's channel (``_make_channel``: tcp serves it as is, ucx and nccl add a data path)."""
 
-    scheme = "tcp"
     _listener: socket.socket | None = None
     _acceptor: asyncio.Task | None = None
+
+    @abstractmethod
+    def _make_channel(self, control: TcpChannel) -> ChannelT:
+        """The channel a connection runs on."""
 
     async def _listen(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._listener = socket.create_server((self.host, self.port), family=family, backlog=128)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
-        self._acceptor = asyncio.create_task(self._accept_loop(), name=f"kv-accept {self.address}")
+        self._acceptor = asyncio.create_task(self._accept_loop(self._listener),
+                                             name=f"kv-accept {self.address}")
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, peer = await loop.sock_accept(self._listener)
+            sock, peer = await loop.sock_accept(listener)
             channel = self._make_channel(TcpChannel(sock, f"{peer[0]}:{peer[1]}"))
             loop.create_task(self._serve(channel), name=f"kv-conn {channel.peer}")
-
-    def _make_channel(self, control: TcpChannel) -> Channel:
-        """The channel a connection runs on; a backend may wrap the TCP one (ucx adds a data path)."""
-        return control
 
     async def _close_listener(self) -> None:
         if self._acceptor is not None:
@@ -209,3 +216,10 @@ class TcpReceiver(FramedReceiver):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+
+class TcpReceiver(TcpControlReceiver[TcpChannel]):
+    scheme = "tcp"
+
+    def _make_channel(self, control: TcpChannel) -> TcpChannel:
+        return control

@@ -43,11 +43,13 @@ import os
 import secrets
 from collections import deque
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Protocol
 
 from .channel import Channel, ChannelClosed, coalesce, parse_address
 from .errors import TransferError
-from .sender_core import Connection
-from .tcp import TcpChannel, TcpReceiver, TcpSender
+from .sender_core import Connection, FramedSender
+from .tcp import TcpChannel, TcpControlReceiver, dial
 from .wire import Message, UcxInfo, Welcome
 
 TOKEN_BYTES = 16
@@ -66,7 +68,34 @@ UCX_ENV_DEFAULTS = {
 }
 
 
-def load_ucxx():
+class UcxRequest(Protocol):
+    """A posted ucxx request: what ``_wait`` and ``flush`` read of it (ucxx has no stubs)."""
+
+    @property
+    def completed(self) -> bool: ...
+    def check_error(self) -> None: ...
+
+
+class UcxEndpoint(Protocol):
+    """A ucxx ``Endpoint``: what this module calls on it (``_post`` reaches two internals)."""
+
+    _ep: Any  # the libucxx endpoint
+    _tags: dict[str, int]
+
+    def abort(self) -> None: ...
+    async def send(self, buffer: bytes) -> None: ...
+    async def recv(self, buffer: bytearray) -> None: ...
+
+
+class UcxListener(Protocol):
+    """A ucxx ``Listener``."""
+
+    port: int
+
+    def close(self) -> None: ...
+
+
+def load_ucxx() -> ModuleType:
     """Import ucxx with the CPU defaults above; ``TransferError`` naming the reason if it cannot."""
     for key, value in UCX_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
@@ -78,7 +107,7 @@ def load_ucxx():
     return ucxx
 
 
-def _post(endpoint, buf: memoryview, send: bool):
+def _post(endpoint: UcxEndpoint, buf: memoryview, send: bool) -> UcxRequest:
     """Post one tagged send / receive of ``buf`` on a ucxx ``Endpoint``; the request.
 
     ucxx's own ``Endpoint.send/recv`` also wait, with ``asyncio.sleep(0)`` in a loop, which
@@ -94,7 +123,7 @@ def _post(endpoint, buf: memoryview, send: bool):
     return endpoint._ep.tag_recv(Array(buf), Tag(endpoint._tags["msg_recv"]), TagMaskFull)
 
 
-async def _wait(request) -> None:
+async def _wait(request: UcxRequest) -> None:
     """Poll a request: tightly for SPIN_S, then once per loop tick; raise its error."""
     loop = asyncio.get_running_loop()
     spin_until = loop.time() + SPIN_S
@@ -110,15 +139,15 @@ class UcxChannel(Channel):
         self.peer = control.peer
         self.token = token  # hex; names this connection to the UCX listener
         self._control = control
-        self._ep = None
-        self._attached = asyncio.get_running_loop().create_future()
+        self._ep: UcxEndpoint | None = None
+        self._attached: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._send_lock = asyncio.Lock()  # a header and its payload go out together
         self._join = bytearray(0)  # reused when a payload's views are not one buffer
         # Payload sends posted and not yet reaped: (request, the buffer it reads).
-        self._in_flight: deque[tuple[object, memoryview]] = deque()
+        self._in_flight: deque[tuple[UcxRequest, memoryview]] = deque()
         self._closed = False
 
-    def attach(self, endpoint) -> None:
+    def attach(self, endpoint: UcxEndpoint) -> None:
         if self._closed or self._attached.done():
             endpoint.abort()
             return
@@ -173,7 +202,7 @@ class UcxChannel(Channel):
         if self._ep is not None:
             self._ep.abort()  # cancels a payload in flight; the peer's endpoint errors out
 
-    async def _endpoint(self):
+    async def _endpoint(self) -> UcxEndpoint:
         if self._closed:
             raise ChannelClosed(f"connection to {self.peer} closed")
         try:
@@ -181,6 +210,7 @@ class UcxChannel(Channel):
         except TimeoutError:
             self.close()
             raise ChannelClosed(f"no ucx endpoint from {self.peer} within {ATTACH_TIMEOUT_S}s") from None
+        assert self._ep is not None  # _attached resolves only in attach, after setting it
         return self._ep
 
     def _one_buffer(self, views: Sequence[memoryview]) -> memoryview:
@@ -197,7 +227,7 @@ class UcxChannel(Channel):
         return memoryview(self._join)[:total]
 
 
-class UcxSender(TcpSender):
+class UcxSender(FramedSender[UcxChannel]):
     scheme = "ucx"
     default_frame_bytes = 32 << 20  # each frame costs a polled receive: fewer, bigger frames
 
@@ -205,10 +235,10 @@ class UcxSender(TcpSender):
         super().__init__(*args, **kwargs)
         self._ucxx = load_ucxx()
 
-    async def _open(self, addr: str) -> Channel:
-        return UcxChannel(await super()._open(addr), token="")
+    async def _open(self, addr: str) -> UcxChannel:
+        return UcxChannel(await dial(*parse_address(addr, self.scheme)), token="")
 
-    async def _on_welcome(self, conn: Connection) -> None:
+    async def _on_welcome(self, conn: Connection[UcxChannel]) -> None:
         info = conn.welcome.ucx
         if info is None:
             raise TransferError(f"receiver {conn.addr} offers no ucx endpoint; use its backend")
@@ -223,11 +253,11 @@ class UcxSender(TcpSender):
         conn.channel.attach(endpoint)
 
 
-class UcxReceiver(TcpReceiver):
+class UcxReceiver(TcpControlReceiver[UcxChannel]):
     """TCP control on ``host:port``; a UCX listener on any free port of every interface."""
 
     scheme = "ucx"
-    _ucx_listener = None
+    _ucx_listener: UcxListener | None = None  # from _listen to _close_listener
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -238,16 +268,17 @@ class UcxReceiver(TcpReceiver):
         self._ucx_listener = self._ucxx.create_listener(self._on_endpoint)
         await super()._listen()
 
-    def _make_channel(self, control: TcpChannel) -> Channel:
+    def _make_channel(self, control: TcpChannel) -> UcxChannel:
         channel = UcxChannel(control, token=secrets.token_hex(TOKEN_BYTES))
         self._by_token[channel.token] = channel
         return channel
 
-    def _welcome(self, channel: Channel) -> Welcome:
+    def _welcome(self, channel: UcxChannel) -> Welcome:
+        assert self._ucx_listener is not None, "a handshake runs only while listening"
         info = UcxInfo(port=self._ucx_listener.port, token=channel.token)
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, ucx=info)
 
-    async def _on_endpoint(self, endpoint) -> None:
+    async def _on_endpoint(self, endpoint: UcxEndpoint) -> None:
         token = bytearray(TOKEN_BYTES)
         try:
             await asyncio.wait_for(endpoint.recv(token), ATTACH_TIMEOUT_S)
@@ -260,7 +291,7 @@ class UcxReceiver(TcpReceiver):
         else:
             channel.attach(endpoint)
 
-    async def _serve(self, channel: Channel) -> None:
+    async def _serve(self, channel: UcxChannel) -> None:
         try:
             await super()._serve(channel)
         finally:

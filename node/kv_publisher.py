@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from ..common.kv_events import KVEvent
 from ..common.kv_index import REDIS_ERRORS, IndexDelta, KVIndex
+from ..common.model_metrics import BoundLabels
 from ..common.outcomes import IndexBatchResult
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class KVEventPublisher:
     node_id: str
     epoch: str
     request_snapshot: Callable[[], None]  # makes the engine call on_kv([], hashes) soon
-    batches: Counter  # labels result: ok | refused | error (one per write attempt)
+    batches: BoundLabels[Counter]  # labels result: ok | refused | error (one per write attempt)
     flush_interval_s: float = 0.02  # events of this long go out as one batch
     refresh_interval_s: float = 2.0  # TTL refresh when idle; keep well below index.ttl_s
     seq: int = 0  # the last batch seq written

@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..common import metric_names as n
-from ..common.model_metrics import ModelMetrics
-from ..common.outcomes import FallbackReason, IndexBatchResult, PrefillOutcome, TransferEnd
 from ..common.load import NodeLoad
+from ..common.model_metrics import ModelMetrics
+from ..common.outcomes import (FallbackReason, IndexBatchResult, PrefillOutcome, PromptHashResult,
+                               TransferEnd)
+
+if TYPE_CHECKING:  # annotations only: this module never calls the engine
+    from ..engine.engine_core import RequestDelta
+    from ..engine.request import Request
+    from ..engine.scheduler import SchedulerOutput
 
 # Seconds (vLLM's request-interval buckets, cut below 10 ms).
 INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
@@ -34,7 +41,7 @@ PRUNE_SLACK = 64  # timing entries beyond the live requests before finished ones
 @dataclass(slots=True)
 class RequestTimes:
     """Monotonic times of one request (engine thread only)."""
-    request: object  # engine Request (kept to notice one that finished without a delta)
+    request: Request  # kept to notice one that finished without a delta
     scheduled: float
     first_token: float | None = None
 
@@ -84,14 +91,27 @@ class NodeMetrics:
                                    ["state"])
         self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
                                    "failed or impossible transfer", ["reason"])
+        self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
+                                       "the router carried (adopted; rehashed: they did not check "
+                                       "out; absent: none carried)", ["result"])
         for counter, values in ((self.index_batches, IndexBatchResult),
                                 (self.prefill_requests, PrefillOutcome),
                                 (self.blocks_received, n.BLOCK_OK), (self.transfers, TransferEnd),
-                                (self.fallbacks, FallbackReason)):
+                                (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
         self._times: dict[str, RequestTimes] = {}  # req_id -> times (engine thread only)
         self._preemptions_seen = 0
+
+    def adopt_hashes(self, carried, token_ids: list[int], block_size: int,
+                     model: str) -> list[int] | None:
+        """The carried `PromptHashes` of ``token_ids`` when they check out for this node
+        (counted adopted), else None: the engine hashes the prompt (rehashed / absent)."""
+        hashes = carried.adopt(token_ids, block_size, model) if carried is not None else None
+        result = (PromptHashResult.ADOPTED if hashes is not None else PromptHashResult.REHASHED
+                  if carried is not None else PromptHashResult.ABSENT)
+        self.prompt_hashes.labels(result).inc()
+        return hashes
 
     def set_load(self, load: NodeLoad, preemptions_total: int, heartbeat_failures: int) -> None:
         """Refresh the engine-state gauges (``load``: the published NodeLoad)."""
@@ -107,7 +127,7 @@ class NodeMetrics:
         for unit, gauge in self.kv_pool.items():
             gauge.set(pool[unit])
 
-    def observe_step(self, out, deltas, live: int) -> None:
+    def observe_step(self, out: SchedulerOutput, deltas: list[RequestDelta], live: int) -> None:
         """Engine thread, after a step computed ``out`` (a SchedulerOutput) and produced
         ``deltas`` (RequestDeltas); ``live``: the engine's unfinished requests, to bound
         the timing entries."""
@@ -135,7 +155,7 @@ class NodeMetrics:
                     self.decode_time.observe(now - t.first_token)
         if len(self._times) > live + PRUNE_SLACK:  # aborted requests get no finishing delta
             for rid, t in list(self._times.items()):
-                if getattr(t.request, "finished", False):
+                if t.request.finished:
                     self._times.pop(rid, None)
 
     def render(self) -> tuple[bytes, str]:

@@ -55,7 +55,7 @@ def remove_dead_segments(shm_dir: str = SHM_DIR) -> list[str]:
     removed = []
     for name in list_segments(shm_dir):
         pid = owner_pid(name)
-        if pid != os.getpid() and not _alive(pid):
+        if pid is not None and pid != os.getpid() and not _alive(pid):
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)

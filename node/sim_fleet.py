@@ -15,7 +15,9 @@ import asyncio
 import dataclasses
 import logging
 
-from ..common.config import NodeConfig
+from aiohttp import web
+
+from ..common.config import NodeConfig, NodeRole
 from .runtime import RUNTIME, build_app, run_until_signal, start_site
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,8 @@ def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
     if prefill_nodes < 0 or decode_nodes < 0 or prefill_nodes + decode_nodes < 1:
         raise ValueError(f"sim-nodes: need at least one node, got {prefill_nodes} prefill and "
                          f"{decode_nodes} decode nodes")
-    roles = [("prefill", i) for i in range(prefill_nodes)] + [("decode", i) for i in range(decode_nodes)]
+    roles: list[tuple[NodeRole, int]] = ([("prefill", i) for i in range(prefill_nodes)]
+                                         + [("decode", i) for i in range(decode_nodes)])
     return [dataclasses.replace(template, role=role, port=0, node_id=f"{id_prefix}-{role}-{i}")
             for role, i in roles]
 
@@ -39,15 +42,16 @@ async def serve_fleet(configs: list[NodeConfig], stop: asyncio.Event) -> None:
     runners = []
     gate = asyncio.Semaphore(8)
 
-    async def start(cfg: NodeConfig):
+    async def start(cfg: NodeConfig) -> tuple[web.Application, web.AppRunner]:
         async with gate:
             app = build_app(cfg)
             return app, await start_site(app, cfg)
 
     try:
-        started = await asyncio.gather(*(start(c) for c in configs), return_exceptions=True)
-        runners = [s[1] for s in started if not isinstance(s, BaseException)]
-        failed = [s for s in started if isinstance(s, BaseException)]
+        results = await asyncio.gather(*(start(c) for c in configs), return_exceptions=True)
+        started = [s for s in results if not isinstance(s, BaseException)]
+        runners = [runner for _, runner in started]
+        failed = [s for s in results if isinstance(s, BaseException)]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(configs)} simulated nodes failed to start: {failed[0]!r}")
         print(f"READY {len(configs)} nodes", flush=True)

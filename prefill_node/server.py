@@ -63,12 +63,17 @@ class PrefillNode:
         self.exporter = BlockExporter(self.store.pack, self._on_blocks)
         self.senders = {}  # backend -> KVSender (one connection pool each)
         m = runtime.metrics
+        self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
 
     def _sender(self, backend: str):
         if backend not in self.senders:
+            # A send gets one lease, as the decode node's transfer does: past it the decode node
+            # has given up (and prefilled itself), so a partitioned peer cannot hold this
+            # request's blocks and its /prefill handler for the sender's default minute.
             options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0,
-                                     cluster_token=self.config.cluster_token)
+                                     cluster_token=self.config.cluster_token,
+                                     timeout_s=self.config.transfer_lease_s)
             self.senders[backend] = make_sender(backend, self.rt.layout, options,
                                                 device=self.config.engine.device)
         return self.senders[backend]
@@ -115,7 +120,10 @@ class PrefillNode:
     async def prefill(self, request: web.Request) -> web.Response:
         try:
             task = await read_msgpack(request, PrefillRequest)
-            self._check(task)
+            if task.sampling_params.structured_outputs is not None:  # a first compile: off the loop
+                await asyncio.to_thread(self._check, task)
+            else:
+                self._check(task)
         except InvalidRequest as e:
             self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
             return error_response(400, str(e), e.field)
@@ -137,7 +145,10 @@ class PrefillNode:
         loop = self.rt.loop
         try:
             export = loop.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
-            await loop.submit(AddRequest(rid, task.token_ids, params))
+            cfg = self.config.engine
+            hashes = self.metrics.adopt_hashes(task.prompt_hashes, task.token_ids, cfg.block_size,
+                                               cfg.model_id)
+            await loop.submit(AddRequest(rid, task.token_ids, params, hashes))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))

@@ -34,12 +34,14 @@ from aiohttp import web
 
 from ..common.auth import redact_url
 from ..common.errors import InvalidRequest
+from ..common.http import peer_connector
 from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
 from . import endpoints, extra_endpoints, openai_api
 from .admission import Admission
 from .auth import api_key_middleware
 from .background import BackgroundTasks
+from .cache_aware import CacheAware
 from .config import RouterConfig
 from .decisions import DecisionLog
 from .discovery import NodeDirectory
@@ -50,6 +52,7 @@ from .metrics import RouterMetrics
 from .node_client import NodeClient
 from .policy import make_policy
 from .prefix_index import PrefixIndex
+from .shared_work import SharedWork
 from .state import ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES, TOKENIZER, RouterServices
 from .tokenizer import RouterTokenizer
 
@@ -72,7 +75,8 @@ def build_app(config: RouterConfig) -> web.Application:
                           middlewares=[_error_middleware, api_key_middleware,
                                        _admission_middleware])
     app[CONFIG] = config
-    app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len)
+    app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len,
+                                     config.allow_long_max_model_len)
     app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
@@ -104,13 +108,18 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
                          retry_s=config.index_retry_s)
     prefix.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
     # No connection cap: every streaming request holds one connection to its node.
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    session = aiohttp.ClientSession(connector=peer_connector(limit=0))
     background = BackgroundTasks()
     client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
                         config.cluster_token, on_node_down=directory.mark_addr_down)
-    dispatcher = Dispatcher(directory, make_policy(config.policy, config.weights), client,
+    policy = make_policy(config.policy, config.weights)
+    # cache_aware's recent work per node, shared with the other router replicas
+    shared = SharedWork(index, policy.recent) if isinstance(policy, CacheAware) else None
+    if shared is not None:
+        shared.start()
+    dispatcher = Dispatcher(directory, policy, client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
-                            config.retry_after_s)
+                            config.retry_after_s, config.migration_limit)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
     log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
              config.model_id, config.policy, config.block_size, redact_url(config.redis_url),
@@ -120,6 +129,8 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     finally:
         await directory.stop()
         await prefix.stop()
+        if shared is not None:
+            await shared.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
         await index.close()

@@ -59,7 +59,9 @@ stays short. The balance term charges a node for the work it recently got above
 the average, scaled by the share of the prompt it would have to compute: a new
 conversation that only shares a system prompt goes elsewhere once the holder runs
 ahead, while the next turn of a long conversation it holds (mostly cached) stays.
-Equal costs rotate.
+Equal costs rotate, by ``tie_key`` when the caller gives one (dispatch: the prompt's
+last block hash, so every router replica breaks a tie for the same prompt the same
+way), else by a counter.
 """
 
 from __future__ import annotations
@@ -88,26 +90,25 @@ class CacheAware:
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
-               inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+               tie_key: int | None = None) -> Decision | None:
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
         n = len(request_token_ids)
-        turn = next(self._tie)
+        turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills
         now = time.monotonic()
-        recent = {p.node_id: self.recent.get(p.node_id, now) for p in prefills}
-        mean = sum(recent.values()) / len(recent) if recent else 0.0
-        prefill, p_cost = _cheapest(
-            prefills, lambda p: self.prefill_cost(p, n, cached, inflight, inflight_tokens)
-            + self.balance_cost(recent[p.node_id] - mean, n, cached.get(p.node_id, 0)), turn)
-        decode, d_cost = _cheapest(
-            decodes, lambda d: self.decode_cost(d, n, cached, inflight, local, inflight_tokens), turn)
-        if prefill is not None:
+        prefill, p_cost = _cheapest(prefills, self.prefill_costs(prefills, n, cached, inflight,
+                                                                 inflight_tokens, now), turn)
+        decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, local,
+                                                              inflight_tokens), turn)
+        assert decode is not None  # decodes is not empty
+        if prefill is not None and self.w.local_prefill_tokens > 0:
             # Skip the remote prefill when a decode node holds most of the prompt or it is short.
             near = [d for d in decodes if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens]
-            alone, a_cost = _cheapest(
-                near, lambda d: self.decode_cost(d, n, cached, inflight, True, inflight_tokens), turn)
+            alone, a_cost = _cheapest(near, self.decode_costs(near, n, cached, inflight, True,
+                                                              inflight_tokens), turn)
             if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
                 prefill, decode = None, alone
         hit = cached.get((prefill or decode).node_id, 0)
@@ -127,56 +128,124 @@ class CacheAware:
         new, ctx = prompt_len - self.w.cached_token * hit, self.w.cached_token * hit
         return new + self.w.attention * new * (ctx + new / 2)
 
+    def prefill_costs(self, prefills: Sequence[NodeInfo], prompt_len: int, cached: Mapping[str, int],
+                      inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
+                      now: float) -> list[float]:
+        """prefill(p) of the module docstring for every node of ``prefills``: one pass
+        over the nodes, the work term computed apart only for the nodes with a hit
+        (a handful; the rest share the uncached prompt's work)."""
+        w = self.w
+        recent = self.recent.values(prefills, now)
+        mean = sum(recent) / len(recent) if recent else 0.0
+        full = self.work(prompt_len, 0)
+        bal = w.balance  # balance_cost of an uncached prompt: per token above the mean
+        costs = [load + full + bal * (r - mean if r > mean else 0.0)
+                 for load, r in zip(_loads(prefills, inflight, inflight_tokens, w.prefill_request,
+                                           w.kv_usage, True), recent)]
+        if cached:
+            for i, p in enumerate(prefills):
+                hit = cached.get(p.node_id, 0)
+                if hit:
+                    r = recent[i]
+                    costs[i] += (self.work(prompt_len, hit) - full
+                                 + self.balance_cost(r - mean, prompt_len, hit)
+                                 - self.balance_cost(r - mean, prompt_len, 0))
+        return costs
+
     def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
                      inflight: Mapping[str, int], inflight_tokens: Mapping[str, int]) -> float:
-        w = self.w
-        work = self.work(prompt_len, cached.get(p.node_id, 0))
-        ahead = max(p.load.queued_prefill_tokens, inflight_tokens.get(p.node_id, 0))
-        return work + ahead + w.prefill_request * _requests(p, inflight) + w.kv_usage * p.load.kv_usage
+        """prefill(p) without the balance term: p's work for this prompt plus its load."""
+        load = _loads([p], inflight, inflight_tokens, self.w.prefill_request, self.w.kv_usage, True)[0]
+        return self.work(prompt_len, cached.get(p.node_id, 0)) + load
 
     def balance_cost(self, excess: float, prompt_len: int, hit: int) -> float:
         """A node ``excess`` tokens of recent work above the mean pays for it in
         proportion to the new work the request would bring (its uncached share)."""
         return self.w.balance * max(0.0, excess) * (prompt_len - hit) / prompt_len
 
+    def decode_costs(self, decodes: Sequence[NodeInfo], prompt_len: int, cached: Mapping[str, int],
+                     inflight: Mapping[str, int], local_prefill: bool,
+                     inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> list[float]:
+        """decode(d) of the module docstring for every node of ``decodes``; with
+        ``local_prefill`` d prefills itself: its own prefill work and queue, fresh
+        from this router's in-flight work, replace the transfer."""
+        w = self.w
+        loads = _loads(decodes, inflight, inflight_tokens, w.decode_request, w.kv_usage, local_prefill)
+        if local_prefill:
+            return [load + self.work(prompt_len, cached.get(d.node_id, 0))
+                    for d, load in zip(decodes, loads)]
+        return [load + w.transfer * (prompt_len - cached.get(d.node_id, 0))
+                for d, load in zip(decodes, loads)]
+
     def decode_cost(self, d: NodeInfo, prompt_len: int, cached: Mapping[str, int],
                     inflight: Mapping[str, int], local_prefill: bool,
                     inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> float:
-        w = self.w
-        hit = cached.get(d.node_id, 0)
-        if local_prefill:  # d prefills: its own prefill queue, fresh from this router's in-flight work
-            ahead = max(d.load.queued_prefill_tokens, inflight_tokens.get(d.node_id, 0))
-            prompt = self.work(prompt_len, hit) + ahead
-        else:
-            prompt = w.transfer * (prompt_len - hit)
-        return prompt + w.decode_request * _requests(d, inflight) + w.kv_usage * d.load.kv_usage
+        return self.decode_costs([d], prompt_len, cached, inflight, local_prefill, inflight_tokens)[0]
+
+
+def _loads(nodes: Sequence[NodeInfo], inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
+           per_request: float, per_kv: float, queue: bool) -> list[float]:
+    """Each node's load in token-equivalents: ``per_request`` x requests (the larger of
+    its heartbeat and this router's in-flight count) + ``per_kv`` x KV usage, plus,
+    with ``queue``, the prefill work ahead (queued prompt tokens or this router's
+    in-flight work there, the larger). One pass, no call per node."""
+    out = []
+    inf_get, tok_get = inflight.get, inflight_tokens.get
+    for n in nodes:
+        ld, nid = n.load, n.node_id
+        reqs = ld.running + ld.waiting
+        mine = inf_get(nid, 0)
+        cost = per_request * (reqs if reqs > mine else mine) + per_kv * ld.kv_usage
+        if queue:
+            q, t = ld.queued_prefill_tokens, tok_get(nid, 0)
+            cost += q if q > t else t
+        out.append(cost)
+    return out
 
 
 def _requests(node: NodeInfo, inflight: Mapping[str, int]) -> int:
     return max(node.load.running + node.load.waiting, inflight.get(node.node_id, 0))
 
 
-def _cheapest(nodes: list[NodeInfo], cost: Callable[[NodeInfo], float], turn: int
+def _cheapest(nodes: Sequence[NodeInfo], costs: list[float], turn: int
               ) -> tuple[NodeInfo | None, float]:
     """(the cheapest node, ties rotating with ``turn``, its cost); (None, inf) for none."""
     if not nodes:
         return None, math.inf
-    costs = [cost(n) for n in nodes]
     best = min(costs)
-    tied = [n for n, c in zip(nodes, costs) if c <= best + _TIE_EPS]
-    return tied[turn % len(tied)], best
+    tied = [i for i, c in enumerate(costs) if c <= best + _TIE_EPS]
+    return nodes[tied[turn % len(tied)]], best
 
 
 class RecentWork:
-    """node_id -> prompt tokens sent there to compute, each decaying with a half-life."""
+    """node_id -> prompt tokens sent there to compute, each decaying with a half-life.
+    ``listener(node_id, tokens)`` hears this router's own additions (router/shared_work.py
+    publishes them to the other replicas, whose entries come in through ``merge``)."""
 
     def __init__(self, half_life_s: float):
         self.rate = math.log(2) / half_life_s
         self._work: dict[str, tuple[float, float]] = {}  # node_id -> (value, monotonic time of value)
+        self.listener: Callable[[str, float], None] | None = None
+
+    def values(self, nodes: Sequence[NodeInfo], now: float) -> list[float]:
+        """``get`` of every node, in one pass."""
+        work, rate, exp = self._work, self.rate, math.exp
+        out = []
+        for n in nodes:
+            v = work.get(n.node_id)
+            out.append(v[0] * exp(rate * (v[1] - now)) if v is not None else 0.0)
+        return out
 
     def get(self, node_id: str, now: float) -> float:
         value, at = self._work.get(node_id, (0.0, now))
         return value * math.exp(-self.rate * (now - at))
 
     def add(self, node_id: str, tokens: float, now: float) -> None:
-        self._work[node_id] = (self.get(node_id, now) + tokens, now)
+        self.merge(node_id, tokens, now)
+        if self.listener is not None:
+            self.listener(node_id, tokens)
+
+    def merge(self, node_id: str, tokens: float, at: float) -> None:
+        """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly
+        earlier than the last entry: the decay runs from ``at`` either way)."""
+        self._work[node_id] = (self.get(node_id, at) + tokens, at)

@@ -13,6 +13,7 @@ from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_di
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
+MAX_MIGRATION_LIMIT = 16  # a request that kills this many nodes is not worth another one
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,9 @@ class RouterConfig:
     # and an extra key of every block hash. Empty: resolved to (model or BUNDLED_MODEL_ID,).
     served_model_names: tuple[str, ...] = ()
     max_model_len: int | None = None  # None: the model's usable context (ModelConfig)
+    # Accept a max_model_len beyond the tokenizer model's context (with a warning): the
+    # nodes serve another model than the tokenizer's config says (simulated GPU profiles).
+    allow_long_max_model_len: bool = False
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413
     policy: str = "cache_aware"
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # cache_aware only
@@ -128,6 +132,9 @@ class RouterConfig:
     # SIGTERM: new requests get 503 while in-flight ones finish, for at most this long.
     drain_grace_s: float = 30.0
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
+    # A generation whose decode node breaks its stream moves to another decode node at most
+    # this many times (router/migration.py); 0: the client gets a mid-stream error instead.
+    migration_limit: int = 0
 
     def __post_init__(self):
         names = tuple(self.served_model_names) or (self.model or BUNDLED_MODEL_ID,)
@@ -151,6 +158,9 @@ class RouterConfig:
         for name in ("max_inflight", "max_connections", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if type(self.migration_limit) is not int or not 0 <= self.migration_limit <= MAX_MIGRATION_LIMIT:
+            raise ValueError(f"migration_limit: must be an integer in [0, {MAX_MIGRATION_LIMIT}] "
+                             f"(0: off), got {self.migration_limit!r}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
         for key in self.api_keys:
@@ -186,6 +196,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_model_args(g)
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, capped at a sliding window)")
+    g.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="accept a --max-model-len beyond the model config's context (simulated "
+                        "nodes standing for a longer-context model)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument("--policy", choices=POLICIES, default=d.policy)
     g.add_argument("--score-weights", default="",
@@ -200,6 +213,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between reads of the node registry")
     g.add_argument("--node-read-timeout", type=float, default=d.node_read_timeout_s,
                    help="seconds a node's token stream may stay silent before the request fails")
+    g.add_argument("--migration-limit", type=int, default=d.migration_limit,
+                   help="times a generation may move mid-stream to another decode node when its "
+                        "node dies (0: off, the client gets an error event; default %(default)s)")
     s = p.add_argument_group("router security and admission")
     s.add_argument("--api-key", action="append", default=None,
                    help=f"a client key for 'Authorization: Bearer <key>' on /v1/* and /debug/* "
@@ -238,6 +254,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
                         model=args.model, served_model_names=tuple(args.served_model_name or ()),
                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
+                        allow_long_max_model_len=args.allow_long_max_model_len,
                         policy=args.policy, weights=CacheAwareWeights.parse(args.score_weights),
                         block_size=args.block_size, poll_interval_s=args.poll_interval,
                         node_read_timeout_s=args.node_read_timeout,
@@ -246,7 +263,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         cluster_token=cluster_token_from_args(args),
                         max_inflight=args.max_inflight, max_connections=args.max_connections,
                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        drain_grace_s=args.drain_grace)
+                        drain_grace_s=args.drain_grace, migration_limit=args.migration_limit)
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 Owns the routing step of one prompt: look up its prefix hits (once, for a policy
 that uses them), ask the policy, record the decision, mint the transfer id, send the
 `GenerateRequest`, retry on another decode node when the chosen one surely never
-started it (unreachable, 503), and this router's in-flight counts per node, in
+started it (unreachable, 503), the same for a migrated generation's next leg
+(`open`, called by migration.py), and this router's in-flight counts per node, in
 requests and in prompt tokens still to prefill (the fresh half of the load the
 policy sees). Answers "no decode node" with a 503 and a node's refusal with its own
 4xx.
@@ -29,8 +30,9 @@ from .background import BackgroundTasks
 from .decisions import DecisionLog
 from .discovery import NodeDirectory
 from .errors import ApiError
-from .generation import Generation
+from .generation import Generation, Leg
 from .metrics import RouterMetrics
+from .migration import Migrator
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
 from .policy import NO_CACHED, Decision, RoutingPolicy
 from .prefix_index import PrefixHits, PrefixIndex
@@ -52,34 +54,63 @@ class Dispatcher:
     prefix: PrefixIndex
     decisions: DecisionLog
     retry_after_s: int = 1  # Retry-After of the 503 "no decode node"
-    inflight: Counter = field(default_factory=Counter)  # node_id -> this router's requests there
+    migration_limit: int = 0  # legs a generation may move to after its decode node fails (migration.py)
+    inflight: Counter[str] = field(default_factory=Counter)  # node_id -> this router's requests there
     # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
-    inflight_tokens: Counter = field(default_factory=Counter)
+    inflight_tokens: Counter[str] = field(default_factory=Counter)
+    migrator: Migrator | None = field(init=False, default=None)  # None: migration off
+
+    def __post_init__(self):
+        self.migrator = Migrator(self.open, self.migration_limit, self.metrics) \
+            if self.migration_limit else None
 
     async def start(self, index: int, request_id: str, prompt: list[int], params: SamplingParams,
                     t_start: float) -> Generation:
         """Route ``prompt`` and start it; raises `ApiError` (503 no decode node, the
         node's 4xx, 502 when every tried node failed)."""
-        tried: set[str] = set()  # decode node ids
+        try:
+            leg = await self.open(request_id, prompt, params, t_start)
+        except ApiError as e:
+            if e.status == 502:
+                self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
+            raise
+        self.metrics.inflight.inc()  # Generation.close() decrements
+        return Generation(
+            index=index, request_id=request_id, prompt=prompt, params=params, leg=leg,
+            detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
+            metrics=self.metrics, abort=self._schedule_abort, t_start=t_start,
+            migrate=self.migrator.migrate if self.migrator is not None else None)
+
+    async def open(self, request_id: str, prompt: list[int], params: SamplingParams,
+                   t_open: float, exclude: frozenset[str] = frozenset()) -> Leg:
+        """Route ``prompt`` to a decode node not in ``exclude`` (node ids) and send it
+        there; raises `ApiError` (503 no decode node, the node's 4xx, 502 when every
+        tried node failed)."""
+        tried: set[str] = set(exclude)  # decode node ids
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
+        t_hash = time.perf_counter()
+        hashes = self.prefix.hash_prompt(prompt)  # once: the lookup and every node reuse them
+        carried = self.prefix.carried(hashes)
+        hash_s = time.perf_counter() - t_hash  # counted in the first decision's time
         for _ in range(MAX_ATTEMPTS):
             t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
             if hits is None and self.policy.uses_prefix_index:
-                hits = self.prefix.lookup(prompt, nodes)
+                hits = self.prefix.lookup(prompt, nodes, hashes)
             decision = self.policy.choose(prompt, nodes, self.inflight,
                                           cached=hits.cached if hits else NO_CACHED,
-                                          inflight_tokens=self.inflight_tokens)
+                                          inflight_tokens=self.inflight_tokens,
+                                          tie_key=int(hashes[-1]) if len(hashes) else None)
             if decision is None:
                 break
-            decision_s = time.perf_counter() - t_route
+            decision_s, hash_s = time.perf_counter() - t_route + hash_s, 0.0
             self.metrics.decision_seconds.observe(decision_s)
             tried.add(decision.decode.node_id)
             req = GenerateRequest(
                 request_id=request_id, token_ids=prompt, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
-                transfer_id=uuid.uuid4().hex)
+                transfer_id=uuid.uuid4().hex, prompt_hashes=carried)
             try:
                 stream, prefill_slot, decode_slot = await self._open(decision, req)
             except NodeRejected as e:
@@ -88,7 +119,6 @@ class Dispatcher:
             except NodeUnavailable as e:
                 last_error = e
                 if not e.retryable:
-                    self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
                     raise ApiError(502, str(e)) from e
                 log.warning("router: %s; trying another node", e)
                 if e.unreachable:
@@ -97,16 +127,12 @@ class Dispatcher:
             self._count(decision, len(prompt))
             rec = self.decisions.record(request_id, self.policy.name, decision, len(prompt), hits,
                                         decision_s)
-            self.metrics.inflight.inc()  # Generation.close() decrements
-            return Generation(
-                index=index, request_id=request_id, prompt_len=len(prompt), decision=decision,
-                stream=stream, detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop),
-                metrics=self.metrics, abort=self._schedule_abort,
-                on_first_token=prefill_slot.release, on_close=decode_slot.release,
-                t_start=t_start, on_settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s))
+            return Leg(request_id=request_id, decision=decision, stream=stream,
+                       release_prefill=prefill_slot.release, release_decode=decode_slot.release,
+                       settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s),
+                       t_open=t_open)
         if last_error is None:
             raise self._no_decode_node()
-        self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
 
     def _no_decode_node(self) -> ApiError:
@@ -130,7 +156,7 @@ class Dispatcher:
         # The prefill work is in flight on the node that computes it (the decode node
         # when it prefills itself) until the first token.
         prefill = InflightSlot(self.inflight, self.inflight_tokens, (d.prefill or d.decode).node_id,
-                               d.prefill_work, count_request=d.prefill is not None)
+                               round(d.prefill_work), count_request=d.prefill is not None)
         decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
         try:
             return await self.client.generate(d.decode.http_addr, req), prefill, decode
@@ -160,10 +186,10 @@ class InflightSlot:
     ``tokens[node_id]``, until `release()` (idempotent). ``node_id`` None: no node
     (local prefill), nothing counted."""
 
-    counts: Counter
-    tokens: Counter
+    counts: Counter[str]
+    tokens: Counter[str]
     node_id: str | None
-    num_tokens: float = 0
+    num_tokens: int = 0  # token-equivalents of prefill work, rounded
     count_request: bool = True  # False: tokens only (the request is counted by another slot)
     released: bool = False
 

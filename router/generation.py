@@ -7,19 +7,25 @@ being cancelled) releases the stream and, unless the node already finished the
 request, aborts it there (in a background task, since the caller may be cancelled).
 A stop string ends the choice with finish_reason "stop" and aborts it on the node.
 
+The node side is a `Leg` (one decode node's request, its token stream, its in-flight
+slots, its routing decision). A generation has one, or, when its decode node breaks
+the stream and ``migrate`` (router/migration.py) finds another node, one after the
+other; the detokenizer, counts and client stream carry across.
+
 Must not format OpenAI responses (responses.py) or choose nodes (dispatch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..common.detokenizer import IncrementalDetokenizer
 from ..common.outcomes import FailureReason
-from ..common.sampling_params import TokenLogprobs
+from ..common.sampling_params import SamplingParams, TokenLogprobs
 from .errors import ApiError
 from .metrics import RouterMetrics
 from .node_client import NodeUnavailable, TokenStream
@@ -38,59 +44,104 @@ class Piece(NamedTuple):
 
 
 @dataclass(slots=True)
-class Generation:
-    index: int  # choice index in the response
-    request_id: str  # the id the decode node knows the request by
-    prompt_len: int
+class Leg:
+    """The request as one decode node runs it (with the prefill node its decision
+    names). Released by `Generation`: at its first token, the prefill slot; at its
+    end, the stream, the decode slot and the decision's settlement."""
+
+    request_id: str  # the id this decode node knows the request by
     decision: Decision
     stream: TokenStream
+    release_prefill: Callable[[], None]  # the prefill node's in-flight slot (idempotent)
+    release_decode: Callable[[], None]  # the decode node's in-flight slot (idempotent)
+    # (cached tokens, TTFT s), once at the leg's end; cached None: it did not finish.
+    # Settles the routing decision's prediction.
+    settle: Callable[[int | None, float | None], None] | None
+    t_open: float  # loop time the leg's request was sent (the first leg: the HTTP request's arrival)
+    t_first: float | None = None  # loop time of its first delta
+    cached_tokens: int = 0  # prompt tokens the nodes served from cache for this leg
+    node_done: bool = False  # the node finished the request itself: no abort needed
+
+
+@dataclass(slots=True)
+class Generation:
+    index: int  # choice index in the response
+    request_id: str  # this choice's id; the first leg's id on its node
+    prompt: list[int]  # the client's prompt, token ids
+    params: SamplingParams
+    leg: Leg  # the decode node generating now
     detok: IncrementalDetokenizer
     metrics: RouterMetrics
     abort: Callable[[str, str], None]  # (node addr, request_id) -> schedules an abort
-    on_first_token: Callable[[], None]  # releases the prefill node's in-flight slot
-    on_close: Callable[[], None]  # releases the decode node's in-flight slot
     t_start: float  # loop time the HTTP request arrived
-    # Called once by close() with the cached tokens reported (None: it did not finish):
-    # settles the routing decision's prediction.
-    on_settle: Callable[[int | None, float | None], None] | None = None  # (cached tokens, TTFT s)
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+    # (generation, the leg's failure) -> True when it continues on a new leg
+    # (router/migration.py); None: a broken stream fails the generation.
+    migrate: Callable[[Generation, NodeUnavailable], Awaitable[bool]] | None = None
+    output_ids: list[int] = field(default_factory=list)  # every token received, in order
+    migrations: int = 0  # legs after the first
+    failed_nodes: tuple[str, ...] = ()  # decode node ids whose legs broke (not tried again)
+    cached_tokens: int = 0  # the first leg's (usage: the client's prompt)
     finish_reason: str | None = None
     closed: bool = False
     _t_first: float | None = None
     _t_last: float = 0.0
-    _node_done: bool = False  # the node finished the request itself: no abort needed
     _failure: FailureReason | None = None  # why it failed, for the metrics
 
-    async def pieces(self) -> AsyncIterator[Piece]:
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The choice's pieces; the last one has a finish_reason. Raises `ApiError`
-        (502) when the node fails mid-stream."""
+        (502) when the node fails mid-stream and no migration takes over."""
+        while True:
+            try:
+                async with contextlib.aclosing(self._leg_pieces()) as pieces:
+                    async for piece in pieces:
+                        yield piece
+                return
+            except NodeUnavailable as e:
+                if self.closed or self.migrate is None or not await self.migrate(self, e):
+                    self._failure = FailureReason.NODE_UNAVAILABLE
+                    raise ApiError(502, str(e)) from e
+
+    async def _leg_pieces(self) -> AsyncGenerator[Piece, None]:
+        """The pieces of the current leg; raises `NodeUnavailable` when its node breaks
+        the stream, `ApiError` when the node reports a failure."""
         loop = asyncio.get_running_loop()
-        deltas = self.stream.deltas()
-        try:
+        leg = self.leg
+        async with contextlib.aclosing(leg.stream.deltas()) as deltas:
             async for delta in deltas:
                 if delta.error is not None or delta.finish_reason in ("error", "abort"):
-                    self._node_done = delta.finish_reason is not None
+                    leg.node_done = delta.finish_reason is not None
                     self._failure = FailureReason.NODE_ERROR
-                    raise ApiError(502, f"decode node {self.decision.decode.node_id} failed the "
+                    raise ApiError(502, f"decode node {leg.decision.decode.node_id} failed the "
                                    f"request: {delta.error or delta.finish_reason}")
                 now = loop.time()
+                if leg.t_first is None:
+                    leg.t_first = now
+                    leg.release_prefill()
                 if self._t_first is None:
                     self._t_first = now
                     self.metrics.ttft.observe(now - self.t_start)
-                    self.on_first_token()
                 elif delta.token_ids:
                     for _ in delta.token_ids:  # a frame of k tokens: k gaps of equal share
                         self.metrics.itl.observe((now - self._t_last) / len(delta.token_ids))
                 self._t_last = now
-                self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
-                self.completion_tokens += len(delta.token_ids)
+                leg.cached_tokens = max(leg.cached_tokens, delta.num_cached_tokens)
+                if not self.migrations:
+                    self.cached_tokens = leg.cached_tokens
+                self.output_ids += delta.token_ids
                 step = self.detok.add_tokens(delta.token_ids)
                 text, finish = step.new_text, None
                 if step.stop_string is not None:
                     finish = "stop"  # the node keeps going until close() aborts it
                 elif delta.finish_reason is not None:
-                    self._node_done = True
+                    leg.node_done = True
                     text += self.detok.flush()
                     finish = "stop" if self.detok.stop_string is not None else delta.finish_reason
                 if text or finish or delta.logprobs:
@@ -99,11 +150,24 @@ class Generation:
                     self.finish_reason = finish
                     self.metrics.finished.labels(finished_reason=finish).inc()
                     return
-        except NodeUnavailable as e:
-            self._failure = FailureReason.NODE_UNAVAILABLE
-            raise ApiError(502, str(e)) from e
-        finally:
-            await deltas.aclose()
+
+    def end_leg(self) -> None:
+        """Let go of the current leg: release its stream, abort the request on its node
+        unless the node finished it, free its in-flight slots, settle its decision
+        (as failed unless the generation finished on it). Idempotent per leg."""
+        leg = self.leg
+        leg.stream.close()
+        if not leg.node_done:
+            leg.node_done = True  # one abort per leg
+            self.abort(leg.decision.decode.http_addr, leg.request_id)
+        leg.release_prefill()
+        leg.release_decode()
+        if leg.settle is not None:
+            if self.finish_reason is not None and leg.t_first is not None:
+                leg.settle(leg.cached_tokens, leg.t_first - leg.t_open)
+            else:
+                leg.settle(None, None)
+            leg.settle = None
 
     def close(self, client_gone: bool = False) -> None:
         """End the generation: release the stream, abort the request on the node if it
@@ -111,20 +175,11 @@ class Generation:
         if self.closed:
             return
         self.closed = True
-        self.stream.close()
-        if not self._node_done:
-            self.abort(self.decision.decode.http_addr, self.request_id)
-        if self._t_first is None:
-            self.on_first_token()
-        self.on_close()
+        self.end_leg()
         m = self.metrics
         m.inflight.dec()
         m.generation_tokens.inc(self.completion_tokens)
         m.cached_tokens.inc(self.cached_tokens)
-        if self.on_settle is not None:
-            ok = self.finish_reason is not None and self._t_first is not None
-            self.on_settle(self.cached_tokens if ok else None,
-                           self._t_first - self.t_start if ok else None)
         if self.finish_reason is None:
             m.failures.labels(reason=FailureReason.CLIENT_DISCONNECT if client_gone
                               else self._failure or FailureReason.CANCELLED).inc()

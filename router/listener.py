@@ -89,6 +89,7 @@ class CappedProtocolFactory:
 async def listen(runner: web.AppRunner, host: str, port: int, max_connections: int,
                  retry_after_s: int, metrics: RouterMetrics) -> asyncio.Server:
     """Serve ``runner`` (set up) on ``host:port`` (0: a free port) with the cap."""
+    assert runner.server is not None, "runner.setup() first"
     factory = CappedProtocolFactory(runner.server, max_connections,
                                     refusal_bytes(max_connections, retry_after_s), metrics)
     return await asyncio.get_running_loop().create_server(

@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..common import metric_names as n
-from ..common.model_metrics import ModelMetrics
+from prometheus_client import Counter, Gauge, Histogram
+
+from ..common.model_metrics import BoundLabels, ModelMetrics
 from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome
 
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
@@ -34,30 +36,31 @@ class RouterMetrics:
     """Every collector of one router, model_name bound. Build with `RouterMetrics.create()`."""
 
     collectors: ModelMetrics
-    requests: object  # labels endpoint, status
-    failures: object  # labels reason
-    finished: object  # labels finished_reason
-    ttft: object
-    itl: object
-    tpot: object
-    e2e: object
-    request_prompt_tokens: object
-    request_generation_tokens: object
-    prompt_tokens: object
-    generation_tokens: object
-    cached_tokens: object  # delivered prefix hits, prompt tokens
-    nodes: object  # labels role
-    decisions: object  # labels node_id, role
-    local_prefill: object
-    redis_errors: object  # labels op
-    inflight: object
-    decision_seconds: object
-    index_lookups: object  # labels result: ok | error | skipped
-    predicted_cached_tokens: object
-    predictions: object  # labels outcome (see decisions.py)
-    prediction_hit_rate: object
-    inflight_requests: object  # generating HTTP requests admitted (admission.py)
-    admission_rejections: object  # labels reason (n.ADMISSION_REJECTION_REASONS)
+    requests: BoundLabels[Counter]  # labels endpoint, status
+    failures: BoundLabels[Counter]  # labels reason
+    finished: BoundLabels[Counter]  # labels finished_reason
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    cached_tokens: Counter  # delivered prefix hits, prompt tokens
+    nodes: BoundLabels[Gauge]  # labels role
+    decisions: BoundLabels[Counter]  # labels node_id, role
+    local_prefill: Counter
+    redis_errors: BoundLabels[Counter]  # labels op
+    inflight: Gauge
+    decision_seconds: Histogram
+    index_lookups: BoundLabels[Counter]  # labels result: ok | error | skipped
+    predicted_cached_tokens: Counter
+    predictions: BoundLabels[Counter]  # labels outcome (see decisions.py)
+    prediction_hit_rate: Gauge
+    inflight_requests: Gauge  # generating HTTP requests admitted (admission.py)
+    admission_rejections: BoundLabels[Counter]  # labels reason (n.ADMISSION_REJECTION_REASONS)
+    migrations: Counter  # generations moved mid-stream to another decode node (migration.py)
 
     @classmethod
     def create(cls, model_name: str) -> RouterMetrics:
@@ -116,6 +119,8 @@ class RouterMetrics:
                                            "refused before any work, by reason (busy: 429 at "
                                            "--max-inflight; draining: 503 after SIGTERM; "
                                            "connections: 503 at --max-connections)", ["reason"]),
+            migrations=c.counter(n.REQUEST_MIGRATIONS, "Generations moved mid-stream to another "
+                                 "decode node after theirs failed (--migration-limit)"),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -69,7 +69,7 @@ class TokenStream:
         self.finished = False  # the node sent the finishing delta
         self._drained = False  # the body was read to its end
 
-    async def deltas(self) -> AsyncIterator[TokenDelta]:
+    async def deltas(self) -> AsyncGenerator[TokenDelta, None]:
         try:
             while not self.finished:
                 data = await self._resp.content.read(_READ_CHUNK)

@@ -34,6 +34,7 @@ from .generation import Generation, merge_pieces
 from .prepare import PreparedRequest, prepare_chat, prepare_completion
 from .request_body import read_body
 from .responses import ResponseBuilder
+from .structured import renamed_constraint_error
 from .state import CONFIG, SERVICES, TOKENIZER
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     prep: PreparedRequest = prepare(body, app[TOKENIZER], config.served_model_names)
     response_id = id_prefix + uuid.uuid4().hex
     builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
-    gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
+    try:
+        gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
+    except ApiError as e:  # a node could not compile the grammar: name the user's parameter
+        raise renamed_constraint_error(e, prep.constraint_field) from None
     client_gone = False
     try:
         if prep.stream:

@@ -21,6 +21,7 @@ import msgspec
 
 MAX_NAME_CHARS = 256  # model, user, role, name, content part type
 MAX_MESSAGES = 4096  # messages of a chat, and text parts of one message
+MAX_TOOLS = 128  # tools of a request, tool calls of a message
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
@@ -50,6 +51,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None  # accepted, unused
+    # structured outputs (router/structured.py): at most one of these
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None  # extension (vLLM): StructuredOutputsParams fields
+    guided_json: str | dict[str, Any] | None = None  # extension (vLLM, older)
+    guided_regex: str | None = None  # extension (vLLM, older)
+    guided_choice: list[str] | None = None  # extension (vLLM, older)
+    guided_grammar: str | None = None  # extension (vLLM, older)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -68,11 +76,46 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class ToolCallFunction(msgspec.Struct, kw_only=True):
+    name: Name
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A tool call of an earlier assistant message."""
+    id: Name | None = None
+    type: Name = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Name
     # null only for assistant messages
-    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None
+    content: str | Annotated[list[ContentPart], msgspec.Meta(max_length=MAX_MESSAGES)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Name | None = None  # role "tool": the call it answers
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: Name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Name  # only "function"
+    function: FunctionDef
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: Name
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Name  # only "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -82,5 +125,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # not supported (non-empty)
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Name | NamedToolChoice | None = None  # "none" | "auto" | "required" | a function
+    parallel_tool_calls: bool = True  # tool_choice "required": False allows exactly one call

@@ -48,12 +48,15 @@ class RoutingPolicy(Protocol):
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
-               inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+               tie_key: int | None = None) -> Decision | None:
         """Pick nodes for one request. ``inflight``: node_id -> requests this router
         has in flight there (for prefill nodes: not yet past their first token);
         ``inflight_tokens``: node_id -> their prefill work still to do there (the
         ``Decision.prefill_work`` of each, in token-equivalents);
-        ``cached``: node_id -> predicted cached prompt tokens (absent: none)."""
+        ``cached``: node_id -> predicted cached prompt tokens (absent: none);
+        ``tie_key``: breaks ties among equal nodes the same way for the same key (router
+        replicas agree), None: ties rotate."""
         ...
 
 
@@ -85,13 +88,14 @@ class LeastLoad:
         self._tie = itertools.count()
 
     def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT, *, cached=NO_CACHED,
-               inflight_tokens=NO_INFLIGHT):
+               inflight_tokens=NO_INFLIGHT, tie_key=None):
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
-        turn = next(self._tie)
-        return Decision(_least(prefills, prefill_load, inflight, turn),
-                        _least(decodes, decode_load, inflight, turn), len(request_token_ids))
+        turn = next(self._tie) if tie_key is None else tie_key
+        decode = _least(decodes, decode_load, inflight, turn)
+        assert decode is not None  # decodes is not empty
+        return Decision(_least(prefills, prefill_load, inflight, turn), decode, len(request_token_ids))
 
 
 class RoundRobin:
@@ -104,11 +108,11 @@ class RoundRobin:
         self._turn = itertools.count()
 
     def choose(self, request_token_ids, nodes, inflight=NO_INFLIGHT, *, cached=NO_CACHED,
-               inflight_tokens=NO_INFLIGHT):
+               inflight_tokens=NO_INFLIGHT, tie_key=None):
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
-        turn = next(self._turn)
+        turn = next(self._turn)  # ignores tie_key: it rotates by design
         return Decision(prefills[turn % len(prefills)] if prefills else None,
                         decodes[turn % len(decodes)], len(request_token_ids))
 

@@ -16,14 +16,16 @@ cached prompt tokens per node, with no Redis round trip per request.
         by load only) until it reconnects, resubscribes and resyncs every node.
 
 Data: ``_holders`` maps a block hash to a bitmask of node slots (one bit per
-mirrored (node, epoch)). A lookup walks the prompt's chained hashes once, hashing
-lazily ``CHUNK_BLOCKS`` at a time, AND-ing the candidates' bits; a node leaves the
-walk at its first missing block, and the walk stops when no candidate is left, so
-its cost is the longest cached run (plus a chunk), not prompt length x nodes. A
-chunk whose last block every remaining candidate holds is taken whole: a node's
-set is prefix-closed (engines evict a sequence's tail first, KVCacheManager.free),
-so one dict read stands for the chunk; a set with a hole may be read long, which
-the router counts as a misprediction.
+mirrored (node, epoch)). A lookup takes the prompt's chained hashes (computed once
+per request by the caller, or here), keeps the mirrored nodes holding the first
+block, then bisects for the last block every remaining one holds: a node's set is
+prefix-closed (engines evict a sequence's tail first, KVCacheManager.free), so the
+nodes missing block i miss every later one. Those leave with their depth and the
+rest go on, so a lookup costs ~log2(blocks) dict reads per distinct depth, not
+prompt length x nodes; only the nodes with a hit are then matched to the request's
+candidates (registry epoch, block size), so a fleet of hundreds adds no loop over
+every node. A set with a hole may be read long, which the router counts as a
+misprediction.
 
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
 served model id as the extra key and RouterConfig.block_size, as every node does),
@@ -42,18 +44,19 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
+import numpy as np
 
-from ..common.hashing import iter_hash_chunks
+from ..common.hashing import hash_blocks_array
 from ..common.kv_events import IndexUpdate
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from ..common.outcomes import IndexLookupResult
+from ..common.protocol import PromptHashes
 from ..common.registry import NodeInfo
 from .metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
 NodeKey = tuple[str, str]  # (node_id, epoch)
-CHUNK_BLOCKS = 32  # a lookup hashes and checks the prompt this many blocks at a time
 STOP_ATTEMPTS = 20  # cancellations stop() sends, STOP_WAIT_S apart
 STOP_WAIT_S = 0.25
 
@@ -91,52 +94,54 @@ class PrefixIndex:
     _retired: set[NodeKey] = field(default_factory=set)  # epochs superseded by a newer one
     _free_slots: list[int] = field(default_factory=list)
     _next_slot: int = 0
+    _slot_key: dict[int, NodeKey] = field(default_factory=dict)  # slot -> the node it mirrors
+    _all: int = 0  # bitmask of every slot in use
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
     _mismatched: set[str] = field(default_factory=set)  # node ids warned about
     _task: asyncio.Task | None = None
 
     # -- lookups (request path, no I/O) -------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo]) -> PrefixHits:
+    def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo],
+               hashes: Sequence[int] | np.ndarray | None = None) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
         leading blocks each node holds (at the epoch of its registry record), in
-        tokens, capped like the engine caps a hit (at least one token is computed)."""
+        tokens, capped like the engine caps a hit (at least one token is computed).
+        ``hashes``: the prompt's block hashes when the caller has them (computed
+        once per request, `PromptHashes`); otherwise they are computed here."""
         bs = self.block_size
         num_blocks = len(prompt) // bs
         if not self.connected:
             self.metrics.index_lookups.labels(result=IndexLookupResult.SKIPPED).inc()
             return PrefixHits({}, num_blocks, False)
         max_blocks = min(num_blocks, (len(prompt) - 1) // bs)
-        slot_node: dict[int, str] = {}  # slot -> node_id of the candidates
-        alive = 0
-        for n in nodes:
-            entry = self._nodes.get((n.node_id, n.epoch))
-            if entry is not None and self._same_block_size(n):
-                slot_node[entry.slot] = n.node_id
-                alive |= 1 << entry.slot
         self.metrics.index_lookups.labels(result=IndexLookupResult.OK).inc()
-        if max_blocks == 0 or not alive:
+        if max_blocks == 0 or not self._all:
             return PrefixHits({}, num_blocks, True)
+        if hashes is None:
+            hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, (self.model_id,))
+        found: dict[int, int] = {}  # slot -> tokens, every mirrored node with a hit
+        _walk(self._holders.get, hashes, max_blocks, self._all, bs, found)
+        # Only the nodes with a hit are matched to the candidates (their registry epoch,
+        # their block size): no per-request loop over every node of a large fleet.
         cached: dict[str, int] = {}
-        get = self._holders.get
-        depth = 0  # blocks every node in ``alive`` holds
-        for chunk in iter_hash_chunks(prompt, bs, (self.model_id,), chunk_blocks=CHUNK_BLOCKS):
-            chunk = chunk[: max_blocks - depth]
-            if get(chunk[-1], 0) & alive == alive:  # prefix-closed sets: the whole chunk is held
-                depth += len(chunk)
-            else:
-                for h in chunk:
-                    held = get(h, 0) & alive
-                    if held != alive:
-                        _settle(alive & ~held, depth * bs, slot_node, cached)
-                        alive = held
-                        if not alive:
-                            break
-                    depth += 1
-            if not alive or depth >= max_blocks:
-                break
-        _settle(alive, depth * bs, slot_node, cached)
+        if found:
+            live = {n.node_id: n for n in nodes}  # node_id -> the registry's record
+            for slot, tokens in found.items():
+                node_id, epoch = self._slot_key[slot]
+                n = live.get(node_id)
+                if n is not None and n.epoch == epoch and self._same_block_size(n):
+                    cached[node_id] = tokens
         return PrefixHits(cached, num_blocks, True)
+
+    def hash_prompt(self, prompt: Sequence[int]) -> np.ndarray:
+        """The prompt's block hashes as every node keys them (this router's block size,
+        the served model id): computed once per request, for ``lookup`` and the nodes."""
+        return hash_blocks_array(prompt, self.block_size, (self.model_id,))
+
+    def carried(self, hashes: np.ndarray) -> PromptHashes:
+        """``hash_prompt``'s result on the wire, for the nodes to adopt."""
+        return PromptHashes.of(hashes, self.block_size, self.model_id)
 
     def nodes_mirrored(self) -> dict[NodeKey, int]:
         """(node_id, epoch) -> blocks mirrored (tests, debugging)."""
@@ -249,6 +254,8 @@ class PrefixIndex:
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
         entry = self._nodes[key] = MirroredNode(slot, seq)
+        self._slot_key[slot] = key
+        self._all |= 1 << slot
         self._add(entry, hashes)
 
     def _apply(self, entry: MirroredNode, u: IndexUpdate) -> None:
@@ -286,6 +293,8 @@ class PrefixIndex:
             else:
                 del holders[h]
         self._free_slots.append(entry.slot)
+        del self._slot_key[entry.slot]
+        self._all &= keep
 
     def _retire_other_epochs(self, key: NodeKey) -> None:
         """``key`` is a node id at a new epoch: its earlier epochs hold nothing now."""
@@ -299,6 +308,8 @@ class PrefixIndex:
         self._holders.clear()
         self._free_slots.clear()
         self._next_slot = 0
+        self._slot_key.clear()
+        self._all = 0
 
     def _same_block_size(self, node: NodeInfo) -> bool:
         if node.block_size in (0, self.block_size):  # 0: a node that does not say
@@ -311,13 +322,35 @@ class PrefixIndex:
         return False
 
 
-def _settle(slots: int, tokens: int, slot_node: dict[int, str], cached: dict[str, int]) -> None:
-    """Record ``tokens`` as the hit of every node whose bit is set in ``slots``."""
-    if not tokens:
-        return
+def _walk(get, hashes, max_blocks: int, alive: int, bs: int, found: dict[int, int]) -> None:
+    """Record in ``found`` (slot -> tokens) the depth of every node in ``alive``: the
+    first block must be held; then, sets being prefix-closed, the last block every
+    remaining node holds is found by bisection, the nodes missing the next one leave,
+    and the rest go on. ~log2(blocks) dict reads per distinct depth among the nodes."""
+    alive &= get(int(hashes[0]), 0)
+    depth = 1  # blocks every node in ``alive`` holds
+    while alive and depth < max_blocks:
+        if get(int(hashes[max_blocks - 1]), 0) & alive == alive:
+            depth = max_blocks
+            break
+        lo, hi = depth - 1, max_blocks - 1  # every node holds block lo; some miss block hi
+        while hi - lo > 1:
+            mid = (lo + hi) >> 1
+            if get(int(hashes[mid]), 0) & alive == alive:
+                lo = mid
+            else:
+                hi = mid
+        held = get(int(hashes[hi]), 0) & alive
+        _settle(alive & ~held, hi * bs, found)
+        alive, depth = held, hi + 1
+    _settle(alive, depth * bs, found)
+
+
+def _settle(slots: int, tokens: int, found: dict[int, int]) -> None:
+    """Record ``tokens`` as the hit of every slot set in ``slots``."""
     while slots:
         low = slots & -slots
-        cached[slot_node[low.bit_length() - 1]] = tokens
+        found[low.bit_length() - 1] = tokens
         slots ^= low
 
 

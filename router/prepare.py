@@ -23,7 +23,9 @@ from ..common.sampling_params import SamplingParams
 from .errors import ApiError
 from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .structured import Constraint, request_constraint
 from .tokenizer import RouterTokenizer
+from .tool_calls import ToolPlan, inline_tools, plan_tools
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
 
@@ -44,6 +46,8 @@ class PreparedRequest:
     stream: bool
     include_usage: bool  # streaming: send a last chunk with usage
     logprobs: bool  # return logprobs (params.logprobs alternatives each)
+    constraint_field: str | None = None  # the parameter params.structured_outputs came from
+    tools: ToolPlan | None = None  # chat with tools: how to render and parse them
 
 
 def decode_body(body: bytes, type_: type) -> Any:
@@ -91,24 +95,28 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...
     if req.suffix is not None:
         raise ApiError(400, "suffix: not supported", param="suffix")
     prompts = _completion_prompts(req.prompt, tok)
+    constraint = request_constraint(req)
     params = _sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                              logprobs=req.logprobs, renames={})
+                              logprobs=req.logprobs, renames={}, constraint=constraint)
     _check_context(prompts, params, tok.max_model_len, "prompt", "max_tokens")
     return PreparedRequest("completion", model_id, prompts, params, req.stream,
-                           _include_usage(req), req.logprobs is not None)
+                           _include_usage(req), req.logprobs is not None,
+                           constraint.field if constraint else None)
 
 
 def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> PreparedRequest:
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     model_id = _check_common(req, served)
-    if req.tools:
-        raise ApiError(400, "tools: tool calling is not supported", param="tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported",
-                       param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
-    prompt = _chat_prompt(req, tok)
+    tools = plan_tools(req)
+    constraint = request_constraint(req)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise ApiError(400, f"{constraint.field}: cannot be combined with tool_choice "
+                           f"{tools.mode.value}", param=constraint.field)
+        constraint = Constraint(tools.constraint, tools.field)
+    prompt = _chat_prompt(req, tok, tools)
     budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:  # OpenAI: as many as the context leaves
@@ -116,10 +124,11 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> 
     renames = dict(_CHAT_FIELD_NAMES, max_tokens=budget_name)
     params = _sampling_params(req, max_tokens=max_tokens,
                               logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                              renames=renames)
+                              renames=renames, constraint=constraint)
     _check_context([prompt], params, tok.max_model_len, "messages", budget_name)
     return PreparedRequest("chat", model_id, [prompt], params, req.stream,
-                           _include_usage(req), req.logprobs)
+                           _include_usage(req), req.logprobs,
+                           constraint.field if constraint else None, tools)
 
 
 def check_model(model: str | None, served: tuple[str, ...]) -> str:
@@ -148,13 +157,15 @@ def _include_usage(req) -> bool:
 
 
 def _sampling_params(req, max_tokens: int, logprobs: int | None,
-                     renames: dict[str, str]) -> SamplingParams:
+                     renames: dict[str, str], constraint: Constraint | None = None) -> SamplingParams:
     given = {name: getattr(req, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "stop_token_ids")}
     kwargs = {k: v for k, v in given.items() if v is not None}
     if req.stop is not None:
         kwargs["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if constraint is not None:
+        kwargs["structured_outputs"] = constraint.params
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=req.ignore_eos,
                               **kwargs).validate()
@@ -199,7 +210,8 @@ def _is_token_id(x) -> bool:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Checked messages -> the ``{"role", "content"}`` dicts the chat template renders."""
+    """Checked messages -> the ``{"role", "content"}`` dicts the chat template renders
+    (with ``tool_calls`` / ``tool_call_id`` where given, as transformers takes them)."""
     if not messages:
         raise ApiError(400, "messages: must contain at least one message", param="messages")
     out = []
@@ -207,14 +219,23 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
                            f"got {m.role!r}", param=f"messages[{i}].role")
-        out.append({"role": m.role, "content": _message_text(m.content, m.role, i)})
+        msg = {"role": m.role, "content": _message_text(m.content, m.role, i, bool(m.tool_calls))}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
+                "name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
 
 
-def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
+def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer, tools: ToolPlan | None) -> list[int]:
     messages = chat_messages(req.messages)
+    rendered = tools.tools if tools is not None else []
+    if not tok.renders_tools:
+        messages, rendered = inline_tools(messages, rendered), []
     try:
-        ids = tok.render_chat(messages)
+        ids = tok.render_chat(messages, tools=rendered or None)
     except InvalidRequest as e:
         raise ApiError.invalid(e) from e
     if not ids:
@@ -222,10 +243,10 @@ def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer) -> list[int]:
     return ids
 
 
-def _message_text(content, role: str, i: int) -> str:
+def _message_text(content, role: str, i: int, has_tool_calls: bool = False) -> str:
     param = f"messages[{i}].content"
     if content is None:
-        if role != "assistant":
+        if role != "assistant" and not has_tool_calls:
             raise ApiError(400, f"{param}: must be a string or a list of text parts", param=param)
         return ""
     if isinstance(content, str):

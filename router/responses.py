@@ -15,6 +15,7 @@ from ..common.sampling_params import TokenLogprobs
 from .generation import Generation, Piece
 from .prepare import PreparedRequest
 from .tokenizer import RouterTokenizer
+from .tool_calls import ToolCallStream, ToolMode, message_calls, parse
 
 # JSON has no -inf: a token the model ruled out gets this logprob (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -40,6 +41,9 @@ class ResponseBuilder:
         self._top = prep.params.logprobs or 0  # alternatives per token
         self._offsets = [0] * len(prep.prompts)  # completions: text offset of the next token
         self._choices = [_Choice() for _ in prep.prompts]
+        # chat with tools (tool_choice other than "none"): tool calls are parsed from the text
+        self._tools = prep.tools if prep.tools is not None and prep.tools.mode is not ToolMode.NONE else None
+        self._tool_streams = [ToolCallStream(self._tools) for _ in prep.prompts] if self._tools else []
 
     # -- streaming -------------------------------------------------------------
 
@@ -50,6 +54,8 @@ class ResponseBuilder:
 
     def chunk(self, piece: Piece) -> dict:
         lp = self._logprobs(piece)
+        if self._tools:
+            return self._tool_chunk(piece, lp)
         if self._chat:
             delta = {"content": piece.text} if piece.text else {}
             choice = {"index": piece.index, "delta": delta, "logprobs": lp,
@@ -58,6 +64,22 @@ class ResponseBuilder:
             choice = {"index": piece.index, "text": piece.text, "logprobs": lp,
                       "finish_reason": piece.finish_reason}
         return self._envelope([choice])
+
+    def _tool_chunk(self, piece: Piece, lp: dict | None) -> dict:
+        """A chat chunk of a request with tools: its deltas merged into one (content and
+        tool_calls may both appear in the last one)."""
+        stream = self._tool_streams[piece.index]
+        deltas = stream.feed(piece.text) if piece.text else []
+        finish = piece.finish_reason
+        if finish is not None:
+            last, finish = stream.finish(finish)
+            deltas += last
+        delta: dict = {}
+        for d in deltas:
+            for key, value in d.items():
+                delta[key] = delta[key] + value if key == "content" and key in delta else value
+        return self._envelope([{"index": piece.index, "delta": delta, "logprobs": lp,
+                                "finish_reason": finish}])
 
     def usage_chunk(self, gens: list[Generation]) -> dict:
         """The last chunk of a stream with ``stream_options.include_usage``."""
@@ -86,8 +108,15 @@ class ResponseBuilder:
         for i, c in enumerate(self._choices):
             text = "".join(c.text)
             if self._chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": c.logprobs, "finish_reason": c.finish_reason})
+                message, finish = {"role": "assistant", "content": text}, c.finish_reason
+                if self._tools and finish == "stop":
+                    content, calls = parse(self._tools, text)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": message_calls(calls)}
+                        finish = "tool_calls"
+                choices.append({"index": i, "message": message, "logprobs": c.logprobs,
+                                "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": text, "logprobs": c.logprobs,
                                 "finish_reason": c.finish_reason})

@@ -12,6 +12,7 @@ transformers' ``apply_chat_template`` does (trim_blocks, lstrip_blocks, sandboxe
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jinja2
@@ -21,13 +22,16 @@ from tokenizers import Tokenizer
 from ..common.errors import InvalidRequest
 from ..engine.model_config import ModelConfig  # config.json only: no torch
 
+log = logging.getLogger(__name__)
+
 
 class RouterTokenizer:
     """Tokenizes prompts, renders chats, decodes ids. Satisfies the detokenizer's
     `TokenDecoder` protocol (``decode(ids, skip_special_tokens=,
     clean_up_tokenization_spaces=)``)."""
 
-    def __init__(self, model_dir: str | Path, max_model_len: int | None = None):
+    def __init__(self, model_dir: str | Path, max_model_len: int | None = None,
+                 allow_long: bool = False):
         model_dir = Path(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             raise ValueError(
@@ -38,12 +42,15 @@ class RouterTokenizer:
         model_cfg = ModelConfig.from_dir(model_dir)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), model_cfg.vocab_size)
         context = model_cfg.max_position_embeddings  # usable context, as the engine caps it
-        if max_model_len is not None and max_model_len > context:
+        if max_model_len is not None and max_model_len > context and allow_long:
+            log.warning("router: max_model_len %d is beyond %s's context of %d tokens "
+                        "(--allow-long-max-model-len)", max_model_len, model_dir, context)
+        elif max_model_len is not None and max_model_len > context:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's usable context of "
                              f"{context} tokens ({model_dir}/config.json); pass at most {context}")
         self.max_model_len = context if max_model_len is None else max_model_len
         self._special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token")}
-        self._template = _load_template(model_dir, tok_cfg)
+        self._template, self.renders_tools = _load_template(model_dir, tok_cfg)
 
     # -- text <-> ids ----------------------------------------------------------
 
@@ -71,16 +78,17 @@ class RouterTokenizer:
     # -- chat ------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Ids of a conversation through the chat template, by default ready for the reply.
         ``messages`` are ``{"role", "content"}`` dicts with string content;
-        ``add_special_tokens`` adds the tokenizer's own (BOS) on top of the template's."""
+        ``add_special_tokens`` adds the tokenizer's own (BOS) on top of the template's;
+        ``tools`` (OpenAI tool dicts) are passed to the template (see `renders_tools`)."""
         if self._template is None:
             raise InvalidRequest("messages", "this model has no chat template; "
                                  "use /v1/completions with a prompt")
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._special)
+                                         tools=tools, **self._special)
         except jinja2.TemplateError as e:  # includes raise_exception() from the template
             raise InvalidRequest("messages", f"the chat template rejected the messages: {e}") from e
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -97,14 +105,15 @@ def _token_text(token) -> str | None:
     return token
 
 
-def _load_template(model_dir: Path, tok_cfg: dict) -> jinja2.Template | None:
+def _load_template(model_dir: Path, tok_cfg: dict) -> tuple[jinja2.Template | None, bool]:
+    """The chat template, and whether it renders ``tools`` (it mentions them)."""
     source = None
     if (model_dir / "chat_template.jinja").is_file():
         source = (model_dir / "chat_template.jinja").read_text()
     elif isinstance(tok_cfg.get("chat_template"), str):
         source = tok_cfg["chat_template"]
     if source is None:
-        return None
+        return None, False
 
     def raise_exception(message: str):
         raise jinja2.TemplateError(message)
@@ -116,4 +125,4 @@ def _load_template(model_dir: Path, tok_cfg: dict) -> jinja2.Template | None:
                                         extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+    return env.from_string(source), "tools" in source

@@ -113,6 +113,10 @@ def test_router_nodes_and_index_agree_on_hashes(env):
     env.wait_held("decode-0", want)  # and the decode node's, the same hashes
     other = next(p for p in PREFILLS if p != d["prefill"])
     assert not set(want) & env.held(other)
+    # Hashed once: both nodes adopted the hashes the router carried, none re-hashed.
+    for name in (d["prefill"], "decode-0"):
+        assert node_metric(env.cluster, name, names.PROMPT_HASHES, result="adopted") >= 1
+        assert node_metric(env.cluster, name, names.PROMPT_HASHES, result="rehashed") == 0
 
 
 def test_repeated_prefix_goes_to_the_node_that_holds_it(env):

@@ -2,28 +2,33 @@
 prefix-cache event wire types."""
 
 import os
-import struct
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import xxhash
 
 from splitserve.common.hashing import (
-                                       BLOCK_HASH_SEED,
-                                       BLOCK_HASH_VERSION,
-                                       block_hash,
-                                       extend_block_hashes,
-                                       hash_blocks,
-                                       iter_block_hashes,
-                                       token_bytes,
-                                       )
+    BLOCK_HASH_SEED,
+    BLOCK_HASH_VERSION,
+    block_hash,
+    encode_extra_keys,
+    extend_block_hashes,
+    fmix64,
+    hash_blocks,
+    hash_blocks_array,
+    iter_block_hashes,
+    token_bytes,
+    unfmix64,
+)
 
 # Pinned: if one of these changes, the seed or the encoding changed, and every
 # router/node pair of mixed versions loses its cache hits. Bump BLOCK_HASH_VERSION.
-PINNED_SEED = 14744545482444077501  # BLOCK_HASH_SEED of version 2
-PINNED_ROOT = 5150712336806779412  # block_hash(None, [1, 2, 3, 4])
-PINNED_CHAIN = [6698018389303806814, 5201479971293227470]  # hash_blocks(range(10), 4, ("m",))
+PINNED_SEED = 2717527316070887491  # BLOCK_HASH_SEED of version 3
+PINNED_ROOT = 351461598175159644  # block_hash(None, [1, 2, 3, 4])
+PINNED_CHAIN = [9854631452214498175, 3967511689728129978]  # hash_blocks(range(10), 4, ("m",))
 
 _CHILD_CODE = (
     "from splitserve.common.hashing import block_hash, hash_blocks;"
@@ -42,32 +47,78 @@ def _in_process_values() -> list[str]:
 
 
 def test_pinned_values():
-    assert BLOCK_HASH_VERSION == 2
+    assert BLOCK_HASH_VERSION == 3
     assert BLOCK_HASH_SEED == PINNED_SEED
     assert block_hash(None, [1, 2, 3, 4]) == PINNED_ROOT
     assert hash_blocks(list(range(10)), 4, ("m",)) == PINNED_CHAIN
 
 
-def test_encoding_matches_documented_layout():
-    # Re-derive from the layout in the hashing module docstring with xxhash alone.
-    tokens = [5, 70000, 0, 2**32 - 1]
-    parent = 2**64 - 1
-    seed = xxhash.xxh3_64_intdigest(b"splitserve.block_hash.v2", seed=0)
-    assert BLOCK_HASH_SEED == seed
-    extra = (struct.pack("<I", 2) + b"s" + struct.pack("<I", 5) + b"model"
-             + b"i" + struct.pack("<I", 2) + b"42")
-    salt = xxhash.xxh3_64_intdigest(extra, seed=seed)
-    data = struct.pack("<4I", *tokens)
-    assert block_hash(parent, tokens, ("model", 42)) == xxhash.xxh3_64_intdigest(data, seed=salt ^ parent)
-    root = xxhash.xxh3_64_intdigest(b"splitserve.block_hash.root", seed=seed)
-    assert block_hash(None, tokens, ("model", 42)) == xxhash.xxh3_64_intdigest(data, seed=salt ^ root)
+def _reference_chain(tokens, block_size, extra_keys=(), parent=None):
+    """The hashing module docstring's formula, one block at a time in Python ints,
+    from xxhash and the documented constants alone."""
+    mask = 2**64 - 1
+
+    def splitmix(x):
+        z = (x + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    def fmix(x):
+        x ^= x >> 33
+        x = (x * 0xFF51AFD7ED558CCD) & mask
+        x ^= x >> 33
+        x = (x * 0xC4CEB9FE1A85EC53) & mask
+        return x ^ (x >> 33)
+
+    seed = xxhash.xxh3_64_intdigest(b"splitserve.block_hash.v3", seed=0)
+    words = (block_size + 3) // 4 * 2
+    keys = [splitmix((seed + (block_size << 32) + k) & mask) for k in range(words)]
+    mult = splitmix(seed ^ 0x6D756C74) | 1
+    state = splitmix(seed ^ 0x726F6F74)
+    if parent is not None:  # the parent hash is fmix(state): undo it
+        state = unfmix64(parent)
+        assert fmix(state) == parent
+    salt = xxhash.xxh3_64_intdigest(encode_extra_keys(extra_keys), seed=seed)
+    out = []
+    for j in range(len(tokens) // block_size):
+        ids = list(tokens[j * block_size:(j + 1) * block_size]) + [0] * (2 * words - block_size)
+        x = [ids[2 * i] | ids[2 * i + 1] << 32 for i in range(words)]  # u64 LE words of u32 LE ids
+        v = sum((x[2 * k] + keys[2 * k]) * (x[2 * k + 1] + keys[2 * k + 1]) for k in range(words // 2)) & mask
+        state = (state * mult + fmix(v ^ salt)) & mask
+        out.append(fmix(state))
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 6, 16])
+def test_encoding_matches_documented_layout(block_size):
+    rng = random.Random(block_size)
+    tokens = [5, 70000, 0, 2**32 - 1] + [rng.randrange(2**32) for _ in range(block_size * 5000)]
+    extra = ("model", 42)
+    assert hash_blocks(tokens, block_size, extra) == _reference_chain(tokens, block_size, extra)
+    # Segments of SEGMENT_BLOCKS chain on exactly; so does parent=.
+    hashes = hash_blocks(tokens, block_size, extra)
+    cut = 4097
+    assert hash_blocks(tokens[cut * block_size:], block_size, extra, parent=hashes[cut - 1]) == hashes[cut:]
+    assert _reference_chain(tokens[:8 * block_size], block_size, extra, parent=2**64 - 1) == hash_blocks(
+        tokens[:8 * block_size], block_size, extra, parent=2**64 - 1)
+    # bytes, numpy arrays and lists give the same chain
+    assert hash_blocks(token_bytes(tokens), block_size, extra) == hashes
+    assert hash_blocks_array(np.array(tokens, dtype=np.int64), block_size, extra).tolist() == hashes
     with pytest.raises(OverflowError):
         block_hash(None, [2**32])
     with pytest.raises(OverflowError):
         block_hash(None, [-1])
+    with pytest.raises(OverflowError):
+        hash_blocks(np.array([2**32], dtype=np.int64), 1)
 
 
-def test_iter_block_hashes_is_lazy_and_equal():
+def test_fmix_inverse():
+    for x in (0, 1, 2**63, 2**64 - 1, 0x123456789ABCDEF):
+        assert unfmix64(fmix64(x)) == x
+
+
+def test_iter_block_hashes_equal():
     tokens = list(range(64))
     it = iter_block_hashes(tokens, 16, ("m",))
     assert next(it) == hash_blocks(tokens, 16, ("m",))[0]

@@ -63,13 +63,13 @@ def test_wsum_matches_its_definition_and_every_way_of_computing_it(layout):
     store = KVBlockStore(random_cache(layout, 6, seed=1), layout, checksum_algo=CHECKSUM_WSUM)
     packed = store.pack([4, 1, 4])
     assert isinstance(packed, PackedBlocks)
-    for row, b in zip(store.split(packed), [4, 1, 4]):
-        data = bytes(row.view())
+    for item, b in zip(store.split(packed), [4, 1, 4]):
+        data = bytes(item.view())
         assert data == bytes(store.kv_caches[:, :, b].contiguous().view(-1).view(torch.uint8).numpy())
         expected = reference_wsum(data, layout)
-        assert packed.sums(CHECKSUM_WSUM)[row.index] == expected
+        assert packed.sums(CHECKSUM_WSUM)[item.row] == expected
         assert bytes_sum(data, layout, CHECKSUM_WSUM) == expected == store.checksums([b])[0]
-        assert packed.sums(CHECKSUM_XXH3)[row.index] == checksum(data)
+        assert packed.sums(CHECKSUM_XXH3)[item.row] == checksum(data)
 
 
 def test_wsum_is_exact_at_extreme_words_and_detects_every_single_byte_flip():

@@ -72,7 +72,7 @@ def test_sliding_window_caps_the_context(tiny_model_dir, make_engine, caplog):
     engine = make_engine(model=str(path), kv_cache_memory=1 << 20, block_size=4)
     assert "capped at 64 tokens" in caplog.text
     with pytest.raises(InvalidRequest) as err:
-        engine.validate(list(range(60)), SamplingParams(max_tokens=10))
+        engine.limits.check(list(range(60)), SamplingParams(max_tokens=10))
     assert err.value.field == "max_tokens" and "64" in str(err.value)
 
 

@@ -2,6 +2,7 @@
 node that holds it, unless that node is overloaded (no hot spot, also in a burst
 between heartbeats); weights are configurable; decisions settle into hit / miss."""
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -159,3 +160,14 @@ def test_decisions_settle_into_hits_and_mispredictions():
     assert metrics.predictions.labels(outcome="miss")._value.get() == 1
     assert metrics.prediction_hit_rate._value.get() == 0.5
     assert metrics.predicted_cached_tokens._value.get() == 64 * 3
+
+
+def test_tie_key_breaks_ties_the_same_way_in_every_router():
+    """Router replicas choose alike among equal nodes: the tie follows the prompt's key,
+    not each router's own counter; different keys still spread."""
+    nodes = [node(f"p{i}") for i in range(4)] + [node(f"d{i}", "decode") for i in range(4)]
+    a, b = CacheAware(), CacheAware()
+    b._tie = itertools.count(3)  # b's counter is ahead of a's (as after other requests)
+    for key in range(8):
+        assert pick(a, nodes, {}, tie_key=key) == pick(b, nodes, {}, tie_key=key)
+    assert len({pick(a, nodes, {}, tie_key=k)[0] for k in range(8)}) == 4

@@ -52,6 +52,10 @@ def test_decode_and_detokenizer_match_transformers(router_tok, tokenizer, text):
 def test_context_length_from_config(router_tok, bundled_dir):
     assert router_tok.max_model_len == 8192
     assert RouterTokenizer(bundled_dir, max_model_len=512).max_model_len == 512
+    with pytest.raises(ValueError, match="max_model_len"):
+        RouterTokenizer(bundled_dir, max_model_len=131072)  # beyond the model's context
+    # simulated nodes standing for a longer-context model: allowed when asked for
+    assert RouterTokenizer(bundled_dir, max_model_len=131072, allow_long=True).max_model_len == 131072
 
 
 def test_missing_model_dir_names_the_setting(tmp_path):

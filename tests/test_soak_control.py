@@ -7,7 +7,6 @@ import math
 import random
 
 import pytest
-
 from splitserve.benchmarks.faults_client import Outcome, RequestResult
 from splitserve.benchmarks.soak_control import control_drift, ok_pairs, percentile
 

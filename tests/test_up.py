@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -88,3 +89,75 @@ def _child_of(pid: int, parent: int) -> bool:
             return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_up_api_key_reaches_the_router(how):
+    """``up --api-key KEY`` (or $SPLITSERVE_API_KEY): /v1/* answers 401 without the key
+    (or with another one) and 200 with it; /health stays open for probes."""
+    key, other = "k" * 24 + how, "o" * 24
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    env.pop("SPLITSERVE_API_KEY", None)
+    flag = ["--api-key", key] if how == "flag" else []
+    if how == "env":
+        env["SPLITSERVE_API_KEY"] = f"{key},{'x' * 24}"
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
+                           "--decode-nodes", "1", "--kv-cache-memory", "32MiB", *flag],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            lines.append(up.stdout.readline().rstrip())
+        assert key not in "\n".join(lines)  # the banner shows where the key goes, not the key
+        url = f"http://127.0.0.1:{port}"
+        assert get_json(f"{url}/health")["decode_nodes"] == 1
+        for headers, want in (({}, 401), ({"Authorization": f"Bearer {other}"}, 401),
+                              ({"Authorization": f"Bearer {key}"}, 200)):
+            body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+                if want == 401:
+                    assert json.loads(e.read())["error"]["type"]
+            assert status == want, (headers, status)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def test_up_router_replicas_prints_every_url_and_each_one_routes():
+    """``up --router-replicas 2``: both routers are listed in the banner, see the node
+    and serve completions; Ctrl-C stops both."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    env.pop("SPLITSERVE_API_KEY", None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
+                           "--decode-nodes", "1", "--kv-cache-memory", "32MiB", "--router-replicas", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            lines.append(up.stdout.readline().rstrip())
+        replicas = [m.group(1) for ln in lines if (m := re.search(r"router replica: (http://\S+)/v1", ln))]
+        assert len(replicas) == 1, lines
+        for url in (f"http://127.0.0.1:{port}", replicas[0]):
+            assert get_json(f"{url}/health")["decode_nodes"] == 1
+            assert isinstance(completion(url), str)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

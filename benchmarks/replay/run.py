@@ -259,7 +259,8 @@ def run_replay(cfg: ReplayConfig) -> dict:
     if cfg.profile:  # the nodes' model: its context on the router too
         from ...common.sim_profiles import get_profile
         sim_args += ["--profile", cfg.profile]
-        router_args = ("--max-model-len", str(get_profile(cfg.profile).context), *router_args)
+        router_args = ("--max-model-len", str(get_profile(cfg.profile).context),
+                       "--allow-long-max-model-len", *router_args)
     cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
                          kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
     print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "

@@ -1,0 +1,41 @@
+"""Hash once, carry it: the router's `PromptHashes` are adopted by a node only when
+they are this prompt's hashes for the node's version, block size and model key."""
+
+import msgspec
+import numpy as np
+
+from splitserve.common.hashing import hash_blocks, hash_blocks_array
+from splitserve.common.protocol import GenerateRequest, PromptHashes
+from splitserve.common.sampling_params import SamplingParams
+
+BS = 16
+MODEL = "m"
+
+
+def carried(tokens, block_size=BS, model=MODEL) -> PromptHashes:
+    return PromptHashes.of(hash_blocks_array(tokens, block_size, (model,)), block_size, model)
+
+
+def test_adopted_when_they_match_and_survive_the_wire():
+    tokens = list(range(1000, 1000 + 10 * BS + 5))
+    req = GenerateRequest(request_id="r", token_ids=tokens, sampling_params=SamplingParams(),
+                          prompt_hashes=carried(tokens))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GenerateRequest)
+    assert back.prompt_hashes.adopt(tokens, BS, MODEL) == hash_blocks(tokens, BS, (MODEL,))
+    assert carried(tokens[:BS - 1]).adopt(tokens[:BS - 1], BS, MODEL) == []  # no full block
+
+
+def test_refused_for_another_block_size_model_version_or_prompt():
+    tokens = list(range(500, 500 + 8 * BS))
+    c = carried(tokens)
+    assert c.adopt(tokens, 32, MODEL) is None  # the node's block size differs
+    assert c.adopt(tokens, BS, "other-model") is None
+    assert msgspec.structs.replace(c, version=c.version - 1).adopt(tokens, BS, MODEL) is None
+    assert c.adopt(tokens[:-BS], BS, MODEL) is None  # count does not fit the prompt
+    shifted = [t + 1 for t in tokens]
+    assert c.adopt(shifted, BS, MODEL) is None  # first block re-hashes differently
+    tail = tokens[:-1] + [7]
+    assert c.adopt(tail, BS, MODEL) is None  # last block re-hashes differently
+    wrong = np.frombuffer(c.hashes, dtype="<u8").copy()
+    wrong[0] ^= 1
+    assert msgspec.structs.replace(c, hashes=wrong.tobytes()).adopt(tokens, BS, MODEL) is None
