@@ -83,6 +83,26 @@ def test_up_restarts_a_killed_node_and_ctrl_c_stops_cleanly():
             up.wait()
 
 
+def start_small_up(port: int, flags: list[str], env: dict[str, str] | None = None):
+    """``splitserve up`` with one decode node and no prefill node, started and waited
+    for until its banner is out: (the process, the lines it printed)."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    full_env.pop("SPLITSERVE_API_KEY", None)
+    full_env.update(env or {})
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
+                           "--decode-nodes", "1", "--kv-cache-memory", "32MiB", *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    lines: list[str] = []
+    deadline = time.monotonic() + 240
+    while not any("supervisor status" in ln for ln in lines):
+        if time.monotonic() > deadline or up.poll() is not None:
+            up.kill()
+            up.wait()
+            raise AssertionError("\n".join(lines[-30:]))
+        lines.append(up.stdout.readline().rstrip())
+    return up, lines
+
+
 def _child_of(pid: int, parent: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -97,20 +117,10 @@ def test_up_api_key_reaches_the_router(how):
     (or with another one) and 200 with it; /health stays open for probes."""
     key, other = "k" * 24 + how, "o" * 24
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
-    env.pop("SPLITSERVE_API_KEY", None)
     flag = ["--api-key", key] if how == "flag" else []
-    if how == "env":
-        env["SPLITSERVE_API_KEY"] = f"{key},{'x' * 24}"
-    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
-                           "--decode-nodes", "1", "--kv-cache-memory", "32MiB", *flag],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
+    env = {"SPLITSERVE_API_KEY": f"{key},{'x' * 24}"} if how == "env" else {}
+    up, lines = start_small_up(port, flag, env)
     try:
-        deadline = time.monotonic() + 240
-        while not any("supervisor status" in ln for ln in lines):
-            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
-            lines.append(up.stdout.readline().rstrip())
         assert key not in "\n".join(lines)  # the banner shows where the key goes, not the key
         url = f"http://127.0.0.1:{port}"
         assert get_json(f"{url}/health")["decode_nodes"] == 1
@@ -139,17 +149,8 @@ def test_up_router_replicas_prints_every_url_and_each_one_routes():
     """``up --router-replicas 2``: both routers are listed in the banner, see the node
     and serve completions; Ctrl-C stops both."""
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
-    env.pop("SPLITSERVE_API_KEY", None)
-    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
-                           "--decode-nodes", "1", "--kv-cache-memory", "32MiB", "--router-replicas", "2"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
+    up, lines = start_small_up(port, ["--router-replicas", "2"])
     try:
-        deadline = time.monotonic() + 240
-        while not any("supervisor status" in ln for ln in lines):
-            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
-            lines.append(up.stdout.readline().rstrip())
         replicas = [m.group(1) for ln in lines if (m := re.search(r"router replica: (http://\S+)/v1", ln))]
         assert len(replicas) == 1, lines
         for url in (f"http://127.0.0.1:{port}", replicas[0]):
