@@ -3,7 +3,8 @@
 
     raw logits [B, V] --> + logit_bias[token] (rows that give one)
                       --> -inf at EOS and stop_token_ids (rows with fewer than
-                          min_tokens output tokens)
+                          min_tokens output tokens, unless nothing else is left: a
+                          structured output that is complete allows only EOS, and ends)
                       --> penalties, sampling (sampler.py)
 
 The sampler's logprobs stay those of the raw logits (vLLM's default), so a bias
@@ -61,5 +62,9 @@ def apply_logit_masks(logits: torch.Tensor, reqs: Sequence[MaskInput]) -> torch.
         logits.index_put_((index[0], index[1]), values, accumulate=True)
     if min_rows:
         index = torch.tensor([min_rows, min_cols], device=device)  # [2, M]
+        rows = torch.tensor(sorted(set(min_rows)), device=device)
+        before = logits[rows]  # [R, V] a copy: put back where masking would leave no token
         logits[index[0], index[1]] = _NEG_INF
+        dead = torch.isneginf(logits[rows]).all(dim=1)  # [R]
+        logits[rows] = torch.where(dead[:, None], before, logits[rows])
     return logits

@@ -183,3 +183,16 @@ def test_masks_edit_only_the_rows_that_ask_and_logprobs_stay_raw():
     res = Sampler(seed=0)(logits, reqs)
     assert res.token_ids[1] == 7
     assert res.logprobs[1].logprob == pytest.approx(torch.log_softmax(logits[1], -1)[7].item())
+
+
+def test_min_tokens_gives_way_when_only_a_stop_token_is_left():
+    """A complete structured output leaves only EOS (the grammar's mask); min_tokens must
+    not mask that too and leave the row with no token at all."""
+    logits = torch.full((2, 10), float("-inf"))
+    logits[0, 9] = 0.0  # the grammar allows EOS only
+    logits[1, [3, 9]] = 0.0  # another row: EOS and one more token
+    reqs = [Req(SamplingParams(temperature=0, min_tokens=5), stop_ids=frozenset({9})),
+            Req(SamplingParams(temperature=0, min_tokens=5), stop_ids=frozenset({9}))]
+    out = apply_logit_masks(logits, reqs)
+    assert out[0, 9] == 0.0 and torch.isneginf(out[0, :9]).all()  # EOS kept: the only way on
+    assert torch.isneginf(out[1, 9]) and out[1, 3] == 0.0  # masked as usual
