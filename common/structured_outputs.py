@@ -94,6 +94,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """The constraint; call after `validate()`."""
         ws = not self.disable_any_whitespace
         if self.json is not None:
+            assert isinstance(self.json, str), "validate() first: it turns a schema into its JSON text"
             return GrammarSpec(GrammarKind.JSON, self.json, ws)
         if self.json_object:
             return GrammarSpec(GrammarKind.JSON_OBJECT, "", ws)
@@ -101,6 +102,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             return GrammarSpec(GrammarKind.REGEX, self.regex, False)
         if self.choice is not None:
             return GrammarSpec(GrammarKind.CHOICE, json.dumps(self.choice), False)
+        assert self.grammar is not None  # validate(): exactly one is set
         return GrammarSpec(GrammarKind.GRAMMAR, self.grammar, False)
 
 

@@ -66,22 +66,24 @@ async def tokenize(request: web.Request) -> web.Response:
     served = config.served_model_names
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
     if "messages" in _peek(body):  # vLLM tells the two request kinds apart the same way
-        req: TokenizeChatRequest = decode_body(body, TokenizeChatRequest)
-        check_model(req.model, served)
+        chat: TokenizeChatRequest = decode_body(body, TokenizeChatRequest)
+        check_model(chat.model, served)
         for name in ("chat_template", "chat_template_kwargs", "tools"):
-            if getattr(req, name):
+            if getattr(chat, name):
                 raise ApiError(400, f"{name}: not supported on /tokenize", param=name)
-        if req.continue_final_message:
+        if chat.continue_final_message:
             raise ApiError(400, "continue_final_message: not supported", param="continue_final_message")
         # a template that rejects the messages raises InvalidRequest: the middleware's 400
-        ids = tok.render_chat(chat_messages(req.messages), req.add_generation_prompt,
-                              req.add_special_tokens)
+        ids = tok.render_chat(chat_messages(chat.messages), chat.add_generation_prompt,
+                              chat.add_special_tokens)
+        return_strs = chat.return_token_strs
     else:
-        req: TokenizeCompletionRequest = decode_body(body, TokenizeCompletionRequest)
-        check_model(req.model, served)
-        ids = tok.encode(req.prompt, req.add_special_tokens)
+        plain: TokenizeCompletionRequest = decode_body(body, TokenizeCompletionRequest)
+        check_model(plain.model, served)
+        ids = tok.encode(plain.prompt, plain.add_special_tokens)
+        return_strs = plain.return_token_strs
     out = {"count": len(ids), "max_model_len": tok.max_model_len, "tokens": ids,
-           "token_strs": tok.token_strs(ids) if req.return_token_strs else None}
+           "token_strs": tok.token_strs(ids) if return_strs else None}
     return web.json_response(out)
 
 

@@ -33,10 +33,10 @@ from .policy import Decision
 
 
 class Piece(NamedTuple):
-    """Something to send for choice ``index``: new text, the tokens that produced it,
+    """Something to send for choice number ``choice``: new text, the tokens that produced it,
     and the finish reason on the last piece."""
 
-    index: int
+    choice: int
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -201,7 +201,7 @@ class Generation:
                 m.tpot.observe((self._t_last - self._t_first) / (self.completion_tokens - 1))
 
 
-async def merge_pieces(gens: list[Generation]) -> AsyncIterator[Piece]:
+async def merge_pieces(gens: list[Generation]) -> AsyncGenerator[Piece, None]:
     """The pieces of every generation, interleaved as they arrive (each choice's own
     pieces stay in order). The first failure is raised; the rest are then stopped."""
     if len(gens) == 1:

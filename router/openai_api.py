@@ -125,7 +125,7 @@ async def _start_group(coros: list) -> list[Generation]:
             t.cancel()
             t.add_done_callback(_close_started)
         raise
-    errors = [t.exception() for t in tasks if t.exception() is not None]
+    errors = [e for t in tasks if (e := t.exception()) is not None]
     if errors:
         for t in tasks:
             _close_started(t)

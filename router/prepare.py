@@ -147,6 +147,7 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
         if constraint is not None:
             raise ApiError(400, f"{constraint.field}: cannot be combined with tool_choice "
                            f"{tools.mode.value}", param=constraint.field)
+        assert tools.field is not None  # a plan with a constraint names its parameter
         constraint = Constraint(tools.constraint, tools.field)
     prompt = _chat_prompt(req, tok, tools)
     budget_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -293,7 +294,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
                            f"got {m.role!r}", param=f"messages[{i}].role")
-        msg = {"role": m.role, "content": _message_text(m.content, m.role, i, bool(m.tool_calls))}
+        msg: dict[str, Any] = {"role": m.role, "content": _message_text(m.content, m.role, i, bool(m.tool_calls))}
         if m.tool_calls:
             msg["tool_calls"] = [{"type": "function", "id": c.id, "function": {
                 "name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]

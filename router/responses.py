@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..common.sampling_params import PromptLogprob, TokenLogprobs
 from .generation import Generation, Piece
@@ -66,17 +67,17 @@ class ResponseBuilder:
             return self._tool_chunk(piece, lp)
         if self._chat:
             delta = {"content": text} if text else {}
-            choice = {"index": piece.index, "delta": delta, "logprobs": lp,
+            choice = {"index": piece.choice, "delta": delta, "logprobs": lp,
                       "finish_reason": piece.finish_reason}
         else:
-            choice = {"index": piece.index, "text": text, "logprobs": lp,
+            choice = {"index": piece.choice, "text": text, "logprobs": lp,
                       "finish_reason": piece.finish_reason}
         return self._envelope([choice])
 
     def _tool_chunk(self, piece: Piece, lp: dict | None) -> dict:
         """A chat chunk of a request with tools: its deltas merged into one (content and
         tool_calls may both appear in the last one)."""
-        stream = self._tool_streams[piece.index]
+        stream = self._tool_streams[piece.choice]
         deltas = stream.feed(piece.text) if piece.text else []
         finish = piece.finish_reason
         if finish is not None:
@@ -86,7 +87,7 @@ class ResponseBuilder:
         for d in deltas:
             for key, value in d.items():
                 delta[key] = delta[key] + value if key == "content" and key in delta else value
-        return self._envelope([{"index": piece.index, "delta": delta, "logprobs": lp,
+        return self._envelope([{"index": piece.choice, "delta": delta, "logprobs": lp,
                                 "finish_reason": finish}])
 
     def usage_chunk(self, gens: list[Generation]) -> dict:
@@ -98,13 +99,13 @@ class ResponseBuilder:
     # -- whole answer ----------------------------------------------------------
 
     def add(self, piece: Piece) -> None:
-        c = self._choices[piece.index]
+        c = self._choices[piece.choice]
         text, lp = self._text_and_logprobs(piece)
         c.text.append(text)
         if piece.finish_reason is not None:
             c.finish_reason = piece.finish_reason
         if piece.prompt_logprobs is not None and self.prep.prompt_logprobs:
-            c.prompt_logprobs = self._prompt_logprobs_body(piece.index, piece.prompt_logprobs)
+            c.prompt_logprobs = self._prompt_logprobs_body(piece.choice, piece.prompt_logprobs)
         if lp is None:
             return
         if c.logprobs is None:
@@ -118,7 +119,8 @@ class ResponseBuilder:
         for i, c in enumerate(self._choices):
             text = "".join(c.text)
             if self._chat:
-                message, finish = {"role": "assistant", "content": text}, c.finish_reason
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
                 if self._tools and finish == "stop":
                     content, calls = parse(self._tools, text)
                     if calls:
@@ -150,20 +152,20 @@ class ResponseBuilder:
 
     def _text_and_logprobs(self, piece: Piece) -> tuple[str, dict | None]:
         """The piece's text and logprobs, after the echoed prompt on a choice's first piece."""
-        first = not self._started[piece.index]
-        self._started[piece.index] = True
+        first = not self._started[piece.choice]
+        self._started[piece.choice] = True
         if self.prep.echo is None or not first:
             return piece.text, self._logprobs(piece)
-        prompt_ids = self.prep.prompts[piece.index]
+        prompt_ids = self.prep.prompts[piece.choice]
         prompt_lps = piece.prompt_logprobs or [None] * len(prompt_ids)
         lp = None
         if self.prep.logprobs:
-            lp = self._completion_logprobs(piece.index, [
+            lp = self._completion_logprobs(piece.choice, [
                 (t, None if p is None else TokenLogprobs(t, p.logprob, p.top))
                 for t, p in zip(prompt_ids, prompt_lps)])
             for key, values in (self._logprobs(piece) or {}).items():
                 lp[key].extend(values)
-        return self.prep.echo[piece.index] + piece.text, lp
+        return self.prep.echo[piece.choice] + piece.text, lp
 
     def _logprobs(self, piece: Piece) -> dict | None:
         if not self.prep.logprobs or not piece.token_ids:
@@ -171,7 +173,7 @@ class ResponseBuilder:
         pairs = list(zip(piece.token_ids, piece.logprobs or [None] * len(piece.token_ids)))
         if self._chat:
             return {"content": [self._chat_entry(t, lp) for t, lp in pairs]}
-        return self._completion_logprobs(piece.index, pairs)
+        return self._completion_logprobs(piece.choice, pairs)
 
     def _completion_logprobs(self, index: int, pairs: list[tuple[int, TokenLogprobs | None]]) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],

@@ -29,7 +29,7 @@ import enum
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..common.errors import InvalidRequest
 from ..common.structured_outputs import StructuredOutputsParams
@@ -159,11 +159,13 @@ def parse(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     the mode's format stays content, with no calls."""
     if plan.mode is ToolMode.NAMED:
         args = _loads(text)
+        assert plan.named is not None  # NAMED plans name their function
         return (text, []) if args is None else (None, [ToolCall(plan.named, json.dumps(args, ensure_ascii=False))])
     if plan.mode is ToolMode.REQUIRED:
         items = _loads(text)
-        calls = [_call(item) for item in items] if isinstance(items, list) else []
-        return (text, []) if not calls or None in calls else (None, calls)
+        parsed = [_call(item) for item in items] if isinstance(items, list) else []
+        calls = [c for c in parsed if c is not None]
+        return (text, []) if not calls or len(calls) < len(parsed) else (None, calls)
     if plan.mode is ToolMode.AUTO:
         return _parse_tagged(text)
     return text, []
@@ -254,7 +256,7 @@ class ToolCallStream:
         if self.plan.mode is ToolMode.NAMED:
             return [], "tool_calls" if finish_reason == "stop" and self.named_id else finish_reason
         content, calls = parse(self.plan, held) if finish_reason == "stop" else (held or None, [])
-        deltas = [{"content": content}] if content else []
+        deltas: list[dict[str, Any]] = [{"content": content}] if content else []
         if calls:
             deltas.append({"tool_calls": [
                 {"index": i, **c} for i, c in enumerate(message_calls(calls))]})
