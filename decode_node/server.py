@@ -41,7 +41,7 @@ from ..common.http import MSGPACK, decode_error_body, error_response, peer_conne
 from ..common.outcomes import FallbackReason, TransferEnd
 from ..common.protocol import Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_loop import AbortRequest, AddPrefilled, AddRequest, EngineLoop, Release, Reserve
+from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
 from ..kvtransfer import TransferError, make_receiver
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.state import TransferState, TransferTable
@@ -76,8 +76,8 @@ class DecodeNode:
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
 
     @property
-    def loop(self) -> EngineLoop:
-        return self.rt.loop
+    def engine_thread(self) -> EngineThread:
+        return self.rt.engine_thread
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -196,7 +196,7 @@ class DecodeNode:
         is done, AbortRequest frees what any earlier command took (a reservation made by
         a Reserve whose awaiter was cancelled included); a no-op for a finished request."""
         await asyncio.gather(driver, return_exceptions=True)
-        await self.loop.submit(AbortRequest(rid))
+        await self.engine_thread.submit(AbortRequest(rid))
 
     async def _drive(self, req: GenerateRequest, queue: asyncio.Queue) -> None:
         """Get the request into the running batch: through a KV transfer, or locally."""
@@ -211,7 +211,7 @@ class DecodeNode:
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
         try:
-            await self.loop.submit(AddRequest(rid, req.token_ids, req.sampling_params, hashes))
+            await self.engine_thread.submit(AddRequest(rid, req.token_ids, req.sampling_params, hashes))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
@@ -220,7 +220,7 @@ class DecodeNode:
         """Run the transfer; None when the request was admitted, else why it was not.
         ``hashes``: the prompt's block hashes when the router's checked out."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
-        res = await self.loop.submit(Reserve(rid, req.token_ids, hashes))
+        res = await self.engine_thread.submit(Reserve(rid, req.token_ids, hashes))
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         bs = self.config.engine.block_size
@@ -240,7 +240,7 @@ class DecodeNode:
             self.transfers.complete(tid)
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
-            await self.loop.submit(AddPrefilled(
+            await self.engine_thread.submit(AddPrefilled(
                 rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs,
                 result.num_cached_tokens, hashes, result.prompt_logprobs))
             admitted = True
@@ -266,7 +266,7 @@ class DecodeNode:
                 # give a sender that is still mid-frame time to stop before the blocks are reused.
                 if self.config.kv_backend in ("shm", "ipc"):
                     await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
-                await asyncio.shield(self.loop.submit(Release(rid)))
+                await asyncio.shield(self.engine_thread.submit(Release(rid)))
             self.transfers.remove(tid)
 
     async def _abort_prefill(self, prefill_addr: str, rid: str) -> None:

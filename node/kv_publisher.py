@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 class KVEventPublisher:
     """Use from the event loop::
 
-        pub = KVEventPublisher(index, node_id, epoch, engine_loop.request_kv_snapshot, batches)
-        pub.start()     # the engine loop's on_kv_events must call pub.on_kv
+        pub = KVEventPublisher(index, node_id, epoch, engine_thread.request_kv_snapshot, batches)
+        pub.start()     # the EngineThread's on_kv_events must call pub.on_kv
         ...
         await pub.stop()  # drops the node's entries
     """

@@ -1,7 +1,7 @@
 """NodeRuntime: the parts every node process shares.
 
 - the engine (its KV cache in shared memory when the shm transport needs it)
-  and the EngineLoop thread that runs it;
+  and the EngineThread that runs it;
 - the node's identity (node id, epoch) and its registry heartbeat with load;
 - the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
   fed from the engine thread, under the same node id and epoch;
@@ -14,10 +14,10 @@
   (node/shm_segments.py), its own on exit; SIGTERM drains (stop taking work,
   deregister, let in-flight requests finish within ``drain_grace_s``, exit 0).
 
-Holds the engine only between building it and handing it to the EngineLoop: from
+Holds the engine only between building it and handing it to the EngineThread: from
 then on the engine thread owns it, and the event loop knows it through what was
 fixed at build time (``limits``, ``kv_caches``, ``layout``, ``pool``) and the
-EngineLoop's messages and published ``stats`` (engine/engine_loop.py).
+EngineThread's messages and published ``stats`` (engine/engine_thread.py).
 """
 
 import asyncio
@@ -39,7 +39,7 @@ from ..common.kv_index import KVIndex
 from ..common.protocol import Abort
 from ..common.registry import Heartbeat, NodeInfo, NodeRegistry, new_epoch
 from ..engine.engine_core import EngineCore, RequestDelta
-from ..engine.engine_loop import AbortRequest, BlockExporter, EngineLoop
+from ..engine.engine_thread import AbortRequest, BlockExporter, EngineThread
 from ..engine.limits import RequestLimits
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout
@@ -79,13 +79,13 @@ class NodeRuntime:
     kv_caches: torch.Tensor  # the engine's KV tensor: transfers read/write the blocks they were given
     layout: KVLayout
     pool: dict  # where the KV pool lives and how big it is (/debug/state, metrics)
-    loop: EngineLoop  # the only way to the engine once started
+    engine_thread: EngineThread  # the only way to the engine once started
 
     def __init__(self, config: NodeConfig):
         self.config = config
         self.epoch = new_epoch()
         self.node_id = config.node_id
-        self._engine: EngineCore | None = None  # built, not yet handed to the EngineLoop
+        self._engine: EngineCore | None = None  # built, not yet handed to the EngineThread
         self.shm_name: str | None = None
         self.kv_addr = ""
         self.http_addr = ""
@@ -124,10 +124,10 @@ class NodeRuntime:
             if self.redis is not None and any(d.finish_reason for d in deltas):
                 self.redis.heartbeat.nudge()  # load dropped: tell the routers now, not in ~1.7 s
         assert self._engine is not None, "start_engine first"
-        self.loop = EngineLoop(self._engine, asyncio.get_running_loop(), deliver, self._on_kv_events, exporter,
-                               step_observer=self.metrics.observe_step)
+        self.engine_thread = EngineThread(self._engine, asyncio.get_running_loop(), deliver, self._on_kv_events,
+                                          exporter, step_observer=self.metrics.observe_step)
         self._engine = None  # the engine thread's from here on
-        self.loop.start()
+        self.engine_thread.start()
 
     def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
         # Before the publisher starts the events are dropped: its first write is a snapshot.
@@ -139,13 +139,13 @@ class NodeRuntime:
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.limits.kv_capacity_tokens,
                         block_size=self.config.engine.block_size, max_model_len=self.limits.max_model_len,
-                        load=self.loop.load)
+                        load=self.engine_thread.load)
 
     async def start_heartbeat(self) -> None:
         """Register the node and publish its prefix-cache index (both need the final node id)."""
         if self.config.redis_url:
             index = KVIndex(self.config.redis_url)
-            publisher = KVEventPublisher(index, self.node_id, self.epoch, self.loop.request_kv_snapshot,
+            publisher = KVEventPublisher(index, self.node_id, self.epoch, self.engine_thread.request_kv_snapshot,
                                          self.metrics.index_batches)
             registry = NodeRegistry(self.config.redis_url)
             self.redis = RedisLink(registry, Heartbeat(registry, self.info), index, publisher)
@@ -164,13 +164,13 @@ class NodeRuntime:
             await self.redis.kv_index.close()
 
     def shutdown(self) -> None:
-        if hasattr(self, "loop"):
-            self.loop.stop()
+        if hasattr(self, "engine_thread"):
+            self.engine_thread.stop()
         if self.shm_name:
             free_shared_kv_cache(self.shm_name)
 
     def state(self) -> dict:
-        st = self.loop.stats
+        st = self.engine_thread.stats
         pub = None if self.redis is None else self.redis.publisher
         index = None if pub is None else {"seq": pub.seq, "in_sync": pub.in_sync, "snapshots": pub.snapshots}
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
@@ -236,7 +236,7 @@ async def abort(request: web.Request) -> web.Response:
         msg = await read_msgpack(request, Abort)
     except InvalidRequest as e:
         return error_response(400, str(e), e.field)
-    found = await request.app[RUNTIME].loop.submit(AbortRequest(msg.request_id))
+    found = await request.app[RUNTIME].engine_thread.submit(AbortRequest(msg.request_id))
     ended = request.app[NODE].end_stream(msg.request_id)
     return web.json_response({"aborted": bool(found or ended)})
 
@@ -255,7 +255,7 @@ def add_common_routes(app: web.Application) -> None:
 
     async def metrics(request):
         rt = request.app[RUNTIME]
-        rt.metrics.set_load(rt.loop.load, rt.loop.stats.preemptions,
+        rt.metrics.set_load(rt.engine_thread.load, rt.engine_thread.stats.preemptions,
                             rt.redis.heartbeat.failures if rt.redis is not None else 0)
         body, content_type = rt.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})

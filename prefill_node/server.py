@@ -12,7 +12,7 @@ its handshake)
 
 Block streaming, per request (engine thread -> event loop -> transport):
 
-  ExportKV(req, skip_blocks), then AddRequest (engine/engine_loop.py):
+  ExportKV(req, skip_blocks), then AddRequest (engine/engine_thread.py):
   step k computes tokens .. n_k:  blocks [sent, n_k // bs) are complete -> pack
   last step (prompt done):        also the partial last block            -> pack
   BlocksReady events -> per-transfer queue -> KVSender.send_blocks (in order)
@@ -37,7 +37,7 @@ from ..common.outcomes import PrefillOutcome
 from ..common.protocol import PrefillRequest, PrefillResult
 from ..common.sampling_params import SamplingParams
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_loop import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
+from ..engine.engine_thread import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
 from ..kvtransfer import TransferError, make_sender, sender_options
 from ..kvtransfer.block_store import KVBlockStore
 from ..node.runtime import NodeRuntime, build_node_app
@@ -109,7 +109,7 @@ class PrefillNode:
         """Why this node cannot start ``task`` now (None: it can). Read from the engine's
         published load: a prompt that would wait for blocks is better prefilled elsewhere
         than accepted and left to time out."""
-        load, cfg = self.rt.loop.load, self.config.engine
+        load, cfg = self.rt.engine_thread.load, self.config.engine
         bs = cfg.block_size
         if load.waiting >= cfg.max_num_seqs:
             return f"{load.waiting} requests already wait here"
@@ -141,13 +141,13 @@ class PrefillNode:
         o = Outgoing(task)
         self.out[rid] = o
         sender_task = None
-        loop = self.rt.loop
+        engine = self.rt.engine_thread
         try:
-            export = loop.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
+            export = engine.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
             cfg = self.config.engine
             hashes = self.metrics.adopt_hashes(task.prompt_hashes, task.token_ids, cfg.block_size,
                                                cfg.model_id)
-            await loop.submit(AddRequest(rid, task.token_ids, params, hashes))
+            await engine.submit(AddRequest(rid, task.token_ids, params, hashes))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))
@@ -175,7 +175,7 @@ class PrefillNode:
             self.out.pop(rid, None)
             if sender_task is not None and not sender_task.done():
                 sender_task.cancel()
-            await asyncio.shield(loop.submit(AbortRequest(rid)))
+            await asyncio.shield(engine.submit(AbortRequest(rid)))
 
     async def _send_all(self, sender, o: Outgoing) -> int:
         sent = 0

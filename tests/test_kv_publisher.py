@@ -1,4 +1,4 @@
-"""A real engine on its EngineLoop thread publishing to a real redis-server through
+"""A real engine on its EngineThread thread publishing to a real redis-server through
 KVEventPublisher: the index follows the prefix cache through stores, evictions and a
 reset, holds the router's hashes of the prompt, survives a Redis restart by
 rewriting the full state, and is dropped on stop."""
@@ -14,7 +14,7 @@ from splitserve.common.kv_index import KVIndex
 from splitserve.common.registry import new_epoch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import free_port, start_redis
-from splitserve.engine.engine_loop import AddRequest, CachedHashes, EngineLoop, ResetPrefixCache
+from splitserve.engine.engine_thread import AddRequest, CachedHashes, EngineThread, ResetPrefixCache
 from splitserve.node.kv_publisher import KVEventPublisher
 
 pytestmark = pytest.mark.anyio
@@ -35,17 +35,17 @@ def redis_port():
 
 
 class Harness:
-    """EngineLoop + publisher, as NodeRuntime wires them, without HTTP."""
+    """EngineThread + publisher, as NodeRuntime wires them, without HTTP."""
 
     def __init__(self, engine, url: str):
         self.engine = engine
         self.done: dict[str, asyncio.Future] = {}
-        self.loop = EngineLoop(engine, asyncio.get_running_loop(), self._on_deltas,
+        self.engine_thread = EngineThread(engine, asyncio.get_running_loop(), self._on_deltas,
                                lambda ev, snap: self.pub.on_kv(ev, snap))
         self.batches = Counter("b", "b", ["result"], registry=CollectorRegistry())
         self.index = KVIndex(url, ttl_s=30.0, timeout_s=0.2)
         self.epoch = new_epoch()
-        self.pub = KVEventPublisher(self.index, "n0", self.epoch, self.loop.request_kv_snapshot,
+        self.pub = KVEventPublisher(self.index, "n0", self.epoch, self.engine_thread.request_kv_snapshot,
                                     self.batches, refresh_interval_s=0.3)
 
     def _on_deltas(self, deltas):
@@ -56,11 +56,11 @@ class Harness:
     async def generate(self, rid: str, ids: list[int], n: int = 4) -> None:
         fut = self.done[rid] = asyncio.get_running_loop().create_future()
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        await self.loop.submit(AddRequest(rid, ids, params))
+        await self.engine_thread.submit(AddRequest(rid, ids, params))
         await asyncio.wait_for(fut, 60)
 
     async def cached(self) -> set[int]:
-        return set(await self.loop.submit(CachedHashes()))
+        return set(await self.engine_thread.submit(CachedHashes()))
 
     async def wait_index_equals_cache(self, timeout=10.0) -> set[int]:
         deadline = time.monotonic() + timeout
@@ -86,7 +86,7 @@ async def test_index_follows_the_prefix_cache(make_engine, tokenizer, redis_port
     port, procs = redis_port
     engine = make_engine(block_size=BS, kv_cache_memory=10 * BLOCK_BYTES, num_threads=1)
     h = Harness(engine, f"redis://127.0.0.1:{port}/0")
-    h.loop.start()
+    h.engine_thread.start()
     h.pub.start()
     try:
         ids = prompt(tokenizer, "apples")
@@ -116,7 +116,7 @@ async def test_index_follows_the_prefix_cache(make_engine, tokenizer, redis_port
         assert h.batches.labels("error")._value.get() >= 1
 
         # a prefix-cache reset (AllBlocksCleared) wipes the node's entries
-        assert await h.loop.submit(ResetPrefixCache())
+        assert await h.engine_thread.submit(ResetPrefixCache())
         assert await h.wait_index_equals_cache() == set()
         await h.generate("d", ids)
         assert set(router_hashes) <= await h.wait_index_equals_cache()
@@ -124,5 +124,5 @@ async def test_index_follows_the_prefix_cache(make_engine, tokenizer, redis_port
         await h.pub.stop()  # drops the entries
         assert await h.index.members("n0", h.epoch) == set()
         assert await h.index.last_seq("n0", h.epoch) is None
-        h.loop.stop()
+        h.engine_thread.stop()
         await h.index.close()

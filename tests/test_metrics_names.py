@@ -79,7 +79,7 @@ def test_every_router_series_has_model_name():
 
 
 def step_and_observe(engine, m: NodeMetrics) -> None:
-    """One engine step, then the metrics' look at it, as the EngineLoop does on its thread."""
+    """One engine step, then the metrics' look at it, as the EngineThread does on its thread."""
     scheduled = []
     engine.step_observer = scheduled.append
     deltas = engine.step()

@@ -1,6 +1,6 @@
 """A prefill node refuses a prompt it cannot start now (its queue or its KV pool is
 full) instead of accepting it and letting the decode node's lease run out. A real
-engine on its EngineLoop thread and the real PrefillNode; the refusal reads only the
+engine on its EngineThread thread and the real PrefillNode; the refusal reads only the
 load snapshot the engine thread publishes."""
 
 import asyncio
@@ -10,7 +10,7 @@ import pytest
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.protocol import PrefillRequest
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.engine_loop import AbortRequest, AddRequest
+from splitserve.engine.engine_thread import AbortRequest, AddRequest
 from splitserve.node.runtime import NodeRuntime
 from splitserve.prefill_node.server import PrefillNode
 
@@ -24,8 +24,8 @@ def task(n_tokens: int) -> PrefillRequest:
 
 async def settle(rt: NodeRuntime, pred, timeout=30.0):
     deadline = asyncio.get_running_loop().time() + timeout
-    while not pred(rt.loop.load):
-        assert asyncio.get_running_loop().time() < deadline, rt.loop.load
+    while not pred(rt.engine_thread.load):
+        assert asyncio.get_running_loop().time() < deadline, rt.engine_thread.load
         await asyncio.sleep(0.02)
 
 
@@ -38,21 +38,21 @@ async def test_refuses_when_the_queue_or_the_pool_is_full(bundled_dir):
     node = PrefillNode(cfg, rt)
     rt.loop_start(node.on_deltas, node.exporter)
     try:
-        total = rt.loop.stats.kv_blocks_total
+        total = rt.engine_thread.stats.kv_blocks_total
         assert node._refusal(task(20)) is None  # idle
         long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-        await rt.loop.submit(AddRequest("a", list(range(1, 16 * (total - 8))), long))  # most of the pool
+        await rt.engine_thread.submit(AddRequest("a", list(range(1, 16 * (total - 8))), long))  # most of the pool
         await settle(rt, lambda load: load.running == 1 and load.queued_prefill_tokens == 0)
         assert "KV pool full" in node._refusal(task(16 * 10))  # 10 blocks, at most 8 free
         assert node._refusal(task(20)) is None
-        await rt.loop.submit(AddRequest("b", list(range(1, 20)), long))  # max_num_seqs=1: it waits
+        await rt.engine_thread.submit(AddRequest("b", list(range(1, 20)), long))  # max_num_seqs=1: it waits
         await settle(rt, lambda load: load.waiting == 1)
         assert "wait here" in node._refusal(task(20))
         for rid in ("a", "b"):
-            assert await rt.loop.submit(AbortRequest(rid))
+            assert await rt.engine_thread.submit(AbortRequest(rid))
         await settle(rt, lambda load: load.running == load.waiting == 0)
         assert node._refusal(task(16 * 10)) is None
-        assert rt.loop.stats.kv_blocks_free == total
+        assert rt.engine_thread.stats.kv_blocks_free == total
     finally:
         await node.stop()
         rt.shutdown()

@@ -1,4 +1,4 @@
-"""The thread boundary of engine/engine_loop.py: only the engine thread touches the
+"""The thread boundary of engine/engine_thread.py: only the engine thread touches the
 engine. One check watches every attribute read of every EngineCore while a real
 prefill node and a real decode node serve a disaggregated request, scrape and
 abort; one check reads the source for code that could reach the engine."""
@@ -18,7 +18,7 @@ from splitserve.engine.engine_core import EngineCore
 from splitserve.node.runtime import build_app
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENGINE_THREAD = "engine"  # EngineLoop's thread name
+ENGINE_THREAD = "engine"  # EngineThread's thread name
 
 
 def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
@@ -85,7 +85,7 @@ def _attribute_names(tree: ast.AST) -> set[str]:
 
 def test_only_the_runtime_builds_an_engine_and_only_the_engine_loop_holds_it():
     """Outside engine/, EngineCore is built in one place (node/runtime.py) and handed to
-    the EngineLoop; nothing reaches for the EngineLoop's private engine."""
+    the EngineThread; nothing reaches for the EngineThread's private engine."""
     owners = {ROOT / "node" / "runtime.py"}
     for folder in ("node", "decode_node", "prefill_node", "router", "kvtransfer", "common"):
         for file in (ROOT / folder).rglob("*.py"):

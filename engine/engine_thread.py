@@ -1,4 +1,4 @@
-"""EngineLoop: runs an EngineCore on its own thread so that network I/O never
+"""EngineThread: runs an EngineCore on its own thread so that network I/O never
 stalls a step and a long forward pass never stalls the sockets.
 
 The boundary is strict. Only the engine thread touches the engine; the event loop
@@ -7,13 +7,13 @@ else crosses:
 
     event loop                                       engine thread
     ----------                                       -------------
-    await loop.submit(Command)      --queue-->       handled between steps, in order;
+    await et.submit(Command)        --queue-->       handled between steps, in order;
                                     <--result--      its return value (or exception)
     on_deltas([RequestDelta])       <--------------  after each step
     on_kv_events(events, None)      <--------------  prefix-cache events, after each pass
     request_kv_snapshot() --flag--> on_kv_events([], every cached hash)
     on_blocks(BlocksReady)          <--------------  prompt blocks packed for an ExportKV
-    loop.stats (EngineStats)        <--publishes---  a fresh immutable snapshot per pass
+    et.stats (EngineStats)          <--publishes---  a fresh immutable snapshot per pass
                                                      step_observer(SchedulerOutput, deltas, live)
                                                      runs ON the engine thread (step metrics)
 
@@ -35,11 +35,11 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
 
 A command runs even when its awaiting coroutine was cancelled meanwhile, so a
 request's owner ends it with ``AbortRequest`` (queued after anything it sent
-before): that frees whatever the earlier commands took. Events reach the loop in
+before): that frees whatever the earlier commands took. Events reach the event loop in
 engine order, so a request's ``BlocksReady`` events come before the delta that
 finishes it, and a snapshot replaces every event batch handed over before it.
 Callbacks run on the event loop; the engine thread never reads or writes loop
-state. The EngineLoop is the only holder of the engine once built: the event loop
+state. The EngineThread is the only holder of the engine once built: the event loop
 gets the engine's fixed facts (RequestLimits, the KV tensor the transfers use)
 before ``start()``, and everything else through the messages above
 (tests/test_thread_boundary.py pins this). Owns no sockets.
@@ -146,7 +146,7 @@ class BlockExporter(NamedTuple):
     on_ready: Callable[[BlocksReady], None]
 
 
-class EngineLoop:
+class EngineThread:
     def __init__(self, engine: EngineCore, aio_loop: asyncio.AbstractEventLoop,
                  on_deltas: Callable[[list[RequestDelta]], None],
                  on_kv_events: KVEventsCallback | None = None, exporter: BlockExporter | None = None,
@@ -220,7 +220,7 @@ class EngineLoop:
                 e.release(rid)  # a reservation never admitted (no-op once aborted above)
                 return found or held
             case ExportKV(rid, start):
-                assert self._exporter is not None, "ExportKV needs an EngineLoop built with an exporter"
+                assert self._exporter is not None, "ExportKV needs an EngineThread built with an exporter"
                 self._exports[rid] = start
                 return None
             case ResetPrefixCache():
