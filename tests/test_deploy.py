@@ -196,9 +196,17 @@ def parse_command(argv: list[str], monkeypatch):
     """Parse ``splitserve <argv>`` with the real CLI and build the component's frozen config
     (which checks the values), without starting anything."""
     built = []
-    monkeypatch.setattr(cli, "cmd_node", lambda a: built.append(
-        cli.node_config(a, "colocated" if a.command == "decode" and a.colocated else a.command)) or 0)
-    monkeypatch.setattr(cli, "cmd_router", lambda a: built.append(router_config(a)) or 0)
+
+    def node(a):
+        built.append(cli.node_config(a, "colocated" if a.command == "decode" and a.colocated else a.command))
+        return 0
+
+    def router(a):
+        built.append(router_config(a))
+        return 0
+
+    capture = {"prefill": node, "decode": node, "router": router}
+    monkeypatch.setattr(cli, "COMMANDS", tuple(c._replace(run=capture.get(c.name, c.run)) for c in cli.COMMANDS))
     assert cli.main(argv) == 0, argv
     return built[0]
 

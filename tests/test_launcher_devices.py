@@ -72,7 +72,8 @@ def test_backend_follows_the_placement_unless_given():
 def test_up_parses_the_device_flags(monkeypatch):
     from splitserve import cli
     seen = []
-    monkeypatch.setattr(cli, "cmd_up", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(cli, "COMMANDS", tuple(c._replace(run=lambda args: seen.append(args) or 0)
+                                               if c.name == "up" else c for c in cli.COMMANDS))
     assert cli.main(["up", "--device", "cuda", "--prefill-devices", "cuda:0", "--decode-devices", "cuda:1",
                      "--dtype", "float16", "--gpu-memory-utilization", "0.5"]) == 0
     ns = seen[0]
