@@ -176,18 +176,22 @@ class DecodeNode:
         self.streams[req.request_id] = queue
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
         driver = asyncio.create_task(self._drive(req, queue))
+        generated = False  # the engine finished it (stop, length): its driver is returning now
         try:
             await resp.prepare(request)
             while True:
                 delta: TokenDelta = await queue.get()
                 await resp.write(encode_frame(delta))
                 if delta.finish_reason is not None:
+                    generated = delta.finish_reason not in ("abort", "error")
                     break
             await resp.write_eof()
             return resp
         finally:  # client gone, handler cancelled, or done: nothing may leak
             self.streams.pop(req.request_id, None)
-            if not driver.done():
+            # A request that ends on its first token finishes while AddPrefilled's awaiter
+            # has yet to resume: let it count the transfer as owned rather than abort it.
+            if not driver.done() and not generated:
                 driver.cancel()
             await asyncio.shield(self._end(req.request_id, driver))
 

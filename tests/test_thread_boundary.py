@@ -1,7 +1,8 @@
 """The thread boundary of engine/engine_thread.py: only the engine thread touches the
 engine. One check watches every attribute read of every EngineCore while a real
-prefill node and a real decode node serve a disaggregated request, scrape and
-abort; one check reads the source for code that could reach the engine."""
+prefill node and a real decode node serve disaggregated requests (one of them ending
+on its first token, whose transfer must still count as owned), scrape and abort;
+one check reads the source for code that could reach the engine."""
 
 import ast
 import asyncio
@@ -11,7 +12,9 @@ import threading
 import msgspec
 from aiohttp.test_utils import TestServer
 
+from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
+from splitserve.common.model_metrics import sample_sum
 from splitserve.common.protocol import Abort, FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
@@ -56,6 +59,15 @@ def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
                     reader = FrameReader(TokenDelta)
                     async for chunk in r.content.iter_any():
                         frames.extend(reader.feed(chunk))
+                # one that ends on its first token (the prefill node's): its transfer is owned too
+                one = msgspec.structs.replace(req, request_id="r2", transfer_id="t2",
+                                              sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+                async with s.post(decode.make_url("/generate"), data=msgspec.msgpack.encode(one),
+                                  headers={"Content-Type": "application/msgpack"}) as r:
+                    assert r.status == 200
+                    await r.read()
+                async with s.get(decode.make_url("/metrics")) as r:
+                    metrics = await r.text()
                 for server in (prefill, decode):
                     for route in ("/metrics", "/debug/state", "/health"):
                         async with s.get(server.make_url(route)) as r:
@@ -68,9 +80,11 @@ def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
             watching.clear()
             await decode.close()
             await prefill.close()
-        return frames
+        return frames, metrics
 
-    frames = asyncio.run(body())
+    frames, metrics = asyncio.run(body())
+    assert sample_sum(metrics, names.KV_TRANSFERS, state="owned") == 2
+    assert sample_sum(metrics, names.KV_TRANSFERS, state="aborted") == 0
     assert frames[-1].finish_reason == "length"
     assert sum(len(f.token_ids) for f in frames) == 6
     engine_reads = [name for thread, name in seen if thread == ENGINE_THREAD]
