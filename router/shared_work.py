@@ -32,6 +32,7 @@ from ..common.kv_index import REDIS_ERRORS, KVIndex
 from .cache_aware import RecentWork
 
 log = logging.getLogger(__name__)
+STOP_WAIT_S = 1.0  # how long stop() waits for its cancelled tasks
 
 WORK_CHANNEL = "splitserve:routedwork"
 
@@ -68,7 +69,9 @@ class SharedWork:
         self.recent.listener = None
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # a listener stuck on a half-open connection (e.g. plain text to a TLS
+            # port, a wrong password mid-handshake) must not hold up the router's shutdown
+            await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
         self._tasks = []
 
     async def _flush(self) -> None:
