@@ -2,6 +2,7 @@
 others keep serving, the status endpoint counts it), and Ctrl-C drains and stops
 everything with exit status 0, leaving no /dev/shm segment."""
 
+import contextlib
 import json
 import os
 import re
@@ -83,9 +84,11 @@ def test_up_restarts_a_killed_node_and_ctrl_c_stops_cleanly():
             up.wait()
 
 
-def start_small_up(port: int, flags: list[str], env: dict[str, str] | None = None):
+@contextlib.contextmanager
+def small_up(port: int, flags: list[str], env: dict[str, str] | None = None):
     """``splitserve up`` with one decode node and no prefill node, started and waited
-    for until its banner is out: (the process, the lines it printed)."""
+    for until its banner is out: yields (the process, the lines it printed); killed on
+    the way out if the test did not stop it."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
     full_env.pop("SPLITSERVE_API_KEY", None)
     full_env.update(env or {})
@@ -93,14 +96,16 @@ def start_small_up(port: int, flags: list[str], env: dict[str, str] | None = Non
                            "--decode-nodes", "1", "--kv-cache-memory", "32MiB", *flags],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     lines: list[str] = []
-    deadline = time.monotonic() + 240
-    while not any("supervisor status" in ln for ln in lines):
-        if time.monotonic() > deadline or up.poll() is not None:
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            lines.append(up.stdout.readline().rstrip())
+        yield up, lines
+    finally:
+        if up.poll() is None:
             up.kill()
             up.wait()
-            raise AssertionError("\n".join(lines[-30:]))
-        lines.append(up.stdout.readline().rstrip())
-    return up, lines
 
 
 def _child_of(pid: int, parent: int) -> bool:
@@ -119,8 +124,7 @@ def test_up_api_key_reaches_the_router(how):
     port = free_port()
     flag = ["--api-key", key] if how == "flag" else []
     env = {"SPLITSERVE_API_KEY": f"{key},{'x' * 24}"} if how == "env" else {}
-    up, lines = start_small_up(port, flag, env)
-    try:
+    with small_up(port, flag, env) as (up, lines):
         assert key not in "\n".join(lines)  # the banner shows where the key goes, not the key
         url = f"http://127.0.0.1:{port}"
         assert get_json(f"{url}/health")["decode_nodes"] == 1
@@ -139,18 +143,13 @@ def test_up_api_key_reaches_the_router(how):
             assert status == want, (headers, status)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
 
 
 def test_up_router_replicas_prints_every_url_and_each_one_routes():
     """``up --router-replicas 2``: both routers are listed in the banner, see the node
     and serve completions; Ctrl-C stops both."""
     port = free_port()
-    up, lines = start_small_up(port, ["--router-replicas", "2"])
-    try:
+    with small_up(port, ["--router-replicas", "2"]) as (up, lines):
         replicas = [m.group(1) for ln in lines if (m := re.search(r"router replica: (http://\S+)/v1", ln))]
         assert len(replicas) == 1, lines
         for url in (f"http://127.0.0.1:{port}", replicas[0]):
@@ -158,7 +157,3 @@ def test_up_router_replicas_prints_every_url_and_each_one_routes():
             assert isinstance(completion(url), str)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
