@@ -41,10 +41,12 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
 
 The pair cost is a sum of a prefill-only and a decode-only term, so the joint
 minimum is the cheapest prefill node with the cheapest decode node: O(P + D), not
-O(P x D). The decode term is where the pair is chosen together: a decode node
-holding the prefix needs fewer blocks sent (the prefill node skips them), and the
-decision's predicted hit is C(p) (C(d) when d prefills itself), what the response
-will report: the prompt tokens not computed.
+O(P x D), and it runs as array operations over the nodes' heartbeat terms
+(router/node_terms.py, rebuilt when the node list changes), with the few nodes
+holding part of the prompt corrected one by one. The decode term is where the pair
+is chosen together: a decode node holding the prefix needs fewer blocks sent (the
+prefill node skips them), and the decision's predicted hit is C(p) (C(d) when d
+prefills itself), what the response will report: the prompt tokens not computed.
 
 No hot spot: a hit lowers a node's cost by at most the prompt's own work W with
 nothing cached, so a node whose load exceeds an idle node's by more than that (a
@@ -71,9 +73,12 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
+
 from ..common.registry import NodeInfo
 from .config import CacheAwareWeights
-from .policy import NO_CACHED, NO_INFLIGHT, Decision, split_roles
+from .node_terms import FleetTerms, RoleTerms
+from .policy import NO_CACHED, NO_INFLIGHT, Decision
 
 _TIE_EPS = 1e-9  # costs this close are equal
 
@@ -86,18 +91,22 @@ class CacheAware:
         self.w = weights or CacheAwareWeights()
         self._tie = itertools.count()
         self.recent = RecentWork(self.w.balance_half_life_s)
+        self._terms: FleetTerms | None = None  # of the last node list routed over
 
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None) -> Decision | None:
-        prefills, decodes = split_roles(nodes)
-        if not decodes:
+        terms = self._terms
+        if terms is None or not terms.describes(nodes):
+            terms = self._terms = FleetTerms.of(nodes)
+        prefills, decodes = terms.prefill, terms.decode
+        if not decodes.nodes:
             return None
         n = len(request_token_ids)
         turn = next(self._tie) if tie_key is None else tie_key
-        local = not prefills
+        local = not prefills.nodes
         now = time.monotonic()
         prefill, p_cost = _cheapest(prefills, self.prefill_costs(prefills, n, cached, inflight,
                                                                  inflight_tokens, now), turn)
@@ -106,7 +115,8 @@ class CacheAware:
         assert decode is not None  # decodes is not empty
         if prefill is not None and self.w.local_prefill_tokens > 0:
             # Skip the remote prefill when a decode node holds most of the prompt or it is short.
-            near = [d for d in decodes if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens]
+            near = RoleTerms.of([d for d in decodes.nodes
+                                 if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens])
             alone, a_cost = _cheapest(near, self.decode_costs(near, n, cached, inflight, True,
                                                               inflight_tokens), turn)
             if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
@@ -128,117 +138,116 @@ class CacheAware:
         new, ctx = prompt_len - self.w.cached_token * hit, self.w.cached_token * hit
         return new + self.w.attention * new * (ctx + new / 2)
 
-    def prefill_costs(self, prefills: Sequence[NodeInfo], prompt_len: int, cached: Mapping[str, int],
+    def prefill_costs(self, prefills: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                       inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
-                      now: float) -> list[float]:
-        """prefill(p) of the module docstring for every node of ``prefills``: one pass
-        over the nodes, the work term computed apart only for the nodes with a hit
-        (a handful; the rest share the uncached prompt's work)."""
+                      now: float) -> np.ndarray:
+        """[prefill nodes] prefill(p) of the module docstring: load and balance as array
+        operations, every node charged the uncached prompt's work, then the work and
+        balance terms corrected for the handful of nodes with a hit."""
         w = self.w
-        recent = self.recent.values(prefills, now)
-        mean = sum(recent) / len(recent) if recent else 0.0
+        recent = self.recent.values(prefills, now)  # [nodes]
+        mean = float(recent.sum()) / len(recent) if len(recent) else 0.0
         full = self.work(prompt_len, 0)
-        bal = w.balance  # balance_cost of an uncached prompt: per token above the mean
-        costs = [load + full + bal * (r - mean if r > mean else 0.0)
-                 for load, r in zip(_loads(prefills, inflight, inflight_tokens, w.prefill_request,
-                                           w.kv_usage, True), recent)]
-        if cached:
-            for i, p in enumerate(prefills):
-                hit = cached.get(p.node_id, 0)
-                if hit:
-                    r = recent[i]
-                    costs[i] += (self.work(prompt_len, hit) - full
-                                 + self.balance_cost(r - mean, prompt_len, hit)
-                                 - self.balance_cost(r - mean, prompt_len, 0))
+        costs = (_loads(prefills, inflight, inflight_tokens, w.prefill_request, w.kv_usage, True)
+                 + full + w.balance * np.maximum(recent - mean, 0.0))
+        index = prefills.index
+        for nid, hit in cached.items():
+            i = index.get(nid)
+            if i is not None and hit:
+                r = float(recent[i])
+                costs[i] += (self.work(prompt_len, hit) - full
+                             + self.balance_cost(r - mean, prompt_len, hit)
+                             - self.balance_cost(r - mean, prompt_len, 0))
         return costs
 
     def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
                      inflight: Mapping[str, int], inflight_tokens: Mapping[str, int]) -> float:
         """prefill(p) without the balance term: p's work for this prompt plus its load."""
-        load = _loads([p], inflight, inflight_tokens, self.w.prefill_request, self.w.kv_usage, True)[0]
-        return self.work(prompt_len, cached.get(p.node_id, 0)) + load
+        load = _loads(RoleTerms.of([p]), inflight, inflight_tokens, self.w.prefill_request,
+                      self.w.kv_usage, True)[0]
+        return self.work(prompt_len, cached.get(p.node_id, 0)) + float(load)
 
     def balance_cost(self, excess: float, prompt_len: int, hit: int) -> float:
         """A node ``excess`` tokens of recent work above the mean pays for it in
         proportion to the new work the request would bring (its uncached share)."""
         return self.w.balance * max(0.0, excess) * (prompt_len - hit) / prompt_len
 
-    def decode_costs(self, decodes: Sequence[NodeInfo], prompt_len: int, cached: Mapping[str, int],
+    def decode_costs(self, decodes: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                      inflight: Mapping[str, int], local_prefill: bool,
-                     inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> list[float]:
-        """decode(d) of the module docstring for every node of ``decodes``; with
-        ``local_prefill`` d prefills itself: its own prefill work and queue, fresh
-        from this router's in-flight work, replace the transfer."""
+                     inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> np.ndarray:
+        """[decode nodes] decode(d) of the module docstring; with ``local_prefill`` d
+        prefills itself: its own prefill work and queue, fresh from this router's
+        in-flight work, replace the transfer."""
         w = self.w
-        loads = _loads(decodes, inflight, inflight_tokens, w.decode_request, w.kv_usage, local_prefill)
+        costs = _loads(decodes, inflight, inflight_tokens, w.decode_request, w.kv_usage, local_prefill)
+        index = decodes.index
         if local_prefill:
-            return [load + self.work(prompt_len, cached.get(d.node_id, 0))
-                    for d, load in zip(decodes, loads)]
-        return [load + w.transfer * (prompt_len - cached.get(d.node_id, 0))
-                for d, load in zip(decodes, loads)]
+            costs += np.fromiter((self.work(prompt_len, cached.get(nid, 0)) for nid in decodes.ids),
+                                 np.float64, len(decodes.ids))
+            return costs
+        loads, tr = costs, w.transfer
+        costs = loads + tr * prompt_len
+        for nid, hit in cached.items():  # the nodes holding part of the prompt: fewer blocks to send
+            i = index.get(nid)
+            if i is not None and hit:
+                costs[i] = loads[i] + tr * (prompt_len - hit)
+        return costs
 
-    def decode_cost(self, d: NodeInfo, prompt_len: int, cached: Mapping[str, int],
-                    inflight: Mapping[str, int], local_prefill: bool,
-                    inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> float:
-        return self.decode_costs([d], prompt_len, cached, inflight, local_prefill, inflight_tokens)[0]
 
-
-def _loads(nodes: Sequence[NodeInfo], inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
-           per_request: float, per_kv: float, queue: bool) -> list[float]:
-    """Each node's load in token-equivalents: ``per_request`` x requests (the larger of
-    its heartbeat and this router's in-flight count) + ``per_kv`` x KV usage, plus,
-    with ``queue``, the prefill work ahead (queued prompt tokens or this router's
-    in-flight work there, the larger). One pass, no call per node."""
-    out = []
-    inf_get, tok_get = inflight.get, inflight_tokens.get
-    for n in nodes:
-        ld, nid = n.load, n.node_id
-        reqs = ld.running + ld.waiting
-        mine = inf_get(nid, 0)
-        cost = per_request * (reqs if reqs > mine else mine) + per_kv * ld.kv_usage
-        if queue:
-            q, t = ld.queued_prefill_tokens, tok_get(nid, 0)
-            cost += q if q > t else t
-        out.append(cost)
-    return out
+def _loads(terms: RoleTerms, inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
+           per_request: float, per_kv: float, queue: bool) -> np.ndarray:
+    """[nodes] each node's load in token-equivalents: ``per_request`` x requests (the
+    larger of its heartbeat and this router's in-flight count) + ``per_kv`` x KV usage,
+    plus, with ``queue``, the prefill work ahead (queued prompt tokens or this router's
+    in-flight work there, the larger)."""
+    cost = per_request * np.maximum(terms.requests, terms.per_node(inflight)) + per_kv * terms.kv_usage
+    if queue:
+        cost += np.maximum(terms.queued, terms.per_node(inflight_tokens))
+    return cost
 
 
 def _requests(node: NodeInfo, inflight: Mapping[str, int]) -> int:
     return max(node.load.running + node.load.waiting, inflight.get(node.node_id, 0))
 
 
-def _cheapest(nodes: Sequence[NodeInfo], costs: list[float], turn: int
-              ) -> tuple[NodeInfo | None, float]:
+def _cheapest(terms: RoleTerms, costs: np.ndarray, turn: int) -> tuple[NodeInfo | None, float]:
     """(the cheapest node, ties rotating with ``turn``, its cost); (None, inf) for none."""
-    if not nodes:
+    if not terms.nodes:
         return None, math.inf
-    best = min(costs)
-    tied = [i for i, c in enumerate(costs) if c <= best + _TIE_EPS]
-    return nodes[tied[turn % len(tied)]], best
+    best = float(costs.min())
+    tied = np.flatnonzero(costs <= best + _TIE_EPS)
+    return terms.nodes[int(tied[turn % len(tied)])], best
 
 
 class RecentWork:
     """node_id -> prompt tokens sent there to compute, each decaying with a half-life.
     ``listener(node_id, tokens)`` hears this router's own additions (router/shared_work.py
-    publishes them to the other replicas, whose entries come in through ``merge``)."""
+    publishes them to the other replicas, whose entries come in through ``merge``).
+
+    Every value is kept decayed to one common time base (``_base``), so reading all the
+    nodes at ``now`` takes one ``exp`` (the base's decay to now), not one per node; the
+    base moves forward (every value rescaled) once it is ``REBASE_HALF_LIVES`` behind a
+    new entry, before the growth factor of new entries could overflow."""
+
+    REBASE_HALF_LIVES = 64.0  # new entries weigh up to 2**64 x on the base: far from overflow
 
     def __init__(self, half_life_s: float):
         self.rate = math.log(2) / half_life_s
-        self._work: dict[str, tuple[float, float]] = {}  # node_id -> (value, monotonic time of value)
+        self._rebase_s = self.REBASE_HALF_LIVES * half_life_s
+        self._work: dict[str, float] = {}  # node_id -> value at the monotonic time _base
+        self._base: float | None = None
         self.listener: Callable[[str, float], None] | None = None
 
-    def values(self, nodes: Sequence[NodeInfo], now: float) -> list[float]:
-        """``get`` of every node, in one pass."""
-        work, rate, exp = self._work, self.rate, math.exp
-        out = []
-        for n in nodes:
-            v = work.get(n.node_id)
-            out.append(v[0] * exp(rate * (v[1] - now)) if v is not None else 0.0)
-        return out
+    def values(self, terms: RoleTerms, now: float) -> np.ndarray:
+        """[nodes] ``get`` of every node of ``terms``."""
+        if self._base is None:
+            return np.zeros(len(terms.ids))
+        return terms.per_node(self._work) * math.exp(self.rate * (self._base - now))
 
     def get(self, node_id: str, now: float) -> float:
-        value, at = self._work.get(node_id, (0.0, now))
-        return value * math.exp(-self.rate * (now - at))
+        if self._base is None:
+            return 0.0
+        return self._work.get(node_id, 0.0) * math.exp(self.rate * (self._base - now))
 
     def add(self, node_id: str, tokens: float, now: float) -> None:
         self.merge(node_id, tokens, now)
@@ -248,4 +257,17 @@ class RecentWork:
     def merge(self, node_id: str, tokens: float, at: float) -> None:
         """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly
         earlier than the last entry: the decay runs from ``at`` either way)."""
-        self._work[node_id] = (self.get(node_id, at) + tokens, at)
+        if self._base is None:
+            self._base = at
+        elif at - self._base > self._rebase_s:
+            decay = math.exp(self.rate * (self._base - at))
+            self._work = {k: v * decay for k, v in self._work.items()}
+            self._base = at
+        self._work[node_id] = self._work.get(node_id, 0.0) + tokens * math.exp(self.rate * (at - self._base))
+
+    def copy(self) -> "RecentWork":
+        """The same values, without the listener (a what-if choice that records nothing)."""
+        out = RecentWork.__new__(RecentWork)
+        out.rate, out._rebase_s, out._base, out.listener = self.rate, self._rebase_s, self._base, None
+        out._work = dict(self._work)
+        return out
