@@ -243,7 +243,7 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
         key = int(serve.hash_prompt(prompt)[-1])  # as dispatch breaks ties
         d = pols[id(serve)].choose(prompt, nodes, cached=serve.lookup(prompt, nodes).cached, tie_key=key)
         peek = CacheAware()  # the other router's policy with its history, choosing without recording
-        peek.recent._work = dict(pols[id(other)].recent._work)
+        peek.recent = pols[id(other)].recent.copy()
         o = peek.choose(prompt, nodes, cached=other.lookup(prompt, nodes).cached, tie_key=key)
         same += (d.prefill.node_id, d.decode.node_id) == (o.prefill.node_id, o.decode.node_id)
         await asyncio.sleep(1 / rate)

@@ -18,8 +18,10 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
             the new tokens' attention over it)
     reqs(n) max(running + waiting at n's last heartbeat, this router's in flight there)
     u(n)    n's KV usage, 0..1
-    R(p)    the W of the requests this policy sent to p, each decayed with a half-life
-            of w.balance_half_life_s; R_mean its mean over the prefill nodes
+    R(p)    the W of the requests sent to p (by this router and, through
+            router/shared_work.py, its replicas) at least w.balance_settle_s ago, each
+            decayed with a half-life of w.balance_half_life_s; R_mean its mean over
+            the prefill nodes
 
     prefill(p) = W(p)                                              work left for p
                + max(queued_prefill_tokens(p), in-flight work)     work ahead of it
@@ -68,6 +70,7 @@ way), else by a counter.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -90,7 +93,7 @@ class CacheAware:
     def __init__(self, weights: CacheAwareWeights | None = None):
         self.w = weights or CacheAwareWeights()
         self._tie = itertools.count()
-        self.recent = RecentWork(self.w.balance_half_life_s)
+        self.recent = RecentWork(self.w.balance_half_life_s, self.w.balance_settle_s)
         self._terms: FleetTerms | None = None  # of the last node list routed over
 
     def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
@@ -224,27 +227,40 @@ class RecentWork:
     ``listener(node_id, tokens)`` hears this router's own additions (router/shared_work.py
     publishes them to the other replicas, whose entries come in through ``merge``).
 
-    Every value is kept decayed to one common time base (``_base``), so reading all the
-    nodes at ``now`` takes one ``exp`` (the base's decay to now), not one per node; the
-    base moves forward (every value rescaled) once it is ``REBASE_HALF_LIVES`` behind a
-    new entry, before the growth factor of new entries could overflow."""
+    Reads at ``now`` count the entries sent by ``now - settle_s``: by then every router
+    replica has heard them (the pub/sub delay is milliseconds), so replicas deciding at
+    the same moment weigh the same work and choose alike; an entry younger than that
+    would count on the router that made it and not yet on the others. The balance term
+    works over minutes, so it loses nothing; a burst within the settle time is spread
+    by the in-flight work term, which is fresh.
+
+    Settled values are kept decayed to one common time base (``_base``), so reading all
+    the nodes takes one ``exp`` (the base's decay to now), not one per node; the base
+    moves forward (every value rescaled) once it is ``REBASE_HALF_LIVES`` behind a new
+    entry, before the growth factor of new entries could overflow. Reads must not go
+    back in time (settling is for good)."""
 
     REBASE_HALF_LIVES = 64.0  # new entries weigh up to 2**64 x on the base: far from overflow
 
-    def __init__(self, half_life_s: float):
+    def __init__(self, half_life_s: float, settle_s: float = 0.0):
         self.rate = math.log(2) / half_life_s
+        self.settle_s = settle_s
         self._rebase_s = self.REBASE_HALF_LIVES * half_life_s
-        self._work: dict[str, float] = {}  # node_id -> value at the monotonic time _base
+        self._work: dict[str, float] = {}  # node_id -> settled value at the monotonic time _base
         self._base: float | None = None
+        self._pending: list[tuple[float, str, float]] = []  # heap of (time, node_id, tokens) not settled
         self.listener: Callable[[str, float], None] | None = None
 
     def values(self, terms: RoleTerms, now: float) -> np.ndarray:
         """[nodes] ``get`` of every node of ``terms``."""
+        self._settle(now)
         if self._base is None:
             return np.zeros(len(terms.ids))
         return terms.per_node(self._work) * math.exp(self.rate * (self._base - now))
 
     def get(self, node_id: str, now: float) -> float:
+        """The work sent to ``node_id`` by ``now - settle_s``, decayed to ``now``."""
+        self._settle(now)
         if self._base is None:
             return 0.0
         return self._work.get(node_id, 0.0) * math.exp(self.rate * (self._base - now))
@@ -257,17 +273,23 @@ class RecentWork:
     def merge(self, node_id: str, tokens: float, at: float) -> None:
         """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly
         earlier than the last entry: the decay runs from ``at`` either way)."""
-        if self._base is None:
-            self._base = at
-        elif at - self._base > self._rebase_s:
-            decay = math.exp(self.rate * (self._base - at))
-            self._work = {k: v * decay for k, v in self._work.items()}
-            self._base = at
-        self._work[node_id] = self._work.get(node_id, 0.0) + tokens * math.exp(self.rate * (at - self._base))
+        heapq.heappush(self._pending, (at, node_id, tokens))
 
     def copy(self) -> "RecentWork":
         """The same values, without the listener (a what-if choice that records nothing)."""
-        out = RecentWork.__new__(RecentWork)
-        out.rate, out._rebase_s, out._base, out.listener = self.rate, self._rebase_s, self._base, None
-        out._work = dict(self._work)
+        out = RecentWork(math.log(2) / self.rate, self.settle_s)
+        out._work, out._base, out._pending = dict(self._work), self._base, list(self._pending)
         return out
+
+    def _settle(self, now: float) -> None:
+        """Fold the entries sent by ``now - settle_s`` into the settled values, oldest first."""
+        pending, horizon = self._pending, now - self.settle_s
+        while pending and pending[0][0] <= horizon:
+            at, node_id, tokens = heapq.heappop(pending)
+            if self._base is None:
+                self._base = at
+            elif at - self._base > self._rebase_s:
+                decay = math.exp(self.rate * (self._base - at))
+                self._work = {k: v * decay for k, v in self._work.items()}
+                self._base = at
+            self._work[node_id] = self._work.get(node_id, 0.0) + tokens * math.exp(self.rate * (at - self._base))

@@ -2,7 +2,10 @@
 base) makes the same decisions as the formula written out node by node, the way the
 policy computed it before (one ``exp`` per node for the recent work, a Python loop
 per node): on random fleets with random heartbeat loads, in-flight work, predicted
-hits and recent work, over a stream of decisions that each feed the balance term."""
+hits and recent work, over a stream of decisions that each feed the balance term
+(with ``balance_settle_s`` 0, as the node-by-node formula counted work at once).
+And router replicas that hear each other's work late still decide alike once it
+counts only after the settle time."""
 
 import itertools
 import math
@@ -105,7 +108,8 @@ def test_vectorised_cost_decides_as_node_by_node(seed, monkeypatch):
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # both sides at the same instants
     decisions = 0
     for _ in range(40):
-        w = CacheAwareWeights(local_prefill_tokens=rng.choice([0.0, 0.0, 512.0]),
+        w = CacheAwareWeights(balance_settle_s=0.0,  # the reference counts work at once
+                              local_prefill_tokens=rng.choice([0.0, 0.0, 512.0]),
                               balance=rng.choice([0.0, 2.0, 4.0]), balance_half_life_s=rng.choice([30.0, 300.0]))
         new, ref = CacheAware(w), NodeByNode(w)
         nodes = fleet(rng)
@@ -137,7 +141,8 @@ def test_vectorised_cost_decides_as_node_by_node(seed, monkeypatch):
 def test_recent_work_rebases_without_changing_values():
     """Far past the time base (64 half-lives), entries are rescaled to a new base: the
     values read the same, and no growth factor overflows after a long idle router."""
-    new, ref = CacheAware(CacheAwareWeights(balance_half_life_s=1.0)), NodeByNode(CacheAwareWeights(balance_half_life_s=1.0))
+    w = CacheAwareWeights(balance_half_life_s=1.0, balance_settle_s=0.0)
+    new, ref = CacheAware(w), NodeByNode(w)
     for at, nid, tokens in [(0.0, "p0", 1e6), (10.0, "p1", 5e5), (70.0, "p0", 2e3), (5000.0, "p2", 7.0),
                             (4999.5, "p1", 3.0)]:
         new.recent.merge(nid, tokens, at)
@@ -145,3 +150,41 @@ def test_recent_work_rebases_without_changing_values():
     for nid in ("p0", "p1", "p2", "p9"):
         assert new.recent.get(nid, 5001.0) == pytest.approx(ref.get(nid, 5001.0), rel=1e-12, abs=1e-300)
     assert new.recent.get("p2", 5000.0) == pytest.approx(7.0)
+
+
+def test_replicas_hearing_each_other_late_decide_alike(monkeypatch):
+    """Two routers take alternate requests; each hears the other's decisions 30 ms
+    late (a loaded pub/sub). Counting work at once, a router sometimes weighs its own
+    last decision that the other has not heard yet and they differ; with the settle
+    time above the delay, both weigh the same work and agree on every request."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+
+    def run(settle_s: float) -> float:
+        rng = random.Random(7)
+        nodes = [NodeInfo(node_id=f"p{i}", role="prefill", http_addr="http://h:1", model="m", epoch="e",
+                          load=NodeLoad(queued_prefill_tokens=rng.randrange(3000))) for i in range(16)]
+        nodes += [NodeInfo(node_id=f"d{i}", role="decode", http_addr="http://h:1", model="m", epoch="e")
+                  for i in range(4)]
+        w = CacheAwareWeights(balance_settle_s=settle_s)
+        routers = [CacheAware(w), CacheAware(w)]
+        in_flight: list[tuple[float, int, str, float]] = []  # (arrival, receiving router, node, work)
+        same = 0
+        for i in range(400):
+            clock[0] += 0.005  # 200 requests/s
+            for item in [m for m in in_flight if m[0] <= clock[0]]:
+                in_flight.remove(item)
+                routers[item[1]].recent.merge(item[2], item[3], item[0] - 0.03)
+            serve, other = routers[i % 2], routers[1 - i % 2]
+            L = rng.choice([2000, 8000, 30000])
+            cached = {f"p{rng.randrange(16)}": L // 2}
+            peek = CacheAware(w)
+            peek.recent = other.recent.copy()
+            d = serve.choose(range(L), nodes, cached=cached, tie_key=i)
+            o = peek.choose(range(L), nodes, cached=cached, tie_key=i)
+            same += d.prefill.node_id == o.prefill.node_id
+            in_flight.append((clock[0] + 0.03, 1 - i % 2, d.prefill.node_id, d.prefill_work))
+        return same / 400
+
+    assert run(0.0) < 0.99  # the last decisions not heard yet make them differ
+    assert run(0.1) == 1.0
