@@ -241,10 +241,12 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
         prompt = rng.choice(prompts)
         serve, other = (a, b) if i % 2 == 0 else (b, a)
         key = int(serve.hash_prompt(prompt)[-1])  # as dispatch breaks ties
-        d = pols[id(serve)].choose(prompt, nodes, cached=serve.lookup(prompt, nodes).cached, tie_key=key)
+        now = time.monotonic()  # both choose at this moment (the clock moves on while the first one works)
+        d = pols[id(serve)].choose(prompt, nodes, cached=serve.lookup(prompt, nodes).cached, tie_key=key,
+                                   now=now)
         peek = CacheAware()  # the other router's policy with its history, choosing without recording
         peek.recent = pols[id(other)].recent.copy()
-        o = peek.choose(prompt, nodes, cached=other.lookup(prompt, nodes).cached, tie_key=key)
+        o = peek.choose(prompt, nodes, cached=other.lookup(prompt, nodes).cached, tie_key=key, now=now)
         same += (d.prefill.node_id, d.decode.node_id) == (o.prefill.node_id, o.decode.node_id)
         await asyncio.sleep(1 / rate)
     for s in shared:

@@ -100,7 +100,9 @@ class CacheAware:
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-               tie_key: int | None = None) -> Decision | None:
+               tie_key: int | None = None, now: float | None = None) -> Decision | None:
+        """`RoutingPolicy.choose`; ``now``: the monotonic time of the decision (default:
+        the clock), which decides what recent work has settled."""
         terms = self._terms
         if terms is None or not terms.describes(nodes):
             terms = self._terms = FleetTerms.of(nodes)
@@ -110,7 +112,7 @@ class CacheAware:
         n = len(request_token_ids)
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         prefill, p_cost = _cheapest(prefills, self.prefill_costs(prefills, n, cached, inflight,
                                                                  inflight_tokens, now), turn)
         decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, local,
@@ -224,7 +226,7 @@ def _cheapest(terms: RoleTerms, costs: np.ndarray, turn: int) -> tuple[NodeInfo 
 
 class RecentWork:
     """node_id -> prompt tokens sent there to compute, each decaying with a half-life.
-    ``listener(node_id, tokens)`` hears this router's own additions (router/shared_work.py
+    ``listener(node_id, tokens, at)`` hears this router's own additions (router/shared_work.py
     publishes them to the other replicas, whose entries come in through ``merge``).
 
     Reads at ``now`` count the entries sent by ``now - settle_s``: by then every router
@@ -249,7 +251,7 @@ class RecentWork:
         self._work: dict[str, float] = {}  # node_id -> settled value at the monotonic time _base
         self._base: float | None = None
         self._pending: list[tuple[float, str, float]] = []  # heap of (time, node_id, tokens) not settled
-        self.listener: Callable[[str, float], None] | None = None
+        self.listener: Callable[[str, float, float], None] | None = None
 
     def values(self, terms: RoleTerms, now: float) -> np.ndarray:
         """[nodes] ``get`` of every node of ``terms``."""
@@ -268,7 +270,7 @@ class RecentWork:
     def add(self, node_id: str, tokens: float, now: float) -> None:
         self.merge(node_id, tokens, now)
         if self.listener is not None:
-            self.listener(node_id, tokens)
+            self.listener(node_id, tokens, now)
 
     def merge(self, node_id: str, tokens: float, at: float) -> None:
         """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly

@@ -54,9 +54,10 @@ class SharedWork:
     _queued: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
-    def record(self, node_id: str, work: float) -> None:
-        """A decision of this router sent ``work`` to ``node_id`` (already in `recent`)."""
-        self._queue.append((node_id, work, time.time()))
+    def record(self, node_id: str, work: float, at: float) -> None:
+        """A decision of this router sent ``work`` to ``node_id`` at monotonic time ``at``
+        (already in `recent`); shared with its wall time, the one the others settle it by."""
+        self._queue.append((node_id, work, time.time() - (time.monotonic() - at)))
         self._queued.set()
 
     def start(self) -> None:
