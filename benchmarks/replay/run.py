@@ -43,8 +43,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from .generate import summarize as trace_summary
 from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from ...common import metric_names as names
+from ...router.config import RouterConfig
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
+# The router closes a connection idle for its header timeout (aiohttp's keep-alive timer,
+# router/app.py); a request sent on it as it closes fails (ServerDisconnectedError) without
+# reaching the router. aiohttp's client keeps idle connections 15 s: drop them well before.
+KEEPALIVE_S = RouterConfig().header_timeout_s / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +133,7 @@ async def replay(requests: list[TraceRequest], url: str, model: str, speedup: fl
     t0_trace = requests[0].timestamp
     done = 0
     outcomes: list[Outcome | None] = [None] * len(requests)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
     async with aiohttp.ClientSession(url, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         async def one(i: int, req: TraceRequest):
