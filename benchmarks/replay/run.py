@@ -127,15 +127,20 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     return Outcome(True, ttft, time.perf_counter() - start, usage["prompt_tokens"], cached, "")
 
 
+def client_session(url: str, keepalive_s: float = KEEPALIVE_S) -> aiohttp.ClientSession:
+    """The replay's client: no connection limit, no overall timeout, idle connections
+    dropped after ``keepalive_s``, before the router would close them."""
+    return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
 async def replay(requests: list[TraceRequest], url: str, model: str, speedup: float,
                  max_output_tokens: int, hash_block: int = HASH_BLOCK) -> list[Outcome]:
     """Send every request at its timestamp / speedup; the outcomes in trace order."""
     t0_trace = requests[0].timestamp
     done = 0
     outcomes: list[Outcome | None] = [None] * len(requests)
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-    async with aiohttp.ClientSession(url, connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+    async with client_session(url) as session:
         async def one(i: int, req: TraceRequest):
             nonlocal done
             outcomes[i] = await send(session, "", model, prompt_tokens(req, hash_block=hash_block),
