@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--max-output-tokens", type=int, default=16)
     ap.add_argument("--out", default="routing", help="results/<out>.json and .png")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--router-arg", action="append", default=[],
+                    help="extra router argument, repeatable (e.g. --router-arg=--score-weights=balance=4)")
     args = ap.parse_args()
     import dataclasses
     from splitserve.benchmarks.replay.generate import PRESETS
@@ -93,12 +95,14 @@ def main() -> int:
         for policy in args.policies:
             r = run_replay(ReplayConfig(trace=str(path), prefill_nodes=size, policy=policy, speedup=speedup,
                                         kv_cache_memory=args.kv_cache_memory, fleet_procs=args.fleet_procs,
-                                        profile=args.profile, max_output_tokens=args.max_output_tokens))
+                                        profile=args.profile, max_output_tokens=args.max_output_tokens,
+                                        router_args=tuple(args.router_arg)))
             print_summary(r)
             runs[policy] = {k: v for k, v in r.items() if k != "per_request"}
         results[size] = {
             "oracle_hit_rate": info["oracle_hit_rate"], "trace": info, "speedup": speedup, "runs": runs,
             "preset": args.preset, "profile": args.profile, "rate_per_16": args.rate_per_16,
+            "router_args": args.router_arg,
         }
         if set(runs) == set(POLICIES):
             ca, rr, ll = runs["cache_aware"], runs["round_robin"], runs["least_load"]

@@ -63,6 +63,16 @@ class SimProfile:
             done += n
         return t
 
+    def policy_weights(self) -> dict[str, float]:
+        """cache_aware's weights that describe this deployment (router/config.py
+        CacheAwareWeights): ``attention``, the roofline's attention FLOPs per new x context
+        token over its FLOPs per token, and ``token_s``, the compute-bound seconds per prompt
+        token. Empty without a roofline (the defaults are this CPU's fit)."""
+        r = self.roofline
+        if r is None:
+            return {}
+        return {"attention": r.attn_flops / r.flops_per_token, "token_s": r.flops_per_token / r.flops_per_s}
+
     def summary(self) -> dict:
         sim = self.sim_config()
         return {

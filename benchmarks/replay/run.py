@@ -18,8 +18,11 @@ Reported (JSON with ``--result-json``):
 
 The router's clock is not compressed: its registry polls and heartbeats stay in
 wall-clock time. The one policy time constant, cache_aware's balance half-life,
-is divided by the speed-up so the policy remembers the same stretch of trace time
-(a later ``--router-arg=--score-weights=...`` replaces that).
+is divided by the speed-up so the policy remembers the same stretch of trace time;
+with ``--profile`` the policy's attention ratio and seconds per token are the
+profile's (``SimProfile.policy_weights``: the defaults are this CPU's fit, 16x the
+H100 profile's attention ratio). A later ``--router-arg=--score-weights=...``
+replaces all of that.
 
 Output lengths are capped because the figures are about routing and prefill: decode
 steps of the simulated nodes cost wall-clock time in this process's router and
@@ -264,13 +267,16 @@ def run_replay(cfg: ReplayConfig) -> dict:
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
-    half_life = CacheAwareWeights().balance_half_life_s / cfg.speedup
-    router_args = (f"--score-weights=balance_half_life_s={half_life:g}", *cfg.router_args)
-    if cfg.profile:  # the nodes' model: its context on the router too
+    weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / cfg.speedup}
+    profile_args: tuple[str, ...] = ()
+    if cfg.profile:  # the nodes' model: its context on the router too, and its cost ratios
         from ...common.sim_profiles import get_profile
+        profile = get_profile(cfg.profile)
         sim_args += ["--profile", cfg.profile]
-        router_args = ("--max-model-len", str(get_profile(cfg.profile).context),
-                       "--allow-long-max-model-len", *router_args)
+        profile_args = ("--max-model-len", str(profile.context), "--allow-long-max-model-len")
+        weights.update(profile.policy_weights())
+    router_args = (*profile_args, "--score-weights=" + ",".join(f"{k}={v:g}" for k, v in weights.items()),
+                   *cfg.router_args)
     cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
                          kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
     print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "
