@@ -46,6 +46,22 @@ def test_roofline_is_bandwidth_bound_for_decode_and_compute_bound_for_prefill():
         Roofline(1, 1, 1, 1, 0, 1, 0)
 
 
+def test_policy_weights_price_a_prefill_as_the_roofline_times_it():
+    """cache_aware's work W = new + attention x new x (ctx + new / 2), times token_s, is
+    the profile's compute-bound prefill step (the router weighs hits as the nodes pay)."""
+    from splitserve.router.cache_aware import CacheAware
+    from splitserve.router.config import CacheAwareWeights
+
+    p = get_profile("llama3-8b-h100")
+    w = CacheAwareWeights(**p.policy_weights())
+    policy = CacheAware(w)
+    for prompt, hit in ((8192, 0), (32768, 24576), (100_000, 90_000)):
+        step = p.roofline.step_seconds(0, 0, [(prompt - hit, hit)]) - p.roofline.step_overhead_s
+        assert policy.work(prompt, hit) * w.token_s == pytest.approx(step, rel=1e-9)
+    assert w.attention < CacheAwareWeights().attention / 10  # the CPU fit overweighs attention 16x
+    assert get_profile("smollm2-135m-cpu").policy_weights() == {}
+
+
 def test_bad_profile_file_names_the_profile(tmp_path):
     text = PROFILES_FILE.read_text()
     path = tmp_path / "p.toml"
