@@ -36,9 +36,9 @@ class CacheAwareWeights:
     # prefixes; this caps how far one node's share runs ahead of the others'
     balance: float = 2.0
     balance_half_life_s: float = 300.0  # conversations last minutes
-    # Recent work counts once this old: every router replica has heard it by then
-    # (router/shared_work.py; the pub/sub delay is milliseconds), so replicas deciding at
-    # the same moment weigh the same work and agree; bursts are spread by in-flight work.
+    # With router replicas (another router's work heard, router/shared_work.py), recent work
+    # counts once this old: every replica has heard it by then (the pub/sub delay is
+    # milliseconds), so replicas deciding at the same moment weigh the same work and agree.
     balance_settle_s: float = 0.1
     # The decode node prefills itself (no remote prefill) when at most this many prompt
     # tokens are not in its cache (a short prompt, or one it mostly holds) and that is

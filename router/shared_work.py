@@ -9,8 +9,9 @@ cache_aware's balance term (`RecentWork` in router/cache_aware.py).
                                    own echo is skipped)
 
 Each replica's RecentWork is then everyone's recent work, up to the pub/sub delay,
-so replicas weigh a node's share of the work alike and make the same
-choice for the same prompt. Redis unreachable (or a message lost): a router counts
+which its settle time (``balance_settle_s``, on once another router is heard) waits
+out, so replicas weigh a node's share of the work alike and make the same choice for
+the same prompt. Redis unreachable (or a message lost): a router counts
 what it hears, at worst only its own decisions, the balance term from its share of
 the traffic; decisions never wait on Redis.
 
@@ -112,6 +113,7 @@ class SharedWork:
             await asyncio.sleep(self.retry_s)
 
     def _apply(self, items: list[tuple[str, float, float]]) -> None:
+        self.recent.replicas = True  # from now on, work counts once every replica has heard it
         mono, wall = time.monotonic(), time.time()
         for node_id, work, at in items:
             self.recent.merge(node_id, work, mono - max(0.0, wall - at))

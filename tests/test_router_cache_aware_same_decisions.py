@@ -3,8 +3,8 @@ base) makes the same decisions as the formula written out node by node, the way 
 policy computed it before (one ``exp`` per node for the recent work, a Python loop
 per node): on random fleets with random heartbeat loads, in-flight work, predicted
 hits and recent work, over a stream of decisions that each feed the balance term
-(with ``balance_settle_s`` 0, as the node-by-node formula counted work at once).
-And router replicas that hear each other's work late still decide alike once it
+(a router alone counts its work at once, as the node-by-node formula does). And
+router replicas that hear each other's work late still decide alike once it
 counts only after the settle time."""
 
 import itertools
@@ -108,8 +108,7 @@ def test_vectorised_cost_decides_as_node_by_node(seed, monkeypatch):
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # both sides at the same instants
     decisions = 0
     for _ in range(40):
-        w = CacheAwareWeights(balance_settle_s=0.0,  # the reference counts work at once
-                              local_prefill_tokens=rng.choice([0.0, 0.0, 512.0]),
+        w = CacheAwareWeights(local_prefill_tokens=rng.choice([0.0, 0.0, 512.0]),
                               balance=rng.choice([0.0, 2.0, 4.0]), balance_half_life_s=rng.choice([30.0, 300.0]))
         new, ref = CacheAware(w), NodeByNode(w)
         nodes = fleet(rng)
@@ -141,7 +140,7 @@ def test_vectorised_cost_decides_as_node_by_node(seed, monkeypatch):
 def test_recent_work_rebases_without_changing_values():
     """Far past the time base (64 half-lives), entries are rescaled to a new base: the
     values read the same, and no growth factor overflows after a long idle router."""
-    w = CacheAwareWeights(balance_half_life_s=1.0, balance_settle_s=0.0)
+    w = CacheAwareWeights(balance_half_life_s=1.0)
     new, ref = CacheAware(w), NodeByNode(w)
     for at, nid, tokens in [(0.0, "p0", 1e6), (10.0, "p1", 5e5), (70.0, "p0", 2e3), (5000.0, "p2", 7.0),
                             (4999.5, "p1", 3.0)]:
@@ -168,6 +167,8 @@ def test_replicas_hearing_each_other_late_decide_alike(monkeypatch):
                   for i in range(4)]
         w = CacheAwareWeights(balance_settle_s=settle_s)
         routers = [CacheAware(w), CacheAware(w)]
+        for r in routers:
+            r.recent.replicas = True  # as shared_work.py sets once it hears the other
         in_flight: list[tuple[float, int, str, float]] = []  # (arrival, receiving router, node, work)
         same = 0
         for i in range(400):

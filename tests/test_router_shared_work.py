@@ -33,6 +33,7 @@ async def test_replicas_see_each_others_recent_work(redis_url):
         a.recent.add("p1", 250.0, now)
         b.recent.add("p1", 500.0, now)
         await until(lambda: sb.received == 2 and sa.received == 1)
+        assert a.recent.replicas and b.recent.replicas  # each heard the other: work settles
         now = time.monotonic() + a.recent.settle_s  # work counts once every replica has heard it
         for node, want in (("p0", 1000.0), ("p1", 750.0)):
             assert a.recent.get(node, now) == pytest.approx(want, rel=1e-3)
@@ -52,6 +53,9 @@ async def test_without_redis_a_router_counts_its_own_work():
         c.recent.add("p0", 100.0, time.monotonic())
         await asyncio.sleep(0.3)  # a flush that fails and a listener that retries
         assert c.recent.get("p0", time.monotonic()) == pytest.approx(100.0, rel=1e-3)
+        assert not c.recent.replicas  # alone: its work counts at once
+        c.recent.add("p1", 50.0, time.monotonic())
+        assert c.recent.get("p1", time.monotonic()) == pytest.approx(50.0, rel=1e-3)
     finally:
         await s.stop()
         await s.index.close()

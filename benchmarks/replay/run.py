@@ -17,11 +17,9 @@ Reported (JSON with ``--result-json``):
                    requests with long cached prefixes are cheap, so this spreads wider
 
 The router's clock is not compressed: its registry polls and heartbeats stay in
-wall-clock time. The policy's time constants, cache_aware's balance half-life and
-settle time, are divided by the speed-up so that they span the same stretch of trace
-time (the nodes' steps are compressed: an unscaled settle time would leave a node's
-finished prefills out of both its in-flight and its recent work for 5x longer, in
-trace time, than in a real deployment);
+wall-clock time. The one policy time constant, cache_aware's balance half-life,
+is divided by the speed-up so the policy remembers the same stretch of trace time
+(its settle time applies only between router replicas; the replay runs one router);
 with ``--profile`` the policy's attention ratio and seconds per token are the
 profile's (``SimProfile.policy_weights``: the defaults are this CPU's fit, 16x the
 H100 profile's attention ratio). A later ``--router-arg=--score-weights=...``
@@ -270,9 +268,7 @@ def run_replay(cfg: ReplayConfig) -> dict:
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
-    default = CacheAwareWeights()
-    weights = {"balance_half_life_s": default.balance_half_life_s / cfg.speedup,
-               "balance_settle_s": default.balance_settle_s / cfg.speedup}
+    weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / cfg.speedup}
     profile_args: tuple[str, ...] = ()
     if cfg.profile:  # the nodes' model: its context on the router too, and its cost ratios
         from ...common.sim_profiles import get_profile
