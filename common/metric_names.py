@@ -42,6 +42,7 @@ ROUTER_NODES = PREFIX + "router_nodes"  # gauge, label role: live nodes of the m
 ROUTING_DECISIONS = PREFIX + "routing_decisions_total"  # counter, labels node_id, role
 LOCAL_PREFILL_DECISIONS = PREFIX + "local_prefill_decisions_total"  # counter
 ROUTING_DECISION_SECONDS = PREFIX + "routing_decision_seconds"  # histogram
+ROUTER_EVENT_LOOP_LAG = PREFIX + "router_event_loop_lag_seconds"  # histogram: timer wake-up delay
 REDIS_ERRORS = PREFIX + "redis_errors_total"  # counter, label op
 PREFIX_INDEX_LOOKUPS = PREFIX + "prefix_index_lookups_total"  # counter, label result
 # Predicted versus delivered prefix-cache hits of the routing decisions, in prompt tokens.
