@@ -22,12 +22,13 @@ Workloads, the same requests for both setups within a round, fresh random token 
 KV transfer rate: the prefill node's ``kv_bytes_sent_total`` / ``kv_send_seconds_total``
 over the ttft workloads (one transfer at a time; each send timed from its first frame to
 its last acknowledgement, the block packing on the engine thread left out), against a
-device-to-device copy measured once the clusters are gone (bytes copied per second).
+device-to-device copy measured before the clusters start (bytes copied per second).
 
 Targets (issue 11): TTFT p50 disaggregated / colocated <= 1.10 at 2048 and 8000 tokens;
 short TPOT p99 disaggregated / colocated <= 0.5; the transfer rate beside the copy rate.
 Records device name, driver, torch and CUDA versions and the command line; writes
-``benchmarks/results/gpu_serving.json`` and ``.png`` (gpu_serving_report.py). Without CUDA
+``benchmarks/results/gpu_serving.json`` and ``.png`` (gpu_serving_report.py) after every round, so
+a run cut short keeps the rounds it finished. Without CUDA
 it says so and exits 0, writing nothing. ``--smoke``: the same path on the CPU with a tiny
 random Llama (the bundled tokenizer), shm KV, 256/512-token prompts and a few requests;
 it writes only to ``--out`` (default: the temp folder), never to benchmarks/results.
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("SPLITSERVE_QUIET", "1")
     tok = load_tokenizer(None)
-    rounds, errors = [], []
+    copy_gb_s, env = device_figures(plan.device, a.smoke)
+    rounds, errors, complete = [], [], False
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp)) if a.smoke else None
         for rnd in range(plan.rounds):
@@ -206,12 +208,24 @@ def main(argv=None) -> int:
                     print(f"error: {setup} left out of round {rnd + 1}: {e}", file=sys.stderr, flush=True)
                     errors.append(f"round {rnd + 1} {setup}: {e}")
             rounds.append(got)
-    copy_bytes = (64 << 20) if a.smoke else (1 << 30)
-    copy_gb_s = copy_bandwidth(plan.device, copy_bytes) / 2 / 1e9  # bytes copied per second
-    print(f"device copy: {copy_gb_s:.1f} GB/s ({copy_bytes >> 20} MiB, bytes copied per second)", flush=True)
-    env = environment(argparse.Namespace(device=plan.device))
-    complete = report(out, plan, rounds, errors, copy_gb_s, env, a.smoke)
+            # after every round: a run cut short (a device lease ending) still leaves its figures
+            complete = report(out, plan, rounds, errors, copy_gb_s, env, a.smoke)
     return 0 if complete else 1
+
+
+def device_figures(device: str, smoke: bool) -> tuple[float, dict]:
+    """(device copy GB/s, the environment record), before any cluster starts; the copy's
+    buffers go back to the device so that the nodes' pools get the memory ``up`` gives them."""
+    import torch
+
+    nbytes = (64 << 20) if smoke else (1 << 30)
+    copy_gb_s = copy_bandwidth(device, nbytes) / 2 / 1e9  # bytes copied per second (read + write / 2)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    env = environment(argparse.Namespace(device=device))
+    print(f"{env['device_name']}: device copy {copy_gb_s:.1f} GB/s ({nbytes >> 20} MiB, bytes copied per second)",
+          flush=True)
+    return copy_gb_s, env
 
 
 if __name__ == "__main__":
