@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 from splitserve.benchmarks.bench_gpu_engine import copy_bandwidth, environment
 from splitserve.benchmarks.gpu_serving_report import SETUPS, report
+from splitserve.benchmarks.serve import EndpointError
 from splitserve.benchmarks.serve.datasets import bundled_tokenizer_dir, load_tokenizer, random_specs
 from splitserve.benchmarks.side_by_side import (MixedShape, Workload, check_alive, mixed_workload, node_counters,
                                                 run_workload, warm_endpoint)
@@ -75,7 +76,10 @@ class Plan(NamedTuple):
     ttft_lens: tuple[int, ...]
     ttft_requests: int
     mixed: MixedShape
-    node_args: tuple[str, ...]
+    node_args: tuple[str, ...]  # extra flags for every node
+    kv_backend: str | None  # None: what up picks (ipc on CUDA), shm with --smoke
+    dtype: str  # the nodes' --dtype
+    gpu_memory_utilization: float | None  # None: deploy/local.toml's, split among a GPU's nodes
 
 
 def resolve(a: argparse.Namespace) -> Plan:
@@ -87,7 +91,8 @@ def resolve(a: argparse.Namespace) -> Plan:
                        long_start=pick(a.long_start, 0.5, 0.02), long_interval=pick(a.long_interval, 0.5, 0.1))
     return Plan(device=pick(a.device, "cuda", "cpu"), rounds=pick(a.rounds, 3, 1),
                 ttft_lens=tuple(pick(a.ttft_lens, (2048, 8000), (256, 512))),
-                ttft_requests=pick(a.ttft_requests, 20, 3), mixed=mixed, node_args=tuple(shlex.split(a.node_args)))
+                ttft_requests=pick(a.ttft_requests, 20, 3), mixed=mixed, node_args=tuple(shlex.split(a.node_args)),
+                kv_backend=a.kv_backend, dtype=a.dtype, gpu_memory_utilization=a.gpu_memory_utilization)
 
 
 def workloads(plan: Plan, tok, seed: int) -> tuple[dict[str, Workload], list]:
@@ -102,17 +107,17 @@ def workloads(plan: Plan, tok, seed: int) -> tuple[dict[str, Workload], list]:
     return loads, warm
 
 
-def cluster_kwargs(setup: str, a: argparse.Namespace, plan: Plan, model: str | None) -> dict:
+def cluster_kwargs(setup: str, plan: Plan, model: str | None) -> dict:
     """``Cluster`` arguments of a setup: on CUDA the devices and KV backend ``up --device``
     picks, on the CPU (--smoke) shm as ``up`` does."""
     nodes = dict(prefill_nodes=1, decode_nodes=1) if setup == "disaggregated" else dict(
         prefill_nodes=0, decode_nodes=1, colocated=True)
     common = dict(model=model, extra_node_args=plan.node_args)
     if plan.device == "cpu":
-        return dict(nodes, kv_backend="shm", kv_cache_memory="64MiB", **common)
+        return dict(nodes, kv_backend=plan.kv_backend or "shm", kv_cache_memory="64MiB", **common)
     defaults = tomllib.loads(DEFAULT_CONFIG.read_text())["cluster"]
-    devices = plan_devices(plan.device, None, None, None, defaults["kv_backend"], dtype=a.dtype,
-                           gpu_memory_utilization=a.gpu_memory_utilization,
+    devices = plan_devices(plan.device, None, None, plan.kv_backend, defaults["kv_backend"], dtype=plan.dtype,
+                           gpu_memory_utilization=plan.gpu_memory_utilization,
                            default_utilization=defaults["gpu_memory_utilization"])
     return dict(nodes, kv_backend=devices.kv_backend, devices=devices, **common)
 
@@ -123,7 +128,8 @@ async def measure(c: Cluster, setup: str, loads: dict[str, Workload], warm: list
     got, deltas = {}, {}
     for name, w in loads.items():
         before = node_counters(c, COUNTERS)
-        got[name] = r, s = await run_workload(ep, f"{setup} {name}", w, tok)
+        got[name] = await run_workload(ep, f"{setup} {name}", w, tok)
+        s = got[name][1]
         after = node_counters(c, COUNTERS)
         deltas[name] = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
         short = s.by_tag.get("short")
@@ -134,11 +140,11 @@ async def measure(c: Cluster, setup: str, loads: dict[str, Workload], warm: list
     return got, deltas
 
 
-def run_setup(setup: str, a, plan: Plan, loads, warm, tok, model: str | None) -> dict:
+def run_setup(setup: str, plan: Plan, loads: dict[str, Workload], warm: list, tok, model: str | None) -> dict:
     """One setup of one round: its results, counter deltas and node command lines."""
     t0 = time.monotonic()
     print(f"=== {setup}: starting redis, router and nodes", flush=True)
-    with Cluster(**cluster_kwargs(setup, a, plan, model)) as c:
+    with Cluster(**cluster_kwargs(setup, plan, model)) as c:
         print(f"  {setup}: up after {time.monotonic() - t0:.0f} s", flush=True)
         got, deltas = asyncio.run(measure(c, setup, loads, warm, tok))
         commands = {p.name: p.args for p in c.procs}
@@ -176,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--long-input", type=int, default=None, help="default 8000")
     ap.add_argument("--long-start", type=float, default=None, help="s (default 0.5)")
     ap.add_argument("--long-interval", type=float, default=None, help="s between long prompts (default 0.5)")
+    ap.add_argument("--kv-backend", default=None, help="as up's flag (default: ipc on CUDA, shm with --smoke)")
     ap.add_argument("--node-args", default="", help="extra flags for every node, e.g. '--enforce-eager'")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help=f"JSON path (default {OUT}; with --smoke the temp folder)")
@@ -203,8 +210,8 @@ def main(argv=None) -> int:
             got = {}
             for setup in order:
                 try:
-                    got[setup] = run_setup(setup, a, plan, loads, warm, tok, model)
-                except RuntimeError as e:  # did not start, or a member died: keep the others
+                    got[setup] = run_setup(setup, plan, loads, warm, tok, model)
+                except (RuntimeError, EndpointError) as e:  # did not start, or a member died: keep the others
                     print(f"error: {setup} left out of round {rnd + 1}: {e}", file=sys.stderr, flush=True)
                     errors.append(f"round {rnd + 1} {setup}: {e}")
             rounds.append(got)

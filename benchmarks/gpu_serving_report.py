@@ -122,6 +122,9 @@ def table(f: dict) -> str:
     c = f["disaggregation_check"]
     rows.append(f"disaggregated: {c['transfers_owned']:.0f} transfers owned, {c['transfers_failed']:.0f} failed, "
                 f"{c['fallback_prefills']:.0f} local-prefill fallbacks")
+    if c["fallback_prefills"] or c["transfers_failed"]:
+        rows.append("WARNING: some disaggregated requests were prefilled on the decode node after all: those "
+                    "figures are not disaggregation's (see the nodes' logs without SPLITSERVE_QUIET=1)")
     return "\n".join(rows)
 
 
@@ -161,7 +164,7 @@ def plot(path: Path, f: dict, title: str) -> None:
 def report(out: Path, plan, rounds: list[dict], errors: list[str], copy_gb_s: float, env: dict,
            smoke: bool) -> bool:
     """Print the table, write ``out`` and its PNG; True when every figure was measured with
-    no failed request and no setup left out."""
+    no failed request, no setup left out and no disaggregated request prefilled locally."""
     f = figures(plan, rounds, copy_gb_s)
     print(table(f), flush=True)
     pooled = pool([{s: r["results"] for s, r in got.items()} for got in rounds])
@@ -182,4 +185,6 @@ def report(out: Path, plan, rounds: list[dict], errors: list[str], copy_gb_s: fl
     failed = sum(sum(t["failed"].values()) for t in f["ttft"].values()) + sum(f["mixed"]["failed"].values())
     measured = [t["disagg_over_colocated"] for t in f["ttft"].values()] + [
         f["mixed"]["disagg_over_colocated"], f["kv_transfer"]["gb_s"]]
-    return not errors and not failed and all(x is not None for x in measured)
+    check = f["disaggregation_check"]
+    fell_back = check["fallback_prefills"] or check["transfers_failed"]
+    return not errors and not failed and not fell_back and all(x is not None for x in measured)
