@@ -128,7 +128,8 @@ async def measure(c: Cluster, setup: str, loads: dict[str, Workload], warm: list
     got, deltas = {}, {}
     for name, w in loads.items():
         before = node_counters(c, COUNTERS)
-        got[name] = await run_workload(ep, f"{setup} {name}", w, tok)
+        # a bar on a terminal; piped (a device machine's log) the per-workload lines below suffice
+        got[name] = await run_workload(ep, f"{setup} {name}", w, tok, progress=sys.stderr.isatty())
         s = got[name][1]
         after = node_counters(c, COUNTERS)
         deltas[name] = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
