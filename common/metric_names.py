@@ -72,6 +72,10 @@ HEARTBEAT_FAILURES = PREFIX + "node_heartbeat_failures"  # gauge: consecutive fa
 # ---- nodes: disaggregation ---------------------------------------------------------------------
 PREFILL_REQUESTS = PREFIX + "prefill_requests_total"  # counter, label outcome (prefill node)
 KV_BLOCKS_SENT = PREFIX + "kv_blocks_sent_total"  # counter (prefill node)
+KV_BYTES_SENT = PREFIX + "kv_bytes_sent_total"  # counter (prefill node): block bytes acknowledged
+# counter (prefill node): seconds spent in sends, first frame out to last ack; bytes / seconds
+# is the transport's rate while it runs (the gaps while chunks compute left out)
+KV_SEND_SECONDS = PREFIX + "kv_send_seconds_total"
 KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (decode node)
 KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason

@@ -25,6 +25,7 @@ instead of waiting out its lease.
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -66,6 +67,7 @@ class PrefillNode:
         m = runtime.metrics
         self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
+        self.m_bytes, self.m_send_seconds = m.bytes_sent, m.send_seconds
 
     def _sender(self, backend: str):
         if backend not in self.senders:
@@ -182,9 +184,12 @@ class PrefillNode:
         sent = 0
         while (item := await o.queue.get()) is not None:
             dests, packed = item
+            start = time.perf_counter()
             await sender.send_blocks(o.task.kv_addr, o.task.transfer_id, list(zip(dests, self.store.split(packed))))
+            self.m_send_seconds.inc(time.perf_counter() - start)
             sent += len(dests)
             self.m_blocks.inc(len(dests))
+            self.m_bytes.inc(len(dests) * self.rt.layout.block_nbytes)
         return sent
 
     def _check(self, task: PrefillRequest, prompt: list[int]) -> None:
