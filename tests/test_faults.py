@@ -218,15 +218,19 @@ def test_kill_decode_under_load_fails_only_its_requests_fast(cluster):
     async def scenario():
         load = asyncio.create_task(run_load(cluster.url, rate=2, duration_s=8, prompts=PROMPTS, max_tokens=24))
         await asyncio.sleep(3)
+        t_state = time.monotonic()
         async with aiohttp.ClientSession() as s:
             st = await s.get(f"{cluster.node('decode-0').addr}/debug/state", headers=cluster.auth_headers())
             inflight = (await st.json())["streams"]
         t_kill = time.monotonic()
         os.killpg(old, signal.SIGKILL)
-        return t_kill, inflight, await load
-    t_kill, inflight, results = run(scenario())
+        return t_state, t_kill, inflight, await load
+    t_state, t_kill, inflight, results = run(scenario())
     failed = [r for r in results if r.outcome is not Outcome.OK]
-    assert len(failed) <= inflight, [r.error for r in failed]
+    # its streams when the state was read, and any request sent while that read ran (on a
+    # loaded machine the kill can come a while after the read)
+    late = sum(t_state <= r.started < t_kill for r in results)
+    assert len(failed) <= inflight + late, [r.error for r in failed]
     assert all(r.started < t_kill and r.ended - t_kill < 2.0 for r in failed), \
         [(r.started - t_kill, r.ended - t_kill, r.error) for r in failed]
     wait_back(cluster, "decode-0", old)
