@@ -13,14 +13,17 @@ Then, in this process pinned to one core:
 
 - decisions: the router's work per request on 100k-token prompts (each a held
   conversation plus a new turn, or a new conversation sharing only the system
-  prompt), given the prompt's token ids: the block hashes, computed once
-  (``PrefixIndex.hash_prompt``), the mirror lookup over them (no I/O), ``cache_aware``
-  over every node ("decision"), then the msgpack `GenerateRequest` carrying the
-  hashes to the nodes ("routed"). Per second of that work, p50/p99, and each part's
-  p50. Parsing the client's JSON body (``prepare.decode_body``) is timed apart
-  (``parse_body_p50_ms``): it is per-request work too, but proportional to the body
-  and the same for every policy; tokenizing a text prompt is not measured. Socket
-  I/O (aiohttp) is not in these figures.
+  prompt), as ``Dispatcher.open`` does it from the `Prompt` that request preparation
+  validated (the client's list read once into a u32 array): the block hashes over
+  that array (``PrefixIndex.hash_prompt``, once per request), the mirror lookup over
+  them (no I/O), ``cache_aware`` over every node ("decision"), then the msgpack
+  `GenerateRequest` carrying the prompt's bytes and the hashes to the nodes
+  ("routed"). Per second of that work, p50/p99, and each part's p50. Preparing the
+  client's JSON body (``prepare.prepare_completion``: parse, shape check, the ids
+  validated and read into the array) is timed apart (``parse_body_p50_ms``, with its
+  parts): it is per-request work too, but proportional to the body and the same for
+  every policy; tokenizing a text prompt is not measured. Socket I/O (aiohttp) is not
+  in these figures.
 - agreement: two routers take alternate requests of a steady stream, each with its
   own mirror and policy history; the share of requests for which the other router
   would have made the same (prefill, decode) choice.
@@ -50,17 +53,18 @@ RESULTS = Path(__file__).parent / "results"
 MODEL = "bench-model"
 BS = 16
 SYSTEM_TOKENS = 2048
+VOCAB = 49152  # token ids are drawn below it: the bundled tokenizer validates the parsed bodies
 
 
 def conversations(n: int, rng: random.Random) -> list[list[int]]:
     """``n`` token sequences of ~100k tokens: system prompt + shared document + turns."""
-    system = [rng.randrange(100, 50000) for _ in range(SYSTEM_TOKENS)]
-    docs = [[rng.randrange(100, 50000) for _ in range(rng.randrange(20000, 60000))]
+    system = [rng.randrange(100, VOCAB) for _ in range(SYSTEM_TOKENS)]
+    docs = [[rng.randrange(100, VOCAB) for _ in range(rng.randrange(20000, 60000))]
             for _ in range(max(1, n // 3))]
     out = []
     for _ in range(n):
         doc = rng.choice(docs)
-        turns = [rng.randrange(100, 50000) for _ in range(100_000 - SYSTEM_TOKENS - len(doc))]
+        turns = [rng.randrange(100, VOCAB) for _ in range(100_000 - SYSTEM_TOKENS - len(doc))]
         out.append(system + doc + turns)
     return out
 
@@ -136,47 +140,45 @@ async def caught_up(pxs, state, timeout_s: float = 120.0) -> float:
 
 
 def decide(px, policy, prompts, nodes, seconds: float) -> dict:
-    """The router's work per routed request, in this process on one core: hash the
-    prompt once (``PrefixIndex.hash_prompt``: the token list read into an array, then
-    the vectorised chain), the mirror lookup over those hashes, ``cache_aware`` over
-    every node, and the msgpack `GenerateRequest` with the carried hashes (what the
-    dispatcher sends the decode node). "decision" stops after the policy; "routed"
-    includes the wire encoding. Parsing the client's body is timed apart (``parse``)."""
+    """The router's work per routed request, in this process on one core, as
+    ``Dispatcher.open`` does it, from the `Prompt` that request preparation validated
+    (its list read once into a u32 array: that read is timed in ``parse``): the block
+    hashes (``PrefixIndex.hash_prompt`` over the array), the mirror lookup over them,
+    ``cache_aware`` over every node ("decision"), then the msgpack `GenerateRequest`
+    with the prompt's bytes and the carried hashes (what the dispatcher sends the decode
+    node): "routed". Parsing and validating the client's body is timed apart (``parse``)."""
     import msgspec
 
-    from splitserve.common.hashing import token_array
     from splitserve.common.protocol import GenerateRequest
     from splitserve.common.sampling_params import SamplingParams
+    from splitserve.router.prompt import Prompt
 
     params = SamplingParams(max_tokens=16)
+    prepared = [Prompt.of(p, VOCAB) for p in prompts]
     lat, routed, cpu, cpu_routed, hit_tokens, done = [], [], [], [], 0, 0
-    parts = {"read_tokens": [], "hash": [], "lookup": [], "score": [], "encode": []}
+    parts = {"hash": [], "lookup": [], "score": [], "encode": []}
     stop = time.perf_counter() + seconds
     start = time.perf_counter()
     while time.perf_counter() < stop:
-        prompt = prompts[done % len(prompts)]
+        prompt = prepared[done % len(prepared)]
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        hashes = px.hash_prompt(prompt)
+        hashes = px.hash_prompt(prompt.array)
         t1 = time.perf_counter()
-        found = px.lookup(prompt, nodes, hashes)
+        found = px.lookup(prompt.array, nodes, hashes)
         t2 = time.perf_counter()
-        d = policy.choose(prompt, nodes, cached=found.cached,
+        d = policy.choose(prompt.ids, nodes, cached=found.cached,
                           tie_key=int(hashes[-1]) if len(hashes) else None)
         t3 = time.perf_counter()
         c3 = time.thread_time()
         wire = msgspec.msgpack.encode(GenerateRequest(
-            request_id="r", token_ids=prompt, sampling_params=params, prefill_addr=d.prefill.http_addr,
-            transfer_id="t", prompt_hashes=px.carried(hashes)))
+            request_id="r", token_ids=prompt.wire(), sampling_params=params,
+            prefill_addr=d.prefill.http_addr, transfer_id="t", prompt_hashes=px.carried(hashes)))
         t4 = time.perf_counter()
         cpu_routed.append(time.thread_time() - c0)
         cpu.append(c3 - c0)
         lat.append(t3 - t0)
         routed.append(t4 - t0)
-        if done % 8 == 0:  # the share of reading the list, timed on its own now and then
-            a = time.perf_counter()
-            token_array(prompt)
-            parts["read_tokens"].append(time.perf_counter() - a)
         for k, v in (("hash", t1 - t0), ("lookup", t2 - t1), ("score", t3 - t2), ("encode", t4 - t3)):
             parts[k].append(v)
         hit_tokens += found.cached.get(d.prefill.node_id, 0)
@@ -202,21 +204,35 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
 
 
 def parse_cost(prompt: list[int], runs: int = 20) -> dict:
-    """What the router's body parsing (prepare.decode_body: JSON, shape check, typed
-    convert) costs for a completion request carrying ``prompt`` as token ids."""
+    """What preparing a completion request carrying ``prompt`` as token ids costs the
+    router (``prepare.prepare_completion`` with the bundled model's tokenizer: JSON,
+    shape check, typed convert, the ids validated and read into the `Prompt`'s array),
+    and each part's p50."""
     import msgspec
 
+    from splitserve.engine.convert import bundled_model_dir
     from splitserve.router.openai_types import CompletionRequest
-    from splitserve.router.prepare import decode_body
+    from splitserve.router.prepare import decode_body, prepare_completion
+    from splitserve.router.prompt import Prompt
+    from splitserve.router.tokenizer import RouterTokenizer
 
+    tok = RouterTokenizer(bundled_model_dir(), max_model_len=len(prompt) + 64, allow_long=True)
+    assert tok.vocab_size >= VOCAB, tok.vocab_size
     body = msgspec.json.encode({"model": MODEL, "prompt": prompt, "max_tokens": 16})
-    times = []
+    times: dict[str, list[float]] = {"prepare": [], "decode_body": [], "validate_and_read": []}
     for _ in range(runs):
         t0 = time.perf_counter()
-        decode_body(body, CompletionRequest)
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return {"parse_body_p50_ms": round(times[len(times) // 2] * 1000, 3), "body_bytes": len(body)}
+        prep = prepare_completion(body, tok, (MODEL,))
+        t1 = time.perf_counter()
+        req = decode_body(body, CompletionRequest)
+        t2 = time.perf_counter()
+        Prompt.of(req.prompt, tok.vocab_size)
+        t3 = time.perf_counter()
+        for k, v in (("prepare", t1 - t0), ("decode_body", t2 - t1), ("validate_and_read", t3 - t2)):
+            times[k].append(v)
+    assert prep.prompts[0].ids == prompt
+    p50 = {k: round(sorted(v)[len(v) // 2] * 1000, 3) for k, v in times.items()}
+    return {"parse_body_p50_ms": p50["prepare"], "parse_parts_p50_ms": p50, "body_bytes": len(body)}
 
 
 async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests: int = 400,
@@ -290,8 +306,8 @@ async def run_one(prefills: int, args) -> dict:
         await caught_up([a, b], state)
         late = mirror(url)
         late_s = await caught_up([late], state)
-        prompts = [c + [rng.randrange(100, 50000) for _ in range(200)] for c in rng.sample(convs, min(16, len(convs)))]
-        prompts += [c[:SYSTEM_TOKENS] + [rng.randrange(100, 50000) for _ in range(98_000)] for c in convs[:4]]
+        prompts = [c + [rng.randrange(100, VOCAB) for _ in range(200)] for c in rng.sample(convs, min(16, len(convs)))]
+        prompts += [c[:SYSTEM_TOKENS] + [rng.randrange(100, VOCAB) for _ in range(98_000)] for c in convs[:4]]
         agree = sum(a.lookup(p, nodes) == b.lookup(p, nodes) == late.lookup(p, nodes) for p in prompts)
         await late.stop()
         agree_decisions = await agreement(a, b, url, prompts, nodes, rng)

@@ -39,14 +39,13 @@ import asyncio
 import os
 import random
 import sys
-import urllib.request
 from pathlib import Path
 
 from splitserve.benchmarks.baselines import llama_server, transformers_static
 from splitserve.benchmarks.compare_report import report
-from splitserve.benchmarks.serve import Endpoint, RunResult, check_endpoint, run, summarize
-from splitserve.benchmarks.serve.arrivals import fixed_offsets
 from splitserve.benchmarks.serve.datasets import load_tokenizer, random_specs
+from splitserve.benchmarks.side_by_side import (MixedShape, Workload, check_alive, mixed_workload, node_counters,
+                                                pool, run_workload, warm_endpoint)
 from splitserve.common import metric_names as names
 from splitserve.common.bundled import BUNDLED_MODEL_ID
 from splitserve.deploy.launcher import Cluster
@@ -61,35 +60,24 @@ CLUSTERS = {  # setup -> Cluster kwargs
 }
 
 
-def workloads(a, tok) -> dict:
+def workloads(a, tok) -> dict[str, Workload]:
     rng = random.Random(a.seed)
-    short = random_specs(rng, tok, a.short, a.short_input, a.short_output, tag="short")
-    long = random_specs(rng, tok, a.long, a.long_input, a.long_output, tag="long")
+    mixed = mixed_workload(rng, tok, MixedShape(a.short, a.short_concurrency, a.short_input, a.short_output,
+                                                a.long, a.long_input, a.long_output, a.long_start, a.long_interval))
     # output lengths spread +-50% so streams end at different times, as in serving: a
     # continuous batch refills the freed slots, a static batch runs to its longest
     tput = [s._replace(output_len=rng.randint(a.tput_output // 2, a.tput_output * 3 // 2))
             for s in random_specs(rng, tok, a.tput_requests, a.tput_input, a.tput_output)]
     # mixed: token-id prompts (exact lengths); throughput: text, the one prompt form every
     # server here takes (llama-cpp-python has no token-array prompts)
-    return {"mixed": dict(specs=short + long, offsets=[0.0] * len(short) + fixed_offsets(
-                              len(long), a.long_interval, a.long_start),
-                          cap={"short": a.short_concurrency}, send_text=False),
-            "throughput": dict(specs=tput, offsets=[0.0] * len(tput), cap=32, send_text=True)}
+    return {"mixed": mixed, "throughput": Workload(tput, [0.0] * len(tput), 32, send_text=True)}
 
 
-async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
+async def run_workloads(url: str, names: list[str], loads: dict[str, Workload], tok) -> dict:
     """{workload: (RunResult, Summary)} against the endpoint at ``url``."""
-    model = await check_endpoint(url, BUNDLED_MODEL_ID)
-    ep = Endpoint(url, model, "completions", ignore_eos=True)
-    warm = loads["mixed"]["specs"]
-    await run(ep, [warm[0], warm[-1]], [0.0, 0.0], tok.decode, progress=False)  # load, compile, touch
-    out = {}
-    for name in names:
-        w = loads[name]
-        r = await run(ep._replace(send_text=w["send_text"]), w["specs"], w["offsets"], tok.decode,
-                      w["cap"], desc=name)
-        out[name] = (r, summarize(r.results, r.duration_s))
-    return out
+    warm = loads["mixed"].specs
+    ep = await warm_endpoint(url, tok, [warm[0], warm[-1]], BUNDLED_MODEL_ID)
+    return {name: await run_workload(ep, name, loads[name], tok) for name in names}
 
 
 # node counters that say whether 1p1d really disaggregated: a transfer that failed is
@@ -97,31 +85,13 @@ async def run_workloads(url: str, names: list[str], loads: dict, tok) -> dict:
 NODE_COUNTERS = (names.FALLBACK_PREFILLS, names.KV_TRANSFERS)
 
 
-def node_counters(c: Cluster) -> dict[str, float]:
-    """{'name{labels}': value} of NODE_COUNTERS over the cluster's nodes."""
-    out: dict[str, float] = {}
-    for p in c.procs:
-        if p.name == "router":
-            continue
-        with urllib.request.urlopen(f"{p.addr}/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if line.startswith(NODE_COUNTERS):
-                    key, value = line.rsplit(" ", 1)
-                    out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
 def run_cluster(setup: str, a, names, loads, tok, notes: dict) -> dict:
     print(f"\n=== {setup}: starting the cluster", flush=True)
     with Cluster(kv_backend="shm", kv_cache_memory=a.kv_cache_memory, **CLUSTERS[setup]) as c:
         out = asyncio.run(run_workloads(f"{c.url}/v1", names, loads, tok))
-        notes.setdefault(setup, []).append(node_counters(c))
+        notes.setdefault(setup, []).append(node_counters(c, NODE_COUNTERS))
         print(f"{setup} node counters: {notes[setup][-1]}", flush=True)
-        dead = [p for p in c.procs if p.popen.poll() is not None]
-        if dead:  # its figures are not the setup's: say who died and how
-            raise RuntimeError("; ".join(
-                f"{p.name} exited with status {p.popen.returncode} during the run (negative: killed "
-                "by that signal), its last lines:\n  " + "\n  ".join(p.log[-15:]) for p in dead))
+        check_alive(c)
         return out
 
 
@@ -198,19 +168,6 @@ def main() -> int:
     baseline = measure_transformers(loads) if "llama-cpp" in a.setups and not with_llama else None
     report(a, pool(rounds), rounds, baseline, notes)
     return 0
-
-
-def pool(rounds: list[dict]) -> dict:
-    """Every round's requests of a setup and workload as one run (durations added)."""
-    out: dict[str, dict] = {}
-    for got in rounds:
-        for setup, loads in got.items():
-            for w, (r, _) in loads.items():
-                prev = out.setdefault(setup, {}).get(w)
-                out[setup][w] = r if prev is None else RunResult(prev.results + r.results,
-                                                                 prev.duration_s + r.duration_s)
-    return {s: {w: (r, summarize(r.results, r.duration_s)) for w, r in loads.items()}
-            for s, loads in out.items()}
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ ROUTER_NODES = PREFIX + "router_nodes"  # gauge, label role: live nodes of the m
 ROUTING_DECISIONS = PREFIX + "routing_decisions_total"  # counter, labels node_id, role
 LOCAL_PREFILL_DECISIONS = PREFIX + "local_prefill_decisions_total"  # counter
 ROUTING_DECISION_SECONDS = PREFIX + "routing_decision_seconds"  # histogram
+ROUTER_EVENT_LOOP_LAG = PREFIX + "router_event_loop_lag_seconds"  # histogram: timer wake-up delay
 REDIS_ERRORS = PREFIX + "redis_errors_total"  # counter, label op
 PREFIX_INDEX_LOOKUPS = PREFIX + "prefix_index_lookups_total"  # counter, label result
 # Predicted versus delivered prefix-cache hits of the routing decisions, in prompt tokens.
@@ -71,6 +72,10 @@ HEARTBEAT_FAILURES = PREFIX + "node_heartbeat_failures"  # gauge: consecutive fa
 # ---- nodes: disaggregation ---------------------------------------------------------------------
 PREFILL_REQUESTS = PREFIX + "prefill_requests_total"  # counter, label outcome (prefill node)
 KV_BLOCKS_SENT = PREFIX + "kv_blocks_sent_total"  # counter (prefill node)
+KV_BYTES_SENT = PREFIX + "kv_bytes_sent_total"  # counter (prefill node): block bytes acknowledged
+# counter (prefill node): seconds spent in sends, first frame out to last ack; bytes / seconds
+# is the transport's rate while it runs (the gaps while chunks compute left out)
+KV_SEND_SECONDS = PREFIX + "kv_send_seconds_total"
 KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (decode node)
 KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason

@@ -9,6 +9,11 @@ local fallback):
            <--TokenDelta stream--  |  reserves dest blocks      | computes chunks, sends each
                                    |  <===== KV blocks (kvtransfer backend) ====|
                                    |  <--PrefillResult (first token)-------------|
+
+A prompt's token ids travel as bytes, u32 little-endian (``common.hashing.token_bytes``;
+the router sends its validated array's bytes, the decode node forwards them as they
+came): a 100k-token prompt is a 400 KB copy to encode, not 100k msgpack ints. A node
+reads them with ``prompt_ids``.
 """
 
 import struct
@@ -17,7 +22,8 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
-from .hashing import BLOCK_HASH_VERSION, hash_blocks
+from .errors import InvalidRequest
+from .hashing import BLOCK_HASH_VERSION, hash_blocks, token_array
 from .sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 
 
@@ -57,6 +63,15 @@ class PromptHashes(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw
         return hashes
 
 
+def prompt_ids(token_ids: bytes) -> list[int]:
+    """A request's ``token_ids`` bytes as ints; InvalidRequest("token_ids") when they
+    are not whole u32 values."""
+    if len(token_ids) % 4:
+        raise InvalidRequest("token_ids", f"{len(token_ids)} bytes is not a whole number of "
+                             "u32 token ids")
+    return token_array(token_ids).tolist()
+
+
 def hash_array(raw: bytes):
     """``PromptHashes.hashes`` as a u64 numpy array (no copy)."""
     return np.frombuffer(raw, dtype="<u8")
@@ -65,7 +80,7 @@ def hash_array(raw: bytes):
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """router -> decode node. ``prefill_addr`` None: the decode node prefills locally."""
     request_id: str
-    token_ids: list[int]
+    token_ids: bytes  # the prompt, u32 little-endian (``prompt_ids`` reads it)
     sampling_params: SamplingParams
     prefill_addr: str | None = None  # http://host:port of the chosen prefill node
     transfer_id: str = ""
@@ -77,7 +92,7 @@ class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True)
     ``skip_blocks ..`` into ``dest_block_ids`` (one per block, in order) at ``kv_addr``."""
     request_id: str
     transfer_id: str
-    token_ids: list[int]
+    token_ids: bytes  # the prompt, u32 little-endian: the router's bytes, forwarded
     sampling_params: SamplingParams
     kv_backend: str
     kv_addr: str

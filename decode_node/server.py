@@ -39,7 +39,8 @@ from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import MSGPACK, decode_error_body, error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd
-from ..common.protocol import Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
+from ..common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame,
+                               prompt_ids)
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
 from ..kvtransfer import TransferError, make_receiver
@@ -164,10 +165,11 @@ class DecodeNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
+            prompt = prompt_ids(req.token_ids)
             if req.sampling_params.structured_outputs is not None:  # a grammar's first compile: off the loop
-                await asyncio.to_thread(self.rt.limits.check, req.token_ids, req.sampling_params)
+                await asyncio.to_thread(self.rt.limits.check, prompt, req.sampling_params)
             else:
-                self.rt.limits.check(req.token_ids, req.sampling_params)  # a 400 now, not an error frame later
+                self.rt.limits.check(prompt, req.sampling_params)  # a 400 now, not an error frame later
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:
@@ -175,7 +177,7 @@ class DecodeNode:
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
-        driver = asyncio.create_task(self._drive(req, queue))
+        driver = asyncio.create_task(self._drive(req, prompt, queue))
         generated = False  # the engine finished it (stop, length): its driver is returning now
         try:
             await resp.prepare(request)
@@ -202,29 +204,30 @@ class DecodeNode:
         await asyncio.gather(driver, return_exceptions=True)
         await self.engine_thread.submit(AbortRequest(rid))
 
-    async def _drive(self, req: GenerateRequest, queue: asyncio.Queue) -> None:
-        """Get the request into the running batch: through a KV transfer, or locally."""
+    async def _drive(self, req: GenerateRequest, prompt: list[int], queue: asyncio.Queue) -> None:
+        """Get the request into the running batch: through a KV transfer, or locally.
+        ``prompt``: ``req.token_ids`` read (``prompt_ids``)."""
         rid = req.request_id
         cfg = self.config.engine
-        hashes = self.metrics.adopt_hashes(req.prompt_hashes, req.token_ids, cfg.block_size, cfg.model_id)
+        hashes = self.metrics.adopt_hashes(req.prompt_hashes, prompt, cfg.block_size, cfg.model_id)
         if req.prefill_addr and self.config.role == "decode":
-            fallback = await self._transfer(req, queue, hashes)
+            fallback = await self._transfer(req, prompt, queue, hashes)
             if fallback is None:
                 return
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
         try:
-            await self.engine_thread.submit(AddRequest(rid, req.token_ids, req.sampling_params, hashes))
+            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
-    async def _transfer(self, req: GenerateRequest, queue: asyncio.Queue,
+    async def _transfer(self, req: GenerateRequest, prompt: list[int], queue: asyncio.Queue,
                         hashes: list[int] | None) -> Fallback | None:
         """Run the transfer; None when the request was admitted, else why it was not.
         ``hashes``: the prompt's block hashes when the router's checked out."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
-        res = await self.engine_thread.submit(Reserve(rid, req.token_ids, hashes))
+        res = await self.engine_thread.submit(Reserve(rid, prompt, hashes))
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         bs = self.config.engine.block_size
@@ -245,7 +248,7 @@ class DecodeNode:
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
-                rid, req.token_ids, req.sampling_params, result.first_token, result.logprobs,
+                rid, prompt, req.sampling_params, result.first_token, result.logprobs,
                 result.num_cached_tokens, hashes, result.prompt_logprobs))
             admitted = True
             self.transfers.own(tid)

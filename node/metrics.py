@@ -86,6 +86,9 @@ class NodeMetrics:
         self.prefill_requests = c.counter(n.PREFILL_REQUESTS, "prefill tasks by outcome",
                                           ["outcome"])
         self.blocks_sent = c.counter(n.KV_BLOCKS_SENT, "KV blocks sent to decode nodes")
+        self.bytes_sent = c.counter(n.KV_BYTES_SENT, "KV block bytes sent to decode nodes")
+        self.send_seconds = c.counter(n.KV_SEND_SECONDS, "Seconds spent sending KV blocks (each "
+                                      "send: first frame out to last acknowledgement)")
         self.blocks_received = c.counter(n.KV_BLOCKS_RECEIVED, "KV blocks received", ["ok"])
         self.transfers = c.counter(n.KV_TRANSFERS, "finished KV transfers, by end state",
                                    ["state"])

@@ -25,6 +25,7 @@ instead of waiting out its lease.
 import asyncio
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -34,7 +35,7 @@ from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, read_msgpack
 from ..common.outcomes import PrefillOutcome
-from ..common.protocol import PrefillRequest, PrefillResult
+from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
@@ -66,6 +67,7 @@ class PrefillNode:
         m = runtime.metrics
         self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
+        self.m_bytes, self.m_send_seconds = m.bytes_sent, m.send_seconds
 
     def _sender(self, backend: str):
         if backend not in self.senders:
@@ -105,15 +107,15 @@ class PrefillNode:
                 o.queue.put_nowait(None)  # every block is queued before the first token is sampled
 
     # ---- event loop ----------------------------------------------------------------------------
-    def _refusal(self, task: PrefillRequest) -> str | None:
-        """Why this node cannot start ``task`` now (None: it can). Read from the engine's
+    def _refusal(self, prompt_len: int) -> str | None:
+        """Why this node cannot start a prompt of ``prompt_len`` tokens now (None: it can). Read from the engine's
         published load: a prompt that would wait for blocks is better prefilled elsewhere
         than accepted and left to time out."""
         load, cfg = self.rt.engine_thread.load, self.config.engine
         bs = cfg.block_size
         if load.waiting >= cfg.max_num_seqs:
             return f"{load.waiting} requests already wait here"
-        need = math.ceil((load.queued_prefill_tokens + len(task.token_ids)) / bs)
+        need = math.ceil((load.queued_prefill_tokens + prompt_len) / bs)
         if need > load.kv_free_blocks:
             return f"KV pool full ({load.kv_free_blocks} free blocks, {need} needed with the queue)"
         return None
@@ -121,17 +123,18 @@ class PrefillNode:
     async def prefill(self, request: web.Request) -> web.Response:
         try:
             task = await read_msgpack(request, PrefillRequest)
+            prompt = prompt_ids(task.token_ids)
             if task.sampling_params.structured_outputs is not None:  # a first compile: off the loop
-                await asyncio.to_thread(self._check, task)
+                await asyncio.to_thread(self._check, task, prompt)
             else:
-                self._check(task)
+                self._check(task, prompt)
         except InvalidRequest as e:
             self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
             return error_response(400, str(e), e.field)
         rid = task.request_id
         if rid in self.out:
             return error_response(409, f"request {rid} is already being prefilled", "request_id")
-        refusal = self._refusal(task)
+        refusal = self._refusal(len(prompt))
         if refusal is not None:
             self.m_requests.labels(PrefillOutcome.REFUSED).inc()
             resp = error_response(503, f"prefill node busy: {refusal}")
@@ -145,9 +148,9 @@ class PrefillNode:
         try:
             export = engine.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
             cfg = self.config.engine
-            hashes = self.metrics.adopt_hashes(task.prompt_hashes, task.token_ids, cfg.block_size,
+            hashes = self.metrics.adopt_hashes(task.prompt_hashes, prompt, cfg.block_size,
                                                cfg.model_id)
-            await engine.submit(AddRequest(rid, task.token_ids, params, hashes))
+            await engine.submit(AddRequest(rid, prompt, params, hashes))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))
@@ -181,14 +184,18 @@ class PrefillNode:
         sent = 0
         while (item := await o.queue.get()) is not None:
             dests, packed = item
+            start = time.perf_counter()
             await sender.send_blocks(o.task.kv_addr, o.task.transfer_id, list(zip(dests, self.store.split(packed))))
+            self.m_send_seconds.inc(time.perf_counter() - start)
             sent += len(dests)
             self.m_blocks.inc(len(dests))
+            self.m_bytes.inc(len(dests) * self.rt.layout.block_nbytes)
         return sent
 
-    def _check(self, task: PrefillRequest) -> None:
-        self.rt.limits.check(task.token_ids, _first_token_params(task.sampling_params))
-        n_blocks = math.ceil(len(task.token_ids) / self.config.engine.block_size)
+    def _check(self, task: PrefillRequest, prompt: list[int]) -> None:
+        """400s for ``task`` (``prompt``: its token ids, read)."""
+        self.rt.limits.check(prompt, _first_token_params(task.sampling_params))
+        n_blocks = math.ceil(len(prompt) / self.config.engine.block_size)
         if not 0 <= task.skip_blocks < n_blocks:
             raise InvalidRequest("skip_blocks", f"must be in [0, {n_blocks})")
         if len(task.dest_block_ids) != n_blocks - task.skip_blocks:

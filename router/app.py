@@ -13,7 +13,8 @@ counter) -> API key (auth.py, 401) -> admission (admission.py: 429 over
 open connections and aiohttp's keep-alive timer doubles as the header timeout.
 
 The lifespan (cleanup_ctx) creates, in order, the Redis `NodeRegistry`, the node
-discovery task, the Redis `KVIndex` and the prefix-index mirror task, the pooled
+discovery task, the Redis `KVIndex` and the prefix-index mirror task, the event-loop
+lag watch (loop_lag.py), the pooled
 `aiohttp.ClientSession` to the nodes and the dispatcher, and closes them in reverse
 after waiting for pending aborts.
 
@@ -48,6 +49,7 @@ from .discovery import NodeDirectory
 from .dispatch import Dispatcher
 from .errors import ApiError
 from .listener import listen, raise_file_limit
+from .loop_lag import watch_loop_lag
 from .metrics import RouterMetrics
 from .node_client import NodeClient
 from .policy import make_policy
@@ -108,6 +110,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,
                          retry_s=config.index_retry_s)
     prefix.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
+    lag_watch = asyncio.get_running_loop().create_task(watch_loop_lag(metrics.loop_lag), name="loop-lag")
     # No connection cap: every streaming request holds one connection to its node.
     session = aiohttp.ClientSession(connector=peer_connector(limit=0))
     background = BackgroundTasks()
@@ -128,6 +131,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        lag_watch.cancel()
         await directory.stop()
         await prefix.stop()
         if shared is not None:

@@ -99,6 +99,11 @@ class RouterConfig:
     # nodes serve another model than the tokenizer's config says (simulated GPU profiles).
     allow_long_max_model_len: bool = False
     max_body_bytes: int = 1 << 20  # larger request bodies get a 413
+    # Larger bodies are parsed, validated and tokenized on a worker thread: a long prompt
+    # (100k tokens: ~0.5 s to tokenize and render) then never stalls the event loop that
+    # streams every other request's tokens. Smaller ones (a few ms at most) stay inline,
+    # where a thread hand-off would cost more than the work.
+    prepare_thread_bytes: int = 8 << 10
     policy: str = "cache_aware"
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # cache_aware only
     # Tokens per KV block; must equal the nodes' --block-size or no prefix hit is ever found.
@@ -149,6 +154,8 @@ class RouterConfig:
             raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
+        if self.prepare_thread_bytes < 0:
+            raise ValueError(f"prepare_thread_bytes: must be >= 0, got {self.prepare_thread_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if self.block_size < 1:
@@ -204,6 +211,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="accept a --max-model-len beyond the model config's context (simulated "
                         "nodes standing for a longer-context model)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument("--prepare-thread-bytes", type=int, default=d.prepare_thread_bytes,
+                   help="request bodies larger than this are parsed and tokenized on a worker "
+                        "thread, so the event loop keeps streaming (0: every body)")
     g.add_argument("--policy", choices=POLICIES, default=d.policy)
     g.add_argument("--score-weights", default="",
                    help="cache_aware weights as name=value,... (names: "
@@ -258,6 +268,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
                         model=args.model, served_model_names=tuple(args.served_model_name or ()),
                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
+                        prepare_thread_bytes=args.prepare_thread_bytes,
                         allow_long_max_model_len=args.allow_long_max_model_len,
                         policy=args.policy, weights=CacheAwareWeights.parse(args.score_weights),
                         block_size=args.block_size, poll_interval_s=args.poll_interval,

@@ -36,6 +36,7 @@ from .migration import Migrator
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
 from .policy import NO_CACHED, Decision, RoutingPolicy
 from .prefix_index import PrefixHits, PrefixIndex
+from .prompt import Prompt
 from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Dispatcher:
         self.migrator = Migrator(self.open, self.migration_limit, self.metrics) \
             if self.migration_limit else None
 
-    async def start(self, index: int, request_id: str, prompt: list[int], params: SamplingParams,
+    async def start(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams,
                     t_start: float, pin: Decision | None = None,
                     score_only: bool = False) -> Generation:
         """Route ``prompt`` and start it; raises `ApiError` (503 no decode node, the
@@ -80,13 +81,13 @@ class Dispatcher:
         self.metrics.inflight.inc()  # Generation.close() decrements
         return Generation(
             index=index, request_id=request_id, prompt=prompt, params=params, leg=leg,
-            detok=IncrementalDetokenizer(self.tokenizer, prompt, params.stop,
+            detok=IncrementalDetokenizer(self.tokenizer, prompt.ids, params.stop,
                                          include_stop=params.include_stop_str_in_output),
             metrics=self.metrics, abort=self._schedule_abort, t_start=t_start,
             migrate=self.migrator.migrate if self.migrator is not None else None,
             score_only=score_only)
 
-    async def open(self, request_id: str, prompt: list[int], params: SamplingParams,
+    async def open(self, request_id: str, prompt: Prompt, params: SamplingParams,
                    t_open: float, exclude: frozenset[str] = frozenset(),
                    pin: Decision | None = None) -> Leg:
         """Route ``prompt`` to a decode node not in ``exclude`` (node ids) and send it
@@ -96,8 +97,9 @@ class Dispatcher:
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
         t_hash = time.perf_counter()
-        hashes = self.prefix.hash_prompt(prompt)  # once: the lookup and every node reuse them
+        hashes = self.prefix.hash_prompt(prompt.array)  # once: the lookup and every node reuse them
         carried = self.prefix.carried(hashes)
+        wire = prompt.wire()  # the prompt's bytes, for every attempt
         hash_s = time.perf_counter() - t_hash  # counted in the first decision's time
         for _ in range(MAX_ATTEMPTS):
             t_route = time.perf_counter()
@@ -105,9 +107,9 @@ class Dispatcher:
             decision = _pinned(pin, nodes)
             pin = None  # only the first attempt
             if decision is None and hits is None and self.policy.uses_prefix_index:
-                hits = self.prefix.lookup(prompt, nodes, hashes)
+                hits = self.prefix.lookup(prompt.array, nodes, hashes)
             if decision is None:
-                decision = self.policy.choose(prompt, nodes, self.inflight,
+                decision = self.policy.choose(prompt.ids, nodes, self.inflight,
                                               cached=hits.cached if hits else NO_CACHED,
                                               inflight_tokens=self.inflight_tokens,
                                               tie_key=int(hashes[-1]) if len(hashes) else None)
@@ -117,7 +119,7 @@ class Dispatcher:
             self.metrics.decision_seconds.observe(decision_s)
             tried.add(decision.decode.node_id)
             req = GenerateRequest(
-                request_id=request_id, token_ids=prompt, sampling_params=params,
+                request_id=request_id, token_ids=wire, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
                 transfer_id=uuid.uuid4().hex, prompt_hashes=carried)
             try:

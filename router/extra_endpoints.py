@@ -24,7 +24,8 @@ from . import endpoints
 from .errors import ApiError
 from .openai_types import ChatMessage
 from .prepare import chat_messages, check_model, decode_body
-from .request_body import read_body
+from .request_body import off_loop, read_body
+from .tokenizer import RouterTokenizer
 from .state import CONFIG, TOKENIZER
 
 
@@ -63,8 +64,12 @@ def register(app: web.Application) -> None:
 
 async def tokenize(request: web.Request) -> web.Response:
     config, tok = request.app[CONFIG], request.app[TOKENIZER]
-    served = config.served_model_names
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+    out = await off_loop(body, config.prepare_thread_bytes, _tokenize, tok, config.served_model_names)
+    return web.json_response(out)
+
+
+def _tokenize(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> dict:
     if "messages" in _peek(body):  # vLLM tells the two request kinds apart the same way
         chat: TokenizeChatRequest = decode_body(body, TokenizeChatRequest)
         check_model(chat.model, served)
@@ -82,21 +87,25 @@ async def tokenize(request: web.Request) -> web.Response:
         check_model(plain.model, served)
         ids = tok.encode(plain.prompt, plain.add_special_tokens)
         return_strs = plain.return_token_strs
-    out = {"count": len(ids), "max_model_len": tok.max_model_len, "tokens": ids,
-           "token_strs": tok.token_strs(ids) if return_strs else None}
-    return web.json_response(out)
+    return {"count": len(ids), "max_model_len": tok.max_model_len, "tokens": ids,
+            "token_strs": tok.token_strs(ids) if return_strs else None}
 
 
 async def detokenize(request: web.Request) -> web.Response:
     config, tok = request.app[CONFIG], request.app[TOKENIZER]
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+    text = await off_loop(body, config.prepare_thread_bytes, _detokenize, tok, config.served_model_names)
+    return web.json_response({"prompt": text})
+
+
+def _detokenize(body: bytes, tok: RouterTokenizer, served: tuple[str, ...]) -> str:
     req: DetokenizeRequest = decode_body(body, DetokenizeRequest)
-    check_model(req.model, config.served_model_names)
+    check_model(req.model, served)
     for i, t in enumerate(req.tokens):
         if not 0 <= t < tok.vocab_size:
             raise ApiError(400, f"tokens[{i}]: token id {t} is outside the vocabulary "
                            f"[0, {tok.vocab_size})", param=f"tokens[{i}]")
-    return web.json_response({"prompt": tok.decode(req.tokens)})
+    return tok.decode(req.tokens)
 
 
 async def version(request: web.Request) -> web.Response:

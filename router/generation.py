@@ -30,6 +30,7 @@ from .errors import ApiError
 from .metrics import RouterMetrics
 from .node_client import NodeUnavailable, TokenStream
 from .policy import Decision
+from .prompt import Prompt
 
 
 class Piece(NamedTuple):
@@ -69,7 +70,7 @@ class Leg:
 class Generation:
     index: int  # choice index in the response
     request_id: str  # this choice's id; the first leg's id on its node
-    prompt: list[int]  # the client's prompt, token ids
+    prompt: Prompt  # the client's prompt
     params: SamplingParams
     leg: Leg  # the decode node generating now
     detok: IncrementalDetokenizer

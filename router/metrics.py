@@ -14,6 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from ..common.model_metrics import BoundLabels, ModelMetrics
 from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome
+from .loop_lag import LAG_BUCKETS, LAG_PERIOD_S
 
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
 # cut below 10 ms.)
@@ -54,6 +55,7 @@ class RouterMetrics:
     redis_errors: BoundLabels[Counter]  # labels op
     inflight: Gauge
     decision_seconds: Histogram
+    loop_lag: Histogram  # loop_lag.py
     index_lookups: BoundLabels[Counter]  # labels result: ok | error | skipped
     predicted_cached_tokens: Counter
     predictions: BoundLabels[Counter]  # labels outcome (see decisions.py)
@@ -100,6 +102,8 @@ class RouterMetrics:
             decision_seconds=c.histogram(n.ROUTING_DECISION_SECONDS, "Prompt -> routing decision "
                                          "(hashing, prefix-index lookup, scoring)",
                                          DECISION_BUCKETS),
+            loop_lag=c.histogram(n.ROUTER_EVENT_LOOP_LAG, "How late the event loop woke a "
+                                 f"{LAG_PERIOD_S}s timer (a stall delays every stream)", LAG_BUCKETS),
             index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups in the router's "
                                     "in-memory mirror, by result (ok; skipped: the mirror is not "
                                     "usable, Redis unreachable: routing by load only)", ["result"]),

@@ -52,11 +52,12 @@ from .errors import ApiError
 from .generation import Generation, Leg
 from .metrics import RouterMetrics
 from .node_client import NodeUnavailable
+from .prompt import Prompt
 
 log = logging.getLogger(__name__)
 
 # (request id, prompt, params, loop time sent, decode node ids to avoid) -> the new leg
-OpenLeg = Callable[[str, list[int], SamplingParams, float, frozenset[str]], Awaitable[Leg]]
+OpenLeg = Callable[[str, Prompt, SamplingParams, float, frozenset[str]], Awaitable[Leg]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,7 @@ class Migrator:
             params.structured_outputs = msgspec.structs.replace(
                 so, resume_token_ids=so.resume_token_ids + gen.output_ids)
         try:
-            leg = await self.open_leg(request_id, gen.prompt + gen.output_ids, params,
+            leg = await self.open_leg(request_id, gen.prompt.extended(gen.output_ids), params,
                                       asyncio.get_running_loop().time(), frozenset(gen.failed_nodes))
         except ApiError as e:
             log.warning("router: %s: migration off %s failed (%s) after: %s", gen.request_id,

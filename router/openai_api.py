@@ -3,7 +3,8 @@ streamed (SSE) or whole.
 
 Owns one request's life on the router::
 
-    read body (415/413/408: request_body.py) -> prepare (400/404)
+    read body (415/413/408: request_body.py) -> prepare (400/404; a body over
+      prepare_thread_bytes on a worker thread, so a long prompt never stalls the loop)
       -> start every prompt on a decode node (503/4xx/502)
       -> stream: 200 text/event-stream, "data: {chunk}\\n\\n"..., "data: [DONE]\\n\\n"
       -> whole:  200 JSON once every choice finished
@@ -32,7 +33,7 @@ from .dispatch import Dispatcher
 from .errors import ApiError, sse_error
 from .generation import Generation, merge_pieces
 from .prepare import PreparedRequest, prepare_chat, prepare_completion
-from .request_body import read_body
+from .request_body import off_loop, read_body
 from .responses import ResponseBuilder
 from .structured import renamed_constraint_error
 from .state import CONFIG, SERVICES, TOKENIZER
@@ -57,7 +58,8 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
     tok = app[TOKENIZER]
     max_model_len = app[SERVICES].directory.max_model_len(tok.max_model_len)
-    prep: PreparedRequest = prepare(body, tok, config.served_model_names, max_model_len)
+    prep: PreparedRequest = await off_loop(body, config.prepare_thread_bytes, prepare, tok,
+                                           config.served_model_names, max_model_len)
     response_id = id_prefix + uuid.uuid4().hex
     builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     try:

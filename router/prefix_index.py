@@ -102,7 +102,7 @@ class PrefixIndex:
 
     # -- lookups (request path, no I/O) -------------------------------------------------
 
-    def lookup(self, prompt: Sequence[int], nodes: Sequence[NodeInfo],
+    def lookup(self, prompt: Sequence[int] | np.ndarray, nodes: Sequence[NodeInfo],
                hashes: Sequence[int] | np.ndarray | None = None) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
         leading blocks each node holds (at the epoch of its registry record), in
@@ -134,9 +134,10 @@ class PrefixIndex:
                     cached[node_id] = tokens
         return PrefixHits(cached, num_blocks, True)
 
-    def hash_prompt(self, prompt: Sequence[int]) -> np.ndarray:
+    def hash_prompt(self, prompt: Sequence[int] | np.ndarray) -> np.ndarray:
         """The prompt's block hashes as every node keys them (this router's block size,
-        the served model id): computed once per request, for ``lookup`` and the nodes."""
+        the served model id): computed once per request, for ``lookup`` and the nodes.
+        ``prompt``: ids, fastest as the u32 array of `router.prompt.Prompt` (no read)."""
         return hash_blocks_array(prompt, self.block_size, (self.model_id,))
 
     def carried(self, hashes: np.ndarray) -> PromptHashes:

@@ -23,6 +23,7 @@ from ..common.sampling_params import SEED_MAX, SamplingParams
 from .errors import ApiError
 from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from .prompt import Prompt
 from .structured import Constraint, request_constraint
 from .tokenizer import RouterTokenizer
 from .tool_calls import ToolPlan, inline_tools, plan_tools
@@ -43,7 +44,7 @@ class PreparedRequest:
 
     kind: Literal["completion", "chat"]
     model: str
-    prompts: list[list[int]]  # one token-id list per choice, in index order (prompt i: i*n .. i*n+n-1)
+    prompts: list[Prompt]  # one per choice, in index order (prompt i: choices i*n .. i*n+n-1)
     params: SamplingParams  # validated; shared by every prompt (`choice_params` gives choice j's)
     stream: bool
     include_usage: bool  # streaming: send a last chunk with usage
@@ -166,16 +167,16 @@ def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
                            prompt_logprobs=req.prompt_logprobs is not None)
 
 
-def _prompt_texts(prompt: str | list, prompts: list[list[int]], tok: RouterTokenizer) -> list[str]:
+def _prompt_texts(prompt: str | list, prompts: list[Prompt], tok: RouterTokenizer) -> list[str]:
     """Each prompt's text as echoed: as sent, or decoded when sent as token ids."""
     if isinstance(prompt, str):
         return [prompt]
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
-    return [tok.decode(ids) for ids in prompts]
+    return [tok.decode(p.ids) for p in prompts]
 
 
-def _per_choice(prompts: list[list[int]], n: int) -> list[list[int]]:
+def _per_choice(prompts: list[Prompt], n: int) -> list[Prompt]:
     """Prompt i once for each of its n choices (indices i*n .. i*n+n-1)."""
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"n: {len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most "
@@ -249,17 +250,17 @@ def _logit_bias(bias: dict) -> dict:
     return out
 
 
-def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[list[int]]:
-    """The four prompt forms -> one token-id list per prompt."""
+def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[Prompt]:
+    """The four prompt forms -> one validated `Prompt` per prompt."""
     if isinstance(prompt, str):
         texts_or_ids: list = [prompt]
     elif not prompt:
         raise ApiError(400, "prompt: must not be empty", param="prompt")
     elif all(isinstance(p, str) for p in prompt):
         texts_or_ids = prompt
-    elif all(_is_token_id(p) for p in prompt):
+    elif _token_ids(prompt):
         texts_or_ids = [prompt]
-    elif all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+    elif all(isinstance(p, list) and _token_ids(p) for p in prompt):
         texts_or_ids = prompt
     else:
         raise ApiError(400, "prompt: must be a string, a list of strings, a list of token ids "
@@ -272,16 +273,16 @@ def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[list[i
         ids = tok.encode(p) if isinstance(p, str) else p
         if not ids:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < tok.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"prompt: token id {bad} is outside the vocabulary "
-                           f"[0, {tok.vocab_size})", param="prompt")
-        prompts.append(ids)
+        try:
+            prompts.append(Prompt.of(ids, tok.vocab_size))
+        except InvalidRequest as e:
+            raise ApiError.invalid(e) from e
     return prompts
 
 
-def _is_token_id(x) -> bool:
-    return type(x) is int  # not bool, not float
+def _token_ids(items: list) -> bool:
+    """Every item is an int (not a bool, not a float); one C pass over the types."""
+    return set(map(type, items)) <= {int}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -304,7 +305,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer, tools: ToolPlan | None) -> list[int]:
+def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer, tools: ToolPlan | None) -> Prompt:
     messages = chat_messages(req.messages)
     rendered = tools.tools if tools is not None else []
     if not tok.renders_tools:
@@ -315,7 +316,10 @@ def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer, tools: ToolPl
         raise ApiError.invalid(e) from e
     if not ids:
         raise ApiError(400, "messages: the rendered conversation is empty", param="messages")
-    return ids
+    try:
+        return Prompt.of(ids, tok.vocab_size, "messages")
+    except InvalidRequest as e:  # a template emitting ids past the vocabulary
+        raise ApiError.invalid(e) from e
 
 
 def _message_text(content, role: str, i: int, has_tool_calls: bool = False) -> str:
@@ -335,7 +339,7 @@ def _message_text(content, role: str, i: int, has_tool_calls: bool = False) -> s
     return "".join(parts)
 
 
-def _check_context(prompts: list[list[int]], params: SamplingParams, max_model_len: int,
+def _check_context(prompts: list[Prompt], params: SamplingParams, max_model_len: int,
                    prompt_name: str, budget_name: str) -> None:
     for ids in prompts:
         if len(ids) >= max_model_len:

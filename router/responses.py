@@ -156,7 +156,7 @@ class ResponseBuilder:
         self._started[piece.choice] = True
         if self.prep.echo is None or not first:
             return piece.text, self._logprobs(piece)
-        prompt_ids = self.prep.prompts[piece.choice]
+        prompt_ids = self.prep.prompts[piece.choice].ids
         prompt_lps = piece.prompt_logprobs or [None] * len(prompt_ids)
         lp = None
         if self.prep.logprobs:
@@ -192,7 +192,7 @@ class ResponseBuilder:
         """vLLM's prompt_logprobs of choice ``index``: per prompt token, null (the first)
         or {token id: {"logprob", "rank", "decoded_token"}} for the token and the top k."""
         out: list[dict | None] = []
-        for token_id, lp in zip(self.prep.prompts[index], values):
+        for token_id, lp in zip(self.prep.prompts[index].ids, values):
             if lp is None:
                 out.append(None)
                 continue

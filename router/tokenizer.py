@@ -56,8 +56,14 @@ class RouterTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of a completion prompt (by default with the tokenizer's own special tokens,
-        as ``tokenizer(text)`` does)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        as ``tokenizer(text)`` does). Releases the GIL while it runs (see ``_encode``)."""
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: tokenizers' encode holds the GIL for the whole call
+        # (~0.7 s for 100k tokens), so a long prompt tokenized on a worker thread would
+        # still stall the event loop; encode_batch releases it (same ids).
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool | None = None) -> str:
@@ -91,7 +97,7 @@ class RouterTokenizer:
                                          tools=tools, **self._special)
         except jinja2.TemplateError as e:  # includes raise_exception() from the template
             raise InvalidRequest("messages", f"the chat template rejected the messages: {e}") from e
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(text, add_special_tokens)
 
 
 def _read_json(path: Path) -> dict:

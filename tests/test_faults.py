@@ -19,6 +19,7 @@ import pytest
 
 from splitserve.benchmarks.faults_client import Disconnect, Outcome, run_load, stream_request, wait_pools_free
 from splitserve.common.auth import CLUSTER_TOKEN_HEADER, new_cluster_token
+from splitserve.common.hashing import token_bytes
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, free_port
@@ -84,7 +85,7 @@ def test_internal_endpoints_require_the_cluster_token(cluster):
         bait.bind(("127.0.0.1", 0))
         bait.listen()
         bait.settimeout(1.0)
-        req = GenerateRequest(request_id="evil", token_ids=list(range(1, 200)),
+        req = GenerateRequest(request_id="evil", token_ids=token_bytes(range(1, 200)),
                               sampling_params=SamplingParams(max_tokens=4),
                               prefill_addr=f"http://127.0.0.1:{bait.getsockname()[1]}", transfer_id="t")
 
@@ -122,7 +123,7 @@ def test_internal_endpoints_require_the_cluster_token(cluster):
 async def generate_on(cluster: Cluster, decode_addr: str, ids: list[int], prefill_addr: str | None,
                       rid: str) -> list[int]:
     """Greedy tokens of ``ids`` from the decode node, told to get the KV from ``prefill_addr``."""
-    req = GenerateRequest(request_id=rid, token_ids=ids, sampling_params=SamplingParams(temperature=0, max_tokens=8),
+    req = GenerateRequest(request_id=rid, token_ids=token_bytes(ids), sampling_params=SamplingParams(temperature=0, max_tokens=8),
                           prefill_addr=prefill_addr, transfer_id=rid)
     reader, out = FrameReader(TokenDelta), []
     async with aiohttp.ClientSession(headers=cluster.auth_headers()) as s:
@@ -217,15 +218,19 @@ def test_kill_decode_under_load_fails_only_its_requests_fast(cluster):
     async def scenario():
         load = asyncio.create_task(run_load(cluster.url, rate=2, duration_s=8, prompts=PROMPTS, max_tokens=24))
         await asyncio.sleep(3)
+        t_state = time.monotonic()
         async with aiohttp.ClientSession() as s:
             st = await s.get(f"{cluster.node('decode-0').addr}/debug/state", headers=cluster.auth_headers())
             inflight = (await st.json())["streams"]
         t_kill = time.monotonic()
         os.killpg(old, signal.SIGKILL)
-        return t_kill, inflight, await load
-    t_kill, inflight, results = run(scenario())
+        return t_state, t_kill, inflight, await load
+    t_state, t_kill, inflight, results = run(scenario())
     failed = [r for r in results if r.outcome is not Outcome.OK]
-    assert len(failed) <= inflight, [r.error for r in failed]
+    # its streams when the state was read, and any request sent while that read ran (on a
+    # loaded machine the kill can come a while after the read)
+    late = sum(t_state <= r.started < t_kill for r in results)
+    assert len(failed) <= inflight + late, [r.error for r in failed]
     assert all(r.started < t_kill and r.ended - t_kill < 2.0 for r in failed), \
         [(r.started - t_kill, r.ended - t_kill, r.error) for r in failed]
     wait_back(cluster, "decode-0", old)
@@ -263,7 +268,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(cluster):
                         break
             victim.popen.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
-            req = GenerateRequest(request_id="late", token_ids=list(range(1, 40)),
+            req = GenerateRequest(request_id="late", token_ids=token_bytes(range(1, 40)),
                                   sampling_params=SamplingParams(max_tokens=4))
             async with s.post(f"{victim.addr}/generate", data=msgspec.msgpack.encode(req),
                               headers={"Content-Type": "application/msgpack", **cluster.auth_headers()}) as r:

@@ -8,18 +8,10 @@ import asyncio
 import pytest
 
 from splitserve.common.config import EngineConfig, NodeConfig
-from splitserve.common.protocol import PrefillRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_thread import AbortRequest, AddRequest
 from splitserve.node.runtime import NodeRuntime
 from splitserve.prefill_node.server import PrefillNode
-
-
-def task(n_tokens: int) -> PrefillRequest:
-    n_blocks = -(-n_tokens // 16)
-    return PrefillRequest(request_id="t", transfer_id="t", token_ids=list(range(1, n_tokens + 1)),
-                          sampling_params=SamplingParams(max_tokens=1), kv_backend="tcp", kv_addr="tcp://unused:1",
-                          skip_blocks=0, dest_block_ids=list(range(n_blocks)))
 
 
 async def settle(rt: NodeRuntime, pred, timeout=30.0):
@@ -39,19 +31,19 @@ async def test_refuses_when_the_queue_or_the_pool_is_full(bundled_dir):
     rt.loop_start(node.on_deltas, node.exporter)
     try:
         total = rt.engine_thread.stats.kv_blocks_total
-        assert node._refusal(task(20)) is None  # idle
+        assert node._refusal(20) is None  # idle
         long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
         await rt.engine_thread.submit(AddRequest("a", list(range(1, 16 * (total - 8))), long))  # most of the pool
         await settle(rt, lambda load: load.running == 1 and load.queued_prefill_tokens == 0)
-        assert "KV pool full" in node._refusal(task(16 * 10))  # 10 blocks, at most 8 free
-        assert node._refusal(task(20)) is None
+        assert "KV pool full" in node._refusal(16 * 10)  # 10 blocks, at most 8 free
+        assert node._refusal(20) is None
         await rt.engine_thread.submit(AddRequest("b", list(range(1, 20)), long))  # max_num_seqs=1: it waits
         await settle(rt, lambda load: load.waiting == 1)
-        assert "wait here" in node._refusal(task(20))
+        assert "wait here" in node._refusal(20)
         for rid in ("a", "b"):
             assert await rt.engine_thread.submit(AbortRequest(rid))
         await settle(rt, lambda load: load.running == load.waiting == 0)
-        assert node._refusal(task(16 * 10)) is None
+        assert node._refusal(16 * 10) is None
         assert rt.engine_thread.stats.kv_blocks_free == total
     finally:
         await node.stop()

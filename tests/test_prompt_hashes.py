@@ -3,9 +3,11 @@ they are this prompt's hashes for the node's version, block size and model key."
 
 import msgspec
 import numpy as np
+import pytest
 
-from splitserve.common.hashing import hash_blocks, hash_blocks_array
-from splitserve.common.protocol import GenerateRequest, PromptHashes
+from splitserve.common.errors import InvalidRequest
+from splitserve.common.hashing import hash_blocks, hash_blocks_array, token_bytes
+from splitserve.common.protocol import GenerateRequest, PromptHashes, prompt_ids
 from splitserve.common.sampling_params import SamplingParams
 
 BS = 16
@@ -18,10 +20,13 @@ def carried(tokens, block_size=BS, model=MODEL) -> PromptHashes:
 
 def test_adopted_when_they_match_and_survive_the_wire():
     tokens = list(range(1000, 1000 + 10 * BS + 5))
-    req = GenerateRequest(request_id="r", token_ids=tokens, sampling_params=SamplingParams(),
+    req = GenerateRequest(request_id="r", token_ids=token_bytes(tokens), sampling_params=SamplingParams(),
                           prompt_hashes=carried(tokens))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GenerateRequest)
     assert back.prompt_hashes.adopt(tokens, BS, MODEL) == hash_blocks(tokens, BS, (MODEL,))
+    assert prompt_ids(back.token_ids) == tokens  # the prompt travels as u32 bytes
+    with pytest.raises(InvalidRequest, match="u32"):
+        prompt_ids(token_bytes(tokens)[:-1])
     assert carried(tokens[:BS - 1]).adopt(tokens[:BS - 1], BS, MODEL) == []  # no full block
 
 

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestServer
 from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.model_metrics import sample_sum
+from splitserve.common.hashing import token_bytes
 from splitserve.common.protocol import Abort, FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
@@ -49,7 +50,7 @@ def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
         try:
             import aiohttp
             async with aiohttp.ClientSession() as s:
-                req = GenerateRequest(request_id="r1", token_ids=list(range(1, 40)),
+                req = GenerateRequest(request_id="r1", token_ids=token_bytes(range(1, 40)),
                                       sampling_params=SamplingParams(max_tokens=6, ignore_eos=True),
                                       prefill_addr=str(prefill.make_url("")).rstrip("/"), transfer_id="t1")
                 frames: list[TokenDelta] = []

@@ -54,13 +54,17 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     """The tokenizer of the model folder ``path``; None: the bundled model's."""
     from ...router.tokenizer import RouterTokenizer
 
-    if path is None:
-        from ...common.bundled import converted_dir
-        path = converted_dir()
-        if not (Path(path) / "tokenizer.json").is_file():
-            from ...engine.convert import bundled_model_dir
-            path = bundled_model_dir()
-    return RouterTokenizer(path)
+    return RouterTokenizer(path or bundled_tokenizer_dir())
+
+
+def bundled_tokenizer_dir() -> Path:
+    """The folder holding the bundled model's tokenizer.json."""
+    from ...common.bundled import converted_dir
+    path = Path(converted_dir())
+    if not (path / "tokenizer.json").is_file():
+        from ...engine.convert import bundled_model_dir
+        path = Path(bundled_model_dir())
+    return path
 
 
 def load_dataset(cfg: BenchConfig, tok: Tokenizer) -> list[RequestSpec]:

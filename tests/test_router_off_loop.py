@@ -1,0 +1,55 @@
+"""A long body is prepared off the event loop: ``off_loop`` hands a body over
+RouterConfig.prepare_thread_bytes to a worker thread, and the router's tokenizer lets
+the loop run while it tokenizes (tokenizers' plain ``encode`` would hold the GIL)."""
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.request_body import off_loop
+from splitserve.router.tokenizer import RouterTokenizer
+
+WORDS = "the quick brown fox jumps over a lazy dog near seven old river banks".split()
+
+
+@pytest.mark.anyio
+async def test_large_bodies_go_to_a_worker_thread_small_ones_stay():
+    loop_thread = threading.get_ident()
+    where = lambda body: threading.get_ident()  # noqa: E731
+    assert await off_loop(b"x" * 100, 1024, where) == loop_thread
+    assert await off_loop(b"x" * 2048, 1024, where) != loop_thread
+    assert await off_loop(b"x", 0, where) != loop_thread  # 0: every body
+
+
+def test_negative_threshold_is_refused():
+    with pytest.raises(ValueError, match="prepare_thread_bytes"):
+        RouterConfig(prepare_thread_bytes=-1)
+
+
+@pytest.mark.anyio
+async def test_tokenizing_a_long_prompt_on_a_thread_leaves_the_loop_running(bundled_dir):
+    tok = RouterTokenizer(bundled_dir)
+    text = " ".join(random.Random(0).choice(WORDS) for _ in range(60_000))
+    loop = asyncio.get_running_loop()
+    lags: list[float] = []
+
+    async def watch():
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(0.005)
+            lags.append(loop.time() - t0 - 0.005)
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    ids = await asyncio.to_thread(tok.encode, text)
+    took = time.perf_counter() - t0
+    watcher.cancel()
+    assert len(ids) > 50_000
+    # the loop kept waking its timer while the thread tokenized (held GIL: one lag ~ took)
+    assert max(lags) < took / 2, (max(lags), took)
+    assert len(lags) > 5
