@@ -79,7 +79,13 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--router-arg", action="append", default=[],
                     help="extra router argument, repeatable (e.g. --router-arg=--score-weights=balance=4)")
+    ap.add_argument("--combine", nargs="+", metavar="JSON", default=None,
+                    help="no runs: merge the policies' runs of these results files (same trace, "
+                         "e.g. cache_aware and least_load/round_robin run apart) into --out, with "
+                         "the targets and the plot")
     args = ap.parse_args()
+    if args.combine:
+        return combine([Path(p) for p in args.combine], args.out)
     import dataclasses
     from splitserve.benchmarks.replay.generate import PRESETS
     RESULTS.mkdir(exist_ok=True)
@@ -104,18 +110,43 @@ def main() -> int:
             "preset": args.preset, "profile": args.profile, "rate_per_16": args.rate_per_16,
             "router_args": args.router_arg,
         }
-        if set(runs) == set(POLICIES):
-            ca, rr, ll = runs["cache_aware"], runs["round_robin"], runs["least_load"]
-            results[size]["targets"] = {
-                "hit_rate_vs_oracle": ca["hit_rate_vs_oracle"],
-                "ttft_p50_rr_over_ca": round(rr["ttft_p50"] / ca["ttft_p50"], 2),
-                "ttft_p99_ca_over_ll": round(ca["ttft_p99"] / ll["ttft_p99"], 2),
-                "failed": sum(r["failed"] for r in runs.values()), "max_mean_load": ca["max_mean_load"]}
+        add_targets(results[size])
         path.unlink()  # regenerated from the spec; not worth keeping in the repository
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(results, indent=1))
+    return report(results, args.out)
+
+
+def add_targets(res: dict) -> None:
+    runs = res["runs"]
+    if set(runs) == set(POLICIES):
+        ca, rr, ll = runs["cache_aware"], runs["round_robin"], runs["least_load"]
+        res["targets"] = {
+            "hit_rate_vs_oracle": ca["hit_rate_vs_oracle"],
+            "ttft_p50_rr_over_ca": round(rr["ttft_p50"] / ca["ttft_p50"], 2),
+            "ttft_p99_ca_over_ll": round(ca["ttft_p99"] / ll["ttft_p99"], 2),
+            "failed": sum(r["failed"] for r in runs.values()), "max_mean_load": ca["max_mean_load"]}
+
+
+def combine(paths: list[Path], out: str) -> int:
+    """One results file from several of the same trace: each size's runs merged (a
+    later file's run of a policy replaces an earlier one's)."""
+    results: dict = {}
+    for p in paths:
+        for size, res in json.loads(p.read_text()).items():
+            if size in results and results[size]["trace"] != res["trace"]:
+                raise SystemExit(f"--combine: {p} replayed another trace at {size} nodes")
+            merged = results.setdefault(size, {**res, "runs": {}, "combined_from": []})
+            merged["runs"].update(res["runs"])
+            merged["combined_from"].append(p.name)
+    for res in results.values():
+        add_targets(res)
+    return report({int(k): v for k, v in results.items()}, out)
+
+
+def report(results: dict, out: str) -> int:
+    (RESULTS / f"{out}.json").write_text(json.dumps(results, indent=1))
     plotted = all(set(r["runs"]) == set(POLICIES) for r in results.values())
     if plotted:  # the plot compares the policies
-        plot(results, RESULTS / f"{args.out}.png")
+        plot(results, RESULTS / f"{out}.png")
     print(f"\n{'nodes':>6s} {'policy':>12s} {'hit':>7s} {'oracle':>7s} {'p50 s':>8s} {'p99 s':>8s} "
           f"{'load':>6s} {'reqs':>6s} {'failed':>6s}")
     for size, res in results.items():
@@ -129,7 +160,7 @@ def main() -> int:
         print(f"{size:6d} targets: hit/oracle {t['hit_rate_vs_oracle']:.3f} (>= 0.9), RR/CA TTFT p50 "
               f"{t['ttft_p50_rr_over_ca']:.2f} (>= 2), CA/LL TTFT p99 {t['ttft_p99_ca_over_ll']:.2f} (<= 1), "
               f"max/mean load {t['max_mean_load']:.2f} (<= 1.3), failed {t['failed']} (0)")
-    print(f"wrote {RESULTS / (args.out + '.json')}" + (f" and {args.out}.png" if plotted else ""))
+    print(f"wrote {RESULTS / (out + '.json')}" + (f" and {out}.png" if plotted else ""))
     return 0
 
 
