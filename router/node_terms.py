@@ -23,6 +23,7 @@ import numpy as np
 
 from ..common.load import NodeLoad
 from ..common.registry import NodeInfo
+from .policy import split_roles
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,11 +44,11 @@ class RoleTerms:
                    np.fromiter((ld.kv_usage for ld in loads), np.float64, len(loads)),
                    np.fromiter((ld.queued_prefill_tokens for ld in loads), np.float64, len(loads)))
 
-    def per_node(self, values: Mapping[str, float], default: float = 0.0) -> np.ndarray:
-        """[nodes] ``values[node_id]`` for each node (``default`` where absent)."""
+    def per_node(self, values: Mapping[str, float]) -> np.ndarray:
+        """[nodes] ``values[node_id]`` for each node (0 where absent)."""
         if not values:
             return np.zeros(len(self.ids))
-        return np.fromiter(map(values.get, self.ids, repeat(default)), np.float64, len(self.ids))
+        return np.fromiter(map(values.get, self.ids, repeat(0.0)), np.float64, len(self.ids))
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,13 +60,7 @@ class FleetTerms:
 
     @classmethod
     def of(cls, nodes: Sequence[NodeInfo]) -> FleetTerms:
-        prefills, decodes = [], []
-        for n in nodes:
-            role = n.role
-            if role == "prefill":
-                prefills.append(n)
-            elif role == "decode" or role == "colocated":
-                decodes.append(n)
+        prefills, decodes = split_roles(nodes)
         return cls(list(nodes), [n.load for n in nodes], RoleTerms.of(prefills), RoleTerms.of(decodes))
 
     def describes(self, nodes: Sequence[NodeInfo]) -> bool:
