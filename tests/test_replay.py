@@ -50,11 +50,14 @@ def test_hash_ids_expand_to_fixed_blocks_cut_to_input_length():
     assert json.loads(out.stdout) == ta[:8]
 
 
-def test_oracle_counts_blocks_any_earlier_request_listed():
+def test_oracle_counts_blocks_an_earlier_request_listed_after_the_same_prefix():
     trace = [TraceRequest(0, 1000, 1, [1, 2]), TraceRequest(1, 1200, 1, [1, 2, 3]),
-             TraceRequest(2, 300, 1, [3])]
-    # second: blocks 1 and 2 seen (512 + 512); third: block 3 seen, cut to 300 tokens
-    assert oracle_hits(trace) == [0, 1024, 300]
+             TraceRequest(2, 300, 1, [3]), TraceRequest(3, 1100, 1, [1, 2, 3]),
+             TraceRequest(4, 1024, 1, [7, 2])]
+    # second: blocks 1 and 2 after the same prefix (512 + 512); third: block 3 was listed,
+    # but after [1, 2], so a cache cannot reuse it; fourth: all three, the last cut to 76;
+    # fifth: block 2 after another first block is new KV
+    assert oracle_hits(trace) == [0, 1024, 0, 1100, 0]
 
 
 def test_generator_is_deterministic_and_builds_conversations():

@@ -9,7 +9,7 @@ simulated nodes, and report how well the policy used the prefix caches.
 
 Reported (JSON with ``--result-json``):
   hit_rate         cached prompt tokens (``usage.prompt_tokens_details``) / prompt tokens
-  oracle_hit_rate  the same for one shared cache that never evicts (trace.oracle_hits)
+  oracle_hit_rate  the same for one shared prefix cache that never evicts (trace.oracle_hits)
   ttft_p50/p90/p99 seconds of trace time (wall clock x speedup), failed requests excluded
   max_mean_load    the busiest prefill node's forward-pass time / the mean over prefill
                    nodes (each node's ``busy_s``): how far a hot spot stands out

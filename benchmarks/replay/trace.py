@@ -96,15 +96,24 @@ def prompt_tokens(req: TraceRequest, vocab_size: int = BUNDLED_VOCAB,
 
 
 def oracle_hits(requests: Iterable[TraceRequest], hash_block: int = HASH_BLOCK) -> list[int]:
-    """Per request, the prompt tokens a shared never-evicting cache would hold: the
-    tokens of every block whose id an earlier request listed."""
-    seen: set[int] = set()
+    """Per request, the prompt tokens one shared, never-evicting prefix cache would
+    hold: its leading blocks whose ids, with every id before them, an earlier request
+    listed as its own leading ids. A block's KV depends on every token before it, so
+    a cache reuses a block only after the same prefix. (The published Mooncake traces
+    number blocks per prefix already, so there this is every block whose id was seen
+    before; the generator's shared documents sit after per-user prefixes, and an id
+    seen after another prefix is no hit any cache could make.)"""
+    children: dict[tuple[int, int], int] = {}  # (prefix, id) -> the longer prefix: a trie
     hits = []
     for r in requests:
-        hit = 0
+        prefix, hit, seen = 0, 0, True
         for i, hid in enumerate(r.hash_ids):
-            if hid in seen:
+            longer = children.get((prefix, hid)) if seen else None
+            if longer is None:
+                seen = False
+                longer = children[(prefix, hid)] = len(children) + 1
+            else:
                 hit += min(hash_block, r.input_length - i * hash_block)
-        seen.update(r.hash_ids)
+            prefix = longer
         hits.append(hit)
     return hits
