@@ -54,9 +54,10 @@ class SimProfile:
         return SimConfig(speedup=speedup, roofline=self.roofline, max_model_len=self.context,
                          kv_bytes_per_token=self.kv_bytes_per_token)
 
-    def prefill_seconds(self, tokens: int) -> float:
-        """One request's prompt of ``tokens``, alone on the node, in chunks."""
-        sim, t, done = self.sim_config(), 0.0, 0
+    def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
+        """One request's prompt of ``tokens``, ``cached`` of them already in the node's
+        cache, alone on the node, in chunks."""
+        sim, t, done = self.sim_config(), 0.0, cached
         while done < tokens:
             n = min(self.prefill_chunk_size, tokens - done)
             t += sim.step_seconds(0, [(n, done)])

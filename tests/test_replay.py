@@ -1,5 +1,5 @@
-"""The routing trace (format, expansion, oracle), its generator, and
-``splitserve replay`` end to end on a small trace."""
+"""The routing trace (format, expansion, oracle), its generator, the greedy
+balancer's reference load, and ``splitserve replay`` end to end on a small trace."""
 
 import json
 import os
@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from splitserve.common.sim_profiles import get_profile
+from splitserve.benchmarks.replay.balance import greedy_max_mean
 from splitserve.benchmarks.replay.generate import TraceSpec, generate, summarize
 from splitserve.benchmarks.replay.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace,
                                                 oracle_hits, prompt_tokens)
@@ -58,6 +60,23 @@ def test_oracle_counts_blocks_an_earlier_request_listed_after_the_same_prefix():
     # but after [1, 2], so a cache cannot reuse it; fourth: all three, the last cut to 76;
     # fifth: block 2 after another first block is new KV
     assert oracle_hits(trace) == [0, 1024, 0, 1100, 0]
+
+
+def test_greedy_balancer_spreads_work_and_keeps_a_conversation_where_it_is_cached():
+    p = get_profile("llama3-8b-h100")
+    equal = [TraceRequest(i, 2048, 1, [10 * i + k for k in range(4)]) for i in range(4)]
+    assert greedy_max_mean(equal, 2, p) == 1.0  # two each
+    # A long first turn, its next turn (cached but for one block) and a short stranger:
+    # the next turn stays with the long one (its cached time is the least end), the
+    # stranger goes to the idle node.
+    first = TraceRequest(0, 32 * 512, 1, list(range(32)))
+    turn = TraceRequest(1, 33 * 512, 1, list(range(33)))
+    stranger = TraceRequest(2, 4 * 512, 1, [100, 101, 102, 103])
+    busy = [p.prefill_seconds(32 * 512) + p.prefill_seconds(33 * 512, 32 * 512), p.prefill_seconds(4 * 512)]
+    assert greedy_max_mean([first, turn, stranger], 2, p) == round(max(busy) / (sum(busy) / 2), 3)
+    # one request longer than all the rest together: max/mean stays far from 1
+    big = TraceRequest(3, 200 * 512, 1, list(range(1000, 1200)))
+    assert greedy_max_mean(equal + [big], 4, p) > 2
 
 
 def test_generator_is_deterministic_and_builds_conversations():

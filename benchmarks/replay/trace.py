@@ -95,25 +95,37 @@ def prompt_tokens(req: TraceRequest, vocab_size: int = BUNDLED_VOCAB,
     return tokens[:req.input_length]
 
 
+def prefix_keys(requests: Iterable[TraceRequest]) -> list[list[int]]:
+    """Per request, one key per hash id that stands for the id with every id before it:
+    two requests share a key exactly where they list the same leading ids (a block's
+    KV depends on every token before it, so only such blocks are the same KV)."""
+    children: dict[tuple[int, int], int] = {}  # (prefix key, id) -> the longer prefix's key
+    keys = []
+    for r in requests:
+        prefix, own = 0, []
+        for hid in r.hash_ids:
+            prefix = children.setdefault((prefix, hid), len(children) + 1)
+            own.append(prefix)
+        keys.append(own)
+    return keys
+
+
 def oracle_hits(requests: Iterable[TraceRequest], hash_block: int = HASH_BLOCK) -> list[int]:
     """Per request, the prompt tokens one shared, never-evicting prefix cache would
-    hold: its leading blocks whose ids, with every id before them, an earlier request
-    listed as its own leading ids. A block's KV depends on every token before it, so
-    a cache reuses a block only after the same prefix. (The published Mooncake traces
-    number blocks per prefix already, so there this is every block whose id was seen
-    before; the generator's shared documents sit after per-user prefixes, and an id
-    seen after another prefix is no hit any cache could make.)"""
-    children: dict[tuple[int, int], int] = {}  # (prefix, id) -> the longer prefix: a trie
+    hold: its leading blocks whose ``prefix_keys`` an earlier request listed. (The
+    published Mooncake traces number blocks per prefix already, so there this is every
+    block whose id was seen before; the generator's shared documents sit after
+    per-user prefixes, and an id seen after another prefix is no hit any cache could
+    make.)"""
+    requests = list(requests)
+    seen: set[int] = set()
     hits = []
-    for r in requests:
-        prefix, hit, seen = 0, 0, True
-        for i, hid in enumerate(r.hash_ids):
-            longer = children.get((prefix, hid)) if seen else None
-            if longer is None:
-                seen = False
-                longer = children[(prefix, hid)] = len(children) + 1
-            else:
-                hit += min(hash_block, r.input_length - i * hash_block)
-            prefix = longer
+    for r, keys in zip(requests, prefix_keys(requests)):
+        hit = 0
+        for i, key in enumerate(keys):
+            if key not in seen:
+                break
+            hit += min(hash_block, r.input_length - i * hash_block)
+        seen.update(keys)
         hits.append(hit)
     return hits
