@@ -48,7 +48,7 @@ from .decisions import DecisionLog
 from .discovery import NodeDirectory
 from .dispatch import Dispatcher
 from .errors import ApiError
-from .listener import listen, raise_file_limit
+from .listener import HEADER_TIMERS, header_timer_middleware, listen, raise_file_limit
 from .loop_lag import watch_loop_lag
 from .metrics import RouterMetrics
 from .node_client import NodeClient
@@ -74,9 +74,10 @@ def build_app(config: RouterConfig) -> web.Application:
     """The router app for ``config``. Raises ValueError naming the setting when the
     model folder is unusable."""
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_error_middleware, api_key_middleware,
-                                       _admission_middleware])
+                          middlewares=[header_timer_middleware, _error_middleware,
+                                       api_key_middleware, _admission_middleware])
     app[CONFIG] = config
+    app[HEADER_TIMERS] = {}
     app[TOKENIZER] = RouterTokenizer(config.resolved_model_dir, config.max_model_len,
                                      config.allow_long_max_model_len)
     app[METRICS] = RouterMetrics.create(config.model_id)
@@ -219,15 +220,15 @@ async def start_router(config: RouterConfig) -> RunningRouter:
                     "can generate and read /debug/decisions. Pass --api-key (or set "
                     "SPLITSERVE_API_KEY), or bind 127.0.0.1", config.host)
     app = build_app(config)
-    # keepalive_timeout: aiohttp's keep-alive timer starts with the connection and closes
-    # one still waiting for a complete request, so it is also the header timeout.
-    # auto_decompress off: compressed bodies are refused (request_body.py), never inflated.
+    # keepalive_timeout: how long a connection may idle between requests (the header
+    # timeout is listener.py's). auto_decompress off: compressed bodies are refused
+    # (request_body.py), never inflated.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           keepalive_timeout=config.header_timeout_s, auto_decompress=False,
+                           keepalive_timeout=config.keepalive_timeout_s, auto_decompress=False,
                            lingering_time=LINGER_S, shutdown_timeout=HANDLER_SHUTDOWN_S)
     await runner.setup()
     server = await listen(runner, config.host, config.port, config.max_connections,
-                          config.retry_after_s, app[METRICS])
+                          config.retry_after_s, app[METRICS], config.header_timeout_s)
     host, port = server.sockets[0].getsockname()[:2]
     return RunningRouter(runner, server, f"http://{host}:{port}")
 

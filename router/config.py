@@ -133,10 +133,14 @@ class RouterConfig:
     # Open client connections; more are answered 503 and closed at once. Below the
     # process's file limit, leaving room for one connection to a node per stream.
     max_connections: int = 2048
-    # A connection must deliver a request's headers within this (it is also how long an
-    # idle keep-alive connection stays open), and a body within body_timeout_s (408):
-    # slow clients (slowloris) cannot hold connections for long.
+    # A request's headers must be complete within this of their first byte (a new
+    # connection's first request: of its opening), and its body within body_timeout_s
+    # (408): slow clients (slowloris) cannot hold connections for long.
     header_timeout_s: float = 10.0
+    # An idle connection stays open this long between requests: longer than clients' own
+    # idle timeouts (aiohttp 15 s, httpx and the openai client 5 s, load balancers 60 s),
+    # so the client closes it first and never sends a request into a closing connection.
+    keepalive_timeout_s: float = 75.0
     body_timeout_s: float = 30.0
     # SIGTERM: new requests get 503 while in-flight ones finish, for at most this long.
     drain_grace_s: float = 30.0
@@ -161,7 +165,8 @@ class RouterConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         for name in ("poll_interval_s", "node_read_timeout_s", "node_connect_timeout_s",
-                     "index_timeout_s", "index_retry_s", "header_timeout_s", "body_timeout_s"):
+                     "index_timeout_s", "index_retry_s", "header_timeout_s", "keepalive_timeout_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -244,7 +249,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open client connections; more get 503 (default %(default)s)")
     s.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
-                   help="seconds to receive a request's headers, and keep-alive idle time "
+                   help="seconds from a request's first byte to its last header byte "
+                        "(default %(default)s)")
+    s.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s,
+                   help="seconds an idle client connection stays open between requests "
                         "(default %(default)s)")
     s.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
                    help="seconds to receive a request's body; slower gets 408 (default %(default)s)")
@@ -277,7 +285,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         protect_health=args.protect_health, protect_metrics=args.protect_metrics,
                         cluster_token=cluster_token_from_args(args),
                         max_inflight=args.max_inflight, max_connections=args.max_connections,
-                        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
+                        body_timeout_s=args.body_timeout,
                         drain_grace_s=args.drain_grace, migration_limit=args.migration_limit)
 
 

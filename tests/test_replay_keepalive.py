@@ -30,7 +30,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def test_idle_connections_are_dropped_before_the_server_closes_them():
-    assert KEEPALIVE_S < RouterConfig().header_timeout_s  # the router's keep-alive
+    assert KEEPALIVE_S < RouterConfig().keepalive_timeout_s  # the router's keep-alive
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app, keepalive_timeout=SERVER_KEEPALIVE_S)

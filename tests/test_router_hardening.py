@@ -378,6 +378,51 @@ async def test_slowloris_connections_are_closed_at_the_header_timeout(redis_url,
     assert all(0.8 < t < 6 for t in closed_after), closed_after
 
 
+async def test_an_idle_connection_outlives_the_header_timeout_and_a_late_trickle_does_not(redis_url):
+    """Keep-alive and header timeout are apart: a connection idle for longer than the
+    header timeout still serves its next request (a client pooling connections for 15 s
+    must not race the router closing them), a new connection that sends nothing is
+    closed at the header timeout, and headers trickled after an idle spell are cut the
+    header timeout after their first byte."""
+    running = await start_router(config(redis_url, header_timeout_s=0.5, keepalive_timeout_s=30))
+    host, port = running.url.removeprefix("http://").split(":")
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def answer(reader) -> bytes:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await asyncio.wait_for(reader.readexactly(length), 5)
+        return head
+
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        for _ in range(2):  # the same socket, idle 3x the header timeout in between
+            writer.write(request)
+            assert (await answer(reader)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(1.5)
+        # headers trickled after the idle spell: closed ~0.5 s after their first byte
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        writer.write(b"GET /v1/models HTTP/1.1\r\n")
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            for _ in range(40):
+                writer.write(b"X")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                if reader.at_eof():
+                    raise ConnectionResetError
+        assert 0.3 < loop.time() - t0 < 2.5
+        writer.close()
+        silent_reader, silent = await asyncio.open_connection(host, int(port))
+        t0 = loop.time()
+        assert await asyncio.wait_for(silent_reader.read(), 5) == b""  # closed, nothing sent
+        assert 0.3 < loop.time() - t0 < 2.5
+        silent.close()
+    finally:
+        await running.stop()
+
+
 async def test_connections_over_the_cap_get_503(redis_url):
     running = await start_router(config(redis_url, max_connections=4, header_timeout_s=30))
     host, port = running.url.removeprefix("http://").split(":")

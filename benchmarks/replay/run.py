@@ -47,13 +47,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from .generate import summarize as trace_summary
 from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from ...common import metric_names as names
-from ...router.config import RouterConfig
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
-# The router closes a connection idle for its header timeout (aiohttp's keep-alive timer,
-# router/app.py); a request sent on it as it closes fails (ServerDisconnectedError) without
-# reaching the router. aiohttp's client keeps idle connections 15 s: drop them well before.
-KEEPALIVE_S = RouterConfig().header_timeout_s / 2
+# A server closes a connection idle for its keep-alive time; a request sent on it as it
+# closes fails (ServerDisconnectedError) without reaching the server. Drop idle connections
+# well before the router's keep-alive (RouterConfig.keepalive_timeout_s) ends.
+KEEPALIVE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
