@@ -119,6 +119,7 @@ def test_replay_command_end_to_end(tmp_path):
     assert 0 < r["ttft_p50"] <= r["ttft_p99"]
     assert r["max_mean_load"] >= 1
     assert sum(r["prefill_requests_per_node"].values()) == 10
+    assert r["prefill_nodes_not_idle_at_end"] == {}  # nothing leaked on the nodes
     assert "hit rate" in proc.stdout
 
 

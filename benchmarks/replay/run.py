@@ -15,6 +15,8 @@ Reported (JSON with ``--result-json``):
                    nodes (each node's ``busy_s``): how far a hot spot stands out
   max_mean_requests  the same for requests routed (the router's routing_decisions_total);
                    requests with long cached prefixes are cheap, so this spreads wider
+  prefill_nodes_not_idle_at_end  node -> what it still holds once every request was
+                   answered (requests, queued tokens, KV blocks in use, transfers): a leak
 
 The router's clock is not compressed: its registry polls and heartbeats stay in
 wall-clock time. The one policy time constant, cache_aware's balance half-life,
@@ -196,6 +198,20 @@ async def prefill_node_states(redis_url: str) -> dict[str, dict]:
     return {n.node_id: st for n, st in zip(nodes, states)}
 
 
+IDLE_RECHECK_S = 2.0
+
+
+def not_idle(state: dict) -> dict:
+    """What a prefill node's /debug/state still holds once every request was answered
+    (empty: idle): requests, queued tokens, KV blocks in use, outgoing transfers. Anything
+    here is a leak, and it also makes the node look loaded to the router for good."""
+    load = state.get("load", {})
+    held = {k: load.get(k, 0) for k in ("running", "waiting", "queued_prefill_tokens")}
+    held["blocks_in_use"] = state["kv_blocks_total"] - state["kv_blocks_free"]
+    held["outgoing"] = state.get("outgoing", 0)
+    return {k: v for k, v in held.items() if v}
+
+
 def max_over_mean(values: list[float], n: int) -> float | None:
     values = values + [0.0] * (n - len(values))  # nodes that got nothing
     mean = statistics.fmean(values) if values else 0.0
@@ -248,6 +264,8 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "max_mean_requests": max_over_mean(list(per_node.values()), cfg.prefill_nodes),
         "prefill_requests_per_node": dict(sorted(per_node.items())),
         "prefill_busy_s_per_node": {k: round(v, 1) for k, v in sorted(busy.items())},
+        "prefill_nodes_not_idle_at_end": {nid: held for nid, st in sorted(states.items())
+                                          if (held := not_idle(st))},
         "speedup": cfg.speedup, "wall_s": round(wall_s, 1), "max_output_tokens": cfg.max_output_tokens,
         "kv_cache_memory": cfg.kv_cache_memory, "trace": trace_summary(requests), "config": asdict(cfg),
         # trace order: [ttft seconds of trace time (null: failed), prompt tokens, cached tokens]
@@ -290,6 +308,9 @@ def run_replay(cfg: ReplayConfig) -> dict:
         with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
             per_node = prefill_requests_per_node(r.read().decode())
         states = asyncio.run(prefill_node_states(cluster.redis_url))
+        if any(map(not_idle, states.values())):  # a transfer may still be closing: look again
+            time.sleep(IDLE_RECHECK_S)
+            states = asyncio.run(prefill_node_states(cluster.redis_url))
     result = summarize(cfg, requests, outcomes, per_node, states, wall_s)
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
@@ -307,3 +328,5 @@ def print_summary(r: dict) -> None:
           f"requests {r['max_mean_requests']}")
     for e in r["errors"]:
         print(f"  error: {e}")
+    for node, held in r["prefill_nodes_not_idle_at_end"].items():
+        print(f"  not idle at the end: {node} {held}")
