@@ -110,7 +110,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    ttft, usage = float("nan"), None
+    ttft, usage, error = float("nan"), None, None
     try:
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
@@ -124,10 +124,13 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                     ttft = time.perf_counter() - start
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("error"):  # the router's in-stream error event
+                    error = str(chunk["error"].get("message", chunk["error"]))
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
         return Outcome(False, ttft, 0.0, len(prompt), 0, f"{type(e).__name__}: {e}")
     if usage is None:
-        return Outcome(False, ttft, 0.0, len(prompt), 0, "stream ended without usage")
+        return Outcome(False, ttft, 0.0, len(prompt), 0,
+                       f"error event: {error}" if error else "stream ended without usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return Outcome(True, ttft, time.perf_counter() - start, usage["prompt_tokens"], cached, "")
 
