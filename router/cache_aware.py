@@ -64,12 +64,12 @@ stays short. The balance term charges a node for the work it recently got above
 the average, scaled by the share of the prompt it would have to compute: a new
 conversation that only shares a system prompt goes elsewhere once the holder runs
 ahead, while the next turn of a long conversation it holds (mostly cached) stays.
-Equal costs go to the prefill node with the least recent work R(p), then rotate, by
-``tie_key`` when the caller gives one (dispatch: the prompt's last block hash, so
-every router replica breaks a tie for the same prompt the same way), else by a
-counter. Without the first rule a node holding no popular prefix got work only when a
-hash happened to pick it among many equal idle nodes: on the long-context replay
-(benchmarks/README.md) up to 4 of 64 prefill nodes never got a request.
+Equal costs rotate, by ``tie_key`` when the caller gives one (dispatch: the prompt's
+last block hash, so every router replica breaks a tie for the same prompt the same
+way), else by a counter. (Giving ties to the node with the least recent work instead
+left no prefill node without requests, where rotation leaves a few of 64 with none
+or almost none, but cost TTFT in all three replays it was tried on: p50 +18-28%, p99
+1.1-2.5x; benchmarks/README.md.)
 """
 
 from __future__ import annotations
@@ -117,9 +117,8 @@ class CacheAware:
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
         now = time.monotonic() if now is None else now
-        recent = self.recent.values(prefills, now)  # [prefill nodes] R(p)
         prefill, p_cost = _cheapest(prefills, self.prefill_costs(prefills, n, cached, inflight,
-                                                                 inflight_tokens, recent), turn, recent)
+                                                                 inflight_tokens, now), turn)
         decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, local,
                                                               inflight_tokens), turn)
         assert decode is not None  # decodes is not empty
@@ -150,11 +149,12 @@ class CacheAware:
 
     def prefill_costs(self, prefills: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                       inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
-                      recent: np.ndarray) -> np.ndarray:
-        """[prefill nodes] prefill(p) of the module docstring, ``recent`` being R(p): load
-        and balance as array operations, every node charged the uncached prompt's work,
-        then the work and balance terms corrected for the handful of nodes with a hit."""
+                      now: float) -> np.ndarray:
+        """[prefill nodes] prefill(p) of the module docstring: load and balance as array
+        operations, every node charged the uncached prompt's work, then the work and
+        balance terms corrected for the handful of nodes with a hit."""
         w = self.w
+        recent = self.recent.values(prefills, now)  # [nodes]
         mean = float(recent.sum()) / len(recent) if len(recent) else 0.0
         full = self.work(prompt_len, 0)
         costs = (_loads(prefills, inflight, inflight_tokens, w.prefill_request, w.kv_usage, True)
@@ -219,17 +219,12 @@ def _requests(node: NodeInfo, inflight: Mapping[str, int]) -> int:
     return max(node.load.running + node.load.waiting, inflight.get(node.node_id, 0))
 
 
-def _cheapest(terms: RoleTerms, costs: np.ndarray, turn: int,
-              recent: np.ndarray | None = None) -> tuple[NodeInfo | None, float]:
-    """(the cheapest node, its cost); (None, inf) for none. Equal costs go to the nodes
-    with the least ``recent`` work, if given, then rotate with ``turn``."""
+def _cheapest(terms: RoleTerms, costs: np.ndarray, turn: int) -> tuple[NodeInfo | None, float]:
+    """(the cheapest node, ties rotating with ``turn``, its cost); (None, inf) for none."""
     if not terms.nodes:
         return None, math.inf
     best = float(costs.min())
     tied = np.flatnonzero(costs <= best + _TIE_EPS)
-    if recent is not None and len(tied) > 1:
-        least = recent[tied]
-        tied = tied[least <= least.min() * (1 + _TIE_EPS)]
     return terms.nodes[int(tied[turn % len(tied)])], best
 
 

@@ -162,28 +162,6 @@ def test_decisions_settle_into_hits_and_mispredictions():
     assert metrics.predicted_cached_tokens._value.get() == 64 * 3
 
 
-def test_equal_costs_go_to_the_node_with_the_least_recent_work_whatever_the_tie_key():
-    """A node that got less work lately wins a tie, so no node sits idle waiting for a
-    hash to pick it among many equal ones."""
-    nodes = [node(f"p{i}") for i in range(4)] + [node("d0", "decode")]
-    now = 1000.0
-
-    def policy_with_recent_work() -> CacheAware:
-        policy = CacheAware()
-        # p1 less than this prompt's work: after one pick p2 has more than p1
-        for nid, work in (("p0", 50000.0), ("p1", policy.work(L, 0) / 2), ("p3", 40000.0)):
-            policy.recent.add(nid, work, now)
-        return policy
-
-    # every node idle and without the prefix: equal costs (the balance term is 0 below
-    # the mean, where p1 and p2 are)
-    assert {policy_with_recent_work().choose(PROMPT, nodes, tie_key=k, now=now).prefill.node_id
-            for k in range(8)} == {"p2"}
-    policy = policy_with_recent_work()
-    picks = [policy.choose(PROMPT, nodes, tie_key=0, now=now).prefill.node_id for _ in range(2)]
-    assert picks == ["p2", "p1"]  # then p1, the next least, though the key picked p0 before
-
-
 def test_tie_key_breaks_ties_the_same_way_in_every_router():
     """Router replicas choose alike among equal nodes: the tie follows the prompt's key,
     not each router's own counter; different keys still spread."""

@@ -64,7 +64,7 @@ class NodeByNode:
         recent = [self.get(p.node_id, now) for p in prefills]
         mean = sum(recent) / len(recent) if recent else 0.0
         prefill, p_cost = cheapest(prefills, [self.prefill(p, L, cached, inflight, tokens, r, mean)
-                                              for p, r in zip(prefills, recent)], turn, recent)
+                                              for p, r in zip(prefills, recent)], turn)
         local = not prefills
         decode, d_cost = cheapest(decodes, [self.decode(d, L, cached, inflight, tokens, local)
                                             for d in decodes], turn)
@@ -79,15 +79,12 @@ class NodeByNode:
         return (prefill.node_id if prefill else None, decode.node_id)
 
 
-def cheapest(nodes, costs, turn, recent=None):
+def cheapest(nodes, costs, turn):
     if not nodes:
         return None, math.inf
     best = min(costs)
-    tied = [i for i, c in enumerate(costs) if c <= best + 1e-9]
-    if recent is not None and len(tied) > 1:  # the least recent work first
-        least = min(recent[i] for i in tied)
-        tied = [i for i in tied if recent[i] <= least * (1 + 1e-9)]
-    return nodes[tied[turn % len(tied)]], best
+    tied = [n for n, c in zip(nodes, costs) if c <= best + 1e-9]
+    return tied[turn % len(tied)], best
 
 
 def fleet(rng: random.Random) -> list[NodeInfo]:
