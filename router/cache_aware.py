@@ -68,7 +68,7 @@ Equal costs rotate, by ``tie_key`` when the caller gives one (dispatch: the prom
 last block hash, so every router replica breaks a tie for the same prompt the same
 way), else by a counter. (Giving ties to the node with the least recent work instead
 left no prefill node without requests, where rotation leaves a few of 64 with none
-or almost none, but cost TTFT in all three replays it was tried on: p50 +18-28%, p99
+or almost none, but cost TTFT in all three replays it was tried on: p50 +12-28%, p99
 1.1-2.5x; benchmarks/README.md.)
 """
 
