@@ -48,6 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: CUDA kernels, else Triton, else torch (always torch on cpu)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no padded static decode and no CUDA graphs: every step runs at its exact shape")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while the device runs step N (default: on for cuda, off on cpu)")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch-size buckets (default: 1 2 4 8, then multiples of 8 up to --max-num-seqs)")
 
@@ -70,7 +72,7 @@ def engine_config(args, sim=None):
                         prefill_chunk_size=args.prefill_chunk_size,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                         device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-                        enforce_eager=args.enforce_eager,
+                        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
                         sim=sim)
 

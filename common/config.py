@@ -157,6 +157,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # Decode batch-size buckets; None: 1, 2, 4, 8, then multiples of 8 up to max_num_seqs (as vLLM)
     cuda_graph_sizes: tuple[int, ...] | None = None
+    # Schedule and launch step N+1 before waiting for step N's tokens (engine_core.py).
+    # None: on for a GPU; on the CPU the forward runs on the host, so nothing would overlap.
+    async_scheduling: bool | None = None
     # Simulated node: timing model in place of the forward pass (no weights are loaded;
     # the model's config.json still gives vocab, context and the KV block size).
     sim: SimConfig | None = None
@@ -178,6 +181,8 @@ class EngineConfig:
         on_cpu = self.device.split(":")[0] == "cpu"
         if self.dtype == "auto":  # resolved here, before anyone reads it
             object.__setattr__(self, "dtype", "float32" if on_cpu else "bfloat16")
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", not on_cpu)
         if self.attention_backend not in ("auto", "cuda", "triton", "torch"):
             raise ValueError(f"attention_backend: must be auto, cuda, triton or torch, got {self.attention_backend!r}")
         if self.gpu_memory_utilization is not None:

@@ -14,6 +14,9 @@ pool never hands out, so padding rows write and read only there.
     host (pinned on CUDA)              device (persistent, what the graph reads)
     ids/positions/slots/seq_lens [N] --copy, non_blocking--> same [N]
     block_tables [N, W]              --copy, non_blocking--> same [N, W]
+    from_last [N]                    --copy, non_blocking--> where >= 0, ids take the previous
+                                                             step's sampled id at that row
+                                                             (async scheduling), on the device
 
 N = the largest bucket, W = blocks of the longest allowed sequence. On CUDA every
 bucket is captured once at start-up (warm-up on a side stream, all graphs in one
@@ -75,6 +78,7 @@ class StaticDecode:
         # host staging; on CPU also what the forward reads
         self.h_ids, self.h_pos, self.h_slots, self.h_lens = host(n), host(n), host(n), host(n)  # [N] each
         self.h_tables = host(n, w)  # [N, W]
+        self.h_from_last = host(n)  # [N]: row of the previous step's tokens, or -1
         if pin:
             def dev(t):
                 return torch.zeros(t.shape, dtype=t.dtype, device=self.device)
@@ -82,12 +86,13 @@ class StaticDecode:
             self.ids, self.pos, self.slots, self.lens = (dev(self.h_ids), dev(self.h_pos), dev(self.h_slots),
                                                          dev(self.h_lens))
             self.tables = dev(self.h_tables)
+            self.from_last = dev(self.h_from_last)
             # recorded after the copies: the host waits on it before reusing the staging buffers
             # (a step that samples nothing never synchronizes otherwise)
             self.copied = torch.cuda.Event()
         else:
-            self.ids, self.pos, self.slots, self.lens, self.tables = (
-                self.h_ids, self.h_pos, self.h_slots, self.h_lens, self.h_tables)
+            self.ids, self.pos, self.slots, self.lens, self.tables, self.from_last = (
+                self.h_ids, self.h_pos, self.h_slots, self.h_lens, self.h_tables, self.h_from_last)
         self.logits_rows = torch.arange(n, device=self.device)  # [N]: every row's logits
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, logits [B, V])
         if use_graphs:
@@ -100,10 +105,13 @@ class StaticDecode:
                 return size
         return None
 
-    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]],
+            from_last: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """One decode token per row: ``ids``, ``positions`` [D], ``tables`` (each row's
-        block ids). Returns logits [D, vocab] float32 (a view of a static buffer on CUDA:
-        read it before the next call)."""
+        block ids). ``from_last`` = (rows [D], tokens [S] on the device): row i's id is
+        ``tokens[rows[i]]`` where ``rows[i] >= 0`` (its ``ids`` entry is then ignored).
+        Returns logits [D, vocab] float32 (a view of a static buffer on CUDA: read it
+        before the next call)."""
         d = len(ids)
         b = self.bucket(d)
         assert b is not None, f"{d} decode rows exceed the largest bucket {self.sizes[-1]}"
@@ -119,12 +127,18 @@ class StaticDecode:
         self.h_slots[:b] = torch.tensor(slots + [scratch * bs] * pad)
         self.h_lens[:b] = torch.tensor([p + 1 for p in positions] + [1] * pad)
         self.h_tables[:b, :width] = torch.tensor(rows)
+        if from_last is not None:
+            self.h_from_last[:b] = torch.tensor(from_last[0] + [-1] * pad)
         if self.h_ids is not self.ids:  # async: the graph waits on the stream, not the host
-            for src, dst in ((self.h_ids, self.ids), (self.h_pos, self.pos), (self.h_slots, self.slots),
-                             (self.h_lens, self.lens)):
+            staged = [(self.h_ids, self.ids), (self.h_pos, self.pos), (self.h_slots, self.slots),
+                      (self.h_lens, self.lens)] + ([(self.h_from_last, self.from_last)] if from_last else [])
+            for src, dst in staged:
                 dst[:b].copy_(src[:b], non_blocking=True)
             self.tables[:b, :width].copy_(self.h_tables[:b, :width], non_blocking=True)
             self.copied.record()
+        if from_last is not None:  # the previous step's tokens, without a trip through the host
+            rows_from = self.from_last[:b]
+            self.ids[:b] = torch.where(rows_from >= 0, from_last[1][rows_from.clamp(min=0)], self.ids[:b])
         if b in self.graphs:
             graph, logits = self.graphs[b]
             graph.replay()

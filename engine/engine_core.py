@@ -1,6 +1,23 @@
 """EngineCore: the step loop (schedule -> forward -> sample -> stop checks) over
-one model. Synchronous and single-threaded; servers run it on their own thread
-so network I/O never stalls a step.
+one model. Single-threaded; servers run it on their own thread so network I/O
+never stalls a step.
+
+Async scheduling (``EngineConfig.async_scheduling``, on for GPUs): the host
+schedules and launches step N+1 before it waits for step N's tokens, so the device
+never idles while the host does stop checks, bookkeeping and scheduling:
+
+    step() call k:   schedule N+1 | launch N+1 | wait for N, stop checks | -> deltas of N
+    device:          ...... N ......|........ N+1 ........
+
+A token step N samples is pending (``Request.pending_tokens``) until it lands; step
+N+1 decodes its position with the id read on the device. What that costs: a request
+that stops on a sampled token (EOS, a stop id) computes one more token, which is
+dropped; a length stop is foreseen and costs nothing. A request whose sampling reads
+its earlier tokens on the host (grammar, penalties, min_tokens) cannot be sampled
+with one pending, so when the step in flight sampled for such a request, that step
+lands before the next is scheduled. Without async scheduling every step lands before
+``step()`` returns (on the CPU the forward runs inside ``launch`` anyway, so there is
+nothing to overlap and the deltas would only come one step later).
 
 Token-level stops (EOS, stop_token_ids, max_tokens, context length) are decided
 here; stop *strings* need text, so the caller that detokenizes finishes those
@@ -22,7 +39,7 @@ from . import prompt_logprobs
 from .kv_cache_manager import KVCacheManager
 from .limits import RequestLimits
 from .loader import resolve_model_dir
-from .model_runner import KVCacheFactory, ModelRunner
+from .model_runner import KVCacheFactory, LaunchedStep, ModelRunner
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -71,7 +88,8 @@ class EngineCore:
                                     self.grammars)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_size)
+                                   config.prefill_chunk_size, self.max_model_len)
+        self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
         self.busy_s = 0.0  # wall seconds spent in forward passes (a metric)
         # Called on every step after the computed counts advance and before finished
@@ -153,7 +171,7 @@ class EngineCore:
         return self.scheduler.finish(request_id, reason) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def load(self) -> NodeLoad:
         sched = self.scheduler
@@ -163,26 +181,53 @@ class EngineCore:
                         kv_usage=self.kv.usage, kv_free_blocks=self.kv.num_free_blocks)
 
     def step(self) -> list[RequestDelta]:
+        """Run one step and return what landed: this step's deltas, or with async
+        scheduling the previous step's (the one launched now lands on the next call)."""
+        prev, self._in_flight = self._in_flight, None
+        deltas: list[RequestDelta] = []
+        if prev is not None and any(r.samples_from_history for r in prev.requests):
+            deltas, prev = self._land(prev), None
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        launched = self._launch(out) if out.scheduled else None
+        if prev is not None:
+            deltas = self._land(prev)
+        if launched is not None:
+            if self.config.async_scheduling:
+                self._in_flight = launched
+            else:
+                deltas += self._land(launched)
+        return deltas
+
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
-        result = self.runner.execute(out, self.kv)
+        launched = self.runner.launch(out, self.kv)
         self.busy_s += time.perf_counter() - t0
+        for req in launched.requests:
+            req.pending_tokens += 1
         self.scheduler.update_after_step(out)
-        self.num_computed_tokens_total += result.num_tokens
+        self.num_computed_tokens_total += launched.num_tokens
         if self.step_observer is not None:
             self.step_observer(out)
+        return launched
+
+    def _land(self, launched: LaunchedStep) -> list[RequestDelta]:
+        """Wait for a launched step's tokens, append them and check stops."""
+        t0 = time.perf_counter()
+        result = launched.result()
+        self.busy_s += time.perf_counter() - t0
         for req, start, values in result.prompt_logprobs:
             prompt_logprobs.record(req, start, values)
         deltas = []
-        for req_id, token, logprobs in result.sampled:
-            req = self.scheduler.requests[req_id]
+        for req, token, logprobs in result.sampled:
+            req.pending_tokens -= 1
+            if self.scheduler.requests.get(req.request_id) is not req:
+                continue  # finished (a stop sampled one step earlier) or aborted while on the device
             req.append_token(token, logprobs)
+            self.scheduler.cache_computed(req)
             reason = req.check_stop(self.max_model_len)
             if reason is not None:
-                self.scheduler.finish(req_id, reason)
+                self.scheduler.finish(req.request_id, reason)
             first = len(req.output_token_ids) == 1 and req.sampling_params.prompt_logprobs is not None
-            deltas.append(RequestDelta(req_id, [token], [logprobs], reason, req.num_cached_tokens,
+            deltas.append(RequestDelta(req.request_id, [token], [logprobs], reason, req.num_cached_tokens,
                                        req.prompt_logprobs if first else None))
         return deltas

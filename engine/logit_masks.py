@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from ..common.sampling_params import SamplingParams
+from .upload import upload
 
 _NEG_INF = float("-inf")
 
@@ -57,12 +58,12 @@ def apply_logit_masks(logits: torch.Tensor, reqs: Sequence[MaskInput]) -> torch.
     logits = logits.clone()
     device = logits.device
     if bias_rows:
-        index = torch.tensor([bias_rows, bias_cols], device=device)  # [2, N]
-        values = torch.tensor(bias_values, dtype=logits.dtype, device=device)  # [N]
+        index = upload([bias_rows, bias_cols], device)  # [2, N]
+        values = upload(bias_values, device, logits.dtype)  # [N]
         logits.index_put_((index[0], index[1]), values, accumulate=True)
     if min_rows:
-        index = torch.tensor([min_rows, min_cols], device=device)  # [2, M]
-        rows = torch.tensor(sorted(set(min_rows)), device=device)
+        index = upload([min_rows, min_cols], device)  # [2, M]
+        rows = upload(sorted(set(min_rows)), device)
         before = logits[rows]  # [R, V] a copy: put back where masking would leave no token
         logits[index[0], index[1]] = _NEG_INF
         dead = torch.isneginf(logits[rows]).all(dim=1)  # [R]

@@ -14,11 +14,13 @@ Decode-only steps go through ``StaticDecode`` (decode_graphs.py: padded to a bat
 bucket, a CUDA graph per bucket on a GPU) unless ``enforce_eager``; steps with a prefill
 chunk, and decode batches larger than the largest bucket, run eagerly at their exact shape.
 
-What overlaps on CUDA: input copies are non-blocking from pinned buffers, and the
-forward (a graph replay) and the sampler are queued without waiting, so the host
-builds the sampler's per-row tensors while the GPU computes. The one wait per step is
-the sampler's copy of the sampled ids to the host: stop checks and the next step's
-input ids need them, so step N+1 cannot be scheduled before step N's tokens land.
+``launch`` queues a step and returns without waiting for the device: input copies are
+non-blocking from pinned memory (engine/upload.py), the forward (a graph replay) and
+the sampler are queued, and so is the one device-to-host copy of the sampled ids. The
+returned ``LaunchedStep.result()`` waits for that copy. The engine schedules and
+launches step N+1 before it waits for step N (async scheduling): a decode row whose
+input token step N sampled (``Request.pending_tokens``) reads that id from step N's
+device tensor, so the host never needs it to build step N+1.
 """
 
 import logging
@@ -39,9 +41,11 @@ from .kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-
 from .loader import load_model
 from .model_config import ModelConfig
 from .prompt_logprobs import PromptRows
-from .sampler import Sampler
+from .request import Request
+from .sampler import SampledTokens, Sampler
 from .scheduler import SchedulerOutput
 from .structured import GrammarMasker
+from .upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class StepResult(NamedTuple):
-    sampled: list[tuple[str, int, TokenLogprobs | None]]  # (req_id, token, logprobs), requests that reached their end
+    sampled: list[tuple[Request, int, TokenLogprobs | None]]  # requests that reached their end
     num_tokens: int  # tokens computed this step
     # (request, first position, values) of the chunks whose requests asked for prompt logprobs
     prompt_logprobs: Sequence[tuple[object, int, list[PromptLogprob]]] = ()
+
+
+class LaunchedStep(NamedTuple):
+    """A step queued on the device; ``result()`` waits for its sampled tokens."""
+    requests: list[Request]  # those that sample, in the order of ``tokens``
+    tokens: SampledTokens | None  # None when no request samples
+    num_tokens: int
+    prompt_logprobs: Sequence[tuple[object, int, list[PromptLogprob]]] = ()
+
+    def result(self) -> StepResult:
+        if self.tokens is None:
+            return StepResult([], self.num_tokens, self.prompt_logprobs)
+        out = self.tokens.to_host()
+        return StepResult(list(zip(self.requests, out.token_ids, out.logprobs)), self.num_tokens,
+                          self.prompt_logprobs)
 
 
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
@@ -79,6 +98,8 @@ class ModelRunner:
         self.grammar_masker: GrammarMasker | None = None  # made for the first structured request
         self.prefill_varlen = varlen_available(self.device, self.dtype)  # one attention call for all chunks
         self.static_decode = None if config.enforce_eager else self._static_decode()
+        self._last: dict[str, tuple[Request, int]] = {}  # the last launch's samplers -> row of ...
+        self._last_tokens: torch.Tensor | None = None  # ... its sampled ids [S], on the device
 
     def _static_decode(self) -> StaticDecode:
         cfg, config = self.model_config, self.config
@@ -91,14 +112,29 @@ class ModelRunner:
         return StaticDecode(self.model, self.kv_caches, self.backend, sizes, -(-max_len // config.block_size),
                             self.scratch_block, use_graphs)
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
-        """Run one forward pass over ``out.scheduled`` and sample for every request
-        whose scheduled tokens reach the end of its sequence."""
-        bs = self.config.block_size
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
+        """Queue one forward pass over ``out.scheduled`` and sampling for every request
+        whose scheduled tokens reach the end of its sequence (``seq_len``)."""
         decodes = [(r, n) for r, n in out.scheduled if n == 1]
         prefills = [(r, n) for r, n in out.scheduled if n > 1]
         if not prefills and self.static_decode is not None and self.static_decode.bucket(len(decodes)):
-            return self._execute_static(decodes, kv)
+            step = self._launch_static(decodes, kv)
+        else:
+            step = self._launch_eager(decodes, prefills, kv)
+        self._last = {r.request_id: (r, i) for i, r in enumerate(step.requests)}
+        self._last_tokens = None if step.tokens is None else step.tokens.token_ids
+        return step
+
+    def _from_last(self, req: Request, pos: int) -> int:
+        """-1 if ``req``'s input id at ``pos`` is on the host, else its row in the last launch's tokens."""
+        if pos < req.num_tokens:
+            return -1
+        last, row = self._last[req.request_id]
+        assert last is req and pos == req.num_tokens, (req.request_id, pos, req.num_tokens)
+        return row
+
+    def _launch_eager(self, decodes, prefills, kv: KVCacheManager) -> LaunchedStep:
+        bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -106,13 +142,17 @@ class ModelRunner:
         sampling_reqs = []
         prompt_rows: list[PromptRows] = []  # chunks whose logits give prompt logprobs
 
+        from_last: list[tuple[int, int]] = []  # (row, row of the last launch's tokens)
         tables = [kv.block_ids(r.request_id) for r, _ in decodes]
         for (req, _), table in zip(decodes, tables):
             pos = req.num_computed_tokens
-            ids.append(req.all_token_ids[pos])
+            src = self._from_last(req, pos)
+            if src >= 0:
+                from_last.append((len(ids), src))
+            ids.append(req.all_token_ids[pos] if src < 0 else 0)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if pos + 1 == req.num_tokens:  # else: the last 1-token chunk of a prompt mid-way
+            if pos + 1 == req.seq_len:  # else: the last 1-token chunk of a prompt mid-way
                 logits_rows.append(len(ids) - 1)
                 sampling_reqs.append(req)
             elif _wants_prompt_logprobs(req, pos, 1):
@@ -137,54 +177,59 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(key_slots[start:].tolist())
-            if start + n == req.num_tokens:
+            if start + n == req.seq_len:
                 logits_rows.append(len(ids) - 1)
                 sampling_reqs.append(req)
 
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=upload(slots, dev, torch.long),
             num_decodes=nd,
-            decode_block_tables=decode_tables.to(dev),
-            decode_seq_lens=seq_lens.to(dev),
+            decode_block_tables=upload(decode_tables, dev),
+            decode_seq_lens=upload(seq_lens, dev),
             decode_mask=decode_mask,
             prefills=build_prefill_groups(chunks, dev, self.prefill_varlen),
         )
+        input_ids = upload(ids, dev, torch.long)
+        if from_last:
+            rows, src = zip(*from_last)
+            input_ids.index_copy_(0, upload(list(rows), dev), self._last_tokens[upload(list(src), dev)])
         extra = [row for c in prompt_rows for row in c.rows]  # after the sampling rows
-        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_caches, meta, self.backend,
-                            torch.tensor(logits_rows + extra, dtype=torch.long, device=dev))
+        logits = self.model(input_ids, upload(positions, dev, torch.long), self.kv_caches, meta, self.backend,
+                            upload(logits_rows + extra, dev, torch.long))
         at, prompt = len(logits_rows), []
         for c in prompt_rows:  # [len(c.rows), V] each, in order after the sampling rows
             prompt.append(_prompt_chunk(c, logits[at:at + len(c.rows)]))
             at += len(c.rows)
-        return StepResult(self._sample(logits[:len(logits_rows)], sampling_reqs), len(ids), prompt)
+        return LaunchedStep(sampling_reqs, self._sample(logits[:len(logits_rows)], sampling_reqs), len(ids), prompt)
 
-    def _execute_static(self, decodes, kv: KVCacheManager) -> StepResult:
+    def _launch_static(self, decodes, kv: KVCacheManager) -> LaunchedStep:
         """A decode-only step through the padded fixed-shape forward."""
         reqs = [r for r, _ in decodes]
         positions = [r.num_computed_tokens for r in reqs]
-        logits = self.static_decode.run([r.all_token_ids[p] for r, p in zip(reqs, positions)], positions,
-                                        [kv.block_ids(r.request_id) for r in reqs])  # [D, vocab]
+        src = [self._from_last(r, p) for r, p in zip(reqs, positions)]
+        ids = [r.all_token_ids[p] if s < 0 else 0 for r, p, s in zip(reqs, positions, src)]
+        logits = self.static_decode.run(ids, positions, [kv.block_ids(r.request_id) for r in reqs],
+                                        (src, self._last_tokens) if max(src) >= 0 else None)  # [D, vocab]
         # a 1-token chunk in the middle of a prompt computes KV but samples nothing
-        rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.num_tokens]
+        rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.seq_len]
         prompt = [_prompt_chunk(PromptRows(r, p, [i]), logits[i:i + 1])
                   for i, (r, p) in enumerate(zip(reqs, positions))
-                  if p + 1 < r.num_tokens and _wants_prompt_logprobs(r, p, 1)]
+                  if p + 1 < r.seq_len and _wants_prompt_logprobs(r, p, 1)]
         if len(rows) < len(reqs):
-            logits = logits[rows]
-        return StepResult(self._sample(logits, [reqs[i] for i in rows]), len(reqs), prompt)
+            logits = logits[upload(rows, logits.device)]
+        sampling_reqs = [reqs[i] for i in rows]
+        return LaunchedStep(sampling_reqs, self._sample(logits, sampling_reqs), len(reqs), prompt)
 
-    def _sample(self, logits: torch.Tensor, reqs: list) -> list[tuple[str, int, TokenLogprobs | None]]:
-        """logits [S, vocab], row i for reqs[i] -> (req_id, token, logprobs) per request."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledTokens | None:
+        """logits [S, vocab], row i for reqs[i]; None when nothing samples."""
         if not reqs:
-            return []
+            return None
         if any(r.grammar is not None for r in reqs):  # structured outputs: refused tokens -> -inf
             if self.grammar_masker is None:
                 self.grammar_masker = GrammarMasker(logits.shape[1], logits.device)
             logits = self.grammar_masker(logits, [r.grammar for r in reqs])
-        res = self.sampler(logits, reqs)
-        return [(r.request_id, t, lp) for r, t, lp in zip(reqs, res.token_ids, res.logprobs)]
+        return self.sampler.sample(logits, reqs)
 
 
 def _wants_prompt_logprobs(req, start: int, n: int) -> int:

@@ -5,6 +5,12 @@ Token bookkeeping (vLLM v1 style): ``all_token_ids`` = prompt + sampled tokens;
 the next ``num_tokens - num_computed_tokens`` tokens (capped by the budget); a
 step that reaches the end samples one more token. Prefill, chunked prefill,
 decode and recompute after preemption are all this one rule.
+
+With async scheduling (engine_core.py) a step is scheduled while the previous one
+still runs, so a request may have a token sampled on the device but not yet
+appended here: ``pending_tokens`` counts those, and ``seq_len`` (= ``num_tokens +
+pending_tokens``) is the length the scheduler plans with. The next step's input for
+that position is read on the device from the step that sampled it.
 """
 
 import enum
@@ -42,6 +48,7 @@ class Request:
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
     num_computed_tokens: int = 0
+    pending_tokens: int = 0  # sampled by a launched step, not yet appended (async scheduling)
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
     status: Status = Status.WAITING
@@ -54,6 +61,24 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence, counting those still on the device."""
+        return len(self.all_token_ids) + self.pending_tokens
+
+    @property
+    def samples_from_history(self) -> bool:
+        """Whether sampling its next token reads its earlier tokens on the host (a grammar,
+        a penalty, min_tokens still counting): its next step waits for its last token."""
+        p = self.sampling_params
+        return (self.grammar is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                or p.presence_penalty != 0.0 or len(self.output_token_ids) < p.min_tokens)
+
+    def ends_by_length(self, max_model_len: int) -> bool:
+        """Whether the tokens it has (pending ones too) already make it finish with "length"."""
+        return (len(self.output_token_ids) + self.pending_tokens >= self.sampling_params.max_tokens
+                or self.seq_len >= max_model_len)
 
     @property
     def finished(self) -> bool:
@@ -77,5 +102,5 @@ class Request:
             if self.grammar.terminated:
                 return "stop"
         if len(self.output_token_ids) >= self.sampling_params.max_tokens or self.num_tokens >= max_model_len:
-            return "length"
+            return "length"  # counts appended tokens only: a pending one is checked when it lands
         return None

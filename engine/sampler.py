@@ -14,6 +14,8 @@ order (as vLLM by default):
 
 Every op runs on the logits' device as batched tensor ops; the host receives one
 device-to-host copy per call (the sampled ids, with the logprobs packed in when asked).
+``sample`` queues that copy and returns at once (``SampledTokens``: the ids stay on the
+device for the next step's inputs); ``SampledTokens.to_host`` waits for it.
 Seeded rows draw from their own generators (CPU generators in the engine, so a seed
 samples the same tokens on every device) and reach the device in one copy.
 
@@ -31,6 +33,7 @@ import torch
 
 from ..common.sampling_params import SamplingParams, TokenLogprobs
 from .logit_masks import apply_logit_masks
+from .upload import upload
 
 _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny  # noise floor, see _exponential
@@ -51,6 +54,37 @@ class SamplingInput(Protocol):
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # [B], one per request, in the order of `reqs`
     logprobs: list[TokenLogprobs | None]  # [B]; None where logprobs were not requested
+
+
+class SampledTokens:
+    """One sampling call's result while the device may still be computing it.
+
+    ``token_ids`` [B] stay on the logits' device (async scheduling feeds them to the next
+    step there); the copy to the host was queued when this was made (into pinned memory,
+    non-blocking, on a GPU) and ``to_host`` waits for that copy alone."""
+
+    def __init__(self, token_ids: torch.Tensor, packed: torch.Tensor | None,
+                 params: list[SamplingParams], lp_rows: list[int]):
+        self.token_ids = token_ids  # [B] int64 on the device
+        self._params, self._lp_rows = params, lp_rows
+        src = token_ids if packed is None else packed  # what the host needs, in one tensor
+        self._ready: torch.cuda.Event | None = None
+        if src.device.type == "cuda":
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = src
+        self._packed = packed is not None
+
+    def to_host(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values = self._host.tolist()
+        if not self._packed:
+            return SamplerOutput(values, [None] * len(values))
+        return _unpack_logprobs(values, self._params, self._lp_rows)
 
 
 class Sampler:
@@ -75,6 +109,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: Sequence[SamplingInput]) -> SamplerOutput:
         """`logits`: [B, V] float32, row i belongs to `reqs[i]`. Params must have
         been validated (`SamplingParams.validate`)."""
+        return self.sample(logits, reqs).to_host()
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingInput]) -> SampledTokens:
+        """As ``__call__``, without waiting for the device."""
         assert logits.dim() == 2 and logits.shape[0] == len(reqs), (logits.shape, len(reqs))
         assert logits.dtype == torch.float32, logits.dtype
         params = [r.sampling_params for r in reqs]
@@ -90,9 +128,8 @@ class Sampler:
                 sampled = self._sample(penalized[random_rows], [reqs[i] for i in random_rows])
                 token_ids[random_rows] = sampled
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not lp_rows:
-            return SamplerOutput(token_ids.tolist(), [None] * len(reqs))  # the step's one device-to-host copy
-        return _with_logprobs(logits, token_ids, params, lp_rows)
+        packed = _pack_logprobs(logits, token_ids, params, lp_rows) if lp_rows else None
+        return SampledTokens(token_ids, packed, params, lp_rows)
 
     @staticmethod
     def skip_step(req: SamplingInput, vocab: int) -> None:
@@ -105,7 +142,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: Sequence[SamplingInput]) -> torch.Tensor:
         """Random rows only: `logits` [R, V] penalized -> token ids [R] (int64)."""
         params = [r.sampling_params for r in reqs]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        temperature = upload([p.temperature for p in params], logits.device, torch.float32)
         logits = _filter(logits / temperature[:, None], params)  # [R, V]
         probs = logits.softmax(dim=-1)  # [R, V]
         noise = self._exponential_noise(reqs, probs.shape[1], probs.device)  # [R, V]
@@ -218,7 +255,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
         width = vocab
         values, order = logits.sort(dim=-1, descending=True)  # [R, V] each
     ranks = torch.arange(width, device=device)  # [width]
-    remove = ranks[None, :] >= torch.tensor(top_k, device=device)[:, None]  # [R, width]
+    remove = ranks[None, :] >= upload(top_k, device)[:, None]  # [R, width]
     probs = values.masked_fill(remove, _NEG_INF).softmax(dim=-1)  # renormalized over top-k
     before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely candidates
     p = _column(top_p, device)  # [R, 1]
@@ -226,23 +263,28 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     kept = torch.full_like(logits, _NEG_INF)  # [R, V]
     kept.scatter_(1, order, values.masked_fill(remove, _NEG_INF))
     if width < vocab and not all(active):
-        kept = torch.where(torch.tensor(active, device=device)[:, None], kept, logits)
+        kept = torch.where(upload(active, device)[:, None], kept, logits)
     return kept
 
 
-def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
-                   rows: list[int]) -> SamplerOutput:
+def _pack_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
+                   rows: list[int]) -> torch.Tensor:
     """Token ids [B] plus, for ``rows`` (those that asked), the logprob of the chosen token
-    and the top alternatives, from the raw logits ``raw`` [B, V]. Everything the host needs
-    is packed into one float64 tensor (ids < 2**53 and float32 values convert exactly), so
-    the step still makes one device-to-host copy."""
+    and the top alternatives, from the raw logits ``raw`` [B, V], packed into one float64
+    tensor (ids < 2**53 and float32 values convert exactly), so the step still makes one
+    device-to-host copy: [B + L + 2 * L * k_max]."""
     logprobs = torch.log_softmax(raw[rows], dim=-1)  # [L, V]
     chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1)  # [L]
     k_max = min(max(params[i].logprobs for i in rows), raw.shape[1])
     top_values, top_ids = logprobs.topk(k_max, dim=-1)  # [L, k_max], best first
+    return torch.cat([token_ids.double(), chosen.double(), top_values.double().flatten(),
+                      top_ids.double().flatten()])
+
+
+def _unpack_logprobs(packed: list[float], params: list[SamplingParams], rows: list[int]) -> SamplerOutput:
+    """The host side of ``_pack_logprobs``."""
     b, n = len(params), len(rows)
-    packed = torch.cat([token_ids.double(), chosen.double(), top_values.double().flatten(),
-                        top_ids.double().flatten()]).tolist()  # [B + L + 2 * L * k_max]
+    k_max = (len(packed) - b - n) // (2 * n)
     ids = [int(t) for t in packed[:b]]
     chosen_values = packed[b:b + n]
     values_at, ids_at = b + n, b + n + n * k_max
@@ -264,15 +306,15 @@ def _padded(lists: list[list[int]], device: torch.device) -> _Padded:
     """Pad non-empty id lists to one width with each list's first id, so that a
     gather/scatter at a pad position touches a token that row already touches."""
     width = max(len(x) for x in lists)
-    ids = torch.tensor([x + x[:1] * (width - len(x)) for x in lists], device=device)
-    valid = torch.arange(width, device=device)[None, :] < torch.tensor(
-        [len(x) for x in lists], device=device)[:, None]
+    ids = upload([x + x[:1] * (width - len(x)) for x in lists], device)
+    valid = torch.arange(width, device=device)[None, :] < upload(
+        [len(x) for x in lists], device)[:, None]
     return _Padded(ids, valid)
 
 
 def _flat_positions(rows: list[int], ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """Positions of (rows[i], ids[i, j]) in the flattened [B * V] logits: [N, L]."""
-    return torch.tensor(rows, device=ids.device)[:, None] * vocab + ids
+    return upload(rows, ids.device)[:, None] * vocab + ids
 
 
 def _exponential(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -284,4 +326,4 @@ def _exponential(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # [N, 1]
+    return upload(values, device, torch.float32)[:, None]  # [N, 1]

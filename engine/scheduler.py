@@ -24,6 +24,12 @@ blocks usually survive in the prefix cache). A request never waits on itself:
 the engine admits no request that could not fit the pool alone (RequestLimits,
 engine/limits.py), so the oldest running request always progresses, and no
 request is dropped.
+
+Async scheduling (engine_core.py) calls ``schedule`` while the previous step still
+runs. A running request whose last token is still on the device (``pending_tokens``)
+decodes that token's position (the runner reads its id on the device), unless that
+token already ends it by length; a preempted request with a pending token is not
+readmitted before the token lands, since recompute needs every id on the host.
 """
 
 from collections import deque
@@ -44,8 +50,9 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int):
+                 prefill_chunk_size: int, max_model_len: int):
         self.kv = kv
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk = prefill_chunk_size
@@ -76,7 +83,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.chunk)
+            if req.pending_tokens and req.ends_by_length(self.max_model_len):
+                i += 1  # the token on the device is its last: nothing more to compute
+                continue
+            n = min(req.seq_len - req.num_computed_tokens, budget, self.chunk)
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -91,6 +101,8 @@ class Scheduler:
 
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.pending_tokens:  # preempted while a step sampled for it: recompute once it lands
+                break
             # prompt logprobs need the logits of every prompt position: cached blocks have none
             hashes = [] if req.sampling_params.prompt_logprobs is not None else req.block_hashes
             hit = self.kv.get_computed_blocks(hashes, req.all_token_ids)
@@ -134,8 +146,14 @@ class Scheduler:
         """Advance computed counts and register newly full blocks in the prefix cache."""
         for req, n in out.scheduled:
             req.num_computed_tokens += n
+            self.cache_computed(req)
+
+    def cache_computed(self, req: Request) -> None:
+        """Register the request's blocks that are full of computed tokens whose ids are on
+        the host (a block completed by a pending token is registered once that lands)."""
+        if req.status is Status.RUNNING:
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.all_token_ids,
-                                 req.num_computed_tokens)
+                                 min(req.num_computed_tokens, req.num_tokens))
 
     def finish(self, req_id: str, reason: str) -> Request | None:
         """Finish (or abort) a request and free its blocks. Idempotent: None if unknown."""

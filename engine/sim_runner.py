@@ -24,7 +24,8 @@ import torch
 from ..common.config import EngineConfig
 from .kv_cache_manager import KVCacheManager
 from .model_config import ModelConfig
-from .model_runner import KVCacheFactory, StepResult, kv_block_bytes
+from .model_runner import KVCacheFactory, LaunchedStep, kv_block_bytes
+from .sampler import SampledTokens
 from .scheduler import SchedulerOutput
 
 _TOKEN_BASE, _TOKEN_SPAN = 1000, 20000  # sampled ids cycle through [1000, 21000)
@@ -51,22 +52,25 @@ class SimRunner:
                           torch.zeros(shape, dtype=torch.float32))
         self.simulated_seconds = 0.0  # total step time asked of the model (a metric)
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
-        token for every request whose scheduled tokens reach the end of its sequence."""
+        token for every request whose scheduled tokens reach the end of its sequence
+        (the returned step is complete: a simulated node gains nothing from async scheduling)."""
         start = time.monotonic()
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
         seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
         self.simulated_seconds += seconds
-        sampled = []
+        reqs, tokens = [], []
         for req, n in out.scheduled:
-            if req.num_computed_tokens + n == req.num_tokens:
-                token = _TOKEN_BASE + (req.num_tokens * 7919) % _TOKEN_SPAN
+            if req.num_computed_tokens + n == req.seq_len:
+                token = _TOKEN_BASE + (req.seq_len * 7919) % _TOKEN_SPAN
                 while token in req.stop_ids:
                     token += 1
-                sampled.append((req.request_id, token, None))
+                reqs.append(req)
+                tokens.append(token)
         left = start + seconds / self.sim.speedup - time.monotonic()
         if left > 0:
             time.sleep(left)
-        return StepResult(sampled, sum(n for _, n in out.scheduled))
+        sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
+        return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))

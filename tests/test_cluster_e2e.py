@@ -173,3 +173,30 @@ def test_killed_prefill_node_requests_still_succeed(offline, tokenizer):
             r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
             assert r.choices[0].text == want
         wait_pools_idle(c, ["decode-0"])
+
+
+@pytest.mark.slow
+def test_nodes_with_async_scheduling_serve_the_offline_tokens(offline, tokenizer):
+    """Every node schedules step N+1 before step N's tokens land (the GPU default, forced
+    on here): greedy text equals the synchronous offline engine's, stop strings, n > 1 and
+    penalties work through the router, streamed and not, and no block leaks."""
+    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="96MiB",
+                 extra_node_args=["--async-scheduling"]) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt in ("The history of the printing press begins", "A short poem about rain:"):
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+            assert r.choices[0].text == offline(tokenizer(prompt)["input_ids"], 16)
+        prompt = "List three fruits, one per line:\n1."
+        full = offline(tokenizer(prompt)["input_ids"], 24)
+        stop = full.strip().split()[1]  # a word the greedy text reaches after its first
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                           stop=[stop], stream=True)
+        chunks = list(stream)
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == full[:full.index(stop)]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0.8,
+                                      seed=7, n=2, frequency_penalty=0.5)
+        assert len(r.choices) == 2 and all(ch.finish_reason == "length" for ch in r.choices)
+        assert r.usage.completion_tokens == 16
+        wait_pools_idle(c, ["decode-0", "prefill-0"])

@@ -74,9 +74,9 @@ def run_both(make_engine, run_engine, requests, join_at, monkeypatch, **engine_a
     buckets = []
     real_run = StaticDecode.run
 
-    def spy(self, ids, positions, tables):
+    def spy(self, ids, positions, tables, from_last=None):
         buckets.append(self.bucket(len(ids)))
-        return real_run(self, ids, positions, tables)
+        return real_run(self, ids, positions, tables, from_last)
 
     monkeypatch.setattr(StaticDecode, "run", spy)
     eager = run_engine(make_engine(enforce_eager=True, **engine_args), requests, join_at)
