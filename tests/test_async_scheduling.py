@@ -9,6 +9,7 @@ block leaks. On a GPU, a decode step launches without making the host wait."""
 
 import pytest
 import torch
+
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.model_config import ModelConfig
