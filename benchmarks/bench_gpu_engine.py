@@ -6,8 +6,10 @@ on the same GPU in the same run.
 
 Bundled model (SmolLM2-135M), both sides in bf16:
   - decode step at batch 1 through the whole engine (EngineCore.step: schedule,
-    forward, sample, stop checks), "static" (padded buckets, CUDA graphs) vs "eager"
-    (--enforce-eager); transformers per token
+    forward, sample, stop checks), "static" (padded buckets, CUDA graphs, async
+    scheduling: the GPU default) vs "static_sync" (--no-async-scheduling: step N+1 is
+    scheduled only after step N's tokens land) vs "eager" (--enforce-eager);
+    transformers per token
   - output tok/s at batch 64 and 256 (after every request has its first token)
   - prefill tok/s on 2048-token batches (1 x 2048, 4 x 512, 16 x 128 prompt tokens)
 Llama-3-8B shape with random weights (``load_format="dummy"``, shape from
@@ -163,15 +165,18 @@ def median_ms(times: list[float]) -> float:
     return round(statistics.median(times) * 1e3, 3)
 
 
+VARIANTS = {"static": {"async_scheduling": True}, "static_sync": {"async_scheduling": False}, "eager": {"enforce_eager": True}}
+
+
 def bench_bundled(args, plan: Plan, model_dir: Path, hf_model) -> dict:
     out = {"decode_step_b1_ms": {}, "decode_tok_s": {}, "prefill_tok_s": {}}
-    for name, eager in (("static", False), ("eager", True)):
-        engine = make_engine(args, model_dir, enforce_eager=eager)
+    for name, variant in VARIANTS.items():
+        engine = make_engine(args, model_dir, **variant)
         vocab = engine.model_config.vocab_size
         times = [t for run in range(args.runs) for t in engine_decode(engine, prompts(1, plan.prompt_len, vocab, run),
                                                                       plan.steps)]
         out["decode_step_b1_ms"][name] = median_ms(times)
-        if not eager:
+        if name == "static":
             for n in plan.decode_batches:
                 times = engine_decode(engine, prompts(n, plan.prompt_len, vocab, 10 + n), plan.steps)
                 out["decode_tok_s"][f"b{n}"] = {"splitserve": round(n * len(times) / sum(times), 1)}
@@ -199,14 +204,14 @@ def bench_big(args, plan: Plan, config: dict) -> dict:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         bandwidth = copy_bandwidth(args.device, plan.copy_bytes)
         out = {"copy_bandwidth_gb_s": round(bandwidth / 1e9, 1), "decode_step_b1_ms": {}, "decode_tok_s": {}}
-        for name, eager in (("static", False), ("eager", True)):
-            engine = make_engine(args, Path(tmp), load_format="dummy", enforce_eager=eager,
-                                 max_num_seqs=max(plan.decode_batches))
+        for name, variant in VARIANTS.items():
+            engine = make_engine(args, Path(tmp), load_format="dummy", max_num_seqs=max(plan.decode_batches),
+                                 **variant)
             vocab = engine.model_config.vocab_size
             times = [t for r in range(args.runs) for t in engine_decode(engine, prompts(1, plan.prompt_len, vocab, r),
                                                                         plan.steps)]
             out["decode_step_b1_ms"][name] = median_ms(times)
-            if not eager:
+            if name == "static":
                 wbytes = weight_bytes(engine)
                 floor_ms = wbytes / bandwidth * 1e3
                 out.update(weight_bytes=wbytes, weight_read_floor_ms=round(floor_ms, 3),

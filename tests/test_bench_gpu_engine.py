@@ -23,7 +23,7 @@ def test_smoke_run_writes_all_figures(tmp_path):
     assert result["mode"] == "smoke" and result["environment"]["device_name"] == "cpu"
     assert "bench_gpu_engine.py --smoke" in result["environment"]["command"]
     bundled = result["bundled"]
-    assert set(bundled["decode_step_b1_ms"]) == {"static", "eager", "transformers"}
+    assert set(bundled["decode_step_b1_ms"]) == {"static", "static_sync", "eager", "transformers"}
     assert all(v > 0 for k, v in bundled["decode_step_b1_ms"].items() if k != "transformers")
     assert set(bundled["decode_tok_s"]) == {"b4", "b8"}
     assert all(r["splitserve"] > 0 for r in bundled["decode_tok_s"].values())
