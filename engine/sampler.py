@@ -125,8 +125,8 @@ class Sampler:
         else:
             token_ids = penalized.argmax(dim=-1)  # [B]; ties -> lowest index
             if random_rows:
-                sampled = self._sample(penalized[random_rows], [reqs[i] for i in random_rows])
-                token_ids[random_rows] = sampled
+                at = upload(random_rows, logits.device)  # a device index: a list would stall the stream
+                token_ids[at] = self._sample(penalized[at], [reqs[i] for i in random_rows])
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         packed = _pack_logprobs(logits, token_ids, params, lp_rows) if lp_rows else None
         return SampledTokens(token_ids, packed, params, lp_rows)
@@ -160,14 +160,14 @@ class Sampler:
             _exponential(noise, self._shared_generator(device))
         elif shared:
             draw = torch.empty(len(shared), vocab, device=device)  # [S, V]
-            noise[shared] = _exponential(draw, self._shared_generator(device))
+            noise[upload(shared, device)] = _exponential(draw, self._shared_generator(device))
         seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
         if seeded:
             # each seeded row draws [V] from its own generator, where that generator lives (the
             # engine makes them on the CPU, so a seed gives the same tokens on every device)
             rows = [_exponential(torch.empty(vocab, device=reqs[i].generator.device), reqs[i].generator)
                     for i in seeded]  # [V] each
-            noise[seeded] = torch.stack(rows).to(device, non_blocking=True)  # one copy for all seeded rows
+            noise[upload(seeded, device)] = upload(torch.stack(rows), device)  # one copy for all seeded rows
         return noise
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -273,8 +273,9 @@ def _pack_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[Samp
     and the top alternatives, from the raw logits ``raw`` [B, V], packed into one float64
     tensor (ids < 2**53 and float32 values convert exactly), so the step still makes one
     device-to-host copy: [B + L + 2 * L * k_max]."""
-    logprobs = torch.log_softmax(raw[rows], dim=-1)  # [L, V]
-    chosen = logprobs.gather(1, token_ids[rows][:, None]).squeeze(1)  # [L]
+    at = upload(rows, raw.device)
+    logprobs = torch.log_softmax(raw[at], dim=-1)  # [L, V]
+    chosen = logprobs.gather(1, token_ids[at][:, None]).squeeze(1)  # [L]
     k_max = min(max(params[i].logprobs for i in rows), raw.shape[1])
     top_values, top_ids = logprobs.topk(k_max, dim=-1)  # [L, k_max], best first
     return torch.cat([token_ids.double(), chosen.double(), top_values.double().flatten(),
