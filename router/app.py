@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LEN = 128
 ABORT_DRAIN_S = 5.0  # shutdown waits this long for pending aborts to reach the nodes
+SHUTDOWN_STEP_S = 5.0  # the longest one other shutdown step (a Redis client closing) may take
 # After the drain, handlers still running get this long before they are cancelled.
 HANDLER_SHUTDOWN_S = 1.0
 # After an answer that left the body unread (401, 413, 415, 429, 408), aiohttp reads and
@@ -133,14 +134,25 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         lag_watch.cancel()
-        await directory.stop()
+        await _within(directory.stop(), "node discovery")
         await prefix.stop()
         if shared is not None:
             await shared.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
-        await index.close()
-        await registry.close()
+        await _within(index.close(), "the prefix index's Redis client")
+        await _within(registry.close(), "the registry's Redis client")
+
+
+async def _within(step, what: str) -> None:
+    """Await a shutdown step for at most SHUTDOWN_STEP_S. One stuck on a half-open Redis
+    connection (a wrong password over TLS; redis-py can swallow a cancellation inside
+    its own read) is cancelled, logged and left behind rather than hang the shutdown."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_STEP_S)
+    if not done:
+        task.cancel()
+        log.warning("router: %s did not stop within %.0f s; shutting down without it", what, SHUTDOWN_STEP_S)
 
 
 @web.middleware
