@@ -54,24 +54,36 @@ def make_engine(bundled_dir):
     return make
 
 
+def _drive(engine, requests, join_at=None):
+    """Yield every RequestDelta of running ``{req_id: (prompt_ids, params)}`` to the end;
+    requests in ``join_at`` are added when the loop reaches that step (continuous batching)."""
+    join_at = join_at or {}
+    for rid, (ids, params) in requests.items():
+        if rid not in join_at:
+            engine.add_request(rid, ids, params)
+    step = 0
+    while engine.has_unfinished() or any(s >= step for s in join_at.values()):
+        for rid, s in join_at.items():
+            if s == step:
+                engine.add_request(rid, *requests[rid])
+        yield from engine.step()
+        step += 1
+
+
+@pytest.fixture(scope="session")
+def drive_engine():
+    """drive_engine(engine, {req_id: (prompt_ids, params)}, join_at={req_id: step}) -> every delta, in order."""
+    return _drive
+
+
 @pytest.fixture(scope="session")
 def run_engine():
     """run_engine(engine, {req_id: (prompt_ids, params)}, join_at={req_id: step}) -> {req_id: tokens}.
     Requests in ``join_at`` are added when the loop reaches that step (continuous batching)."""
     def run(engine, requests, join_at=None):
-        join_at = join_at or {}
         out = {rid: [] for rid in requests}
-        for rid, (ids, params) in requests.items():
-            if rid not in join_at:
-                engine.add_request(rid, ids, params)
-        step = 0
-        while engine.has_unfinished() or any(s >= step for s in join_at.values()):
-            for rid, s in join_at.items():
-                if s == step:
-                    engine.add_request(rid, *requests[rid])
-            for d in engine.step():
-                out[d.request_id].extend(d.new_token_ids)
-            step += 1
+        for d in _drive(engine, requests, join_at):
+            out[d.request_id].extend(d.new_token_ids)
         return out
     return run
 

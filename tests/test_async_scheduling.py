@@ -22,29 +22,19 @@ def prompts(tokenizer, n=8):
     return [tokenizer(f"Tell me one fact about {t}.")["input_ids"] for t in TOPICS[:n]]
 
 
-def run(engine, requests, join_at=None, on_step=None):
-    """{rid: (ids, params)} -> ({rid: tokens}, {rid: finish reason}, {rid: logprobs}); requests in
-    ``join_at`` are added at that step; ``on_step(step, engine)`` runs before each step."""
-    join_at = join_at or {}
-    tokens = {rid: [] for rid in requests}
-    reasons, logprobs = {}, {rid: [] for rid in requests}
-    for rid, (ids, params) in requests.items():
-        if rid not in join_at:
-            engine.add_request(rid, ids, params)
-    step = 0
-    while engine.has_unfinished() or any(s >= step for s in join_at.values()):
-        for rid, s in join_at.items():
-            if s == step:
-                engine.add_request(rid, *requests[rid])
-        if on_step is not None:
-            on_step(step, engine)
-        for d in engine.step():
+@pytest.fixture
+def run(drive_engine):
+    """run(engine, {rid: (ids, params)}, join_at) -> ({rid: tokens}, {rid: finish reason}, {rid: logprobs})."""
+    def go(engine, requests, join_at=None):
+        tokens = {rid: [] for rid in requests}
+        reasons, logprobs = {}, {rid: [] for rid in requests}
+        for d in drive_engine(engine, requests, join_at):
             tokens[d.request_id].extend(d.new_token_ids)
             logprobs[d.request_id].extend(d.new_logprobs)
             if d.finish_reason is not None:
                 reasons[d.request_id] = d.finish_reason
-        step += 1
-    return tokens, reasons, logprobs
+        return tokens, reasons, logprobs
+    return go
 
 
 def assert_no_leak(engine):
@@ -52,7 +42,7 @@ def assert_no_leak(engine):
     assert engine.kv.num_free_blocks == engine.num_blocks  # cached blocks count as free
 
 
-def both(make_engine, requests, join_at=None, **engine_args):
+def both(run, make_engine, requests, join_at=None, **engine_args):
     engine_args.setdefault("num_threads", 1)
     sync = make_engine(async_scheduling=False, **engine_args)
     out_sync = run(sync, requests, join_at)
@@ -80,7 +70,7 @@ def test_async_is_the_gpu_default_and_a_cli_flag():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("eager", [False, True], ids=["static", "eager"])
-def test_greedy_and_seeded_tokens_equal_sync_with_requests_joining(make_engine, tokenizer, eager):
+def test_greedy_and_seeded_tokens_equal_sync_with_requests_joining(make_engine, tokenizer, eager, run):
     ids = prompts(tokenizer)
     requests = {f"g{i}": (p, SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True))
                 for i, p in enumerate(ids[:5])}
@@ -88,7 +78,7 @@ def test_greedy_and_seeded_tokens_equal_sync_with_requests_joining(make_engine, 
                                                   ignore_eos=True, logprobs=2))
                      for i, p in enumerate(ids[5:])})
     (tok_s, why_s, lp_s), (tok_a, why_a, lp_a) = both(
-        make_engine, requests, join_at={"g3": 2, "s1": 4}, enforce_eager=eager, max_num_seqs=8,
+        run, make_engine, requests, join_at={"g3": 2, "s1": 4}, enforce_eager=eager, max_num_seqs=8,
         cuda_graph_sizes=(2, 4, 8))
     assert tok_a == tok_s and why_a == why_s
     assert all(len(tok_s[r]) == p.max_tokens and why_s[r] == "length" for r, (_, p) in requests.items())
@@ -100,7 +90,7 @@ def test_greedy_and_seeded_tokens_equal_sync_with_requests_joining(make_engine, 
 
 
 @pytest.mark.slow
-def test_a_stop_token_found_one_step_late_ends_the_request_the_same(make_engine, tokenizer):
+def test_a_stop_token_found_one_step_late_ends_the_request_the_same(make_engine, tokenizer, run):
     """The request that samples its stop id was already scheduled again: that extra token is
     computed, dropped, and its blocks freed; the other requests do not notice."""
     ids = prompts(tokenizer, 4)
@@ -112,14 +102,14 @@ def test_a_stop_token_found_one_step_late_ends_the_request_the_same(make_engine,
     requests = {"p": (ids[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                              stop_token_ids=[stop_id]))}
     requests.update({f"o{i}": (p, greedy) for i, p in enumerate(ids[1:])})
-    (tok_s, why_s, _), (tok_a, why_a, _) = both(make_engine, requests)
+    (tok_s, why_s, _), (tok_a, why_a, _) = both(run, make_engine, requests)
     assert tok_a == tok_s and why_a == why_s
     assert why_a["p"] == "stop" and tok_a["p"] == free_run["p"][:first_at + 1]
     assert all(tok_a[f"o{i}"] == tok_s[f"o{i}"] and len(tok_a[f"o{i}"]) == 8 for i in range(3))
 
 
 @pytest.mark.slow
-def test_penalties_and_min_tokens_wait_for_their_token_and_match_sync(make_engine, tokenizer):
+def test_penalties_and_min_tokens_wait_for_their_token_and_match_sync(make_engine, tokenizer, run):
     ids = prompts(tokenizer, 4)
     requests = {
         "rep": (ids[0], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.5, ignore_eos=True)),
@@ -128,13 +118,13 @@ def test_penalties_and_min_tokens_wait_for_their_token_and_match_sync(make_engin
         "min": (ids[2], SamplingParams(temperature=0, max_tokens=6, min_tokens=4)),
         "plain": (ids[3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
     }
-    (tok_s, why_s, _), (tok_a, why_a, _) = both(make_engine, requests)
+    (tok_s, why_s, _), (tok_a, why_a, _) = both(run, make_engine, requests)
     assert tok_a == tok_s and why_a == why_s
     assert len(tok_a["min"]) >= 4
 
 
 @pytest.mark.slow
-def test_abort_while_a_token_is_in_flight_and_reuse_the_id(make_engine, tokenizer):
+def test_abort_while_a_token_is_in_flight_and_reuse_the_id(make_engine, tokenizer, run):
     ids = prompts(tokenizer, 3)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     reference, _, _ = run(make_engine(num_threads=1), {"x": (ids[1], params)})
@@ -158,7 +148,7 @@ def test_abort_while_a_token_is_in_flight_and_reuse_the_id(make_engine, tokenize
 
 
 @pytest.mark.slow
-def test_preemption_with_tokens_in_flight_gives_the_same_tokens(make_engine, tokenizer, bundled_dir):
+def test_preemption_with_tokens_in_flight_gives_the_same_tokens(make_engine, tokenizer, bundled_dir, run):
     """A pool of 20 blocks of 4 tokens for 6 requests that grow to ~24 tokens each: requests
     are preempted, some while their last token is still in flight, and recomputed."""
     ids = prompts(tokenizer, 6)
@@ -187,7 +177,7 @@ def test_preemption_with_tokens_in_flight_gives_the_same_tokens(make_engine, tok
     assert_no_leak(overlapped)
 
 
-def test_a_simulated_node_runs_with_async_scheduling(bundled_dir):
+def test_a_simulated_node_runs_with_async_scheduling(bundled_dir, run):
     from splitserve.common.config import SimConfig
     from splitserve.engine.engine_core import EngineCore
 
