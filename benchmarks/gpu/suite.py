@@ -118,8 +118,9 @@ def _kernels(ctx: Context) -> list[Step]:
 def _engine(part: str, budget_s: float) -> Callable[[Context], list[Step]]:
     def steps(ctx: Context) -> list[Step]:
         out = ctx.work / f"engine_{part}.json"
-        size = ["--smoke"] if ctx.rehearse else ["--model-dir", str(ctx.bundle / "model")]
-        argv = _script(ctx, "bench_gpu_engine", "--part", part, *size, "--out", str(out))
+        size = ["--model-dir", str(ctx.bundle / "model")] if part == "bundled" else []
+        argv = _script(ctx, "bench_gpu_engine", "--part", part, *size, *(["--smoke"] if ctx.rehearse else []),
+                       "--out", str(out))
         return [Step(f"engine_{part}", argv, budget_s if not ctx.rehearse else 120, out)]
     return steps
 
@@ -133,10 +134,9 @@ def _transfer(ctx: Context) -> list[Step]:
 
 def _serving(ctx: Context) -> list[Step]:
     out = ctx.work / "serving.json"
-    size = ["--smoke"] if ctx.rehearse else [
-        "--model", str(ctx.bundle / "model"), "--load-format", "dummy", "--rounds", "1", "--ttft-requests", "8",
-        "--short", "96", "--long", "6"]
-    return [Step("serving", _script(ctx, "bench_gpu_serving", *size, "--out", str(out)),
+    model = ["--model", str(ctx.bundle / "model"), "--load-format", "dummy"]
+    size = ["--smoke"] if ctx.rehearse else ["--rounds", "1", "--ttft-requests", "8", "--short", "96", "--long", "6"]
+    return [Step("serving", _script(ctx, "bench_gpu_serving", *model, *size, "--out", str(out)),
                  130 if not ctx.rehearse else 300, out)]
 
 
