@@ -1,13 +1,26 @@
 """Shared factories: the bundled model (converted once), its tokenizer, the
 transformers reference, tiny random Llamas saved as safetensors, and a helper
-that drives an EngineCore to completion."""
+that drives an EngineCore to completion.
+
+On the GPU suite's machine (benchmarks/gpu/) the bundled model is not installed: tests
+marked ``gpu`` use tiny random models and token-id prompts, and ``shaped_model`` /
+``tokenizer_dir`` read $SPLITSERVE_GPU_MODEL_DIR there (the bundled model's config.json
+and tokenizer files, no weights)."""
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(int(os.environ.get("SPLITSERVE_TEST_THREADS", "2")))
+
+
+def pytest_configure(config):
+    # pytest-timeout's marker (the GPU suite's tests carry it), declared here too: without the
+    # plugin it is inert rather than an unknown mark
+    config.addinivalue_line("markers", "timeout(seconds): per-test time limit (pytest-timeout; inert without it)")
 
 
 @pytest.fixture(scope="session")
@@ -31,24 +44,45 @@ def hf_model(bundled_dir):
 
 @pytest.fixture(scope="session")
 def hf_greedy():
-    """hf_greedy(model, prompt_ids, n) -> transformers' greedy continuation (stops at EOS)."""
+    """hf_greedy(model, prompt_ids, n) -> transformers' greedy continuation (stops at EOS),
+    computed on the model's device."""
     def run(model, prompt_ids, max_new_tokens):
+        x = torch.tensor([prompt_ids], device=model.device)
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                 dtype=torch.long), max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=model.config.eos_token_id)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=model.config.eos_token_id)
         return out[0, len(prompt_ids):].tolist()
     return run
 
 
+@pytest.fixture(scope="session")
+def shaped_model(request):
+    """(folder, load_format) of the bundled model's shape: $SPLITSERVE_GPU_MODEL_DIR with
+    random weights ("dummy") when set (the GPU suite's machine has the config, not the
+    weights), else the bundled model itself ("auto")."""
+    env = os.environ.get("SPLITSERVE_GPU_MODEL_DIR")
+    if env:
+        return Path(env), "dummy"
+    return request.getfixturevalue("bundled_dir"), "auto"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(shaped_model):
+    """A folder holding the bundled model's tokenizer files (and config.json)."""
+    return shaped_model[0]
+
+
 @pytest.fixture
-def make_engine(bundled_dir):
-    """make_engine(**EngineConfig fields) -> EngineCore on the bundled model by default."""
+def make_engine(request):
+    """make_engine(**EngineConfig fields) -> EngineCore on the bundled model unless ``model``
+    is given (the bundled model is resolved only then, so tests on tiny models run where
+    it is not installed)."""
     from splitserve.common.config import EngineConfig
     from splitserve.engine.engine_core import EngineCore
 
     def make(**kwargs):
-        kwargs.setdefault("model", str(bundled_dir))
+        if "model" not in kwargs:
+            kwargs["model"] = str(request.getfixturevalue("bundled_dir"))
         kwargs.setdefault("kv_cache_memory", 64 << 20)
         return EngineCore(EngineConfig(**kwargs))
     return make
@@ -124,6 +158,42 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_llama_dir(tiny_model_dir):
     """tiny_llama_dir(**LlamaConfig overrides) -> (folder, transformers model) of a tiny random Llama."""
     return lambda **overrides: tiny_model_dir("llama", **overrides)
+
+
+# A tiny Llama whose head_dim (64) the CUDA kernels take (conftest's default, 16, makes a GPU
+# engine fall back to Triton), with grouped queries (6 heads over 2 KV heads, as SmolLM2's 3)
+# and room for contexts that split-K partitions (decode_partition_size's floor is 128 tokens).
+KERNEL_SHAPED = dict(hidden_size=384, intermediate_size=512, num_attention_heads=6, num_key_value_heads=2,
+                     max_position_embeddings=512)
+
+
+@pytest.fixture
+def tiny_kernel_llama(tiny_llama_dir):
+    """tiny_kernel_llama(**overrides) -> (folder, transformers model): KERNEL_SHAPED, random."""
+    return lambda **overrides: tiny_llama_dir(**{**KERNEL_SHAPED, **overrides})
+
+
+# files of a model folder that are its tokenizer (and chat template), not its config or weights
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+@pytest.fixture
+def tiny_llama_with_tokenizer(tiny_llama_dir, tokenizer_dir):
+    """tiny_llama_with_tokenizer(**overrides) -> (folder, transformers model): a tiny random Llama
+    over the bundled model's vocabulary, with its tokenizer files copied in (what structured
+    outputs need), the same weights on every device."""
+    import json
+
+    def make(**overrides):
+        ref = json.loads((tokenizer_dir / "config.json").read_text())
+        vocab = {k: ref[k] for k in ("vocab_size", "bos_token_id", "eos_token_id") if k in ref}
+        path, model = tiny_llama_dir(**{**vocab, **overrides})
+        for name in _TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy(tokenizer_dir / name, path / name)
+        return path, model
+    return make
 
 
 @pytest.fixture(scope="module")

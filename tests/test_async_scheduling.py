@@ -195,22 +195,38 @@ def test_a_simulated_node_runs_with_async_scheduling(bundled_dir, run):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_gpu_decode_step_launches_without_waiting_for_the_device(make_engine, tokenizer):
-    ids = prompts(tokenizer, 4)
-    engine = make_engine(device="cuda", dtype="bfloat16", num_threads=1)
-    assert engine.config.async_scheduling
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
+def test_a_gpu_decode_step_launches_without_waiting_for_the_device(make_engine, tiny_kernel_llama, run):
+    """The launch of a decode step whose inputs are the previous step's unlanded tokens makes
+    no host wait; the tokens equal the synchronous engine's on the same GPU."""
+    path, _ = tiny_kernel_llama()  # head_dim 64: the CUDA kernels, in captured graphs
+    ids = [[(5 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((9, 4, 23, 12))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine_args = dict(model=str(path), kv_cache_memory=32 << 20, device="cuda", dtype="bfloat16", num_threads=1)
+    engine = make_engine(**engine_args)
+    assert engine.config.async_scheduling and engine.runner.static_decode.use_graphs
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
+
+    def collect(deltas):
+        for d in deltas:
+            tokens[d.request_id].extend(d.new_token_ids)
+
     for i, p in enumerate(ids):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        engine.add_request(f"r{i}", p, params)
     for _ in range(4):  # prefill, then decodes through the captured graphs
-        engine.step()
+        collect(engine.step())
     out = engine.scheduler.schedule()
     assert all(n == 1 for _, n in out.scheduled)
+    assert engine._in_flight is not None  # the previous step has not landed: this launch reads its tokens
     torch.cuda.set_sync_debug_mode("error")  # any host wait on the device raises
     try:
         engine._in_flight, prev = engine._launch(out), engine._in_flight
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    engine._land(prev)
+    collect(engine._land(prev))
     while engine.has_unfinished():
-        engine.step()
+        collect(engine.step())
     assert_no_leak(engine)
+    sync_tokens, _, _ = run(make_engine(async_scheduling=False, **engine_args),
+                            {f"r{i}": (p, params) for i, p in enumerate(ids)})
+    assert tokens == sync_tokens and all(len(t) == 32 for t in tokens.values())

@@ -2,13 +2,15 @@
 (fp16, bf16, fp32), block sizes 16 and 32, head dims 64 and 128, grouped-query layouts,
 contexts long enough for split-K, and slot -1; block pack/unpack against index_select
 and the CPU store's wire bytes; and the engine's greedy output on the GPU against
-transformers on the same GPU. Marked gpu; skipped without CUDA."""
+transformers on the same GPU, on a tiny random Llama built here. Marked gpu; skipped
+without CUDA. benchmarks/gpu/gpu_tests.txt picks the few cases the GPU suite runs."""
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.timeout(45)]  # pytest-timeout: a hang fails its test in time for the rest of the GPU suite
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 HEADS = [(8, 8), (9, 3), (32, 8), (16, 2), (7, 1)]  # MHA, SmolLM2 (group 3), Llama-3 (4), group 8, group 7
@@ -131,82 +133,83 @@ def test_pack_unpack_blocks(cuda_kernels, dtype, shape):
     assert cuda_kernels.pack_blocks(kv.cuda(), ids, out=out) is out and torch.equal(out, packed)
 
 
-# The engine on the GPU against transformers on the same GPU and weights.
+# The engine on the GPU against transformers on the same GPU and weights: a tiny random
+# Llama (conftest's KERNEL_SHAPED: head_dim 64, so "auto" picks the CUDA kernels) built here,
+# prompts as token ids (the GPU machine has no bundled model or tokenizer).
 
 NEW_TOKENS = 32
-PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village by the mountains, there lived",
-    "The capital of France is",
-]
+# 5, 17 and 40 tokens, and 200 (13 blocks of 16: its decode splits into 128-token partitions)
+PROMPTS = [[5, 17, 42, 99, 3], list(range(30, 47)), [(7 * i) % 250 + 1 for i in range(40)],
+           [(13 * i + 5) % 250 + 1 for i in range(200)]]
+# The reference's top-2 logit gap must exceed this at every step it takes: then fp32 rounding
+# (~1e-5 here) cannot flip a token, and any difference from transformers is the engine's.
+MIN_REFERENCE_GAP = 1e-3
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(tokenizer):
-    return [tokenizer(p)["input_ids"] for p in PROMPTS]
-
-
-def _hf_greedy(bundled_dir, dtype, prompt_ids):
-    """transformers' greedy tokens and each step's top-5 token ids, on cuda."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=dtype).cuda().eval()
+def _hf_greedy(hf_model, dtype):
+    """transformers' greedy tokens, each step's top-5 token ids and top-2 logit gap, on cuda."""
+    model = hf_model.to("cuda", dtype)
     results = []
     with torch.no_grad():
-        for ids in prompt_ids:
+        for ids in PROMPTS:
             x = torch.tensor([ids], device="cuda")
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  pad_token_id=model.config.eos_token_id, output_logits=True,
                                  return_dict_in_generate=True)
             tokens = out.sequences[0, len(ids):].tolist()
-            top = [set(step[0].topk(5).indices.tolist()) for step in out.logits]
-            results.append((tokens, top))
-    del model
-    torch.cuda.empty_cache()
+            top = [step[0].float().topk(5) for step in out.logits]
+            results.append((tokens, [set(t.indices.tolist()) for t in top],
+                            min(float(t.values[0] - t.values[1]) for t in top)))
     return results
 
 
-def _ours(make_engine, prompt_ids, **config):
+def _ours(make_engine, model_dir, **config):
     """Our greedy tokens and each step's top-5 token ids, all prompts batched (so decode
     rows of different lengths share steps and padded block tables)."""
     from splitserve.common.sampling_params import SamplingParams
 
-    engine = make_engine(device="cuda", **config)
+    engine = make_engine(model=str(model_dir), device="cuda", kv_cache_memory=32 << 20, max_num_seqs=8, **config)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5)
-    for i, ids in enumerate(prompt_ids):
+    for i, ids in enumerate(PROMPTS):
         engine.add_request(f"r{i}", ids, params)
-    tokens = {f"r{i}": [] for i in range(len(prompt_ids))}
-    top = {f"r{i}": [] for i in range(len(prompt_ids))}
+    tokens = {f"r{i}": [] for i in range(len(PROMPTS))}
+    top = {f"r{i}": [] for i in range(len(PROMPTS))}
     while engine.has_unfinished():
         for d in engine.step():
             tokens[d.request_id].extend(d.new_token_ids)
             top[d.request_id].extend({t for t, _ in lp.top} for lp in d.new_logprobs)
     want = config["attention_backend"].replace("auto", "cuda")  # auto on a GPU: the CUDA kernels
     assert engine.runner.backend.name == want
-    return [(tokens[f"r{i}"], top[f"r{i}"]) for i in range(len(prompt_ids))]
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    return [(tokens[f"r{i}"], top[f"r{i}"]) for i in range(len(PROMPTS))]
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton", "torch"])
-def test_engine_fp32_greedy_equals_transformers_on_gpu(make_engine, bundled_dir, prompt_ids, backend):
+def test_engine_fp32_greedy_equals_transformers_on_gpu(make_engine, tiny_kernel_llama, backend):
     if backend == "triton":
         pytest.importorskip("triton")
-    ref = _hf_greedy(bundled_dir, torch.float32, prompt_ids)
-    ours = _ours(make_engine, prompt_ids, dtype="float32", attention_backend=backend)
-    for i, ((got, _), (want, _)) in enumerate(zip(ours, ref)):
+    path, hf = tiny_kernel_llama()
+    ref = _hf_greedy(hf, torch.float32)
+    assert all(gap > MIN_REFERENCE_GAP for _, _, gap in ref), [gap for _, _, gap in ref]
+    assert len(ref[3][0]) > 8, "the long prompt should decode for a while before any EOS"
+    ours = _ours(make_engine, path, dtype="float32", attention_backend=backend)
+    for i, ((got, _), (want, _, _)) in enumerate(zip(ours, ref)):
         assert got == want, f"prompt {i} ({backend})"
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_engine_bf16_greedy_close_to_transformers_on_gpu(make_engine, bundled_dir, prompt_ids, backend):
+def test_engine_bf16_greedy_close_to_transformers_on_gpu(make_engine, tiny_kernel_llama, backend):
     """bf16 rounding differs between any two implementations, so the sequences may part:
     up to the first difference they agree, and there each side's token is in the other's
-    top 5 (after that they continue from different text and are not compared)."""
+    top 5 (after that they continue from different text and are not compared). The
+    engine's prefill runs torch's varlen flash attention here (bf16 on CUDA)."""
     if backend == "triton":
         pytest.importorskip("triton")
-    ref = _hf_greedy(bundled_dir, torch.bfloat16, prompt_ids)
-    ours = _ours(make_engine, prompt_ids, attention_backend=backend)  # dtype auto: bf16 on cuda
-    for i, ((got, got_top), (want, want_top)) in enumerate(zip(ours, ref)):
+    path, hf = tiny_kernel_llama()
+    ref = _hf_greedy(hf, torch.bfloat16)
+    ours = _ours(make_engine, path, attention_backend=backend)  # dtype auto: bf16 on cuda
+    for i, ((got, got_top), (want, want_top, _)) in enumerate(zip(ours, ref)):
+        assert got and want, f"prompt {i}: no tokens"
         for step, (a, b) in enumerate(zip(got, want)):
             if a != b:
                 assert b in got_top[step] and a in want_top[step], \

@@ -1,6 +1,6 @@
 """KV pool sizing and placement (engine/kv_pool.py) and what a node shows of it
 (/debug/state, /metrics). The GPU budget is arithmetic tested here; the profiled sizing
-itself runs only on CUDA (marked gpu)."""
+itself runs only on CUDA (marked gpu), on the bundled model's shape."""
 
 import asyncio
 
@@ -85,15 +85,30 @@ def test_node_shows_device_dtype_and_pool(tiny_llama_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_memory_utilization_sizes_the_pool_on_cuda(tiny_llama_dir):
-    path, _ = tiny_llama_dir()
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
+def test_gpu_memory_utilization_sizes_the_pool_on_cuda(shaped_model):
+    """The bundled model's shape (random weights where only its config is at hand): the
+    weights and a max_num_batched_tokens prefill's activations are measured, and the pool
+    gets what is left of the share."""
+    import gc
+
+    path, load_format = shaped_model
     free, total = torch.cuda.mem_get_info()
     util = min(0.5, 0.8 * free / total)
-    config = EngineConfig(model=str(path), device="cuda", gpu_memory_utilization=util)
+    config = EngineConfig(model=str(path), load_format=load_format, device="cuda", gpu_memory_utilization=util)
     runner = ModelRunner(config, path)
-    plan = runner.kv_pool
-    assert runner.kv_caches.is_cuda and plan.weights_bytes > 0 and plan.activation_peak_bytes >= 0
-    assert plan.budget_bytes == int(total * util) - plan.weights_bytes - plan.activation_peak_bytes
-    # the pool plus the scratch block of static decode
-    assert runner.kv_caches.numel() * runner.kv_caches.element_size() == (plan.num_blocks + 1) * plan.block_bytes
-    assert plan.num_blocks * plan.block_bytes <= plan.budget_bytes < (plan.num_blocks + 1) * plan.block_bytes
+    try:
+        plan = runner.kv_pool
+        assert runner.kv_caches.is_cuda and runner.kv_caches.dtype == torch.bfloat16
+        num_params = sum(p.numel() for p in runner.model.parameters())
+        assert plan.weights_bytes >= 2 * num_params  # bf16 weights, and whatever else was allocated before
+        assert plan.activation_peak_bytes > 0  # a 2048-token prefill needs room beyond its scratch cache
+        assert plan.budget_bytes == int(total * util) - plan.weights_bytes - plan.activation_peak_bytes
+        assert plan.block_bytes == kv_block_bytes(runner.model_config, config.block_size, torch.bfloat16)
+        # the pool plus the scratch block of static decode
+        assert runner.kv_caches.numel() * runner.kv_caches.element_size() == (plan.num_blocks + 1) * plan.block_bytes
+        assert plan.num_blocks * plan.block_bytes <= plan.budget_bytes < (plan.num_blocks + 1) * plan.block_bytes
+    finally:  # the pool holds half the GPU: give it back to the tests (and processes) that follow
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ The device-generic path runs on the CPU here by giving the stores ``checksum_alg
 import asyncio
 import json
 import os
+import select
 import struct
 import subprocess
 import sys
@@ -238,6 +239,7 @@ def test_ipc_info_roundtrips_on_the_wire():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
 def test_cuda_store_matches_the_cpu_one():
     cpu = KVBlockStore(random_cache(SMALL, 8, seed=1), SMALL, checksum_algo=CHECKSUM_WSUM)
     gpu = KVBlockStore(cpu.kv_caches.to("cuda"), SMALL)
@@ -251,14 +253,38 @@ def test_cuda_store_matches_the_cpu_one():
     assert dst.read(1) == cpu.read(5) and dst.read(3) == cpu.read(2)
 
 
+def pinned(view: memoryview) -> bool:
+    """Whether a host buffer is page-locked (CUDA-registered) memory."""
+    return torch.frombuffer(view, dtype=torch.uint8).is_pinned()
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_tcp_between_cuda_pools_stages_through_pinned_memory():
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
+def test_tcp_between_cuda_pools_stages_through_pinned_memory(monkeypatch):
+    staged = []  # (side, pinned) of every host buffer the blocks went through
+    real_host, real_buffer = PackedBlocks.host, KVBlockStore.host_buffer
+
+    def host(self):  # the sender's one copy of a device pack to the host
+        view = real_host(self)
+        staged.append(("send", pinned(view)))
+        return view
+
+    def host_buffer(self, nbytes):  # where the receiver reads a frame before uploading it
+        view = real_buffer(self, nbytes)
+        staged.append(("receive", pinned(view)))
+        return view
+
+    monkeypatch.setattr(PackedBlocks, "host", host)
+    monkeypatch.setattr(KVBlockStore, "host_buffer", host_buffer)
+
     async def body():
         async with Pair(CHECKSUM_WSUM, CHECKSUM_WSUM, device="cuda") as p:
             await p.send("t", list(range(12)), list(range(30, 42)))
             assert all(p.src.read(s) == p.dst.read(d) for s, d in zip(range(12), range(30, 42)))
+            assert [ok for *_, ok, _ in p.reports] == [True] * 12
     run(body())
+    assert {side for side, _ in staged} == {"send", "receive"} and all(ok for _, ok in staged), staged
 
 
 IPC_CHILD = textwrap.dedent("""
@@ -281,11 +307,18 @@ IPC_CHILD = textwrap.dedent("""
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
 def test_ipc_transfer_lands_device_to_device_and_catches_corruption():
     child = subprocess.Popen([sys.executable, "-c", IPC_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True)
+
+    def child_line(timeout_s=30.0) -> str:  # a child that hangs (CUDA IPC, start-up) fails the test
+        ready, _, _ = select.select([child.stdout], [], [], timeout_s)
+        assert ready, f"the receiver process said nothing for {timeout_s} s"
+        return child.stdout.readline()
+
     try:
-        address = child.stdout.readline().strip()
+        address = child_line().strip()
         assert address.startswith("ipc://"), address
         src = KVBlockStore(random_cache(SMALL, 64, 1, "cuda"), SMALL)
 
@@ -302,7 +335,7 @@ def test_ipc_transfer_lands_device_to_device_and_catches_corruption():
         run(body())
         child.stdin.write("done\n")
         child.stdin.flush()
-        result = json.loads(child.stdout.readline())
+        result = json.loads(child_line())
         assert [(t, d, ok) for t, d, ok, _ in result["reports"]] == \
             [("t", d, True) for d in range(10, 20)] + [("u", 40, False)]
         assert all(result["blocks"][str(10 + i)] == src.read(i).hex() for i in range(10))

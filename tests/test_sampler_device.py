@@ -1,6 +1,8 @@
 """The sampler reads the device once per step: one host copy of the sampled ids (with
 the logprobs packed in), whatever mix of greedy, filtered, penalized, seeded and
-logprob rows the batch holds; and the packed logprobs equal a direct computation."""
+logprob rows the batch holds; and the packed logprobs equal a direct computation.
+On CUDA (marked gpu) the same batch is sampled on the device without a host wait and
+gives the CPU's tokens."""
 
 from types import SimpleNamespace
 
@@ -12,11 +14,11 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.sampler import Sampler
 
 
-def make_req(prompt=(), output=(), **params) -> SimpleNamespace:
+def make_req(prompt=(), output=(), stop_ids=(), **params) -> SimpleNamespace:
     sp = SamplingParams(**params).validate()
-    gen = None if sp.seed is None else torch.Generator().manual_seed(sp.seed)
+    gen = None if sp.seed is None else torch.Generator().manual_seed(sp.seed)  # on the CPU, as the engine's
     return SimpleNamespace(sampling_params=sp, prompt_token_ids=list(prompt), output_token_ids=list(output),
-                           generator=gen)
+                           generator=gen, stop_ids=frozenset(stop_ids))
 
 # every way a tensor's values reach Python (each is a device-to-host copy on a GPU)
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy,
@@ -88,3 +90,62 @@ def test_seeded_rows_same_tokens_batched_or_alone():
         batched = sampler(logits, together).token_ids
         single = [sampler(logits[i:i + 1], [alone[i]]).token_ids[0] for i in range(3)]
         assert batched == single
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def device_batch(logits: torch.Tensor) -> list[SimpleNamespace]:
+    """mixed_batch plus a logit_bias row and a min_tokens row whose stop id is its argmax."""
+    return mixed_batch() + [
+        make_req(temperature=0, logit_bias={5: 40.0, 9: -3.0}, logprobs=1),
+        make_req(output=[1], stop_ids=[int(logits[8].argmax())], temperature=0, min_tokens=3),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
+def test_mixed_batch_on_the_device_gives_the_cpu_tokens(device):
+    """Sampled where the logits live: queued without a host wait (CUDA's sync debug mode
+    raises on any), one host read, then the CPU's tokens for every greedy row (penalties,
+    bias and min_tokens applied on the device) and every seeded row (its noise comes from
+    its CPU generator), an unseeded row inside its top-p nucleus, and the CPU's logprobs."""
+    logits = torch.randn(9, 64, generator=torch.Generator().manual_seed(3)) * 3
+    want = Sampler(seed=0)(logits, device_batch(logits))
+    reqs = device_batch(logits)  # fresh generators, same seeds
+    sampler = Sampler(seed=0)
+    on_device = logits.to(device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with HostReads() as reads:
+            pending = sampler.sample(on_device, reqs)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    assert reads.count == 0 and pending.token_ids.device == on_device.device
+    with HostReads() as reads:
+        got = pending.to_host()
+    assert reads.count == 1
+    assert torch.equal(on_device.cpu(), logits)  # the sampler never writes its input
+
+    random_unseeded = [i for i, r in enumerate(reqs) if not r.sampling_params.greedy and r.generator is None]
+    assert random_unseeded == [3]
+    for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)):
+        if i not in random_unseeded:
+            assert a == b, f"row {i}: {a} on {device}, {b} on the cpu"
+    probs, order = logits[3].softmax(-1).sort(descending=True)  # row 3: temperature 1, top_p 0.8
+    nucleus = order[(probs.cumsum(0) - probs) < 0.8].tolist()
+    assert got.token_ids[3] in nucleus
+    assert got.token_ids[7] == 5 and got.token_ids[8] != int(logits[8].argmax())  # bias, min_tokens
+    ref = torch.log_softmax(logits, dim=-1)
+    for i, (lp, req) in enumerate(zip(got.logprobs, reqs)):
+        if req.sampling_params.logprobs is None:
+            assert lp is None
+            continue
+        assert lp.token_id == got.token_ids[i]
+        assert lp.logprob == pytest.approx(ref[i, lp.token_id].item(), abs=1e-5)
+        assert [t for t, _ in lp.top] == ref[i].topk(req.sampling_params.logprobs).indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx([v for _, v in want.logprobs[i].top], abs=1e-5)

@@ -1,7 +1,7 @@
 """Static-shape decode (engine/decode_graphs.py) on CPU: padded batch-size buckets give
 the same tokens as the eager path (greedy and seeded sampling, requests joining and
 leaving mid-run), padding rows write only the scratch block, and the config/CLI flags.
-On a GPU the same checks run with CUDA graphs captured."""
+On a GPU the greedy check runs with CUDA graphs captured, on a tiny random Llama."""
 
 import argparse
 
@@ -70,12 +70,16 @@ def continuous_batch(tokenizer, params_for):
     return requests, {"bread": 1, "wolves": 2, "kites": 9}
 
 
-def run_both(make_engine, run_engine, requests, join_at, monkeypatch, **engine_args):
+def run_both(make_engine, run_engine, requests, join_at, monkeypatch, replays=None, **engine_args):
+    """(eager tokens, static tokens, buckets the static runs used); ``replays`` (a list) gets, per
+    static step, (whether a captured graph ran it, the attention backend's name)."""
     buckets = []
     real_run = StaticDecode.run
 
     def spy(self, ids, positions, tables, from_last=None):
         buckets.append(self.bucket(len(ids)))
+        if replays is not None:
+            replays.append((self.bucket(len(ids)) in self.graphs, self.backend.name))
         return real_run(self, ids, positions, tables, from_last)
 
     monkeypatch.setattr(StaticDecode, "run", spy)
@@ -107,14 +111,29 @@ def test_seeded_and_unseeded_sampling_equal_eager(make_engine, run_engine, token
     assert buckets == {2, 4, 8}  # 9+ decodes exceed the largest bucket and run eagerly
 
 
+def continuous_batch_ids(params_for):
+    """continuous_batch's schedule with token-id prompts (3 to 40 tokens) for a tiny random model."""
+    lengths = [5, 9, 3, 14, 7, 11, 4, 17, 40, 6, 21]
+    requests = {f"r{i}": ([(11 * i + 7 * j) % 250 + 1 for j in range(n)], params_for(i))
+                for i, n in enumerate(lengths)}
+    return requests, {"r8": 1, "r9": 2, "r10": 9}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graphs_equal_eager_on_gpu(make_engine, run_engine, tokenizer, monkeypatch):
-    requests, join_at = continuous_batch(
-        tokenizer, lambda i: SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True))
-    eager, static, buckets = run_both(make_engine, run_engine, requests, join_at, monkeypatch,
-                                      max_num_seqs=16, device="cuda", dtype="float32")
+@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
+def test_cuda_graphs_equal_eager_on_gpu(make_engine, run_engine, tiny_kernel_llama, monkeypatch):
+    """A tiny random Llama with head_dim 64: the captured graphs run the CUDA kernels."""
+    path, _ = tiny_kernel_llama()
+    requests, join_at = continuous_batch_ids(
+        lambda i: SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True))
+    replays = []
+    eager, static, buckets = run_both(make_engine, run_engine, requests, join_at, monkeypatch, replays,
+                                      model=str(path), kv_cache_memory=32 << 20, max_num_seqs=16, device="cuda",
+                                      dtype="float32")
     assert static == eager and {1, 2, 4, 8, 16} <= buckets
+    assert all(len(static[r]) == requests[r][1].max_tokens for r in requests)
+    assert replays and set(replays) == {(True, "cuda")}  # every static step replayed a graph of the CUDA kernels
 
 
 def test_full_width_tables_with_stale_columns_equal_cut_tables(tiny_llama_dir):
