@@ -21,7 +21,7 @@ from ``model_configs/llama3-8b/config.json``):
     bandwidth measured in this run as (bytes read + bytes written) / time of a
     device-to-device copy, so reading W bytes takes at least W / bandwidth
   - output tok/s at batch 64 and 256
-Top level: "environment" and "targets" (gpu_contract.py), the JSON rewritten after
+Top level: "environment" and "targets" (gpu/contract.py), the JSON rewritten after
 every figure so a run cut short keeps what it measured. Writes
 ``benchmarks/results/gpu_engine.json`` (the temp folder's ``gpu_engine_smoke.json`` with
 --smoke). ``--device cuda`` without CUDA says so and exits 0, writing nothing.
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from splitserve.benchmarks.bench_engine import ours_prefill  # prompt tokens/s of one batch
-from splitserve.benchmarks.gpu_contract import environment, target_row, write_json
+from splitserve.benchmarks.gpu.contract import environment, target_row, write_json
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
@@ -242,7 +242,7 @@ def bench_big(args, plan: Plan, config: dict, out: dict, save) -> None:
 
 
 def targets(result: dict, plan: Plan) -> list[dict]:
-    """The targets of the parts this run covers (gpu_contract.TARGETS); None where a figure
+    """The targets of the parts this run covers (gpu/contract.py's TARGETS); None where a figure
     is not there (yet)."""
     rows = []
     if result["part"] in ("bundled", "all"):

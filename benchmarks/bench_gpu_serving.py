@@ -25,11 +25,11 @@ over the ttft workloads (one transfer at a time; each send timed from its first 
 its last acknowledgement, the block packing on the engine thread left out), against a
 device-to-device copy measured before the clusters start (bytes copied per second).
 
-Targets (issue 11, gpu_contract.TARGETS): TTFT p50 disaggregated / colocated <= 1.10 at
+Targets (issue 11, gpu/contract.py's TARGETS): TTFT p50 disaggregated / colocated <= 1.10 at
 2048 and 8000 tokens; short TPOT p99 disaggregated / colocated <= 0.5; the transfer rate
 beside the copy rate. ``--model DIR`` serves DIR (router and nodes; the tokenizer is
 DIR's), ``--load-format dummy`` gives every node random weights of DIR's config.json, so
-DIR needs no weights. Writes ``benchmarks/results/gpu_serving.json`` (gpu_contract's
+DIR needs no weights. Writes ``benchmarks/results/gpu_serving.json`` (gpu/contract.py's
 "environment" and "targets" at its top) and ``.png`` (gpu_serving_report.py) at the start
 and after every setup of every round, so a run cut short keeps what it finished. Without
 CUDA it says so and exits 0, writing nothing. ``--smoke``: the same path on the CPU with a
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from splitserve.benchmarks.bench_gpu_engine import copy_bandwidth
-from splitserve.benchmarks.gpu_contract import environment
+from splitserve.benchmarks.gpu.contract import environment
 from splitserve.benchmarks.gpu_serving_report import SETUPS, report
 from splitserve.benchmarks.serve import EndpointError
 from splitserve.benchmarks.serve.datasets import bundled_tokenizer_dir, load_tokenizer, random_specs

@@ -11,7 +11,7 @@ GPU, 360 KiB per block. A transfer of n blocks is timed from ``pack`` (the gathe
 sender's pool) to the last acknowledgement (checksums on the device on both sides, the
 transport, the landing in the receiver's pool); the receiver is a separate process, as a
 decode node is. Figures are medians of ``--runs`` (fewer runs: a shorter stage). Writes
-``--out`` (default ``benchmarks/results/gpu_transfer.json``; gpu_contract's "environment"
+``--out`` (default ``benchmarks/results/gpu_transfer.json``; gpu/contract.py's "environment"
 and "targets", the latter empty: no numeric target) after the device rates and after
 each backend. ``--smoke`` runs the same code on the CPU with small sizes (tcp only: ipc
 needs CUDA) so a test keeps the script working where no GPU is.
@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from splitserve.benchmarks.bench_kvtransfer import stop_receiver
-from splitserve.benchmarks.gpu_contract import environment, write_json
+from splitserve.benchmarks.gpu.contract import environment, write_json
 from splitserve.kvtransfer import KVBlockStore, KVLayout, SenderOptions, TransferError, make_receiver, make_sender
 from splitserve.kvtransfer.checksum import wsum
 

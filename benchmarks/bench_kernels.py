@@ -16,7 +16,7 @@ measured device-to-device copy (bytes read + written / time). Calls cycle throug
 disjoint block sets of at least 256 MiB in all, so small cases do not run from L2.
 Each kernel's output is checked against the torch reference before it is timed.
 
-Targets (gpu_contract.TARGETS), for the backend ``--attention-backend auto`` picks on
+Targets (gpu/contract.py's TARGETS), for the backend ``--attention-backend auto`` picks on
 CUDA (the CUDA kernels, else Triton): >= 80% of the measured copy at the largest
 context and batch, and no slower than SDPA on pre-gathered K/V at the smallest context
 (512), every batch. A backend that fails to build or load is recorded and left out.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from splitserve.benchmarks.gpu_contract import environment, target_row, write_json
+from splitserve.benchmarks.gpu.contract import environment, target_row, write_json
 
 RESULTS = Path(__file__).parent / "results"
 # Substring of torch.cuda.get_device_name() -> HBM bandwidth in TB/s (vendor datasheets), most specific first.

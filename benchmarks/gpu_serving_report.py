@@ -1,12 +1,12 @@
 """The output of bench_gpu_serving.py: the figures against issue 11's targets, a table on
-stdout, the JSON (gpu_contract.py's "environment" and "targets" at its top) and a PNG
+stdout, the JSON (gpu/contract.py's "environment" and "targets" at its top) and a PNG
 beside it.
 
     TTFT p50, disaggregated / colocated, per prompt length   <= 1.10
     short-request TPOT p99 in the mixed workload, same ratio   <= 0.5
     KV transfer rate (prefill node: bytes sent / seconds in sends) beside the device copy rate
 
-The targets' values live in gpu_contract.TARGETS. Every round's requests of a setup and
+The targets' values live in gpu/contract.py's TARGETS. Every round's requests of a setup and
 workload are pooled for the percentiles; the per-round ratios are kept to show the
 spread. Must not measure anything.
 """
@@ -17,7 +17,7 @@ import math
 import time
 from pathlib import Path
 
-from splitserve.benchmarks.gpu_contract import TARGETS, target_row, write_json
+from splitserve.benchmarks.gpu.contract import TARGETS, target_row, write_json
 from splitserve.benchmarks.serve.report import request_records
 from splitserve.benchmarks.side_by_side import pool
 from splitserve.common import metric_names as names
@@ -102,7 +102,7 @@ def _fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def targets(f: dict) -> list[dict]:
-    """The serving targets (gpu_contract.TARGETS): one TTFT row per prompt length, one TPOT row."""
+    """The serving targets (gpu/contract.py's TARGETS): one TTFT row per prompt length, one TPOT row."""
     return [target_row(TTFT, t["disagg_over_colocated"], n) for n, t in f["ttft"].items()] + [
         target_row(TPOT, f["mixed"]["disagg_over_colocated"])]
 

@@ -17,12 +17,6 @@ import torch
 torch.set_num_threads(int(os.environ.get("SPLITSERVE_TEST_THREADS", "2")))
 
 
-def pytest_configure(config):
-    # pytest-timeout's marker (the GPU suite's tests carry it), declared here too: without the
-    # plugin it is inert rather than an unknown mark
-    config.addinivalue_line("markers", "timeout(seconds): per-test time limit (pytest-timeout; inert without it)")
-
-
 @pytest.fixture(scope="session")
 def bundled_dir():
     from splitserve.engine.convert import bundled_model_dir

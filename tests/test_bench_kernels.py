@@ -1,7 +1,6 @@
 """benchmarks/bench_kernels.py keeps working without a GPU: --smoke runs the same code on
 the CPU at tiny sizes (torch and SDPA timed by perf_counter, the Triton kernel by its
-interpreter), in a process that cannot import what the GPU suite's machine lacks
-(tests/gpu_image), and writes the gpu_contract top level and a row per case."""
+interpreter), and writes the gpu/contract.py top level and a row per case."""
 
 import json
 import os
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_kernels.py"
-GPU_IMAGE = Path(__file__).parent / "gpu_image"  # its sitecustomize hides openai, gguf, ucxx, ...
 
 
 @pytest.mark.slow
@@ -20,8 +18,7 @@ def test_smoke_run_writes_rows_and_targets(tmp_path):
     pytest.importorskip("triton", reason="the smoke run's kernel is the interpreted Triton one")
     out = tmp_path / "kernels.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                           PYTHONPATH=str(GPU_IMAGE)))
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["mode"] == "smoke" and result["environment"]["device"] == "cpu"

@@ -91,6 +91,10 @@ def test_bundle_then_rehearsal(tmp_path):
 
     for name in STAGE_FILES - {"1_environment_tests.json"}:
         assert records[name]["result"] is not None, name  # the script's own JSON, embedded
+    # serving ran the GPU stage's way: dummy weights on every node (smoke: of a tiny copy of the carried config)
+    for setup in records["6_serving.json"]["result"]["rounds"][0].values():
+        nodes = [a for name, a in setup["commands"].items() if not name.startswith("router")]
+        assert nodes and all(a[a.index("--load-format") + 1] == "dummy" for a in nodes)
     with tarfile.open(out / "artifacts.tar.gz") as tar:
         names = tar.getnames()
     assert "summary.json" in names and "junit.xml" in names and "serving.log" in names

@@ -85,7 +85,6 @@ def test_node_shows_device_dtype_and_pool(tiny_llama_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
 def test_gpu_memory_utilization_sizes_the_pool_on_cuda(shaped_model):
     """The bundled model's shape (random weights where only its config is at hand): the
     weights and a max_num_batched_tokens prefill's activations are measured, and the pool

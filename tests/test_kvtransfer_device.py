@@ -239,7 +239,6 @@ def test_ipc_info_roundtrips_on_the_wire():
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
 def test_cuda_store_matches_the_cpu_one():
     cpu = KVBlockStore(random_cache(SMALL, 8, seed=1), SMALL, checksum_algo=CHECKSUM_WSUM)
     gpu = KVBlockStore(cpu.kv_caches.to("cuda"), SMALL)
@@ -260,7 +259,6 @@ def pinned(view: memoryview) -> bool:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
 def test_tcp_between_cuda_pools_stages_through_pinned_memory(monkeypatch):
     staged = []  # (side, pinned) of every host buffer the blocks went through
     real_host, real_buffer = PackedBlocks.host, KVBlockStore.host_buffer
@@ -307,7 +305,6 @@ IPC_CHILD = textwrap.dedent("""
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.timeout(45)  # pytest-timeout: a hang fails this test in time for the rest of the GPU suite
 def test_ipc_transfer_lands_device_to_device_and_catches_corruption():
     child = subprocess.Popen([sys.executable, "-c", IPC_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True)

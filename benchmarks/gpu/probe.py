@@ -19,13 +19,13 @@ import importlib
 import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from splitserve.benchmarks.gpu.contract import environment as contract_environment
 from splitserve.benchmarks.gpu.manifest import carried
 
 FAILURE_KINDS = ("device", "bundle", "image", "csrc")
@@ -57,18 +57,17 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 def environment() -> dict:
-    """Device, driver and versions: the record every stage's JSON carries."""
+    """Device, driver and versions (contract.environment, and more of the device and the
+    toolchain): the record every stage's JSON carries."""
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "host": platform.node(), "cpus": os.cpu_count(), "device_name": "cpu", "driver": None}
+    env = contract_environment("cuda" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env.update(device_name=props.name, device_memory_gib=round(props.total_memory / 2**30, 1),
-                   sm_count=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
-                   driver=_command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]))
-    env["nvcc"] = _command(["nvcc", "--version"], line=-1)
-    for dist in ("triton", "transformers", "numpy"):
+        env.update(device_memory_gib=round(props.total_memory / 2**30, 1), sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}")
+    env.update(nvcc=_command(["nvcc", "--version"], line=-1), cpus=os.cpu_count())
+    for dist in ("transformers", "numpy"):
         try:
             env[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -16,7 +16,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from splitserve.benchmarks.gpu_contract import TARGETS
+from splitserve.benchmarks.gpu.contract import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"
