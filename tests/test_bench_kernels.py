@@ -55,14 +55,3 @@ def test_targets_follow_the_auto_backend_and_stay_null_until_measured():
     assert got["paged_attention_speedup_vs_sdpa_ctx512"]["met"] is False
     assert got["paged_attention_pct_of_copy_ctx32768_b64"]["met"] is False
     assert all(t["value"] is None for t in targets(rows, None, plan))  # no kernel at all
-
-
-def test_without_cuda_nothing_runs_and_nothing_is_written(tmp_path):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    out = tmp_path / "x.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and "no CUDA device" in proc.stdout and not out.exists()

@@ -168,3 +168,15 @@ def test_a_run_brought_back_is_taken_in_and_tabled(tmp_path):
     assert "| 3_engine | `bundled_decode_step_b1_ms` | 2.1 | <= 2.5 | met | NVIDIA H100 80GB HBM3, driver 580.1 |" in text
     assert "| `bundled_decode_tok_s` | 41,000 | >= 50,000 | **missed** |" in text
     assert "| `llama3_8b_decode_step_over_floor` | - | <= 1.2 | not measured yet |" in text  # no stage reported it
+
+
+@pytest.mark.parametrize("script", ["bench_kernels.py", "bench_gpu_engine.py", "bench_gpu_serving.py"])
+def test_a_gpu_script_without_cuda_says_so_and_writes_nothing(tmp_path, script):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "x.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "no CUDA device" in proc.stdout and not out.exists()
