@@ -3,15 +3,18 @@ budget, each writing its JSON as soon as it ends. Run it through suite.sh, which
 environment (the carried wheels, redis-server, the package) and says how to call it.
 
     stage                GPU budget  what
-    1 environment_tests  100 + 150 s the probe (versions, the bundle, redis, the csrc build),
+    1 environment_tests  90 + 140 s  the probe (versions, the bundle, redis, the csrc build),
                                      then the gpu tests listed in gpu_tests.txt
-    2 kernels                 45 s   paged decode attention bandwidth, 512..32k context, vs SDPA
-    3 engine                 100 s   the bundled shape in bf16 on random weights: batch-1 step
+    2 kernels                 40 s   paged decode attention bandwidth, 512..32k context, vs SDPA
+    3 engine                  90 s   the bundled shape in bf16 on random weights: batch-1 step
                                      (static async, static_sync, eager), tok/s at batch 64/256,
                                      prefill tok/s, each beside transformers
     4 llama3_8b               60 s   the Llama-3-8B shape, dummy weights, vs the weight-read floor
-    5 transfer                35 s   KV transfer from device memory (ipc, tcp staged) vs a copy
-    6 serving                130 s   1 prefill + 1 decode (ipc) vs decode --colocated, one GPU
+    5 transfer                30 s   KV transfer from device memory (ipc, tcp staged) vs a copy
+    6 serving                120 s   1 prefill + 1 decode (ipc) vs decode --colocated, one GPU
+
+The budgets add up to the deadline (575 s), inside a device command's 600 s; most steps
+should end well before theirs (estimates: the whole suite 7.5 to 9 minutes on an H100).
 
 A step that outlives its budget, or the suite's deadline (``--deadline-s``, counted from
 suite.sh's start), is stopped with every process it started (found by a marker in their
@@ -47,7 +50,10 @@ from typing import Callable, NamedTuple
 from splitserve.benchmarks.gpu.manifest import gpu_test_ids
 
 ROOT = Path(__file__).resolve().parents[2]
-DEADLINE_S = {False: 570, True: 1500}  # rehearse -> seconds from suite.sh's start; a device command gets 600
+DEADLINE_S = {False: 575, True: 1500}  # rehearse -> seconds from suite.sh's start; a device command gets 600
+# step label -> (GPU budget, rehearsal budget), seconds
+BUDGET_S = {"probe": (90, 60), "tests": (140, 150), "kernels": (40, 120), "engine_bundled": (90, 120),
+            "engine_big": (60, 120), "transfer": (30, 120), "serving": (120, 300)}
 TEST_TIMEOUT_S = 60  # per gpu test (pytest-timeout): a hang fails that test, not the stage
 MIN_STEP_S = 15  # a step given less than this is skipped rather than started
 STOP_GRACE_S = 5  # SIGTERM, then SIGKILL
@@ -92,36 +98,39 @@ class Stage(NamedTuple):
     steps: Callable[[Context], list[Step]]
 
 
+def budget(label: str, ctx: Context) -> float:
+    return BUDGET_S[label][ctx.rehearse]
+
+
 def _script(ctx: Context, module: str, *args: str) -> list[str]:
     return [ctx.python, "-m", f"splitserve.benchmarks.{module}", *args]
 
 
 def probe_step(ctx: Context) -> Step:
     argv = _script(ctx, "gpu.probe", "--bundle", str(ctx.bundle), "--out", str(ctx.work / "probe.json"))
-    return Step("probe", argv + (["--rehearse"] if ctx.rehearse else []), 60 if ctx.rehearse else 100,
+    return Step("probe", argv + (["--rehearse"] if ctx.rehearse else []), budget("probe", ctx),
                 ctx.work / "probe.json")
 
 
 def _tests(ctx: Context) -> list[Step]:
     argv = [ctx.python, "-m", "pytest", "-v", "-p", "timeout", "--timeout", str(TEST_TIMEOUT_S), "-p",
             "no:cacheprovider", "-m", "gpu", "--junitxml", str(ctx.work / "junit.xml"), *gpu_test_ids()]
-    return [probe_step(ctx), Step("tests", argv, 150, None)]
+    return [probe_step(ctx), Step("tests", argv, budget("tests", ctx), None)]
 
 
 def _kernels(ctx: Context) -> list[Step]:
     out = ctx.work / "kernels.json"
     size = ["--smoke"] if ctx.rehearse else ["--quick"]
-    return [Step("kernels", _script(ctx, "bench_kernels", *size, "--out", str(out)), 45 if not ctx.rehearse else 120,
-                 out)]
+    return [Step("kernels", _script(ctx, "bench_kernels", *size, "--out", str(out)), budget("kernels", ctx), out)]
 
 
-def _engine(part: str, budget_s: float) -> Callable[[Context], list[Step]]:
+def _engine(part: str) -> Callable[[Context], list[Step]]:
     def steps(ctx: Context) -> list[Step]:
         out = ctx.work / f"engine_{part}.json"
         size = ["--model-dir", str(ctx.bundle / "model")] if part == "bundled" else []
         argv = _script(ctx, "bench_gpu_engine", "--part", part, *size, *(["--smoke"] if ctx.rehearse else []),
                        "--out", str(out))
-        return [Step(f"engine_{part}", argv, budget_s if not ctx.rehearse else 120, out)]
+        return [Step(f"engine_{part}", argv, budget(f"engine_{part}", ctx), out)]
     return steps
 
 
@@ -129,7 +138,7 @@ def _transfer(ctx: Context) -> list[Step]:
     out = ctx.work / "transfer.json"
     size = ["--smoke"] if ctx.rehearse else ["--runs", "5"]
     return [Step("transfer", _script(ctx, "bench_gpu_transfer", *size, "--out", str(out)),
-                 35 if not ctx.rehearse else 120, out)]
+                 budget("transfer", ctx), out)]
 
 
 def _serving(ctx: Context) -> list[Step]:
@@ -137,11 +146,11 @@ def _serving(ctx: Context) -> list[Step]:
     model = ["--model", str(ctx.bundle / "model"), "--load-format", "dummy"]
     size = ["--smoke"] if ctx.rehearse else ["--rounds", "1", "--ttft-requests", "8", "--short", "96", "--long", "6"]
     return [Step("serving", _script(ctx, "bench_gpu_serving", *model, *size, "--out", str(out)),
-                 130 if not ctx.rehearse else 300, out)]
+                 budget("serving", ctx), out)]
 
 
 STAGES = (Stage(1, "environment_tests", _tests), Stage(2, "kernels", _kernels),
-          Stage(3, "engine", _engine("bundled", 100)), Stage(4, "llama3_8b", _engine("big", 60)),
+          Stage(3, "engine", _engine("bundled")), Stage(4, "llama3_8b", _engine("big")),
           Stage(5, "transfer", _transfer), Stage(6, "serving", _serving))
 
 
