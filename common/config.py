@@ -137,7 +137,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool; the engine reports the tokens it holds
     # CUDA only: the fraction of the device's total memory this process may use; the KV pool
-    # gets what is left of it after the weights and a profiled activation peak (engine/kv_pool.py).
+    # gets what is left of it after the weights and a profiled activation peak (engine/kv_sizing.py).
     # None: the pool is kv_cache_memory bytes.
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests per step

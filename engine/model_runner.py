@@ -1,7 +1,7 @@
 """ModelRunner: owns the model weights and the paged KV cache tensor, turns a
 SchedulerOutput into one forward pass, and samples.
 
-The KV pool is sized and allocated by engine/kv_pool.py (kv_cache_memory, or on a GPU
+The KV pool is sized and allocated by engine/kv_sizing.py (kv_cache_memory, or on a GPU
 gpu_memory_utilization after a profiled dummy forward):
 
     bytes per block = num_layers * 2 (K, V) * block_size * kv_heads * head_dim * dtype bytes
@@ -37,7 +37,7 @@ from .attention.selector import select_backend
 from .attention.torch_backend import build_decode_mask
 from .decode_graphs import StaticDecode, default_graph_sizes
 from .kv_cache_manager import KVCacheManager
-from .kv_pool import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
+from .kv_sizing import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
 from .loader import load_model
 from .model_config import ModelConfig
 from .prompt_logprobs import PromptRows

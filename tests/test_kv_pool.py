@@ -1,4 +1,4 @@
-"""KV pool sizing and placement (engine/kv_pool.py) and what a node shows of it
+"""KV pool sizing and placement (engine/kv_sizing.py) and what a node shows of it
 (/debug/state, /metrics). The GPU budget is arithmetic tested here; the profiled sizing
 itself runs only on CUDA (marked gpu), on the bundled model's shape."""
 
@@ -11,7 +11,7 @@ from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.model_metrics import sample_sum
 from splitserve.engine.attention.selector import select_backend
-from splitserve.engine.kv_pool import dummy_forward, gpu_pool_budget, kv_block_bytes
+from splitserve.engine.kv_sizing import dummy_forward, gpu_pool_budget, kv_block_bytes
 from splitserve.engine.model_runner import ModelRunner
 
 GIB = 1 << 30
