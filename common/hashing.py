@@ -42,7 +42,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -84,16 +84,8 @@ _POW = _power_table(MULT)
 _POW_INV = _power_table(pow(MULT, -1, 1 << 64))
 
 
-def fmix64(x: int) -> int:
-    x ^= x >> 33
-    x = (x * _F1) & _MASK
-    x ^= x >> 33
-    x = (x * _F2) & _MASK
-    return x ^ (x >> 33)
-
-
 def unfmix64(h: int) -> int:
-    """The inverse of ``fmix64``: the chain state a block hash stands for."""
+    """The inverse of fmix64 (``_fmix64_np``): the chain state a block hash stands for."""
     h ^= h >> 33
     h = (h * _F2_INV) & _MASK
     h ^= h >> 33
@@ -241,16 +233,6 @@ def block_hash(
     """
     assert len(token_ids) > 0, "a block has at least one token"
     return hash_blocks(token_ids, len(token_ids), extra_keys, parent)[0]
-
-
-def iter_block_hashes(
-    token_ids: Sequence[int] | bytes,
-    block_size: int,
-    extra_keys: Sequence[str | int] = (),
-    parent: int | None = None,
-) -> Iterator[int]:
-    """The chained hashes of the full blocks of ``token_ids``, one by one."""
-    yield from hash_blocks(token_ids, block_size, extra_keys, parent)
 
 
 def extend_block_hashes(

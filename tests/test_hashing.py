@@ -16,10 +16,8 @@ from splitserve.common.hashing import (
     block_hash,
     encode_extra_keys,
     extend_block_hashes,
-    fmix64,
     hash_blocks,
     hash_blocks_array,
-    iter_block_hashes,
     token_bytes,
     unfmix64,
 )
@@ -53,6 +51,16 @@ def test_pinned_values():
     assert hash_blocks(list(range(10)), 4, ("m",)) == PINNED_CHAIN
 
 
+def _fmix(x):
+    """MurmurHash3's 64-bit finalizer, as the hashing module docstring names it (fmix64)."""
+    mask = 2**64 - 1
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & mask
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & mask
+    return x ^ (x >> 33)
+
+
 def _reference_chain(tokens, block_size, extra_keys=(), parent=None):
     """The hashing module docstring's formula, one block at a time in Python ints,
     from xxhash and the documented constants alone."""
@@ -64,13 +72,6 @@ def _reference_chain(tokens, block_size, extra_keys=(), parent=None):
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    def fmix(x):
-        x ^= x >> 33
-        x = (x * 0xFF51AFD7ED558CCD) & mask
-        x ^= x >> 33
-        x = (x * 0xC4CEB9FE1A85EC53) & mask
-        return x ^ (x >> 33)
-
     seed = xxhash.xxh3_64_intdigest(b"splitserve.block_hash.v3", seed=0)
     words = (block_size + 3) // 4 * 2
     keys = [splitmix((seed + (block_size << 32) + k) & mask) for k in range(words)]
@@ -78,15 +79,15 @@ def _reference_chain(tokens, block_size, extra_keys=(), parent=None):
     state = splitmix(seed ^ 0x726F6F74)
     if parent is not None:  # the parent hash is fmix(state): undo it
         state = unfmix64(parent)
-        assert fmix(state) == parent
+        assert _fmix(state) == parent
     salt = xxhash.xxh3_64_intdigest(encode_extra_keys(extra_keys), seed=seed)
     out = []
     for j in range(len(tokens) // block_size):
         ids = list(tokens[j * block_size:(j + 1) * block_size]) + [0] * (2 * words - block_size)
         x = [ids[2 * i] | ids[2 * i + 1] << 32 for i in range(words)]  # u64 LE words of u32 LE ids
         v = sum((x[2 * k] + keys[2 * k]) * (x[2 * k + 1] + keys[2 * k + 1]) for k in range(words // 2)) & mask
-        state = (state * mult + fmix(v ^ salt)) & mask
-        out.append(fmix(state))
+        state = (state * mult + _fmix(v ^ salt)) & mask
+        out.append(_fmix(state))
     return out
 
 
@@ -115,14 +116,7 @@ def test_encoding_matches_documented_layout(block_size):
 
 def test_fmix_inverse():
     for x in (0, 1, 2**63, 2**64 - 1, 0x123456789ABCDEF):
-        assert unfmix64(fmix64(x)) == x
-
-
-def test_iter_block_hashes_equal():
-    tokens = list(range(64))
-    it = iter_block_hashes(tokens, 16, ("m",))
-    assert next(it) == hash_blocks(tokens, 16, ("m",))[0]
-    assert list(iter_block_hashes(token_bytes(tokens), 16, ("m",))) == hash_blocks(tokens, 16, ("m",))
+        assert unfmix64(_fmix(x)) == x
 
 
 @pytest.mark.parametrize("seed", ["0", "1", "12345", "random"])
