@@ -14,9 +14,12 @@ import argparse
 import json
 import logging
 import sys
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from .common.config import LOAD_FORMATS, KVBackend
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -156,10 +159,21 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="prefill every request locally")
 
 
-def cmd_node(args) -> int:
-    from .node.runtime import run_node
+def node_app(config) -> "web.Application":
+    """The app of ``config``'s role: the one place a node process picks its role (the
+    role's package builds on node/, which knows no role)."""
+    if config.role == "prefill":
+        from .prefill_node.server import build_app
+    else:  # decode, colocated
+        from .decode_node.server import build_app
+    return build_app(config)
 
-    run_node(node_config(args, "colocated" if args.command == "decode" and args.colocated else args.command))
+
+def cmd_node(args) -> int:
+    from .node.app import run_node
+
+    role = "colocated" if args.command == "decode" and args.colocated else args.command
+    run_node(node_app, node_config(args, role))
     return 0
 
 
@@ -194,7 +208,7 @@ def cmd_sim_nodes(args) -> int:
         args.prefill_chunk_size, args.max_num_batched_tokens = p.prefill_chunk_size, p.max_num_batched_tokens
         args.max_num_seqs = p.max_num_seqs
     template = node_config(args, "decode", sim)
-    run_fleet(fleet_configs(template, args.prefill_nodes, args.decode_nodes, args.id_prefix))
+    run_fleet(fleet_configs(template, args.prefill_nodes, args.decode_nodes, args.id_prefix), node_app)
     return 0
 
 

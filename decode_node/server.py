@@ -2,28 +2,35 @@
 and the local-prefill fallback. Also runs as a colocated node (role "colocated":
 every request prefilled locally), the baseline for comparisons.
 
-HTTP API (msgpack bodies, see common/protocol.py):
-  POST /generate  GenerateRequest -> stream of length-prefixed TokenDelta frames
-  POST /abort     Abort -> 200 (idempotent)
-  GET  /health, /metrics (Prometheus), /debug/state (pool and transfers, JSON)
-With a cluster token set, everything but /health and /metrics needs it (node/runtime.py),
+HTTP API (msgpack bodies, see common/protocol.py; ``DecodeNode.routes`` and node/app.py):
+  POST /generate        GenerateRequest -> stream of length-prefixed TokenDelta frames
+  GET  /debug/transfers the transfer table (kvtransfer/state.py): live transfers, totals
+  POST /abort           Abort -> 200 (idempotent)
+  GET  /health, /metrics (Prometheus), /debug/state (pool, streams and transfers, JSON)
+With a cluster token set, everything but /health and /metrics needs it (node/app.py),
 and so does the KV receiver's handshake: nobody without it can make this node reserve
 blocks or connect out to a prefill address.
 
 One request's path when a prefill node is named:
 
-  Reserve blocks (own prefix cache subtracted) -> TransferTable.reserve (lease)
-  -> POST prefill/prefill --> blocks land via kvtransfer (checksummed; each renews the lease)
-                          --> PrefillResult (the first token)
-  -> every block landed and the result in: admit into the batch -> stream
-  any failure / refusal (503) / lease expiry: release the blocks, prefill locally, count a fallback
+  Reserve blocks (own prefix cache subtracted) -> TransferTable.reserve (lease) -> a Transfer
+  -> PrefillClient.prefill --> blocks land via kvtransfer (checksummed; each renews the lease)
+                           --> PrefillResult (the first token)
+  -> Transfer.done resolves: the PrefillResult (every block landed and the result in)
+                             or a TransferFailure (failed, refused, lease expired, aborted)
+  -> the result: admit into the batch -> stream
+     a failure: release the blocks, prefill locally, count a fallback
 
-One signal ends a transfer's wait: ``finished[transfer_id]``, resolved only by
-``_settle`` after each input (a block, the prefill node's answer or failure, the
-lease sweeper). Whatever stage a request reached when its client left, the handler's
-``_end`` sends the engine one ``AbortRequest`` after the driver stopped, which frees
-every block it holds (a reservation included).
+Each transfer is one ``Transfer`` in the table; the request's driver (``_transfer``)
+is its one owner, awaits its one ``done`` future, and removes it. The table
+resolves ``done`` from whichever input ends the transfer: a block (``_on_block``),
+the prefill node's answer or failure (``_ask_prefill``), the lease sweeper, or the
+driver's own abort. Whatever stage a request reached when its client left, the
+handler's ``_end`` sends the engine one ``AbortRequest`` after the driver stopped,
+which frees every block it holds (a reservation included).
 """
+
+from __future__ import annotations
 
 import asyncio
 import logging
@@ -31,22 +38,24 @@ import uuid
 from typing import NamedTuple
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
 from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
-from ..common.http import MSGPACK, decode_error_body, error_response, peer_connector, read_msgpack
+from ..common.http import error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd
-from ..common.protocol import (Abort, GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame,
-                               prompt_ids)
+from ..common.protocol import GenerateRequest, PrefillRequest, TokenDelta, encode_frame, prompt_ids
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
-from ..kvtransfer import TransferError, make_receiver
+from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, BlockExporter, EngineThread, Release, \
+    Reserve
+from ..kvtransfer import KVReceiver, TransferError, make_receiver
 from ..kvtransfer.block_store import KVBlockStore
-from ..kvtransfer.state import TransferState, TransferTable
-from ..node.runtime import NodeRuntime, build_node_app
+from ..kvtransfer.state import TransferFailure, TransferTable
+from ..node.app import build_node_app
+from ..node.prompt_hashes import adopt_prompt_hashes
+from ..node.runtime import NodeRuntime
+from .prefill_client import PrefillClient, PrefillFailed
 
 log = logging.getLogger(__name__)
 RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer
@@ -60,47 +69,56 @@ class Fallback(NamedTuple):
 
 
 class DecodeNode:
+    """The decode (or colocated) role's server (a node/app.py NodeServer), built with the app."""
+    exporter: BlockExporter | None = None  # a decode node exports no blocks
+    prefill: PrefillClient  # from start() on
+    _session: aiohttp.ClientSession
+    _lease_task: asyncio.Task[None]
+
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
-        self.exporter = None  # a decode node exports no blocks
-        self.transfers = TransferTable()
-        self.streams: dict[str, asyncio.Queue] = {}  # req_id -> TokenDelta queue of its HTTP stream
-        # transfer_id -> the one "transfer finished" signal: True once every block landed and the
-        # prefill node answered, False once it failed or was aborted (set only by _settle)
-        self.finished: dict[str, asyncio.Future] = {}
-        self.prefill_results: dict[str, PrefillResult] = {}  # transfer_id -> the prefill node's answer
-        self.receiver = None
-        self.session: aiohttp.ClientSession | None = None
+        self.transfers = TransferTable()  # transfer_id -> Transfer, each owned by its request's driver
+        self.streams: dict[str, asyncio.Queue[TokenDelta]] = {}  # req_id -> its HTTP stream's queue
+        self.receiver: KVReceiver | None = None
+        self._aborts: set[asyncio.Task[bool]] = set()  # prefill aborts in flight (held: tasks are weak refs)
         m = runtime.metrics
         self.metrics = m
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/generate", self.generate), web.get("/debug/transfers", self.debug_transfers)]
 
     @property
     def engine_thread(self) -> EngineThread:
         return self.rt.engine_thread
 
+    @property
+    def kv_addr(self) -> str:
+        return self.receiver.address if self.receiver is not None else ""
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         # peer_connector: a task written into a partition fails in seconds, not after the lease
-        self.session = aiohttp.ClientSession(connector=peer_connector(),
-                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                             headers=auth_headers(self.config.cluster_token))
+        self._session = aiohttp.ClientSession(connector=peer_connector(),
+                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                              headers=auth_headers(self.config.cluster_token))
+        self.prefill = PrefillClient(self._session)
         if self.config.role == "decode":
             store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
-            self.receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
-                                          self._on_block, device=self.config.engine.device)
-            self.receiver.accepts = self.transfers.is_live
-            self.receiver.cluster_token = self.config.cluster_token
-            await self.receiver.start()
-            self.rt.kv_addr = self.receiver.address
+            receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
+                                     self._on_block, device=self.config.engine.device)
+            receiver.accepts = self.transfers.is_live
+            receiver.cluster_token = self.config.cluster_token
+            await receiver.start()
+            self.receiver = receiver
         self._lease_task = asyncio.create_task(self._expire_leases())
 
     async def stop(self) -> None:
         self._lease_task.cancel()
         if self.receiver is not None:
             await self.receiver.stop()
-        await self.session.close()
+        await self._session.close()
 
     def inflight(self) -> int:
         return len(self.streams)
@@ -115,51 +133,28 @@ class DecodeNode:
                                         num_cached_tokens=d.num_cached_tokens,
                                         prompt_logprobs=d.prompt_logprobs))
 
-    # ---- transfer events (on this event loop) ------------------------------------------------
-    def _settle(self, transfer_id: str) -> None:
-        """Resolve the transfer's finished signal if its state says it is over."""
-        fut = self.finished.get(transfer_id)
-        if fut is None or fut.done():
-            return
-        t = self.transfers.get(transfer_id)
-        if t is None or t.state in (TransferState.FAILED, TransferState.ABORTED):
-            fut.set_result(False)
-        elif self.transfers.ready(transfer_id):
-            fut.set_result(True)
-
+    # ---- transfer inputs (on this event loop; the table resolves the transfer's future) ----
     def _on_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
         self.m_blocks.labels(str(ok).lower()).inc()
         self.transfers.on_block(transfer_id, dest_block_id, ok, reason)  # renews the lease
-        self._settle(transfer_id)
 
     async def _expire_leases(self) -> None:
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
-            for t in self.transfers.expired():
-                self.transfers.fail(t.transfer_id, "lease expired: no block arrived for "
-                                    f"{self.config.transfer_lease_s:g}s")
-                self._settle(t.transfer_id)
+            self.transfers.expire_leases()
 
-    async def _call_prefill(self, addr: str, task: PrefillRequest) -> None:
-        """Ask the prefill node; its answer (or failure) goes into the transfer's state."""
-        tid = task.transfer_id
+    async def _ask_prefill(self, addr: str, task: PrefillRequest) -> None:
+        """Ask the prefill node; its answer (or failure) goes to the transfer's table."""
         try:
-            async with self.session.post(f"{addr}/prefill", data=msgspec.msgpack.encode(task),
-                                         headers={"Content-Type": MSGPACK}) as r:
-                body = await r.read()
-                if r.status != 200:
-                    raise TransferError(f"prefill node answered {r.status}: {decode_error_body(body)}")
-            result = msgspec.msgpack.decode(body, type=PrefillResult)
-        except Exception as e:  # transport, HTTP or a bad answer: the transfer fails, we fall back
-            if not isinstance(e, (TransferError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError)):
-                log.exception("request %s: unexpected error calling the prefill node", task.request_id)
-            self.transfers.fail(tid, f"{type(e).__name__}: {e}")
-            self._settle(tid)
+            result = await self.prefill.prefill(addr, task)
+        except PrefillFailed as e:  # transport, HTTP or a bad answer: the transfer fails, we fall back
+            self.transfers.fail(task.transfer_id, str(e))
             return
-        if tid in self.finished:  # still waited for
-            self.prefill_results[tid] = result
-            self.transfers.prefilled(tid)
-            self._settle(tid)
+        except Exception as e:
+            log.exception("request %s: unexpected error calling the prefill node", task.request_id)
+            self.transfers.fail(task.transfer_id, f"{type(e).__name__}: {e}")
+            return
+        self.transfers.prefilled(task.transfer_id, result)
 
     # ---- request path ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -174,7 +169,7 @@ class DecodeNode:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:
             return error_response(409, f"request {req.request_id} is already running", "request_id")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
         self.streams[req.request_id] = queue
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
         driver = asyncio.create_task(self._drive(req, prompt, queue))
@@ -182,7 +177,7 @@ class DecodeNode:
         try:
             await resp.prepare(request)
             while True:
-                delta: TokenDelta = await queue.get()
+                delta = await queue.get()
                 await resp.write(encode_frame(delta))
                 if delta.finish_reason is not None:
                     generated = delta.finish_reason not in ("abort", "error")
@@ -197,21 +192,20 @@ class DecodeNode:
                 driver.cancel()
             await asyncio.shield(self._end(req.request_id, driver))
 
-    async def _end(self, rid: str, driver: asyncio.Task) -> None:
+    async def _end(self, rid: str, driver: asyncio.Task[None]) -> None:
         """The request's one terminal step, whatever stage it reached: after the driver
         is done, AbortRequest frees what any earlier command took (a reservation made by
         a Reserve whose awaiter was cancelled included); a no-op for a finished request."""
         await asyncio.gather(driver, return_exceptions=True)
         await self.engine_thread.submit(AbortRequest(rid))
 
-    async def _drive(self, req: GenerateRequest, prompt: list[int], queue: asyncio.Queue) -> None:
+    async def _drive(self, req: GenerateRequest, prompt: list[int], queue: asyncio.Queue[TokenDelta]) -> None:
         """Get the request into the running batch: through a KV transfer, or locally.
         ``prompt``: ``req.token_ids`` read (``prompt_ids``)."""
         rid = req.request_id
-        cfg = self.config.engine
-        hashes = self.metrics.adopt_hashes(req.prompt_hashes, prompt, cfg.block_size, cfg.model_id)
+        hashes = adopt_prompt_hashes(req.prompt_hashes, prompt, self.config.engine, self.metrics.prompt_hashes)
         if req.prefill_addr and self.config.role == "decode":
-            fallback = await self._transfer(req, prompt, queue, hashes)
+            fallback = await self._transfer(req, req.prefill_addr, prompt, hashes)
             if fallback is None:
                 return
             self.m_fallbacks.labels(fallback.reason).inc()
@@ -222,34 +216,35 @@ class DecodeNode:
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
-    async def _transfer(self, req: GenerateRequest, prompt: list[int], queue: asyncio.Queue,
+    async def _transfer(self, req: GenerateRequest, prefill_addr: str, prompt: list[int],
                         hashes: list[int] | None) -> Fallback | None:
-        """Run the transfer; None when the request was admitted, else why it was not.
-        ``hashes``: the prompt's block hashes when the router's checked out."""
+        """Run the transfer from the prefill node at ``prefill_addr``; None when the
+        request was admitted, else why it was not. ``hashes``: the prompt's block hashes
+        when the router's checked out. The transfer's one owner: it ends here, in the
+        table, on every path."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
         res = await self.engine_thread.submit(Reserve(rid, prompt, hashes))
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
-        bs = self.config.engine.block_size
-        skip = res.num_cached_tokens // bs
-        self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
-        self.finished[tid] = done = asyncio.get_running_loop().create_future()
+        skip = res.num_cached_tokens // self.config.engine.block_size
+        transfer = self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
         task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
-                              kv_addr=self.rt.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
+                              kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
                               prompt_hashes=req.prompt_hashes if hashes is not None else None)
-        call = asyncio.create_task(self._call_prefill(req.prefill_addr, task))
+        call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
         try:
-            if not await done:
-                raise TransferError(self.transfers.get(tid).reason or "failed")
-            result = self.prefill_results[tid]  # settled True only after the prefill node answered
-            self.transfers.complete(tid)
+            # shielded: cancelling this request aborts the transfer (below), which resolves
+            # the future; the future itself is never cancelled
+            outcome = await asyncio.shield(transfer.done)
+            if isinstance(outcome, TransferFailure):
+                raise TransferError(outcome.reason)
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
-                rid, prompt, req.sampling_params, result.first_token, result.logprobs,
-                result.num_cached_tokens, hashes, result.prompt_logprobs))
+                rid, prompt, req.sampling_params, outcome.first_token, outcome.logprobs,
+                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()
@@ -263,12 +258,13 @@ class DecodeNode:
             self.m_transfers.labels(TransferEnd.FAILED).inc()
             return Fallback(FallbackReason.TRANSFER_FAILED, str(e))
         finally:
-            self.finished.pop(tid, None)
-            self.prefill_results.pop(tid, None)
             if not call.done():
                 call.cancel()
             if not admitted:
-                asyncio.create_task(self._abort_prefill(req.prefill_addr, rid))
+                self.transfers.fail(tid, "not admitted")  # no-op unless an unexpected error got here
+                abort = asyncio.create_task(self.prefill.abort(prefill_addr, rid))
+                self._aborts.add(abort)
+                abort.add_done_callback(self._aborts.discard)
                 # Over shm and ipc the prefill node writes into our memory before it tells us;
                 # give a sender that is still mid-frame time to stop before the blocks are reused.
                 if self.config.kv_backend in ("shm", "ipc"):
@@ -276,17 +272,8 @@ class DecodeNode:
                 await asyncio.shield(self.engine_thread.submit(Release(rid)))
             self.transfers.remove(tid)
 
-    async def _abort_prefill(self, prefill_addr: str, rid: str) -> None:
-        try:
-            async with self.session.post(f"{prefill_addr}/abort", data=msgspec.msgpack.encode(Abort(rid)),
-                                         headers={"Content-Type": MSGPACK},
-                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
-                await r.read()
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            pass  # the prefill node is gone: nothing of ours is left there
-
     def end_stream(self, request_id: str) -> bool:
-        """POST /abort (node/runtime.py), after the engine let go of the request: end its
+        """POST /abort (node/app.py), after the engine let go of the request: end its
         stream here; False when no stream of that id is open."""
         q = self.streams.get(request_id)
         if q is not None:
@@ -297,7 +284,16 @@ class DecodeNode:
         return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
                 "streams": len(self.streams)}
 
+    async def debug_transfers(self, request: web.Request) -> web.Response:
+        """GET /debug/transfers: every transfer in the table (oldest first), the count per
+        state, and the totals since start (``reserved`` equals the sum of ``resolutions``
+        once no transfer is live: each transfer's future resolved once)."""
+        return web.json_response({"transfers": self.transfers.snapshot(), "counts": self.transfers.counts(),
+                                  **self.transfers.totals()})
+
 
 def build_app(config: NodeConfig) -> web.Application:
+    """The app of a decode or colocated node."""
+    runtime = NodeRuntime(config)
     shm = config.role == "decode" and config.kv_backend == "shm"
-    return build_node_app(config, DecodeNode, shm, {"/generate": "generate"})
+    return build_node_app(runtime, DecodeNode(config, runtime), shm)

@@ -92,9 +92,9 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
         self.busy_s = 0.0  # wall seconds spent in forward passes (a metric)
-        # Called on every step after the computed counts advance and before finished
-        # requests free their blocks: the prefill node packs completed blocks here.
-        self.step_observer: Callable[[SchedulerOutput], None] | None = None
+        # Called on every step once it is launched (the computed counts advanced) and before
+        # finished requests free their blocks: the EngineThread packs completed blocks here.
+        self.on_launch: Callable[[SchedulerOutput], None] | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
                  config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)
 
@@ -206,8 +206,8 @@ class EngineCore:
             req.pending_tokens += 1
         self.scheduler.update_after_step(out)
         self.num_computed_tokens_total += launched.num_tokens
-        if self.step_observer is not None:
-            self.step_observer(out)
+        if self.on_launch is not None:
+            self.on_launch(out)
         return launched
 
     def _land(self, launched: LaunchedStep) -> list[RequestDelta]:

@@ -165,7 +165,7 @@ class EngineThread:
         self.stats = self._stats()  # replaced (never mutated) by the engine thread; read anywhere
         self._step_observer = step_observer
         self._scheduled: SchedulerOutput | None = None  # engine thread: the step being computed
-        engine.step_observer = self._observe_step
+        engine.on_launch = self._on_launch
 
     @property
     def load(self) -> NodeLoad:
@@ -229,7 +229,7 @@ class EngineThread:
                 return list(e.kv.cached_hashes())
         raise TypeError(f"not an engine command: {cmd!r}")
 
-    def _observe_step(self, sched: SchedulerOutput) -> None:
+    def _on_launch(self, sched: SchedulerOutput) -> None:
         self._scheduled = sched
         if self._exporter is not None:
             self._export_step(sched)

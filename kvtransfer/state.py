@@ -1,44 +1,63 @@
 """The per-transfer state machine of the decode node.
 
-Owns: ``TransferState``, ``Transfer`` and ``TransferTable`` (transfer_id ->
-Transfer), with leases, counters for metrics and a snapshot for
-``/debug/transfers``. Must not: touch tensors or sockets, or free blocks itself:
+Owns: ``TransferState``, ``Transfer`` (one KV transfer, with the one future its
+driver awaits) and ``TransferTable`` (transfer_id -> Transfer), with leases,
+counters for metrics and the snapshot the decode node serves at
+``GET /debug/transfers``. Must not: touch tensors or sockets, or free blocks itself:
 the decode node frees a transfer's blocks when it leaves the table failed or
 aborted, and hands them to the request when it is owned.
 
 ::
 
-    reserve --> RESERVED --first block--> TRANSFERRING --every block ok, prefilled, complete()--> COMPLETE
-                   |                          |                                            |
-                   |  fail(): a block not ok, lease expired, peer error              own(): request admitted
-                   +--------------------------+--------> FAILED                            v
-                   |  abort(): client gone, request cancelled                            OWNED
-                   +--------------------------+--------> ABORTED    (COMPLETE may fail or abort too)
+    reserve --> RESERVED --first block--> TRANSFERRING --every block ok + prefilled(result)--> COMPLETE
+                   |                          |                                                 |
+                   |  fail(): a block not ok, lease expired, peer error, no answer      own(): request admitted
+                   +--------------------------+--------> FAILED                                 v
+                   |  abort(): client gone, request cancelled                                 OWNED
+                   +--------------------------+--------> ABORTED     (COMPLETE may fail or abort too)
+
+Each transfer's ``done`` future is resolved exactly once, by the table, at the one
+transition out of RESERVED / TRANSFERRING, whichever path takes it there:
+
+    the last block lands after the prefill result, or the result after the last block
+                                                    -> done = the PrefillResult  (COMPLETE)
+    a block not ok or not reserved, the prefill call failed, the lease expired
+                                                    -> done = TransferFailure(FAILED, reason)
+    abort(): the request was cancelled              -> done = TransferFailure(ABORTED, reason)
+
+Later changes (COMPLETE -> FAILED when admission fails, OWNED) do not touch it. The
+driver of the request awaits ``done`` (shielded: its own cancellation must not cancel
+the future) and reads nothing else. ``resolutions`` counts every resolution: it
+equals ``reserved`` once every transfer ended, which tests check from outside.
 
 The lease renews with every block that lands, so a long prompt whose blocks keep
 coming is never cut off, while a sender that stops (dead, partitioned, stuck) lets it
-expire ``lease_s`` after its last block. ``prefilled()`` records that the prefill node
-answered (the first token is known); ``ready()`` is what the decode node waits for.
+expire ``lease_s`` after its last block (``expire_leases``).
 
 ``fail`` and ``abort`` are idempotent: on a transfer already FAILED or ABORTED they
 change nothing, and ``abort`` of an OWNED transfer is a no-op (the request now
 holds its blocks; cancelling it is the scheduler's job). Every other illegal
-transition is a broken invariant and asserts. Late or stray ``on_block`` reports
-(unknown id, transfer already failed or aborted) are counted, never raised.
+transition is a broken invariant and asserts. Late or stray reports (``on_block`` or
+``prefilled`` for an unknown id or a transfer that no longer takes them) are counted,
+never raised.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..common.protocol import PrefillResult
 
 
 class TransferState(enum.Enum):
     RESERVED = "reserved"  # destination blocks held, no block landed yet
     TRANSFERRING = "transferring"  # some blocks landed
-    COMPLETE = "complete"  # every block landed with a valid checksum
+    COMPLETE = "complete"  # every block landed with a valid checksum and the prefill node answered
     OWNED = "owned"  # the request was admitted; its blocks belong to the scheduler
     FAILED = "failed"  # terminal: the decode node frees the blocks and prefills locally
     ABORTED = "aborted"  # terminal: cancelled; the decode node frees the blocks
@@ -46,6 +65,15 @@ class TransferState(enum.Enum):
 
 LIVE = (TransferState.RESERVED, TransferState.TRANSFERRING)  # may still receive blocks
 TERMINAL = (TransferState.OWNED, TransferState.FAILED, TransferState.ABORTED)
+
+
+class TransferFailure(NamedTuple):
+    """What ``Transfer.done`` holds when the transfer ended without its KV."""
+    state: TransferState  # FAILED or ABORTED
+    reason: str
+
+
+TransferOutcome = PrefillResult | TransferFailure
 
 
 @dataclass(slots=True)
@@ -56,9 +84,10 @@ class Transfer:
     created: float  # clock() at reserve
     lease_s: float  # the lease, renewed to now + lease_s by every block that lands
     lease_deadline: float  # clock() after which a transfer not yet complete has expired
+    done: asyncio.Future[TransferOutcome]  # resolved once, by the table, when it leaves LIVE
     state: TransferState = TransferState.RESERVED
     landed: set[int] = field(default_factory=set)  # dest ids reported ok
-    prefilled: bool = False  # the prefill node answered with the first token
+    result: PrefillResult | None = None  # the prefill node's answer (first token), once it came
     reason: str | None = None  # why it failed or was aborted
 
     @property
@@ -68,13 +97,19 @@ class Transfer:
 
 class TransferTable:
     """All transfers of one decode node. Single-threaded: call it from the node's loop.
-    ``clock``: seconds, monotonic (injectable so lease tests need no sleeping)."""
+    ``clock``: seconds, monotonic (injectable so lease tests need no sleeping);
+    ``loop``: where the ``done`` futures live (default: the running loop at ``reserve``)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 loop: asyncio.AbstractEventLoop | None = None):
         self._clock = clock
+        self._loop = loop
         self._transfers: dict[str, Transfer] = {}  # transfer_id -> Transfer
-        self.ignored_reports = 0  # on_block for unknown / already failed or aborted transfers
-        self.stray_blocks = 0  # on_block for a block the transfer did not reserve
+        self.ignored_reports = 0  # on_block / prefilled for unknown / no longer live transfers
+        self.stray_blocks = 0  # blocks reported for a destination the transfer never reserved
+        self.reserved = 0  # transfers ever reserved
+        # done futures resolved, by outcome: prefilled (COMPLETE), failed, aborted
+        self.resolutions = {"prefilled": 0, "failed": 0, "aborted": 0}
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -87,23 +122,32 @@ class TransferTable:
 
     def reserve(self, transfer_id: str, request_id: str, dest_block_ids: Iterable[int],
                 lease_s: float) -> Transfer:
-        assert transfer_id not in self._transfers, f"transfer {transfer_id} reserved twice"
-        assert lease_s > 0, f"lease_s must be > 0, got {lease_s}"
+        """A new transfer into ``dest_block_ids`` (blocks the engine reserved), RESERVED."""
+        assert transfer_id not in self._transfers, f"transfer {transfer_id} already exists"
+        loop = self._loop or asyncio.get_running_loop()
         now = self._clock()
         transfer = Transfer(transfer_id=transfer_id, request_id=request_id,
                             dest_block_ids=tuple(dest_block_ids), created=now, lease_s=lease_s,
-                            lease_deadline=now + lease_s)
+                            lease_deadline=now + lease_s, done=loop.create_future())
         self._transfers[transfer_id] = transfer
+        self.reserved += 1
+        return transfer
+
+    def _live(self, transfer_id: str) -> Transfer | None:
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None or transfer.state not in LIVE:
+            self.ignored_reports += 1
+            return None
         return transfer
 
     def on_block(self, transfer_id: str, dest_block_id: int, ok: bool,
                  reason: str | None = None) -> Transfer | None:
         """Record one receiver report. Returns the transfer, or None when the report was
         ignored (unknown id, or the transfer no longer takes blocks). A block not ok, or
-        one this transfer did not reserve, fails the transfer."""
-        transfer = self._transfers.get(transfer_id)
-        if transfer is None or transfer.state not in LIVE:
-            self.ignored_reports += 1
+        one this transfer did not reserve, fails the transfer; the last block completes
+        it when the prefill node already answered."""
+        transfer = self._live(transfer_id)
+        if transfer is None:
             return None
         transfer.state = TransferState.TRANSFERRING
         if dest_block_id not in transfer.dest_block_ids:
@@ -114,19 +158,23 @@ class TransferTable:
         else:
             transfer.landed.add(dest_block_id)
             transfer.lease_deadline = self._clock() + transfer.lease_s
+            self._complete_if_ready(transfer)
         return transfer
 
-    def prefilled(self, transfer_id: str) -> Transfer | None:
-        """Record the prefill node's answer (ignored unless the transfer is live)."""
-        transfer = self._transfers.get(transfer_id)
-        if transfer is not None and transfer.state in LIVE:
-            transfer.prefilled = True
+    def prefilled(self, transfer_id: str, result: PrefillResult) -> Transfer | None:
+        """Record the prefill node's answer; completes the transfer when every block
+        landed. Ignored (None) unless the transfer is live."""
+        transfer = self._live(transfer_id)
+        if transfer is None:
+            return None
+        transfer.result = result
+        self._complete_if_ready(transfer)
         return transfer
 
-    def ready(self, transfer_id: str) -> bool:
-        """Every block landed and the prefill node answered: ``complete()`` may be called."""
-        transfer = self._transfers.get(transfer_id)
-        return transfer is not None and transfer.state in LIVE and transfer.all_landed and transfer.prefilled
+    def _complete_if_ready(self, transfer: Transfer) -> None:
+        if transfer.all_landed and transfer.result is not None:
+            transfer.state = TransferState.COMPLETE
+            self._resolve(transfer, "prefilled", transfer.result)
 
     def is_live(self, transfer_id: str) -> bool:
         """Whether blocks for this transfer may still be written (reserved or transferring)."""
@@ -135,14 +183,7 @@ class TransferTable:
 
     def all_landed(self, transfer_id: str) -> bool:
         transfer = self._transfers.get(transfer_id)
-        return transfer is not None and transfer.state in LIVE and transfer.all_landed
-
-    def complete(self, transfer_id: str) -> Transfer:
-        transfer = self._transfers[transfer_id]
-        assert transfer.state in LIVE, f"complete({transfer_id}) from {transfer.state.name}"
-        assert transfer.all_landed, f"complete({transfer_id}) with blocks missing"
-        transfer.state = TransferState.COMPLETE
-        return transfer
+        return transfer is not None and transfer.state in (*LIVE, TransferState.COMPLETE) and transfer.all_landed
 
     def own(self, transfer_id: str) -> Transfer:
         transfer = self._transfers[transfer_id]
@@ -167,13 +208,29 @@ class TransferTable:
             return transfer
         assert transfer.state is not TransferState.OWNED, \
             f"{state.name.lower()}({transfer_id}) of an owned transfer"
+        was_live = transfer.state in LIVE
         transfer.state, transfer.reason = state, reason
+        if was_live:  # a COMPLETE transfer's done already holds its result
+            self._resolve(transfer, state.value, TransferFailure(state, reason))
         return transfer
 
+    def _resolve(self, transfer: Transfer, outcome: str, value: TransferOutcome) -> None:
+        """The one place a ``done`` future is resolved (on leaving LIVE, so once)."""
+        self.resolutions[outcome] += 1
+        assert not transfer.done.done(), f"transfer {transfer.transfer_id} resolved twice"
+        transfer.done.set_result(value)
+
     def expired(self, now: float | None = None) -> list[Transfer]:
-        """Transfers whose lease passed before they completed (the caller fails them)."""
+        """Transfers whose lease passed before they completed."""
         now = self._clock() if now is None else now
         return [t for t in self._transfers.values() if t.state in LIVE and now >= t.lease_deadline]
+
+    def expire_leases(self) -> list[Transfer]:
+        """Fail every transfer whose lease passed; returns them."""
+        expired = self.expired()
+        for t in expired:
+            self.fail(t.transfer_id, f"lease expired: no block arrived for {t.lease_s:g}s")
+        return expired
 
     def remove(self, transfer_id: str) -> Transfer | None:
         """Forget a finished transfer (owned, failed or aborted); unknown id: None."""
@@ -195,8 +252,14 @@ class TransferTable:
         """One JSON-ready dict per transfer, oldest first, for ``/debug/transfers``."""
         now = self._clock()
         return [{"transfer_id": t.transfer_id, "request_id": t.request_id, "state": t.state.value,
-                 "blocks": len(t.dest_block_ids), "landed": len(t.landed), "prefilled": t.prefilled,
+                 "blocks": len(t.dest_block_ids), "landed": len(t.landed), "prefilled": t.result is not None,
                  "reason": t.reason,
                  "age_s": round(now - t.created, 3),
                  "lease_left_s": round(t.lease_deadline - now, 3)}
                 for t in sorted(self._transfers.values(), key=lambda t: t.created)]
+
+    def totals(self) -> dict:
+        """Counters since start, for ``/debug/transfers``: every reserved transfer is
+        resolved once, so ``reserved == sum(resolutions)`` when none is live."""
+        return {"reserved": self.reserved, "resolutions": dict(self.resolutions),
+                "ignored_reports": self.ignored_reports, "stray_blocks": self.stray_blocks}

@@ -106,16 +106,6 @@ class NodeMetrics:
         self._times: dict[str, RequestTimes] = {}  # req_id -> times (engine thread only)
         self._preemptions_seen = 0
 
-    def adopt_hashes(self, carried, token_ids: list[int], block_size: int,
-                     model: str) -> list[int] | None:
-        """The carried `PromptHashes` of ``token_ids`` when they check out for this node
-        (counted adopted), else None: the engine hashes the prompt (rehashed / absent)."""
-        hashes = carried.adopt(token_ids, block_size, model) if carried is not None else None
-        result = (PromptHashResult.ADOPTED if hashes is not None else PromptHashResult.REHASHED
-                  if carried is not None else PromptHashResult.ABSENT)
-        self.prompt_hashes.labels(result).inc()
-        return hashes
-
     def set_load(self, load: NodeLoad, preemptions_total: int, heartbeat_failures: int) -> None:
         """Refresh the engine-state gauges (``load``: the published NodeLoad)."""
         for field, gauge in self.load.items():
@@ -124,11 +114,11 @@ class NodeMetrics:
         self._preemptions_seen = preemptions_total
         self.heartbeat_failures.set(heartbeat_failures)
 
-    def set_pool(self, pool: dict) -> None:
-        """The KV pool's place and size (``NodeRuntime.pool``), once at start."""
-        self.device_info.labels(pool["device"], pool["dtype"]).set(1)
-        for unit, gauge in self.kv_pool.items():
-            gauge.set(pool[unit])
+    def set_kv_pool(self, device: str, dtype: str, blocks: int, nbytes: int, tokens: int) -> None:
+        """The KV pool's place and size (``NodeRuntime.kv_pool_info``), once at start."""
+        self.device_info.labels(device, dtype).set(1)
+        for unit, value in (("blocks", blocks), ("bytes", nbytes), ("tokens", tokens)):
+            self.kv_pool[unit].set(value)
 
     def observe_step(self, out: SchedulerOutput, deltas: list[RequestDelta], live: int) -> None:
         """Engine thread, after a step computed ``out`` (a SchedulerOutput) and produced

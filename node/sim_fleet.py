@@ -14,13 +14,15 @@ once every node serves, then one ``NODE <role> <node_id> <http_addr>`` line each
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
 from ..common.config import NodeConfig, NodeRole
-from .runtime import RUNTIME, build_app, run_until_signal, start_site
+from .app import RUNTIME, run_until_signal, start_site
 
 log = logging.getLogger(__name__)
+AppBuilder = Callable[[NodeConfig], web.Application]  # a node's config -> its role's app (cli.py)
 
 
 def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
@@ -37,8 +39,9 @@ def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
             for role, i in roles]
 
 
-async def serve_fleet(configs: list[NodeConfig], stop: asyncio.Event) -> None:
-    """Start every node (a few at a time: each registers with Redis), serve until ``stop``."""
+async def serve_fleet(configs: list[NodeConfig], build_app: AppBuilder, stop: asyncio.Event) -> None:
+    """Start every node (a few at a time: each registers with Redis), serve until ``stop``.
+    ``build_app``: the role's app of each config (the fleet itself knows no role)."""
     runners = []
     gate = asyncio.Semaphore(8)
 
@@ -63,5 +66,5 @@ async def serve_fleet(configs: list[NodeConfig], stop: asyncio.Event) -> None:
         await asyncio.gather(*(r.cleanup() for r in runners), return_exceptions=True)
 
 
-def run_fleet(configs: list[NodeConfig]) -> None:
-    run_until_signal(lambda stop: serve_fleet(configs, stop))
+def run_fleet(configs: list[NodeConfig], build_app: AppBuilder) -> None:
+    run_until_signal(lambda stop: serve_fleet(configs, build_app, stop))

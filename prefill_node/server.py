@@ -3,7 +3,7 @@ and pushes each completed KV block to the decode node that asked, while later
 chunks are still computing. It samples the first token and keeps the computed
 blocks in its prefix cache. It never decodes.
 
-HTTP API (msgpack, see common/protocol.py):
+HTTP API (msgpack, see common/protocol.py; ``PrefillNode.routes`` and node/app.py):
   POST /prefill  PrefillRequest -> PrefillResult, once every block was sent
   POST /abort    Abort -> 200 (idempotent)
   GET  /health, /metrics, /debug/state
@@ -39,9 +39,11 @@ from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
-from ..kvtransfer import TransferError, make_sender, sender_options
+from ..kvtransfer import KVSender, TransferError, make_sender, sender_options
 from ..kvtransfer.block_store import KVBlockStore
-from ..node.runtime import NodeRuntime, build_node_app
+from ..node.app import build_node_app
+from ..node.prompt_hashes import adopt_prompt_hashes
+from ..node.runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
 
@@ -55,21 +57,32 @@ class Outgoing:
 
 
 class PrefillNode:
+    """The prefill role's server (a node/app.py NodeServer), built with the app."""
+    store: KVBlockStore  # over the engine's KV cache, from start() on
+
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
         self.out: dict[str, Outgoing] = {}  # req_id -> transfer state
-        self.store = KVBlockStore(runtime.kv_caches, runtime.layout)
-        # the engine thread packs completed prompt blocks (a fresh buffer, not a view of the cache:
-        # safe once the blocks are freed) and hands them to _on_blocks here
-        self.exporter = BlockExporter(self.store.pack, self._on_blocks)
-        self.senders = {}  # backend -> KVSender (one connection pool each)
+        self._exporter: BlockExporter | None = None  # from start() on
+        self.senders: dict[str, KVSender] = {}  # backend -> KVSender (one connection pool each)
         m = runtime.metrics
         self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
         self.m_bytes, self.m_send_seconds = m.bytes_sent, m.send_seconds
 
-    def _sender(self, backend: str):
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/prefill", self.prefill)]
+
+    @property
+    def exporter(self) -> BlockExporter | None:
+        return self._exporter
+
+    @property
+    def kv_addr(self) -> str:
+        return ""  # a prefill node sends KV blocks; it receives none
+
+    def _sender(self, backend: str) -> KVSender:
         if backend not in self.senders:
             # A send gets one lease, as the decode node's transfer does: past it the decode node
             # has given up (and prefilled itself), so a partitioned peer cannot hold this
@@ -82,7 +95,11 @@ class PrefillNode:
         return self.senders[backend]
 
     async def start(self) -> None:
-        pass  # senders connect lazily, per backend and decode node
+        """Once the engine is built; senders connect lazily, per backend and decode node."""
+        self.store = KVBlockStore(self.rt.kv_caches, self.rt.layout)
+        # the engine thread packs completed prompt blocks (a fresh buffer, not a view of the cache:
+        # safe once the blocks are freed) and hands them to _on_blocks here
+        self._exporter = BlockExporter(self.store.pack, self._on_blocks)
 
     async def stop(self) -> None:
         for s in self.senders.values():
@@ -147,9 +164,8 @@ class PrefillNode:
         engine = self.rt.engine_thread
         try:
             export = engine.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
-            cfg = self.config.engine
-            hashes = self.metrics.adopt_hashes(task.prompt_hashes, prompt, cfg.block_size,
-                                               cfg.model_id)
+            hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
+                                         self.metrics.prompt_hashes)
             await engine.submit(AddRequest(rid, prompt, params, hashes))
             await export
             sender = self._sender(task.kv_backend)
@@ -180,7 +196,7 @@ class PrefillNode:
                 sender_task.cancel()
             await asyncio.shield(engine.submit(AbortRequest(rid)))
 
-    async def _send_all(self, sender, o: Outgoing) -> int:
+    async def _send_all(self, sender: KVSender, o: Outgoing) -> int:
         sent = 0
         while (item := await o.queue.get()) is not None:
             dests, packed = item
@@ -205,7 +221,7 @@ class PrefillNode:
                                  f"not {task.kv_backend}")
 
     def end_stream(self, request_id: str) -> bool:
-        """POST /abort (node/runtime.py), after the engine let go of the request: stop
+        """POST /abort (node/app.py), after the engine let go of the request: stop
         sending its blocks; False when none are being sent."""
         o = self.out.get(request_id)
         if o is not None:
@@ -223,4 +239,6 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    return build_node_app(config, PrefillNode, False, {"/prefill": "prefill"})
+    """The app of a prefill node."""
+    runtime = NodeRuntime(config)
+    return build_node_app(runtime, PrefillNode(config, runtime), shm=False)

@@ -9,10 +9,10 @@ import torch
 
 from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
-from splitserve.common.model_metrics import sample_sum
 from splitserve.engine.attention.selector import select_backend
 from splitserve.engine.kv_sizing import dummy_forward, gpu_pool_budget, kv_block_bytes
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.tests.metrics_text import sample_sum
 
 GIB = 1 << 30
 # one 16-token block of conftest's tiny Llama: 2 layers, K and V, 2 KV heads, head_dim 16, float32
@@ -62,7 +62,7 @@ def test_runner_pool_from_kv_cache_memory_and_the_profiling_forward_on_cpu(tiny_
 def test_node_shows_device_dtype_and_pool(tiny_llama_dir):
     from aiohttp.test_utils import TestClient, TestServer
 
-    from splitserve.node.runtime import build_app
+    from splitserve.decode_node.server import build_app
     path, _ = tiny_llama_dir()
     config = NodeConfig(role="colocated", engine=EngineConfig(model=str(path), kv_cache_memory=1 << 20))
 

@@ -1,9 +1,15 @@
 """TransferTable: the decode node's per-transfer state machine (transitions, idempotent
-fail/abort, leases on an injected clock, stray and late reports counted, never raised)."""
+fail/abort, leases on an injected clock, stray and late reports counted, never raised),
+and each transfer's one ``done`` future, resolved once on every path."""
+
+import asyncio
 
 import pytest
 
-from splitserve.kvtransfer.state import TransferState, TransferTable
+from splitserve.common.protocol import PrefillResult
+from splitserve.kvtransfer.state import TransferFailure, TransferState, TransferTable
+
+RESULT = PrefillResult(transfer_id="t", first_token=7)
 
 
 class Clock:
@@ -14,12 +20,22 @@ class Clock:
         return self.now
 
 
-def make_table():
-    clock = Clock()
-    return TransferTable(clock=clock), clock
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()  # the done futures live here; resolving one needs no running loop
+    yield loop
+    loop.close()
 
 
-def test_happy_path_reserved_to_owned():
+@pytest.fixture
+def make_table(loop):
+    def make():
+        clock = Clock()
+        return TransferTable(clock=clock, loop=loop), clock
+    return make
+
+
+def test_happy_path_reserved_to_owned(make_table):
     table, _ = make_table()
     t = table.reserve("t1", "req-1", [4, 5, 6], lease_s=10)
     assert t.state is TransferState.RESERVED and not table.all_landed("t1")
@@ -29,32 +45,34 @@ def test_happy_path_reserved_to_owned():
     table.on_block("t1", 4, True, None)  # a duplicate report changes nothing
     assert not table.all_landed("t1")
     table.on_block("t1", 6, True, None)
-    assert table.all_landed("t1")
-    assert table.complete("t1").state is TransferState.COMPLETE
+    assert table.all_landed("t1") and not t.done.done()  # the prefill node has not answered
+    assert table.prefilled("t1", RESULT).state is TransferState.COMPLETE
+    assert t.done.result() is RESULT
     assert table.own("t1").state is TransferState.OWNED
     assert table.counts()["owned"] == 1
     assert table.remove("t1") is t and "t1" not in table and len(table) == 0
 
 
-def test_no_blocks_to_send_completes_from_reserved():
+def test_no_blocks_to_send_completes_from_reserved(make_table):
     table, _ = make_table()
     table.reserve("t", "r", [], lease_s=1)  # every block was a local prefix hit
     assert table.all_landed("t")
-    assert table.complete("t").state is TransferState.COMPLETE
+    assert table.prefilled("t", RESULT).state is TransferState.COMPLETE
 
 
-def test_bad_block_fails_and_later_reports_are_ignored():
+def test_bad_block_fails_and_later_reports_are_ignored(make_table):
     table, _ = make_table()
     table.reserve("t", "r", [1, 2], lease_s=5)
     table.on_block("t", 1, False, "checksum mismatch on block 1")
     t = table.get("t")
     assert t.state is TransferState.FAILED and "checksum mismatch" in t.reason
+    assert t.done.result() == TransferFailure(TransferState.FAILED, t.reason)
     assert table.on_block("t", 2, True, None) is None  # too late: ignored, counted
     assert table.ignored_reports == 1 and t.landed == set()
     assert not table.all_landed("t")
 
 
-def test_stray_block_fails_the_transfer():
+def test_stray_block_fails_the_transfer(make_table):
     table, _ = make_table()
     table.reserve("t", "r", [1, 2], lease_s=5)
     table.on_block("t", 9, True, None)
@@ -62,16 +80,17 @@ def test_stray_block_fails_the_transfer():
     assert "9" in table.get("t").reason
 
 
-def test_unknown_transfer_reports_are_counted_not_raised():
+def test_unknown_transfer_reports_are_counted_not_raised(make_table):
     table, _ = make_table()
     assert table.on_block("nope", 0, True, None) is None
     assert table.on_block("nope", 1, False, "x") is None
-    assert table.ignored_reports == 2
+    assert table.prefilled("nope", RESULT) is None
+    assert table.ignored_reports == 3
     assert table.abort("nope") is None and table.fail("nope", "x") is None
     assert table.remove("nope") is None
 
 
-def test_abort_and_fail_are_idempotent():
+def test_abort_and_fail_are_idempotent(make_table):
     table, _ = make_table()
     table.reserve("a", "r", [1], lease_s=5)
     t = table.abort("a", "client disconnected")
@@ -79,6 +98,7 @@ def test_abort_and_fail_are_idempotent():
     assert table.abort("a", "again") is t and t.reason == "client disconnected"
     assert table.fail("a", "late failure") is t and t.state is TransferState.ABORTED
     assert table.on_block("a", 1, True, None) is None and table.ignored_reports == 1
+    assert t.done.result() == TransferFailure(TransferState.ABORTED, "client disconnected")
     table.reserve("f", "r", [1], lease_s=5)
     table.fail("f", "peer died")
     table.fail("f", "again")
@@ -86,13 +106,14 @@ def test_abort_and_fail_are_idempotent():
     assert table.get("f").state is TransferState.FAILED and table.get("f").reason == "peer died"
 
 
-def test_complete_transfer_can_still_fail_or_abort_but_owned_cannot_fail():
+def test_complete_transfer_can_still_fail_or_abort_but_owned_cannot_fail(make_table):
     table, _ = make_table()
     for tid in ("x", "y", "z"):
         table.reserve(tid, "r", [1], lease_s=5)
+        table.prefilled(tid, RESULT)
         table.on_block(tid, 1, True, None)
-        table.complete(tid)
-    assert table.fail("x", "first token never came").state is TransferState.FAILED
+    assert table.fail("x", "admission failed").state is TransferState.FAILED
+    assert table.get("x").done.result() is RESULT  # resolved once, when it completed
     assert table.abort("y").state is TransferState.ABORTED
     table.own("z")
     assert table.abort("z").state is TransferState.OWNED  # the scheduler cancels owned requests
@@ -100,40 +121,43 @@ def test_complete_transfer_can_still_fail_or_abort_but_owned_cannot_fail():
         table.fail("z", "too late")
 
 
-def test_illegal_transitions_assert():
+def test_illegal_transitions_assert(make_table):
     table, _ = make_table()
-    table.reserve("t", "r", [1, 2], lease_s=5)
+    t = table.reserve("t", "r", [1, 2], lease_s=5)
     with pytest.raises(AssertionError):
         table.own("t")  # not complete
-    with pytest.raises(AssertionError):
-        table.complete("t")  # blocks missing
+    table.prefilled("t", RESULT)  # blocks missing: it does not complete
+    assert t.state is TransferState.RESERVED and not t.done.done()
     with pytest.raises(AssertionError):
         table.remove("t")  # live: its blocks would leak
     with pytest.raises(AssertionError):
         table.reserve("t", "r2", [3], lease_s=5)  # transfer ids are unique
     table.abort("t")
+    table.on_block("t", 1, True, None)
+    table.on_block("t", 2, True, None)  # every block, too late: an aborted transfer never completes
+    assert t.state is TransferState.ABORTED and t.done.result().state is TransferState.ABORTED
     with pytest.raises(AssertionError):
-        table.complete("t")
+        table.own("t")
 
 
-def test_lease_expiry():
+def test_lease_expiry(make_table):
     table, clock = make_table()
     table.reserve("slow", "r1", [1, 2], lease_s=5)
     table.reserve("done", "r2", [3], lease_s=5)
     table.reserve("long", "r3", [4], lease_s=60)
     table.on_block("slow", 1, True, None)
     table.on_block("done", 3, True, None)
-    table.complete("done")
+    table.prefilled("done", RESULT)
     assert table.expired() == []
     clock.now += 5
     assert [t.transfer_id for t in table.expired()] == ["slow"]  # complete ones never expire
     assert [t.transfer_id for t in table.expired(now=clock.now + 60)] == ["slow", "long"]
-    for t in table.expired():
-        table.fail(t.transfer_id, "lease expired")
-    assert table.expired() == [] and table.get("slow").reason == "lease expired"
+    assert [t.transfer_id for t in table.expire_leases()] == ["slow"]
+    assert table.expired() == [] and table.get("slow").reason.startswith("lease expired")
+    assert table.get("slow").done.result().state is TransferState.FAILED
 
 
-def test_counts_and_snapshot():
+def test_counts_and_snapshot(make_table):
     table, clock = make_table()
     table.reserve("a", "r1", [1, 2], lease_s=10)
     clock.now += 1
@@ -152,7 +176,7 @@ def test_counts_and_snapshot():
     assert snap[1]["state"] == "aborted" and snap[1]["reason"] == "cancelled"
 
 
-def test_lease_renews_while_blocks_arrive_and_expires_after_the_last():
+def test_lease_renews_while_blocks_arrive_and_expires_after_the_last(make_table):
     table, clock = make_table()
     table.reserve("t", "r", [1, 2, 3, 4], lease_s=5)
     for block in (1, 2, 3):  # a slow prefill: one block every 4 s, 12 s in all > one lease
@@ -163,13 +187,56 @@ def test_lease_renews_while_blocks_arrive_and_expires_after_the_last():
     assert [t.transfer_id for t in table.expired()] == ["t"]
 
 
-def test_ready_needs_every_block_and_the_prefill_answer():
+def test_done_needs_every_block_and_the_prefill_answer(make_table):
     table, _ = make_table()
-    table.reserve("t", "r", [1, 2], lease_s=5)
+    t = table.reserve("t", "r", [1, 2], lease_s=5)
     table.on_block("t", 1, True, None)
-    table.prefilled("t")
-    assert not table.ready("t")
+    table.prefilled("t", RESULT)
+    assert not t.done.done()
     table.on_block("t", 2, True, None)
-    assert table.ready("t")
+    assert t.done.result() is RESULT and t.state is TransferState.COMPLETE
     table.fail("t", "x")
-    assert not table.ready("t") and table.prefilled("t").state is TransferState.FAILED
+    assert t.state is TransferState.FAILED and t.done.result() is RESULT  # not resolved again
+    assert table.prefilled("t", RESULT) is None  # no longer live: ignored
+
+
+@pytest.mark.parametrize("path", ["last block", "result last", "bad block", "stray block", "prefill failed",
+                                  "lease", "abort", "abort after fail"])
+def test_every_path_resolves_the_future_exactly_once(make_table, path):
+    table, clock = make_table()
+    t = table.reserve("t", "r", [1, 2], lease_s=5)
+    table.on_block("t", 1, True, None)
+    match path:
+        case "last block":
+            table.prefilled("t", RESULT)
+            table.on_block("t", 2, True, None)
+        case "result last":
+            table.on_block("t", 2, True, None)
+            table.prefilled("t", RESULT)
+        case "bad block":
+            table.on_block("t", 2, False, "checksum")
+        case "stray block":
+            table.on_block("t", 9, True, None)
+        case "prefill failed":
+            table.fail("t", "connection refused")
+        case "lease":
+            clock.now += 5
+            table.expire_leases()
+        case "abort":
+            table.abort("t", "client gone")
+        case "abort after fail":
+            table.fail("t", "peer died")
+            table.abort("t", "client gone")
+    assert t.done.done() and t.state is not TransferState.TRANSFERRING
+    # whatever comes later changes nothing
+    table.on_block("t", 2, True, None)
+    table.prefilled("t", RESULT)
+    table.fail("t", "late")
+    table.abort("t", "late")
+    clock.now += 60
+    table.expire_leases()
+    assert table.reserved == sum(table.totals()["resolutions"].values()) == 1
+    assert (t.done.result() is RESULT) == (path in ("last block", "result last"))
+    if t.state is TransferState.COMPLETE:
+        table.own("t")
+    table.remove("t")

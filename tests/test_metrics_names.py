@@ -81,7 +81,7 @@ def test_every_router_series_has_model_name():
 def step_and_observe(engine, m: NodeMetrics) -> None:
     """One engine step, then the metrics' look at it, as the EngineThread does on its thread."""
     scheduled = []
-    engine.step_observer = scheduled.append
+    engine.on_launch = scheduled.append
     deltas = engine.step()
     m.observe_step(scheduled[0], deltas, len(engine.scheduler.requests))
 

@@ -28,7 +28,8 @@ async def test_refuses_when_the_queue_or_the_pool_is_full(bundled_dir):
     rt = NodeRuntime(cfg)
     await rt.start_engine(shm=False)
     node = PrefillNode(cfg, rt)
-    rt.loop_start(node.on_deltas, node.exporter)
+    await node.start()
+    rt.start_loop(node.on_deltas, node.exporter)
     try:
         total = rt.engine_thread.stats.kv_blocks_total
         assert node._refusal(20) is None  # idle

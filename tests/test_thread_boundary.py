@@ -14,12 +14,13 @@ from aiohttp.test_utils import TestServer
 
 from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
-from splitserve.common.model_metrics import sample_sum
 from splitserve.common.hashing import token_bytes
 from splitserve.common.protocol import Abort, FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
-from splitserve.node.runtime import build_app
+from splitserve.decode_node.server import build_app as build_decode_app
+from splitserve.prefill_node.server import build_app as build_prefill_app
+from splitserve.tests.metrics_text import sample_sum
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENGINE_THREAD = "engine"  # EngineThread's thread name
@@ -43,7 +44,7 @@ def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(EngineCore, "__getattribute__", watched)
 
     async def body():
-        prefill, decode = TestServer(build_app(prefill_cfg)), TestServer(build_app(decode_cfg))
+        prefill, decode = TestServer(build_prefill_app(prefill_cfg)), TestServer(build_decode_app(decode_cfg))
         await prefill.start_server()
         await decode.start_server()
         watching.set()  # both engine threads run from here on
