@@ -76,13 +76,3 @@ class ModelMetrics:
     def render(self) -> tuple[bytes, str]:
         """(exposition text, its content type)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-def sample_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples called ``name`` (as scraped, e.g. ``..._total``) in the
-    exposition ``text`` whose labels include ``labels``: how tests and benchmarks read
-    a metric over its other labels (model_name, role, ...)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -24,8 +24,8 @@ from splitserve.benchmarks.serve.datasets import load_tokenizer
 from splitserve.benchmarks.replay.trace import HASH_BLOCK, block_tokens
 from splitserve.benchmarks.serve.trace import trace_specs
 from splitserve.common import metric_names as names
-from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster, free_port
+from splitserve.tests.metrics_text import sample_sum
 
 MODEL = "SmolLM2-135M-Instruct"
 os.environ.setdefault("SPLITSERVE_QUIET", "1")

@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from splitserve.common import metric_names as names
-from splitserve.common.model_metrics import sample_sum
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster
 from splitserve.engine.llm import render_chat
+from splitserve.tests.metrics_text import sample_sum
 
 MODEL = "SmolLM2-135M-Instruct"
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],

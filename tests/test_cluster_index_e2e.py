@@ -21,8 +21,8 @@ from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import IndexUpdate
 from splitserve.common.kv_index import EVENTS_CHANNEL, blocks_key, seq_key
-from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster, free_port, start_redis
+from splitserve.tests.metrics_text import sample_sum
 
 MODEL = "SmolLM2-135M-Instruct"
 BS = 16

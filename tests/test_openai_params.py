@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from splitserve.common import metric_names as names
-from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster
+from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("SPLITSERVE_QUIET", "1")

@@ -19,8 +19,8 @@ import jsonschema
 import openai
 import pytest
 
-from splitserve.common.model_metrics import sample_sum
 from splitserve.deploy.launcher import Cluster
+from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,11 @@ from splitserve.deploy.launcher import free_port
 import redis
 
 from splitserve.common import metric_names as names
-from splitserve.common.model_metrics import sample_sum
 from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
 from splitserve.router.discovery import UNREACHABLE_QUARANTINE_S
+from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.anyio
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from splitserve.common import metric_names as names
-from splitserve.common.model_metrics import sample_sum
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
+from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.anyio
 
