@@ -12,11 +12,13 @@ counter) -> API key (auth.py, 401) -> admission (admission.py: 429 over
 --max-inflight, 503 while draining). Below them, the listener (listener.py) caps
 open connections and aiohttp's keep-alive timer doubles as the header timeout.
 
-The lifespan (cleanup_ctx) creates, in order, the Redis `NodeRegistry`, the node
-discovery task, the Redis `KVIndex` and the prefix-index mirror task, the event-loop
-lag watch (loop_lag.py), the pooled
-`aiohttp.ClientSession` to the nodes and the dispatcher, and closes them in reverse
-after waiting for pending aborts.
+The routing policy is built once, with the app (its tie rotation and recent work
+live as long as the app). The lifespan (cleanup_ctx) creates, in order, the Redis
+`NodeRegistry`, the node discovery task, the Redis `KVIndex` and the prefix-index
+mirror task, the event-loop lag watch (loop_lag.py), the pooled
+`aiohttp.ClientSession` to the nodes, the sharing of the policy's recent work with
+the other router replicas (shared_work.py, when the policy keeps any) and the
+dispatcher, and closes them in reverse after waiting for pending aborts.
 
 Must not import torch or `splitserve.engine`, or touch tensors.
 """
@@ -42,7 +44,6 @@ from . import endpoints, extra_endpoints, openai_api
 from .admission import Admission
 from .auth import api_key_middleware
 from .background import BackgroundTasks
-from .cache_aware import CacheAware
 from .config import RouterConfig
 from .decisions import DecisionLog
 from .discovery import NodeDirectory
@@ -52,10 +53,11 @@ from .listener import HEADER_TIMERS, header_timer_middleware, listen, raise_file
 from .loop_lag import watch_loop_lag
 from .metrics import RouterMetrics
 from .node_client import NodeClient
-from .policy import make_policy
+from .policy_registry import make_policy
 from .prefix_index import PrefixIndex
 from .shared_work import SharedWork
-from .state import ADMISSION, CONFIG, DECISIONS, METRICS, REQUEST_ID, SERVICES, TOKENIZER, RouterServices
+from .state import (ADMISSION, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES, TOKENIZER,
+                    RouterServices)
 from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def build_app(config: RouterConfig) -> web.Application:
     app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
-    make_policy(config.policy, config.weights)  # fail now on a bad name, not at the first request
+    app[POLICY] = make_policy(config.policy, config.weights)
     app.cleanup_ctx.append(_services)
     app.on_response_prepare.append(_add_request_id)
     app.router.add_post("/v1/completions", openai_api.completions)
@@ -118,9 +120,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     background = BackgroundTasks()
     client = NodeClient(session, config.node_connect_timeout_s, config.node_read_timeout_s,
                         config.cluster_token, on_node_down=directory.mark_addr_down)
-    policy = make_policy(config.policy, config.weights)
-    # cache_aware's recent work per node, shared with the other router replicas
-    shared = SharedWork(index, policy.recent) if isinstance(policy, CacheAware) else None
+    policy = app[POLICY]
+    # the recent work per node the policy weighs, the same in every router replica
+    shared = SharedWork(index, policy.recent) if policy.recent is not None else None
     if shared is not None:
         shared.start()
     dispatcher = Dispatcher(directory, policy, client,

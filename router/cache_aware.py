@@ -20,9 +20,9 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
     u(n)    n's KV usage, 0..1
     R(p)    the W of the requests sent to p (by this router and, through
             router/shared_work.py, its replicas; with replicas, those sent at least
-            w.balance_settle_s ago), each
-            decayed with a half-life of w.balance_half_life_s; R_mean its mean over
-            the prefill nodes
+            w.balance_settle_s ago), each decayed with a half-life of
+            w.balance_half_life_s (router/recent_work.py); R_mean its mean over the
+            prefill nodes
 
     prefill(p) = W(p)                                              work left for p
                + max(queued_prefill_tokens(p), in-flight work)     work ahead of it
@@ -66,19 +66,15 @@ conversation that only shares a system prompt goes elsewhere once the holder run
 ahead, while the next turn of a long conversation it holds (mostly cached) stays.
 Equal costs rotate, by ``tie_key`` when the caller gives one (dispatch: the prompt's
 last block hash, so every router replica breaks a tie for the same prompt the same
-way), else by a counter. (Giving ties to the node with the least recent work instead
-left no prefill node without requests, where rotation leaves a few of 64 with none
-or almost none, but cost TTFT in all three replays it was tried on: p50 +12-28%, p99
-1.1-2.5x; benchmarks/README.md.)
+way), else by a counter.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -86,6 +82,7 @@ from ..common.registry import NodeInfo
 from .config import CacheAwareWeights
 from .node_terms import FleetTerms, RoleTerms
 from .policy import NO_CACHED, NO_INFLIGHT, Decision
+from .recent_work import RecentWork
 
 _TIE_EPS = 1e-9  # costs this close are equal
 
@@ -226,81 +223,3 @@ def _cheapest(terms: RoleTerms, costs: np.ndarray, turn: int) -> tuple[NodeInfo 
     best = float(costs.min())
     tied = np.flatnonzero(costs <= best + _TIE_EPS)
     return terms.nodes[int(tied[turn % len(tied)])], best
-
-
-class RecentWork:
-    """node_id -> prompt tokens sent there to compute, each decaying with a half-life.
-    ``listener(node_id, tokens, at)`` hears this router's own additions (router/shared_work.py
-    publishes them to the other replicas, whose entries come in through ``merge``).
-
-    Once another router replica has been heard (``replicas``, set by shared_work.py),
-    reads at ``now`` count the entries sent by ``now - settle_s``: by then every replica
-    has heard them (the pub/sub delay is milliseconds), so replicas deciding at the
-    same moment weigh the same work and choose alike; an entry younger than that would
-    count on the router that made it and not yet on the others. A router alone counts
-    its work at once: the settle time costs it balance (a prefill that finished within
-    it is in neither its in-flight nor its recent work; on the long-context replay
-    busy max/mean 1.36-1.46 with it against 1.26-1.28 without).
-
-    Settled values are kept decayed to one common time base (``_base``), so reading all
-    the nodes takes one ``exp`` (the base's decay to now), not one per node; the base
-    moves forward (every value rescaled) once it is ``REBASE_HALF_LIVES`` behind a new
-    entry, before the growth factor of new entries could overflow. Reads must not go
-    back in time (settling is for good)."""
-
-    REBASE_HALF_LIVES = 64.0  # new entries weigh up to 2**64 x on the base: far from overflow
-
-    def __init__(self, half_life_s: float, settle_s: float = 0.0):
-        self.rate = math.log(2) / half_life_s
-        self.settle_s = settle_s
-        self.replicas = False  # another router's work was heard: wait settle_s for everyone's
-        self._rebase_s = self.REBASE_HALF_LIVES * half_life_s
-        self._work: dict[str, float] = {}  # node_id -> settled value at the monotonic time _base
-        self._base: float | None = None
-        self._pending: list[tuple[float, str, float]] = []  # heap of (time, node_id, tokens) not settled
-        self.listener: Callable[[str, float, float], None] | None = None
-
-    def values(self, terms: RoleTerms, now: float) -> np.ndarray:
-        """[nodes] ``get`` of every node of ``terms``."""
-        self._settle(now)
-        if self._base is None:
-            return np.zeros(len(terms.ids))
-        return terms.per_node(self._work) * math.exp(self.rate * (self._base - now))
-
-    def get(self, node_id: str, now: float) -> float:
-        """The work sent to ``node_id`` by ``now - settle_s``, decayed to ``now``."""
-        self._settle(now)
-        if self._base is None:
-            return 0.0
-        return self._work.get(node_id, 0.0) * math.exp(self.rate * (self._base - now))
-
-    def add(self, node_id: str, tokens: float, now: float) -> None:
-        self.merge(node_id, tokens, now)
-        if self.listener is not None:
-            self.listener(node_id, tokens, now)
-
-    def merge(self, node_id: str, tokens: float, at: float) -> None:
-        """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly
-        earlier than the last entry: the decay runs from ``at`` either way)."""
-        heapq.heappush(self._pending, (at, node_id, tokens))
-
-    def copy(self) -> "RecentWork":
-        """The same values, without the listener (a what-if choice that records nothing)."""
-        out = RecentWork(math.log(2) / self.rate, self.settle_s)
-        out._work, out._base, out._pending = dict(self._work), self._base, list(self._pending)
-        out.replicas = self.replicas
-        return out
-
-    def _settle(self, now: float) -> None:
-        """Fold the entries sent by ``now - settle_s`` (with replicas; else by ``now``) into
-        the settled values, oldest first."""
-        pending, horizon = self._pending, now - self.settle_s if self.replicas else now
-        while pending and pending[0][0] <= horizon:
-            at, node_id, tokens = heapq.heappop(pending)
-            if self._base is None:
-                self._base = at
-            elif at - self._base > self._rebase_s:
-                decay = math.exp(self.rate * (self._base - at))
-                self._work = {k: v * decay for k, v in self._work.items()}
-                self._base = at
-            self._work[node_id] = self._work.get(node_id, 0.0) + tokens * math.exp(self.rate * (at - self._base))

@@ -12,6 +12,7 @@ from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_di
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas
 
+# --policy's names, the default first; router/policy_registry.py maps each to its policy.
 POLICIES = ("cache_aware", "least_load", "round_robin")
 MAX_MIGRATION_LIMIT = 16  # a request that kills this many nodes is not worth another one
 
@@ -43,10 +44,9 @@ class CacheAwareWeights:
     # The decode node prefills itself (no remote prefill) when at most this many prompt
     # tokens are not in its cache (a short prompt, or one it mostly holds) and that is
     # cheaper than the remote pair plus ``remote_prefill``, the fixed cost of the extra hop
-    # (task to the prefill node, KV handshake, last block's transfer). Off by default:
-    # on the long-context replay (benchmarks/README.md) 512 lowered TTFT p50 0.65 -> 0.37 s
-    # but raised max/mean prefill load 1.28 -> 1.45, and its cost to the decode node's
-    # running batch (TPOT) is not measured yet.
+    # (task to the prefill node, KV handshake, last block's transfer). Off by default: it
+    # trades the prefill nodes' balance for TTFT, and its cost to the decode node's running
+    # batch (TPOT) is not measured yet.
     local_prefill_tokens: float = 0.0
     remote_prefill: float = 128.0
     # Seconds per token-equivalent, to report predicted TTFT in seconds in

@@ -4,10 +4,12 @@ Owns the routing step of one prompt: look up its prefix hits (once, for a policy
 that uses them), ask the policy, record the decision, mint the transfer id, send the
 `GenerateRequest`, retry on another decode node when the chosen one surely never
 started it (unreachable, 503), the same for a migrated generation's next leg
-(`open`, called by migration.py), and this router's in-flight counts per node, in
-requests and in prompt tokens still to prefill (the fresh half of the load the
-policy sees). Answers "no decode node" with a 503 and a node's refusal with its own
-4xx.
+(`open`, called by `Generation.new_leg`). Keeps the books of every leg it opened,
+updated here when the generation reports what it saw (`first_token`, `end_leg`):
+this router's in-flight counts per node, in requests and in prompt tokens still to
+prefill (the fresh half of the load the policy sees), the decision log's
+settlement, and the abort sent to a node whose request did not finish. Answers "no
+decode node" with a 503 and a node's refusal with its own 4xx.
 
 Must not talk to Redis itself (discovery.py keeps the node list, prefix_index.py
 mirrors the index) or detokenize.
@@ -30,9 +32,9 @@ from .background import BackgroundTasks
 from .decisions import DecisionLog
 from .discovery import NodeDirectory
 from .errors import ApiError
-from .generation import Generation, Leg
+from .generation import Generation
+from .leg import InflightSlot, Leg
 from .metrics import RouterMetrics
-from .migration import Migrator
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
 from .policy import NO_CACHED, Decision, RoutingPolicy
 from .prefix_index import PrefixHits, PrefixIndex
@@ -59,11 +61,6 @@ class Dispatcher:
     inflight: Counter[str] = field(default_factory=Counter)  # node_id -> this router's requests there
     # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
     inflight_tokens: Counter[str] = field(default_factory=Counter)
-    migrator: Migrator | None = field(init=False, default=None)  # None: migration off
-
-    def __post_init__(self):
-        self.migrator = Migrator(self.open, self.migration_limit, self.metrics) \
-            if self.migration_limit else None
 
     async def start(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams,
                     t_start: float, pin: Decision | None = None,
@@ -78,14 +75,12 @@ class Dispatcher:
             if e.status == 502:
                 self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
             raise
-        self.metrics.inflight.inc()  # Generation.close() decrements
         return Generation(
-            index=index, request_id=request_id, prompt=prompt, params=params, leg=leg,
+            index=index, request_id=request_id, prompt=prompt, params=params, legs=[leg],
             detok=IncrementalDetokenizer(self.tokenizer, prompt.ids, params.stop,
                                          include_stop=params.include_stop_str_in_output),
-            metrics=self.metrics, abort=self._schedule_abort, t_start=t_start,
-            migrate=self.migrator.migrate if self.migrator is not None else None,
-            score_only=score_only)
+            metrics=self.metrics, dispatch=self, t_start=t_start,
+            migration_limit=self.migration_limit, score_only=score_only)
 
     async def open(self, request_id: str, prompt: Prompt, params: SamplingParams,
                    t_open: float, exclude: frozenset[str] = frozenset(),
@@ -139,12 +134,32 @@ class Dispatcher:
             rec = self.decisions.record(request_id, self.policy.name, decision, len(prompt), hits,
                                         decision_s)
             return Leg(request_id=request_id, decision=decision, stream=stream,
-                       release_prefill=prefill_slot.release, release_decode=decode_slot.release,
-                       settle=lambda delivered, ttft_s: self.decisions.settle(rec, delivered, ttft_s),
-                       t_open=t_open)
+                       prefill_slot=prefill_slot, decode_slot=decode_slot, record=rec, t_open=t_open)
         if last_error is None:
             raise self._no_decode_node()
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
+
+    def first_token(self, leg: Leg) -> None:
+        """``leg`` produced its first token: its prefill work is no longer in flight."""
+        leg.prefill_slot.release()
+
+    def end_leg(self, leg: Leg, finished: bool) -> None:
+        """Let go of ``leg`` (idempotent): close its stream, abort the request on its
+        node unless the node finished it, release its in-flight slots, and settle its
+        decision with the cached tokens and TTFT it delivered when the generation
+        ``finished`` on it (as failed otherwise)."""
+        if leg.ended:
+            return
+        leg.ended = True
+        leg.stream.close()
+        if not leg.node_done:
+            self._schedule_abort(leg.decision.decode.http_addr, leg.request_id)
+        leg.prefill_slot.release()
+        leg.decode_slot.release()
+        if finished and leg.t_first is not None:
+            self.decisions.settle(leg.record, leg.cached_tokens, leg.t_first - leg.t_open)
+        else:
+            self.decisions.settle(leg.record, None)
 
     def _no_decode_node(self) -> ApiError:
         d = self.directory
@@ -200,34 +215,3 @@ def _pinned(pin: Decision | None, nodes: list) -> Decision | None:
     if pin.decode.node_id not in ids or (pin.prefill is not None and pin.prefill.node_id not in ids):
         return None
     return pin._replace(prefill_work=0.0)
-
-
-@dataclass(slots=True)
-class InflightSlot:
-    """One request counted in ``counts[node_id]``, and its ``num_tokens`` in
-    ``tokens[node_id]``, until `release()` (idempotent). ``node_id`` None: no node
-    (local prefill), nothing counted."""
-
-    counts: Counter[str]
-    tokens: Counter[str]
-    node_id: str | None
-    num_tokens: int = 0  # token-equivalents of prefill work, rounded
-    count_request: bool = True  # False: tokens only (the request is counted by another slot)
-    released: bool = False
-
-    def __post_init__(self):
-        if self.node_id is not None:
-            if self.count_request:
-                self.counts[self.node_id] += 1
-            self.tokens[self.node_id] += self.num_tokens
-
-    def release(self) -> None:
-        if self.released or self.node_id is None:
-            return
-        self.released = True
-        for counter, amount in ((self.counts, int(self.count_request)), (self.tokens, self.num_tokens)):
-            if not amount:
-                continue
-            counter[self.node_id] -= amount
-            if counter[self.node_id] <= 0:
-                del counter[self.node_id]

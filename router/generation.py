@@ -1,16 +1,20 @@
-"""One prompt's generation on a decode node, as the router sees it: token deltas in,
+"""One prompt's generation, as the router sees it: token deltas in from its legs,
 `Piece`s of text out.
 
 Owns detokenization and stop strings for one choice, its usage counts, its TTFT /
-TPOT / token metrics, and its end: `close()` (idempotent, safe while the handler is
-being cancelled) releases the stream and, unless the node already finished the
-request, aborts it there (in a background task, since the caller may be cancelled).
-A stop string ends the choice with finish_reason "stop" and aborts it on the node.
+TPOT / token metrics, its legs, and its end: `close()` (idempotent, safe while the
+handler is being cancelled) lets go of the current leg, which aborts the request on
+its node unless the node already finished it (in a background task, since the
+caller may be cancelled). A stop string ends the choice with finish_reason "stop"
+and aborts it on the node.
 
-The node side is a `Leg` (one decode node's request, its token stream, its in-flight
-slots, its routing decision). A generation has one, or, when its decode node breaks
-the stream and ``migrate`` (router/migration.py) finds another node, one after the
-other; the detokenizer, counts and client stream carry across.
+A leg (leg.py) is one decode node's request. A generation has one or, when a decode
+node breaks the stream and migration is on, one after the other (``legs``, in
+order); the detokenizer, counts and client stream carry across. Only the generation
+changes its legs: ``new_leg`` ends the broken one, records its node as failed and
+installs the next (migration.py has the contract and the continuation). The
+dispatcher keeps the books of every leg, told by the generation when it sees the
+events: `LegDispatch.first_token`, `LegDispatch.end_leg`.
 
 Must not format OpenAI responses (responses.py) or choose nodes (dispatch.py).
 """
@@ -19,18 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ..common.detokenizer import IncrementalDetokenizer
 from ..common.outcomes import FailureReason
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .errors import ApiError
+from .leg import Leg
 from .metrics import RouterMetrics
-from .node_client import NodeUnavailable, TokenStream
-from .policy import Decision
+from .migration import Continuation, continuation
+from .node_client import NodeUnavailable
 from .prompt import Prompt
+
+log = logging.getLogger(__name__)
 
 
 class Piece(NamedTuple):
@@ -46,24 +54,24 @@ class Piece(NamedTuple):
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
-@dataclass(slots=True)
-class Leg:
-    """The request as one decode node runs it (with the prefill node its decision
-    names). Released by `Generation`: at its first token, the prefill slot; at its
-    end, the stream, the decode slot and the decision's settlement."""
+class LegDispatch(Protocol):
+    """What a generation asks of the dispatcher (dispatch.Dispatcher), which opens its
+    legs and keeps their books: this router's in-flight counts per node, the decision
+    log, aborts on the nodes."""
 
-    request_id: str  # the id this decode node knows the request by
-    decision: Decision
-    stream: TokenStream
-    release_prefill: Callable[[], None]  # the prefill node's in-flight slot (idempotent)
-    release_decode: Callable[[], None]  # the decode node's in-flight slot (idempotent)
-    # (cached tokens, TTFT s), once at the leg's end; cached None: it did not finish.
-    # Settles the routing decision's prediction.
-    settle: Callable[[int | None, float | None], None] | None
-    t_open: float  # loop time the leg's request was sent (the first leg: the HTTP request's arrival)
-    t_first: float | None = None  # loop time of its first delta
-    cached_tokens: int = 0  # prompt tokens the nodes served from cache for this leg
-    node_done: bool = False  # the node finished the request itself: no abort needed
+    async def open(self, request_id: str, prompt: Prompt, params: SamplingParams, t_open: float,
+                   exclude: frozenset[str] = ...) -> Leg:
+        """Route the request to a decode node not in ``exclude`` (node ids) and send it;
+        raises `ApiError` when no node takes it."""
+        ...
+
+    def first_token(self, leg: Leg) -> None:
+        """``leg`` produced its first token."""
+        ...
+
+    def end_leg(self, leg: Leg, finished: bool) -> None:
+        """Let go of ``leg`` (idempotent); ``finished``: the generation finished on it."""
+        ...
 
 
 @dataclass(slots=True)
@@ -72,24 +80,43 @@ class Generation:
     request_id: str  # this choice's id; the first leg's id on its node
     prompt: Prompt  # the client's prompt
     params: SamplingParams
-    leg: Leg  # the decode node generating now
+    legs: list[Leg]  # every leg, in order; the last one is generating now
     detok: IncrementalDetokenizer
     metrics: RouterMetrics
-    abort: Callable[[str, str], None]  # (node addr, request_id) -> schedules an abort
+    dispatch: LegDispatch  # opens the legs and keeps their books
     t_start: float  # loop time the HTTP request arrived
-    # (generation, the leg's failure) -> True when it continues on a new leg
-    # (router/migration.py); None: a broken stream fails the generation.
-    migrate: Callable[[Generation, NodeUnavailable], Awaitable[bool]] | None = None
+    migration_limit: int = 0  # legs it may move to after the first (0: a broken stream fails it)
     score_only: bool = False  # max_tokens 0: the node's one token is dropped (prompt scoring)
     output_ids: list[int] = field(default_factory=list)  # every token received, in order
-    migrations: int = 0  # legs after the first
-    failed_nodes: tuple[str, ...] = ()  # decode node ids whose legs broke (not tried again)
-    cached_tokens: int = 0  # the first leg's (usage: the client's prompt)
     finish_reason: str | None = None
     closed: bool = False
     _t_first: float | None = None
     _t_last: float = 0.0
     _failure: FailureReason | None = None  # why it failed, for the metrics
+
+    def __post_init__(self) -> None:
+        assert self.legs, "a generation starts on a leg"
+        self.metrics.inflight.inc()  # close() decrements
+
+    @property
+    def leg(self) -> Leg:
+        """The leg generating now."""
+        return self.legs[-1]
+
+    @property
+    def migrations(self) -> int:
+        """Legs after the first."""
+        return len(self.legs) - 1
+
+    @property
+    def failed_nodes(self) -> frozenset[str]:
+        """The decode node ids whose legs broke the stream (not tried again)."""
+        return frozenset(leg.decision.decode.node_id for leg in self.legs if leg.broken)
+
+    @property
+    def cached_tokens(self) -> int:
+        """The first leg's (usage: the client's prompt)."""
+        return self.legs[0].cached_tokens
 
     @property
     def prompt_len(self) -> int:
@@ -109,9 +136,49 @@ class Generation:
                         yield piece
                 return
             except NodeUnavailable as e:
-                if self.closed or self.migrate is None or not await self.migrate(self, e):
+                if self.closed or not await self._migrate(e):
                     self._failure = FailureReason.NODE_UNAVAILABLE
                     raise ApiError(502, str(e)) from e
+
+    async def _migrate(self, error: NodeUnavailable) -> bool:
+        """Continue on another decode node after the current leg's broke the stream with
+        ``error`` (migration.py). False when migration is off or at its limit, every
+        token already arrived, or no node took the new leg: the caller then fails the
+        generation (its close() ends whatever leg it holds)."""
+        if self.migrations >= self.migration_limit:
+            if self.migration_limit:
+                log.warning("router: %s: not migrated (limit %d reached): %s", self.request_id,
+                            self.migration_limit, error)
+            return False
+        request = continuation(self.request_id, self.migrations + 1, self.prompt, self.params,
+                               self.output_ids)
+        if request is None:
+            return False
+        failed = self.leg.decision.decode.node_id
+        try:
+            leg = await self.new_leg(request)
+        except ApiError as e:
+            log.warning("router: %s: migration off %s failed (%s) after: %s", self.request_id,
+                        failed, e.message, error)
+            return False
+        self.metrics.migrations.inc()
+        log.info("router: %s migrated from %s to %s after %d tokens (%s)", self.request_id,
+                 failed, leg.decision.decode.node_id, self.completion_tokens, error)
+        return True
+
+    async def new_leg(self, request: Continuation) -> Leg:
+        """Replace the current leg, whose decode node broke the stream, with ``request``
+        on another decode node: end the broken leg (as failed), record its node as
+        failed, open the new one through the dispatcher avoiding every failed node, and
+        make it the current leg. Raises `ApiError` when no node takes it; the broken
+        leg then stays the last one, already ended."""
+        broken = self.leg
+        broken.broken = True
+        self.dispatch.end_leg(broken, finished=False)
+        leg = await self.dispatch.open(request.request_id, request.prompt, request.params,
+                                       asyncio.get_running_loop().time(), self.failed_nodes)
+        self.legs.append(leg)
+        return leg
 
     async def _leg_pieces(self) -> AsyncGenerator[Piece, None]:
         """The pieces of the current leg; raises `NodeUnavailable` when its node breaks
@@ -128,7 +195,7 @@ class Generation:
                 now = loop.time()
                 if leg.t_first is None:
                     leg.t_first = now
-                    leg.release_prefill()
+                    self.dispatch.first_token(leg)
                 if self._t_first is None:
                     self._t_first = now
                     self.metrics.ttft.observe(now - self.t_start)
@@ -137,8 +204,6 @@ class Generation:
                         self.metrics.itl.observe((now - self._t_last) / len(delta.token_ids))
                 self._t_last = now
                 leg.cached_tokens = max(leg.cached_tokens, delta.num_cached_tokens)
-                if not self.migrations:
-                    self.cached_tokens = leg.cached_tokens
                 if self.score_only:  # the prompt was the point: nothing generated is shown
                     leg.node_done = delta.finish_reason is not None
                     self.finish_reason = "length"
@@ -162,31 +227,13 @@ class Generation:
                     self.metrics.finished.labels(finished_reason=finish).inc()
                     return
 
-    def end_leg(self) -> None:
-        """Let go of the current leg: release its stream, abort the request on its node
-        unless the node finished it, free its in-flight slots, settle its decision
-        (as failed unless the generation finished on it). Idempotent per leg."""
-        leg = self.leg
-        leg.stream.close()
-        if not leg.node_done:
-            leg.node_done = True  # one abort per leg
-            self.abort(leg.decision.decode.http_addr, leg.request_id)
-        leg.release_prefill()
-        leg.release_decode()
-        if leg.settle is not None:
-            if self.finish_reason is not None and leg.t_first is not None:
-                leg.settle(leg.cached_tokens, leg.t_first - leg.t_open)
-            else:
-                leg.settle(None, None)
-            leg.settle = None
-
     def close(self, client_gone: bool = False) -> None:
         """End the generation: release the stream, abort the request on the node if it
         is still running there, count metrics. Idempotent; never blocks."""
         if self.closed:
             return
         self.closed = True
-        self.end_leg()
+        self.dispatch.end_leg(self.leg, finished=self.finish_reason is not None)
         m = self.metrics
         m.inflight.dec()
         m.generation_tokens.inc(self.completion_tokens)

@@ -1,17 +1,26 @@
-"""Mid-stream migration (``--migration-limit N``): a generation whose decode node dies
-continues on another decode node, in the same client stream.
+"""Mid-stream migration (``--migration-limit N``): what continues a generation on
+another decode node when its node dies, in the same client stream.
 
-When a decode node breaks a request's token stream (the connection fails or is
-reset, the body ends before the finishing frame, a bad frame, or no frame for
-``--node-read-timeout``: `NodeUnavailable`), `Migrator.migrate` ends that leg (its
-stream closed, an abort sent in case the node is only hung, its slots freed, its
-routing decision settled as failed) and routes a new request through the normal
-dispatch path (`Dispatcher.open`: policy, prefill node, KV transfer), the failed
-node excluded::
+A decode node breaks a request's token stream when the connection fails or is
+reset, the body ends before the finishing frame, a frame is bad, or no frame comes
+for ``--node-read-timeout`` (`NodeUnavailable`). The generation (generation.py)
+then, in one straight line::
 
-    prompt      = the client's prompt + every token already received from the old leg
+    Generation.pieces      the leg's stream raises NodeUnavailable
+    Generation._migrate    under the limit? build the continuation (here)
+    Generation.new_leg     end the broken leg (stream closed, an abort sent in case the
+                           node is only hung, slots freed, decision settled as failed),
+                           record its node as failed, open the continuation through
+                           the normal dispatch path (Dispatcher.open: policy, prefill
+                           node, KV transfer) avoiding every failed node, make it the
+                           current leg
+    Generation.pieces      reads on from the new leg
+
+The continuation of the k-th migration::
+
+    prompt      = the client's prompt + every token already received
     max_tokens  = the original max_tokens - those tokens
-    request id  = "<choice's id>~m<k>" for the k-th migration (fresh on every node)
+    request id  = "<choice's id>~m<k>" (fresh on every node)
     structured outputs: the grammar resumes past those tokens (``resume_token_ids``)
     everything else in SamplingParams unchanged
 
@@ -35,68 +44,39 @@ What holds for the continuation (the tokens after the migration point):
   migration they no longer see the tokens before it (they are prompt tokens now);
   ``repetition_penalty`` covers prompt + output and is unaffected.
 
-Must not choose nodes (dispatch.py) or detokenize (generation.py).
+Owns the continuation rule. Must not choose nodes (dispatch.py), hold a generation's
+state or detokenize (generation.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
 from ..common.sampling_params import SamplingParams
-from .errors import ApiError
-from .generation import Generation, Leg
-from .metrics import RouterMetrics
-from .node_client import NodeUnavailable
 from .prompt import Prompt
 
-log = logging.getLogger(__name__)
 
-# (request id, prompt, params, loop time sent, decode node ids to avoid) -> the new leg
-OpenLeg = Callable[[str, Prompt, SamplingParams, float, frozenset[str]], Awaitable[Leg]]
+class Continuation(NamedTuple):
+    """The request a generation's next leg sends to its decode node."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class Migrator:
-    open_leg: OpenLeg  # Dispatcher.open
-    limit: int  # migrations per generation (>= 1; 0 is no Migrator at all)
-    metrics: RouterMetrics
-
-    async def migrate(self, gen: Generation, error: NodeUnavailable) -> bool:
-        """Move ``gen`` to a new leg after its current one failed with ``error``.
-        False when the limit is reached, every token already arrived, or no node
-        took the new leg: the caller then fails the generation (its close() ends
-        whatever leg it holds)."""
-        failed = gen.leg.decision.decode
-        if gen.migrations >= self.limit:
-            log.warning("router: %s: not migrated (limit %d reached): %s", gen.request_id,
-                        self.limit, error)
-            return False
-        remaining = gen.params.max_tokens - gen.completion_tokens
-        if remaining < 1:  # every token arrived, only the finishing frame did not
-            return False
-        gen.end_leg()
-        gen.failed_nodes += (failed.node_id,)
-        request_id = f"{gen.request_id}~m{gen.migrations + 1}"
-        params = msgspec.structs.replace(gen.params, max_tokens=remaining)
-        so = gen.params.structured_outputs
-        if so is not None:  # the new node's grammar starts past the tokens already streamed
-            params.structured_outputs = msgspec.structs.replace(
-                so, resume_token_ids=so.resume_token_ids + gen.output_ids)
-        try:
-            leg = await self.open_leg(request_id, gen.prompt.extended(gen.output_ids), params,
-                                      asyncio.get_running_loop().time(), frozenset(gen.failed_nodes))
-        except ApiError as e:
-            log.warning("router: %s: migration off %s failed (%s) after: %s", gen.request_id,
-                        failed.node_id, e.message, error)
-            return False
-        gen.migrations += 1
-        gen.leg = leg
-        self.metrics.migrations.inc()
-        log.info("router: %s migrated from %s to %s after %d tokens (%s)", gen.request_id,
-                 failed.node_id, leg.decision.decode.node_id, gen.completion_tokens, error)
-        return True
+def continuation(request_id: str, k: int, prompt: Prompt, params: SamplingParams,
+                 output_ids: list[int]) -> Continuation | None:
+    """The request of the ``k``-th migration (k >= 1) of the generation ``request_id``
+    of ``prompt`` with ``params``, after it received ``output_ids``. None when every
+    token already arrived (only the finishing frame did not): nothing to continue."""
+    remaining = params.max_tokens - len(output_ids)
+    if remaining < 1:
+        return None
+    new = msgspec.structs.replace(params, max_tokens=remaining)
+    so = params.structured_outputs
+    if so is not None:  # the new node's grammar starts past the tokens already streamed
+        new.structured_outputs = msgspec.structs.replace(
+            so, resume_token_ids=so.resume_token_ids + output_ids)
+    return Continuation(f"{request_id}~m{k}", prompt.extended(output_ids), new)

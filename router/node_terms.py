@@ -1,7 +1,8 @@
-"""The heartbeat terms of cache_aware's cost (router/cache_aware.py) for a list of
-nodes, as arrays, so that one decision over hundreds of nodes costs a few vector
-operations instead of a Python loop per node.
+"""A node list split by role, and the heartbeat terms of cache_aware's cost
+(router/cache_aware.py) for it, as arrays, so that one decision over hundreds of
+nodes costs a few vector operations instead of a Python loop per node.
 
+    split_roles the prefill nodes and the decode-capable ones (every policy's first step)
     RoleTerms   one role's nodes (prefill, or decode-capable): their ids, where each id
                 sits, and each node's heartbeat load (requests, KV usage, queued prompt
                 tokens) as float64 arrays of shape [nodes]
@@ -9,8 +10,9 @@ operations instead of a Python loop per node.
                 the routed list equals the one it was built from (same records, same
                 loads: a new heartbeat poll or a node left out makes a new one)
 
-Owns building and checking them. Must not weigh anything (the weights are the
-policy's) or hold per-request values (in-flight work, hits, recent work).
+Owns the split and the terms (building and checking them). Must not weigh anything
+(the weights are the policy's) or hold per-request values (in-flight work, hits,
+recent work).
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ import numpy as np
 
 from ..common.load import NodeLoad
 from ..common.registry import NodeInfo
-from .policy import split_roles
+
+
+def split_roles(nodes: Sequence[NodeInfo]) -> tuple[list[NodeInfo], list[NodeInfo]]:
+    """(prefill nodes, decode-capable nodes: decode and colocated)."""
+    return ([n for n in nodes if n.role == "prefill"], [n for n in nodes if n.decode_capable])
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,5 +1,5 @@
 """Recent prefill work per node, the same in every router replica: the input of
-cache_aware's balance term (`RecentWork` in router/cache_aware.py).
+cache_aware's balance term (`RecentWork`, router/recent_work.py).
 
     a decision on this router      RecentWork.add at once (the policy), and queued here
     the flush task, woken by it    one PUBLISH of everything queued meanwhile (node_id,
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from ..common.kv_index import REDIS_ERRORS, KVIndex
-from .cache_aware import RecentWork
+from .recent_work import RecentWork
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 1.0  # how long stop() waits for its cancelled tasks
@@ -47,7 +47,7 @@ class RoutedWork(msgspec.Struct, tag=True, array_like=True):
 @dataclass(slots=True)
 class SharedWork:
     index: KVIndex
-    recent: RecentWork  # this router's policy's
+    recent: RecentWork  # this router's policy's (RoutingPolicy.recent)
     retry_s: float = 1.0
     router_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     received: int = 0  # entries applied from other routers

@@ -17,6 +17,7 @@ from .decisions import DecisionLog
 from .discovery import NodeDirectory
 from .dispatch import Dispatcher
 from .metrics import RouterMetrics
+from .policy import RoutingPolicy
 from .tokenizer import RouterTokenizer
 
 
@@ -37,6 +38,7 @@ CONFIG = web.AppKey("config", RouterConfig)
 TOKENIZER = web.AppKey("tokenizer", RouterTokenizer)
 METRICS = web.AppKey("metrics", RouterMetrics)
 DECISIONS = web.AppKey("decisions", DecisionLog)
+POLICY = web.AppKey[RoutingPolicy]("policy")  # built once with the app; its state lives as long
 SERVICES = web.AppKey("services", RouterServices)
 ADMISSION = web.AppKey("admission", Admission)
 REQUEST_ID = web.RequestKey("request_id", str)  # the x-request-id of this request

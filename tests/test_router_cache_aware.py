@@ -13,7 +13,8 @@ from splitserve.router.cache_aware import CacheAware
 from splitserve.router.config import CacheAwareWeights, RouterConfig
 from splitserve.router.decisions import DecisionLog
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policy import Decision, make_policy
+from splitserve.router.policy import Decision
+from splitserve.router.policy_registry import make_policy
 from splitserve.router.prefix_index import PrefixHits
 
 L = 1000  # prompt tokens

@@ -1,6 +1,8 @@
 """Router replicas share cache_aware's recent work per node through Redis pub/sub
 (router/shared_work.py): each router's decisions reach the others' balance term, so
-they weigh nodes alike; without Redis a router keeps counting its own."""
+they weigh nodes alike; without Redis a router keeps counting its own. The app
+builds its policy once and shares the recent work the policy declares (none for the
+load-only policies)."""
 
 import asyncio
 import time
@@ -8,8 +10,11 @@ import time
 import pytest
 
 from splitserve.common.kv_index import KVIndex
+from splitserve.router import app as router_app
 from splitserve.router.cache_aware import CacheAware
+from splitserve.router.config import RouterConfig
 from splitserve.router.shared_work import SharedWork
+from splitserve.router.state import POLICY, SERVICES
 
 pytestmark = pytest.mark.anyio
 
@@ -59,3 +64,29 @@ async def test_without_redis_a_router_counts_its_own_work():
     finally:
         await s.stop()
         await s.index.close()
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_load"])
+async def test_the_app_builds_its_policy_once_and_shares_its_recent_work(redis_url, monkeypatch, policy):
+    built, real = [], router_app.make_policy
+
+    def make_policy(*args):
+        built.append(real(*args))
+        return built[-1]
+
+    monkeypatch.setattr(router_app, "make_policy", make_policy)
+    running = await router_app.start_router(RouterConfig(port=0, redis_url=redis_url, policy=policy))
+    app = running.runner.app
+    try:
+        assert len(built) == 1 and built[0].name == policy
+        assert app[POLICY] is built[0] and app[SERVICES].dispatcher.policy is built[0]
+        recent = built[0].recent
+        if policy == "cache_aware":  # its recent work goes out to the other replicas
+            assert recent is not None and recent.listener is not None
+        else:
+            assert recent is None
+    finally:
+        await running.stop()
+    assert len(built) == 1
+    if recent is not None:
+        assert recent.listener is None  # the sharing stopped with the app

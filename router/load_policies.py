@@ -1,0 +1,86 @@
+"""The load-only routing policies: least_load and round_robin. They ignore the prefix
+cache (``uses_prefix_index`` False) and keep no recent work.
+
+Owns their choice rules. Must not do I/O or keep per-request state (policy.py has
+the interface).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+
+from ..common.registry import NodeInfo
+from .node_terms import split_roles
+from .policy import NO_CACHED, NO_INFLIGHT, Decision
+from .recent_work import RecentWork
+
+
+def decode_load(node: NodeInfo, inflight: Mapping[str, int]) -> tuple:
+    """Sort key, smaller is less loaded: requests on the node, then KV usage."""
+    reported = node.load.running + node.load.waiting
+    return (max(reported, inflight.get(node.node_id, 0)), node.load.kv_usage)
+
+
+def prefill_load(node: NodeInfo, inflight: Mapping[str, int]) -> tuple:
+    """Sort key: requests still prefilling there, then prompt tokens still queued."""
+    reported = node.load.running + node.load.waiting
+    return (max(reported, inflight.get(node.node_id, 0)), node.load.queued_prefill_tokens)
+
+
+class LeastLoad:
+    """The least loaded decode node and the least loaded prefill node. Ties rotate,
+    so equally idle nodes share a burst."""
+
+    name = "least_load"
+    uses_prefix_index = False
+    recent: RecentWork | None = None
+
+    def __init__(self) -> None:
+        self._tie = itertools.count()
+
+    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
+               inflight: Mapping[str, int] = NO_INFLIGHT, *,
+               cached: Mapping[str, int] = NO_CACHED,
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+               tie_key: int | None = None) -> Decision | None:
+        prefills, decodes = split_roles(nodes)
+        if not decodes:
+            return None
+        turn = next(self._tie) if tie_key is None else tie_key
+        decode = _least(decodes, decode_load, inflight, turn)
+        assert decode is not None  # decodes is not empty
+        return Decision(_least(prefills, prefill_load, inflight, turn), decode, len(request_token_ids))
+
+
+class RoundRobin:
+    """Decode and prefill nodes in turn, ignoring load."""
+
+    name = "round_robin"
+    uses_prefix_index = False
+    recent: RecentWork | None = None
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
+               inflight: Mapping[str, int] = NO_INFLIGHT, *,
+               cached: Mapping[str, int] = NO_CACHED,
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+               tie_key: int | None = None) -> Decision | None:
+        prefills, decodes = split_roles(nodes)
+        if not decodes:
+            return None
+        turn = next(self._turn)  # ignores tie_key: it rotates by design
+        return Decision(prefills[turn % len(prefills)] if prefills else None,
+                        decodes[turn % len(decodes)], len(request_token_ids))
+
+
+def _least(nodes: list[NodeInfo], key: Callable[[NodeInfo, Mapping[str, int]], tuple],
+           inflight: Mapping[str, int], turn: int) -> NodeInfo | None:
+    if not nodes:
+        return None
+    keys = [key(n, inflight) for n in nodes]
+    best = min(keys)
+    tied = [n for n, k in zip(nodes, keys) if k == best]
+    return tied[turn % len(tied)]
