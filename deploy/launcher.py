@@ -282,17 +282,6 @@ class Cluster:
         """The latest process started under ``name``."""
         return next(p for p in reversed(self.procs) if p.name == name)
 
-    def restart_node(self, name: str, timeout: float = 180.0) -> Proc:
-        """SIGKILL node ``name`` (no clean shutdown: its Redis entries stay behind) and
-        start it again under the same node id; returns once it is READY."""
-        old = self.node(name)
-        os.killpg(old.popen.pid, signal.SIGKILL)
-        old.popen.wait()
-        role, index = name.rsplit("-", 1)
-        new = self.start_node(role, int(index))
-        self.wait_ready(new, timeout)
-        return new
-
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the router first (it stops taking requests), then the nodes (they
         drain); whatever has not exited after ``grace_s`` is killed."""

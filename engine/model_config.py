@@ -60,7 +60,6 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE
     sliding_window: int | None  # the checkpoint's window, when some layer uses one
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -69,16 +68,6 @@ class ModelConfig:
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV cache bytes one token takes over all layers, K and V, at ``itemsize`` bytes per value."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
-
-    def num_parameters(self) -> int:
-        """Parameters of the model (a tied head counted once), from the shapes alone."""
-        h, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attn = h * (q + 2 * kv) + q * h + self.qkv_bias * (q + 2 * kv) + self.o_bias * h + self.qk_norm * 2 * hd
-        mlp = 3 * h * self.intermediate_size + self.mlp_bias * (2 * self.intermediate_size + h)
-        layer = attn + mlp + 2 * h  # + input and post-attention norms
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + self.num_layers * layer + h + head
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -130,7 +119,6 @@ class ModelConfig:
             qk_norm=qk_norm,
             sliding_window=window,
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
         )
 
 

@@ -9,6 +9,7 @@ nodes rewrite the index."""
 
 import json
 import os
+import signal
 import time
 import urllib.request
 
@@ -161,6 +162,16 @@ def test_stale_entry_is_a_counted_misprediction_not_an_error(env):
                          names.PREFIX_PREDICTIONS, outcome="miss") == misses + 1
 
 
+def restart_node(cluster: Cluster, name: str, timeout: float = 180.0) -> None:
+    """SIGKILL node ``name`` (no clean shutdown: its Redis entries stay behind) and
+    start it again under the same node id; returns once it is READY."""
+    old = cluster.node(name)
+    os.killpg(old.popen.pid, signal.SIGKILL)
+    old.popen.wait()
+    role, index = name.rsplit("-", 1)
+    cluster.wait_ready(cluster.start_node(role, int(index)), timeout)
+
+
 def test_restarted_node_old_entries_attract_nothing(env):
     prompt = long_prompt("glacier hiking", "How cold is it?")
     hashes = env.hashes(prompt)
@@ -168,7 +179,7 @@ def test_restarted_node_old_entries_attract_nothing(env):
     holder = last_decision(env.cluster)["prefill"]
     old_epoch = epoch(env.cluster, holder)
     env.wait_held(holder, hashes)
-    env.cluster.restart_node(holder)  # SIGKILL: its old entries stay in Redis
+    restart_node(env.cluster, holder)  # SIGKILL: its old entries stay in Redis
     assert epoch(env.cluster, holder) != old_epoch
     assert set(hashes) <= {int(m) for m in env.r.smembers(blocks_key(holder, old_epoch))}
     time.sleep(2.0)  # a few discovery polls: the router reads the new epoch
