@@ -10,13 +10,15 @@ hand it to the component; nothing here holds state.
     splitserve bench --base-url URL    load-test any OpenAI-compatible endpoint
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import logging
 import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from .common.config import LOAD_FORMATS, KVBackend
+from .common.config import LOAD_FORMATS, EngineConfig, KVBackend, NodeConfig, NodeRole, SimConfig
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -57,9 +59,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode batch-size buckets (default: 1 2 4 8, then multiples of 8 up to --max-num-seqs)")
 
 
-def engine_config(args, sim=None):
+def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> EngineConfig:
     from .common.bundled import BUNDLED_MODEL_ID
-    from .common.config import EngineConfig, parse_size
+    from .common.config import parse_size
 
     if args.kv_cache_memory is not None and args.gpu_memory_utilization is not None:
         raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
@@ -138,9 +140,8 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
 
 
-def node_config(args, role: str, sim=None):
+def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None = None) -> NodeConfig:
     from .common.auth import cluster_token_from_args
-    from .common.config import NodeConfig
 
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
                       redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
@@ -159,7 +160,7 @@ def _add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true", help="prefill every request locally")
 
 
-def node_app(config) -> "web.Application":
+def node_app(config: NodeConfig) -> web.Application:
     """The app of ``config``'s role: the one place a node process picks its role (the
     role's package builds on node/, which knows no role)."""
     if config.role == "prefill":
@@ -169,10 +170,10 @@ def node_app(config) -> "web.Application":
     return build_app(config)
 
 
-def cmd_node(args) -> int:
+def cmd_node(args: argparse.Namespace) -> int:
     from .node.app import run_node
 
-    role = "colocated" if args.command == "decode" and args.colocated else args.command
+    role: NodeRole = "colocated" if args.command == "decode" and args.colocated else args.command
     run_node(node_app, node_config(args, role))
     return 0
 
@@ -192,7 +193,6 @@ def _add_sim_nodes_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_sim_nodes(args) -> int:
-    from .common.config import SimConfig
     from .node.sim_fleet import fleet_configs, run_fleet
 
     if args.list_profiles:

@@ -62,9 +62,13 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """The decode side: accepts connections and lands blocks into a ``KVBlockStore``."""
+    """The decode side: accepts connections and lands blocks into a ``KVBlockStore``.
+    Its owner sets, before ``start``: ``accepts`` (transfer_id -> whether its blocks may
+    still be written; None: all) and ``cluster_token`` (senders must present it)."""
 
     layout: KVLayout
+    accepts: Callable[[str], bool] | None
+    cluster_token: str | None
 
     @property
     @abstractmethod
