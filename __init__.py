@@ -1,9 +1,13 @@
 """splitserve: a disaggregated prefill/decode LLM serving cluster.
 
-The top-level folders are the architecture (see ../shared/DESIGN.md):
-``common`` (configs, wire types, hashing), ``engine`` (model, KV cache, scheduler,
-sampler), ``prefill_node``, ``decode_node``, ``kvtransfer``, ``router``, ``csrc``,
-``deploy``.
+The top-level folders are the architecture (ARCHITECTURE.md walks through them):
+``common`` (configs, wire types, hashing, outcomes, metric names), ``engine`` (model,
+KV cache, scheduler, sampler, the engine thread), ``node`` (what every node process
+shares: runtime, app, KV-event publisher, simulated fleets), ``prefill_node``,
+``decode_node``, ``kvtransfer`` (KV block transports and the transfer state machine),
+``router`` (the OpenAI endpoint and routing), ``csrc`` (CUDA kernels), ``deploy``
+(``splitserve up``, Kubernetes, Docker, dashboards) and ``benchmarks`` (load tools
+and measurements); ``tests`` is not installed with the package.
 
 The offline API is importable from the top, as in vLLM::
 
