@@ -141,8 +141,8 @@ class Generation:
                     raise ApiError(502, str(e)) from e
 
     async def _migrate(self, error: NodeUnavailable) -> bool:
-        """Continue on another decode node after the current leg's broke the stream with
-        ``error`` (migration.py). False when migration is off or at its limit, every
+        """Continue on another decode node after the current leg's node broke the stream
+        with ``error`` (migration.py). False when migration is off or at its limit, every
         token already arrived, or no node took the new leg: the caller then fails the
         generation (its close() ends whatever leg it holds)."""
         if self.migrations >= self.migration_limit:
@@ -228,8 +228,9 @@ class Generation:
                     return
 
     def close(self, client_gone: bool = False) -> None:
-        """End the generation: release the stream, abort the request on the node if it
-        is still running there, count metrics. Idempotent; never blocks."""
+        """End the generation: let go of its current leg (`LegDispatch.end_leg`: the
+        stream released, the request aborted on its node if it still runs there), count
+        metrics. Idempotent; never blocks."""
         if self.closed:
             return
         self.closed = True

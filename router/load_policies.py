@@ -28,52 +28,60 @@ def prefill_load(node: NodeInfo, inflight: Mapping[str, int]) -> tuple:
     return (max(reported, inflight.get(node.node_id, 0)), node.load.queued_prefill_tokens)
 
 
-class LeastLoad:
+class _LoadOnly:
+    """What both share: no prefix index, no recent work, the roles split, no decode
+    node -> None, the prompt's whole length as the prefill work."""
+
+    name: str
+    uses_prefix_index = False
+    recent: RecentWork | None = None
+
+    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
+               inflight: Mapping[str, int] = NO_INFLIGHT, *,
+               cached: Mapping[str, int] = NO_CACHED,
+               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+               tie_key: int | None = None) -> Decision | None:
+        """`RoutingPolicy.choose`."""
+        prefills, decodes = split_roles(nodes)
+        if not decodes:
+            return None
+        prefill, decode = self._pick(prefills, decodes, inflight, tie_key)
+        return Decision(prefill, decode, len(request_token_ids))
+
+    def _pick(self, prefills: list[NodeInfo], decodes: list[NodeInfo], inflight: Mapping[str, int],
+              tie_key: int | None) -> tuple[NodeInfo | None, NodeInfo]:
+        raise NotImplementedError
+
+
+class LeastLoad(_LoadOnly):
     """The least loaded decode node and the least loaded prefill node. Ties rotate,
     so equally idle nodes share a burst."""
 
     name = "least_load"
-    uses_prefix_index = False
-    recent: RecentWork | None = None
 
     def __init__(self) -> None:
         self._tie = itertools.count()
 
-    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
-               inflight: Mapping[str, int] = NO_INFLIGHT, *,
-               cached: Mapping[str, int] = NO_CACHED,
-               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-               tie_key: int | None = None) -> Decision | None:
-        prefills, decodes = split_roles(nodes)
-        if not decodes:
-            return None
+    def _pick(self, prefills: list[NodeInfo], decodes: list[NodeInfo], inflight: Mapping[str, int],
+              tie_key: int | None) -> tuple[NodeInfo | None, NodeInfo]:
         turn = next(self._tie) if tie_key is None else tie_key
         decode = _least(decodes, decode_load, inflight, turn)
         assert decode is not None  # decodes is not empty
-        return Decision(_least(prefills, prefill_load, inflight, turn), decode, len(request_token_ids))
+        return _least(prefills, prefill_load, inflight, turn), decode
 
 
-class RoundRobin:
+class RoundRobin(_LoadOnly):
     """Decode and prefill nodes in turn, ignoring load."""
 
     name = "round_robin"
-    uses_prefix_index = False
-    recent: RecentWork | None = None
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, request_token_ids: Sequence[int], nodes: Sequence[NodeInfo],
-               inflight: Mapping[str, int] = NO_INFLIGHT, *,
-               cached: Mapping[str, int] = NO_CACHED,
-               inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-               tie_key: int | None = None) -> Decision | None:
-        prefills, decodes = split_roles(nodes)
-        if not decodes:
-            return None
+    def _pick(self, prefills: list[NodeInfo], decodes: list[NodeInfo], inflight: Mapping[str, int],
+              tie_key: int | None) -> tuple[NodeInfo | None, NodeInfo]:
         turn = next(self._turn)  # ignores tie_key: it rotates by design
-        return Decision(prefills[turn % len(prefills)] if prefills else None,
-                        decodes[turn % len(decodes)], len(request_token_ids))
+        return prefills[turn % len(prefills)] if prefills else None, decodes[turn % len(decodes)]
 
 
 def _least(nodes: list[NodeInfo], key: Callable[[NodeInfo, Mapping[str, int]], tuple],
