@@ -41,12 +41,14 @@ class DevicePlan(NamedTuple):
             args += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization / sharing:.4f}"]
         return args
 
-    def placement(self, counts: dict[str, int]) -> Counter:
+    def placement(self, counts: dict[str, int]) -> Counter[str]:
         """canonical device -> how many nodes run on it."""
-        on = Counter()
+        on: Counter[str] = Counter()
         for role, n in counts.items():
             devs = self.devices.get("decode" if role == "colocated" else role)
-            for i in range(n if devs else 0):
+            if not devs:
+                continue
+            for i in range(n):
                 on[canonical(devs[i % len(devs)])] += 1
         return on
 

@@ -76,7 +76,7 @@ def start_redis(port: int | None = None, password: str | None = None) -> tuple[s
 @dataclass(slots=True)
 class Proc:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen[str]  # stdout piped as text (Cluster._spawn)
     ready: threading.Event = field(default_factory=threading.Event)
     addr: str = ""
     log: list[str] = field(default_factory=list)  # the last lines it printed
@@ -85,6 +85,7 @@ class Proc:
 
     def pump(self) -> None:
         """Read the child's output: catch its READY line, echo the rest with its name."""
+        assert self.popen.stdout is not None, "started with stdout=PIPE"
         for line in self.popen.stdout:
             line = line.rstrip()
             self.log = (self.log + [line])[-50:]
@@ -173,6 +174,7 @@ class Cluster:
     def exit_code(self, name: str) -> int | None:
         """None while member ``name`` runs, else its exit status."""
         if name == "redis":
+            assert self.redis is not None, "a member only while this cluster runs its own Redis"
             return self.redis.poll()
         return self.node(name).popen.poll()
 

@@ -26,7 +26,7 @@ requests through ``abort(req_id, "stop")``.
 
 import logging
 import time
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -44,6 +44,9 @@ from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .structured import GrammarCache
+
+if TYPE_CHECKING:
+    from .sim_runner import SimRunner  # imported when a simulated engine is built
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
+        self.runner: ModelRunner | SimRunner
         if config.sim is None:
             self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
         else:  # a simulated node: same engine, timing model in place of the forward pass
@@ -115,8 +119,10 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        grammar = (None if params.structured_outputs is None
-                   else self.grammars.new_state(params.structured_outputs))
+        grammar = None
+        if params.structured_outputs is not None:
+            assert self.grammars is not None, "limits.check refuses structured outputs on a simulated engine"
+            grammar = self.grammars.new_state(params.structured_outputs)
         return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
                        (self.config.model_id,), frozenset(stop_ids), gen, grammar,
                        block_hashes=list(block_hashes) if block_hashes is not None else [])

@@ -232,9 +232,9 @@ class EngineThread:
     def _on_launch(self, sched: SchedulerOutput) -> None:
         self._scheduled = sched
         if self._exporter is not None:
-            self._export_step(sched)
+            self._export_step(sched, self._exporter)
 
-    def _export_step(self, sched: SchedulerOutput) -> None:
+    def _export_step(self, sched: SchedulerOutput, exporter: BlockExporter) -> None:
         """Pack the prompt blocks this step completed for exported requests (called by the
         engine inside step(), before finished requests free their blocks)."""
         bs = self._engine.config.block_size
@@ -246,9 +246,9 @@ class EngineThread:
             upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
             if upto <= done:
                 continue
-            packed = self._exporter.pack(self._engine.kv.block_ids(req.request_id)[done:upto])
+            packed = exporter.pack(self._engine.kv.block_ids(req.request_id)[done:upto])
             self._exports[req.request_id] = upto
-            self._aio.call_soon_threadsafe(self._exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
+            self._aio.call_soon_threadsafe(exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
 
     def _drain_kv_events(self) -> None:
         events = self._engine.kv.take_events()

@@ -1,7 +1,9 @@
-"""Sizing and allocation of an engine's KV block pool, on the engine's device.
+"""Sizing and allocation of an engine's KV cache (the tensor of every KV block), on the
+engine's device.
 
-Owns: how many blocks the pool gets (from ``kv_cache_memory``, or on a GPU from
-``gpu_memory_utilization`` after profiling one dummy forward), and allocating it.
+Owns: how many blocks the KV cache gets (from ``kv_cache_memory``, or on a GPU from
+``gpu_memory_utilization`` after profiling one dummy forward), and allocating it. The
+block pool (block_pool.py) keeps the books of those blocks; this module only sizes them.
 Must not: run the engine's steps, or know about transfers or nodes.
 
 Sizing with ``gpu_memory_utilization = F`` (the fraction of the device's *total* memory
@@ -13,9 +15,9 @@ this process may use, as vLLM users know it; two nodes sharing a GPU each take a
       - activation peak  max_memory_allocated() over one dummy forward of
                          max_num_batched_tokens prompt tokens, minus the weights
                          and the forward's scratch cache
-      = pool bytes  ->  num_blocks = pool bytes // block bytes
+      = KV cache bytes  ->  num_blocks = KV cache bytes // block bytes
 
-The pool must also fit in the memory the device has free right now (other processes
+The KV cache must also fit in the memory the device has free right now (other processes
 count there); if it does not, the error says how much is free and what was asked.
 """
 
@@ -37,10 +39,10 @@ log = logging.getLogger(__name__)
 MIN_BLOCKS = 2
 
 
-class PoolPlan(NamedTuple):
+class KVCacheSize(NamedTuple):
     num_blocks: int
     block_bytes: int  # one block of all layers, K and V
-    budget_bytes: int  # memory granted to the pool (num_blocks * block_bytes <= budget)
+    budget_bytes: int  # memory granted to the KV cache (num_blocks * block_bytes <= budget)
     weights_bytes: int | None  # measured on a GPU with gpu_memory_utilization, else None
     activation_peak_bytes: int | None
 
@@ -49,17 +51,18 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
 
 
-def gpu_pool_budget(total: int, utilization: float, weights: int, activation_peak: int, free: int) -> int:
-    """Bytes for the KV pool under ``gpu_memory_utilization``; raises ``ValueError`` naming the
+def gpu_kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int,
+                        free: int) -> int:
+    """Bytes for the KV cache under ``gpu_memory_utilization``; raises ``ValueError`` naming the
     field when nothing is left or the device has not that much free memory now."""
     budget = int(total * utilization) - weights - activation_peak
     gib = 1 << 30
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization: {utilization} of {total / gib:.1f} GiB leaves nothing for "
-                         f"the KV pool after the weights ({weights / gib:.2f} GiB) and the activation "
+                         f"the KV cache after the weights ({weights / gib:.2f} GiB) and the activation "
                          f"peak ({activation_peak / gib:.2f} GiB); raise it or lower max_num_batched_tokens")
     if budget > free:
-        raise ValueError(f"gpu_memory_utilization: the KV pool would take {budget / gib:.2f} GiB but the "
+        raise ValueError(f"gpu_memory_utilization: the KV cache would take {budget / gib:.2f} GiB but the "
                          f"device has {free / gib:.2f} GiB free (other processes use it); lower "
                          f"--gpu-memory-utilization or give --kv-cache-memory")
     return budget
@@ -85,8 +88,8 @@ def dummy_forward(model, backend, config: EngineConfig, dtype: torch.dtype, devi
     return cache.numel() * cache.element_size()
 
 
-def plan_pool(config: EngineConfig, model, backend, dtype: torch.dtype, device: torch.device) -> PoolPlan:
-    """The pool's size for ``config`` (call after the model is loaded, before the pool exists)."""
+def size_kv_cache(config: EngineConfig, model, backend, dtype: torch.dtype, device: torch.device) -> KVCacheSize:
+    """The KV cache's size for ``config`` (call after the model is loaded, before the cache exists)."""
     block = kv_block_bytes(model.cfg, config.block_size, dtype)
     weights = peak = None
     if config.gpu_memory_utilization is None:
@@ -101,27 +104,27 @@ def plan_pool(config: EngineConfig, model, backend, dtype: torch.dtype, device: 
         peak = max(0, torch.cuda.max_memory_allocated(device) - weights - scratch)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = gpu_pool_budget(total, config.gpu_memory_utilization, weights, peak, free)
+        budget = gpu_kv_cache_budget(total, config.gpu_memory_utilization, weights, peak, free)
         field = "gpu_memory_utilization"
     num_blocks = budget // block
     if num_blocks < MIN_BLOCKS:
-        raise ValueError(f"{field}: {budget} bytes for the KV pool hold fewer than {MIN_BLOCKS} blocks of "
+        raise ValueError(f"{field}: {budget} bytes for the KV cache hold fewer than {MIN_BLOCKS} blocks of "
                          f"{block} bytes; raise it")
-    plan = PoolPlan(num_blocks, block, budget, weights, peak)
-    if weights is not None:
+    size = KVCacheSize(num_blocks, block, budget, weights, peak)
+    if weights is not None and peak is not None:  # measured (gpu_memory_utilization)
         gib = 1 << 30
-        log.info("KV pool on %s: %d blocks (%.2f GiB) from gpu_memory_utilization %.2f; weights %.2f GiB, "
+        log.info("KV cache on %s: %d blocks (%.2f GiB) from gpu_memory_utilization %.2f; weights %.2f GiB, "
                  "activation peak %.2f GiB", device, num_blocks, num_blocks * block / gib,
                  config.gpu_memory_utilization, weights / gib, peak / gib)
-    return plan
+    return size
 
 
-def allocate_pool(model_cfg: ModelConfig, plan: PoolPlan, config: EngineConfig, dtype: torch.dtype,
-                  device: torch.device, factory=None) -> torch.Tensor:
-    """The zeroed pool ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` on ``device``,
+def new_kv_cache(model_cfg: ModelConfig, size: KVCacheSize, config: EngineConfig, dtype: torch.dtype,
+                 device: torch.device, factory=None) -> torch.Tensor:
+    """The zeroed KV cache ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` on ``device``,
     or from ``factory(shape, dtype)`` when the node places it (shared memory)."""
     cfg = model_cfg
-    shape = (cfg.num_layers, 2, plan.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, 2, size.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
     if factory is not None:
         return factory(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -13,7 +13,7 @@ The tokenizer is loaded on first use: a model folder without one (a bare
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence, TypeGuard, cast
 
 from transformers import AutoTokenizer
 
@@ -46,6 +46,14 @@ class RequestOutput:
     prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
+def _is_chat(prompt: Prompt) -> TypeGuard[list[dict]]:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    return isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation through the model's chat template, ready for the reply."""
     if not isinstance(messages, list) or not messages:
@@ -73,7 +81,7 @@ class LLM:
     def _init(self, config: EngineConfig) -> None:
         self.engine = EngineCore(config)
         self.has_tokenizer = has_tokenizer(self.engine.model_dir)
-        self._tokenizer = None  # loaded on first use
+        self._tokenizer: Any = None  # the folder's transformers tokenizer, loaded on first use
         self._ids = itertools.count()
 
     @property
@@ -101,9 +109,9 @@ class LLM:
             if not prompt:
                 raise InvalidRequest("prompt", "must not be empty")
             return self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        if _is_chat(prompt):
             return render_chat(self.tokenizer, prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if _is_token_ids(prompt):
             if not prompt:
                 raise InvalidRequest("prompt", "must not be empty")
             return list(prompt)
@@ -114,11 +122,12 @@ class LLM:
         """Generate for one prompt or a batch; outputs are in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
                                         not isinstance(prompts[0], (str, list))):
-            prompts = [prompts]  # one text, token-id list or conversation
+            prompts = [cast(Prompt, prompts)]  # one text, token-id list or conversation
+        prompts = cast(Sequence[Prompt], prompts)
         if not prompts:
             raise InvalidRequest("prompt", "no prompts given")
-        params = sampling_params or SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        given = sampling_params or SamplingParams()
+        params = [given] * len(prompts) if isinstance(given, SamplingParams) else list(given)
         if len(params) != len(prompts):
             raise InvalidRequest("sampling_params", f"{len(params)} given for {len(prompts)} prompts")
         token_lists = [self.tokenize(p) for p in prompts]
@@ -169,5 +178,6 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """One conversation or a list of conversations."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(list(convs), sampling_params)
+        if messages and isinstance(messages[0], dict):
+            return self.generate([messages], sampling_params)
+        return self.generate(cast(list[list[dict]], messages), sampling_params)

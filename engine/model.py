@@ -56,6 +56,9 @@ class RotaryEmbedding(nn.Module):
     ``roll(x, hd/2) * sin_signed`` with the first half of ``sin`` negated: the
     same IEEE products as transformers' formula, in fewer ops."""
 
+    cos: torch.Tensor  # [max_pos, hd] (buffers, registered in __init__)
+    sin_signed: torch.Tensor  # [max_pos, hd], first half negated
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
@@ -72,7 +75,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(x, cos, sin_signed):
+    def rotate(x, cos, sin_signed):
         """x [T, heads, hd] -> rotated copy."""
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
@@ -96,7 +99,7 @@ class Attention(nn.Module):
         qk = qkv[:, : self.qk_size].view(T, self.num_heads + self.kv_heads, self.head_dim)
         if self.qk_norm:  # [T, H + KVH, hd], normalized per head before RoPE
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = RotaryEmbedding.apply(qk, *rope)  # q and k rotated together
+        qk = RotaryEmbedding.rotate(qk, *rope)  # q and k rotated together
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.qk_size:].view(T, self.kv_heads, self.head_dim)
         return self.o_proj(backend.forward(q, k, v, kv_cache, meta))  # [T, hidden]

@@ -78,7 +78,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
-        archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), "LlamaForCausalLM")]
+        archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type", ""), "LlamaForCausalLM")]
         arch = archs[0]
         if arch not in _FAMILIES:
             raise ValueError(f"model: config.json architectures: {arch} is not supported; "

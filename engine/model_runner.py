@@ -1,11 +1,11 @@
 """ModelRunner: owns the model weights and the paged KV cache tensor, turns a
 SchedulerOutput into one forward pass, and samples.
 
-The KV pool is sized and allocated by engine/kv_sizing.py (kv_cache_memory, or on a GPU
+The KV cache is sized and allocated by engine/kv_sizing.py (kv_cache_memory, or on a GPU
 gpu_memory_utilization after a profiled dummy forward):
 
     bytes per block = num_layers * 2 (K, V) * block_size * kv_heads * head_dim * dtype bytes
-    num_blocks      = pool budget // bytes per block
+    num_blocks      = KV cache budget // bytes per block
 
 The cache tensor holds one block more, the scratch block (index ``num_blocks``), which
 the block pool never hands out: padding rows of a static decode batch write there.
@@ -37,7 +37,7 @@ from .attention.selector import select_backend
 from .attention.torch_backend import build_decode_mask
 from .decode_graphs import StaticDecode, default_graph_sizes
 from .kv_cache_manager import KVCacheManager
-from .kv_sizing import allocate_pool, kv_block_bytes, plan_pool  # noqa: F401 (re-export)
+from .kv_sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401 (kv_block_bytes: re-export)
 from .loader import load_model
 from .model_config import ModelConfig
 from .prompt_logprobs import PromptRows
@@ -56,7 +56,7 @@ class StepResult(NamedTuple):
     sampled: list[tuple[Request, int, TokenLogprobs | None]]  # requests that reached their end
     num_tokens: int  # tokens computed this step
     # (request, first position, values) of the chunks whose requests asked for prompt logprobs
-    prompt_logprobs: Sequence[tuple[object, int, list[PromptLogprob]]] = ()
+    prompt_logprobs: Sequence[tuple[Request, int, list[PromptLogprob]]] = ()
 
 
 class LaunchedStep(NamedTuple):
@@ -64,7 +64,7 @@ class LaunchedStep(NamedTuple):
     requests: list[Request]  # those that sample, in the order of ``tokens``
     tokens: SampledTokens | None  # None when no request samples
     num_tokens: int
-    prompt_logprobs: Sequence[tuple[object, int, list[PromptLogprob]]] = ()
+    prompt_logprobs: Sequence[tuple[Request, int, list[PromptLogprob]]] = ()
 
     def result(self) -> StepResult:
         if self.tokens is None:
@@ -88,11 +88,11 @@ class ModelRunner:
         self.model_config: ModelConfig = self.model.cfg
         cfg = self.model_config
         self.backend = select_backend(config, self.device, cfg.head_dim)
-        self.kv_pool = plan_pool(config, self.model, self.backend, self.dtype, self.device)
-        self.num_blocks = self.kv_pool.num_blocks
+        self.kv_size = size_kv_cache(config, self.model, self.backend, self.dtype, self.device)
+        self.num_blocks = self.kv_size.num_blocks
         self.scratch_block = self.num_blocks  # padding rows of static decode write here
         # [num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
-        self.kv_caches = allocate_pool(cfg, self.kv_pool._replace(num_blocks=self.num_blocks + 1), config,
+        self.kv_caches = new_kv_cache(cfg, self.kv_size._replace(num_blocks=self.num_blocks + 1), config,
                                        self.dtype, self.device, kv_cache_factory)
         self.sampler = Sampler(seed=config.seed)
         self.grammar_masker: GrammarMasker | None = None  # made for the first structured request
@@ -168,9 +168,9 @@ class ModelRunner:
         chunks = []
         for req, n in prefills:
             start = req.num_computed_tokens
-            table = torch.tensor(kv.block_ids(req.request_id), dtype=torch.long)
+            block_table = torch.tensor(kv.block_ids(req.request_id), dtype=torch.long)
             pos = torch.arange(start + n)
-            key_slots = table[pos // bs] * bs + pos % bs  # [start + n]: the context, then the new tokens
+            key_slots = block_table[pos // bs] * bs + pos % bs  # [start + n]: the context, then the new tokens
             chunks.append(ChunkSpec(len(ids), n, start, key_slots))
             if m := _wants_prompt_logprobs(req, start, n):
                 prompt_rows.append(PromptRows(req, start, list(range(len(ids), len(ids) + m))))
@@ -192,8 +192,9 @@ class ModelRunner:
         )
         input_ids = upload(ids, dev, torch.long)
         if from_last:
-            rows, src = zip(*from_last)
-            input_ids.index_copy_(0, upload(list(rows), dev), self._last_tokens[upload(list(src), dev)])
+            assert self._last_tokens is not None, "rows read from the last launch's tokens"
+            dst_rows, src_rows = [d for d, _ in from_last], [s for _, s in from_last]
+            input_ids.index_copy_(0, upload(dst_rows, dev), self._last_tokens[upload(src_rows, dev)])
         extra = [row for c in prompt_rows for row in c.rows]  # after the sampling rows
         logits = self.model(input_ids, upload(positions, dev, torch.long), self.kv_caches, meta, self.backend,
                             upload(logits_rows + extra, dev, torch.long))
@@ -205,12 +206,17 @@ class ModelRunner:
 
     def _launch_static(self, decodes, kv: KVCacheManager) -> LaunchedStep:
         """A decode-only step through the padded fixed-shape forward."""
+        assert self.static_decode is not None, "launch() takes this path only with static decode on"
         reqs = [r for r, _ in decodes]
         positions = [r.num_computed_tokens for r in reqs]
         src = [self._from_last(r, p) for r, p in zip(reqs, positions)]
         ids = [r.all_token_ids[p] if s < 0 else 0 for r, p, s in zip(reqs, positions, src)]
+        from_last = None
+        if max(src) >= 0:
+            assert self._last_tokens is not None, "rows read from the last launch's tokens"
+            from_last = (src, self._last_tokens)
         logits = self.static_decode.run(ids, positions, [kv.block_ids(r.request_id) for r in reqs],
-                                        (src, self._last_tokens) if max(src) >= 0 else None)  # [D, vocab]
+                                        from_last)  # [D, vocab]
         # a 1-token chunk in the middle of a prompt computes KV but samples nothing
         rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.seq_len]
         prompt = [_prompt_chunk(PromptRows(r, p, [i]), logits[i:i + 1])
@@ -239,8 +245,9 @@ def _wants_prompt_logprobs(req, start: int, n: int) -> int:
     return prompt_logprobs.wanted_positions(len(req.prompt_token_ids), start, n)
 
 
-def _prompt_chunk(c: PromptRows, logits: torch.Tensor) -> tuple[object, int, list[PromptLogprob]]:
+def _prompt_chunk(c: PromptRows, logits: torch.Tensor) -> tuple[Request, int, list[PromptLogprob]]:
     """logits [len(c.rows), V] -> (request, first position, its prompt logprobs)."""
-    req = c.request
+    req, k = c.request, c.request.sampling_params.prompt_logprobs
+    assert k is not None, "only requests that asked have PromptRows (_wants_prompt_logprobs)"
     targets = req.prompt_token_ids[c.start + 1:c.start + 1 + len(c.rows)]
-    return req, c.start, prompt_logprobs.compute(logits, targets, req.sampling_params.prompt_logprobs)
+    return req, c.start, prompt_logprobs.compute(logits, targets, k)

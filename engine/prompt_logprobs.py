@@ -23,17 +23,20 @@ with one device-to-host copy per chunk.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from ..common.sampling_params import PromptLogprob
 
+if TYPE_CHECKING:
+    from .request import Request
+
 
 class PromptRows(NamedTuple):
     """Logits rows of one chunk whose positions predict prompt tokens."""
 
-    request: object  # the engine's Request
+    request: Request
     start: int  # position of the first row
     rows: list[int]  # indices into the step's flat token batch, consecutive positions
 
@@ -57,7 +60,7 @@ def compute(logits: torch.Tensor, targets: list[int], k: int) -> list[PromptLogp
             for row in packed]
 
 
-def record(request, start: int, values: list[PromptLogprob]) -> None:
+def record(request: Request, start: int, values: list[PromptLogprob]) -> None:
     """Store a chunk's values into ``request.prompt_logprobs`` (entry 0 is None)."""
     lps = request.prompt_logprobs
     del lps[start + 1:]

@@ -161,13 +161,12 @@ class Sampler:
         elif shared:
             draw = torch.empty(len(shared), vocab, device=device)  # [S, V]
             noise[upload(shared, device)] = _exponential(draw, self._shared_generator(device))
-        seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+        seeded = [(i, r.generator) for i, r in enumerate(reqs) if r.generator is not None]  # (row, its generator)
         if seeded:
             # each seeded row draws [V] from its own generator, where that generator lives (the
             # engine makes them on the CPU, so a seed gives the same tokens on every device)
-            rows = [_exponential(torch.empty(vocab, device=reqs[i].generator.device), reqs[i].generator)
-                    for i in seeded]  # [V] each
-            noise[upload(seeded, device)] = upload(torch.stack(rows), device)  # one copy for all seeded rows
+            rows = [_exponential(torch.empty(vocab, device=gen.device), gen) for _, gen in seeded]  # [V] each
+            noise[upload([i for i, _ in seeded], device)] = upload(torch.stack(rows), device)  # one copy for all
         return noise
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -276,10 +275,16 @@ def _pack_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, params: list[Samp
     at = upload(rows, raw.device)
     logprobs = torch.log_softmax(raw[at], dim=-1)  # [L, V]
     chosen = logprobs.gather(1, token_ids[at][:, None]).squeeze(1)  # [L]
-    k_max = min(max(params[i].logprobs for i in rows), raw.shape[1])
+    k_max = min(max(_num_logprobs(params[i]) for i in rows), raw.shape[1])
     top_values, top_ids = logprobs.topk(k_max, dim=-1)  # [L, k_max], best first
     return torch.cat([token_ids.double(), chosen.double(), top_values.double().flatten(),
                       top_ids.double().flatten()])
+
+
+def _num_logprobs(params: SamplingParams) -> int:
+    """Top alternatives a row that asked for logprobs wants (``rows`` hold only those)."""
+    assert params.logprobs is not None, "a logprobs row asked for them"
+    return params.logprobs
 
 
 def _unpack_logprobs(packed: list[float], params: list[SamplingParams], rows: list[int]) -> SamplerOutput:
@@ -291,7 +296,7 @@ def _unpack_logprobs(packed: list[float], params: list[SamplingParams], rows: li
     values_at, ids_at = b + n, b + n + n * k_max
     out: list[TokenLogprobs | None] = [None] * b
     for j, i in enumerate(rows):
-        k = params[i].logprobs
+        k = _num_logprobs(params[i])
         top_v = packed[values_at + j * k_max: values_at + j * k_max + k]
         top_i = [int(t) for t in packed[ids_at + j * k_max: ids_at + j * k_max + k]]
         out[i] = TokenLogprobs(ids[i], chosen_values[j], list(zip(top_i, top_v)))

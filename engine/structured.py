@@ -174,7 +174,8 @@ class GrammarMasker:
         if self._bitmask.shape[0] < len(grammars):
             self._bitmask = self._allocate(len(grammars))
         bitmask = self._bitmask[:len(grammars)]  # [S, W]; rows without a grammar are not read
-        self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask, rows)
+        matchers = [g.matcher for g in grammars if g is not None]  # one per entry of rows
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         words = bitmask.to(logits.device, non_blocking=True)  # [S, W]
         # xgrammar's kernel: a C++ loop on the CPU, Triton on CUDA; refused tokens -> -inf
         xgr.apply_token_bitmask_inplace(logits, words, vocab_size=self._vocab, indices=rows)

@@ -1,4 +1,4 @@
-"""KV pool sizing and placement (engine/kv_sizing.py) and what a node shows of it
+"""KV cache sizing and placement (engine/kv_sizing.py) and what a node shows of it
 (/debug/state, /metrics). The GPU budget is arithmetic tested here; the profiled sizing
 itself runs only on CUDA (marked gpu), on the bundled model's shape."""
 
@@ -10,7 +10,7 @@ import torch
 from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.engine.attention.selector import select_backend
-from splitserve.engine.kv_sizing import dummy_forward, gpu_pool_budget, kv_block_bytes
+from splitserve.engine.kv_sizing import dummy_forward, gpu_kv_cache_budget, kv_block_bytes
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.tests.metrics_text import sample_sum
 
@@ -20,11 +20,11 @@ TINY_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
 
 
 def test_gpu_budget_is_the_share_minus_weights_and_activations():
-    assert gpu_pool_budget(80 * GIB, 0.5, 2 * GIB, 3 * GIB, free=70 * GIB) == 35 * GIB
+    assert gpu_kv_cache_budget(80 * GIB, 0.5, 2 * GIB, 3 * GIB, free=70 * GIB) == 35 * GIB
     with pytest.raises(ValueError, match="gpu_memory_utilization: 0.05 of 80.0 GiB leaves nothing"):
-        gpu_pool_budget(80 * GIB, 0.05, 2 * GIB, 3 * GIB, free=70 * GIB)
+        gpu_kv_cache_budget(80 * GIB, 0.05, 2 * GIB, 3 * GIB, free=70 * GIB)
     with pytest.raises(ValueError, match="device has 10.00 GiB free"):
-        gpu_pool_budget(80 * GIB, 0.9, 2 * GIB, 3 * GIB, free=10 * GIB)
+        gpu_kv_cache_budget(80 * GIB, 0.9, 2 * GIB, 3 * GIB, free=10 * GIB)
 
 
 def test_gpu_memory_utilization_is_refused_on_cpu_and_out_of_range():
@@ -49,9 +49,9 @@ def test_runner_pool_from_kv_cache_memory_and_the_profiling_forward_on_cpu(tiny_
     config = EngineConfig(model=str(path), kv_cache_memory=1 << 20, max_num_batched_tokens=40, block_size=8)
     runner = ModelRunner(config, path)
     block = kv_block_bytes(runner.model_config, 8, torch.float32)
-    assert runner.kv_pool.block_bytes == block and runner.num_blocks == (1 << 20) // block
+    assert runner.kv_size.block_bytes == block and runner.num_blocks == (1 << 20) // block
     # one block more in the tensor: the scratch block padded static-decode rows write (model_runner.py)
-    assert runner.kv_caches.shape[2] == runner.num_blocks + 1 and runner.kv_pool.weights_bytes is None
+    assert runner.kv_caches.shape[2] == runner.num_blocks + 1 and runner.kv_size.weights_bytes is None
     backend = select_backend(config, torch.device("cpu"), runner.model_config.head_dim)
     scratch = dummy_forward(runner.model, backend, config, torch.float32, torch.device("cpu"))
     assert scratch == 5 * block  # 40 tokens in 8-token blocks
@@ -97,7 +97,7 @@ def test_gpu_memory_utilization_sizes_the_pool_on_cuda(shaped_model):
     config = EngineConfig(model=str(path), load_format=load_format, device="cuda", gpu_memory_utilization=util)
     runner = ModelRunner(config, path)
     try:
-        plan = runner.kv_pool
+        plan = runner.kv_size
         assert runner.kv_caches.is_cuda and runner.kv_caches.dtype == torch.bfloat16
         num_params = sum(p.numel() for p in runner.model.parameters())
         assert plan.weights_bytes >= 2 * num_params  # bf16 weights, and whatever else was allocated before

@@ -4,6 +4,8 @@ go through TorchAttention.prefill (varlen flash in half precision, else masked S
 its kernel module, which provides ``write_kv_cache`` and ``paged_decode_attention``
 with the same signatures (csrc/ops.py, triton_kernels.py)."""
 
+from typing import Protocol
+
 import torch
 
 from .base import AttentionMetadata
@@ -11,9 +13,20 @@ from .partition import decode_partition_size
 from .torch_backend import TorchAttention
 
 
+class DecodeKernels(Protocol):
+    """What a kernel module provides (csrc/ops.py, triton_kernels.py)."""
+
+    def write_kv_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None: ...
+
+    def paged_decode_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
+                               scale: float, partition_size: int) -> None: ...
+
+
 class KernelAttention(TorchAttention):
     needs_decode_mask = False
-    kernels = None  # the kernel module
+    kernels: DecodeKernels  # the kernel module, set by each subclass
 
     def __init__(self, device: torch.device):
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count

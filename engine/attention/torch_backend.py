@@ -14,6 +14,8 @@ back from the cache in one gather over ``key_slots`` and go through torch's varl
 flash kernel (CUDA, half precision) or SDPA with the group's block-diagonal causal mask.
 """
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -87,8 +89,11 @@ class TorchAttention(AttentionBackend):
         if g.mask is None:  # varlen flash: chunk boundaries from cu_q / cu_k, causal aligned bottom-right
             from torch.nn.attention.varlen import varlen_attn
 
-            out[rows] = varlen_attn(q[rows].contiguous(), kg, vg, g.cu_q, g.cu_k, g.max_q, g.max_k,
-                                    window_size=(-1, 0), enable_gqa=True)  # [Q, H, hd]
+            assert g.cu_q is not None, "a varlen group carries its chunks' offsets (prefill_batch._group)"
+            # [Q, H, hd]; a tuple only when return_aux is asked for
+            o = cast(torch.Tensor, varlen_attn(q[rows].contiguous(), kg, vg, g.cu_q, g.cu_k, g.max_q, g.max_k,
+                                               window_size=(-1, 0), enable_gqa=True))
+            out[rows] = o
             return
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, hd]
         op = F.scaled_dot_product_attention(qp, kg.transpose(0, 1).unsqueeze(0), vg.transpose(0, 1).unsqueeze(0),

@@ -21,8 +21,8 @@ the CPU tests; the variable must be set before this module is imported.
 """
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]  # triton ships neither stubs nor py.typed
+import triton.language as tl  # type: ignore[import-untyped]  # likewise
 
 from ...csrc.checks import check_cache_write, check_decode, num_partitions
 
