@@ -11,7 +11,7 @@ constant-time comparison, and credentials kept out of logs.
     bearer_token(authorization)        "Bearer <key>" -> "<key>" (None otherwise)
     redact_url(url)                    "redis://user:pw@host/0" -> "redis://user:***@host/0"
 
-Nodes require the token on every internal endpoint (node/runtime.py) and in the KV
+Nodes require the token on every internal endpoint (node/app.py) and in the KV
 handshake (kvtransfer/wire.py ``Hello.token``); the router and decode nodes send it.
 Must not decide which endpoint needs which secret (the servers do), log a secret, or
 import anything beyond the standard library.

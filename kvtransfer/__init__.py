@@ -10,7 +10,8 @@ Must not import the model (``splitserve.engine``). The nodes use::
     # (on a GPU, pack gathers on the device and split yields PackedBlock rows; see packed.py)
     receiver = make_receiver(backend, layout, store, host, on_block[, device=...])  # decode node
     await receiver.start(); receiver.address                   # advertise it
-    table = TransferTable()                                    # decode node, fed by on_block
+    table = TransferTable()                                    # decode node, fed by on_block;
+    transfer = table.reserve(...); await transfer.done         # its PrefillResult or TransferFailure
 """
 
 from .base import KVReceiver, KVSender, OnBlock
@@ -20,11 +21,11 @@ from .errors import TransferError
 from .factory import make_receiver, make_sender, sender_options
 from .layout import KVLayout, LayoutMismatch
 from .sender_core import SenderOptions
-from .state import Transfer, TransferState, TransferTable
+from .state import Transfer, TransferFailure, TransferState, TransferTable
 
 __all__ = [
     "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "OnBlock",
-    "SenderOptions", "Transfer", "TransferError", "TransferState", "TransferTable",
+    "SenderOptions", "Transfer", "TransferError", "TransferFailure", "TransferState", "TransferTable",
     "allocate_kv_cache", "checksum", "free_shared_kv_cache", "make_receiver",
     "make_sender", "map_shared_kv_cache", "sender_options", "shared_kv_cache",
 ]
