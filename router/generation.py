@@ -16,7 +16,7 @@ installs the next (migration.py has the contract and the continuation). The
 dispatcher keeps the books of every leg, told by the generation when it sees the
 events: `LegDispatch.first_token`, `LegDispatch.end_leg`.
 
-Must not format OpenAI responses (responses.py) or choose nodes (dispatch.py).
+Must not format OpenAI bodies (bodies.py) or choose nodes (dispatch.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from .errors import ApiError, sse_error
 from .generation import Generation, merge_pieces
 from .prepare import PreparedRequest, prepare_chat, prepare_completion
 from .request_body import off_loop, read_body
-from .responses import ResponseBuilder
+from .bodies import BodyBuilder
 from .structured import renamed_constraint_error
 from .state import CONFIG, SERVICES, TOKENIZER
 
@@ -61,7 +61,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     prep: PreparedRequest = await off_loop(body, config.prepare_thread_bytes, prepare, tok,
                                            config.served_model_names, max_model_len)
     response_id = id_prefix + uuid.uuid4().hex
-    builder = ResponseBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
+    builder = BodyBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     try:
         gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
@@ -150,7 +150,7 @@ class StreamOutcome(NamedTuple):
     client_gone: bool  # a write failed: the client closed the connection
 
 
-async def _stream(request: web.Request, prep: PreparedRequest, builder: ResponseBuilder,
+async def _stream(request: web.Request, prep: PreparedRequest, builder: BodyBuilder,
                   gens: list[Generation]) -> StreamOutcome:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})

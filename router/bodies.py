@@ -1,5 +1,6 @@
-"""OpenAI response bodies: completions and chat completions, whole or as stream
-chunks, with usage and logprobs.
+"""The bodies of /v1/completions and /v1/chat/completions answers, whole or as stream
+chunks, with usage and logprobs (the Responses API's objects are responses/*.py's;
+they are built from these chat bodies).
 
 Echo (completions) puts each choice's prompt text, and with logprobs its prompt tokens'
 entries (the first token's logprob null, as OpenAI), before the choice's first piece.
@@ -38,7 +39,7 @@ class _Choice:
     prompt_logprobs: list | None = None  # vLLM's shape, when asked
 
 
-class ResponseBuilder:
+class BodyBuilder:
     def __init__(self, prep: PreparedRequest, tok: RouterTokenizer, response_id: str,
                  created: int):
         self.prep = prep
