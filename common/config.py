@@ -18,7 +18,7 @@ NodeRole = Literal["prefill", "decode", "colocated"]
 class KVBackend(StrEnum):
     """The KV transports a node can use (kvtransfer/factory.py maps each to its classes).
     nccl runs NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same
-    host) needs CUDA; shm (same host) needs the decode node's pool in host memory."""
+    host) needs CUDA; shm (same host) needs the decode node's KV cache in host memory."""
     TCP = "tcp"
     SHM = "shm"
     UCX = "ucx"
@@ -56,7 +56,7 @@ class SimConfig:
     or, with ``roofline`` (a GPU profile, common/sim_profiles.py), the roofline's
     step time (common/roofline.py), which also sees the decode rows' context.
     ``max_model_len`` and ``kv_bytes_per_token`` (0: the model folder's own) make a
-    simulated node stand for the profile's model: its context and its KV pool size.
+    simulated node stand for the profile's model: its context and its KV cache size.
 
     The defaults are the fit of ``benchmarks/fit_timing.py`` to the real engine on the
     development machine (bundled model, fp32, 1 thread); the script writes the same
@@ -72,7 +72,7 @@ class SimConfig:
     speedup: float = 1.0
     roofline: Roofline | None = None
     max_model_len: int = 0  # 0: the model folder's max_position_embeddings
-    kv_bytes_per_token: int = 0  # 0: the model folder's own (the pool holds as many tokens as it would)
+    kv_bytes_per_token: int = 0  # 0: the model folder's own (the KV cache holds as many tokens as it would)
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "prefill_attn_s"):
@@ -135,10 +135,10 @@ class EngineConfig:
     # Served model name; also an extra key of every block hash, so two models never share blocks.
     model_id: str = BUNDLED_MODEL_ID
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool; the engine reports the tokens it holds
-    # CUDA only: the fraction of the device's total memory this process may use; the KV pool
+    kv_cache_memory: int = 1 << 30  # bytes for the KV cache; the engine reports the tokens it holds
+    # CUDA only: the fraction of the device's total memory this process may use; the KV cache
     # gets what is left of it after the weights and a profiled activation peak (engine/kv_sizing.py).
-    # None: the pool is kv_cache_memory bytes.
+    # None: the KV cache is kv_cache_memory bytes.
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
@@ -189,7 +189,7 @@ class EngineConfig:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
             if on_cpu:
-                raise ValueError(f"gpu_memory_utilization: sizes a GPU's KV pool, device is {self.device!r}; "
+                raise ValueError(f"gpu_memory_utilization: sizes a GPU's KV cache, device is {self.device!r}; "
                                  f"on the CPU give --kv-cache-memory instead")
         if on_cpu and self.attention_backend in ("cuda", "triton"):
             raise ValueError(f"attention_backend: {self.attention_backend!r} needs a CUDA device, device is "
@@ -220,8 +220,8 @@ class NodeConfig:
             raise ValueError(f"kv_backend: must be one of {', '.join(KVBackend)}, got {self.kv_backend!r}")
         on_cpu = self.engine.device.split(":")[0] == "cpu"
         if self.kv_backend == "shm" and not on_cpu and self.role == "decode":
-            raise ValueError(f"kv_backend: shm keeps the KV pool in host memory, device is "
+            raise ValueError(f"kv_backend: shm keeps the KV cache in host memory, device is "
                              f"{self.engine.device!r}; use ipc (same host) or tcp on a GPU")
         if self.kv_backend == "ipc" and on_cpu and self.role == "decode":
-            raise ValueError("kv_backend: ipc shares a CUDA KV pool and needs --device cuda; "
+            raise ValueError("kv_backend: ipc shares a CUDA KV cache and needs --device cuda; "
                              "on the CPU use shm (same host) or tcp")

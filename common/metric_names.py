@@ -3,7 +3,7 @@
 Names follow vLLM's (``vllm:time_to_first_token_seconds`` -> ``splitserve:time_to_first_token_seconds``):
 the same suffixes and label names, so dashboards and alerts written for vLLM work with the
 prefix changed. Every series carries ``model_name`` (the served model name). Node series also
-carry ``role`` (prefill | decode | colocated), so one query can split by pool. The
+carry ``role`` (prefill | decode | colocated), so one query can split by role. The
 disaggregation-specific metrics (KV transfers, fallbacks, routing decisions, predicted versus
 delivered prefix hits) keep their own names alongside.
 
@@ -17,7 +17,7 @@ node/metrics.py do) or import torch.
 
 PREFIX = "splitserve:"
 MODEL_LABEL = "model_name"  # on every series
-ROLE_LABEL = "role"  # on every node series: the node's pool
+ROLE_LABEL = "role"  # on every node series: the node's role
 
 # ---- request latencies and tokens (router: what the client sees; vLLM's frontend names) ----
 TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"  # histogram
@@ -58,7 +58,7 @@ NUM_QUEUED_PREFILL_TOKENS = PREFIX + "num_queued_prefill_tokens"  # gauge: promp
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_perc"  # gauge, 0..1 (vLLM's name and range)
 KV_FREE_BLOCKS = PREFIX + "kv_cache_free_blocks"  # gauge
 NODE_DEVICE_INFO = PREFIX + "node_device_info"  # gauge = 1, labels device, dtype
-KV_POOL_BLOCKS = PREFIX + "kv_pool_blocks"  # gauge: the KV pool's size
+KV_POOL_BLOCKS = PREFIX + "kv_pool_blocks"  # gauge: the KV cache's size (the metric keeps the older word "pool")
 KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge
 KV_POOL_TOKENS = PREFIX + "kv_pool_tokens"  # gauge
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"  # counter, prompt tokens looked up

@@ -14,7 +14,7 @@ class PrefillOutcome(StrEnum):
     """One /prefill call on a prefill node."""
     OK = "ok"
     BAD_REQUEST = "bad_request"
-    REFUSED = "refused"  # could not start now (queue, pool, draining): 503
+    REFUSED = "refused"  # could not start now (queue, KV cache, draining): 503
     ABORTED = "aborted"
     ERROR = "error"  # the engine failed it
     TRANSFER_FAILED = "transfer_failed"
@@ -29,7 +29,7 @@ class TransferEnd(StrEnum):
 
 class FallbackReason(StrEnum):
     """Why a decode node prefilled a request itself instead of receiving its KV."""
-    NO_BLOCKS = "no_blocks"  # the pool could not reserve the prompt's blocks
+    NO_BLOCKS = "no_blocks"  # the KV cache had too few free blocks to reserve for the prompt
     TRANSFER_FAILED = "transfer_failed"  # refused, failed or timed out (the detail is logged)
 
 

@@ -50,7 +50,7 @@ class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     epoch: str
     kv_backend: str = ""
     kv_addr: str = ""
-    capacity_tokens: int = 0  # tokens the node's KV pool holds
+    capacity_tokens: int = 0  # tokens the node's KV cache holds
     block_size: int = 0  # tokens per KV block, as hashed into the prefix index (0: unknown)
     max_model_len: int = 0  # the context the node accepts, prompt + output tokens (0: unknown)
     load: NodeLoad = msgspec.field(default_factory=NodeLoad)

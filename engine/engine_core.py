@@ -138,7 +138,7 @@ class EngineCore:
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 block_hashes: list[int] | None = None) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix.
-        None when the pool cannot supply them now (the caller prefills locally)."""
+        None when the block pool cannot supply them now (the caller prefills locally)."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         hashes = block_hashes if block_hashes is not None else hash_blocks(

@@ -20,7 +20,7 @@ else crosses:
 Commands (NamedTuples; ``submit`` answers with what the engine call returns):
 
     AddRequest(id, tokens, params)         -> None     schedule a prompt (prefill + decode here)
-    Reserve(id, tokens)                    -> Reservation | None (pool full)
+    Reserve(id, tokens)                    -> Reservation | None (no free blocks)
     AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens[, prompt_logprobs])
                                            -> RequestDelta     (also handed to on_deltas, in order)
     Release(id)                            -> None     give back a reservation never admitted

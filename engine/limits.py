@@ -1,5 +1,5 @@
 """RequestLimits: what a request must fit to ever run on one engine (its vocabulary,
-context length and KV pool), fixed when the engine is built.
+context length and KV cache), fixed when the engine is built.
 
 A check over frozen numbers (and the engine's thread-safe grammar cache), so a node's
 event loop rejects a request at its HTTP boundary (a 400 before any stream starts)
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class RequestLimits(NamedTuple):
     vocab_size: int
     max_model_len: int  # tokens of context: prompt + output
-    kv_capacity_tokens: int  # tokens the whole KV pool holds
+    kv_capacity_tokens: int  # tokens the whole KV cache holds
     # compiles (and caches) a request's grammar: thread-safe, so the check may run on any
     # thread (a node runs it off its event loop for a structured request: a first compile
     # takes up to ~0.2 s); None: structured outputs are refused (a simulated engine)

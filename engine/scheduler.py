@@ -17,11 +17,11 @@ takes it from the prefix cache instead of computing it again. It never waits on 
 request that is not running, and running requests always progress, so it cannot
 wait forever.
 
-When the pool cannot hold a running request's next tokens, the most recently
+When the block pool cannot hold a running request's next tokens, the most recently
 admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the head of the queue with ``num_computed_tokens = 0`` (its full
 blocks usually survive in the prefix cache). A request never waits on itself:
-the engine admits no request that could not fit the pool alone (RequestLimits,
+the engine admits no request that could not fit the KV cache alone (RequestLimits,
 engine/limits.py), so the oldest running request always progresses, and no
 request is dropped.
 

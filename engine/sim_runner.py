@@ -3,7 +3,7 @@ scheduler and every server around the engine run for real; only the forward pass
 is replaced by a sleep as long as the timing model (``common.config.SimConfig``)
 says the real model would take, and a deterministic token.
 
-Owns: the pool size (the real model's block bytes, or the profile's
+Owns: the KV cache size (the real model's block bytes, or the profile's
 ``SimConfig.kv_bytes_per_token``, so a simulated node holds as many tokens as a
 real one with the same ``kv_cache_memory``), the context (the profile's
 ``SimConfig.max_model_len`` replaces the model folder's, so a node standing for a

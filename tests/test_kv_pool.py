@@ -28,7 +28,7 @@ def test_gpu_budget_is_the_share_minus_weights_and_activations():
 
 
 def test_gpu_memory_utilization_is_refused_on_cpu_and_out_of_range():
-    with pytest.raises(ValueError, match="gpu_memory_utilization: sizes a GPU's KV pool"):
+    with pytest.raises(ValueError, match="gpu_memory_utilization: sizes a GPU's KV cache"):
         EngineConfig(gpu_memory_utilization=0.5)
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match=r"gpu_memory_utilization: must be in \(0, 1\]"):
