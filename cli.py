@@ -213,7 +213,7 @@ def cmd_sim_nodes(args) -> int:
 
 
 def _add_make_trace_args(p: argparse.ArgumentParser) -> None:
-    from .benchmarks.replay.generate import PRESETS
+    from .benchmarks.loadgen.replay.generate import PRESETS
 
     p.add_argument("out")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
@@ -235,8 +235,8 @@ def _add_make_trace_args(p: argparse.ArgumentParser) -> None:
 def cmd_make_trace(args) -> int:
     import dataclasses
 
-    from .benchmarks.replay.generate import PRESETS, generate, summarize
-    from .benchmarks.replay.trace import dump_trace
+    from .benchmarks.loadgen.replay.generate import PRESETS, generate, summarize
+    from .benchmarks.loadgen.replay.trace import dump_trace
 
     base = PRESETS[args.preset]
     flags = dict(tenants=args.tenants, max_system_blocks=args.max_system_blocks,
@@ -273,7 +273,7 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_replay(args) -> int:
-    from .benchmarks.replay.run import ReplayConfig, print_summary, run_replay
+    from .benchmarks.loadgen.replay.run import ReplayConfig, print_summary, run_replay
 
     result = run_replay(ReplayConfig(
         trace=args.trace, prefill_nodes=args.prefill_nodes, decode_nodes=args.decode_nodes, policy=args.policy,
@@ -340,13 +340,13 @@ def cmd_up(args) -> int:
 
 
 def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from .benchmarks.serve.cli import add_bench_args
+    from .benchmarks.loadgen.bench.cli import add_bench_args
 
     add_bench_args(p)
 
 
 def cmd_bench(args) -> int:
-    from .benchmarks.serve.cli import main as bench_main
+    from .benchmarks.loadgen.bench.cli import main as bench_main
 
     return bench_main(args)
 

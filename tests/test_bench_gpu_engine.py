@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu_engine.py runs end to end in its --smoke mode (tiny random model
+"""benchmarks/gpu/bench_gpu_engine.py runs end to end in its --smoke mode (tiny random model
 on the CPU, both sides on the same weights, and the random-weight big shape), with no
 converted bundled model at hand, and writes every figure and the gpu/contract.py top level."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_gpu_engine.py"
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu" / "bench_gpu_engine.py"
 
 
 def run(tmp_path, *args) -> tuple[subprocess.CompletedProcess, Path]:
@@ -79,7 +79,7 @@ def test_parts_and_model_dir(tmp_path):
 
 
 def test_targets_of_a_run_cut_short_are_null():
-    from splitserve.benchmarks.bench_gpu_engine import Plan, targets
+    from splitserve.benchmarks.gpu.bench_gpu_engine import Plan, targets
 
     plan = Plan(smoke=False, steps=None)
     rows = targets({"part": "all", "bundled": {"decode_step_b1_ms": {"static": 2.0},

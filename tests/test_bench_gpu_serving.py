@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu_serving.py runs end to end in its --smoke mode (real redis, router,
+"""benchmarks/gpu/bench_gpu_serving.py runs end to end in its --smoke mode (real redis, router,
 prefill, decode and colocated node processes on the CPU, a tiny random Llama, shm KV) and
 writes every figure the GPU run writes, with gpu/contract.py's top level. (With the GPU
 stage's flags, --model of a weightless folder and --load-format dummy, in an environment
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_gpu_serving.py"
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu" / "bench_gpu_serving.py"
 RESULT = Path(__file__).parent.parent / "benchmarks" / "results" / "gpu_serving.json"
 
 
@@ -62,9 +62,9 @@ def test_smoke_run_writes_every_figure(tmp_path):
 def test_a_run_cut_short_leaves_the_contract(tmp_path):
     """The JSON written before any setup finished (the script writes it at its start):
     environment, plan and every target, not measured."""
-    from splitserve.benchmarks.bench_gpu_serving import parse, resolve
+    from splitserve.benchmarks.gpu.bench_gpu_serving import parse, resolve
     from splitserve.benchmarks.gpu.contract import environment
-    from splitserve.benchmarks.gpu_serving_report import report
+    from splitserve.benchmarks.gpu.gpu_serving_report import report
 
     plan = resolve(parse(["--model", "/m", "--load-format", "dummy", "--rounds", "1", "--ttft-requests", "8"]))
     assert plan.node_args == ("--load-format", "dummy") and plan.model == "/m" and plan.ttft_lens == (2048, 8000)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu_transfer.py keeps working without a GPU: its --smoke mode runs the
+"""benchmarks/gpu/bench_gpu_transfer.py keeps working without a GPU: its --smoke mode runs the
 same code on the CPU (tcp between two processes) and writes the JSON a GPU run writes."""
 
 import json
@@ -10,7 +10,7 @@ import sys
 
 def test_smoke_run_writes_its_figures(tmp_path):
     out = tmp_path / "gpu_transfer.json"
-    proc = subprocess.run([sys.executable, "-m", "splitserve.benchmarks.bench_gpu_transfer", "--smoke",
+    proc = subprocess.run([sys.executable, "-m", "splitserve.benchmarks.gpu.bench_gpu_transfer", "--smoke",
                            "--out", str(out)], capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr

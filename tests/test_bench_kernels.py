@@ -1,4 +1,4 @@
-"""benchmarks/bench_kernels.py keeps working without a GPU: --smoke runs the same code on
+"""benchmarks/gpu/bench_kernels.py keeps working without a GPU: --smoke runs the same code on
 the CPU at tiny sizes (torch and SDPA timed by perf_counter, the Triton kernel by its
 interpreter), and writes the gpu/contract.py top level and a row per case."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "bench_kernels.py"
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu" / "bench_kernels.py"
 
 
 @pytest.mark.slow
@@ -38,7 +38,7 @@ def test_smoke_run_writes_rows_and_targets(tmp_path):
 
 
 def test_targets_follow_the_auto_backend_and_stay_null_until_measured():
-    from splitserve.benchmarks.bench_kernels import Plan, targets
+    from splitserve.benchmarks.gpu.bench_kernels import Plan, targets
 
     plan = Plan(quick=True, smoke=False)
     rows = [{"context": 512, "batch": 1, "cuda_speedup_vs_sdpa": 1.3, "triton_speedup_vs_sdpa": 0.7}]

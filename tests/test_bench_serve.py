@@ -14,15 +14,14 @@ import urllib.request
 import openai
 import pytest
 
-from splitserve.benchmarks.serve import (BenchConfig, Endpoint, EndpointError, RequestSpec, Slo,
-                                         check_endpoint, load_dataset, poisson_offsets, run,
-                                         summarize, trace_offsets)
-from splitserve.benchmarks.serve.arrivals import fixed_offsets
-from splitserve.benchmarks.serve.client import RequestResult
-from splitserve.benchmarks.serve.config import normalize_base_url
-from splitserve.benchmarks.serve.datasets import load_tokenizer
-from splitserve.benchmarks.replay.trace import HASH_BLOCK, block_tokens
-from splitserve.benchmarks.serve.trace import trace_specs
+from splitserve.benchmarks.loadgen.bench import (BenchConfig, Endpoint, EndpointError, RequestSpec, Slo,
+                                                 check_endpoint, load_dataset, poisson_offsets, run,
+                                                 summarize, trace_offsets)
+from splitserve.benchmarks.loadgen.bench.arrivals import fixed_offsets
+from splitserve.benchmarks.loadgen.bench.client import RequestResult
+from splitserve.benchmarks.loadgen.bench.config import normalize_base_url
+from splitserve.benchmarks.loadgen.bench.datasets import load_tokenizer, trace_specs
+from splitserve.benchmarks.loadgen.replay.trace import HASH_BLOCK, block_tokens
 from splitserve.common import metric_names as names
 from splitserve.deploy.launcher import Cluster, free_port
 from splitserve.tests.metrics_text import sample_sum
@@ -187,7 +186,7 @@ def test_custom_jsonl_dataset(tok, tmp_path):
 
 def bench_config(*argv) -> BenchConfig:
     import argparse
-    from splitserve.benchmarks.serve.cli import add_bench_args, config_from_args
+    from splitserve.benchmarks.loadgen.bench.cli import add_bench_args, config_from_args
     p = argparse.ArgumentParser()
     add_bench_args(p)
     return config_from_args(p.parse_args(list(argv)))

@@ -17,7 +17,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from splitserve.benchmarks.faults_client import Disconnect, Outcome, run_load, stream_request, wait_pools_free
+from splitserve.benchmarks.harness import Disconnect, Outcome, run_load, stream_request, wait_pools_free
 from splitserve.common.auth import CLUSTER_TOKEN_HEADER, new_cluster_token
 from splitserve.common.hashing import token_bytes
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta

@@ -177,6 +177,6 @@ def test_a_gpu_script_without_cuda_says_so_and_writes_nothing(tmp_path, script):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     out = tmp_path / "x.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(GPU / script), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout and not out.exists()

@@ -1,6 +1,6 @@
 """``splitserve up``'s device placement (deploy/devices.py): which device, memory share and
 KV backend each node gets, and the command lines the launcher builds from them. CPU-only:
-the placement is plain arithmetic; a real CUDA cluster is benchmarks/bench_gpu_transfer.py's."""
+the placement is plain arithmetic; a real CUDA cluster is benchmarks/gpu/bench_gpu_transfer.py's."""
 
 import pytest
 

@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 
-from splitserve.benchmarks.faults_client import MODEL, wait_pools_free
+from splitserve.benchmarks.harness import MODEL, wait_pools_free
 from splitserve.common import metric_names as names
 from splitserve.common.auth import new_cluster_token
 from splitserve.deploy.launcher import Cluster

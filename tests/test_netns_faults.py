@@ -1,7 +1,7 @@
 """Network faults between real processes in network namespaces (issue 12): one
 prefill and two decode nodes, each in its own namespace, the router, Redis and the
 client in the root namespace; KV blocks travel over TCP on direct prefill <-> decode
-links (benchmarks/netns_lab.py), where the faults go:
+links (tests/kit/netns_lab.py), where the faults go:
 
     root ns: Redis, router, client
       |            |             |
@@ -11,7 +11,7 @@ links (benchmarks/netns_lab.py), where the faults go:
 Each test asserts what a user sees: how many requests failed, how long they took,
 every KV pool 100% free afterwards. Skipped, saying why, where the machine cannot
 create namespaces (not root, no ``ip``/``tc``). Delay uses ``tc netem`` where the
-kernel has it, else a userspace shaper over TUN devices (benchmarks/netns_shaper.py).
+kernel has it, else a userspace shaper over TUN devices (tests/kit/netns_shaper.py).
 """
 
 import asyncio
@@ -26,8 +26,8 @@ import aiohttp
 import pytest
 import torch
 
-from splitserve.benchmarks.faults_client import MODEL, Outcome, node_state, stream_request, wait_pools_free
-from splitserve.benchmarks.netns_lab import Fault, Lab, Unavailable
+from splitserve.benchmarks.harness import MODEL, Outcome, node_state, stream_request, wait_pools_free
+from splitserve.tests.kit.netns_lab import Fault, Lab, Unavailable
 from splitserve.common import metric_names as names
 from splitserve.common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token
 from splitserve.deploy.launcher import free_port

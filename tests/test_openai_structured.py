@@ -3,7 +3,7 @@ router, prefill node and decode node serving the bundled SmolLM2 (the prefill no
 samples the first token under the grammar, the decode node the rest).
 
 - response_format json_schema: every answer of a concurrent batch parses and validates
-  against the schema (the 100-request run is benchmarks/bench_structured.py --check);
+  against the schema (the 100-request run is benchmarks/engine/bench_structured.py --check);
 - json_object: parseable JSON objects; vLLM's guided_choice / guided_regex /
   structured_outputs on /v1/completions;
 - tool_choice named / required: valid calls (streamed and whole), auto: a parser;

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from splitserve.common.sim_profiles import get_profile
-from splitserve.benchmarks.replay.balance import greedy_max_mean
-from splitserve.benchmarks.replay.generate import TraceSpec, generate, summarize
-from splitserve.benchmarks.replay.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace,
+from splitserve.benchmarks.loadgen.replay.balance import greedy_max_mean
+from splitserve.benchmarks.loadgen.replay.generate import TraceSpec, generate, summarize
+from splitserve.benchmarks.loadgen.replay.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace,
                                                 oracle_hits, prompt_tokens)
 
 
@@ -46,7 +46,7 @@ def test_hash_ids_expand_to_fixed_blocks_cut_to_input_length():
     assert tc != tb[:512]
     assert all(100 <= t < 49000 for t in tb)
     # the expansion is fixed across processes (no hash randomisation, no global state)
-    out = subprocess.run([sys.executable, "-c", "from splitserve.benchmarks.replay.trace import "
+    out = subprocess.run([sys.executable, "-c", "from splitserve.benchmarks.loadgen.replay.trace import "
                           "TraceRequest, prompt_tokens; print(prompt_tokens(TraceRequest(0, 8, 1, [5])))"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONHASHSEED="7"), check=True)
     assert json.loads(out.stdout) == ta[:8]
@@ -137,7 +137,7 @@ def test_trace_block_size_maps_any_hash_block_onto_the_node_blocks(tmp_path):
 
 
 def test_long_context_preset_has_the_published_length_distribution():
-    from splitserve.benchmarks.replay.generate import PRESETS
+    from splitserve.benchmarks.loadgen.replay.generate import PRESETS
 
     info = summarize(generate(PRESETS["long-context"]))
     assert 7000 <= info["input_p50"] <= 12000 and 27000 <= info["input_p90"] <= 39000

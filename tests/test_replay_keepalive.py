@@ -11,7 +11,7 @@ import json
 import pytest
 from aiohttp import web
 
-from splitserve.benchmarks.replay.run import KEEPALIVE_S, client_session, send
+from splitserve.benchmarks.loadgen.replay.run import KEEPALIVE_S, client_session, send
 from splitserve.router.config import RouterConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

@@ -4,7 +4,7 @@ pool and scheduler; a timing model for the forward pass) and a real Redis.
 
 Every case (random JSON of random shapes, wrong types, ints beyond 64 bits, NaN
 literals, deep nesting, raw bytes, compressed bodies, odd headers; see
-benchmarks/openai_fuzz.py) must get an answer below 500, and afterwards the router
+benchmarks/reliability/openai_fuzz.py) must get an answer below 500, and afterwards the router
 answers /health and the node process is alive. Also here, with the same cluster:
 /debug/decisions shows request ids only to a caller with the cluster token."""
 
@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from splitserve.benchmarks.openai_fuzz import FuzzCase, fuzz_cases, send
+from splitserve.benchmarks.reliability.openai_fuzz import FuzzCase, fuzz_cases, send
 from splitserve.common.auth import CLUSTER_TOKEN_HEADER
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The soak's drift figure (benchmarks/soak_control.py) on synthetic latencies: a shared
+"""The soak's drift figure (benchmarks/reliability/soak_control.py) on synthetic latencies: a shared
 machine load that moves every latency by 3x cancels out of the aged/fresh ratio, a
 real slowdown of the aged cluster shows in full, and only pairs where both requests
 succeeded after the warm-up count."""
@@ -7,8 +7,8 @@ import math
 import random
 
 import pytest
-from splitserve.benchmarks.faults_client import Outcome, RequestResult
-from splitserve.benchmarks.soak_control import control_drift, ok_pairs, percentile
+from splitserve.benchmarks.harness import Outcome, RequestResult
+from splitserve.benchmarks.reliability.soak_control import control_drift, ok_pairs, percentile
 
 
 def loaded_pairs(n: int, aged_factor: float, seed: int = 1) -> list[tuple[float, float]]:

@@ -121,14 +121,14 @@ def _tests(ctx: Context) -> list[Step]:
 def _kernels(ctx: Context) -> list[Step]:
     out = ctx.work / "kernels.json"
     size = ["--smoke"] if ctx.rehearse else ["--quick"]
-    return [Step("kernels", _script(ctx, "bench_kernels", *size, "--out", str(out)), budget("kernels", ctx), out)]
+    return [Step("kernels", _script(ctx, "gpu.bench_kernels", *size, "--out", str(out)), budget("kernels", ctx), out)]
 
 
 def _engine(part: str) -> Callable[[Context], list[Step]]:
     def steps(ctx: Context) -> list[Step]:
         out = ctx.work / f"engine_{part}.json"
         size = ["--model-dir", str(ctx.bundle / "model")] if part == "bundled" else []
-        argv = _script(ctx, "bench_gpu_engine", "--part", part, *size, *(["--smoke"] if ctx.rehearse else []),
+        argv = _script(ctx, "gpu.bench_gpu_engine", "--part", part, *size, *(["--smoke"] if ctx.rehearse else []),
                        "--out", str(out))
         return [Step(f"engine_{part}", argv, budget(f"engine_{part}", ctx), out)]
     return steps
@@ -137,7 +137,7 @@ def _engine(part: str) -> Callable[[Context], list[Step]]:
 def _transfer(ctx: Context) -> list[Step]:
     out = ctx.work / "transfer.json"
     size = ["--smoke"] if ctx.rehearse else ["--runs", "5"]
-    return [Step("transfer", _script(ctx, "bench_gpu_transfer", *size, "--out", str(out)),
+    return [Step("transfer", _script(ctx, "gpu.bench_gpu_transfer", *size, "--out", str(out)),
                  budget("transfer", ctx), out)]
 
 
@@ -145,7 +145,7 @@ def _serving(ctx: Context) -> list[Step]:
     out = ctx.work / "serving.json"
     model = ["--model", str(ctx.bundle / "model"), "--load-format", "dummy"]
     size = ["--smoke"] if ctx.rehearse else ["--rounds", "1", "--ttft-requests", "8", "--short", "96", "--long", "6"]
-    return [Step("serving", _script(ctx, "bench_gpu_serving", *model, *size, "--out", str(out)),
+    return [Step("serving", _script(ctx, "gpu.bench_gpu_serving", *model, *size, "--out", str(out)),
                  budget("serving", ctx), out)]
 
 

@@ -1,0 +1,335 @@
+"""``splitserve replay TRACE``: replay a routing trace through the real router against
+simulated nodes, and report how well the policy used the prefix caches.
+
+    redis-server, router (--policy), N simulated prefill + M decode nodes (real servers,
+    block pools, schedulers, KV transport; a timing model in place of the model)
+       ^ one streamed /v1/completions per trace line, sent at timestamp / speedup,
+         prompt = the line's hash ids expanded to tokens (trace.py), max_tokens =
+         min(output_length, max_output_tokens)
+
+Reported (JSON with ``--result-json``):
+  hit_rate         cached prompt tokens (``usage.prompt_tokens_details``) / prompt tokens
+  oracle_hit_rate  the same for one shared prefix cache that never evicts (trace.oracle_hits)
+  ttft_p50/p90/p99 seconds of trace time (wall clock x speedup), failed requests excluded
+  max_mean_load    the busiest prefill node's forward-pass time / the mean over prefill
+                   nodes (each node's ``busy_s``): how far a hot spot stands out
+  max_mean_requests  the same for requests routed (the router's routing_decisions_total);
+                   requests with long cached prefixes are cheap, so this spreads wider
+  prefill_nodes_not_idle_at_end  node -> what it still holds once every request was
+                   answered (requests, queued tokens, KV blocks in use, transfers): a leak
+
+The router's clock is not compressed: its registry polls and heartbeats stay in
+wall-clock time. The one policy time constant, cache_aware's balance half-life,
+is divided by the speed-up so the policy remembers the same stretch of trace time
+(its settle time applies only between router replicas; the replay runs one router);
+with ``--profile`` the policy's attention ratio and seconds per token are the
+profile's (``SimProfile.policy_weights``: the defaults are this CPU's fit, 16x the
+H100 profile's attention ratio). A later ``--router-arg=--score-weights=...``
+replaces all of that.
+
+Output lengths are capped because the figures are about routing and prefill: decode
+steps of the simulated nodes cost wall-clock time in this process's router and
+nodes, not prefill capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .generate import summarize as trace_summary
+from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
+from splitserve.common import metric_names as names
+
+PROGRESS_S = 5.0  # wall seconds between progress lines
+# A server closes a connection idle for its keep-alive time; a request sent on it as it
+# closes fails (ServerDisconnectedError) without reaching the server. Drop idle connections
+# well before the router's keep-alive (RouterConfig.keepalive_timeout_s) ends.
+KEEPALIVE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    trace: str
+    prefill_nodes: int = 16
+    decode_nodes: int | None = None  # None: prefill_nodes // 4, at least 1
+    policy: str = "cache_aware"
+    speedup: float = 10.0  # trace seconds per wall-clock second
+    max_output_tokens: int = 16
+    kv_cache_memory: str = "1GiB"  # per simulated node (its token capacity is the real model's)
+    fleet_procs: int = 2
+    sim_timing: str | None = None  # None: the built-in fit
+    limit: int | None = None  # replay the first N requests only
+    router_args: tuple[str, ...] = field(default=())
+    result_json: str | None = None
+    profile: str | None = None  # simulated nodes stand for this GPU deployment (sim_profiles.toml)
+    trace_block_size: int = 512  # tokens per hash id in the trace
+
+    def __post_init__(self):
+        if self.prefill_nodes < 1:
+            raise ValueError(f"prefill_nodes: must be >= 1, got {self.prefill_nodes}")
+        if self.decode_nodes is not None and self.decode_nodes < 1:
+            raise ValueError(f"decode_nodes: must be >= 1, got {self.decode_nodes}")
+        if self.speedup <= 0:
+            raise ValueError(f"speedup: must be > 0, got {self.speedup}")
+        if self.max_output_tokens < 1 or self.fleet_procs < 1:
+            raise ValueError("max_output_tokens and fleet_procs: must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit: must be >= 1, got {self.limit}")
+        if self.trace_block_size < 1:
+            raise ValueError(f"trace_block_size: must be >= 1, got {self.trace_block_size}")
+        if self.profile is not None:
+            from splitserve.common.sim_profiles import get_profile
+            get_profile(self.profile)  # an unknown name fails here, naming the choices
+
+    @property
+    def num_decode_nodes(self) -> int:
+        return self.decode_nodes if self.decode_nodes is not None else max(1, self.prefill_nodes // 4)
+
+
+class Outcome(NamedTuple):
+    ok: bool
+    ttft_s: float  # wall clock; nan when failed
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    error: str
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+               max_tokens: int) -> Outcome:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, usage, error = float("nan"), None, None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                return Outcome(False, ttft, 0.0, len(prompt), 0, f"HTTP {r.status}: {(await r.text())[:200]}")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and ttft != ttft:
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("error"):  # the router's in-stream error event
+                    error = str(chunk["error"].get("message", chunk["error"]))
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        return Outcome(False, ttft, 0.0, len(prompt), 0, f"{type(e).__name__}: {e}")
+    if usage is None:
+        return Outcome(False, ttft, 0.0, len(prompt), 0,
+                       f"error event: {error}" if error else "stream ended without usage")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return Outcome(True, ttft, time.perf_counter() - start, usage["prompt_tokens"], cached, "")
+
+
+def client_session(url: str, keepalive_s: float = KEEPALIVE_S) -> aiohttp.ClientSession:
+    """The replay's client: no connection limit, no overall timeout, idle connections
+    dropped after ``keepalive_s``, before the router would close them."""
+    return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keepalive_s),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def replay(requests: list[TraceRequest], url: str, model: str, speedup: float,
+                 max_output_tokens: int, hash_block: int = HASH_BLOCK) -> list[Outcome]:
+    """Send every request at its timestamp / speedup; the outcomes in trace order."""
+    t0_trace = requests[0].timestamp
+    done = 0
+    outcomes: list[Outcome | None] = [None] * len(requests)
+    async with client_session(url) as session:
+        async def one(i: int, req: TraceRequest):
+            nonlocal done
+            outcomes[i] = await send(session, "", model, prompt_tokens(req, hash_block=hash_block),
+                                     min(req.output_length, max_output_tokens))
+            done += 1
+
+        tasks = []
+        start = time.perf_counter()
+        next_report = start + PROGRESS_S
+        for i, req in enumerate(requests):
+            due = start + (req.timestamp - t0_trace) / 1000 / speedup
+            while (now := time.perf_counter()) < due:
+                await asyncio.sleep(min(due - now, max(0.0, next_report - now)) or 0.001)
+                if time.perf_counter() >= next_report:
+                    next_report += PROGRESS_S
+                    _progress(start, i, done, len(requests), outcomes)
+            tasks.append(asyncio.create_task(one(i, req)))
+        while done < len(requests):
+            await asyncio.sleep(0.2)
+            if time.perf_counter() >= next_report:
+                next_report += PROGRESS_S
+                _progress(start, len(requests), done, len(requests), outcomes)
+        await asyncio.gather(*tasks)
+    return outcomes
+
+
+def _progress(start: float, sent: int, done: int, total: int, outcomes) -> None:
+    finished = [o for o in outcomes if o is not None]
+    failed = sum(not o.ok for o in finished)
+    ok = [o for o in finished if o.ok]
+    hit = sum(o.cached_tokens for o in ok) / max(1, sum(o.prompt_tokens for o in ok))
+    print(f"[replay] {time.perf_counter() - start:6.1f}s  sent {sent}/{total}  done {done}  "
+          f"failed {failed}  hit rate {hit:.1%}", file=sys.stderr, flush=True)
+
+
+async def prefill_node_states(redis_url: str) -> dict[str, dict]:
+    """node_id -> /debug/state of every registered prefill node."""
+    from splitserve.common.registry import NodeRegistry
+
+    registry = NodeRegistry(redis_url)
+    try:
+        nodes = [n for n in await registry.list_nodes() if n.role == "prefill"]
+    finally:
+        await registry.close()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async def state(addr: str) -> dict:
+            async with s.get(f"{addr}/debug/state") as r:
+                return await r.json()
+        states = await asyncio.gather(*(state(n.http_addr) for n in nodes))
+    return {n.node_id: st for n, st in zip(nodes, states)}
+
+
+IDLE_RECHECK_S = 2.0
+
+
+def not_idle(state: dict) -> dict:
+    """What a prefill node's /debug/state still holds once every request was answered
+    (empty: idle): requests, queued tokens, KV blocks in use, outgoing transfers. Anything
+    here is a leak, and it also makes the node look loaded to the router for good."""
+    load = state.get("load", {})
+    held = {k: load.get(k, 0) for k in ("running", "waiting", "queued_prefill_tokens")}
+    held["blocks_in_use"] = state["kv_blocks_total"] - state["kv_blocks_free"]
+    held["outgoing"] = state.get("outgoing", 0)
+    return {k: v for k, v in held.items() if v}
+
+
+def max_over_mean(values: list[float], n: int) -> float | None:
+    values = values + [0.0] * (n - len(values))  # nodes that got nothing
+    mean = statistics.fmean(values) if values else 0.0
+    return round(max(values) / mean, 3) if mean else None
+
+
+def prefill_requests_per_node(metrics_text: str) -> dict[str, float]:
+    """node_id -> requests the router sent to that prefill node."""
+    counts = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == names.ROUTING_DECISIONS.removesuffix("_total"):
+            for s in family.samples:
+                if s.name.endswith("_total") and s.labels.get("role") == "prefill":
+                    counts[s.labels["node_id"]] = s.value
+    return counts
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Outcome],
+              per_node: dict[str, float], states: dict[str, dict], wall_s: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    prompt = sum(o.prompt_tokens for o in ok)
+    oracle = sum(oracle_hits(requests, cfg.trace_block_size)) / sum(r.input_length for r in requests)
+    hit = sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0
+    ttft = [o.ttft_s * cfg.speedup for o in ok]
+    busy = {nid: st["busy_s"] * cfg.speedup for nid, st in states.items()}  # trace seconds
+    errors = sorted({o.error for o in outcomes if not o.ok})
+    failed_by_error: dict[str, int] = {}  # first 80 characters of the error -> requests
+    for o in outcomes:
+        if not o.ok:
+            failed_by_error[o.error[:80]] = failed_by_error.get(o.error[:80], 0) + 1
+    return {
+        "policy": cfg.policy, "prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.num_decode_nodes,
+        "requests": len(requests), "failed": len(outcomes) - len(ok), "errors": errors[:5],
+        "failed_by_error": failed_by_error, "profile": cfg.profile,
+        "hit_rate": round(hit, 4), "oracle_hit_rate": round(oracle, 4),
+        "hit_rate_vs_oracle": round(hit / oracle, 4) if oracle else None,
+        "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
+        "ttft_p99": round(percentile(ttft, 0.99), 3), "ttft_mean": round(statistics.fmean(ttft), 3) if ttft else None,
+        "max_mean_load": max_over_mean(list(busy.values()), cfg.prefill_nodes),
+        "max_mean_requests": max_over_mean(list(per_node.values()), cfg.prefill_nodes),
+        "prefill_requests_per_node": dict(sorted(per_node.items())),
+        "prefill_busy_s_per_node": {k: round(v, 1) for k, v in sorted(busy.items())},
+        "prefill_nodes_not_idle_at_end": {nid: held for nid, st in sorted(states.items())
+                                          if (held := not_idle(st))},
+        "speedup": cfg.speedup, "wall_s": round(wall_s, 1), "max_output_tokens": cfg.max_output_tokens,
+        "kv_cache_memory": cfg.kv_cache_memory, "trace": trace_summary(requests), "config": asdict(cfg),
+        # trace order: [ttft seconds of trace time (null: failed), prompt tokens, cached tokens]
+        "per_request": [[round(o.ttft_s * cfg.speedup, 3) if o.ok else None, o.prompt_tokens, o.cached_tokens]
+                        for o in outcomes],
+    }
+
+
+def run_replay(cfg: ReplayConfig) -> dict:
+    """Start the cluster, replay, stop it; the summary (also written to ``cfg.result_json``)."""
+    from splitserve.common.bundled import BUNDLED_MODEL_ID
+    from splitserve.deploy.launcher import SimCluster
+    from splitserve.router.config import CacheAwareWeights
+
+    requests = load_trace(cfg.trace, cfg.trace_block_size)[:cfg.limit]
+    print(f"[replay] {cfg.trace}: {trace_summary(requests)}", file=sys.stderr, flush=True)
+    sim_args = ["--sim-speedup", str(cfg.speedup)]
+    if cfg.sim_timing:
+        sim_args += ["--sim-timing", cfg.sim_timing]
+    weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / cfg.speedup}
+    profile_args: tuple[str, ...] = ()
+    if cfg.profile:  # the nodes' model: its context on the router too, and its cost ratios
+        from splitserve.common.sim_profiles import get_profile
+        profile = get_profile(cfg.profile)
+        sim_args += ["--profile", cfg.profile]
+        profile_args = ("--max-model-len", str(profile.context), "--allow-long-max-model-len")
+        weights.update(profile.policy_weights())
+    router_args = (*profile_args, "--score-weights=" + ",".join(f"{k}={v:g}" for k, v in weights.items()),
+                   *cfg.router_args)
+    cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
+                         kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
+    print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "
+          f"{cfg.num_decode_nodes} decode simulated nodes ...", file=sys.stderr, flush=True)
+    with cluster:
+        start = time.perf_counter()
+        outcomes = asyncio.run(replay(requests, cluster.url, BUNDLED_MODEL_ID, cfg.speedup,
+                                      cfg.max_output_tokens, cfg.trace_block_size))
+        wall_s = time.perf_counter() - start
+        import urllib.request
+        with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
+            per_node = prefill_requests_per_node(r.read().decode())
+        states = asyncio.run(prefill_node_states(cluster.redis_url))
+        if any(map(not_idle, states.values())):  # a transfer may still be closing: look again
+            time.sleep(IDLE_RECHECK_S)
+            states = asyncio.run(prefill_node_states(cluster.redis_url))
+    result = summarize(cfg, requests, outcomes, per_node, states, wall_s)
+    if cfg.result_json:
+        Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.result_json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def print_summary(r: dict) -> None:
+    print(f"policy {r['policy']}: {r['prefill_nodes']} prefill + {r['decode_nodes']} decode nodes, "
+          f"{r['requests']} requests ({r['failed']} failed), {r['wall_s']} s wall at {r['speedup']}x\n"
+          f"  hit rate {r['hit_rate']:.1%}  (oracle {r['oracle_hit_rate']:.1%}, "
+          f"ratio {r['hit_rate_vs_oracle']})\n"
+          f"  TTFT p50 {r['ttft_p50']:.2f} s  p90 {r['ttft_p90']:.2f} s  p99 {r['ttft_p99']:.2f} s "
+          f"(trace time)\n  max/mean per prefill node: busy time {r['max_mean_load']}, "
+          f"requests {r['max_mean_requests']}")
+    for e in r["errors"]:
+        print(f"  error: {e}")
+    for node, held in r["prefill_nodes_not_idle_at_end"].items():
+        print(f"  not idle at the end: {node} {held}")
