@@ -122,12 +122,12 @@ class BodyBuilder:
             if self._chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish = c.finish_reason
-                if self._tools and finish == "stop":
-                    content, calls = parse(self._tools, text)
-                    if calls:
+                if self._tools and finish in ("stop", "length"):
+                    content, calls = parse(self._tools, text, finish)
+                    if calls:  # cut by max_tokens: the complete calls, finish_reason "length"
                         message = {"role": "assistant", "content": content,
                                    "tool_calls": message_calls(calls)}
-                        finish = "tool_calls"
+                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": i, "message": message, "logprobs": c.logprobs,
                                 "finish_reason": finish})
             else:

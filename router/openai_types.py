@@ -1,9 +1,10 @@
 """The OpenAI request bodies the router accepts, as msgspec structs.
 
-Owns the accepted fields and their JSON types; msgspec rejects a wrong type with
-the path of the field, which request parsing turns into a 400 naming it. Unknown
-fields are ignored, as OpenAI-compatible servers do. Not tagged: clients send
-plain OpenAI JSON.
+Owns the fields the router reads and their JSON types; msgspec rejects a wrong type
+with the path of the field, which request parsing turns into a 400 naming it. A
+top-level field not declared here is either accepted and dropped, refused, or
+unrecognized: request_fields.py decides, before these structs see the body. Not
+tagged: clients send plain OpenAI JSON.
 
 Lengths are bounded here (msgspec's ``Meta``), so no later message can echo a
 megabyte of text back: names and ids to `MAX_NAME_CHARS`, lists of messages and of
@@ -28,6 +29,7 @@ Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI's padding of stream events: accepted, unused
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -72,6 +74,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False  # the prompt's text (and, with logprobs, its logprobs) before the completion
     best_of: int | None = None  # only equal to n (or null) is supported
     suffix: str | None = None  # not supported
+    add_special_tokens: bool = True  # extension (vLLM): the tokenizer's own (BOS) on a text prompt
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -131,3 +134,5 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: Annotated[list[Tool], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Name | NamedToolChoice | None = None  # "none" | "auto" | "required" | a function
     parallel_tool_calls: bool = True  # tool_choice "required": False allows exactly one call
+    # extension (vLLM): more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None

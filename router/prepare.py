@@ -11,7 +11,6 @@ Must not do I/O or know about nodes.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -24,6 +23,7 @@ from .errors import ApiError
 from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from .prompt import Prompt
+from .request_fields import field_error, read_fields
 from .structured import Constraint, request_constraint
 from .tokenizer import RouterTokenizer
 from .tool_calls import ToolPlan, inline_tools, plan_tools
@@ -32,8 +32,6 @@ MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
 MAX_N = 16  # choices per prompt (n)
 MAX_CHOICES = 128  # prompts * n in one request: each is a generation on a decode node
 
-_AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)
-_MISSING = re.compile(r"missing required field `([^`]+)`")
 # SamplingParams field -> the OpenAI parameter the user wrote, per endpoint
 _CHAT_FIELD_NAMES = {"logprobs": "top_logprobs"}
 
@@ -68,8 +66,9 @@ class PreparedRequest:
         return msgspec.structs.replace(self.params, seed=seed)
 
 
-def decode_body(body: bytes, type_: type) -> Any:
-    """JSON body -> ``type_`` instance; 400 naming the field on any problem."""
+def decode_body(body: bytes, type_: type, endpoint: str | None = None) -> Any:
+    """JSON body -> ``type_`` instance; 400 naming the field on any problem. With an
+    ``endpoint`` (a request_fields.ENDPOINTS key), its unknown-field rule applies first."""
     try:
         obj = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
@@ -83,23 +82,12 @@ def decode_body(body: bytes, type_: type) -> Any:
         check_shape(obj)
     except InvalidRequest as e:
         raise ApiError.invalid(e) from e
+    if endpoint is not None:
+        obj = read_fields(obj, type_, endpoint)
     try:
         return msgspec.convert(obj, type_)
     except msgspec.ValidationError as e:
-        raise ApiError.invalid(_field_error(e)) from e
-
-
-def _field_error(e: msgspec.ValidationError) -> InvalidRequest:
-    """msgspec's "Expected `int`, got `str` - at `$.messages[0].role`" -> InvalidRequest
-    naming ``messages[0].role``."""
-    text, path = str(e), ""
-    m = _AT.match(text)
-    if m:
-        text, path = m.group(1), m.group(2).lstrip(".")
-    missing = _MISSING.search(text)
-    if missing:
-        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
-    return InvalidRequest(path or "body", text)
+        raise ApiError.invalid(field_error(e)) from e
 
 
 def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
@@ -107,14 +95,14 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...
     """``served``: the names clients may request (RouterConfig.served_model_names);
     ``max_model_len``: the context the nodes accept (None: the tokenizer's)."""
     max_model_len = max_model_len or tok.max_model_len
-    req: CompletionRequest = decode_body(body, CompletionRequest)
+    req: CompletionRequest = decode_body(body, CompletionRequest, "completion")
     model_id = _check_common(req, served)
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, f"best_of: only best_of equal to n (or null) is supported, got "
                        f"{_brief(req.best_of)} with n={req.n}", param="best_of")
     if req.suffix is not None:
         raise ApiError(400, "suffix: not supported", param="suffix")
-    prompts = _completion_prompts(req.prompt, tok)
+    prompts = _completion_prompts(req.prompt, tok, req.add_special_tokens)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     # max_tokens 0 scores the prompt (echo or prompt_logprobs): one token is generated, as
     # vLLM does, and dropped
@@ -137,8 +125,15 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...
 
 def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
                  max_model_len: int | None = None) -> PreparedRequest:
+    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest, "chat")
+    return prepare_chat_request(req, tok, served, max_model_len)
+
+
+def prepare_chat_request(req: ChatCompletionRequest, tok: RouterTokenizer, served: tuple[str, ...],
+                         max_model_len: int | None = None) -> PreparedRequest:
+    """Every check and the rendering of a decoded chat request (/v1/chat/completions, and
+    /v1/responses through the chat request it maps to)."""
     max_model_len = max_model_len or tok.max_model_len
-    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     model_id = _check_common(req, served)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
@@ -250,7 +245,8 @@ def _logit_bias(bias: dict) -> dict:
     return out
 
 
-def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[Prompt]:
+def _completion_prompts(prompt: str | list, tok: RouterTokenizer,
+                        add_special_tokens: bool = True) -> list[Prompt]:
     """The four prompt forms -> one validated `Prompt` per prompt."""
     if isinstance(prompt, str):
         texts_or_ids: list = [prompt]
@@ -270,7 +266,7 @@ def _completion_prompts(prompt: str | list, tok: RouterTokenizer) -> list[Prompt
                        f"{len(texts_or_ids)}", param="prompt")
     prompts = []
     for p in texts_or_ids:
-        ids = tok.encode(p) if isinstance(p, str) else p
+        ids = tok.encode(p, add_special_tokens) if isinstance(p, str) else p
         if not ids:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
         try:
@@ -311,7 +307,8 @@ def _chat_prompt(req: ChatCompletionRequest, tok: RouterTokenizer, tools: ToolPl
     if not tok.renders_tools:
         messages, rendered = inline_tools(messages, rendered), []
     try:
-        ids = tok.render_chat(messages, tools=rendered or None)
+        ids = tok.render_chat(messages, tools=rendered or None,
+                              template_kwargs=req.chat_template_kwargs)
     except InvalidRequest as e:
         raise ApiError.invalid(e) from e
     if not ids:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -84,17 +85,24 @@ class RouterTokenizer:
     # -- chat ------------------------------------------------------------------
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
+                    add_special_tokens: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Ids of a conversation through the chat template, by default ready for the reply.
         ``messages`` are ``{"role", "content"}`` dicts with string content;
         ``add_special_tokens`` adds the tokenizer's own (BOS) on top of the template's;
-        ``tools`` (OpenAI tool dicts) are passed to the template (see `renders_tools`)."""
+        ``tools`` (OpenAI tool dicts) are passed to the template (see `renders_tools`);
+        ``template_kwargs`` (vLLM's ``chat_template_kwargs``) are more template variables."""
         if self._template is None:
             raise InvalidRequest("messages", "this model has no chat template; "
                                  "use /v1/completions with a prompt")
+        variables = {**(template_kwargs or {}), **self._special}
+        taken = sorted(set(template_kwargs or ()) & {*self._special, "messages", "tools",
+                                                     "add_generation_prompt"})
+        if taken:
+            raise InvalidRequest(f"chat_template_kwargs.{taken[0]}", "set by the server; leave it out")
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **self._special)
+                                         tools=tools, **variables)
         except jinja2.TemplateError as e:  # includes raise_exception() from the template
             raise InvalidRequest("messages", f"the chat template rejected the messages: {e}") from e
         return self._encode(text, add_special_tokens)

@@ -17,8 +17,11 @@ Tools reach the model through its chat template (``tools=``, as transformers'
 ``apply_chat_template``). A template that does not use ``tools`` (the bundled SmolLM2
 does not) gets them in a system message, with the Hermes ``<tool_call>`` convention
 that "auto" parses; earlier assistant tool calls are written back in that form.
-A constrained answer ends with finish_reason "tool_calls"; one cut by max_tokens
-keeps "length" and its text as content. Call ids are ``call_<24 hex>``.
+A constrained answer ends with finish_reason "tool_calls". One cut by max_tokens keeps
+finish_reason "length": "required" and "auto" answers return the calls complete so far
+as tool_calls (the call being written when the budget ran out is dropped), or their
+text as content when no call was complete; a "named" one keeps its text as content.
+Call ids are ``call_<24 hex>``.
 
 Must not tokenize or talk to nodes.
 """
@@ -154,9 +157,12 @@ def _tagged(function: dict) -> str:
     return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
 
 
-def parse(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse(plan: ToolPlan, text: str, finish_reason: str = "stop") -> tuple[str | None, list[ToolCall]]:
     """A finished answer's text -> (content, tool calls). Text that does not parse as
-    the mode's format stays content, with no calls."""
+    the mode's format stays content, with no calls. With ``finish_reason`` "length" (cut
+    by max_tokens), the complete calls before the cut (see the module's docstring)."""
+    if finish_reason == "length":
+        return _parse_truncated(plan, text)
     if plan.mode is ToolMode.NAMED:
         args = _loads(text)
         assert plan.named is not None  # NAMED plans name their function
@@ -171,11 +177,47 @@ def parse(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     return text, []
 
 
-def _parse_tagged(text: str) -> tuple[str | None, list[ToolCall]]:
+def _parse_truncated(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+    """An answer cut by max_tokens -> (content, the complete calls); (text, []) without one."""
+    if plan.mode is ToolMode.REQUIRED:
+        parsed = [_call(item) for item in _complete_items(text)]
+        calls = [c for c in parsed if c is not None]
+        return (text, []) if not calls or len(calls) < len(parsed) else (None, calls)
+    if plan.mode is ToolMode.AUTO:
+        return _parse_tagged(text, truncated=True)
+    return text, []
+
+
+def _complete_items(text: str) -> list:
+    """The items of a JSON array cut anywhere (``[{...}, {...}, {"na``) that are complete."""
+    decoder, items = json.JSONDecoder(), []
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    at += 1
+    while True:
+        at += len(text[at:]) - len(text[at:].lstrip())
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:  # cut inside this item (or the array is malformed)
+            return items
+        items.append(item)
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if not text.startswith(",", at):
+            return items
+        at += 1
+
+
+def _parse_tagged(text: str, truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """``truncated``: a last block that is not a whole call was cut by max_tokens: dropped."""
     content, calls, rest = [], [], text
     while (start := rest.find(OPEN)) >= 0:
         end = rest.find(CLOSE, start)
         call = _call(_loads(rest[start + len(OPEN):end if end >= 0 else len(rest)]))
+        if call is None and truncated and end < 0:
+            content.append(rest[:start])
+            rest = ""
+            break
         if call is None:
             return text, []  # not a well-formed call: the model wrote text
         content.append(rest[:start])
@@ -255,12 +297,13 @@ class ToolCallStream:
         self.held = []
         if self.plan.mode is ToolMode.NAMED:
             return [], "tool_calls" if finish_reason == "stop" and self.named_id else finish_reason
-        content, calls = parse(self.plan, held) if finish_reason == "stop" else (held or None, [])
+        content, calls = (parse(self.plan, held, finish_reason) if finish_reason in ("stop", "length")
+                          else (held or None, []))
         deltas: list[dict[str, Any]] = [{"content": content}] if content else []
         if calls:
             deltas.append({"tool_calls": [
                 {"index": i, **c} for i, c in enumerate(message_calls(calls))]})
-            finish_reason = "tool_calls"
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return deltas, finish_reason
 
 
