@@ -251,7 +251,8 @@ async def stream_request(session: aiohttp.ClientSession, url: str, prompt: str, 
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True}
     t0 = time.monotonic()
-    text, chunks = [], 0
+    text: list[str] = []
+    chunks = 0
     t_last, gap = None, 0.0  # time of the last event, the longest silence between two
     if disconnect is Disconnect.BEFORE_FIRST_BYTE:
         task = asyncio.ensure_future(session.post(f"{url}/v1/chat/completions", json=body))

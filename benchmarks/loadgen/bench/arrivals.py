@@ -29,9 +29,8 @@ def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def trace_offsets(specs: list[RequestSpec]) -> list[float] | None:
     """The dataset's own schedule, or None when a spec has no timestamp."""
-    if any(s.timestamp_s is None for s in specs):
-        return None
-    return [s.timestamp_s for s in specs]
+    offsets = [s.timestamp_s for s in specs if s.timestamp_s is not None]
+    return offsets if len(offsets) == len(specs) else None
 
 
 def fixed_offsets(n: int, interval_s: float, start_s: float = 0.0) -> list[float]:

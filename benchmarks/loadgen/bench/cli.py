@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .arrivals import poisson_offsets, trace_offsets
 from .client import Endpoint, EndpointError, check_endpoint
-from .config import BenchConfig, Slo, normalize_base_url
+from .config import BenchConfig, EndpointType, Slo, normalize_base_url
 from .datasets import load_dataset, load_tokenizer
 from .metrics import summarize
 from .report import format_summary, plot_cdfs, plot_vs_rate, request_records, write_json
@@ -93,7 +93,8 @@ def parse_slo(items: list[str] | None) -> Slo | None:
     return Slo(**bounds)
 
 
-BACKENDS = {"openai": "completions", "openai-chat": "chat"}  # vLLM's --backend -> endpoint type
+# vLLM's --backend -> endpoint type
+BACKENDS: dict[str, EndpointType] = {"openai": "completions", "openai-chat": "chat"}
 DATASET_NAMES = ("random", "prefix-repetition", "shared-prefix", "custom", "sharegpt", "trace")
 _NEEDS_PATH = ("custom", "sharegpt", "trace")
 
@@ -112,11 +113,12 @@ def _dataset(a: argparse.Namespace) -> str:
     return f"{a.dataset_name}:{a.dataset_path}" if a.dataset_path else a.dataset_name
 
 
-def _endpoint_type(a: argparse.Namespace) -> str:
+def _endpoint_type(a: argparse.Namespace) -> EndpointType:
     from_backend = BACKENDS[a.backend] if a.backend else None
     if from_backend and a.endpoint_type and from_backend != a.endpoint_type:
         raise ValueError(f"--backend {a.backend}: contradicts --endpoint-type {a.endpoint_type}")
-    return from_backend or a.endpoint_type or "completions"
+    chosen: EndpointType = from_backend or a.endpoint_type or "completions"  # argparse's choices: a valid name
+    return chosen
 
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:

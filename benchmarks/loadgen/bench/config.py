@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+EndpointType = Literal["chat", "completions"]  # /v1/chat/completions or /v1/completions
+
 
 class Slo(NamedTuple):
     """Goodput bounds: a request is good when it meets both (milliseconds)."""
@@ -19,7 +21,7 @@ class Slo(NamedTuple):
 class BenchConfig:
     base_url: str  # ends with /v1
     model: str | None = None  # None: the first model the endpoint lists
-    endpoint_type: Literal["chat", "completions"] = "completions"
+    endpoint_type: EndpointType = "completions"
     # One run per rate (requests/s, inf = all at once). Empty: the dataset's own
     # schedule (trace timestamps), or all at once when it has none.
     request_rates: tuple[float, ...] = ()

@@ -113,7 +113,7 @@ def exact_text(rng: random.Random, tok: Tokenizer, ids: list[int]) -> TextPrompt
     so cut the re-encoded ids to the target or pad them with random ids and repeat until
     the count holds (as vLLM's random dataset does)."""
     target = len(ids)
-    best = None
+    best: TextPrompt | None = None
     for _ in range(EXACT_TEXT_TRIES):
         text = tok.decode(ids)
         got = tok.encode(text)
@@ -122,6 +122,7 @@ def exact_text(rng: random.Random, tok: Tokenizer, ids: list[int]) -> TextPrompt
         if len(got) == target:
             break
         ids = got[:target] if len(got) > target else got + random_tokens(rng, target - len(got), tok.vocab_size)
+    assert best is not None  # EXACT_TEXT_TRIES >= 1
     return best
 
 
@@ -192,7 +193,7 @@ def sharegpt_specs(rng: random.Random, tok: Tokenizer, path: Path, n: int,
         raise ValueError(f"--dataset sharegpt:{path}: expected a JSON list of conversations")
     rows = [r for r in rows if isinstance(r, dict) and len(r.get("conversations") or []) >= 2]
     rng.shuffle(rows)
-    specs = []
+    specs: list[RequestSpec] = []
     for row in rows:
         if len(specs) == n:
             break

@@ -25,7 +25,7 @@ def format_summary(s: Summary, title: str) -> str:
             f"{'Output token throughput (tok/s):':<40}{s.output_throughput:.2f}",
             f"{'Total token throughput (tok/s):':<40}{s.total_token_throughput:.2f}",
             f"{'Cached prompt-token share:':<40}{s.cached_share:.3f}"]
-    if s.goodput is not None:
+    if s.goodput is not None and s.slo is not None:
         rows.append(f"{'Goodput (req/s) under SLO:':<40}{s.goodput:.3f}  ({s.good_requests}/"
                     f"{s.completed} good; TTFT <= {s.slo['ttft_ms']:g} ms, TPOT <= "
                     f"{s.slo['tpot_ms']:g} ms)")

@@ -114,10 +114,10 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
         turns = int(rng.geometric(1.0 / spec.mean_turns))
         at = t
         for _ in range(turns):
-            user, answer = lognormal(spec.mean_user_tokens), lognormal(spec.mean_output_tokens)
+            message, answer = lognormal(spec.mean_user_tokens), lognormal(spec.mean_output_tokens)
             if spec.tool_share and rng.random() < spec.tool_share:
-                user += lognormal(spec.mean_tool_tokens, 2 * spec.length_sigma)
-            prompt = length + user
+                message += lognormal(spec.mean_tool_tokens, 2 * spec.length_sigma)
+            prompt = length + message
             if prompt + answer > spec.max_context:
                 break
             while len(blocks) * HASH_BLOCK < prompt:

@@ -172,7 +172,9 @@ async def replay(requests: list[TraceRequest], url: str, model: str, speedup: fl
                 next_report += PROGRESS_S
                 _progress(start, len(requests), done, len(requests), outcomes)
         await asyncio.gather(*tasks)
-    return outcomes
+    answered = [o for o in outcomes if o is not None]
+    assert len(answered) == len(requests)  # every task has run
+    return answered
 
 
 def _progress(start: float, sent: int, done: int, total: int, outcomes) -> None:
