@@ -1,7 +1,7 @@
 """Admission: how many generating requests the router serves at once, and draining.
 
-    POST /v1/completions, /v1/chat/completions   counted in flight from the first byte
-                                                 of the body to the last byte streamed;
+    POST /v1/completions, /v1/chat/completions,  counted in flight from the first byte
+         /v1/responses                           of the body to the last byte streamed;
                                                  beyond max_inflight: 429 + Retry-After
     draining (SIGTERM)                           every path but /health and /metrics:
                                                  503 + Retry-After; /health says "draining"
@@ -22,7 +22,7 @@ from aiohttp import web
 from .errors import ApiError
 from .metrics import RouterMetrics
 
-GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 OPEN_WHILE_DRAINING = ("/health", "/metrics")  # probes and scrapes see the drain
 
 

@@ -17,8 +17,9 @@ live as long as the app). The lifespan (cleanup_ctx) creates, in order, the Redi
 `NodeRegistry`, the node discovery task, the Redis `KVIndex` and the prefix-index
 mirror task, the event-loop lag watch (loop_lag.py), the pooled
 `aiohttp.ClientSession` to the nodes, the sharing of the policy's recent work with
-the other router replicas (shared_work.py, when the policy keeps any) and the
-dispatcher, and closes them in reverse after waiting for pending aborts.
+the other router replicas (shared_work.py, when the policy keeps any), the
+dispatcher and the Redis store of /v1/responses (responses_store.py), and closes them
+in reverse after waiting for pending aborts.
 
 Must not import torch or `splitserve.engine`, or touch tensors.
 """
@@ -40,7 +41,7 @@ from ..common.errors import InvalidRequest
 from ..common.http import peer_connector
 from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
-from . import endpoints, extra_endpoints, openai_api
+from . import endpoints, extra_endpoints, openai_api, responses_api
 from .admission import Admission
 from .auth import api_key_middleware
 from .background import BackgroundTasks
@@ -55,6 +56,7 @@ from .metrics import RouterMetrics
 from .node_client import NodeClient
 from .policy_registry import make_policy
 from .prefix_index import PrefixIndex
+from .responses_store import ResponseStore
 from .shared_work import SharedWork
 from .state import (ADMISSION, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES, TOKENIZER,
                     RouterServices)
@@ -91,6 +93,7 @@ def build_app(config: RouterConfig) -> web.Application:
     app.on_response_prepare.append(_add_request_id)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    responses_api.register(app)  # OpenAI's Responses API: /v1/responses[/{id}]
     app.router.add_get("/v1/models", endpoints.list_models)
     app.router.add_get("/v1/models/{model}", endpoints.get_model)
     app.router.add_get("/health", endpoints.health)
@@ -128,7 +131,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     dispatcher = Dispatcher(directory, policy, client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
                             config.retry_after_s, config.migration_limit)
-    app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher)
+    responses = ResponseStore(config.redis_url)
+    app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher,
+                                   responses)
     log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
              config.model_id, config.policy, config.block_size, redact_url(config.redis_url),
              len(directory.nodes))
@@ -144,6 +149,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         await session.close()
         await _within(index.close(), "the prefix index's Redis client")
         await _within(registry.close(), "the registry's Redis client")
+        await _within(responses.close(), "the response store's Redis client")
 
 
 async def _within(step, what: str) -> None:

@@ -63,7 +63,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     response_id = id_prefix + uuid.uuid4().hex
     builder = BodyBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     try:
-        gens = await _start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
+        gens = await start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, prep.constraint_field) from None
     client_gone = False
@@ -75,7 +75,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
         async with contextlib.aclosing(merge_pieces(gens)) as pieces:
             async for piece in pieces:
                 builder.add(piece)
-                if _client_gone(request):  # without handler_cancellation, notice it here
+                if client_gone_away(request):  # without handler_cancellation, notice it here
                     client_gone = True
                     return web.Response(status=499)  # never sent: nobody is listening
         return web.json_response(builder.final(gens))
@@ -87,7 +87,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
             g.close(client_gone=client_gone)
 
 
-async def _start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: str,
+async def start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: str,
                      t_start: float) -> list[Generation]:
     """Start every choice of the request; all started or none (the started ones are
     closed, which aborts them, before the first error is raised).
@@ -135,7 +135,7 @@ async def _start_group(coros: list) -> list[Generation]:
     return [t.result() for t in tasks]
 
 
-def _client_gone(request: web.Request) -> bool:
+def client_gone_away(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 

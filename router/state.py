@@ -18,6 +18,7 @@ from .discovery import NodeDirectory
 from .dispatch import Dispatcher
 from .metrics import RouterMetrics
 from .policy import RoutingPolicy
+from .responses_store import ResponseStore
 from .tokenizer import RouterTokenizer
 
 
@@ -32,6 +33,7 @@ class RouterServices:
     session: aiohttp.ClientSession
     background: BackgroundTasks
     dispatcher: Dispatcher
+    responses: ResponseStore  # stored /v1/responses (previous_response_id, GET, DELETE)
 
 
 CONFIG = web.AppKey("config", RouterConfig)

@@ -190,7 +190,7 @@ def _parse_truncated(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCa
 
 def _complete_items(text: str) -> list:
     """The items of a JSON array cut anywhere (``[{...}, {...}, {"na``) that are complete."""
-    decoder, items = json.JSONDecoder(), []
+    decoder, items = json.JSONDecoder(), list[Any]()
     at = len(text) - len(text.lstrip())
     if not text.startswith("[", at):
         return []

@@ -1,0 +1,159 @@
+"""The Responses API's endpoints:
+
+    POST   /v1/responses        create, whole (JSON) or streamed (typed SSE events)
+    GET    /v1/responses/{id}   a stored response (404 when unknown, deleted or expired)
+    DELETE /v1/responses/{id}   forget it
+
+A create runs on the chat path end to end::
+
+    read body (request_body.py) -> decode (request_fields.py, responses_request.py)
+      -> previous_response_id: its stored conversation (responses_store.py; 400 if unknown)
+      -> prepare (responses_prepare.py -> prepare.py; a large body on a worker thread)
+      -> start the generation (openai_api.start_all -> dispatch.py)
+      -> the chat bodies (bodies.py) -> the response (responses_objects.py) or its
+         events (responses_events.py)
+      -> store it (unless "store": false), then answer / send response.completed
+      -> always: close the generation (aborts it on its node unless it finished)
+
+Must not validate fields (the prepare modules do) or talk to nodes (dispatch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from .bodies import BodyBuilder, usage
+from .errors import ApiError
+from .generation import Generation, merge_pieces
+from .openai_api import client_gone_away, start_all
+from .request_body import off_loop, read_body
+from .responses_events import EventStream
+from .responses_objects import ResponseHead, new_id, output_of, usage_of
+from .responses_prepare import ResponsesPrepared, decode_responses, prepare_responses
+from .responses_request import parse_items
+from .responses_store import ResponseStore
+from .state import CONFIG, SERVICES, TOKENIZER
+from .structured import renamed_constraint_error
+
+log = logging.getLogger(__name__)
+
+
+def register(app: web.Application) -> None:
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", delete)
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    t_start = asyncio.get_running_loop().time()
+    app = request.app
+    config, tok, services = app[CONFIG], app[TOKENIZER], app[SERVICES]
+    body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+    req = await off_loop(body, config.prepare_thread_bytes, decode_responses)
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        stored = await services.responses.get(req.previous_response_id)
+        if stored is None:
+            raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r}"
+                           " (unknown, deleted, expired, or created with store=false)",
+                           param="previous_response_id")
+        history = stored["history"]
+    max_model_len = services.directory.max_model_len(tok.max_model_len)
+    rp: ResponsesPrepared = await off_loop(
+        body, config.prepare_thread_bytes,
+        lambda _: prepare_responses(req, history, tok, config.served_model_names, max_model_len))
+    head = ResponseHead(new_id("resp"), int(time.time()), rp.prep.model, req)
+    builder = BodyBuilder(rp.prep, tok, head.id, head.created_at)
+    try:
+        gens = await start_all(services.dispatcher, rp.prep, head.id, t_start)
+    except ApiError as e:  # a node could not compile the grammar: name the user's parameter
+        raise renamed_constraint_error(e, rp.prep.constraint_field) from None
+    client_gone = False
+    try:
+        if rp.prep.stream:
+            return await _stream(request, rp, head, builder, gens)
+        async with contextlib.aclosing(merge_pieces(gens)) as pieces:
+            async for piece in pieces:
+                builder.add(piece)
+                if client_gone_away(request):
+                    client_gone = True
+                    return web.Response(status=499)  # never sent: nobody is listening
+        output, status = output_of(builder.final(gens))
+        response = head.body(status, output, usage_of(usage(gens)))
+        await _store(services.responses, rp, response)
+        return web.json_response(response)
+    except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+        client_gone = True
+        raise
+    finally:
+        for g in gens:
+            g.close(client_gone=client_gone)
+
+
+async def _stream(request: web.Request, rp: ResponsesPrepared, head: ResponseHead,
+                  builder: BodyBuilder, gens: list[Generation]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    events = EventStream(head, rp.logprobs)
+
+    async def send(batch: list[dict[str, Any]]) -> None:
+        await resp.write(b"".join(
+            f"event: {e['type']}\ndata: ".encode() + json.dumps(e, ensure_ascii=False).encode()
+            + b"\n\n" for e in batch))
+
+    await resp.prepare(request)
+    await send(events.start())
+    try:
+        async with contextlib.aclosing(merge_pieces(gens)) as pieces:
+            async for piece in pieces:
+                await send(events.chunk(builder.chunk(piece)))
+    except ApiError as e:  # a node failed mid-stream: the 200 is already sent
+        log.warning("response %s: %s", head.id, e.message)
+        await send(events.fail(e))
+    except ConnectionResetError:
+        raise
+    except Exception:
+        log.exception("response %s: unexpected error while streaming", head.id)
+        await send(events.fail(ApiError(500, "internal error while streaming; see the router's log")))
+    else:
+        last, response = events.finish(usage_of(usage(gens)))
+        await _store(request.app[SERVICES].responses, rp, response)  # before the client hears of it
+        await send(last)
+    await resp.write_eof()
+    return resp
+
+
+async def _store(store: ResponseStore, rp: ResponsesPrepared, response: dict[str, Any]) -> None:
+    """Keep the response and its conversation (the input, then the output as input items)
+    for a later previous_response_id, unless the request said store=false."""
+    if rp.request.store is False:
+        return
+    history = rp.items + parse_items(response["output"], "output", set())
+    await store.put(response, history)
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    stored = await request.app[SERVICES].responses.get(response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return web.json_response(stored["response"])
+
+
+async def delete(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    if not await request.app[SERVICES].responses.delete(response_id):
+        raise _not_found(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id {response_id[:128]!r} not found (unknown, deleted, "
+                    "expired, or created with store=false)", param="response_id")
