@@ -58,7 +58,7 @@ class SimConfig:
     ``max_model_len`` and ``kv_bytes_per_token`` (0: the model folder's own) make a
     simulated node stand for the profile's model: its context and its KV cache size.
 
-    The defaults are the fit of ``benchmarks/fit_timing.py`` to the real engine on the
+    The defaults are the fit of ``benchmarks/engine/fit_timing.py`` to the real engine on the
     development machine (bundled model, fp32, 1 thread); the script writes the same
     fields as JSON for ``load``. ``speedup`` divides every sleep, so a replay can run
     trace time faster than real time.
@@ -88,7 +88,7 @@ class SimConfig:
 
     @classmethod
     def load(cls, path: str | Path | None, speedup: float = 1.0) -> "SimConfig":
-        """The fitted timing in ``path`` (JSON written by benchmarks/fit_timing.py), or the
+        """The fitted timing in ``path`` (JSON written by benchmarks/engine/fit_timing.py), or the
         built-in defaults when ``path`` is None."""
         if path is None:
             return cls(speedup=speedup)

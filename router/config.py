@@ -30,7 +30,7 @@ class CacheAwareWeights:
     kv_usage: float = 1024.0  # a node whose KV pool is full (scaled by the used fraction)
     transfer: float = 0.1  # per prompt token sent to a decode node that does not hold it
     # token-equivalents per (new token x context token) of attention in a prefill: the
-    # fit of benchmarks/fit_timing.py here (prefill_attn_s / prefill_token_s, 1.49e-6 / 2.76e-3)
+    # fit of benchmarks/engine/fit_timing.py here (prefill_attn_s / prefill_token_s, 1.49e-6 / 2.76e-3)
     attention: float = 5.4e-4
     # per token of prompt work recently sent to a prefill node above the mean of the prefill
     # nodes (half-life below): cache affinity accumulates work on the holders of popular
