@@ -77,7 +77,8 @@ class EventStream:
         return out, response
 
     def fail(self, error: ApiError) -> list[dict[str, Any]]:
-        body = {"code": error.code or error.type, "message": error.message}
+        body = {"code": "server_error" if error.status >= 500 else "invalid_prompt",
+                "message": error.message}  # Response.error.code is one of OpenAI's few
         return [self._event("error", code=error.code or error.type, message=error.message,
                             param=error.param),
                 self._event("response.failed", response=self.head.body("failed", self.items,

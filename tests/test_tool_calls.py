@@ -105,3 +105,30 @@ def test_inline_tools_for_a_template_without_them():
     assert '"name": "get_weather"' in out[0]["content"]
     assert out[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert "tool_calls" not in out[2] and "tool_call_id" not in out[3]
+
+
+def test_a_list_cut_by_max_tokens_keeps_its_complete_calls():
+    required = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"))
+    cut = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}, {"na'
+    content, calls = parse(required, cut, "length")
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert parse(required, '[{"name": "get_weather", "argu', "length") == ('[{"name": "get_weather", "argu', [])
+    assert parse(required, cut, "stop") == (cut, [])  # a finished answer must parse whole
+    auto = plan_tools(request(tools=[WEATHER]))
+    tagged = ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+              '<tool_call>{"name": "get_weather", "arguments": {"ci')
+    content, calls = parse(auto, tagged, "length")
+    assert content == "Sure." and [json.loads(c.arguments) for c in calls] == [{"city": "Oslo"}]
+    assert parse(auto, "Just text, cut", "length") == ("Just text, cut", [])
+
+
+@pytest.mark.parametrize("split", [1, 5, 1000])
+def test_a_streamed_list_cut_by_max_tokens_sends_its_complete_calls(split):
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}, {"name": "get_ti'
+    stream = ToolCallStream(plan_tools(request(tools=[WEATHER, TIME], tool_choice="required")))
+    deltas = [d for i in range(0, len(text), split) for d in stream.feed(text[i:i + split])]
+    last, finish = stream.finish("length")
+    assert finish == "length" and not deltas
+    (delta,) = last
+    assert [c["function"]["name"] for c in delta["tool_calls"]] == ["get_time", "get_time"]
+    assert [c["index"] for c in delta["tool_calls"]] == [0, 1]
