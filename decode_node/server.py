@@ -71,7 +71,7 @@ class Fallback(NamedTuple):
 class DecodeNode:
     """The decode (or colocated) role's server (a node/app.py NodeServer), built with the app."""
     exporter: BlockExporter | None = None  # a decode node exports no blocks
-    prefill: PrefillClient  # from start() on
+    prefill_client: PrefillClient  # from start() on
     _session: aiohttp.ClientSession
     _lease_task: asyncio.Task[None]
 
@@ -103,7 +103,7 @@ class DecodeNode:
         self._session = aiohttp.ClientSession(connector=peer_connector(),
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                               headers=auth_headers(self.config.cluster_token))
-        self.prefill = PrefillClient(self._session)
+        self.prefill_client = PrefillClient(self._session)
         if self.config.role == "decode":
             store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
             receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
@@ -146,7 +146,7 @@ class DecodeNode:
     async def _ask_prefill(self, addr: str, task: PrefillRequest) -> None:
         """Ask the prefill node; its answer (or failure) goes to the transfer's table."""
         try:
-            result = await self.prefill.prefill(addr, task)
+            result = await self.prefill_client.prefill(addr, task)
         except PrefillFailed as e:  # transport, HTTP or a bad answer: the transfer fails, we fall back
             self.transfers.fail(task.transfer_id, str(e))
             return
@@ -262,7 +262,7 @@ class DecodeNode:
                 call.cancel()
             if not admitted:
                 self.transfers.fail(tid, "not admitted")  # no-op unless an unexpected error got here
-                abort = asyncio.create_task(self.prefill.abort(prefill_addr, rid))
+                abort = asyncio.create_task(self.prefill_client.abort(prefill_addr, rid))
                 self._aborts.add(abort)
                 abort.add_done_callback(self._aborts.discard)
                 # Over shm and ipc the prefill node writes into our memory before it tells us;

@@ -174,8 +174,7 @@ async def drain(app: web.Application, grace_s: float) -> None:
     wait up to ``grace_s`` for in-flight requests; what is left is cancelled by the
     cleanup that follows (its blocks freed like any aborted request's)."""
     rt, node = app[RUNTIME], app[NODE]
-    rt.draining = True
-    await rt.stop_heartbeat()
+    await rt.start_draining()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while node.inflight() and loop.time() < deadline:

@@ -151,6 +151,12 @@ class NodeRuntime:
             publisher.start()
             self.redis.heartbeat.start()
 
+    async def start_draining(self) -> None:
+        """Refuse new work from now on (node/app.py answers 503) and deregister, so routers
+        stop choosing this node; in-flight requests go on."""
+        self.draining = True
+        await self.stop_heartbeat()
+
     async def stop_heartbeat(self) -> None:
         """Deregister and stop publishing (idempotent: drain calls it, then the lifespan)."""
         if self._heartbeat_stopped:
