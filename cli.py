@@ -184,7 +184,7 @@ def _add_sim_nodes_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-nodes", type=int, default=4)
     p.add_argument("--decode-nodes", type=int, default=1)
     p.add_argument("--sim-timing", default=None,
-                   help="timing-model JSON from benchmarks/fit_timing.py (default: the built-in fit)")
+                   help="timing-model JSON from benchmarks/engine/fit_timing.py (default: the built-in fit)")
     p.add_argument("--sim-speedup", type=float, default=1.0, help="divide every simulated step by this")
     p.add_argument("--id-prefix", default="sim", help="node ids are <prefix>-<role>-<i>")
     p.add_argument("--profile", default=None, help="a GPU deployment to stand for (common/sim_profiles.toml): "

@@ -1,0 +1,68 @@
+"""The product's import graph read from the source: every import counts, a lazy one inside
+a function too. Shared by the tests that police the arrows (test_import_layers.py,
+test_router_modules.py)."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "splitserve"
+# top-level package -> its layer: a module imports only its own package or a lower layer
+LAYER = {"common": 0, "csrc": 1, "engine": 2, "kvtransfer": 2, "node": 3, "router": 3, "prefill_node": 4,
+         "decode_node": 4, "deploy": 5, "benchmarks": 6, "cli": 7, "": 7}  # "": the package's own __init__
+
+
+def module_name(path: Path) -> str:
+    """``engine.model`` for engine/model.py, ``router`` for router/__init__.py, ``""`` for the root."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def product_modules() -> dict[str, Path]:
+    files = {"cli": ROOT / "cli.py", "": ROOT / "__init__.py"}
+    for package in LAYER:
+        if package and package != "cli":
+            files.update((module_name(p), p) for p in (ROOT / package).rglob("*.py"))
+    return files
+
+
+def imports(path: Path) -> set[str]:
+    """Every splitserve module name ``path`` imports (without the ``splitserve.`` prefix),
+    and for ``from x import y`` also ``x.y`` (y may be a module)."""
+    here = module_name(path).split(".") if module_name(path) else []
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            elif node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
+                target = node.module.removeprefix(PACKAGE).removeprefix(".")
+            else:
+                continue
+            found.add(target)
+            found.update(f"{target}.{a.name}".lstrip(".") for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.removeprefix(PACKAGE + ".") for a in node.names if a.name.startswith(PACKAGE + "."))
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    """module -> the product modules it imports (resolved to the longest known name)."""
+    modules = product_modules()
+    out = {}
+    for name, path in modules.items():
+        deps = set()
+        for target in imports(path):
+            parts = target.split(".")
+            known = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules),
+                         None)
+            if known is not None and known != name and not name.startswith(known + ".") and known != "":
+                deps.add(known)  # a package's __init__ re-exporting its modules, or a module its package: no arrow
+        out[name] = deps
+    return out
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
