@@ -12,7 +12,8 @@ API's typed events, each with its ``sequence_number`` (0, 1, 2, ...)::
     response.completed, or response.incomplete (max_output_tokens cut it)
     on failure: error, then response.failed
 
-A message item opens with the first text; a tool call closes the message before it.
+A message item opens with the first text; a tool call closes the item before it, so
+each item's events end before the next item's begin.
 The last event's response is the same object a non-streamed request returns.
 
 Must not do I/O: it turns dicts into dicts.
@@ -69,7 +70,7 @@ class EventStream:
         if not self.items:  # nothing generated: one empty message, as a whole answer has
             out += self._open_message()
         out += self._close_message()
-        for index in sorted(self._calls):
+        for index in sorted(i for i, c in self._calls.items() if c["status"] == "in_progress"):
             out += self._close_call(index)
         status = item_status(self.finish_reason)
         response = self.head.body(status, self.items, usage)
@@ -126,8 +127,10 @@ class EventStream:
         index = call["index"]
         fn = call.get("function") or {}
         item = self._calls.get(index)
-        if item is None:
+        if item is None:  # a new call: the ones before it are whole (each item ends before the next)
             out += self._close_message()
+            for open_index in sorted(i for i, c in self._calls.items() if c["status"] == "in_progress"):
+                out += self._close_call(open_index)
             item = function_call_item(new_id("fc"), call["id"], fn["name"], "", "in_progress")
             self._calls[index] = item
             self.items.append(item)

@@ -70,6 +70,9 @@ def test_text_then_calls_closes_the_message_first():
     assert [o["type"] for o in response["output"]] == ["message", "function_call", "function_call"]
     assert [(o["call_id"], o["arguments"], o["status"]) for o in response["output"][1:]] == [
         ("call_a", '{"x": 1}', "completed"), ("call_b", "{}", "completed")]
+    kinds = [e["type"].rsplit(".", 1)[-1] for e in events if "function_call" in e["type"]
+             or (e["type"].startswith("response.output_item") and e["item"]["type"] == "function_call")]
+    assert kinds == ["added", "delta", "done", "done"] * 2  # each call whole before the next
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     assert [(e["output_index"], e["arguments"]) for e in done] == [(1, '{"x": 1}'), (2, "{}")]
 
