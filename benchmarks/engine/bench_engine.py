@@ -25,6 +25,7 @@ from splitserve.benchmarks.harness import RESULTS, ours_prefill
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.model_runner import ModelRunner
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -86,6 +87,7 @@ def main() -> int:
 
     engine = EngineCore(EngineConfig(kv_cache_memory=2 << 30, device=args.device, dtype=args.dtype,
                                      attention_backend=args.attention_backend))
+    assert isinstance(engine.runner, ModelRunner), "a real (not simulated) engine"
     print(f"engine: {args.device}, {engine.config.dtype}, attention backend {engine.runner.backend.name}", flush=True)
     hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=getattr(torch, engine.config.dtype))
     hf = hf.to(args.device).eval()

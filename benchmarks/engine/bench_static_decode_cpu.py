@@ -39,7 +39,7 @@ def main() -> int:
     vocab = engines["eager"].model_config.vocab_size
     rows = []
     for n in BATCHES:
-        times = {name: [] for name in engines}
+        times: dict[str, list[float]] = {name: [] for name in engines}  # engine -> seconds per step
         for e in engines.values():
             engine_decode(e, token_prompts(n, 16, vocab, 999), 2)  # warm-up
         for rep in range(args.reps):

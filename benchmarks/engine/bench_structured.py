@@ -23,7 +23,7 @@ import json
 import statistics
 import sys
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,12 +33,13 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import render_chat
+from splitserve.engine.model_runner import ModelRunner
 
 # Long enough that no request completes its grammar within the measured steps. Strings
 # without maxLength: xgrammar 0.2.8 fills the mask of a position inside a string with a
 # maxLength in ~3 ms per request on this CPU (every token needs a runtime check), against
 # ~0.1 ms without; `--max-length` measures that case.
-LONG_SCHEMA = {"type": "array", "minItems": 40, "items": {
+LONG_SCHEMA: dict[str, Any] = {"type": "array", "minItems": 40, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}}
 CHECK_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
@@ -68,14 +69,20 @@ def tpot(engine: EngineCore, prompts: list[list[int]], steps: int, schema: dict 
     first = 0
     while first < len(prompts):  # prefill: until every request has its first token
         first += len(engine.step())
-    masker = engine.runner.grammar_masker
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "structured outputs need the real model, not a simulated one"
+    masker = runner.grammar_masker  # None until the first structured request
     busy = masker.busy_s if masker is not None else 0.0
     start = time.perf_counter()
     for _ in range(steps):
         deltas = engine.step()
         assert len(deltas) == len(prompts) and not any(d.finish_reason for d in deltas), deltas
     elapsed = time.perf_counter() - start
-    mask = engine.runner.grammar_masker.busy_s - busy if schema is not None else 0.0
+    mask = 0.0
+    if schema is not None:
+        masker = runner.grammar_masker
+        assert masker is not None, "the structured requests' steps made the grammar masker"
+        mask = masker.busy_s - busy
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
     return Timing(elapsed / steps, mask / steps)
@@ -89,6 +96,7 @@ def measure_tpot(args) -> dict:
     prompts = [render_chat(tok, [{"role": "user", "content": f"List {40 + i} people as JSON with name, age "
                                   "and city."}]) for i in range(args.batch)]
     schema = long_schema(args.max_length)
+    assert engine.grammars is not None, "a real (not simulated) engine has a grammar cache"
     engine.grammars.compile(StructuredOutputsParams(json=schema).validate())  # compile outside the timing
     tpot(engine, prompts, 2, schema)  # warm-up: first-use allocations on both paths
     tpot(engine, prompts, 2, None)
@@ -141,7 +149,8 @@ def check_validity(n: int) -> dict:
         t0 = time.perf_counter()
         answers = asyncio.run(run(c.url))
         elapsed = time.perf_counter() - t0
-    valid, reasons = 0, {}
+    valid = 0
+    reasons: dict[str, int] = {}  # finish_reason -> answers
     for a in answers:
         reasons[a.choices[0].finish_reason] = reasons.get(a.choices[0].finish_reason, 0) + 1
         try:

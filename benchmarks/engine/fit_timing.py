@@ -4,7 +4,8 @@ as the real engine on this machine? Fitted to the bundled model, fp32, one torch
 
     .venv/bin/python benchmarks/engine/fit_timing.py [--threads 1]
 
-Times every ``ModelRunner.execute`` of
+Times every ``ModelRunner.launch`` (on the CPU the whole step runs in it: the forward
+pass and the sampling; it is what a simulated node's ``SimRunner.launch`` stands in for) of
   - prefill: prompts of 96 to 4096 tokens in chunks of 512 (the cached context
     grows chunk by chunk), fitted by least squares to
     ``step_s + prefill_token_s * n + prefill_attn_s * n * (ctx + n / 2)``;
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -25,22 +27,33 @@ from splitserve.benchmarks.harness import RESULTS
 from splitserve.common.config import EngineConfig, SimConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.model_runner import LaunchedStep, ModelRunner
+from splitserve.engine.scheduler import SchedulerOutput
 
 
-def timed_engine(threads: int) -> tuple[EngineCore, list]:
+class StepTime(NamedTuple):
+    decodes: int  # decode rows
+    chunks: list[tuple[int, int]]  # prefill chunks: (tokens, cached context tokens)
+    seconds: float
+
+
+def timed_engine(threads: int) -> tuple[EngineCore, list[StepTime]]:
     engine = EngineCore(EngineConfig(kv_cache_memory=1 << 30, num_threads=threads, max_num_seqs=64,
                                      max_num_batched_tokens=2048, prefill_chunk_size=512))
-    samples = []  # (decode rows, [(n, ctx) chunks], seconds)
-    execute = engine.runner.execute
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "fitted to the real engine, not a simulated one"
+    samples: list[StepTime] = []
+    launch = runner.launch
 
-    def timed(out, kv):
+    def timed(out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
         decodes = sum(1 for _, n in out.scheduled if n == 1)
         t0 = time.perf_counter()
-        result = execute(out, kv)
-        samples.append((decodes, chunks, time.perf_counter() - t0))
-        return result
-    engine.runner.execute = timed
+        launched = launch(out, kv)
+        samples.append(StepTime(decodes, chunks, time.perf_counter() - t0))
+        return launched
+    setattr(runner, "launch", timed)  # an instance attribute over the method: this engine's every step timed
     return engine, samples
 
 
@@ -65,8 +78,9 @@ def measure_prefill(engine, samples, vocab: int) -> list[tuple[int, int, float]]
 def fit_prefill(rows: list[tuple[int, int, float]]) -> tuple[float, float, float]:
     x = torch.tensor([[1.0, n, n * (ctx + n / 2)] for n, ctx, _ in rows], dtype=torch.float64)
     y = torch.tensor([t for *_, t in rows], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).clamp(min=0)
-    return tuple(float(c) for c in coef)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).clamp(min=0)  # [3]: one per column of x
+    step_s, token_s, attn_s = (float(c) for c in coef)
+    return step_s, token_s, attn_s
 
 
 def measure_decode(engine, samples, vocab: int, step_s: float, steps: int) -> list[tuple[int, float]]:

@@ -46,6 +46,7 @@ from splitserve.benchmarks.harness import RESULTS, copy_bandwidth, engine_decode
 from splitserve.common.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.loader import resolve_model_dir
+from splitserve.engine.model_runner import ModelRunner
 
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=257, hidden_size=64,
@@ -88,6 +89,7 @@ def hf_decode_step(model, batch, steps: int) -> float:
 def weight_bytes(engine: EngineCore) -> int:
     """Bytes a decode step must read: every weight, except the embedding table when it is
     not also the head (only the batch's rows of it are read)."""
+    assert isinstance(engine.runner, ModelRunner), "a real (not simulated) engine"
     model = engine.runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
     if not model.cfg.tie_word_embeddings:

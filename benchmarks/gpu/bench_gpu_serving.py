@@ -225,7 +225,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("SPLITSERVE_QUIET", "1")
     tok = load_tokenizer(a.model)
     copy_gb_s, env = device_figures(plan.device, a.smoke)
-    rounds, errors = [], []
+    rounds: list[dict] = []  # per round: setup -> its results and counters
+    errors: list[str] = []  # "round N setup: why", a setup that failed
     complete = report(out, plan, rounds, errors, copy_gb_s, env, a.smoke)  # a stage cut short leaves this much
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model

@@ -34,8 +34,8 @@ from splitserve.benchmarks.harness import RESULTS, stop_receiver, sync
 from splitserve.kvtransfer import KVBlockStore, KVLayout, SenderOptions, TransferError, make_receiver, make_sender
 from splitserve.kvtransfer.checksum import wsum
 
-SIZES = (16, 128, 512)  # blocks: 256, 2k and 8k tokens
-SMOKE_SIZES = (1, 8)
+SIZES: tuple[int, ...] = (16, 128, 512)  # blocks: 256, 2k and 8k tokens
+SMOKE_SIZES: tuple[int, ...] = (1, 8)
 
 
 def layout_for(device: str) -> KVLayout:

@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,19 @@ PEAK_TB_S = [("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35
 NUM_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM ** -0.5
 AUTO_ORDER = ("cuda", "triton")  # what --attention-backend auto tries on CUDA (engine/attention/selector.py)
+
+
+class KernelsResult(TypedDict):
+    """kernels.json: contract.py's top level, the run's setup, and one row per case."""
+    environment: dict
+    mode: str  # smoke, quick or full
+    targets: list[dict]
+    auto_backend: str | None  # None: neither backend loaded
+    backend_errors: dict[str, str]  # backend -> why it is left out
+    peak_tb_s_datasheet: float | None  # None: the device is not in PEAK_TB_S
+    copy_tb_s_measured: float
+    shape: dict[str, int | str]
+    rows: list[dict]  # run_case's rows, with the ratios main adds
 
 
 class Plan:
@@ -138,7 +152,8 @@ class Case:
     def gathered(self, table) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one block set as [batch, kv_heads, context, head_dim], contiguous."""
         shape = (self.batch, self.context, KV_HEADS, HEAD_DIM)
-        return tuple(self.kv[i][table.flatten()].view(shape).transpose(1, 2).contiguous() for i in (0, 1))
+        k, v = (self.kv[i][table.flatten()].view(shape).transpose(1, 2).contiguous() for i in (0, 1))
+        return k, v
 
 
 def run_case(case: Case, kernels: dict, plan: Plan, num_sms: int) -> dict:
@@ -152,8 +167,8 @@ def run_case(case: Case, kernels: dict, plan: Plan, num_sms: int) -> dict:
     reference = torch.empty_like(case.q)
     torch_backend.decode(case.q, case.kv, metas[0], reference)
     size = decode_partition_size(case.batch, KV_HEADS, case.context, BLOCK_SIZE, num_sms)
-    row = {"context": case.context, "batch": case.batch, "kv_bytes": case.kv_bytes, "block_sets": case.sets,
-           "partition_size": size}
+    row: dict[str, float | str] = {"context": case.context, "batch": case.batch, "kv_bytes": case.kv_bytes,
+                                   "block_sets": case.sets, "partition_size": size}
 
     def record(name, fn, calls):
         us = time_us(fn, calls, plan)
@@ -215,8 +230,8 @@ def targets(rows: list[dict], auto: str | None, plan: Plan) -> list[dict]:
     top = next((r for r in rows if r["context"] == big and r["batch"] == max(plan.batches)), None)
     pct = top.get(f"{auto}_pct_copy") if top and auto else None
     short = [r for r in rows if r["context"] == small]
-    speedups = [r.get(f"{auto}_speedup_vs_sdpa") for r in short]
-    every = auto is not None and len(short) == len(plan.batches) and None not in speedups
+    speedups = [s for r in short if (s := r.get(f"{auto}_speedup_vs_sdpa")) is not None]
+    every = auto is not None and len(short) == len(plan.batches) and len(speedups) == len(short)
     return [target_row("paged_attention_pct_of_copy", pct, f"ctx{big}_b{max(plan.batches)}"),
             target_row("paged_attention_speedup_vs_sdpa", min(speedups) if every else None, f"ctx{small}")]
 
@@ -249,12 +264,13 @@ def main(argv=None) -> int:
     peak, copy = peak_from_table(device_name), measured_copy_tb_s(plan)
     print(f"{device_name}: datasheet peak {peak if peak else 'unknown'} TB/s, measured copy {copy:.2f} TB/s, "
           f"{num_sms} SMs; kernels {list(kernels)}, auto picks {auto}", flush=True)
-    result = {"environment": environment(plan.device), "mode": "smoke" if args.smoke else "quick" if args.quick
-              else "full", "targets": [], "auto_backend": auto, "backend_errors": errors,
-              "peak_tb_s_datasheet": peak, "copy_tb_s_measured": round(copy, 4),
-              "shape": {"num_heads": NUM_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                        "block_size": BLOCK_SIZE, "dtype": str(DTYPE).removeprefix("torch.")},
-              "rows": []}
+    result: KernelsResult = {
+        "environment": environment(plan.device), "mode": "smoke" if args.smoke else "quick" if args.quick
+        else "full", "targets": [], "auto_backend": auto, "backend_errors": errors,
+        "peak_tb_s_datasheet": peak, "copy_tb_s_measured": round(copy, 4),
+        "shape": {"num_heads": NUM_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE, "dtype": str(DTYPE).removeprefix("torch.")},
+        "rows": []}
     rows = result["rows"]
     result["targets"] = targets(rows, auto, plan)
     write_json(out, result)  # a stage cut short still leaves the environment and the errors

@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -81,7 +82,7 @@ def environment(device: str) -> dict:
     return env
 
 
-def write_json(path: Path, payload: dict) -> None:
+def write_json(path: Path, payload: Mapping[str, object]) -> None:
     """Write ``payload`` to ``path`` whole (a temp file renamed over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")

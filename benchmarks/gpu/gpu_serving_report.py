@@ -61,23 +61,25 @@ def figures(plan, rounds: list[dict], copy_gb_s: float) -> dict:
     per_round = [{s: r["results"] for s, r in got.items()} for got in rounds]
     both = [g for g in per_round if DISAGG in g and COLOC in g]
     pooled = pool(per_round)
-    out = {"ttft": {}, "mixed": {}, "kv_transfer": {"by_prompt_len": {}, "copy_gb_s": copy_gb_s}}
+    ttft: dict[str, dict] = {}  # prompt length -> TTFT figures
+    by_len: dict[str, dict[str, float | None]] = {}  # prompt length -> KV bytes sent, seconds, GB/s
+    kv: dict[str, object] = {"by_prompt_len": by_len, "copy_gb_s": copy_gb_s}
+    out: dict[str, dict] = {"ttft": ttft, "mixed": {}, "kv_transfer": kv}
     sent = secs = 0.0
     for n in plan.ttft_lens:
         w = f"ttft_{n}"
         p50 = {s: _stat(pooled, s, w, "ttft_ms") for s in SETUPS}
         ratio = _ratio(p50[DISAGG], p50[COLOC])
-        out["ttft"][str(n)] = {
+        ttft[str(n)] = {
             "p50_ms": p50, "disagg_over_colocated": ratio,
             "per_round": [_ratio(_stat(g, DISAGG, w, "ttft_ms"), _stat(g, COLOC, w, "ttft_ms")) for g in both],
             "failed": _failed(pooled, w)}
         b = sum(_counter(g[DISAGG]["counters"][w], names.KV_BYTES_SENT) for g in rounds if DISAGG in g)
         t = sum(_counter(g[DISAGG]["counters"][w], names.KV_SEND_SECONDS) for g in rounds if DISAGG in g)
         sent, secs = sent + b, secs + t
-        out["kv_transfer"]["by_prompt_len"][str(n)] = {"bytes": b, "send_seconds": t,
-                                                       "gb_s": b / t / 1e9 if t else None}
+        by_len[str(n)] = {"bytes": b, "send_seconds": t, "gb_s": b / t / 1e9 if t else None}
     gb_s = sent / secs / 1e9 if secs else None
-    out["kv_transfer"].update(gb_s=gb_s, over_copy=_ratio(gb_s, copy_gb_s))
+    kv.update(gb_s=gb_s, over_copy=_ratio(gb_s, copy_gb_s))
     p99 = {s: _stat(pooled, s, "mixed", "tpot_ms", "p99", "short") for s in SETUPS}
     ratio = _ratio(p99[DISAGG], p99[COLOC])
     overlap = {s: [sum(x) for x in zip(*(_overlap(g[s]["mixed"][0].results) for g in per_round if s in g))]

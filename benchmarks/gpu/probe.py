@@ -77,16 +77,17 @@ def environment() -> dict:
 
 def check_image(failed: list[str]) -> dict:
     """Versions of the image's packages the suite relies on."""
-    got = {}
+    got: dict[str, str | None] = {}  # dist -> version; None: not installed
     for dist, minimum in IMAGE_MINIMUM.items():
         try:
-            got[dist] = importlib.metadata.version(dist)
+            version = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             got[dist] = None
             failed.append(f"{dist} is not installed (the suite needs >= {minimum})")
             continue
-        if _version_tuple(got[dist]) < _version_tuple(minimum):
-            failed.append(f"{dist} {got[dist]} is older than {minimum}")
+        got[dist] = version
+        if _version_tuple(version) < _version_tuple(minimum):
+            failed.append(f"{dist} {version} is older than {minimum}")
     return got
 
 
@@ -116,7 +117,8 @@ def check_carried(bundle: Path, failed: list[str]) -> dict:
 def check_redis(failed: list[str]) -> dict:
     from splitserve.deploy.launcher import start_redis
 
-    out = {"path": shutil.which("redis-server"), "version": _command(["redis-server", "--version"])}
+    out: dict[str, str | bool | None] = {"path": shutil.which("redis-server"),
+                                         "version": _command(["redis-server", "--version"])}
     try:
         proc, _ = start_redis()
         proc.kill()

@@ -46,7 +46,7 @@ def table(found: list[dict]) -> str:
     """Markdown: one row per target the stages reported, then each issue target no stage
     reported as not measured."""
     lines = ["| stage | target | measured | goal | verdict | device |", "|---|---|---|---|---|---|"]
-    reported = set()
+    reported: set[str] = set()  # TARGETS kinds some stage reported
     for r in found:
         env = r.get("environment", {})
         device = f"{env.get('device_name', '?')}, driver {env.get('driver', '?')}"

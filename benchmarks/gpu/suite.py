@@ -286,8 +286,8 @@ def stage_record(stage: Stage, steps: list[Step], runs: list[StepRun], ctx: Cont
                  command: str) -> dict:
     results = {s.label: read_json(s.result) for s in steps if s.result is not None}
     if stage.number == 1:
-        result: dict | None = {"probe": results.get("probe"), "tests": junit_summary(ctx.work / "junit.xml")}
-        tests = result["tests"]
+        tests = junit_summary(ctx.work / "junit.xml")
+        result: dict | None = {"probe": results.get("probe"), "tests": tests}
         targets = [] if ctx.rehearse or tests is None else [
             {"name": "gpu_tests_pass", "value": tests["passed"], "target": len(tests["tests"]) - tests["skipped"],
              "op": ">=", "met": tests["failed"] == 0 and tests["passed"] > 0}]

@@ -106,7 +106,8 @@ async def kill_phase(c: Cluster, args, name: str) -> dict:
             "longest_gap_across_kill_s": longest_gap(r for r in results if r.started < t_kill < r.ended),
             "longest_gap_before_kill_s": longest_gap(r for r in results if r.ended < t_kill),
             "pools_free_after_s": await pools_free_s(c, args), "lease_s": args.lease,
-            "errors": sorted({r.error for r in failed})[:5]}
+            # the first few errors (a failed request always has one; this load disconnects none)
+            "errors": sorted({r.error for r in failed if r.error is not None})[:5]}
 
 
 async def router_phase(c: Cluster) -> dict:
@@ -140,7 +141,7 @@ async def disconnect_phase(c: Cluster, args) -> dict:
     return {"requests": len(results), "outcomes": counts, "pools_free_after_s": free_s,
             "lease_s": args.lease, "pools_free_within_lease": free_s <= args.lease,
             "dead_owner_segments_left": len(dead_left),
-            "errors": sorted({r.error for r in results if r.outcome is Outcome.FAILED})[:5]}
+            "errors": sorted({r.error for r in results if r.outcome is Outcome.FAILED and r.error is not None})[:5]}
 
 
 def _ours(name: str, c: Cluster) -> bool:

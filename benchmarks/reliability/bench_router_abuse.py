@@ -68,7 +68,7 @@ def run_fuzz(host: str, port: int, cases: list, workers: int = 8) -> dict:
             return f"no answer: {type(e).__name__}", case
 
     statuses: Counter = Counter()
-    five_xx = []
+    five_xx: list[dict[str, object]] = []  # the first few failures, as sent
     t0 = time.monotonic()
     with ThreadPoolExecutor(workers) as pool:
         for i, (status, case) in enumerate(pool.map(one, cases)):
@@ -87,7 +87,8 @@ def run_fuzz(host: str, port: int, cases: list, workers: int = 8) -> dict:
 
 async def normal_load(url: str, seconds: float, clients: int = 4) -> dict:
     """A closed loop of ``clients`` sending NORMAL_BODY for ``seconds``."""
-    latencies, failures = [], Counter()
+    latencies: list[float] = []  # seconds, succeeded requests
+    failures: Counter[str] = Counter()  # HTTP status or exception name -> requests
     deadline = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as http:
@@ -177,7 +178,7 @@ def main() -> int:
     os.environ.setdefault("SPLITSERVE_QUIET", "1")
     from splitserve.deploy.launcher import SimCluster
 
-    result = {"config": vars(args)}
+    result: dict[str, object] = {"config": vars(args)}
     with SimCluster(0, 1, fleet_procs=1, sim_args=["--sim-speedup", "50"],
                     kv_cache_memory="256MiB", router_args=["--max-model-len", "128"]) as c:
         host, port = c.url.removeprefix("http://").split(":")

@@ -64,7 +64,7 @@ def rss_mb(pid: int) -> float | None:
 
 async def sample_memory(c: Cluster, every_s: float, t0: float, samples: list[dict], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        row = {"t": round(time.monotonic() - t0, 1)}
+        row: dict[str, float | None] = {"t": round(time.monotonic() - t0, 1)}  # "t", then process -> RSS MiB
         for p in c.procs:
             row[p.name] = rss_mb(p.popen.pid)
         if c.redis is not None:
@@ -120,6 +120,7 @@ async def soak(c: Cluster, fresh: Cluster, sups: dict[str, Supervisor], args) ->
         results += batch
         windows.append(window_row(w, t0, batch))
         report(windows[-1], samples, f"window {w + 1}/{n_windows}")
+    assert starting is not None, "the last loop window started the fresh cluster"
     sups["fresh"] = await starting
     t_measure = time.monotonic() + args.warmup_s  # pairs sent before this warm the fresh cluster up
     aged, fresh_res = await run_interleaved([c.url, fresh.url], args.control_rate, args.warmup_s + args.window,
@@ -138,7 +139,8 @@ async def soak(c: Cluster, fresh: Cluster, sups: dict[str, Supervisor], args) ->
     return {"windows": windows, "control_fresh": fresh_row, "rss_samples": samples,
             "control_pairs_s": [[round(a, 4), round(f, 4)] for a, f in pairs],
             "control_drift": control_drift(pairs)._asdict(),
-            "errors": sorted({r.error for r in results + fresh_res if r.outcome is Outcome.FAILED})[:5]}
+            "errors": sorted({r.error for r in results + fresh_res
+                              if r.outcome is Outcome.FAILED and r.error is not None})[:5]}
 
 
 def summarize(out: dict, first_window_s: float) -> dict:

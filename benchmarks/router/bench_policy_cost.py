@@ -93,9 +93,10 @@ def main() -> int:
     ap.add_argument("--out", default="policy_cost", help="results/<out>.json")
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
-    out = {"load_average_1m": round(os.getloadavg()[0], 2),
-           "runs": [run(p, args.seconds, random.Random(p)) for p in args.nodes]}
-    for r in out["runs"]:
+    load = round(os.getloadavg()[0], 2)  # before the runs, as the machine was
+    runs = [run(p, args.seconds, random.Random(p)) for p in args.nodes]
+    out = {"load_average_1m": load, "runs": runs}
+    for r in runs:
         print(f"{r['prefill_nodes']} + {r['decode_nodes']} nodes: choose p10 {r['choose_p10_ms']} / "
               f"p50 {r['choose_p50_ms']} / p99 {r['choose_p99_ms']} ms ({r['calls']} calls), "
               f"first call after a poll p50 {r['choose_after_poll_p50_ms']} ms")

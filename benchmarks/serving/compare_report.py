@@ -30,7 +30,8 @@ def key_figures(results: dict) -> dict:
     """setup -> the figures the table shows (ms, tok/s)."""
     rows = {}
     for setup, loads in results.items():
-        row = {}
+        row: dict[str, float | None] = {}  # figure -> value; None: not measured
+        failed = 0  # failed requests, both workloads
         if "mixed" in loads:
             s = loads["mixed"][1]
             short, long = s.by_tag.get("short"), s.by_tag.get("long")
@@ -38,11 +39,13 @@ def key_figures(results: dict) -> dict:
                        ttft_p50=s.ttft_ms.get("p50"), short_ttft_p50=short.ttft_ms.get("p50"),
                        long_ttft_p50=long.ttft_ms.get("p50") if long else None,
                        mixed_failed=s.failed)
+            failed += s.failed
         if "throughput" in loads:
             s = loads["throughput"][1]
             row.update(tput_tok_s=s.output_throughput, tput_tpot_p50=s.tpot_ms.get("p50"),
                        tput_failed=s.failed)
-        row["failed"] = row.get("mixed_failed", 0) + row.get("tput_failed", 0)
+            failed += s.failed
+        row["failed"] = failed
         rows[setup] = row
     return rows
 
