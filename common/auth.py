@@ -1,9 +1,12 @@
 """Shared secrets: the cluster token every internal request carries, how a process
-reads it (and the router its API keys) from a flag, a file or the environment, the
-constant-time comparison, and credentials kept out of logs.
+reads it (and the router its API keys, every process its Redis URL) from a flag, a file
+or the environment, the constant-time comparison, and credentials kept out of logs.
 
     add_cluster_token_args(group)      --cluster-token, --cluster-token-file
     cluster_token_from_args(args)      -> str | None (flag, else file, else $SPLITSERVE_CLUSTER_TOKEN)
+    redis_url_from(flag, default)      --redis-url, else $SPLITSERVE_REDIS_URL, else ``default``
+    read_secret_file(what, path)       a secret file's text (warns when others may read it)
+    warn_secret_flag(flag, instead)    the warning for a secret given on the command line
     CLUSTER_TOKEN_HEADER               the header an internal request carries the token in
     token_matches(presented, expected) constant-time; False for a missing token
     auth_headers(token)                the headers an internal request carries ({} without a token)
@@ -13,6 +16,11 @@ constant-time comparison, and credentials kept out of logs.
 
 Nodes require the token on every internal endpoint (node/app.py) and in the KV
 handshake (kvtransfer/wire.py ``Hello.token``); the router and decode nodes send it.
+
+Secrets belong in the environment or in a file only its owner can read: any local user
+sees every process's command line (``ps``, /proc/<pid>/cmdline), so a secret given as a
+flag (--cluster-token, --api-key, a --redis-url with a password) still works but logs a
+warning, and ``splitserve up`` hands its members every secret in their environment.
 Must not decide which endpoint needs which secret (the servers do), log a secret, or
 import anything beyond the standard library.
 """
@@ -21,12 +29,17 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import logging
 import os
 import secrets
+import stat
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+log = logging.getLogger(__name__)
+
 CLUSTER_TOKEN_ENV = "SPLITSERVE_CLUSTER_TOKEN"
+REDIS_URL_ENV = "SPLITSERVE_REDIS_URL"  # the Redis URL, password included, for every process
 CLUSTER_TOKEN_HEADER = "X-Splitserve-Cluster-Token"
 MIN_SECRET_LEN = 8  # a shorter token or key is a typo or a placeholder, not a secret
 
@@ -37,13 +50,16 @@ def add_cluster_token_args(group: argparse._ArgumentGroup | argparse.ArgumentPar
                             f"--cluster-token-file, else ${CLUSTER_TOKEN_ENV}, else none); "
                             "prefer the file or the environment: flags show in `ps`")
     group.add_argument("--cluster-token-file", default=None,
-                       help="file holding the cluster token (surrounding whitespace ignored)")
+                       help="file holding the cluster token (surrounding whitespace ignored; "
+                            "readable by its owner only)")
 
 
 def cluster_token_from_args(args: argparse.Namespace) -> str | None:
     """The cluster token from --cluster-token, else --cluster-token-file, else the
     environment; None when none is set. Raises ValueError naming the option when the
     file is unreadable or the token is too short."""
+    if args.cluster_token is not None:
+        warn_secret_flag("--cluster-token", f"--cluster-token-file or ${CLUSTER_TOKEN_ENV}")
     return read_secret("cluster token", args.cluster_token, args.cluster_token_file,
                        CLUSTER_TOKEN_ENV)
 
@@ -51,10 +67,7 @@ def cluster_token_from_args(args: argparse.Namespace) -> str | None:
 def read_secret(what: str, value: str | None, file: str | None, env: str) -> str | None:
     """One secret: ``value`` if given, else the content of ``file``, else ``$env``."""
     if value is None and file is not None:
-        try:
-            value = Path(file).read_text().strip()
-        except OSError as e:
-            raise ValueError(f"{what}: cannot read {file}: {e.strerror}") from None
+        value = read_secret_file(what, file).strip()
         if not value:
             raise ValueError(f"{what}: {file} is empty")
     if value is None:
@@ -62,6 +75,43 @@ def read_secret(what: str, value: str | None, file: str | None, env: str) -> str
     if value is not None:
         check_secret(what, value)
     return value
+
+
+def read_secret_file(what: str, file: str) -> str:
+    """The text of the secret file ``file``; ValueError naming ``what`` when it is
+    unreadable. Warns when its group or other users may read it (chmod 600 it)."""
+    try:
+        text = Path(file).read_text()
+        mode = os.stat(file).st_mode
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read {file}: {e.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("%s: %s may be read by other users (mode %o); `chmod 600 %s`", what, file,
+                    stat.S_IMODE(mode), file)
+    return text
+
+
+def warn_secret_flag(flag: str, instead: str) -> None:
+    """Log that the secret given as ``flag`` shows in every local user's `ps`."""
+    log.warning("%s on the command line is visible to every local user (ps, /proc/<pid>/cmdline); "
+                "use %s instead", flag, instead)
+
+
+def redis_url_from(flag: str | None, default: str | None = None) -> str | None:
+    """The Redis URL: ``flag`` (--redis-url; warned about when it carries a password),
+    else $SPLITSERVE_REDIS_URL, else ``default``."""
+    if flag is not None:
+        if _has_password(flag):
+            warn_secret_flag("a --redis-url with a password", f"${REDIS_URL_ENV}")
+        return flag
+    return os.environ.get(REDIS_URL_ENV) or default
+
+
+def _has_password(url: str) -> bool:
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False
 
 
 def check_secret(what: str, value: str) -> None:

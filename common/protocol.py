@@ -17,13 +17,13 @@ reads them with ``prompt_ids``.
 """
 
 import struct
-from typing import Iterator
+from typing import Annotated, Iterator
 
 import msgspec
 import numpy as np
 
 from .errors import InvalidRequest
-from .hashing import BLOCK_HASH_VERSION, hash_blocks, token_array
+from .hashing import BLOCK_HASH_VERSION, hash_blocks, hash_keys, token_array
 from .sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 
 
@@ -32,7 +32,8 @@ class PromptHashes(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw
     carried router -> decode node -> prefill node so that the prompt is hashed once.
     A node adopts them only for its own hash version, block size and model key, when
     their count fits the prompt and the first and last blocks re-hash to the same
-    values (a wrong or shifted token list fails that); otherwise it hashes itself."""
+    values under the request's keys (a wrong or shifted token list, or hashes made
+    with another cache salt, fails that); otherwise it hashes itself."""
     version: int
     block_size: int
     model: str  # the extra key of every hash (the served model id)
@@ -44,9 +45,11 @@ class PromptHashes(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw
         return cls(version=BLOCK_HASH_VERSION, block_size=block_size, model=model,
                    hashes=hashes.astype("<u8", copy=False).tobytes())
 
-    def adopt(self, token_ids: list[int], block_size: int, model: str) -> list[int] | None:
+    def adopt(self, token_ids: list[int], block_size: int, model: str,
+              cache_salt: str | None = None) -> list[int] | None:
         """The hashes as ints, when they are ``token_ids``'s for this node's
-        ``block_size`` and ``model``; None when the node must hash the prompt itself."""
+        ``block_size`` and ``model`` and the request's ``cache_salt``; None when the
+        node must hash the prompt itself."""
         n = len(token_ids) // block_size
         if (self.version != BLOCK_HASH_VERSION or self.block_size != block_size or self.model != model
                 or len(self.hashes) != 8 * n):
@@ -54,7 +57,7 @@ class PromptHashes(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw
         hashes = hash_array(self.hashes).tolist()
         if n == 0:
             return hashes
-        keys = (model,)
+        keys = hash_keys(model, cache_salt)
         if hashes[0] != hash_blocks(token_ids[:block_size], block_size, keys)[0]:
             return None
         if n > 1 and hashes[-1] != hash_blocks(token_ids[(n - 1) * block_size : n * block_size],
@@ -77,6 +80,11 @@ def hash_array(raw: bytes):
     return np.frombuffer(raw, dtype="<u8")
 
 
+# A request's cache salt: its blocks are hashed with it (common/hashing.py ``hash_keys``), so
+# requests with different salts share no prefix block. Non-empty; None: unsalted.
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1)]
+
+
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """router -> decode node. ``prefill_addr`` None: the decode node prefills locally."""
     request_id: str
@@ -85,6 +93,7 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
     prefill_addr: str | None = None  # http://host:port of the chosen prefill node
     transfer_id: str = ""
     prompt_hashes: PromptHashes | None = None  # the router's, forwarded to the prefill node
+    cache_salt: CacheSalt | None = None  # the effective salt (router/api_keys.py), forwarded
 
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -99,6 +108,7 @@ class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True)
     skip_blocks: int  # leading blocks the decode node already holds (its prefix cache)
     dest_block_ids: list[int]
     prompt_hashes: PromptHashes | None = None  # the router's, when it sent them
+    cache_salt: CacheSalt | None = None  # the GenerateRequest's: both nodes hash with it
 
 
 class PrefillResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

@@ -203,7 +203,8 @@ class DecodeNode:
         """Get the request into the running batch: through a KV transfer, or locally.
         ``prompt``: ``req.token_ids`` read (``prompt_ids``)."""
         rid = req.request_id
-        hashes = adopt_prompt_hashes(req.prompt_hashes, prompt, self.config.engine, self.metrics.prompt_hashes)
+        hashes = adopt_prompt_hashes(req.prompt_hashes, prompt, self.config.engine, self.metrics.prompt_hashes,
+                                     req.cache_salt)
         if req.prefill_addr and self.config.role == "decode":
             fallback = await self._transfer(req, req.prefill_addr, prompt, hashes)
             if fallback is None:
@@ -212,7 +213,7 @@ class DecodeNode:
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
         try:
-            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes))
+            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes, req.cache_salt))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
@@ -223,7 +224,7 @@ class DecodeNode:
         when the router's checked out. The transfer's one owner: it ends here, in the
         table, on every path."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
-        res = await self.engine_thread.submit(Reserve(rid, prompt, hashes))
+        res = await self.engine_thread.submit(Reserve(rid, prompt, hashes, req.cache_salt))
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         skip = res.num_cached_tokens // self.config.engine.block_size
@@ -231,7 +232,8 @@ class DecodeNode:
         task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
                               kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
-                              prompt_hashes=req.prompt_hashes if hashes is not None else None)
+                              prompt_hashes=req.prompt_hashes if hashes is not None else None,
+                              cache_salt=req.cache_salt)
         call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
         try:
@@ -244,7 +246,7 @@ class DecodeNode:
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
                 rid, prompt, req.sampling_params, outcome.first_token, outcome.logprobs,
-                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs))
+                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs, req.cache_salt))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()

@@ -32,7 +32,7 @@ import torch
 
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
-from ..common.hashing import hash_blocks
+from ..common.hashing import hash_blocks, hash_keys
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from . import prompt_logprobs
@@ -111,7 +111,7 @@ class EngineCore:
         return self.scheduler.num_preemptions
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     block_hashes: list[int] | None = None) -> Request:
+                     block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Request:
         self.limits.check(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
@@ -124,25 +124,28 @@ class EngineCore:
             assert self.grammars is not None, "limits.check refuses structured outputs on a simulated engine"
             grammar = self.grammars.new_state(params.structured_outputs)
         return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                       (self.config.model_id,), frozenset(stop_ids), gen, grammar,
+                       hash_keys(self.config.model_id, cache_salt), frozenset(stop_ids), gen, grammar,
                        block_hashes=list(block_hashes) if block_hashes is not None else [])
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    block_hashes: list[int] | None = None) -> None:
+                    block_hashes: list[int] | None = None, cache_salt: str | None = None) -> None:
         """Schedule a prompt. ``block_hashes``: its chained block hashes when the caller
-        has them (carried from the router and checked, `PromptHashes.adopt`)."""
+        has them (carried from the router and checked, `PromptHashes.adopt`), made with
+        ``cache_salt``: every block of the request (decoded ones too) is hashed with it,
+        so the prefix cache shares blocks only between requests of the same salt."""
         if request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} holds a KV reservation")
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes))
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt))
 
     def reserve(self, request_id: str, prompt_token_ids: list[int],
-                block_hashes: list[int] | None = None) -> Reservation | None:
-        """Hold blocks for the whole prompt, reusing this engine's cached prefix.
-        None when the block pool cannot supply them now (the caller prefills locally)."""
+                block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Reservation | None:
+        """Hold blocks for the whole prompt, reusing this engine's cached prefix of the same
+        ``cache_salt``. None when the block pool cannot supply them now (the caller
+        prefills locally)."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         hashes = block_hashes if block_hashes is not None else hash_blocks(
-            prompt_token_ids, self.config.block_size, (self.config.model_id,))
+            prompt_token_ids, self.config.block_size, hash_keys(self.config.model_id, cache_salt))
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks) is None:
             return None
@@ -156,10 +159,12 @@ class EngineCore:
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int,
                       block_hashes: list[int] | None = None,
-                      prompt_logprobs: list[PromptLogprob | None] | None = None) -> RequestDelta:
+                      prompt_logprobs: list[PromptLogprob | None] | None = None,
+                      cache_salt: str | None = None) -> RequestDelta:
         """Admit a request whose prompt KV landed in its reserved blocks and whose
-        first token was sampled elsewhere; it joins the running batch to decode."""
-        req = self._new_request(request_id, prompt_token_ids, params, block_hashes)
+        first token was sampled elsewhere; it joins the running batch to decode.
+        ``cache_salt``: the one its ``reserve`` hashed with."""
+        req = self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt)
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token

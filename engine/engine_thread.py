@@ -23,6 +23,8 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
     Reserve(id, tokens)                    -> Reservation | None (no free blocks)
     AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens[, prompt_logprobs])
                                            -> RequestDelta     (also handed to on_deltas, in order)
+        (each of the three may carry the prompt's block hashes and the request's cache salt,
+        which every block hash of the request is made with)
     Release(id)                            -> None     give back a reservation never admitted
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
@@ -74,12 +76,14 @@ class AddRequest(NamedTuple):
     token_ids: list[int]
     params: SamplingParams
     block_hashes: list[int] | None = None  # the prompt's, when carried (PromptHashes.adopt)
+    cache_salt: str | None = None  # the request's (common.hashing.hash_keys)
 
 
 class Reserve(NamedTuple):
     request_id: str
     token_ids: list[int]
     block_hashes: list[int] | None = None
+    cache_salt: str | None = None
 
 
 class AddPrefilled(NamedTuple):
@@ -91,6 +95,7 @@ class AddPrefilled(NamedTuple):
     num_cached_tokens: int
     block_hashes: list[int] | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None  # computed by the prefill node
+    cache_salt: str | None = None  # the one its Reserve hashed with
 
 
 class Release(NamedTuple):
@@ -201,12 +206,12 @@ class EngineThread:
     def _handle(self, cmd: Command) -> Any:
         e = self._engine
         match cmd:
-            case AddRequest(rid, ids, params, hashes):
-                return e.add_request(rid, ids, params, hashes)
-            case Reserve(rid, ids, hashes):
-                return e.reserve(rid, ids, hashes)
-            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps):
-                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps)
+            case AddRequest(rid, ids, params, hashes, salt):
+                return e.add_request(rid, ids, params, hashes, salt)
+            case Reserve(rid, ids, hashes, salt):
+                return e.reserve(rid, ids, hashes, salt)
+            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt):
+                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt)
                 # through on_deltas, queued before any step's deltas: the first token reaches the
                 # request's stream before the second (the awaiter of the result runs later)
                 self._aio.call_soon_threadsafe(self._on_deltas, [delta])

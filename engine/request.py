@@ -36,7 +36,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_size: int
-    hash_keys: tuple  # extra keys of every block hash (the model id)
+    hash_keys: tuple  # extra keys of every block hash: common.hashing.hash_keys (model id, cache salt)
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # structured outputs: advanced by every appended token

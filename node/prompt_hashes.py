@@ -17,11 +17,13 @@ from ..common.protocol import PromptHashes
 
 
 def adopt_prompt_hashes(carried: PromptHashes | None, prompt: list[int], engine: EngineConfig,
-                        counter: BoundLabels[Counter]) -> list[int] | None:
+                        counter: BoundLabels[Counter], cache_salt: str | None = None) -> list[int] | None:
     """``carried`` as ints when they are ``prompt``'s for this node's block size and
-    model (counted adopted); else None, and the engine hashes the prompt (counted
-    rehashed, or absent when none was carried). ``counter``: NodeMetrics.prompt_hashes."""
-    hashes = carried.adopt(prompt, engine.block_size, engine.model_id) if carried is not None else None
+    model and the request's ``cache_salt`` (counted adopted); else None, and the engine
+    hashes the prompt with that salt (counted rehashed, or absent when none was carried).
+    ``counter``: NodeMetrics.prompt_hashes."""
+    hashes = (carried.adopt(prompt, engine.block_size, engine.model_id, cache_salt)
+              if carried is not None else None)
     result = (PromptHashResult.ADOPTED if hashes is not None else PromptHashResult.REHASHED
               if carried is not None else PromptHashResult.ABSENT)
     counter.labels(result).inc()

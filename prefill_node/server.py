@@ -165,8 +165,8 @@ class PrefillNode:
         try:
             export = engine.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
             hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
-                                         self.metrics.prompt_hashes)
-            await engine.submit(AddRequest(rid, prompt, params, hashes))
+                                         self.metrics.prompt_hashes, task.cache_salt)
+            await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))

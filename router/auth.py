@@ -8,7 +8,9 @@ other clients' request ids.
 
 A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_key``)
 and ``WWW-Authenticate: Bearer``, before the body is read. Keys are compared in
-constant time, every configured key each time.
+constant time, every configured key each time. The matched key's cache salt, when it
+has one, is left on the request (``KEY_SALT``) for the generating endpoints, which
+combine it with the request's own (router/api_keys.py).
 
 Must not read request bodies or log a presented credential.
 """
@@ -18,9 +20,12 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..common.auth import CLUSTER_TOKEN_HEADER, bearer_token, token_matches
+from .api_keys import matched_key
 from .config import RouterConfig
 from .errors import ApiError
 from .state import CONFIG
+
+KEY_SALT = web.RequestKey("key_cache_salt", str)  # the matched API key's cache salt, when it has one
 
 
 def needs_api_key(config: RouterConfig, path: str) -> bool:
@@ -34,10 +39,7 @@ def needs_api_key(config: RouterConfig, path: str) -> bool:
 
 
 def key_matches(config: RouterConfig, presented: str | None) -> bool:
-    matched = False
-    for key in config.api_keys:  # no early exit: the time does not tell which key matched
-        matched |= token_matches(presented, key)
-    return matched
+    return matched_key(config.api_keys, presented) is not None
 
 
 @web.middleware
@@ -48,9 +50,17 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
         if presented is None:
             raise _unauthorized("missing API key: send the header 'Authorization: Bearer "
                                 "<key>' (the router was started with --api-key)")
-        if not key_matches(config, presented):
+        key = matched_key(config.api_keys, presented)
+        if key is None:
             raise _unauthorized("invalid API key")
+        if key.cache_salt is not None:
+            request[KEY_SALT] = key.cache_salt
     return await handler(request)
+
+
+def key_salt(request: web.Request) -> str | None:
+    """The cache salt of the API key the request came with (None: no key, or no salt)."""
+    return request.get(KEY_SALT)
 
 
 def has_cluster_token(request: web.Request) -> bool:

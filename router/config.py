@@ -3,14 +3,14 @@ starts. Must not be written back to, and must not import torch or node code."""
 
 import argparse
 import ipaddress
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..common.auth import add_cluster_token_args, check_secret, cluster_token_from_args
+from ..common.auth import (REDIS_URL_ENV, add_cluster_token_args, check_secret, cluster_token_from_args,
+                           redis_url_from)
 from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
-
-API_KEY_ENV = "SPLITSERVE_API_KEY"  # one key, or several separated by commas
+from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, unique_keys
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 # --policy's names, the default first; router/policy_registry.py maps each to its policy.
 POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -86,7 +86,7 @@ class CacheAwareWeights:
 class RouterConfig:
     host: str = "127.0.0.1"  # nothing is open by default; 0.0.0.0 without an API key is warned about
     port: int = 8000  # 0: any free port (tests)
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = field(default=DEFAULT_REDIS_URL, repr=False)  # may hold a password
     # Model folder (tokenizer.json, config.json, chat template), as the nodes' --model.
     # None or BUNDLED_MODEL_ID: the converted bundled model.
     model: str | None = None
@@ -118,9 +118,11 @@ class RouterConfig:
     # request is failed (a hung node must not hang the client forever).
     node_read_timeout_s: float = 300.0
     node_connect_timeout_s: float = 2.0
-    # Clients must send "Authorization: Bearer <one of these>" on /v1/* and /debug/*.
-    # Empty: no authentication (fine on loopback; warned about anywhere else).
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Clients must send "Authorization: Bearer <one of these>" on /v1/* and /debug/*; a key's
+    # cache salt isolates its requests' prefix caches (router/api_keys.py). Plain strings are
+    # read as keys without a salt. Empty: no authentication (fine on loopback; warned about
+    # anywhere else).
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
     protect_health: bool = False  # /health also needs an API key (off: probes stay simple)
     protect_metrics: bool = False  # /metrics also needs an API key
     # Sent to the nodes on every internal request; shows request ids on /debug/decisions
@@ -179,8 +181,12 @@ class RouterConfig:
                              f"(0: off), got {self.migration_limit!r}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
-        for key in self.api_keys:
-            check_secret("api key", key)
+        keys = unique_keys([ApiKey(k) if isinstance(k, str) else ApiKey(*k) for k in self.api_keys])
+        object.__setattr__(self, "api_keys", keys)  # resolved before anyone reads it
+        for k in keys:
+            check_secret("api key", k.key)
+            if k.cache_salt is not None and (not isinstance(k.cache_salt, str) or not k.cache_salt):
+                raise ValueError("api key cache salt: must be a non-empty string")
         if self.cluster_token is not None:
             check_secret("cluster token", self.cluster_token)
         if (self.protect_health or self.protect_metrics) and not self.api_keys:
@@ -208,7 +214,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
     g.add_argument("--host", default=d.host)
     g.add_argument("--port", type=int, default=d.port)
-    g.add_argument("--redis-url", default=d.redis_url, help="node registry (default %(default)s)")
+    g.add_argument("--redis-url", default=None,
+                   help=f"node registry and prefix index (default: ${REDIS_URL_ENV}, else "
+                        f"{DEFAULT_REDIS_URL}); a URL with a password belongs in ${REDIS_URL_ENV}: "
+                        "flags show in `ps`")
     add_model_args(g)
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, capped at a sliding window)")
@@ -236,11 +245,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="times a generation may move mid-stream to another decode node when its "
                         "node dies (0: off, the client gets an error event; default %(default)s)")
     s = p.add_argument_group("router security and admission")
-    s.add_argument("--api-key", action="append", default=None,
-                   help=f"a client key for 'Authorization: Bearer <key>' on /v1/* and /debug/* "
-                        f"(repeatable; default: ${API_KEY_ENV}, comma-separated; none: no "
-                        "authentication)")
-    s.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    s.add_argument("--api-key", action="append", default=None, metavar="'KEY [cache_salt=SALT]'",
+                   help=f"a client key for 'Authorization: Bearer <key>' on /v1/* and /debug/*, "
+                        "optionally with the cache salt of its tenant (repeatable; default: "
+                        f"${API_KEY_ENV}, comma-separated; none: no authentication); prefer "
+                        "--api-key-file or the environment: flags show in `ps`")
+    s.add_argument("--api-key-file", default=None,
+                   help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable "
+                        "by its owner only")
     s.add_argument("--protect-health", action="store_true", help="/health needs an API key too")
     s.add_argument("--protect-metrics", action="store_true", help="/metrics needs an API key too")
     add_cluster_token_args(s)
@@ -273,7 +285,8 @@ def add_model_args(g) -> None:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(host=args.host, port=args.port, redis_url=args.redis_url,
+    return RouterConfig(host=args.host, port=args.port,
+                        redis_url=redis_url_from(args.redis_url, DEFAULT_REDIS_URL) or DEFAULT_REDIS_URL,
                         model=args.model, served_model_names=tuple(args.served_model_name or ()),
                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                         prepare_thread_bytes=args.prepare_thread_bytes,
@@ -288,20 +301,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
                         body_timeout_s=args.body_timeout,
                         drain_grace_s=args.drain_grace, migration_limit=args.migration_limit)
-
-
-def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """--api-key flags plus the lines of --api-key-file; neither: $SPLITSERVE_API_KEY
-    (comma-separated). Raises ValueError naming the option when the file is unreadable."""
-    keys = list(args.api_key or [])
-    if args.api_key_file is not None:
-        try:
-            keys += Path(args.api_key_file).read_text().split()
-        except OSError as e:
-            raise ValueError(f"api key file: cannot read {args.api_key_file}: {e.strerror}") from None
-    if not keys:
-        keys = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
-    return tuple(dict.fromkeys(keys))  # the config checks each
 
 
 def _is_loopback(host: str) -> bool:

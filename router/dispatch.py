@@ -92,7 +92,8 @@ class Dispatcher:
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
         t_hash = time.perf_counter()
-        hashes = self.prefix.hash_prompt(prompt.array)  # once: the lookup and every node reuse them
+        # once: the lookup and every node reuse them (salted: only the salt's own blocks match)
+        hashes = self.prefix.hash_prompt(prompt.array, prompt.cache_salt)
         carried = self.prefix.carried(hashes)
         wire = prompt.wire()  # the prompt's bytes, for every attempt
         hash_s = time.perf_counter() - t_hash  # counted in the first decision's time
@@ -116,7 +117,7 @@ class Dispatcher:
             req = GenerateRequest(
                 request_id=request_id, token_ids=wire, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
-                transfer_id=uuid.uuid4().hex, prompt_hashes=carried)
+                transfer_id=uuid.uuid4().hex, prompt_hashes=carried, cache_salt=prompt.cache_salt)
             try:
                 stream, prefill_slot, decode_slot = await self._open(decision, req)
             except NodeRejected as e:

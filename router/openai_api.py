@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 
+from .auth import key_salt
 from .dispatch import Dispatcher
 from .errors import ApiError, sse_error
 from .generation import Generation, merge_pieces
@@ -63,7 +64,7 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     response_id = id_prefix + uuid.uuid4().hex
     builder = BodyBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     try:
-        gens = await start_all(app[SERVICES].dispatcher, prep, response_id, t_start)
+        gens = await start_all(app[SERVICES].dispatcher, prep, response_id, t_start, key_salt(request))
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, prep.constraint_field) from None
     client_gone = False
@@ -88,14 +89,18 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
 
 
 async def start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: str,
-                     t_start: float) -> list[Generation]:
+                    t_start: float, key_salt: str | None = None) -> list[Generation]:
     """Start every choice of the request; all started or none (the started ones are
-    closed, which aborts them, before the first error is raised).
+    closed, which aborts them, before the first error is raised). ``key_salt``: the
+    cache salt of the caller's API key; with the request's own ``cache_salt`` it makes
+    the salt every prompt is hashed under (router/api_keys.py).
 
     With n > 1, the first choice of each prompt is routed and started first; the other
     n - 1 are then pinned to its nodes, so the prompt's prefix is one prefill node's."""
+    prompts = prep.salted_prompts(key_salt)
+
     def start(i: int, pin=None):
-        return dispatcher.start(i, f"{response_id}-{i}", prep.prompts[i], prep.choice_params(i),
+        return dispatcher.start(i, f"{response_id}-{i}", prompts[i], prep.choice_params(i),
                                 t_start, pin=pin, score_only=prep.score_only)
 
     if len(prep.prompts) == 1:

@@ -23,8 +23,11 @@ import msgspec
 MAX_NAME_CHARS = 256  # model, user, role, name, content part type
 MAX_MESSAGES = 4096  # messages of a chat, and text parts of one message
 MAX_TOOLS = 128  # tools of a request, tool calls of a message
+MAX_CACHE_SALT_CHARS = 1024  # a cache_salt is an id or a random token, not a document
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+# vLLM's cache_salt: the request's blocks are hashed with it (non-empty: prepare.py checks)
+CacheSaltField = Annotated[str, msgspec.Meta(max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -63,6 +66,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None  # extension (vLLM, older)
     guided_choice: list[str] | None = None  # extension (vLLM, older)
     guided_grammar: str | None = None  # extension (vLLM, older)
+    # extension (vLLM): prefix-cache isolation; combined with the API key's salt (router/api_keys.py)
+    cache_salt: CacheSaltField | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

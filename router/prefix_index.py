@@ -28,7 +28,8 @@ every node. A set with a hole may be read long, which the router counts as a
 misprediction.
 
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
-served model id as the extra key and RouterConfig.block_size, as every node does),
+served model id and the request's cache salt as the extra keys, ``hash_keys``, and
+RouterConfig.block_size, as every node does),
 the mirror task and its resync rules. Must not create its Redis client (the app's
 lifespan owns the `KVIndex`) or raise from ``lookup``.
 """
@@ -46,7 +47,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 
-from ..common.hashing import hash_blocks_array
+from ..common.hashing import hash_blocks_array, hash_keys
 from ..common.kv_events import IndexUpdate
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from ..common.outcomes import IndexLookupResult
@@ -103,12 +104,14 @@ class PrefixIndex:
     # -- lookups (request path, no I/O) -------------------------------------------------
 
     def lookup(self, prompt: Sequence[int] | np.ndarray, nodes: Sequence[NodeInfo],
-               hashes: Sequence[int] | np.ndarray | None = None) -> PrefixHits:
+               hashes: Sequence[int] | np.ndarray | None = None,
+               cache_salt: str | None = None) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
         leading blocks each node holds (at the epoch of its registry record), in
         tokens, capped like the engine caps a hit (at least one token is computed).
         ``hashes``: the prompt's block hashes when the caller has them (computed
-        once per request, `PromptHashes`); otherwise they are computed here."""
+        once per request, `PromptHashes`); otherwise they are computed here, with
+        ``cache_salt`` (a salted prompt only finds blocks of its own salt)."""
         bs = self.block_size
         num_blocks = len(prompt) // bs
         if not self.connected:
@@ -119,7 +122,7 @@ class PrefixIndex:
         if max_blocks == 0 or not self._all:
             return PrefixHits({}, num_blocks, True)
         if hashes is None:
-            hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, (self.model_id,))
+            hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, hash_keys(self.model_id, cache_salt))
         found: dict[int, int] = {}  # slot -> tokens, every mirrored node with a hit
         _walk(self._holders.get, hashes, max_blocks, self._all, bs, found)
         # Only the nodes with a hit are matched to the candidates (their registry epoch,
@@ -134,11 +137,12 @@ class PrefixIndex:
                     cached[node_id] = tokens
         return PrefixHits(cached, num_blocks, True)
 
-    def hash_prompt(self, prompt: Sequence[int] | np.ndarray) -> np.ndarray:
+    def hash_prompt(self, prompt: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> np.ndarray:
         """The prompt's block hashes as every node keys them (this router's block size,
-        the served model id): computed once per request, for ``lookup`` and the nodes.
-        ``prompt``: ids, fastest as the u32 array of `router.prompt.Prompt` (no read)."""
-        return hash_blocks_array(prompt, self.block_size, (self.model_id,))
+        the served model id, the request's ``cache_salt``): computed once per request,
+        for ``lookup`` and the nodes. ``prompt``: ids, fastest as the u32 array of
+        `router.prompt.Prompt` (no read)."""
+        return hash_blocks_array(prompt, self.block_size, hash_keys(self.model_id, cache_salt))
 
     def carried(self, hashes: np.ndarray) -> PromptHashes:
         """``hash_prompt``'s result on the wire, for the nodes to adopt."""

@@ -19,6 +19,7 @@ import msgspec
 from ..common.chat import CHAT_ROLES
 from ..common.errors import InvalidRequest
 from ..common.sampling_params import SEED_MAX, SamplingParams
+from .api_keys import effective_cache_salt
 from .errors import ApiError
 from .json_shape import MAX_JSON_DEPTH, check_shape
 from .openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -53,6 +54,15 @@ class PreparedRequest:
     echo: list[str] | None = None  # completions with echo: each choice's prompt text
     score_only: bool = False  # max_tokens 0: the one token generated is dropped
     prompt_logprobs: bool = False  # return vLLM's prompt_logprobs (the user asked for them)
+    # the request's own cache_salt; its prompts are hashed with this combined with the API
+    # key's salt (`salted_prompts`, router/api_keys.py)
+    cache_salt: str | None = None
+
+    def salted_prompts(self, key_salt: str | None) -> list[Prompt]:
+        """``prompts`` hashed under the effective salt of ``key_salt`` (the API key's) and
+        the request's own ``cache_salt``."""
+        salt = effective_cache_salt(key_salt, self.cache_salt)
+        return [p.salted(salt) for p in self.prompts]
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: with a seed, the j-th sample of a prompt uses
@@ -120,7 +130,8 @@ def prepare_completion(body: bytes, tok: RouterTokenizer, served: tuple[str, ...
     return PreparedRequest("completion", model_id, _per_choice(prompts, req.n), params, req.stream,
                            _include_usage(req), req.logprobs is not None,
                            constraint.field if constraint else None, n=req.n, echo=echo,
-                           score_only=score_only, prompt_logprobs=req.prompt_logprobs is not None)
+                           score_only=score_only, prompt_logprobs=req.prompt_logprobs is not None,
+                           cache_salt=req.cache_salt)
 
 
 def prepare_chat(body: bytes, tok: RouterTokenizer, served: tuple[str, ...],
@@ -159,7 +170,7 @@ def prepare_chat_request(req: ChatCompletionRequest, tok: RouterTokenizer, serve
     return PreparedRequest("chat", model_id, _per_choice([prompt], req.n), params, req.stream,
                            _include_usage(req), req.logprobs,
                            constraint.field if constraint else None, tools, n=req.n,
-                           prompt_logprobs=req.prompt_logprobs is not None)
+                           prompt_logprobs=req.prompt_logprobs is not None, cache_salt=req.cache_salt)
 
 
 def _prompt_texts(prompt: str | list, prompts: list[Prompt], tok: RouterTokenizer) -> list[str]:
@@ -201,6 +212,8 @@ def _check_common(req, served: tuple[str, ...]) -> str:
         raise ApiError(400, "prompt_logprobs: not available with stream=true", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise ApiError(400, "cache_salt: must be a non-empty string (or left out)", param="cache_salt")
     return model
 
 

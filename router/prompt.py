@@ -11,13 +11,18 @@ echo and prompt logprobs.
     client JSON / tokenizer --list--> Prompt.of --array--> hashes, lookup, wire bytes
                                                \\--ids----> detokenizer, echo, logprobs
 
+A prompt also carries the cache salt its blocks are hashed with (``salted``: the API
+key's and the request's, router/api_keys.py): the dispatcher hashes and sends it with
+the ids, and a migrated continuation (``extended``) keeps it, so every leg of a
+generation stays in its tenant's prefix cache.
+
 Must not be mutated: ``ids`` and ``array`` describe the same tokens for the
 request's life (``extended`` makes a new one for a migrated continuation).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,6 +34,7 @@ from ..common.hashing import token_array
 class Prompt:
     ids: list[int]  # the token ids, as the client (or the tokenizer) gave them
     array: np.ndarray  # [len(ids)] uint32, read-only: the same ids
+    cache_salt: str | None = None  # the effective salt of its block hashes; None: unsalted
 
     @classmethod
     def of(cls, ids: list[int], vocab_size: int, param: str = "prompt") -> Prompt:
@@ -48,7 +54,11 @@ class Prompt:
         """This prompt followed by ``more`` (ids the nodes produced: in the vocabulary)."""
         array = np.concatenate([self.array, token_array(more)])
         array.flags.writeable = False
-        return Prompt(self.ids + more, array)
+        return Prompt(self.ids + more, array, self.cache_salt)
+
+    def salted(self, cache_salt: str | None) -> Prompt:
+        """This prompt with its blocks hashed under ``cache_salt`` (no copy of the ids)."""
+        return self if cache_salt == self.cache_salt else replace(self, cache_salt=cache_salt)
 
     def wire(self) -> bytes:
         """The ids as `GenerateRequest.token_ids` carries them: u32 little-endian."""

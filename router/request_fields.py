@@ -65,6 +65,11 @@ _PLATFORM = frozenset({
     "prompt_cache_options", "safety_identifier", "user", "priority", "request_id",
     "mm_processor_kwargs"})
 
+# vLLM's extensions that are read are declared by the structs (openai_types.py,
+# responses_request.py): top_k, min_p, repetition_penalty, structured_outputs, guided_*,
+# chat_template_kwargs, add_special_tokens, ..., and cache_salt on all three endpoints (the
+# prefix-cache isolation of router/api_keys.py; a non-string or empty one is a 400 naming it).
+
 # vLLM's sampling and rendering extensions that would change the output, with the value
 # that changes nothing (vLLM's default).
 _VLLM_REFUSED = {

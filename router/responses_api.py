@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .auth import key_salt
 from .bodies import BodyBuilder, usage
 from .errors import ApiError
 from .generation import Generation, merge_pieces
@@ -72,7 +73,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     head = ResponseHead(new_id("resp"), int(time.time()), rp.prep.model, req)
     builder = BodyBuilder(rp.prep, tok, head.id, head.created_at)
     try:
-        gens = await start_all(services.dispatcher, rp.prep, head.id, t_start)
+        gens = await start_all(services.dispatcher, rp.prep, head.id, t_start, key_salt(request))
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, rp.prep.constraint_field) from None
     client_gone = False

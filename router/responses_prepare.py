@@ -84,7 +84,7 @@ def prepare_responses(req: ResponsesRequest, history: list[dict[str, Any]], tok:
         raise ApiError(400, f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     logprobs = LOGPROBS_INCLUDE in (req.include or ())
     chat: dict[str, Any] = {"messages": _messages(req.instructions, items), "stream": bool(req.stream)}
-    for name in ("model", "temperature", "top_p", "parallel_tool_calls", *SAMPLING_EXTRAS):
+    for name in ("model", "temperature", "top_p", "parallel_tool_calls", "cache_salt", *SAMPLING_EXTRAS):
         if getattr(req, name) is not None:
             chat[name] = getattr(req, name)
     if req.max_output_tokens is not None:

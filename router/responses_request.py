@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import msgspec
 
 from .errors import ApiError
-from .openai_types import MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS, Name
+from .openai_types import MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS, CacheSaltField, Name
 from .request_fields import field_error
 
 MAX_METADATA = 16  # OpenAI's limit on metadata pairs
@@ -73,6 +73,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stream_options: ResponsesStreamOptions | None = None
     metadata: Annotated[dict[str, str], msgspec.Meta(max_length=MAX_METADATA)] | None = None
     user: Name | None = None
+    cache_salt: CacheSaltField | None = None  # extension (vLLM): passed on to the chat request
     # passed on to the chat request (SAMPLING_EXTRAS), typed and checked there
     top_k: Any = None
     min_p: Any = None

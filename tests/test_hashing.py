@@ -18,6 +18,7 @@ from splitserve.common.hashing import (
     extend_block_hashes,
     hash_blocks,
     hash_blocks_array,
+    hash_keys,
     token_bytes,
     unfmix64,
 )
@@ -185,3 +186,25 @@ def test_extend_block_hashes_matches_hash_blocks():
     assert jumped == hash_blocks(tokens, 6)
 
 
+
+
+def test_cache_salt_keys_separate_every_block_and_leave_unsalted_hashes_alone():
+    tokens = list(range(2000, 2000 + 6 * 16 + 3))
+    plain = hash_blocks(tokens, 16, hash_keys("m"))
+    assert hash_keys("m") == ("m",) and plain == hash_blocks(tokens, 16, ("m",))  # unchanged by salts
+    a = hash_blocks(tokens, 16, hash_keys("m", "tenant-a"))
+    b = hash_blocks(tokens, 16, hash_keys("m", "tenant-b"))
+    assert len(a) == len(b) == len(plain) == 6
+    # No block of one salt shares a hash with any block of another (or of the unsalted chain).
+    assert not set(a) & set(b) and not set(a) & set(plain) and not set(b) & set(plain)
+    assert a == hash_blocks(tokens, 16, hash_keys("m", "tenant-a"))  # deterministic
+    # The salt is labelled among the keys: it cannot be confused with a second model key.
+    assert hash_keys("m", "x") != ("m", "x") and hash_blocks(tokens, 16, ("m", "x")) != hash_blocks(
+        tokens, 16, hash_keys("m", "x"))
+    # A chain continues under its salt exactly as if hashed at once (decode steps, adoption).
+    grown: list[int] = []
+    for n in range(0, len(tokens) + 1, 7):
+        extend_block_hashes(grown, tokens[:n], 16, hash_keys("m", "tenant-a"))
+    extend_block_hashes(grown, tokens, 16, hash_keys("m", "tenant-a"))
+    assert grown == a
+    assert hash_blocks(tokens[48:96], 16, hash_keys("m", "tenant-a"), parent=a[2]) == a[3:6]

@@ -1,0 +1,112 @@
+"""Client API keys, the cache salt each may carry, and the rule that makes a request's
+effective cache salt (tenant isolation of the prefix caches).
+
+    a key spec              KEY                    a client key
+                            KEY cache_salt=SALT    a key whose requests are hashed under SALT
+    --api-key SPEC          repeatable; shows in `ps`: prefer the file or the environment
+    --api-key-file FILE     one spec per line; blank lines and lines starting with # skipped
+    $SPLITSERVE_API_KEY     specs separated by commas (read when neither of the above is given)
+
+A request's effective salt (what its block hashes are made with, common/hashing.py
+``hash_keys``), as JSON text of [key salt, request salt]::
+
+    key's salt   request's cache_salt   effective
+    none         none                   none: the shared, unsalted cache
+    K            none                   ["K", null]
+    none         R                      [null, "R"]
+    K            R                      ["K", "R"]
+
+A request's own ``cache_salt`` narrows its key's namespace and never replaces it: the
+key's salt always sits in the first place, which no request can write, so whatever a
+client sends it cannot name another tenant's blocks, and the salts of keys need not be
+secret. Keys with the same salt share one cache (one tenant, several keys); keys without
+a salt share the unsalted cache, as before salts existed, unless their requests bring
+their own ``cache_salt``.
+
+Must not log a key, or compare keys in time that depends on where they differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import NamedTuple
+
+from ..common.auth import check_secret, read_secret_file, token_matches, warn_secret_flag
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # key specs separated by commas
+SALT_OPTION = "cache_salt"
+MAX_KEY_SALT_CHARS = 256
+
+
+class ApiKey(NamedTuple):
+    key: str
+    cache_salt: str | None = None  # every request made with this key is hashed under it
+
+    def spec(self) -> str:
+        """The key spec this key is read back from (``parse_key_spec``)."""
+        return self.key if self.cache_salt is None else f"{self.key} {SALT_OPTION}={self.cache_salt}"
+
+
+def parse_key_spec(spec: str, where: str) -> ApiKey:
+    """``KEY`` or ``KEY cache_salt=SALT`` -> ApiKey; ValueError naming ``where`` (the flag,
+    file line or variable it came from) otherwise. SALT: no whitespace or comma."""
+    key, *options = spec.split()
+    salt = None
+    for option in options:
+        name, sep, value = option.partition("=")
+        if name != SALT_OPTION or not sep or not value or salt is not None:
+            raise ValueError(f"{where}: expected 'KEY' or 'KEY {SALT_OPTION}=SALT', got an option "
+                             f"{name!r}" + ("" if name == SALT_OPTION else " (a key has no whitespace)"))
+        if "," in value or len(value) > MAX_KEY_SALT_CHARS:
+            raise ValueError(f"{where}: {SALT_OPTION} must be at most {MAX_KEY_SALT_CHARS} characters "
+                             "without whitespace or commas")
+        salt = value
+    check_secret(f"{where}: api key", key)
+    return ApiKey(key, salt)
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    """--api-key specs plus the lines of --api-key-file; neither: $SPLITSERVE_API_KEY
+    (comma-separated specs). Raises ValueError naming the option or line at fault."""
+    keys: list[ApiKey] = []
+    for spec in args.api_key or []:
+        if spec.strip():
+            keys.append(parse_key_spec(spec, "--api-key"))
+    if args.api_key:
+        warn_secret_flag("--api-key", f"--api-key-file or ${API_KEY_ENV}")
+    if getattr(args, "api_key_file", None) is not None:
+        text = read_secret_file("api key file", args.api_key_file)
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                keys.append(parse_key_spec(line, f"{args.api_key_file}:{n}"))
+    if not keys:
+        specs = os.environ.get(API_KEY_ENV, "").split(",")
+        keys = [parse_key_spec(s, f"${API_KEY_ENV}") for s in specs if s.strip()]
+    return unique_keys(keys)
+
+
+def unique_keys(keys: list[ApiKey] | tuple[ApiKey, ...]) -> tuple[ApiKey, ...]:
+    """``keys`` without repeats, in order; ValueError for one key given two salts."""
+    salts: dict[str, str | None] = {}
+    for k in keys:
+        if salts.setdefault(k.key, k.cache_salt) != k.cache_salt:
+            raise ValueError("api keys: one key is listed twice with different cache salts")
+    return tuple(ApiKey(key, salt) for key, salt in salts.items())
+
+
+def matched_key(keys: tuple[ApiKey, ...], presented: str | None) -> ApiKey | None:
+    """The configured key ``presented`` is, or None; every key is compared, in constant time."""
+    found = None
+    for k in keys:  # no early exit: the time does not tell which key matched
+        if token_matches(presented, k.key):
+            found = k
+    return found
+
+
+def effective_cache_salt(key_salt: str | None, request_salt: str | None) -> str | None:
+    """The salt a request's blocks are hashed under (the table above); None: unsalted."""
+    if key_salt is None and request_salt is None:
+        return None
+    return json.dumps([key_salt, request_salt], ensure_ascii=False, separators=(",", ":"))
