@@ -130,7 +130,10 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("node")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    g.add_argument("--redis-url", default=None, help="registry; without it the node is not discoverable")
+    g.add_argument("--redis-url", default=None,
+                   help="registry and prefix index (default: $SPLITSERVE_REDIS_URL; neither: the node "
+                        "is not discoverable); a URL with a password belongs in the environment: flags "
+                        "show in `ps`")
     g.add_argument("--node-id", default="")
     g.add_argument("--kv-backend", choices=tuple(KVBackend), default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
@@ -141,10 +144,10 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
 
 
 def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None = None) -> NodeConfig:
-    from .common.auth import cluster_token_from_args
+    from .common.auth import cluster_token_from_args, redis_url_from
 
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
-                      redis_url=args.redis_url, node_id=args.node_id, kv_backend=args.kv_backend,
+                      redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
                       cluster_token=cluster_token_from_args(args),
                       drain_grace_s=args.drain_grace)
@@ -315,7 +318,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",
                    help="pin roles to CPUs, e.g. prefill=0 decode=1 router=0 (a pinned node gets "
                         "one torch thread per CPU)")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis instead of starting one (default: $SPLITSERVE_REDIS_URL, else "
+                        "start one with a random password); members get it in their environment")
     p.add_argument("--host", default=None, help="bind address of the router and nodes (default: "
                    "deploy/local.toml's, 127.0.0.1)")
     add_model_args(p)
@@ -327,10 +332,19 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="a client key the router requires as 'Authorization: Bearer <key>' on /v1/* "
-                        "(repeatable; default: $SPLITSERVE_API_KEY, comma-separated; none: no "
-                        "authentication)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                   help="every node's --load-format (default: deploy/local.toml's, auto); dummy: random "
+                        "weights from the model folder's config.json")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="every node's --enforce-eager: no CUDA graphs, every step at its exact shape")
+    p.add_argument("--api-key", action="append", default=None, metavar="'KEY [cache_salt=SALT]'",
+                   help="a client key the router requires as 'Authorization: Bearer <key>' on /v1/*, "
+                        "optionally with its tenant's cache salt (repeatable; default: "
+                        "$SPLITSERVE_API_KEY, comma-separated; none: no authentication); prefer "
+                        "--api-key-file or the environment: flags show in `ps`")
+    p.add_argument("--api-key-file", default=None,
+                   help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable by its "
+                        "owner only; the router gets the keys in its environment")
 
 
 def cmd_up(args) -> int:

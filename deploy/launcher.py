@@ -4,11 +4,18 @@ nodes, and the router, each a real process. ``splitserve up`` supervises them
 (deploy/supervisor.py: a member that dies is restarted with backoff, the others keep
 serving) and stops everything, draining, only on Ctrl-C/SIGTERM.
 
-Nothing is open: ``up`` starts Redis with a random password and hands every member the
-URL with it, and generates the cluster token (common/auth.py), passed to every member
-in SPLITSERVE_CLUSTER_TOKEN; everything binds 127.0.0.1. Client API keys (``up --api-key``,
-else $SPLITSERVE_API_KEY as the caller has it) reach the router in its environment, never
-on a command line.
+Nothing is open: ``up`` starts Redis with a random password and generates the cluster
+token (common/auth.py); everything binds 127.0.0.1. No secret is ever on a member's
+command line, where every local user can read it (``ps``, /proc/<pid>/cmdline):
+
+    secret              how it reaches its members
+    Redis password      redis-server: its config on stdin (``redis-server -``, ``requirepass``);
+                        router and nodes: the URL in $SPLITSERVE_REDIS_URL
+    cluster token       router and nodes: $SPLITSERVE_CLUSTER_TOKEN
+    client API keys     router: $SPLITSERVE_API_KEY (key specs with their cache salts, read
+                        from ``up --api-key-file``, ``--api-key`` or the caller's own variable)
+
+A process's environment is readable by its user and root only, like a 0600 file.
 
 Defaults come from ``deploy/local.toml``; flags override them.
 
@@ -33,8 +40,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, check_secret, new_cluster_token
-from ..router.config import API_KEY_ENV
+from ..common.auth import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, auth_headers, new_cluster_token, redis_url_from
+from ..router.api_keys import API_KEY_ENV, ApiKey, api_keys_from_args
 from .devices import DevicePlan, plan_devices
 from .supervisor import Supervisor
 
@@ -50,13 +57,18 @@ def free_port() -> int:
 
 def start_redis(port: int | None = None, password: str | None = None) -> tuple[subprocess.Popen, str]:
     """A throwaway redis-server on ``port`` (None: a free loopback port), no persistence,
-    with ``--requirepass password`` when given; (process, url with the password).
-    Starting it again on the same port simulates a Redis restart."""
+    requiring ``password`` when given (read from its stdin as config, never from its
+    command line); (process, url with the password). Starting it again on the same port
+    simulates a Redis restart."""
     port = port or free_port()
-    auth = ["--requirepass", password] if password else []
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", *auth],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(["redis-server", "-", "--port", str(port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None, "started with stdin=PIPE"
+    with proc.stdin:  # `redis-server -` reads config lines from stdin until it closes
+        if password:
+            quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+            proc.stdin.write(f'requirepass "{quoted}"\n'.encode())
     hello = (f"AUTH {password}\r\n" if password else "").encode() + b"PING\r\n"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and proc.poll() is None:
@@ -104,14 +116,16 @@ class Cluster:
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
-                 served_model_names=(), api_keys=(), router_replicas=1):
+                 served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
+                 enforce_eager=False):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
         self.cfg = dict(prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, kv_backend=kv_backend,
                         kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
-                        router_args=list(router_args), served=list(served_model_names))
+                        router_args=list(router_args), served=list(served_model_names),
+                        load_format=load_format, enforce_eager=enforce_eager)
         self.router_port = router_port or free_port()
         if router_replicas < 1:
             raise ValueError(f"router_replicas: must be >= 1, got {router_replicas}")
@@ -120,7 +134,8 @@ class Cluster:
         self.router_ports = [self.router_port] + [free_port() for _ in range(router_replicas - 1)]
         self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
         self.redis_password = redis_password  # for the Redis this cluster starts
-        self.api_keys = tuple(api_keys)  # the router's client keys; (): it reads $SPLITSERVE_API_KEY
+        # the router's client keys (str or router.api_keys.ApiKey); (): it reads $SPLITSERVE_API_KEY
+        self.api_keys = tuple(k if isinstance(k, ApiKey) else ApiKey(k) for k in api_keys)
         self.redis_url = redis_url
         self.redis: subprocess.Popen | None = None
         self.procs: list[Proc] = []
@@ -143,12 +158,17 @@ class Cluster:
                 for i, port in enumerate(self.router_ports)]
 
     def _spawn(self, name: str, args: list[str], role: str) -> Proc:
+        """Start ``splitserve <args>`` as member ``name``; its secrets go in its environment
+        (the module's table), never in ``args``."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(CLUSTER_TOKEN_ENV, None)
         if self.cluster_token:
             env[CLUSTER_TOKEN_ENV] = self.cluster_token
+        env.pop(REDIS_URL_ENV, None)
+        if self.redis_url is not None:
+            env[REDIS_URL_ENV] = self.redis_url
         if self.api_keys and role == "router":
-            env[API_KEY_ENV] = ",".join(self.api_keys)
+            env[API_KEY_ENV] = ",".join(k.spec() for k in self.api_keys)
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
         if role in self.cpus:
             cmd = ["taskset", "-c", ",".join(map(str, self.cpus[role])), *cmd]
@@ -222,8 +242,11 @@ class Cluster:
         counts = {"prefill": c["prefill_nodes"], decode_role: c["decode_nodes"]}
         device = self.devices.node_args(role, index, counts) if self.devices else []
         memory = [] if "--gpu-memory-utilization" in device else ["--kv-cache-memory", c["kv_cache_memory"]]
-        args = ["decode" if role == "colocated" else role, "--host", c["host"], "--redis-url", self.redis_url,
-                "--kv-backend", c["kv_backend"], *memory, *device,
+        engine = ((["--load-format", c["load_format"]] if c["load_format"] else [])
+                  + (["--enforce-eager"] if c["enforce_eager"] else []))
+        # no --redis-url: the URL holds the Redis password, so it travels in $SPLITSERVE_REDIS_URL
+        args = ["decode" if role == "colocated" else role, "--host", c["host"],
+                "--kv-backend", c["kv_backend"], *memory, *device, *engine,
                 "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
         if role == "colocated":
             args.append("--colocated")
@@ -252,7 +275,7 @@ class Cluster:
         c = self.cfg
         policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
         port = port or self.router_port
-        return ["router", "--host", c["host"], "--port", str(port), "--redis-url", self.redis_url,
+        return ["router", "--host", c["host"], "--port", str(port),  # Redis: $SPLITSERVE_REDIS_URL
                 *policy, *self._model_args(), *c["router_args"]]
 
     def wait_ready(self, p: Proc, timeout: float) -> None:
@@ -336,7 +359,7 @@ class SimCluster(Cluster):
         for i in range(k):
             share = lambda n: n // k + (i < n % k)
             fleets.append(self._spawn(f"fleet-{i}", [
-                "sim-nodes", "--host", c["host"], "--redis-url", self.redis_url, "--kv-backend", c["kv_backend"],
+                "sim-nodes", "--host", c["host"], "--kv-backend", c["kv_backend"],
                 "--kv-cache-memory", c["kv_cache_memory"], "--prefill-nodes", str(share(c["prefill_nodes"])),
                 "--decode-nodes", str(share(c["decode_nodes"])), "--id-prefix", f"f{i}", *self.sim_args], "fleet"))
         routers = self.start_routers()
@@ -373,12 +396,11 @@ def served_name(args) -> str:
 
 def launch(args) -> int:
     """``splitserve up``."""
-    api_keys = tuple(getattr(args, "api_key", None) or ())
-    for key in api_keys:
-        check_secret("--api-key", key)
-    keyed = bool(api_keys or os.environ.get(API_KEY_ENV, "").strip())
+    api_keys = api_keys_from_args(args)  # --api-key, --api-key-file, else $SPLITSERVE_API_KEY
+    keyed = bool(api_keys)
     defaults = tomllib.loads(Path(args.config or DEFAULT_CONFIG).read_text())["cluster"]
     pick = lambda flag, key: getattr(args, flag) if getattr(args, flag) is not None else defaults[key]
+    enforce_eager = bool(getattr(args, "enforce_eager", None) or defaults.get("enforce_eager", False))
     device_flag = lambda flag, key=None: getattr(args, flag, None) or defaults.get(key or flag)
     devices = plan_devices(device_flag("device"), device_flag("prefill_devices"), device_flag("decode_devices"),
                            args.kv_backend, defaults["kv_backend"], dtype=device_flag("dtype"),
@@ -388,13 +410,16 @@ def launch(args) -> int:
     cluster = Cluster(prefill_nodes=pick("prefill_nodes", "prefill_nodes"),
                       decode_nodes=pick("decode_nodes", "decode_nodes"), router_port=pick("port", "router_port"),
                       kv_backend=devices.kv_backend, kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
-                      threads_per_node=pick("threads_per_node", "threads_per_node"), redis_url=args.redis_url,
+                      threads_per_node=pick("threads_per_node", "threads_per_node"),
+                      redis_url=redis_url_from(args.redis_url),
                       model=args.model, served_model_names=getattr(args, "served_model_name", None) or (),
                       host=getattr(args, "host", None) or defaults["host"], cpus=parse_cpus(args.cpus or []),
                       devices=devices if devices.devices or devices.dtype else None,
                       cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
                       redis_password=new_cluster_token(), api_keys=api_keys,
-                      router_replicas=getattr(args, "router_replicas", None) or 1)
+                      router_replicas=getattr(args, "router_replicas", None) or 1,
+                      load_format=getattr(args, "load_format", None) or defaults.get("load_format"),
+                      enforce_eager=enforce_eager)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -50,3 +50,79 @@ def test_redact_url():
     assert redact_url("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
     assert redact_url("rediss://app:s3cret@cache:6380/1") == "rediss://app:***@cache:6380/1"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_secret_flags_warn_and_files_readable_by_others_warn(tmp_path, monkeypatch, caplog):
+    """A secret on the command line still works but says it is visible in `ps`; a secret
+    file others may read says how to close it; the Redis URL comes from the flag, else
+    $SPLITSERVE_REDIS_URL, and only a URL with a password on the flag is warned about."""
+    from splitserve.common.auth import REDIS_URL_ENV, redis_url_from
+    caplog.set_level("WARNING")
+    assert _token(["--cluster-token", "flag-token-0123456789"]) == "flag-token-0123456789"
+    assert "--cluster-token on the command line is visible" in caplog.text
+    caplog.clear()
+    f = tmp_path / "token"
+    f.write_text("file-token-0123456789\n")
+    f.chmod(0o644)
+    assert _token(["--cluster-token-file", str(f)]) == "file-token-0123456789"
+    assert "may be read by other users" in caplog.text and "chmod 600" in caplog.text
+    caplog.clear()
+    f.chmod(0o600)
+    assert _token(["--cluster-token-file", str(f)]) == "file-token-0123456789" and not caplog.text
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:env-pw@10.0.0.1:6379/0")
+    assert redis_url_from(None, "redis://default") == "redis://:env-pw@10.0.0.1:6379/0" and not caplog.text
+    assert redis_url_from("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0" and not caplog.text
+    assert redis_url_from("redis://:flag-pw@127.0.0.1:1/0") == "redis://:flag-pw@127.0.0.1:1/0"
+    assert "--redis-url with a password" in caplog.text and "flag-pw" not in caplog.text
+    monkeypatch.delenv(REDIS_URL_ENV)
+    assert redis_url_from(None) is None and redis_url_from(None, "redis://d") == "redis://d"
+
+
+def _keys(argv: list[str]):
+    from splitserve.router.api_keys import api_keys_from_args
+    p = argparse.ArgumentParser()
+    p.add_argument("--api-key", action="append")
+    p.add_argument("--api-key-file")
+    return api_keys_from_args(p.parse_args(argv))
+
+
+def test_api_key_specs_carry_cache_salts_from_flags_files_and_env(tmp_path, monkeypatch):
+    from splitserve.router.api_keys import API_KEY_ENV, ApiKey, parse_key_spec
+    a, b = "key-a-0123456789", "key-b-0123456789"
+    f = tmp_path / "keys"
+    f.write_text(f"# tenants\n{a} cache_salt=tenant-a\n\n  {b}\n")
+    f.chmod(0o600)
+    assert _keys(["--api-key-file", str(f)]) == (ApiKey(a, "tenant-a"), ApiKey(b))
+    assert _keys(["--api-key", f"{a} cache_salt=x", "--api-key", b]) == (ApiKey(a, "x"), ApiKey(b))
+    monkeypatch.setenv(API_KEY_ENV, f"{a} cache_salt=s-a, {b}")
+    assert _keys([]) == (ApiKey(a, "s-a"), ApiKey(b))
+    assert _keys(["--api-key", b]) == (ApiKey(b),)  # flags and files win over the environment
+    monkeypatch.delenv(API_KEY_ENV)
+    assert _keys([]) == ()
+    assert all(parse_key_spec(k.spec(), "x") == k for k in (ApiKey(a), ApiKey(a, "t")))
+    for spec, match in ((f"{a} salt=x", "expected 'KEY' or 'KEY cache_salt=SALT'"),
+                        (f"{a} cache_salt=", "expected"), (f"{a} {b}", "a key has no whitespace"),
+                        (f"{a} cache_salt=x cache_salt=y", "expected"), ("short cache_salt=x", "api key")):
+        with pytest.raises(ValueError, match=match):
+            parse_key_spec(spec, "--api-key")
+    with pytest.raises(ValueError, match="different cache salts"):
+        _keys(["--api-key", f"{a} cache_salt=x", "--api-key", f"{a} cache_salt=y"])
+    f.write_text(f"{a}\n{a} bad\n")
+    with pytest.raises(ValueError, match=f"{f}:2"):  # names the line at fault
+        _keys(["--api-key-file", str(f)])
+
+
+def test_effective_cache_salt_keeps_tenants_apart():
+    """The key's salt and the request's never mix: whatever a request sends as cache_salt,
+    its effective salt differs from that of every request of another key's salt."""
+    from splitserve.router.api_keys import ApiKey, effective_cache_salt, matched_key
+    assert effective_cache_salt(None, None) is None
+    tenant_a = {effective_cache_salt("A", r) for r in (None, "x", "A", '["A",null]')}
+    tenant_b = {effective_cache_salt("B", r) for r in (None, "x", "A", '["A",null]')}
+    unsalted_key = {effective_cache_salt(None, r) for r in ("A", "x", '["A",null]', '["A","x"]', "B")}
+    assert len(tenant_a) == 4 and not tenant_a & tenant_b and not tenant_a & unsalted_key
+    assert not tenant_b & unsalted_key
+    assert effective_cache_salt("A", None) == effective_cache_salt("A", None)  # one tenant: one cache
+    keys = (ApiKey("key-a-0123456789", "A"), ApiKey("key-b-0123456789"))
+    assert matched_key(keys, "key-a-0123456789") == keys[0] and matched_key(keys, "key-b-0123456789") == keys[1]
+    assert matched_key(keys, "key-c-0123456789") is None and matched_key(keys, None) is None

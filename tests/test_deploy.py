@@ -216,15 +216,25 @@ def parse_command(argv: list[str], monkeypatch):
 
 
 def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
+    """Each splitserve container's args and environment, expanded as Kubernetes does, build
+    its config; the Redis URL (password included) comes from $SPLITSERVE_REDIS_URL, and no
+    container's command line (splitserve's or Redis's) holds a secret."""
     overlay, objs = rendered
     values = {"POD_IP": "10.1.2.3", "REDIS_PASSWORD": "pw"}
     configs = {}
     for name, dep in by_kind(objs, "Deployment").items():
         c = container(dep)
+        argv = c.get("command", []) + c.get("args", [])
+        assert not any("$(REDIS_PASSWORD)" in a or "requirepass pw" in expand(a, values) for a in argv), name
+        assert "--redis-url" not in argv and "--requirepass" not in argv, name
         if c.get("command") != ["splitserve"]:
             continue
+        env = {e["name"]: expand(e["value"], values) for e in c.get("env", []) if "value" in e}
+        monkeypatch.setenv("SPLITSERVE_REDIS_URL", env["SPLITSERVE_REDIS_URL"])
         configs[name] = parse_command([expand(a, values) for a in c["args"]], monkeypatch)
     assert set(configs) == {"splitserve-router", "splitserve-prefill", "splitserve-decode"}
+    redis = container(by_kind(objs, "Deployment")["splitserve-redis"])
+    assert redis["command"] == ["sh", "-c"] and 'requirepass "$REDIS_PASSWORD"' in redis["args"][0]
     assert configs["splitserve-router"].redis_url == "redis://:pw@splitserve-redis:6379/0"
     for role in ("prefill", "decode"):
         cfg = configs[f"splitserve-{role}"]
@@ -271,11 +281,16 @@ def test_compose_services_files_and_command_lines(monkeypatch):
     example = dict(line.split("=", 1) for line in (DEPLOY / "compose.env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
     assert needed == set(example)
-    assert "requirepass" in " ".join(services["redis"]["command"])
+    redis_script = services["redis"]["command"][2]
+    assert 'requirepass "$$REDIS_PASSWORD"' in redis_script and "--requirepass" not in redis_script
+    assert "redis-server - " in redis_script  # config (the password) on stdin, not in the arguments
+    assert "-a " not in services["redis"]["healthcheck"]["test"][1]
     for role in ("router", "prefill", "decode"):
         script = services[role]["entrypoint"][2]
-        script = script.replace("$$(hostname -i)", "172.18.0.5").replace("$$SPLITSERVE_REDIS_URL",
-                                                                        "redis://:pw@redis:6379/0")
+        assert "--redis-url" not in script and "PASSWORD" not in script  # secrets: environment only
+        url = services[role]["environment"]["SPLITSERVE_REDIS_URL"]
+        monkeypatch.setenv("SPLITSERVE_REDIS_URL", re.sub(r"\$\{SPLITSERVE_REDIS_PASSWORD:\?[^}]*\}", "pw", url))
+        script = script.replace("$$(hostname -i)", "172.18.0.5")
         argv = shlex.split(script.removeprefix("exec splitserve "))
         cfg = parse_command(argv, monkeypatch)
         assert cfg.redis_url == "redis://:pw@redis:6379/0"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -89,7 +90,8 @@ def small_up(port: int, flags: list[str], env: dict[str, str] | None = None):
     for until its banner is out: yields (the process, the lines it printed); killed on
     the way out if the test did not stop it."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
-    full_env.pop("SPLITSERVE_API_KEY", None)
+    for name in ("SPLITSERVE_API_KEY", "SPLITSERVE_REDIS_URL", "SPLITSERVE_CLUSTER_TOKEN"):
+        full_env.pop(name, None)
     full_env.update(env or {})
     up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--prefill-nodes", "0",
                            "--decode-nodes", "1", "--kv-cache-memory", "32MiB", *flags],
@@ -124,11 +126,108 @@ def _children(parent: int, needle: str) -> list[int]:
 
 
 def _child_of(pid: int, parent: int) -> bool:
+    return _parent(pid) == parent
+
+
+def _parent(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
+            return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
-        return False
+        return None
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, theirs, ...)."""
+    parents = {int(e): _parent(int(e)) for e in os.listdir("/proc") if e.isdigit()}
+    found, frontier = [], {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier}
+        found += sorted(frontier)
+    return found
+
+
+def _proc_file(pid: int, name: str) -> list[str]:
+    """/proc/<pid>/<name> (cmdline or environ) as its NUL-separated strings ([] once it exited)."""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return [part.decode(errors="replace") for part in f.read().split(b"\0") if part]
+    except OSError:
+        return []
+
+
+def test_up_puts_no_secret_on_any_command_line_and_still_serves(tmp_path):
+    """Every process `up` starts (redis-server, both nodes, the router) gets the Redis
+    password, the cluster token and the API keys in its environment; none of them is on
+    any of their command lines (what `ps` shows every local user). The nodes carry `up`'s
+    --load-format and --enforce-eager, and the cluster serves a keyed client."""
+    keys = ["tenant-a-key-" + "a" * 16, "tenant-b-key-" + "b" * 16]
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# two tenants\n{keys[0]} cache_salt=tenant-a\n{keys[1]} cache_salt=tenant-b\n")
+    key_file.chmod(0o600)
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    for name in ("SPLITSERVE_API_KEY", "SPLITSERVE_REDIS_URL", "SPLITSERVE_CLUSTER_TOKEN"):
+        env.pop(name, None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
+                           "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-cache-memory", "32MiB",
+                           "--kv-backend", "tcp", "--api-key-file", str(key_file),
+                           "--load-format", "auto", "--enforce-eager"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            lines.append(up.stdout.readline().rstrip())
+        procs = {pid: (_proc_file(pid, "cmdline"), dict(
+            kv.split("=", 1) for kv in _proc_file(pid, "environ") if "=" in kv)) for pid in _descendants(up.pid)}
+        by_kind = {}
+        for pid, (argv, _) in procs.items():
+            line = " ".join(argv)
+            kind = next((k for k in ("redis-server", "cli router", "cli prefill", "cli decode") if k in line), None)
+            if kind:
+                by_kind.setdefault(kind, []).append(pid)
+        assert {k: len(v) for k, v in by_kind.items()} == {
+            "redis-server": 1, "cli router": 1, "cli prefill": 1, "cli decode": 1}, procs
+        # the secrets, as the members really got them (their environments)
+        router_env = procs[by_kind["cli router"][0]][1]
+        redis_url = router_env["SPLITSERVE_REDIS_URL"]
+        password = urllib.parse.urlsplit(redis_url).password
+        token = router_env["SPLITSERVE_CLUSTER_TOKEN"]
+        assert password and len(password) >= 16 and len(token) >= 16
+        assert all(k in router_env["SPLITSERVE_API_KEY"] for k in keys)
+        for kind in ("cli prefill", "cli decode"):
+            node_env = procs[by_kind[kind][0]][1]
+            assert node_env["SPLITSERVE_REDIS_URL"] == redis_url and node_env["SPLITSERVE_CLUSTER_TOKEN"] == token
+            assert "SPLITSERVE_API_KEY" not in node_env  # clients' keys are the router's alone
+        for pid, (argv, _) in procs.items():
+            line = " ".join(argv)
+            for secret in (password, token, *keys):
+                assert secret not in line, f"a secret on the command line of {pid}: {argv[:3]}..."
+            assert "--redis-url" not in argv and "--cluster-token" not in argv and "--api-key" not in argv
+        for kind in ("cli prefill", "cli decode"):
+            argv = procs[by_kind[kind][0]][0]
+            assert argv[argv.index("--load-format") + 1] == "auto" and "--enforce-eager" in argv
+        assert not any(k in "\n".join(lines) for k in keys)
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The sea is", "max_tokens": 4,
+                           "temperature": 0}).encode()
+        for headers, want in (({}, 401), ({"Authorization": f"Bearer {keys[1]}"}, 200)):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json", **headers})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    status, answer = r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                status = e.code
+            assert status == want
+        assert answer["usage"]["completion_tokens"] == 4
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
