@@ -12,6 +12,12 @@ Must not import the model (``splitserve.engine``). The nodes use::
     await receiver.start(); receiver.address                   # advertise it
     table = TransferTable()                                    # decode node, fed by on_block;
     transfer = table.reserve(...); await transfer.done         # its PrefillResult or TransferFailure
+
+With tensor parallelism each rank has its own store, sender or receiver over its shard
+of the cache (``shard = KVShard(compat, rank)``, passed to make_sender / make_receiver);
+a prefill rank sends with ``ShardSender(sender, store, shard).send(decode addrs, ...)``
+(``tp_plan.py`` decides who sends which heads), a decode node's rank 0 keeps
+``TransferTable(ranks=tp)`` and its worker ranks report through ``rank_report.py``.
 """
 
 from .base import KVReceiver, KVSender, OnBlock
@@ -19,13 +25,18 @@ from .block_store import (KVBlockStore, allocate_kv_cache, checksum, free_shared
                           shared_kv_cache)
 from .errors import TransferError
 from .factory import make_receiver, make_sender, sender_options
-from .layout import KVLayout, LayoutMismatch
+from .layout import KVLayout, KVShard, LayoutMismatch
+from .rank_report import ClosedApplied, ClosedTransfers, RankBlocks, RankReporter, TransfersClosed
 from .sender_core import SenderOptions
 from .state import Transfer, TransferFailure, TransferState, TransferTable
+from .tp_plan import PlanPart, RankSend, TransferPlan, transfer_plan
+from .tp_send import ShardSender
 
 __all__ = [
-    "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "LayoutMismatch", "OnBlock",
-    "SenderOptions", "Transfer", "TransferError", "TransferFailure", "TransferState", "TransferTable",
-    "allocate_kv_cache", "checksum", "free_shared_kv_cache", "make_receiver",
-    "make_sender", "map_shared_kv_cache", "sender_options", "shared_kv_cache",
+    "ClosedApplied", "ClosedTransfers", "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "KVShard",
+    "LayoutMismatch", "OnBlock", "PlanPart", "RankBlocks", "RankReporter", "RankSend", "SenderOptions",
+    "ShardSender", "Transfer", "TransferError", "TransferFailure", "TransferPlan", "TransferState",
+    "TransferTable", "TransfersClosed", "allocate_kv_cache", "checksum", "free_shared_kv_cache",
+    "make_receiver", "make_sender", "map_shared_kv_cache", "sender_options", "shared_kv_cache",
+    "transfer_plan",
 ]

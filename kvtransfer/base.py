@@ -6,10 +6,14 @@ picks one) or import the model.
 
 Contracts every backend honours (``tests/test_kvtransfer_conformance.py`` checks them):
 
-- Each connection starts with a handshake that compares the ``KVLayout`` (dtype,
-  block size, layers, KV heads, head dim) and the checksum algorithm; a mismatch
+- Each connection starts with a handshake that compares both ends' ``KVShard``: the
+  node's compatibility key (model, dtype, block size, layers, KV heads, head dim; TP may
+  differ when both TPs split the heads) and the checksum algorithm; a mismatch
   is refused on both sides: the receiver logs it and closes, the sender raises
   ``LayoutMismatch`` (a ``TransferError``) naming each differing field.
+- A sender is one rank; ``send_blocks(..., heads)`` sends a slice of its heads (the ones a
+  decode rank needs, ``tp_plan.py``), never heads the receiver does not hold (raised
+  before a byte moves). The checksum covers exactly the slice the receiver lands.
 - One persistent connection per (sender, receiver address), reused by every
   transfer; concurrent ``send_blocks`` calls to one address interleave frame by frame.
 - Every block carries its checksum. The receiver calls ``on_block`` exactly once
@@ -18,6 +22,8 @@ Contracts every backend honours (``tests/test_kvtransfer_conformance.py`` checks
   block (bad checksum, bad id, layout) is reported ``ok=False`` with a reason;
   when the bytes already sat in the block (shm), the decode node frees it anyway.
   Blocks of a frame cut short by a lost connection are reported ``ok=False`` too.
+  A block sent in slices (several prefill ranks hold the receiver's heads) is reported
+  ``ok=True`` once, when its last slice landed; any bad slice reports it ``ok=False``.
 - ``send_blocks`` returns once the receiver acknowledged every frame (so
   ``on_block`` already ran for every block); otherwise it raises ``TransferError``
   (refused, unreachable, connection lost, timed out, or blocks rejected) and
@@ -29,6 +35,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
+from ..common.kv_heads import HeadRange
 from .errors import TransferError
 from .layout import KVLayout, LayoutMismatch
 
@@ -50,10 +57,12 @@ class KVSender(ABC):
 
     @abstractmethod
     async def send_blocks(self, addr: str, transfer_id: str,
-                          blocks: Sequence[tuple[int, object]]) -> None:
+                          blocks: Sequence[tuple[int, object]], heads: HeadRange | None = None) -> None:
         """Send ``[(dest_block_id, packed_block), ...]`` for ``transfer_id``: each block
         ``block_nbytes`` bytes in any host buffer, or a ``PackedBlock`` row of a device pack
-        (``KVBlockStore.split``); return when all were acknowledged.
+        (``KVBlockStore.split``); return when all were acknowledged. ``heads``: the global
+        KV heads each item holds (``KVBlockStore.pack(..., heads=local)`` of the sender's
+        cache; default: all the sender holds).
         Raises ``TransferError`` on any failure; the buffers may be reused after return."""
 
     @abstractmethod

@@ -21,6 +21,13 @@ Contracts:
 - ``checksum(data)`` of a packed block equals ``store.checksums([b])[0]`` of an xxh3
   store; ``checksums(ids, algo)`` reads the cache in place (xxh3 on the CPU) or
   gathers the blocks and sums them on the device.
+- Every method that moves or hashes blocks takes ``heads`` (a ``HeadRange`` local to this
+  cache, default all): the slice of each block holding those KV heads, packed as a block
+  of ``layout.with_heads(heads.size)`` (``layout.py``). A tensor-parallel transfer packs
+  on the sender the slice a decode rank needs and lands it at that rank's head offset::
+
+      cache [layers, 2, blocks, bs, heads, hd]      slice of block b, heads [a, c):
+                                      ^^^^^         cache[:, :, b, :, a:c, :] -> [layers, 2, bs, c-a, hd]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from contextlib import contextmanager
 import torch
 import xxhash
 
+from ..common.kv_heads import HeadRange
 from .checksum import checksum, packed_sums
 from .layout import KVLayout
 from .packed import PackedBlocks
@@ -162,54 +170,66 @@ class KVBlockStore:
         # the whole cache as bytes, for in-place xxh3 (CPU only)
         self._flat = byte_view(kv_caches) if self.device.type == "cpu" else None
 
-    def pack(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> memoryview | PackedBlocks:
-        """The blocks, packed (layout.py), back to back in the given order: one gather on the
-        cache's device. ``out``: optional reusable ``[n, *layout.block_shape]`` tensor of the
-        cache dtype and device. A byte view for a CPU xxh3 store, else ``PackedBlocks``."""
+    def slice_layout(self, heads: HeadRange | None = None) -> KVLayout:
+        """The layout of the slice ``heads`` of a block (the store's own for all heads)."""
+        return self._slice(heads)[0]
+
+    def pack(self, block_ids: Sequence[int], out: torch.Tensor | None = None,
+             heads: HeadRange | None = None) -> memoryview | PackedBlocks:
+        """The blocks (their slice ``heads``), packed (layout.py), back to back in the given
+        order: one gather on the cache's device. ``out``: optional reusable ``[n, *block_shape]``
+        tensor (the slice's) of the cache dtype and device. A byte view for a CPU xxh3 store,
+        else ``PackedBlocks``."""
         self._check_ids(block_ids)
+        layout, view = self._slice(heads)
         idx = torch.as_tensor(block_ids, dtype=torch.long).to(self.device)
         if out is None:
-            out = torch.empty((len(block_ids), *self.layout.block_shape), dtype=self.kv_caches.dtype,
+            out = torch.empty((len(block_ids), *layout.block_shape), dtype=self.kv_caches.dtype,
                               device=self.device)
-        assert out.is_contiguous() and out.shape == (len(block_ids), *self.layout.block_shape)
-        torch.index_select(self._by_block, 0, idx, out=out)
-        return byte_view(out) if self._host else PackedBlocks(out, self.layout)
+        assert out.is_contiguous() and out.shape == (len(block_ids), *layout.block_shape)
+        torch.index_select(view, 0, idx, out=out)
+        return byte_view(out) if self._host else PackedBlocks(out, layout)
 
-    def split(self, packed) -> list:
+    def split(self, packed, heads: HeadRange | None = None) -> list:
         """Per-block items of ``packed``: views of a byte buffer (a whole number of packed
-        blocks), or the rows of ``PackedBlocks``."""
+        blocks, or of slices ``heads``), or the rows of ``PackedBlocks``."""
         if isinstance(packed, PackedBlocks):
             return packed.rows()
-        view, n = byte_view(packed), self.layout.block_nbytes
+        view, n = byte_view(packed), self._slice(heads)[0].block_nbytes
         assert len(view) % n == 0, f"{len(view)} bytes is not a whole number of {n}-byte blocks"
         return [view[i:i + n] for i in range(0, len(view), n)]
 
-    def read(self, block_id: int) -> bytes:
-        """A copy of one block, packed."""
-        packed = self.pack([block_id])
+    def read(self, block_id: int, heads: HeadRange | None = None) -> bytes:
+        """A copy of one block (its slice ``heads``), packed."""
+        packed = self.pack([block_id], heads=heads)
         return bytes(packed.host() if isinstance(packed, PackedBlocks) else packed)
 
-    def write(self, block_id: int, data) -> None:
-        """Copy one packed block (``block_nbytes`` bytes) into block ``block_id``."""
-        self.write_many([block_id], data)
+    def write(self, block_id: int, data, heads: HeadRange | None = None) -> None:
+        """Copy one packed block (or slice ``heads``) into block ``block_id``."""
+        self.write_many([block_id], data, heads)
 
-    def write_many(self, block_ids: Sequence[int], data) -> None:
-        """Copy ``len(block_ids)`` packed blocks, back to back in ``data``, into those blocks."""
+    def write_many(self, block_ids: Sequence[int], data, heads: HeadRange | None = None) -> None:
+        """Copy ``len(block_ids)`` packed blocks (or slices ``heads``), back to back in ``data``,
+        into those blocks."""
         self._check_ids(block_ids)
-        src = self._as_blocks(data, len(block_ids))
+        layout, view = self._slice(heads)
+        src = self._as_blocks(data, len(block_ids), layout)
         if self.device.type != "cpu":
-            self.scatter(block_ids, src.to(self.device))
+            self.scatter(block_ids, src.to(self.device), heads)
             return
         for i, block_id in enumerate(block_ids):  # one strided copy per block, layers inside torch
-            self._by_block[block_id].copy_(src[i])
+            view[block_id].copy_(src[i])
 
-    def land(self, dests: Sequence[int | None], data, expected: Sequence[int], algo: str) -> list[bool]:
-        """Verify packed blocks (back to back in host ``data``) against ``expected`` under
-        ``algo`` and write the good ones to ``dests``. A ``None`` destination is skipped
-        (reported False). On a device: one upload, sums on the device, one scatter."""
+    def land(self, dests: Sequence[int | None], data, expected: Sequence[int], algo: str,
+             heads: HeadRange | None = None) -> list[bool]:
+        """Verify packed blocks (or slices ``heads``), back to back in host ``data``, against
+        ``expected`` under ``algo`` and write the good ones to ``dests``. A ``None``
+        destination is skipped (reported False). On a device: one upload, sums on the
+        device, one scatter."""
         n = len(dests)
         self._check_ids([d for d in dests if d is not None])
-        view, size = byte_view(data), self.layout.block_nbytes
+        layout, cache = self._slice(heads)
+        view, size = byte_view(data), layout.block_nbytes
         assert len(view) == n * size, f"expected {n} blocks of {size} bytes, got {len(view)} bytes"
         if self.device.type == "cpu" and algo == CHECKSUM_XXH3:
             ok = []
@@ -217,30 +237,38 @@ class KVBlockStore:
                 block = view[i * size:(i + 1) * size]
                 ok.append(d is not None and checksum(block) == expected[i])
                 if ok[-1]:
-                    self._by_block[d].copy_(self._as_blocks(block, 1)[0])
+                    cache[d].copy_(self._as_blocks(block, 1, layout)[0])
             return ok
-        blocks = self._as_blocks(view, n).to(self.device)  # [n, *block_shape]
-        sums = packed_sums(blocks, self.layout, algo, host=view)
+        blocks = self._as_blocks(view, n, layout).to(self.device)  # [n, *slice block_shape]
+        sums = packed_sums(blocks, layout, algo, host=view)
         good = {i: d for i, (d, s, e) in enumerate(zip(dests, sums, expected))
                 if d is not None and s == e}  # row -> destination block
         if good:
-            self.scatter(list(good.values()), blocks[torch.as_tensor(list(good), device=self.device)])
+            self.scatter(list(good.values()), blocks[torch.as_tensor(list(good), device=self.device)], heads)
         return [i in good for i in range(n)]
 
-    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Write packed blocks ``[n, *block_shape]``, already on this store's device, into
-        ``block_ids`` with one indexed copy (the ipc sender writes a peer's pool with it).
-        On a GPU it returns once the copy ran: the blocks are reported landed right after, and
-        the engine (another thread, maybe another stream) may read them from then on."""
+    def scatter(self, block_ids: Sequence[int], blocks: torch.Tensor, heads: HeadRange | None = None) -> None:
+        """Write packed blocks (or slices ``heads``) ``[n, *block_shape]``, already on this
+        store's device, into ``block_ids`` with one indexed copy (the ipc sender writes a
+        peer's pool with it). On a GPU it returns once the copy ran: the blocks are reported
+        landed right after, and the engine (another thread, maybe another stream) may read
+        them from then on."""
         self._check_ids(block_ids)
-        assert blocks.shape == (len(block_ids), *self.layout.block_shape) and blocks.device == self.device
-        self._by_block[torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)] = blocks
+        layout, _ = self._slice(heads)
+        assert blocks.shape == (len(block_ids), *layout.block_shape) and blocks.device == self.device
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        if heads is None or layout is self.layout:
+            self._by_block[idx] = blocks
+        else:
+            self._by_block[idx, :, :, :, heads.start:heads.stop] = blocks
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def checksums(self, block_ids: Sequence[int], algo: str | None = None) -> list[int]:
-        """Checksum (``algo``, default the store's) of each block's packed bytes, as they sit
-        in the cache: read in place for xxh3 on the CPU, else gathered and summed on the device.
+    def checksums(self, block_ids: Sequence[int], algo: str | None = None,
+                  heads: HeadRange | None = None) -> list[int]:
+        """Checksum (``algo``, default the store's) of each block's packed bytes (or its
+        slice ``heads``), as they sit in the cache: read in place for xxh3 of whole blocks on
+        the CPU, else gathered and summed (on the device for wsum32_v1).
 
         In place, xxh3 hashes the block's ``2 * num_layers`` runs in packed order with a
         streaming xxh3, which equals the one-shot hash of the packed block. Measured faster
@@ -248,12 +276,13 @@ class KVBlockStore:
         """
         algo = algo or self.checksum_algo
         self._check_ids(block_ids)
-        if algo != CHECKSUM_XXH3 or self._flat is None:
+        layout, view = self._slice(heads)
+        if algo != CHECKSUM_XXH3 or self._flat is None or layout is not self.layout:
             if not block_ids:
                 return []
             idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-            blocks = torch.index_select(self._by_block, 0, idx)
-            return PackedBlocks(blocks, self.layout).sums(algo)
+            blocks = torch.index_select(view, 0, idx)
+            return PackedBlocks(blocks, layout).sums(algo)
         run = self.layout.run_nbytes
         stride = self.num_blocks * run  # bytes from one (layer, K|V) run to the next
         runs = 2 * self.layout.num_layers
@@ -271,17 +300,27 @@ class KVBlockStore:
         if self.device.type == "cuda":
             return byte_view(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         return memoryview(bytearray(nbytes))
-    def _as_blocks(self, data, n: int) -> torch.Tensor:
+    def _slice(self, heads: HeadRange | None) -> tuple[KVLayout, torch.Tensor]:
+        """(layout of slice ``heads``, the cache by block restricted to those heads:
+        ``[num_blocks, layers, 2, bs, heads.size, hd]``); all heads: the store's own."""
+        if heads is None or (heads.start == 0 and heads.stop == self.layout.num_kv_heads):
+            return self.layout, self._by_block
+        assert 0 <= heads.start < heads.stop <= self.layout.num_kv_heads, \
+            f"heads [{heads.start}, {heads.stop}) out of this cache's [0, {self.layout.num_kv_heads})"
+        return self.layout.with_heads(heads.size), self._by_block[:, :, :, :, heads.start:heads.stop]
+
+    def _as_blocks(self, data, n: int, layout: KVLayout | None = None) -> torch.Tensor:
+        layout = layout or self.layout
         view = byte_view(data)
-        assert len(view) == n * self.layout.block_nbytes, \
-            f"expected {n} blocks of {self.layout.block_nbytes} bytes, got {len(view)} bytes"
+        assert len(view) == n * layout.block_nbytes, \
+            f"expected {n} blocks of {layout.block_nbytes} bytes, got {len(view)} bytes"
         if view.readonly:  # torch warns on read-only buffers; we only ever read from it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(view, dtype=self.kv_caches.dtype)
         else:
             flat = torch.frombuffer(view, dtype=self.kv_caches.dtype)
-        return flat.view(n, *self.layout.block_shape)
+        return flat.view(n, *layout.block_shape)
 
     def _check_ids(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:

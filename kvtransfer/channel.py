@@ -35,6 +35,7 @@ class ChannelClosed(ConnectionError):
 class Channel(ABC):
     peer: str  # "host:port" of the other end, for messages
     checksum_algo: str = CHECKSUM_XXH3  # the block checksum its Hello named (receiver side)
+    sender_heads: tuple[int, int] | None = None  # global KV heads its Hello's shard holds (receiver side)
 
     @abstractmethod
     async def send(self, msg: Message, payload: Sequence[memoryview] = ()) -> None:

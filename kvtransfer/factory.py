@@ -22,7 +22,7 @@ import torch
 from ..common.config import KVBackend
 from .base import KVReceiver, KVSender, OnBlock
 from .block_store import KVBlockStore, default_checksum_algo
-from .layout import KVLayout
+from .layout import KVLayout, KVShard
 from .receiver_core import FramedReceiver
 from .sender_core import SenderOptions
 
@@ -46,11 +46,12 @@ def _check_backend(backend: str) -> None:
 
 
 def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = None,
-                device: str = "cpu") -> KVSender:
+                device: str = "cpu", shard: KVShard | None = None) -> KVSender:
     """A sender speaking ``backend``; ``options`` default to ``sender_options()`` (env-aware).
-    ``"ucx"`` / ``"nccl"`` raise ``TransferError`` naming the reason when ucxx /
-    torch.distributed (gloo, or NCCL for a cuda ``device``) cannot be used; ``"ipc"``
-    raises ``TransferError`` without CUDA."""
+    ``shard``: the sending rank (its node's compatibility key and rank; default: the one
+    rank of a TP=1 node with ``layout`` and no model name). ``"ucx"`` / ``"nccl"`` raise
+    ``TransferError`` naming the reason when ucxx / torch.distributed (gloo, or NCCL for a
+    cuda ``device``) cannot be used; ``"ipc"`` raises ``TransferError`` without CUDA."""
     _check_backend(backend)
     options = options or sender_options()
     if options.checksum is None:
@@ -58,31 +59,33 @@ def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = 
         options = dataclasses.replace(options, checksum=algo)
     if backend == "ipc":
         from .ipc import IpcSender
-        return IpcSender(layout, options, device="cuda" if torch.device(device).type == "cpu" else device)
+        return IpcSender(layout, options, device="cuda" if torch.device(device).type == "cpu" else device,
+                         shard=shard)
     if backend == "tcp":
         from .tcp import TcpSender
-        return TcpSender(layout, options)
+        return TcpSender(layout, options, shard)
     if backend == "shm":
         from .shm import ShmSender
-        return ShmSender(layout, options)
+        return ShmSender(layout, options, shard)
     if backend == "nccl":
         from .nccl import NcclSender
-        return NcclSender(layout, options, device=device)
+        return NcclSender(layout, options, shard, device=device)
     from .ucx import UcxSender
-    return UcxSender(layout, options)
+    return UcxSender(layout, options, shard)
 
 
 def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str,
                   on_block: OnBlock, port: int = 0, advertise_host: str | None = None,
-                  device: str = "cpu") -> KVReceiver:
+                  device: str = "cpu", shard: KVShard | None = None) -> KVReceiver:
     """A receiver for ``backend`` landing blocks in ``store``, bound to ``host:port`` once
     started (ucx's listener and nccl's store bind every interface). ``"shm"`` needs a store
-    allocated in /dev/shm, ``"ipc"`` one on a CUDA device."""
+    allocated in /dev/shm, ``"ipc"`` one on a CUDA device. ``shard``: the receiving rank
+    (default: the one rank of a TP=1 node with ``layout`` and no model name)."""
     _check_backend(backend)
     if backend == "nccl":
         from .nccl import NcclReceiver
         return NcclReceiver(layout, store, on_block, host=host, port=port,
-                            advertise_host=advertise_host, device=device)
+                            advertise_host=advertise_host, device=device, shard=shard)
     cls: type[FramedReceiver[Any]]
     if backend == "tcp":
         from .tcp import TcpReceiver as cls
@@ -92,4 +95,4 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
         from .ipc import IpcReceiver as cls
     else:
         from .ucx import UcxReceiver as cls
-    return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host)
+    return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host, shard=shard)

@@ -32,7 +32,7 @@ from .block_store import KVBlockStore
 from .errors import TransferError
 from .layout import KVLayout
 from .packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
-from .sender_core import Connection
+from .sender_core import Connection, Slice
 from .shm import host_id, require_same_host
 from .tcp import TcpChannel, TcpReceiver, TcpSender
 from .wire import CHECKSUM_WSUM, Blocks, IpcInfo, Welcome
@@ -111,8 +111,8 @@ class IpcSender(TcpSender):
 
     scheme = "ipc"
 
-    def __init__(self, layout: KVLayout, options=None, device: str | torch.device = "cuda"):
-        super().__init__(layout, options)
+    def __init__(self, layout: KVLayout, options=None, device: str | torch.device = "cuda", shard=None):
+        super().__init__(layout, options, shard)
         check_cuda("sender")
         if self.checksum_algo != CHECKSUM_WSUM:
             raise ValueError(f"ipc sender: checksum must be {CHECKSUM_WSUM} (computed on the device), "
@@ -128,27 +128,29 @@ class IpcSender(TcpSender):
             pool = open_pool(info)
         except RuntimeError as e:  # cudaIpcOpenMemHandle failed (another container, same process)
             raise TransferError(f"cannot open receiver {conn.addr}'s CUDA IPC pool: {e}; use tcp") from e
-        if list(pool.shape) != list(self.layout.cache_shape(pool.shape[2])):
+        layout = conn.welcome.layout  # the receiver's rank's heads (checked against its shard)
+        if list(pool.shape) != list(layout.cache_shape(pool.shape[2])):
             raise TransferError(f"receiver {conn.addr}'s pool has shape {list(pool.shape)}, not a "
-                                f"cache of {self.layout}")
-        conn.peer_store = KVBlockStore(pool, self.layout)
+                                f"cache of {layout}")
+        conn.peer_store = KVBlockStore(pool, layout)
 
     def _stage(self, conn: Connection[TcpChannel], dest: list[int], items: list,
-               corrupt: list[int]) -> tuple[list[int], list[memoryview]]:
-        """Checksum the rows on the device, copy them into the peer pool, wait for the copy."""
+               corrupt: list[int], part: Slice) -> tuple[list[int], list[memoryview]]:
+        """Checksum the rows (slices ``part``) on the device, copy them into the peer pool at
+        the slice's heads, wait for the copy."""
         peer = conn.peer_store
         assert peer is not None  # set by _on_welcome before the connection carries a frame
-        sums = frame_sums(items, self.layout, self.checksum_algo)
+        sums = frame_sums(items, part.layout, self.checksum_algo)
         if all(isinstance(it, PackedBlock) for it in items):
             src = frame_tensor(items)  # [n, *block_shape] on this node's device
         else:  # host buffers (a CPU-packed frame): one upload
             joined = b"".join(bytes(v) for v in frame_views(items))
             src = torch.frombuffer(bytearray(joined), dtype=peer.kv_caches.dtype).view(
-                len(items), *self.layout.block_shape)
+                len(items), *part.layout.block_shape)
         src = src.to(peer.device)  # peer to peer when the pools are on two GPUs
         if corrupt:  # fault injection: damage a copy after the checksum was taken
             src = flip_rows(src, corrupt)
-        peer.scatter(dest, src)  # returns once the copy ran: the receiver verifies on the notice
+        peer.scatter(dest, src, part.peer_local)  # returns once the copy ran: the receiver verifies on the notice
         return sums, []
 
     async def _deliver(self, conn: Connection[TcpChannel], frame: Blocks, payload: list[memoryview]) -> None:

@@ -28,12 +28,20 @@ host; the handshake compares layouts, not endianness)::
 A frame of several blocks is those packed blocks back to back, in the order of
 the frame's destination block ids. The block checksum (``block_store.checksum``)
 is taken over exactly these ``block_nbytes`` bytes.
+
+With tensor parallelism a rank's cache holds only its KV heads (``KVShard``: the node's
+``KVCompat`` key and the rank; ``common/kv_heads.py`` says which heads), and a frame may
+carry a *slice* of them: heads ``[a, b)`` of each token, packed the same way with
+``num_kv_heads = b - a`` (``KVLayout.with_heads``), so a slice is a packed block of a
+narrower layout and everything above (checksums, sizes) applies to it unchanged.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from ..common.kv_compat import KVCompat
+from ..common.kv_heads import HeadRange, rank_heads, tp_problem
 from .errors import TransferError
 
 # dtype name -> bytes per element; the names are torch's (torch.float32 -> "float32").
@@ -91,6 +99,11 @@ class KVLayout(msgspec.Struct, frozen=True, tag="kv_layout", omit_defaults=True)
         """Bytes of one packed block (see the module diagram)."""
         return self.num_layers * 2 * self.run_nbytes
 
+    def with_heads(self, num_kv_heads: int) -> KVLayout:
+        """This layout with ``num_kv_heads`` heads: the layout of a slice of them."""
+        return KVLayout(dtype=self.dtype, block_size=self.block_size, num_layers=self.num_layers,
+                        num_kv_heads=num_kv_heads, head_dim=self.head_dim)
+
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of a whole cache of ``num_blocks`` blocks."""
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -105,3 +118,41 @@ class KVLayout(msgspec.Struct, frozen=True, tag="kv_layout", omit_defaults=True)
         diffs = self.differences(other)
         if diffs:
             raise LayoutMismatch("KV layout mismatch (this side != peer): " + "; ".join(diffs))
+
+
+class KVShard(msgspec.Struct, frozen=True, tag="kv_shard", omit_defaults=True):
+    """One rank's part of a node's KV cache: the node's compatibility key and the rank.
+    Sent in every handshake (both ways); a rank's cache has layout ``layout``."""
+
+    compat: KVCompat
+    rank: int = 0
+
+    @classmethod
+    def of_layout(cls, layout: KVLayout, model: str = "") -> KVShard:
+        """The one rank of a TP=1 node whose cache has ``layout``."""
+        return cls(KVCompat(model=model, dtype=layout.dtype, block_size=layout.block_size,
+                            num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                            head_dim=layout.head_dim))
+
+    def problem(self) -> str | None:
+        """Why this shard is not a rank of a possible node (None: it is)."""
+        why = tp_problem(self.compat.tp, self.compat.num_kv_heads)
+        if why is None and not 0 <= self.rank < self.compat.tp:
+            why = f"rank {self.rank} of a node with tensor_parallel_size {self.compat.tp}"
+        return why
+
+    @property
+    def heads(self) -> HeadRange:
+        """The global KV heads this rank holds."""
+        return rank_heads(self.rank, self.compat.tp, self.compat.num_kv_heads)
+
+    @property
+    def layout(self) -> KVLayout:
+        """The layout of this rank's cache (its heads only)."""
+        c = self.compat
+        return KVLayout(dtype=c.dtype, block_size=c.block_size, num_layers=c.num_layers,
+                        num_kv_heads=self.heads.size, head_dim=c.head_dim)
+
+    def describe(self) -> str:
+        h = self.heads
+        return f"rank {self.rank}/{self.compat.tp} (KV heads [{h.start}, {h.stop}) of {self.compat.num_kv_heads})"

@@ -19,6 +19,16 @@ One connection, as ``_serve`` runs it::
 
 Landing runs on the loop between two awaits, so a frame is either fully landed
 and reported or not written at all when the receiver stops.
+
+A receiver is one rank's (``KVShard``). The handshake compares the sender's key with
+its own (everything but TP must be equal, and both TPs must split the heads) and refuses
+a mismatch naming it. A frame may carry a slice of the rank's heads (``Blocks.heads``,
+``tp_plan.py``: when the prefill rank holds only some of them); the receiver lands it at
+its head offset, and reports a block ``on_block(ok=True)`` once every head it holds has
+landed with a good checksum, from however many senders (a bad slice: ``ok=False`` at once)::
+
+    this rank holds heads [4, 8)     frame from P1: heads [4, 6) of block 9 -> lands in cache heads 0..1
+                                     frame from P2: heads [6, 8) of block 9 -> lands in 2..3 -> on_block(9, ok)
 """
 
 from __future__ import annotations
@@ -31,15 +41,17 @@ from dataclasses import dataclass
 from typing import Generic
 
 from ..common.auth import token_matches
+from ..common.kv_heads import HeadRange
 from .base import KVReceiver, OnBlock
 from .block_store import KVBlockStore
 from .channel import ChannelClosed, ChannelT, format_address
-from .layout import KVLayout
+from .layout import KVLayout, KVShard
 from .wire import CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello, Refused, Welcome, layout_id
 
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 256 << 20  # a larger frame is a protocol error (senders default to 2-32 MiB)
+PARTS_PRUNE = 4096  # partly landed blocks kept before those of dead transfers are dropped
 
 
 @dataclass(slots=True)
@@ -51,6 +63,7 @@ class ReceiverStats:
     frames: int = 0
     blocks_ok: int = 0
     blocks_failed: int = 0
+    slices: int = 0  # frames carrying part of this rank's heads (a tensor-parallel plan's)
 
 
 class FramedReceiver(KVReceiver, Generic[ChannelT]):
@@ -60,8 +73,13 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
     scheme: str = ""
 
     def __init__(self, layout: KVLayout, store: KVBlockStore, on_block: OnBlock,
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 shard: KVShard | None = None):
         layout.check_compatible(store.layout)
+        self.shard = shard or KVShard.of_layout(layout)
+        if (why := self.shard.problem()) is not None or self.shard.layout != layout:
+            raise ValueError(f"receiver: shard {self.shard} does not hold a cache of {layout}"
+                             + (f": {why}" if why else ""))
         self.layout = layout
         self.store = store
         self.on_block = on_block
@@ -74,7 +92,11 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         # failed, unknown), so a late frame never lands in blocks already given to another request.
         self.accepts: Callable[[str], bool] | None = None
         self.cluster_token: str | None = None  # set by the owner: senders must present it
-        self._layout_id = layout_id(layout)
+        self._heads = self.shard.heads  # global heads this rank holds
+        self._layout_ids: dict[int, int] = {}  # head count -> layout_id of a slice of that many heads
+        # (transfer_id, dest block) -> bitmask of this rank's (local) heads landed so far, for
+        # blocks that arrive in slices; a block leaves it when complete (reported ok) or failed
+        self._parts: dict[tuple[str, int], int] = {}
         self._serving: dict[asyncio.Task, ChannelT] = {}  # connection task -> its channel
         self._stopped = False
 
@@ -153,8 +175,12 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
             raise ChannelClosed(f"protocol error: expected Hello, got {type(hello).__name__}")
         refusal = self._check_hello(hello)
         if refusal is None:
+            assert hello.shard is not None  # _check_hello refuses a Hello without one
             channel.checksum_algo = hello.checksum  # every frame of this connection is hashed so
-            await channel.send(self._welcome(channel))
+            channel.sender_heads = (hello.shard.heads.start, hello.shard.heads.stop)
+            welcome = self._welcome(channel)
+            welcome.shard = self.shard
+            await channel.send(welcome)
             return True
         self.stats.refused += 1
         self.last_refusal = refusal.reason
@@ -168,9 +194,20 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         if hello.version != PROTOCOL_VERSION:
             return Refused(f"protocol version {hello.version} != receiver's {PROTOCOL_VERSION}",
                            code="version")
-        diffs = hello.layout.differences(self.layout)
+        sender = hello.shard
+        if sender is None:
+            return Refused("the sender sent no KV shard (an older splitserve?); upgrade both nodes",
+                           code="version")
+        diffs = sender.compat.differences(self.shard.compat)
         if diffs:
             return Refused("KV layout mismatch (sender != receiver): " + "; ".join(diffs), code="layout")
+        for side, shard in (("sender", sender), ("receiver", self.shard)):
+            if (why := shard.problem()) is not None:
+                return Refused(f"no KV transfer plan between prefill tp={sender.compat.tp} and decode "
+                               f"tp={self.shard.compat.tp}: {side}: {why}", code="tp")
+        if hello.layout != sender.layout:
+            return Refused(f"the sender's cache layout {hello.layout} is not its {sender.describe()}'s "
+                           f"{sender.layout}", code="layout")
         if hello.checksum not in CHECKSUM_ALGOS:
             return Refused(f"checksum algorithm {hello.checksum!r} is not one of the receiver's "
                            f"{', '.join(CHECKSUM_ALGOS)}", code="checksum")
@@ -179,13 +216,17 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
                            f"{self.scheme} backend", code="shm")
         return None
 
+    def _frame_heads(self, frame: Blocks) -> HeadRange:
+        return self._heads if frame.heads is None else HeadRange(*frame.heads)
+
     def _check_frame(self, frame) -> Blocks:
         if not isinstance(frame, Blocks):
             raise ChannelClosed(f"protocol error: expected Blocks, got {type(frame).__name__}")
         n = len(frame.dest_block_ids)
-        expected = n * self.layout.block_nbytes
+        count = self._frame_heads(frame).size
+        expected = n * self.layout.with_heads(max(count, 1)).block_nbytes
         if len(frame.checksums) != n or frame.payload_nbytes not in (0, expected) \
-                or expected > MAX_FRAME_BYTES:
+                or expected > MAX_FRAME_BYTES or count < 1:
             raise ChannelClosed(f"protocol error: bad frame {frame.seq} of {frame.transfer_id} "
                                 f"({n} ids, {len(frame.checksums)} sums, {frame.payload_nbytes} bytes)")
         return frame
@@ -193,44 +234,74 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
     async def _land_and_ack(self, channel: ChannelT, frame: Blocks, payload: memoryview | None) -> None:
         """Verify and write the frame (on the loop: measured faster than a lander thread on a
         2-core host, where the thread only adds hand-offs), report each block, then ack."""
+        heads = self._frame_heads(frame)
+        local = heads.shift(self._heads.start)  # where the slice sits in this rank's cache
+        problem = self._slice_problem(channel, frame, heads)
         if payload is not None:
-            results = self._land_inline(frame, payload, channel.checksum_algo)
+            results = self._land_inline(frame, payload, channel.checksum_algo, local, problem)
         elif self._offers_shm():
-            results = self._land_in_place(frame, channel.checksum_algo)
+            results = self._land_in_place(frame, channel.checksum_algo, local, problem)
         else:
             results = [(d, "frame carries no payload (shm frame sent to a non-shm receiver)")
                        for d in frame.dest_block_ids]
+        if local.size != self._heads.size:
+            self.stats.slices += 1
         for dest, reason in results:
-            self._report(frame.transfer_id, dest, reason)
+            self._report(frame.transfer_id, dest, reason, local)
+        if len(self._parts) > PARTS_PRUNE:
+            self._prune_parts()
         self.stats.frames += 1
         failed = [d for d, reason in results if reason is not None]
         first = next((r for _, r in results if r is not None), None)
         await channel.send(Ack(seq=frame.seq, failed=failed, reason=first))
 
-    def _precheck(self, frame: Blocks, dest: int) -> str | None:
+    def _slice_problem(self, channel: ChannelT, frame: Blocks, heads: HeadRange) -> str | None:
+        """Why the frame's slice cannot land here (None: it can): heads this rank does not
+        hold, heads the sender does not hold, or a layout other than the slice's."""
+        mine = self._heads
+        if not mine.contains(heads):
+            return (f"frame carries KV heads [{heads.start}, {heads.stop}); this receiver is "
+                    f"{self.shard.describe()}")
+        theirs = channel.sender_heads
+        if theirs is not None and not HeadRange(*theirs).contains(heads):
+            return (f"frame carries KV heads [{heads.start}, {heads.stop}) the sender does not hold "
+                    f"(it holds [{theirs[0]}, {theirs[1]}))")
+        expected = self._layout_ids.get(heads.size)
+        if expected is None:
+            expected = self._layout_ids[heads.size] = layout_id(self.layout.with_heads(heads.size))
+        if frame.layout_id != expected:
+            return "frame layout id differs from the handshake's layout (of a slice of its heads)"
+        return None
+
+    def _precheck(self, frame: Blocks, dest: int, problem: str | None) -> str | None:
         if self.accepts is not None and not self.accepts(frame.transfer_id):
             return f"transfer {frame.transfer_id} does not take blocks (aborted, failed or unknown)"
-        if frame.layout_id != self._layout_id:
-            return "frame layout id differs from the handshake's layout"
+        if problem is not None:
+            return problem
         if not 0 <= dest < self.store.num_blocks:
             return f"destination block {dest} out of range [0, {self.store.num_blocks})"
         return None
 
-    def _land_inline(self, frame: Blocks, payload: memoryview, algo: str) -> list[tuple[int, str | None]]:
-        """Verify each block in the staging buffer (``algo``: on the store's device for
-        wsum32_v1), write the good ones; (dest, reason|None)."""
-        reasons = [self._precheck(frame, dest) for dest in frame.dest_block_ids]
+    def _land_inline(self, frame: Blocks, payload: memoryview, algo: str, local: HeadRange,
+                     problem: str | None) -> list[tuple[int, str | None]]:
+        """Verify each block (slice ``local`` of this cache) in the staging buffer (``algo``:
+        on the store's device for wsum32_v1), write the good ones; (dest, reason|None)."""
+        reasons = [self._precheck(frame, dest, problem) for dest in frame.dest_block_ids]
         dests = [d if r is None else None for d, r in zip(frame.dest_block_ids, reasons)]
-        ok = self.store.land(dests, payload, frame.checksums, algo)
+        if all(d is None for d in dests):  # nothing lands (the slice may not even fit this cache)
+            return list(zip(frame.dest_block_ids, reasons))
+        ok = self.store.land(dests, payload, frame.checksums, algo, local)
         return [(dest, None if good else reason or
                  f"checksum mismatch on block {dest}: payload corrupted in transit")
                 for dest, reason, good in zip(frame.dest_block_ids, reasons, ok)]
 
-    def _land_in_place(self, frame: Blocks, algo: str) -> list[tuple[int, str | None]]:
-        """The sender already wrote the blocks into our shared cache: verify them where they are."""
-        reasons = {d: self._precheck(frame, d) for d in frame.dest_block_ids}
+    def _land_in_place(self, frame: Blocks, algo: str, local: HeadRange,
+                       problem: str | None) -> list[tuple[int, str | None]]:
+        """The sender already wrote the blocks (slice ``local``) into our shared cache: verify
+        them where they are."""
+        reasons = {d: self._precheck(frame, d, problem) for d in frame.dest_block_ids}
         good = [d for d in frame.dest_block_ids if reasons[d] is None]
-        actual = dict(zip(good, self.store.checksums(good, algo)))
+        actual = dict(zip(good, self.store.checksums(good, algo, local)))
         out = []
         for dest, expected in zip(frame.dest_block_ids, frame.checksums):
             reason = reasons[dest]
@@ -244,7 +315,28 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         for dest in frame.dest_block_ids:
             self._report(frame.transfer_id, dest, reason)
 
-    def _report(self, transfer_id: str, dest: int, reason: str | None) -> None:
+    def _report(self, transfer_id: str, dest: int, reason: str | None, local: HeadRange | None = None) -> None:
+        """Report a block, or record one slice of it and report it once all its heads landed."""
+        key = (transfer_id, dest)
+        if reason is None and local is not None and local.size != self._heads.size:
+            mask = self._parts.get(key, 0) | ((1 << local.stop) - (1 << local.start))
+            if mask != (1 << self._heads.size) - 1:
+                self._parts[key] = mask
+                return
+        self._parts.pop(key, None)
+        self._emit(transfer_id, dest, reason)
+
+    def _prune_parts(self) -> None:
+        """Forget partly landed blocks of transfers that take no more blocks (their owner
+        failed them already); without ``accepts``, the oldest half."""
+        if self.accepts is not None:
+            accepts = self.accepts
+            self._parts = {k: v for k, v in self._parts.items() if accepts(k[0])}
+        if len(self._parts) > PARTS_PRUNE:
+            keep = list(self._parts.items())[len(self._parts) // 2:]
+            self._parts = dict(keep)
+
+    def _emit(self, transfer_id: str, dest: int, reason: str | None) -> None:
         if reason is None:
             self.stats.blocks_ok += 1
         else:

@@ -16,6 +16,10 @@ pending future, so no ``send_blocks`` waits on a dead peer. A timeout drops the
 connection (the next transfer dials again); a cancelled ``send_blocks`` leaves
 it to the others unless it was cut mid-frame, in which case the channel closes
 itself (a half-written frame makes the stream unparsable).
+
+A sender is one rank's (``KVShard``): it sends blocks of its cache, or slices of them
+(``heads``: the KV heads a decode rank needs, ``tp_plan.py``), and checks before any byte
+moves that the receiver's key is compatible and that the slice lies in the receiver's heads.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import logging
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Generic
+from typing import Generic, NamedTuple
 
+from ..common.kv_heads import HeadRange
 from .base import KVSender
 from .block_store import CHECKSUM_ALGO, KVBlockStore
 from .channel import ChannelClosed, ChannelT
 from .errors import TransferError
-from .layout import KVLayout, LayoutMismatch
+from .layout import KVLayout, KVShard, LayoutMismatch
 from .packed import frame_sums, frame_views, item_nbytes
 from .wire import Ack, Blocks, Hello, Refused, Welcome, layout_id
 
@@ -55,6 +60,15 @@ class SenderOptions:
     cluster_token: str | None = field(default=None, repr=False)  # sent in every Hello
 
 
+class Slice(NamedTuple):
+    """What one ``send_blocks`` call moves of each block: KV heads ``heads`` (global)."""
+
+    heads: HeadRange
+    layout: KVLayout  # of one slice: the sender's layout with heads.size heads
+    layout_id: int  # layout_id(layout), repeated in every frame
+    peer_local: HeadRange  # the heads in the receiver's cache (where shm / ipc write them)
+
+
 @dataclass(slots=True, eq=False)
 class Connection(Generic[ChannelT]):
     """One live connection to a receiver."""
@@ -67,6 +81,7 @@ class Connection(Generic[ChannelT]):
     broken: str | None = None  # why it can no longer carry frames
     reader: asyncio.Task | None = None
     peer_store: KVBlockStore | None = None  # the receiver's cache, mapped here (shm, ipc)
+    peer_shard: KVShard | None = None  # the receiver's rank, from its Welcome
 
     def fail(self, reason: str) -> None:
         """Mark broken, close the channel, fail every pending frame (idempotent)."""
@@ -86,10 +101,14 @@ class FramedSender(KVSender, Generic[ChannelT]):
     scheme: str = ""  # address scheme, "tcp", "shm", "ucx"
     default_frame_bytes: int = 2 << 20  # measured best for tcp and shm (realistic 720 KiB blocks)
 
-    def __init__(self, layout: KVLayout, options: SenderOptions | None = None):
+    def __init__(self, layout: KVLayout, options: SenderOptions | None = None,
+                 shard: KVShard | None = None):
+        self.shard = shard or KVShard.of_layout(layout)
+        if (why := self.shard.problem()) is not None or self.shard.layout != layout:
+            raise ValueError(f"sender: shard {self.shard} does not hold a cache of {layout}"
+                             + (f": {why}" if why else ""))
         self.layout = layout
         self.options = options or SenderOptions()
-        self._layout_id = layout_id(layout)
         self.checksum_algo = self.options.checksum or CHECKSUM_ALGO
         self._conns: dict[str, Connection[ChannelT]] = {}  # addr -> live connection
         self._dialing: dict[str, asyncio.Lock] = {}  # addr -> lock held while dialing it
@@ -108,19 +127,19 @@ class FramedSender(KVSender, Generic[ChannelT]):
         data endpoint); raise ``TransferError`` to refuse it. Runs under the connect timeout."""
 
     def _stage(self, conn: Connection[ChannelT], dest: list[int], items: list,
-               corrupt: list[int]) -> tuple[list[int], list[memoryview]]:
+               corrupt: list[int], part: Slice) -> tuple[list[int], list[memoryview]]:
         """(checksum of each block, the buffers to send). ``items``: host buffers or
-        ``PackedBlock`` rows of a device pack (hashed on the device, staged to host once).
-        Fault injection damages the ``corrupt`` blocks after their checksum was taken. The
-        shm backend overrides this to copy each block into place right after hashing it,
-        the ipc backend to copy device to device."""
-        sums = frame_sums(items, self.layout, self.checksum_algo)
+        ``PackedBlock`` rows of a device pack (hashed on the device, staged to host once),
+        each one slice ``part`` of a block. Fault injection damages the ``corrupt`` blocks
+        after their checksum was taken. The shm backend overrides this to copy each block
+        into place right after hashing it, the ipc backend to copy device to device."""
+        sums = frame_sums(items, part.layout, self.checksum_algo)
         views = frame_views(items)
         return sums, [flip_one_byte(v) if i in corrupt else v for i, v in enumerate(views)]
 
     async def _deliver(self, conn: Connection[ChannelT], frame: Blocks, payload: list[memoryview]) -> None:
         """Make the frame reach the receiver. Default: the blocks inline after the header."""
-        frame.payload_nbytes = len(payload) * self.layout.block_nbytes
+        frame.payload_nbytes = sum(len(v) for v in payload)
         await conn.channel.send(frame, payload)
 
     # -- KVSender --------------------------------------------------------------------
@@ -128,15 +147,21 @@ class FramedSender(KVSender, Generic[ChannelT]):
         await self._connection(addr)
 
     async def send_blocks(self, addr: str, transfer_id: str,
-                          blocks: Sequence[tuple[int, object]]) -> None:
+                          blocks: Sequence[tuple[int, object]], heads: HeadRange | None = None) -> None:
         if not blocks:
             return
+        mine = self.shard.heads
+        heads = mine if heads is None else HeadRange(*heads)
+        if not mine.contains(heads):
+            raise TransferError(f"transfer {transfer_id}: heads [{heads.start}, {heads.stop}) are not "
+                                f"all held by this sender, {self.shard.describe()}")
+        layout = self.layout.with_heads(heads.size)
         items = [data for _, data in blocks]  # host buffers or PackedBlock rows
         sizes = [item_nbytes(it) for it in items]
-        bad = [i for i, n in enumerate(sizes) if n != self.layout.block_nbytes]
+        bad = [i for i, n in enumerate(sizes) if n != layout.block_nbytes]
         if bad:
             raise TransferError(f"transfer {transfer_id}: block #{bad[0]} has {sizes[bad[0]]} "
-                                f"bytes, a packed block of {self.layout} has {self.layout.block_nbytes}")
+                                f"bytes, a packed slice of {layout} has {layout.block_nbytes}")
         dest = [int(d) for d, _ in blocks]
         conn: Connection[ChannelT] | None = None
         try:
@@ -145,12 +170,13 @@ class FramedSender(KVSender, Generic[ChannelT]):
                 if any(not 0 <= d < conn.welcome.num_blocks for d in dest):
                     raise TransferError(f"transfer {transfer_id}: destination block ids must be in "
                                         f"[0, {conn.welcome.num_blocks}) at {addr}, got {dest}")
+                part = self._slice(conn, transfer_id, heads, layout)
                 frame_bytes = self.options.max_frame_bytes or self.default_frame_bytes
-                per_frame = max(1, frame_bytes // self.layout.block_nbytes)
+                per_frame = max(1, frame_bytes // layout.block_nbytes)
                 futures = []
                 for start in range(0, len(blocks), per_frame):
                     futures.append(await self._send_frame(conn, transfer_id, dest[start:start + per_frame],
-                                                          items[start:start + per_frame]))
+                                                          items[start:start + per_frame], part))
                 acks = await _gather(futures)
                 await conn.channel.flush()  # the caller may reuse the block buffers after return
         except TimeoutError:
@@ -178,18 +204,30 @@ class FramedSender(KVSender, Generic[ChannelT]):
         await asyncio.gather(*(c.reader for c in conns if c.reader is not None), return_exceptions=True)
 
     # -- internals -------------------------------------------------------------------
+    def _slice(self, conn: Connection[ChannelT], transfer_id: str, heads: HeadRange,
+               layout: KVLayout) -> Slice:
+        """The slice ``heads`` as sent on ``conn``; ``TransferError`` unless the receiver
+        holds all of those heads (a plan that reached the wrong rank)."""
+        peer = conn.peer_shard
+        assert peer is not None  # _dial checked the Welcome's shard
+        if not peer.heads.contains(heads):
+            raise TransferError(f"transfer {transfer_id}: receiver {conn.addr} is {peer.describe()}; "
+                                f"it does not hold KV heads [{heads.start}, {heads.stop}) (the decode "
+                                f"ranks' addresses are out of order?)")
+        return Slice(heads, layout, layout_id(layout), heads.shift(peer.heads.start))
+
     async def _send_frame(self, conn: Connection[ChannelT], transfer_id: str, dest: list[int],
-                          items: list) -> asyncio.Future[Ack]:
+                          items: list, part: Slice) -> asyncio.Future[Ack]:
         if conn.broken is not None:
             raise ChannelClosed(conn.broken)
-        sums, payload = self._stage(conn, dest, items, self._pick_corrupt(len(items)))
+        sums, payload = self._stage(conn, dest, items, self._pick_corrupt(len(items)), part)
         seq, conn.next_seq = conn.next_seq, conn.next_seq + 1
         fut: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         # Retrieve a failure even when send_blocks gave up before awaiting this frame.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         conn.pending[seq] = fut
-        frame = Blocks(seq=seq, transfer_id=transfer_id, layout_id=self._layout_id,
-                       dest_block_ids=dest, checksums=sums)
+        frame = Blocks(seq=seq, transfer_id=transfer_id, layout_id=part.layout_id,
+                       dest_block_ids=dest, checksums=sums, heads=part.heads)
         await self._deliver(conn, frame, payload)
         return fut
 
@@ -219,6 +257,7 @@ class FramedSender(KVSender, Generic[ChannelT]):
             async with asyncio.timeout(self.options.connect_timeout_s):
                 channel = await self._open(addr)
                 hello = self._hello()
+                hello.shard = self.shard
                 if self.options.cluster_token:
                     hello.token = self.options.cluster_token
                 await channel.send(hello)
@@ -234,14 +273,14 @@ class FramedSender(KVSender, Generic[ChannelT]):
             raise TransferError(f"cannot connect to {addr}: {e}") from e
         if isinstance(reply, Refused):
             channel.close()
-            cls = LayoutMismatch if reply.code == "layout" else TransferError
+            cls = LayoutMismatch if reply.code in ("layout", "tp") else TransferError
             raise cls(f"receiver {addr} refused the handshake: {reply.reason}")
         if not isinstance(reply, Welcome):
             channel.close()
             raise TransferError(f"receiver {addr} answered the handshake with {type(reply).__name__}")
-        conn = Connection(addr=addr, channel=channel, welcome=reply)
+        conn = Connection(addr=addr, channel=channel, welcome=reply, peer_shard=reply.shard)
         try:
-            self.layout.check_compatible(reply.layout)
+            self._check_welcome(addr, reply)
             async with asyncio.timeout(self.options.connect_timeout_s):
                 await self._on_welcome(conn)
         except TransferError:
@@ -252,6 +291,21 @@ class FramedSender(KVSender, Generic[ChannelT]):
             raise TransferError(f"cannot connect to {addr}: {type(e).__name__}: {e}") from e
         conn.reader = asyncio.create_task(self._read_acks(conn), name=f"kv-acks {addr}")
         return conn
+
+    def _check_welcome(self, addr: str, welcome: Welcome) -> None:
+        """Raise ``LayoutMismatch`` unless the receiver's key is compatible with ours (any
+        TP whose split is possible) and its layout is its rank's."""
+        peer = welcome.shard
+        if peer is None:
+            raise TransferError(f"receiver {addr} sent no KV shard in its handshake (an older "
+                                f"splitserve?); upgrade both nodes")
+        problem = self.shard.compat.exchange_problem(peer.compat)
+        if problem is None and (why := peer.problem()) is not None:
+            problem = why
+        if problem is None and peer.layout != welcome.layout:
+            problem = f"receiver's cache layout {welcome.layout} is not its {peer.describe()}'s {peer.layout}"
+        if problem is not None:
+            raise LayoutMismatch(f"KV layout mismatch (this side != peer) with receiver {addr}: {problem}")
 
     async def _read_acks(self, conn: Connection[ChannelT]) -> None:
         try:

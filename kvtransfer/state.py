@@ -30,6 +30,14 @@ driver of the request awaits ``done`` (shielded: its own cancellation must not c
 the future) and reads nothing else. ``resolutions`` counts every resolution: it
 equals ``reserved`` once every transfer ended, which tests check from outside.
 
+With tensor parallelism (``TransferTable(ranks=N)``, the decode node's TP) every decode
+rank lands its own KV heads of every block, and the table counts reports per (block,
+decode rank): rank 0's receiver calls ``on_block`` (rank 0), each worker rank's reports
+reach rank 0 as ``RankBlocks`` (``rank_report.py``) for ``on_rank_blocks``. A block has
+landed when every rank reported it; a block not ok on any rank fails the transfer::
+
+    ranks_landed[block] = bitmask of decode ranks that landed it  --all N bits--> landed.add(block)
+
 The lease renews with every block that lands, so a long prompt whose blocks keep
 coming is never cut off, while a sender that stops (dead, partitioned, stuck) lets it
 expire ``lease_s`` after its last block (``expire_leases``).
@@ -52,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..common.protocol import PrefillResult
+from .rank_report import RankBlocks
 
 
 class TransferState(enum.Enum):
@@ -86,7 +95,9 @@ class Transfer:
     lease_deadline: float  # clock() after which a transfer not yet complete has expired
     done: asyncio.Future[TransferOutcome]  # resolved once, by the table, when it leaves LIVE
     state: TransferState = TransferState.RESERVED
-    landed: set[int] = field(default_factory=set)  # dest ids reported ok
+    landed: set[int] = field(default_factory=set)  # dest ids reported ok by every decode rank
+    # dest id -> bitmask of the decode ranks that reported it ok, while some have not (TP > 1)
+    ranks_landed: dict[int, int] = field(default_factory=dict)
     result: PrefillResult | None = None  # the prefill node's answer (first token), once it came
     reason: str | None = None  # why it failed or was aborted
 
@@ -98,12 +109,20 @@ class Transfer:
 class TransferTable:
     """All transfers of one decode node. Single-threaded: call it from the node's loop.
     ``clock``: seconds, monotonic (injectable so lease tests need no sleeping);
-    ``loop``: where the ``done`` futures live (default: the running loop at ``reserve``)."""
+    ``loop``: where the ``done`` futures live (default: the running loop at ``reserve``);
+    ``ranks``: the node's tensor-parallel ranks, each of which must land every block;
+    ``on_closed``: called with a transfer id when it stops taking blocks (rank 0 tells its
+    worker ranks, ``rank_report.TransfersClosed``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, ranks: int = 1,
+                 on_closed: Callable[[str], None] | None = None):
+        assert ranks >= 1, f"ranks must be >= 1, got {ranks}"
         self._clock = clock
         self._loop = loop
+        self.ranks = ranks
+        self._all_ranks = (1 << ranks) - 1
+        self._on_closed = on_closed
         self._transfers: dict[str, Transfer] = {}  # transfer_id -> Transfer
         self.ignored_reports = 0  # on_block / prefilled for unknown / no longer live transfers
         self.stray_blocks = 0  # blocks reported for a destination the transfer never reserved
@@ -141,11 +160,12 @@ class TransferTable:
         return transfer
 
     def on_block(self, transfer_id: str, dest_block_id: int, ok: bool,
-                 reason: str | None = None) -> Transfer | None:
-        """Record one receiver report. Returns the transfer, or None when the report was
-        ignored (unknown id, or the transfer no longer takes blocks). A block not ok, or
-        one this transfer did not reserve, fails the transfer; the last block completes
-        it when the prefill node already answered."""
+                 reason: str | None = None, rank: int = 0) -> Transfer | None:
+        """Record one receiver report of decode rank ``rank``. Returns the transfer, or None
+        when the report was ignored (unknown id, or the transfer no longer takes blocks). A
+        block not ok, or one this transfer did not reserve, fails the transfer; the block
+        that lands last on its last rank completes it when the prefill node already answered."""
+        assert 0 <= rank < self.ranks, f"a report of rank {rank} on a {self.ranks}-rank node"
         transfer = self._live(transfer_id)
         if transfer is None:
             return None
@@ -154,11 +174,30 @@ class TransferTable:
             self.stray_blocks += 1
             self.fail(transfer_id, f"block {dest_block_id} was not reserved for this transfer")
         elif not ok:
-            self.fail(transfer_id, f"block {dest_block_id}: {reason or 'rejected'}")
+            where = f" on decode rank {rank}" if self.ranks > 1 else ""
+            self.fail(transfer_id, f"block {dest_block_id}{where}: {reason or 'rejected'}")
         else:
-            transfer.landed.add(dest_block_id)
+            if self.ranks == 1:
+                transfer.landed.add(dest_block_id)
+            elif dest_block_id not in transfer.landed:
+                mask = transfer.ranks_landed.get(dest_block_id, 0) | (1 << rank)
+                if mask == self._all_ranks:
+                    transfer.ranks_landed.pop(dest_block_id, None)
+                    transfer.landed.add(dest_block_id)
+                else:
+                    transfer.ranks_landed[dest_block_id] = mask
             transfer.lease_deadline = self._clock() + transfer.lease_s
             self._complete_if_ready(transfer)
+        return transfer
+
+    def on_rank_blocks(self, report: RankBlocks) -> Transfer | None:
+        """Record a worker rank's reports (``rank_report.RankBlocks``): its failures first,
+        so a frame with a bad block never completes the transfer; None when ignored."""
+        transfer = None
+        for dest in report.failed:
+            transfer = self.on_block(report.transfer_id, dest, False, report.reason, report.rank)
+        for dest in report.landed:
+            transfer = self.on_block(report.transfer_id, dest, True, None, report.rank)
         return transfer
 
     def prefilled(self, transfer_id: str, result: PrefillResult) -> Transfer | None:
@@ -219,6 +258,8 @@ class TransferTable:
         self.resolutions[outcome] += 1
         assert not transfer.done.done(), f"transfer {transfer.transfer_id} resolved twice"
         transfer.done.set_result(value)
+        if self._on_closed is not None:  # it takes no more blocks, on any rank
+            self._on_closed(transfer.transfer_id)
 
     def expired(self, now: float | None = None) -> list[Transfer]:
         """Transfers whose lease passed before they completed."""
@@ -251,15 +292,19 @@ class TransferTable:
     def snapshot(self) -> list[dict]:
         """One JSON-ready dict per transfer, oldest first, for ``/debug/transfers``."""
         now = self._clock()
-        return [{"transfer_id": t.transfer_id, "request_id": t.request_id, "state": t.state.value,
-                 "blocks": len(t.dest_block_ids), "landed": len(t.landed), "prefilled": t.result is not None,
-                 "reason": t.reason,
-                 "age_s": round(now - t.created, 3),
-                 "lease_left_s": round(t.lease_deadline - now, 3)}
-                for t in sorted(self._transfers.values(), key=lambda t: t.created)]
+        out = [{"transfer_id": t.transfer_id, "request_id": t.request_id, "state": t.state.value,
+                "blocks": len(t.dest_block_ids), "landed": len(t.landed), "prefilled": t.result is not None,
+                "reason": t.reason,
+                "age_s": round(now - t.created, 3),
+                "lease_left_s": round(t.lease_deadline - now, 3)}
+               for t in sorted(self._transfers.values(), key=lambda t: t.created)]
+        if self.ranks > 1:  # blocks landed on some decode ranks, not yet on all
+            for row, t in zip(out, sorted(self._transfers.values(), key=lambda t: t.created)):
+                row["landed_on_some_ranks"] = len(t.ranks_landed)
+        return out
 
     def totals(self) -> dict:
         """Counters since start, for ``/debug/transfers``: every reserved transfer is
         resolved once, so ``reserved == sum(resolutions)`` when none is live."""
-        return {"reserved": self.reserved, "resolutions": dict(self.resolutions),
+        return {"reserved": self.reserved, "ranks": self.ranks, "resolutions": dict(self.resolutions),
                 "ignored_reports": self.ignored_reports, "stray_blocks": self.stray_blocks}

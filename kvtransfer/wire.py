@@ -5,19 +5,27 @@ backend's channel frames these bytes its own way) or import torch.
 
 A connection, sender on the left::
 
-    Hello(layout, checksum algo, version)        -->
-                                                 <--  Welcome(layout, shm?)  |  Refused(reason), then close
-    Blocks(seq=0, transfer, dest ids, sums) + payload  -->
+    Hello(shard, layout, checksum algo, version) -->
+                                                 <--  Welcome(shard, layout, shm?)  |  Refused(reason), then close
+    Blocks(seq=0, transfer, dest ids, heads, sums) + payload  -->
     Blocks(seq=1, ...)           + payload       -->     (frames of concurrent transfers interleave;
                                                  <--  Ack(seq=0, failed)      each frame is one unit)
                                                  <--  Ack(seq=1, failed)
 
 ``Blocks.payload_nbytes`` bytes follow a ``Blocks`` header: the frame's blocks,
-packed (``layout.py``), in ``dest_block_ids`` order (the ucx backend carries them
+packed (``layout.py``), in ``dest_block_ids`` order, each the slice ``heads`` of the block
+(global KV head numbers; every head the sender holds unless the transfer plan,
+``tp_plan.py``, sends this receiver fewer) (the ucx backend carries them
 on its UCX endpoint instead of the TCP stream, the nccl backend on its two-rank
 process group). The shm backend sends 0: its sender already wrote the bytes into
 the receiver's shared cache. Every frame repeats the sender's ``layout_id`` so a
-block is never read with another layout.
+block is never read with another layout: the layout of the slice, whose head count the
+receiver checks against ``heads``.
+
+Both ends send their ``KVShard`` (node compatibility key + rank): the receiver refuses a
+sender whose key differs in anything but TP, or whose TP cannot split the heads, before
+any block moves (``Refused.code`` "layout" or "tp"); the sender checks the receiver's the
+same way, and that every slice it sends lies in the receiver's heads.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ from __future__ import annotations
 import msgspec
 import xxhash
 
-from .layout import KVLayout
+from ..common.kv_heads import HeadRange
+from .layout import KVLayout, KVShard
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: KV shards in the handshake, head slices in frames (tensor parallelism)
 # Block checksum algorithms a Hello may name (``kvtransfer/checksum.py`` defines them): xxh3_64
 # over the packed bytes (host senders), wsum32_v1 computed with torch ops on the pool's device.
 CHECKSUM_XXH3 = "xxh3_64"
@@ -38,9 +47,10 @@ CHECKSUM_ALGOS = (CHECKSUM_XXH3, CHECKSUM_WSUM)
 class Hello(msgspec.Struct, tag="hello", omit_defaults=True):
     """Sender -> receiver, first message of a connection."""
 
-    layout: KVLayout
+    layout: KVLayout  # the sender's cache: its rank's heads
     checksum: str  # block checksum algorithm of this connection, one of CHECKSUM_ALGOS
     version: int = PROTOCOL_VERSION
+    shard: KVShard | None = None  # the sender's node key and rank (senders always set it)
     want_shm: bool = False  # the sender writes through the receiver's shared cache
     group: str = ""  # nccl backend: the process group kind the sender joins, "gloo" or "nccl"
     token: str = ""  # the cluster token (common/auth.py); a receiver that has one refuses others
@@ -91,8 +101,9 @@ class IpcInfo(msgspec.Struct, tag="ipc_info", omit_defaults=True):
 class Welcome(msgspec.Struct, tag="welcome", omit_defaults=True):
     """Receiver -> sender: handshake accepted."""
 
-    layout: KVLayout
+    layout: KVLayout  # the receiver's cache: its rank's heads
     num_blocks: int
+    shard: KVShard | None = None  # the receiver's node key and rank (receivers always set it)
     shm: ShmInfo | None = None
     ucx: UcxInfo | None = None
     nccl: NcclInfo | None = None
@@ -103,7 +114,7 @@ class Refused(msgspec.Struct, tag="refused", omit_defaults=True):
     """Receiver -> sender: handshake refused; the receiver closes the connection after it."""
 
     reason: str
-    code: str = ""  # "layout", "checksum", "version", "shm", "auth" or "" (other)
+    code: str = ""  # "layout", "tp", "checksum", "version", "shm", "auth" or "" (other)
 
 
 class Blocks(msgspec.Struct, tag="blocks", omit_defaults=True):
@@ -111,10 +122,11 @@ class Blocks(msgspec.Struct, tag="blocks", omit_defaults=True):
 
     seq: int  # per connection, from 0
     transfer_id: str
-    layout_id: int  # layout_id(sender's layout)
+    layout_id: int  # layout_id(layout of the slice: the sender's, with heads.size heads)
     dest_block_ids: list[int]
-    checksums: list[int]  # checksum of each packed block, same order
-    payload_nbytes: int = 0  # len(dest_block_ids) * block_nbytes, or 0 (shm: data already in place)
+    checksums: list[int]  # checksum of each packed slice, same order
+    payload_nbytes: int = 0  # len(dest_block_ids) * slice block_nbytes, or 0 (shm: data already in place)
+    heads: HeadRange | None = None  # global KV heads of each slice; None: all the receiver's
 
 
 class Ack(msgspec.Struct, tag="ack", omit_defaults=True):
