@@ -36,3 +36,18 @@ def test_the_array_is_read_only():
     p = Prompt.of([1, 2, 3], VOCAB)
     with pytest.raises(ValueError):
         p.array[0] = 7
+
+
+def test_a_salted_prompt_keeps_its_salt_through_a_migration():
+    """A migrated continuation (`extended`) stays in its tenant's cache: same salt, and the
+    router's hashes of it are the salted ones every node computes."""
+    from splitserve.common.hashing import hash_keys
+    from splitserve.router.api_keys import effective_cache_salt
+
+    salt = effective_cache_salt("tenant-a", "x")
+    p = Prompt.of(list(range(40)), 1000).salted(salt)
+    assert p.cache_salt == salt and p.salted(salt) is p and p.salted(None).cache_salt is None
+    moved = p.extended([7] * 30)
+    assert moved.cache_salt == salt and moved.ids == list(range(40)) + [7] * 30
+    assert hash_blocks(moved.array, 16, hash_keys("m", moved.cache_salt)) == hash_blocks(
+        moved.ids, 16, hash_keys("m", salt)) != hash_blocks(moved.ids, 16, ("m",))
