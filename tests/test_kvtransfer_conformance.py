@@ -1,6 +1,8 @@
 """One conformance suite for every KV transfer backend (tcp, shm, ucx, nccl; nccl on
 its CPU code path, gloo): real sockets on 127.0.0.1, two real block stores with
-different random contents, and a receiver in a child process for the crash case.
+different random contents, and a receiver in a child process for the crash case;
+also tensor-parallel ranks on both sides (different TP degrees: head slices) over each
+backend (tests/test_kvtransfer_tp.py covers the TP cases in depth on tcp and shm).
 Each test is bounded by a timeout, so a hang is a failure, not a stuck run."""
 
 import asyncio
@@ -17,8 +19,9 @@ import torch
 
 from splitserve.common.config import KVBackend
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
-                                   TransferError, allocate_kv_cache, free_shared_kv_cache,
+                                   TransferError, TransferFailure, allocate_kv_cache, free_shared_kv_cache,
                                    make_receiver, make_sender, sender_options)
+from splitserve.tests.kv_ranks import DecodeRanks, PrefillRanks, compat, full_cache, transfer
 
 torch.set_num_threads(1)
 
@@ -195,6 +198,33 @@ def test_corrupted_blocks_detected(backend):
             assert p.landed_equal(*zip(*good))
             if backend != "shm":  # garbage never lands; shm wrote in place and reports ok=False
                 assert all(p.dst.read(d) == bytes(p.dst_before[:, :, d].contiguous().numpy()) for d in bad)
+    run(body())
+
+
+@pytest.mark.parametrize("p_tp, d_tp, heads, corrupt", [
+    (1, 2, 2, False), (2, 1, 2, False), (4, 2, 2, False), (2, 4, 4, False), (2, 1, 4, True)])
+def test_tensor_parallel_ranks_receive_exactly_their_heads(backend, p_tp, d_tp, heads, corrupt):
+    """Prefill and decode nodes of different TP: each decode rank's receiver lands the head
+    slices the plan sends it (from one or several prefill ranks) at its head offset; the
+    checksum covers each slice, so a corrupted one fails the transfer."""
+    async def body():
+        full = full_cache(compat(heads, 1), 48, seed=p_tp + d_tp)
+        options = {0: SenderOptions(corrupt_every=2, connect_timeout_s=10)} if corrupt else None
+        prefill = PrefillRanks(backend, compat(heads, p_tp), full, options)
+        decode = DecodeRanks(backend, compat(heads, d_tp), 48)
+        await decode.start()
+        try:
+            src, dest = list(range(40, 20, -1)), list(range(3, 23))
+            outcome, sent = await transfer(prefill, decode, "tp", src, dest)
+            if corrupt:
+                assert isinstance(outcome, TransferFailure) and "checksum" in outcome.reason
+                assert isinstance(sent[0], TransferError)
+            else:
+                assert not isinstance(outcome, TransferFailure), outcome
+                assert decode.landed_exactly(full, src, dest)
+        finally:
+            await prefill.close()
+            await decode.close()
     run(body())
 
 

@@ -1,12 +1,17 @@
 """TransferTable: the decode node's per-transfer state machine (transitions, idempotent
 fail/abort, leases on an injected clock, stray and late reports counted, never raised),
-and each transfer's one ``done`` future, resolved once on every path."""
+and each transfer's one ``done`` future, resolved once on every path; with tensor
+parallelism, reports counted per (block, decode rank) and the worker ranks' messages
+(kvtransfer/rank_report.py)."""
 
 import asyncio
 
 import pytest
 
 from splitserve.common.protocol import PrefillResult
+from splitserve.kvtransfer import rank_report
+from splitserve.kvtransfer.rank_report import (ClosedApplied, ClosedTransfers, RankBlocks, RankReporter,
+                                               TransfersClosed)
 from splitserve.kvtransfer.state import TransferFailure, TransferState, TransferTable
 
 RESULT = PrefillResult(transfer_id="t", first_token=7)
@@ -240,3 +245,102 @@ def test_every_path_resolves_the_future_exactly_once(make_table, path):
     if t.state is TransferState.COMPLETE:
         table.own("t")
     table.remove("t")
+
+
+# -- tensor parallelism: every decode rank must land every block ------------------------------
+
+@pytest.fixture
+def make_tp_table(loop):
+    def make(ranks):
+        clock, closed = Clock(), []
+        return TransferTable(clock=clock, loop=loop, ranks=ranks, on_closed=closed.append), clock, closed
+    return make
+
+
+def test_a_block_lands_when_every_rank_reported_it(make_tp_table):
+    table, clock, closed = make_tp_table(3)
+    t = table.reserve("t", "r", [4, 5], lease_s=5)
+    table.on_block("t", 4, True, None)  # rank 0, the receiver in rank 0's process
+    table.on_rank_blocks(RankBlocks(rank=2, transfer_id="t", landed=[4, 5]))
+    table.prefilled("t", RESULT)
+    assert t.landed == set() and t.ranks_landed == {4: 0b101, 5: 0b100} and not t.done.done()
+    table.on_rank_blocks(RankBlocks(rank=1, transfer_id="t", landed=[4, 5]))
+    table.on_rank_blocks(RankBlocks(rank=2, transfer_id="t", landed=[5]))  # a repeat changes nothing
+    assert t.landed == {4} and not t.done.done()
+    clock.now += 4
+    table.on_block("t", 5, True, None, rank=0)  # the last (block, rank) completes it
+    assert t.done.result() is RESULT and t.state is TransferState.COMPLETE and t.ranks_landed == {}
+    assert closed == ["t"] and t.lease_deadline == clock.now + 5
+
+
+@pytest.mark.parametrize("path", ["worker fails", "rank 0 fails", "abort", "lease", "fail then abort"])
+def test_every_tp_path_resolves_once_and_closes_once(make_tp_table, path):
+    table, clock, closed = make_tp_table(2)
+    t = table.reserve("t", "r", [1, 2], lease_s=5)
+    table.on_block("t", 1, True, None)
+    match path:
+        case "worker fails":  # a frame with a bad slice: its failures count before its landed blocks
+            table.on_rank_blocks(RankBlocks(rank=1, transfer_id="t", landed=[1, 2], failed=[2],
+                                            reason="checksum mismatch on block 2"))
+            assert "block 2 on decode rank 1: checksum mismatch" in t.reason
+        case "rank 0 fails":
+            table.on_block("t", 2, False, "frame cut short")
+        case "abort":
+            table.abort("t", "client gone")
+        case "lease":
+            clock.now += 5
+            table.expire_leases()
+        case "fail then abort":
+            table.fail("t", "prefill node died")
+            table.abort("t", "client gone")
+    assert t.done.done() and isinstance(t.done.result(), TransferFailure)
+    table.on_rank_blocks(RankBlocks(rank=1, transfer_id="t", landed=[1, 2]))  # late: ignored
+    table.on_block("t", 2, True, None)
+    table.prefilled("t", RESULT)
+    assert closed == ["t"] and table.reserved == sum(table.totals()["resolutions"].values()) == 1
+    assert t.landed == set()
+
+
+def test_worker_reports_renew_the_lease(make_tp_table):
+    table, clock, _ = make_tp_table(2)
+    table.reserve("t", "r", [1, 2, 3], lease_s=5)
+    for block in (1, 2, 3):
+        clock.now += 4
+        table.on_rank_blocks(RankBlocks(rank=1, transfer_id="t", landed=[block]))
+        assert table.expired() == []
+    assert table.totals()["ranks"] == 2
+
+
+def test_a_report_of_a_rank_the_node_does_not_have_is_a_bug(make_tp_table):
+    table, _, _ = make_tp_table(2)
+    table.reserve("t", "r", [1], lease_s=5)
+    with pytest.raises(AssertionError, match="rank 2 on a 2-rank node"):
+        table.on_block("t", 1, True, None, rank=2)
+
+
+def test_rank_reporter_sends_one_message_per_transfer_per_loop_turn():
+    sent = []
+
+    async def body():
+        reporter = RankReporter(3, lambda msg: sent.append(rank_report.decode(rank_report.encode(msg))))
+        for dest in (7, 8, 9):
+            reporter.on_block("a", dest, dest != 8, None if dest != 8 else "checksum mismatch")
+        reporter.on_block("b", 1, True, None)
+        assert sent == []  # gathered until the loop turns
+        await asyncio.sleep(0)
+        reporter.on_block("a", 10, True, None)
+        await asyncio.sleep(0)
+
+    asyncio.run(body())
+    assert sent == [RankBlocks(rank=3, transfer_id="a", landed=[7, 9], failed=[8], reason="checksum mismatch"),
+                    RankBlocks(rank=3, transfer_id="b", landed=[1]),
+                    RankBlocks(rank=3, transfer_id="a", landed=[10])]
+
+
+def test_closed_transfers_gate_a_worker_receiver():
+    gate = ClosedTransfers(rank=1, keep=2)
+    assert gate.accepts("a")
+    ack = gate.apply(rank_report.decode(rank_report.encode(TransfersClosed(seq=5, transfer_ids=["a", "b"]))))
+    assert ack == ClosedApplied(rank=1, seq=5) and not gate.accepts("a") and not gate.accepts("b")
+    gate.apply(TransfersClosed(seq=6, transfer_ids=["c"]))
+    assert gate.accepts("a") and not gate.accepts("c")  # only the last `keep` are remembered
