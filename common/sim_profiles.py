@@ -1,11 +1,14 @@
 """Named simulated-node profiles: a model on a GPU deployment, so simulated nodes
 stand for real ones (``splitserve sim-nodes --profile NAME``, ``replay --profile``,
-``--list-profiles``).
+``--list-profiles``), and deployments: prefill nodes of one profile, decode nodes of
+another (``replay --profile DEPLOYMENT``).
 
 Owns reading ``sim_profiles.toml`` (next to this file; the numbers, their sources
-and their calibration state live there) and deriving from it:
+and their calibration state live there) and deriving from it, for a node of
+``gpus`` tensor-parallel ranks (weights and KV sharded Megatron-style, by heads):
 
-    kv_bytes_per_token = 2 (K, V) x layers x kv_heads x head_dim x dtype_bytes
+    kv_bytes_per_token = 2 (K, V) x layers x max(kv_heads, gpus) x head_dim x dtype_bytes
+                         (gpus > kv_heads: each rank holds a replica of one KV head)
     weight_bytes       = parameters x dtype_bytes
     kv_pool_bytes      = gpus x memory x utilization - weight_bytes - gpus x activation
     kv_pool_tokens     = kv_pool_bytes // kv_bytes_per_token (whole blocks)
@@ -14,7 +17,11 @@ and their calibration state live there) and deriving from it:
                          bandwidth x bandwidth_efficiency x gpus (same), step overhead
                          (a CPU profile keeps SimConfig's fitted timing instead)
 
-Must not import torch or node code; a bad profile raises ValueError naming it.
+A deployment's two profiles must hold the same KV (model, dtype, block size); their
+TP degrees and hardware may differ.
+
+Must not import torch or node code; a bad profile or deployment raises ValueError
+naming it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ class SimProfile:
     name: str
     model: str
     hardware: str
+    gpus: int  # tensor-parallel ranks of one node; 0: the CPU
+    dtype_bytes: int  # of weights and KV
     context: int  # max model length, tokens
     block_size: int
     kv_bytes_per_token: int
@@ -77,7 +86,7 @@ class SimProfile:
     def summary(self) -> dict:
         sim = self.sim_config()
         return {
-            "profile": self.name, "model": self.model, "hardware": self.hardware,
+            "profile": self.name, "model": self.model, "hardware": self.hardware, "gpus": self.gpus,
             "context": self.context, "block_size": self.block_size,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "weight_gib": round(self.weight_bytes / GIB, 2),
@@ -89,36 +98,122 @@ class SimProfile:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class SimDeployment:
+    """Prefill nodes of one profile, decode nodes of another (one profile for both
+    when ``name`` is a profile's). Built by ``pair``, which refuses two profiles whose
+    KV differs."""
+    name: str
+    prefill: SimProfile
+    decode: SimProfile
+
+    @property
+    def context(self) -> int:
+        return self.prefill.context  # the same model: the same context
+
+    def policy_weights(self) -> dict[str, float]:
+        """cache_aware's weights for this deployment: the prefill profile's. Every weight
+        is in token-equivalents of a prefill node (1.0 = its time to prefill one prompt
+        token), so ``token_s`` is the prefill profile's; ``attention`` is a ratio of the
+        model's FLOPs, the same in both. The decode terms need no weight from the decode
+        profile: they count the requests on each decode node and the fraction of its own
+        KV pool in use (the decode profile's pool: under TP8 the same requests fill less
+        of it), and the pair cost is a prefill term plus a decode term, so the decode
+        nodes' speed cannot change which prefill node wins. One cost is priced at the
+        prefill profile's speed when the profiles differ: a decode node prefilling
+        alone (``local_prefill_tokens`` > 0, off by default)."""
+        return self.prefill.policy_weights()
+
+    def describe(self) -> str:
+        if self.prefill is self.decode:
+            return f"{self.name}: prefill and decode nodes {self.prefill.name} (TP{self.prefill.gpus})"
+        return (f"{self.name}: prefill nodes {self.prefill.name} (TP{self.prefill.gpus}), "
+                f"decode nodes {self.decode.name} (TP{self.decode.gpus})")
+
+
+def pair(name: str, prefill: SimProfile, decode: SimProfile) -> SimDeployment:
+    """``prefill`` nodes sending KV to ``decode`` nodes; ValueError when the KV one
+    computes is not the KV the other holds (model, dtype, block size)."""
+    for field, a, b in (("model", prefill.model, decode.model), ("dtype_bytes", prefill.dtype_bytes,
+                        decode.dtype_bytes), ("block_size", prefill.block_size, decode.block_size)):
+        if a != b:
+            raise ValueError(f"deployment {name}: prefill profile {prefill.name} and decode profile "
+                             f"{decode.name} differ in {field} ({a!r} vs {b!r}), so the decode nodes "
+                             f"cannot hold the prefill nodes' KV; pair profiles of the same model, "
+                             f"dtype and block size (their TP and hardware may differ)")
+    return SimDeployment(name, prefill, decode)
+
+
 def load_profiles(path: str | Path = PROFILES_FILE) -> dict[str, SimProfile]:
     """Every profile of ``path``, derived; ValueError naming the profile and field."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"sim profiles: cannot read {path}: {e}") from None
-    return {name: _derive(name, p, data) for name, p in data.get("profile", {}).items()}
+    return _load(path)[0]
+
+
+def load_deployments(path: str | Path = PROFILES_FILE) -> dict[str, SimDeployment]:
+    """Every ``[deployment.NAME]`` of ``path`` (``prefill = PROFILE``, ``decode = PROFILE``),
+    checked by ``pair``."""
+    return _load(path)[1]
 
 
 def get_profile(name: str, path: str | Path = PROFILES_FILE) -> SimProfile:
-    profiles = load_profiles(path)
+    profiles, deployments = _load(path)
+    if name in deployments:
+        d = deployments[name]
+        raise ValueError(f"profile: {name!r} is a deployment of two profiles ({d.describe()}); start "
+                         f"its prefill nodes with --profile {d.prefill.name} and its decode nodes with "
+                         f"--profile {d.decode.name}, or give it to replay --profile")
     if name not in profiles:
         raise ValueError(f"profile: unknown simulated-node profile {name!r}; one of "
                          f"{', '.join(sorted(profiles))} (splitserve sim-nodes --list-profiles)")
     return profiles[name]
 
 
-def format_profiles(profiles: dict[str, SimProfile]) -> str:
-    head = (f"{'profile':22} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
+def get_deployment(name: str, path: str | Path = PROFILES_FILE) -> SimDeployment:
+    """The deployment ``name``, or the profile ``name`` on prefill and decode nodes alike."""
+    profiles, deployments = _load(path)
+    if name in deployments:
+        return deployments[name]
+    if name in profiles:
+        return SimDeployment(name, profiles[name], profiles[name])
+    raise ValueError(f"profile: unknown simulated-node profile or deployment {name!r}; one of "
+                     f"{', '.join(sorted(profiles) + sorted(deployments))} (splitserve sim-nodes --list-profiles)")
+
+
+def format_profiles(profiles: dict[str, SimProfile], deployments: dict[str, SimDeployment] | None = None) -> str:
+    """The table of ``profiles``, then the deployments (None: those of PROFILES_FILE)."""
+    head = (f"{'profile':22} {'TP':>2} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
             f"{'pool tokens':>12} {'prefill 8k':>10} {'32k':>8} {'decode b32':>10}  calibrated")
     lines = [head]
     for p in profiles.values():
         s = p.summary()
-        lines.append(f"{p.name:22} {p.context:>7} {p.kv_bytes_per_token:>9} "
+        lines.append(f"{p.name:22} {p.gpus:>2} {p.context:>7} {p.kv_bytes_per_token:>9} "
                      f"{s['weight_gib']:>6.1f}GiB {s['kv_pool_gib']:>6.1f}GiB {p.kv_pool_tokens:>12} "
                      f"{s['prefill_8k_s']:>9.3f}s {s['prefill_32k_s']:>7.3f}s "
                      f"{s['decode_step_b32_ctx8k_ms']:>8.2f}ms  {'yes' if p.calibrated else 'no (stated)'}")
     lines.append("decode b32: one step of 32 requests with 8k tokens of context each. "
                  f"Numbers and their sources: {PROFILES_FILE}")
+    for d in (load_deployments() if deployments is None else deployments).values():
+        lines.append(f"deployment {d.describe()}")
     return "\n".join(lines)
+
+
+def _load(path: str | Path) -> tuple[dict[str, SimProfile], dict[str, SimDeployment]]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"sim profiles: cannot read {path}: {e}") from None
+    profiles = {name: _derive(name, p, data) for name, p in data.get("profile", {}).items()}
+    deployments: dict[str, SimDeployment] = {}
+    for name, d in data.get("deployment", {}).items():
+        roles = {role: d.get(role) for role in ("prefill", "decode")}
+        for role, profile in roles.items():
+            if profile not in profiles:
+                raise ValueError(f"deployment {name}: {role} = {profile!r} is no profile of {path}; "
+                                 f"one of {', '.join(sorted(profiles))}")
+        if name in profiles:
+            raise ValueError(f"deployment {name}: a profile has that name; name it apart")
+        deployments[name] = pair(name, profiles[roles["prefill"]], profiles[roles["decode"]])
+    return profiles, deployments
 
 
 def _derive(name: str, p: dict, data: dict) -> SimProfile:
@@ -127,9 +222,14 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
         m = data["model"][p["model"]]
         hw = data["hardware"][p["hardware"]]
         dtype = p["dtype_bytes"]
-        kv_tok = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * dtype
-        weights = int(m["parameters"] * dtype)
         gpus = p["gpus"]
+        if gpus and (m["heads"] % gpus or (m["kv_heads"] % gpus and gpus % m["kv_heads"])):
+            raise ValueError(f"{where}: {m['heads']} query and {m['kv_heads']} KV heads do not split over "
+                             f"{gpus} ranks; use a TP degree that divides the query heads and divides "
+                             f"or is a multiple of the KV heads")
+        kv_heads = max(m["kv_heads"], gpus)  # TP > KV heads: every rank holds one head's replica
+        kv_tok = 2 * m["layers"] * kv_heads * m["head_dim"] * dtype
+        weights = int(m["parameters"] * dtype)
         if gpus:
             pool = int(gpus * hw["memory_gib"] * GIB * p["gpu_memory_utilization"]
                        - weights - gpus * p["activation_gib"] * GIB)
@@ -143,7 +243,8 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
                 step_overhead_s=hw["step_overhead_s"])
         else:
             pool, roofline = int(p["kv_cache_gib"] * GIB), None
-        prof = SimProfile(name=name, model=p["model"], hardware=p["hardware"], context=m["context"],
+        prof = SimProfile(name=name, model=p["model"], hardware=p["hardware"], gpus=gpus, dtype_bytes=dtype,
+                          context=m["context"],
                           block_size=p["block_size"], kv_bytes_per_token=kv_tok, weight_bytes=weights,
                           kv_pool_bytes=pool, prefill_chunk_size=p["prefill_chunk_size"],
                           max_num_batched_tokens=p["max_num_batched_tokens"],

@@ -7,8 +7,10 @@ a sleep on the node's engine thread, so dozens of nodes share one process and on
 event loop: how one machine runs 64+ replicas against a real router and Redis.
 
 Owns: one NodeConfig per node (ids ``sim-prefill-<i>``, ``sim-decode-<i>``, plus a
-prefix to tell fleets apart) and their start and stop. Prints ``READY <n> nodes``
-once every node serves, then one ``NODE <role> <node_id> <http_addr>`` line each.
+prefix to tell fleets apart; prefill and decode nodes may copy different templates,
+e.g. a TP4 prefill profile and a TP8 decode one) and their start and stop. Prints
+``READY <n> nodes`` once every node serves, then one ``NODE <role> <node_id>
+<http_addr>`` line each.
 """
 
 import asyncio
@@ -26,16 +28,19 @@ AppBuilder = Callable[[NodeConfig], web.Application]  # a node's config -> its r
 
 
 def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
-                  id_prefix: str = "sim") -> list[NodeConfig]:
-    """``template`` (its engine config carrying ``sim``) copied per node, port 0 each."""
-    if template.engine.sim is None:
+                  id_prefix: str = "sim", decode_template: NodeConfig | None = None) -> list[NodeConfig]:
+    """``template`` (its engine config carrying ``sim``) copied per node, port 0 each;
+    the decode nodes copy ``decode_template`` when given (a deployment whose decode
+    nodes stand for another profile than its prefill nodes: common/sim_profiles.py)."""
+    templates = {"prefill": template, "decode": decode_template or template}
+    if any(t.engine.sim is None for t in templates.values()):
         raise ValueError("sim-nodes: the engine config has no timing model (EngineConfig.sim)")
     if prefill_nodes < 0 or decode_nodes < 0 or prefill_nodes + decode_nodes < 1:
         raise ValueError(f"sim-nodes: need at least one node, got {prefill_nodes} prefill and "
                          f"{decode_nodes} decode nodes")
     roles: list[tuple[NodeRole, int]] = ([("prefill", i) for i in range(prefill_nodes)]
                                          + [("decode", i) for i in range(decode_nodes)])
-    return [dataclasses.replace(template, role=role, port=0, node_id=f"{id_prefix}-{role}-{i}")
+    return [dataclasses.replace(templates[role], role=role, port=0, node_id=f"{id_prefix}-{role}-{i}")
             for role, i in roles]
 
 

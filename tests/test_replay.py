@@ -1,5 +1,6 @@
 """The routing trace (format, expansion, oracle), its generator, the greedy
-balancer's reference load, and ``splitserve replay`` end to end on a small trace."""
+balancer's reference load, and ``splitserve replay`` end to end on a small trace,
+also with a heterogeneous deployment (prefill TP4 / decode TP8)."""
 
 import json
 import os
@@ -121,6 +122,24 @@ def test_replay_command_end_to_end(tmp_path):
     assert sum(r["prefill_requests_per_node"].values()) == 10
     assert r["prefill_nodes_not_idle_at_end"] == {}  # nothing leaked on the nodes
     assert "hit rate" in proc.stdout
+
+
+def test_replay_of_a_heterogeneous_deployment_end_to_end(tmp_path):
+    """``replay --profile DEPLOYMENT``: prefill nodes on the TP4 profile, decode nodes on
+    the TP8 one (a fleet process per role), every request answered, nothing leaked."""
+    from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, run_replay
+
+    trace = generate(TraceSpec(tenants=2, users_per_tenant=2, rate=0.2, duration_s=40, mean_turns=3,
+                               mean_user_tokens=200, mean_think_s=5, seed=1))[:8]
+    path = tmp_path / "t.jsonl"
+    dump_trace(trace, path)
+    r = run_replay(ReplayConfig(trace=str(path), prefill_nodes=2, decode_nodes=1, speedup=20, max_output_tokens=4,
+                                fleet_procs=1, profile="llama3-70b-p-tp4-d-tp8-h100"))
+    assert r["failed"] == 0 and r["requests"] == 8, r["errors"]
+    assert (r["prefill_profile"], r["decode_profile"]) == ("llama3-70b-tp4-h100", "llama3-70b-tp8-h100")
+    assert sum(r["prefill_requests_per_node"].values()) == 8 and r["prefill_nodes_not_idle_at_end"] == {}
+    with pytest.raises(ValueError, match="unknown simulated-node profile or deployment 'tp4-tp9'"):
+        ReplayConfig(trace=str(path), profile="tp4-tp9")
 
 
 def test_trace_block_size_maps_any_hash_block_onto_the_node_blocks(tmp_path):

@@ -1,7 +1,9 @@
-"""Simulated-node profiles: the derived numbers follow the stated formulas, the
-roofline behaves like one (decode bandwidth-bound, long prefill compute-bound), a
-bad profile names itself, and a node standing for a 128k-context model serves a
-prompt longer than the bundled model's 8192 tokens."""
+"""Simulated-node profiles: the derived numbers follow the stated formulas (TP4 and
+TP8 on H100s by the same rules), the roofline behaves like one (decode
+bandwidth-bound, long prefill compute-bound), a bad profile names itself, a
+deployment pairs a TP4 prefill profile with a TP8 decode one and refuses profiles
+whose KV differs, and a node standing for a 128k-context model serves a prompt
+longer than the bundled model's 8192 tokens."""
 
 import subprocess
 import sys
@@ -11,7 +13,8 @@ import pytest
 from splitserve.common.config import EngineConfig
 from splitserve.common.roofline import Roofline
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import GIB, PROFILES_FILE, get_profile, load_profiles
+from splitserve.common.sim_profiles import (GIB, PROFILES_FILE, get_deployment, get_profile, load_deployments,
+                                            load_profiles, pair)
 from splitserve.engine.engine_core import EngineCore
 
 
@@ -96,3 +99,107 @@ def test_list_profiles_prints_the_derived_numbers():
     out = subprocess.run([sys.executable, "-m", "splitserve.cli", "sim-nodes", "--list-profiles"],
                          capture_output=True, text=True, check=True).stdout
     assert "llama3-8b-h100" in out and "431568" in out and "no (stated)" in out
+    assert "llama3-70b-tp8-h100" in out and "1342224" in out  # 8 x 79.6 GiB x 0.9 - 141.2 GB - 32 GiB
+    assert ("deployment llama3-70b-p-tp4-d-tp8-h100: prefill nodes llama3-70b-tp4-h100 (TP4), "
+            "decode nodes llama3-70b-tp8-h100 (TP8)") in out
+
+
+H100 = dict(peak=989e12, flops_eff=0.55, hbm=3.35e12, bw_eff=0.70, memory=79.6, overhead=0.003, tp_eff=0.85)
+L70B = dict(parameters=70.6e9, layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128, vocab=128256)
+
+
+def test_llama3_70b_tp8_follows_from_the_h100_and_the_model_numbers():
+    """Weights and KV over 8 GPUs: the pool is 8 GPUs' memory left after the weights,
+    each GPU's FLOPs and bandwidth x tp_efficiency; against TP4, twice the throughput
+    (the roofline half as long, the fixed overhead the same) and ~3x the KV tokens."""
+    profiles = load_profiles()
+    tp8, tp4 = profiles["llama3-70b-tp8-h100"], profiles["llama3-70b-tp4-h100"]
+    hw, m = H100, L70B
+    assert (tp8.gpus, tp8.model, tp8.context, tp8.block_size, tp8.dtype_bytes) == (8, "llama3-70b", 131072, 16, 2)
+    kv_tok = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * 2  # one KV head per rank: none replicated
+    assert tp8.kv_bytes_per_token == kv_tok == 327680 == tp4.kv_bytes_per_token
+    assert tp8.weight_bytes == int(m["parameters"] * 2)
+    pool = int(8 * hw["memory"] * GIB * 0.90 - m["parameters"] * 2 - 8 * 4.0 * GIB)
+    assert tp8.kv_pool_bytes == pool
+    assert tp8.kv_pool_tokens == pool // (kv_tok * 16) * 16 == 1342224
+    assert 2.9 < tp8.kv_pool_tokens / tp4.kv_pool_tokens < 3.0  # 8 GPUs carry the weights 4 did
+    r = tp8.roofline
+    flops_s = hw["peak"] * hw["flops_eff"] * 8 * hw["tp_eff"]
+    bytes_s = hw["hbm"] * hw["bw_eff"] * 8 * hw["tp_eff"]
+    assert r.flops_per_s == pytest.approx(flops_s) and r.bytes_per_s == pytest.approx(bytes_s)
+    flops_tok = 2 * (m["parameters"] - m["vocab"] * m["hidden"])
+    attn = 4 * m["layers"] * m["heads"] * m["head_dim"]
+    # per prompt token (compute-bound) and per decode step (bandwidth-bound: weights + context)
+    assert tp8.policy_weights()["token_s"] == pytest.approx(flops_tok / flops_s)
+    assert tp8.prefill_seconds(8192) == pytest.approx(
+        (flops_tok * 8192 + attn * 8192 * 4096) / flops_s + hw["overhead"])
+    step = tp8.sim_config().step_seconds(1, [], 8192)
+    assert step == pytest.approx((m["parameters"] * 2 + kv_tok * 8192) / bytes_s + hw["overhead"])
+    assert step < 2 * hw["overhead"] + 0.01  # ~9 ms of HBM over 8 GPUs
+    tp4_step = tp4.sim_config().step_seconds(1, [], 8192)
+    assert tp4_step - hw["overhead"] == pytest.approx(2 * (step - hw["overhead"]))
+    assert tp4.prefill_seconds(32768) - 4 * hw["overhead"] == pytest.approx(
+        2 * (tp8.prefill_seconds(32768) - 4 * hw["overhead"]))  # four chunks of 8192
+
+
+def test_kv_heads_are_replicated_when_tp_exceeds_them_and_a_tp_that_does_not_split_is_refused(tmp_path):
+    base = PROFILES_FILE.read_text()
+    path = tmp_path / "p.toml"
+    tp16 = base.replace("[profile.llama3-70b-tp8-h100]", "[profile.llama3-70b-tp16-h100]").replace(
+        "gpus = 8", "gpus = 16").replace('prefill = "llama3-70b-tp4-h100"\ndecode = "llama3-70b-tp8-h100"',
+                                         'prefill = "llama3-70b-tp4-h100"\ndecode = "llama3-70b-tp16-h100"')
+    path.write_text(tp16)
+    p = load_profiles(path)["llama3-70b-tp16-h100"]
+    assert p.kv_bytes_per_token == 2 * 80 * 16 * 128 * 2  # 8 KV heads over 16 ranks: each held twice
+    assert load_deployments(path)["llama3-70b-p-tp4-d-tp8-h100"].decode.gpus == 16
+    path.write_text(base.replace("gpus = 8", "gpus = 6"))
+    with pytest.raises(ValueError, match="profile llama3-70b-tp8-h100: 64 query and 8 KV heads do not split over 6"):
+        load_profiles(path)
+
+
+def test_deployment_prefills_on_tp4_decodes_on_tp8_and_prices_prefill_as_tp4():
+    from splitserve.router.cache_aware import CacheAware
+    from splitserve.router.config import CacheAwareWeights
+
+    d = get_deployment("llama3-70b-p-tp4-d-tp8-h100")
+    assert (d.prefill.name, d.decode.name, d.context) == ("llama3-70b-tp4-h100", "llama3-70b-tp8-h100", 131072)
+    assert d.policy_weights() == d.prefill.policy_weights()
+    assert d.policy_weights()["token_s"] == pytest.approx(2 * d.decode.policy_weights()["token_s"])
+    assert d.policy_weights()["attention"] == d.decode.policy_weights()["attention"]  # the model's ratio
+    # the router's work of a prompt x token_s is the prefill node's (TP4) compute-bound step
+    w = CacheAwareWeights(**d.policy_weights())
+    step = d.prefill.roofline.step_seconds(0, 0, [(8192, 0)]) - d.prefill.roofline.step_overhead_s
+    assert CacheAware(w).work(8192, 0) * w.token_s == pytest.approx(step, rel=1e-9)
+    same = get_deployment("llama3-70b-tp4-h100")  # a profile: both roles on it
+    assert same.prefill is same.decode and same.policy_weights() == d.policy_weights()
+    with pytest.raises(ValueError, match="is a deployment of two profiles .* --profile llama3-70b-tp8-h100"):
+        get_profile("llama3-70b-p-tp4-d-tp8-h100")
+    with pytest.raises(ValueError, match="unknown simulated-node profile or deployment 'nope'"):
+        get_deployment("nope")
+
+
+def test_a_pairing_whose_kv_differs_is_refused(tmp_path):
+    base = PROFILES_FILE.read_text()
+    profiles = load_profiles()
+    tp4 = profiles["llama3-70b-tp4-h100"]
+    with pytest.raises(ValueError, match="deployment x: prefill profile llama3-70b-tp4-h100 and decode profile "
+                                         "llama3-8b-h100 differ in model"):
+        pair("x", tp4, profiles["llama3-8b-h100"])
+    fp8 = base + ('\n[profile.llama3-70b-tp8-fp8]\nmodel = "llama3-70b"\nhardware = "h100-sxm"\ngpus = 8\n'
+                  'dtype_bytes = 1\ngpu_memory_utilization = 0.9\nactivation_gib = 4.0\nblock_size = 16\n'
+                  'prefill_chunk_size = 8192\nmax_num_batched_tokens = 8192\nmax_num_seqs = 256\n'
+                  '[deployment.mixed]\nprefill = "llama3-70b-tp4-h100"\ndecode = "llama3-70b-tp8-fp8"\n')
+    path = tmp_path / "p.toml"
+    path.write_text(fp8)
+    with pytest.raises(ValueError, match=r"deployment mixed: .* differ in dtype_bytes \(2 vs 1\)"):
+        load_deployments(path)
+    path.write_text(fp8.replace("block_size = 16\nprefill_chunk_size = 8192\nmax_num_batched_tokens = 8192\n"
+                                "max_num_seqs = 256\n[deployment", "block_size = 32\nprefill_chunk_size = 8192\n"
+                                "max_num_batched_tokens = 8192\nmax_num_seqs = 256\n[deployment")
+                    .replace("dtype_bytes = 1", "dtype_bytes = 2"))
+    with pytest.raises(ValueError, match=r"differ in block_size \(16 vs 32\)"):
+        get_deployment("mixed", path)
+    path.write_text(base.replace('decode = "llama3-70b-tp8-h100"', 'decode = "llama3-70b-tp9"'))
+    with pytest.raises(ValueError, match="deployment llama3-70b-p-tp4-d-tp8-h100: decode = 'llama3-70b-tp9' "
+                                         "is no profile"):
+        load_profiles(path)

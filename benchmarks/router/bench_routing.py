@@ -9,7 +9,13 @@ replay``, one run each).
 
 ``--preset`` picks the trace generator's preset (``make-trace --preset``),
 ``--profile`` the GPU deployment the simulated nodes stand for (their context,
-KV pool and roofline timing; ``--kv-cache-memory`` is then ignored).
+KV pool and roofline timing; ``--kv-cache-memory`` is then ignored): a profile, or a
+deployment of a prefill and a decode profile (the greedy balancer then times the
+prefill profile)::
+
+    .venv/bin/python benchmarks/router/bench_routing.py --preset long-context \
+        --profile llama3-70b-p-tp4-d-tp8-h100 --nodes 8 --rate-per-16 1.0 --duration 120 --speedup 5 \
+        --max-output-tokens 4 --out routing_70b_tp4_tp8      # ~8 minutes here
 
 Each size gets its own trace (``make-trace`` defaults, conversations starting at
 ``0.25 / s per 16 prefill nodes`` for ``--duration`` seconds, so the load per node
@@ -34,7 +40,7 @@ from splitserve.benchmarks.loadgen.replay.balance import greedy_max_mean
 from splitserve.benchmarks.loadgen.replay.generate import generate, summarize
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, print_summary, run_replay
 from splitserve.benchmarks.loadgen.replay.trace import dump_trace
-from splitserve.common.sim_profiles import get_profile
+from splitserve.common.sim_profiles import get_deployment
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 RATE_PER_16_NODES = 0.25  # new conversations per second of trace time
@@ -82,7 +88,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", default="4GiB", help="per simulated node")
     ap.add_argument("--fleet-procs", type=int, default=2)
     ap.add_argument("--preset", default="default", help="trace preset (make-trace --preset)")
-    ap.add_argument("--profile", default=None, help="simulated-node profile (sim-nodes --list-profiles)")
+    ap.add_argument("--profile", default=None,
+                    help="simulated-node profile or deployment (sim-nodes --list-profiles)")
     ap.add_argument("--rate-per-16", type=float, default=RATE_PER_16_NODES,
                     help="new conversations per second of trace time per 16 prefill nodes")
     ap.add_argument("--max-output-tokens", type=int, default=16)
@@ -107,7 +114,7 @@ def main() -> int:
         path = RESULTS / f"routing_trace_{size}.jsonl"
         dump_trace(trace, path)
         info = summarize(trace)
-        greedy = greedy_max_mean(trace, size, get_profile(args.profile)) if args.profile else None
+        greedy = greedy_max_mean(trace, size, get_deployment(args.profile).prefill) if args.profile else None
         print(f"== {size} prefill nodes: trace {info}, greedy balancer's max/mean load {greedy}",
               file=sys.stderr, flush=True)
         runs = {}

@@ -25,7 +25,10 @@ is divided by the speed-up so the policy remembers the same stretch of trace tim
 with ``--profile`` the policy's attention ratio and seconds per token are the
 profile's (``SimProfile.policy_weights``: the defaults are this CPU's fit, 16x the
 H100 profile's attention ratio). A later ``--router-arg=--score-weights=...``
-replaces all of that.
+replaces all of that. ``--profile`` also takes a deployment (prefill nodes of one
+profile, decode nodes of another, e.g. TP4 / TP8): each fleet process then serves
+one role (cluster.py), and the policy's weights are the prefill profile's
+(``SimDeployment.policy_weights`` says why the decode side needs none).
 
 Output lengths are capped because the figures are about routing and prefill: decode
 steps of the simulated nodes cost wall-clock time in this process's router and
@@ -71,7 +74,7 @@ class ReplayConfig:
     limit: int | None = None  # replay the first N requests only
     router_args: tuple[str, ...] = field(default=())
     result_json: str | None = None
-    profile: str | None = None  # simulated nodes stand for this GPU deployment (sim_profiles.toml)
+    profile: str | None = None  # simulated nodes stand for this profile or deployment (sim_profiles.toml)
     trace_block_size: int = 512  # tokens per hash id in the trace
 
     def __post_init__(self):
@@ -88,8 +91,8 @@ class ReplayConfig:
         if self.trace_block_size < 1:
             raise ValueError(f"trace_block_size: must be >= 1, got {self.trace_block_size}")
         if self.profile is not None:
-            from splitserve.common.sim_profiles import get_profile
-            get_profile(self.profile)  # an unknown name fails here, naming the choices
+            from splitserve.common.sim_profiles import get_deployment
+            get_deployment(self.profile)  # an unknown name fails here, naming the choices
 
     @property
     def num_decode_nodes(self) -> int:
@@ -260,7 +263,7 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
     return {
         "policy": cfg.policy, "prefill_nodes": cfg.prefill_nodes, "decode_nodes": cfg.num_decode_nodes,
         "requests": len(requests), "failed": len(outcomes) - len(ok), "errors": errors[:5],
-        "failed_by_error": failed_by_error, "profile": cfg.profile,
+        "failed_by_error": failed_by_error, "profile": cfg.profile, **_role_profiles(cfg.profile),
         "hit_rate": round(hit, 4), "oracle_hit_rate": round(oracle, 4),
         "hit_rate_vs_oracle": round(hit / oracle, 4) if oracle else None,
         "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
@@ -292,16 +295,25 @@ def run_replay(cfg: ReplayConfig) -> dict:
         sim_args += ["--sim-timing", cfg.sim_timing]
     weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / cfg.speedup}
     profile_args: tuple[str, ...] = ()
+    deployment = None
     if cfg.profile:  # the nodes' model: its context on the router too, and its cost ratios
-        from splitserve.common.sim_profiles import get_profile
-        profile = get_profile(cfg.profile)
-        sim_args += ["--profile", cfg.profile]
-        profile_args = ("--max-model-len", str(profile.context), "--allow-long-max-model-len")
-        weights.update(profile.policy_weights())
+        from splitserve.common.sim_profiles import get_deployment
+        deployment = get_deployment(cfg.profile)
+        profile_args = ("--max-model-len", str(deployment.context), "--allow-long-max-model-len")
+        weights.update(deployment.policy_weights())
     router_args = (*profile_args, "--score-weights=" + ",".join(f"{k}={v:g}" for k, v in weights.items()),
                    *cfg.router_args)
-    cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
-                         kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
+    cluster: SimCluster
+    if deployment is not None and deployment.prefill is not deployment.decode:
+        from .cluster import DeploymentSimCluster
+        cluster = DeploymentSimCluster(deployment, cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs,
+                                       sim_args, kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy,
+                                       router_args=router_args)
+    else:
+        if deployment is not None:
+            sim_args += ["--profile", deployment.prefill.name]
+        cluster = SimCluster(cfg.prefill_nodes, cfg.num_decode_nodes, cfg.fleet_procs, sim_args,
+                             kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
     print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "
           f"{cfg.num_decode_nodes} decode simulated nodes ...", file=sys.stderr, flush=True)
     with cluster:
@@ -323,6 +335,15 @@ def run_replay(cfg: ReplayConfig) -> dict:
     return result
 
 
+def _role_profiles(name: str | None) -> dict[str, str]:
+    """The profile each role's nodes stood for (the same for a plain profile)."""
+    if name is None:
+        return {}
+    from splitserve.common.sim_profiles import get_deployment
+    d = get_deployment(name)
+    return {"prefill_profile": d.prefill.name, "decode_profile": d.decode.name}
+
+
 def print_summary(r: dict) -> None:
     print(f"policy {r['policy']}: {r['prefill_nodes']} prefill + {r['decode_nodes']} decode nodes, "
           f"{r['requests']} requests ({r['failed']} failed), {r['wall_s']} s wall at {r['speedup']}x\n"
@@ -331,6 +352,8 @@ def print_summary(r: dict) -> None:
           f"  TTFT p50 {r['ttft_p50']:.2f} s  p90 {r['ttft_p90']:.2f} s  p99 {r['ttft_p99']:.2f} s "
           f"(trace time)\n  max/mean per prefill node: busy time {r['max_mean_load']}, "
           f"requests {r['max_mean_requests']}")
+    if r.get("profile"):
+        print(f"  profile {r['profile']}: prefill nodes {r['prefill_profile']}, decode nodes {r['decode_profile']}")
     for e in r["errors"]:
         print(f"  error: {e}")
     for node, held in r["prefill_nodes_not_idle_at_end"].items():
