@@ -29,6 +29,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
 from .config import NodeRole
+from .kv_compat import KVCompat
 from .load import NodeLoad
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     capacity_tokens: int = 0  # tokens the node's KV cache holds
     block_size: int = 0  # tokens per KV block, as hashed into the prefix index (0: unknown)
     max_model_len: int = 0  # the context the node accepts, prompt + output tokens (0: unknown)
+    # What a peer must share to exchange KV with it (model, dtype, block size, head layout,
+    # TP); routers pair only compatible nodes (router/kv_pairing.py). None: not published.
+    kv: KVCompat | None = None
     load: NodeLoad = msgspec.field(default_factory=NodeLoad)
     updated_at: float = 0.0  # unix time of the heartbeat that wrote this record
 

@@ -80,6 +80,7 @@ import numpy as np
 
 from ..common.registry import NodeInfo
 from .config import CacheAwareWeights
+from .kv_pairing import cheapest_pair
 from .node_terms import FleetTerms, RoleTerms
 from .policy import NO_CACHED, NO_INFLIGHT, Decision
 from .recent_work import RecentWork
@@ -114,10 +115,19 @@ class CacheAware:
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
         now = time.monotonic() if now is None else now
-        prefill, p_cost = _cheapest(prefills, self.prefill_costs(prefills, n, cached, inflight,
-                                                                 inflight_tokens, now), turn)
-        decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, local,
-                                                              inflight_tokens), turn)
+        p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now)
+        d_costs = self.decode_costs(decodes, n, cached, inflight, local, inflight_tokens)
+        prefill, p_cost = _cheapest(prefills, p_costs, turn)
+        decode, d_cost = _cheapest(decodes, d_costs, turn)
+        if prefill is not None and terms.pairs is not None:  # a mixed fleet: only pairs that can exchange KV
+            pair = cheapest_pair(terms.pairs, p_costs, d_costs, turn)
+            if pair is None:  # no prefill node can send to any decode node: they prefill themselves
+                prefill, p_cost = None, 0.0
+                decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, True,
+                                                                      inflight_tokens), turn)
+            else:
+                prefill, decode = prefills.nodes[pair[0]], decodes.nodes[pair[1]]
+                p_cost, d_cost = float(p_costs[pair[0]]), float(d_costs[pair[1]])
         assert decode is not None  # decodes is not empty
         if prefill is not None and self.w.local_prefill_tokens > 0:
             # Skip the remote prefill when a decode node holds most of the prompt or it is short.

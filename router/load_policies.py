@@ -1,5 +1,6 @@
 """The load-only routing policies: least_load and round_robin. They ignore the prefix
-cache (``uses_prefix_index`` False) and keep no recent work.
+cache (``uses_prefix_index`` False) and keep no recent work. Both pick the decode node
+first, then a prefill node among those that can send it KV (router/kv_pairing.py).
 
 Owns their choice rules. Must not do I/O or keep per-request state (policy.py has
 the interface).
@@ -11,6 +12,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 
 from ..common.registry import NodeInfo
+from .kv_pairing import compatible_prefills
 from .node_terms import split_roles
 from .policy import NO_CACHED, NO_INFLIGHT, Decision
 from .recent_work import RecentWork
@@ -67,7 +69,7 @@ class LeastLoad(_LoadOnly):
         turn = next(self._tie) if tie_key is None else tie_key
         decode = _least(decodes, decode_load, inflight, turn)
         assert decode is not None  # decodes is not empty
-        return _least(prefills, prefill_load, inflight, turn), decode
+        return _least(compatible_prefills(prefills, decode), prefill_load, inflight, turn), decode
 
 
 class RoundRobin(_LoadOnly):
@@ -81,7 +83,9 @@ class RoundRobin(_LoadOnly):
     def _pick(self, prefills: list[NodeInfo], decodes: list[NodeInfo], inflight: Mapping[str, int],
               tie_key: int | None) -> tuple[NodeInfo | None, NodeInfo]:
         turn = next(self._turn)  # ignores tie_key: it rotates by design
-        return prefills[turn % len(prefills)] if prefills else None, decodes[turn % len(decodes)]
+        decode = decodes[turn % len(decodes)]
+        prefills = compatible_prefills(prefills, decode)
+        return prefills[turn % len(prefills)] if prefills else None, decode
 
 
 def _least(nodes: list[NodeInfo], key: Callable[[NodeInfo, Mapping[str, int]], tuple],

@@ -8,7 +8,8 @@ nodes costs a few vector operations instead of a Python loop per node.
                 tokens) as float64 arrays of shape [nodes]
     FleetTerms  both roles of a node list, kept by the policy and reused for as long as
                 the routed list equals the one it was built from (same records, same
-                loads: a new heartbeat poll or a node left out makes a new one)
+                loads: a new heartbeat poll or a node left out makes a new one), with
+                which pairs can exchange KV (router/kv_pairing.py; None: all)
 
 Owns the split and the terms (building and checking them). Must not weigh anything
 (the weights are the policy's) or hold per-request values (in-flight work, hits,
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..common.load import NodeLoad
 from ..common.registry import NodeInfo
+from .kv_pairing import pair_mask
 
 
 def split_roles(nodes: Sequence[NodeInfo]) -> tuple[list[NodeInfo], list[NodeInfo]]:
@@ -63,11 +65,13 @@ class FleetTerms:
     loads: list[NodeLoad]
     prefill: RoleTerms
     decode: RoleTerms  # decode-capable: decode and colocated nodes
+    pairs: np.ndarray | None = None  # [prefill nodes, decode nodes] can exchange KV; None: every pair
 
     @classmethod
     def of(cls, nodes: Sequence[NodeInfo]) -> FleetTerms:
         prefills, decodes = split_roles(nodes)
-        return cls(list(nodes), [n.load for n in nodes], RoleTerms.of(prefills), RoleTerms.of(decodes))
+        return cls(list(nodes), [n.load for n in nodes], RoleTerms.of(prefills), RoleTerms.of(decodes),
+                   pair_mask(prefills, decodes))
 
     def describes(self, nodes: Sequence[NodeInfo]) -> bool:
         """Built from these very nodes with these loads (list equality checks identity

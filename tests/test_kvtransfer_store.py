@@ -162,3 +162,37 @@ def test_shm_receiver_needs_a_shared_store_and_backends_must_match():
         finally:
             await receiver.stop()
     asyncio.run(asyncio.wait_for(body(), 20))
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "wsum32_v1"])
+def test_head_slices_pack_land_and_hash_as_blocks_of_a_narrower_layout(algo):
+    """A slice of heads [a, c) of a block is the packed block of layout.with_heads(c - a):
+    pack, land (at a head offset of another cache), write and in-place checksums agree."""
+    from splitserve.common.kv_heads import HeadRange
+    layout = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
+    src = KVBlockStore(random_cache(layout, seed=1), layout, checksum_algo=algo)
+    dst = KVBlockStore(random_cache(layout, seed=2), layout, checksum_algo=algo)
+    before = dst.kv_caches.clone()
+    heads = HeadRange(1, 3)
+    narrow = layout.with_heads(2)
+    assert src.slice_layout(heads) == narrow and src.slice_layout(HeadRange(0, 4)) is layout
+    packed = src.pack([5, 2], heads=heads)
+    data = bytes(packed.host() if hasattr(packed, "host") else packed)
+    assert len(data) == 2 * narrow.block_nbytes
+    want = src.kv_caches[:, :, [5, 2], :, 1:3].permute(2, 0, 1, 3, 4, 5).contiguous()
+    assert data == bytes(want.view(torch.uint8).numpy())
+    items = src.split(packed, heads=heads)
+    sums = src.checksums([5, 2], heads=heads)
+    ok = dst.land([7, None], data, sums, algo, heads=HeadRange(2, 4))  # another offset, one skipped
+    assert ok == [True, False]
+    assert torch.equal(dst.kv_caches[:, :, 7, :, 2:4], src.kv_caches[:, :, 5, :, 1:3])
+    assert torch.equal(dst.kv_caches[:, :, 7, :, :2], before[:, :, 7, :, :2])  # other heads untouched
+    assert torch.equal(dst.kv_caches[:, :, [0, 1, 2, 3, 4, 5, 6, 8, 9]], before[:, :, [0, 1, 2, 3, 4, 5, 6, 8, 9]])
+    assert dst.checksums([7], algo, heads=HeadRange(2, 4)) == sums[:1]  # verifies in place (shm, ipc)
+    assert dst.land([8], data[:narrow.block_nbytes], [sums[0] ^ 1], algo, heads=HeadRange(0, 2)) == [False]
+    from splitserve.kvtransfer.packed import frame_views
+    second = frame_views(items)[1]  # a byte view, or a PackedBlock row's host bytes (wsum32_v1)
+    dst.write(9, second, heads=HeadRange(0, 2))
+    assert dst.read(9, heads=HeadRange(0, 2)) == bytes(second) == data[narrow.block_nbytes:]
+    with pytest.raises(AssertionError, match="out of this cache"):
+        dst.pack([0], heads=HeadRange(3, 5))
