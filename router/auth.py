@@ -10,12 +10,15 @@ A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_
 and ``WWW-Authenticate: Bearer``, before the body is read. Keys are compared in
 constant time, every configured key each time. The matched key's cache salt, when it
 has one, is left on the request (``KEY_SALT``) for the generating endpoints, which
-combine it with the request's own (router/api_keys.py).
+combine it with the request's own (router/api_keys.py); so is a digest of the key
+(``KEY_OWNER``), which owns the responses stored for it (router/responses_store.py).
 
 Must not read request bodies or log a presented credential.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from aiohttp import web
 
@@ -26,6 +29,7 @@ from .errors import ApiError
 from .state import CONFIG
 
 KEY_SALT = web.RequestKey("key_cache_salt", str)  # the matched API key's cache salt, when it has one
+KEY_OWNER = web.RequestKey("key_owner", str)  # who presented the request: a digest of its API key
 
 
 def needs_api_key(config: RouterConfig, path: str) -> bool:
@@ -55,12 +59,19 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
             raise _unauthorized("invalid API key")
         if key.cache_salt is not None:
             request[KEY_SALT] = key.cache_salt
+        request[KEY_OWNER] = hashlib.sha256(key.key.encode()).hexdigest()[:32]
     return await handler(request)
 
 
 def key_salt(request: web.Request) -> str | None:
     """The cache salt of the API key the request came with (None: no key, or no salt)."""
     return request.get(KEY_SALT)
+
+
+def key_owner(request: web.Request) -> str | None:
+    """Whose request this is: a digest of the API key it came with (never the key itself),
+    None when the router takes no key. Stored responses belong to it."""
+    return request.get(KEY_OWNER)
 
 
 def has_cluster_token(request: web.Request) -> bool:

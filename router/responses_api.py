@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .auth import key_salt
+from .auth import key_owner, key_salt
 from .bodies import BodyBuilder, usage
 from .errors import ApiError
 from .generation import Generation, merge_pieces
@@ -60,7 +60,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     req = await off_loop(body, config.prepare_thread_bytes, decode_responses)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        stored = await services.responses.get(req.previous_response_id)
+        stored = await services.responses.get(req.previous_response_id, key_owner(request))
         if stored is None:
             raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r}"
                            " (unknown, deleted, expired, or created with store=false)",
@@ -88,7 +88,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                     return web.Response(status=499)  # never sent: nobody is listening
         output, status = output_of(builder.final(gens))
         response = head.body(status, output, usage_of(usage(gens)))
-        await _store(services.responses, rp, response)
+        await _store(services.responses, rp, response, key_owner(request))
         return web.json_response(response)
     except (asyncio.CancelledError, ConnectionResetError):  # the client went away
         client_gone = True
@@ -125,24 +125,24 @@ async def _stream(request: web.Request, rp: ResponsesPrepared, head: ResponseHea
         await send(events.fail(ApiError(500, "internal error while streaming; see the router's log")))
     else:
         last, response = events.finish(usage_of(usage(gens)))
-        await _store(request.app[SERVICES].responses, rp, response)  # before the client hears of it
+        await _store(request.app[SERVICES].responses, rp, response, key_owner(request))  # before the client hears
         await send(last)
     await resp.write_eof()
     return resp
 
 
-async def _store(store: ResponseStore, rp: ResponsesPrepared, response: dict[str, Any]) -> None:
+async def _store(store: ResponseStore, rp: ResponsesPrepared, response: dict[str, Any], owner: str | None) -> None:
     """Keep the response and its conversation (the input, then the output as input items)
-    for a later previous_response_id, unless the request said store=false."""
+    for a later previous_response_id of the same ``owner``, unless the request said store=false."""
     if rp.request.store is False:
         return
     history = rp.items + parse_items(response["output"], "output", set())
-    await store.put(response, history)
+    await store.put(response, history, owner)
 
 
 async def retrieve(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    stored = await request.app[SERVICES].responses.get(response_id)
+    stored = await request.app[SERVICES].responses.get(response_id, key_owner(request))
     if stored is None:
         raise _not_found(response_id)
     return web.json_response(stored["response"])
@@ -150,7 +150,7 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    if not await request.app[SERVICES].responses.delete(response_id):
+    if not await request.app[SERVICES].responses.delete(response_id, key_owner(request)):
         raise _not_found(response_id)
     return web.json_response({"id": response_id, "object": "response", "deleted": True})
 

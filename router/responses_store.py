@@ -1,14 +1,18 @@
 """Stored responses, in Redis, so that ``previous_response_id`` works through any router
 replica, and ``GET`` / ``DELETE /v1/responses/{id}`` do.
 
-    key  splitserve:response:<id>    {"response": the response object,
+    key  splitserve:response:<id>    {"owner": a digest of the API key that created it
+                                               (None when the router takes no key),
+                                      "response": the response object,
                                       "history": the conversation's normalized items
                                                  (its input, then its output)}
                                      expires after ttl_s (an hour)
     zset splitserve:responses        id -> time stored: beyond max_entries, the oldest
                                      are deleted; an entry over MAX_ENTRY_BYTES is not stored
 
-Bounded three ways: a TTL, a count, a size per entry. Redis down: storing is skipped
+A stored response belongs to its owner: another key's GET, DELETE or
+previous_response_id finds nothing, as for an unknown id (the id's existence is not
+revealed). Bounded three ways: a TTL, a count, a size per entry. Redis down: storing is skipped
 with a log line (the request still succeeds); reading raises a 503 naming the cause.
 
 Must not know the request's fields beyond these two objects.
@@ -41,9 +45,9 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
 
-    async def put(self, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
-        """Store ``response`` with its conversation; False when it could not be."""
-        data = json.dumps({"response": response, "history": history}, ensure_ascii=False)
+    async def put(self, response: dict[str, Any], history: list[dict[str, Any]], owner: str | None) -> bool:
+        """Store ``response`` with its conversation for ``owner``; False when it could not be."""
+        data = json.dumps({"owner": owner, "response": response, "history": history}, ensure_ascii=False)
         if len(data) > MAX_ENTRY_BYTES:
             log.warning("router: response %s not stored: %d bytes, over %d", response["id"],
                         len(data), MAX_ENTRY_BYTES)
@@ -65,15 +69,20 @@ class ResponseStore:
             return False
         return True
 
-    async def get(self, response_id: str) -> dict[str, Any] | None:
-        """The stored entry ({"response", "history"}), or None (unknown, deleted, expired)."""
+    async def get(self, response_id: str, owner: str | None) -> dict[str, Any] | None:
+        """The stored entry ({"owner", "response", "history"}) of ``owner``, or None
+        (unknown, deleted, expired, or another owner's)."""
         try:
             raw = await self._redis.get(KEY_PREFIX + response_id)
         except RedisError as e:
             raise _unavailable(e) from None
-        return None if raw is None else json.loads(raw)
+        entry = None if raw is None else json.loads(raw)
+        return entry if entry is not None and entry.get("owner") == owner else None
 
-    async def delete(self, response_id: str) -> bool:
+    async def delete(self, response_id: str, owner: str | None) -> bool:
+        """Deletes ``owner``'s entry; False when there is none of theirs."""
+        if await self.get(response_id, owner) is None:
+            return False
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.delete(KEY_PREFIX + response_id)

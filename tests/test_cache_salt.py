@@ -157,3 +157,24 @@ def test_a_bad_cache_salt_is_a_400_naming_it(cluster, path, body, salt):
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400
     assert json.loads(e.value.read())["error"]["param"] == "cache_salt"
+
+
+def test_a_stored_response_belongs_to_the_key_that_made_it(cluster):
+    """Another tenant can neither read, delete nor continue a stored response, even with
+    its id: the answers are those for an unknown id."""
+    a, b = client(cluster, KEY_A), client(cluster, KEY_B)
+    first = a.responses.create(model=MODEL, input="Say hello.", max_output_tokens=4, temperature=0)
+    assert a.responses.retrieve(first.id).id == first.id
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        b.responses.create(model=MODEL, input="And again.", previous_response_id=first.id, max_output_tokens=4)
+    assert e.value.body["param"] == "previous_response_id"
+    follow = a.responses.create(model=MODEL, input="And again.", previous_response_id=first.id,
+                                max_output_tokens=4, temperature=0)
+    assert follow.status in ("completed", "incomplete")
+    a.responses.delete(first.id)  # still there after b's attempt
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(first.id)
