@@ -51,7 +51,6 @@ from .wire import CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello, Refused,
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 256 << 20  # a larger frame is a protocol error (senders default to 2-32 MiB)
-PARTS_PRUNE = 4096  # partly landed blocks kept before those of dead transfers are dropped
 
 
 @dataclass(slots=True)
@@ -94,9 +93,11 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         self.cluster_token: str | None = None  # set by the owner: senders must present it
         self._heads = self.shard.heads  # global heads this rank holds
         self._layout_ids: dict[int, int] = {}  # head count -> layout_id of a slice of that many heads
-        # (transfer_id, dest block) -> bitmask of this rank's (local) heads landed so far, for
-        # blocks that arrive in slices; a block leaves it when complete (reported ok) or failed
-        self._parts: dict[tuple[str, int], int] = {}
+        # dest block -> (transfer_id, bitmask of this rank's local heads landed so far), for
+        # blocks that arrive in slices; a block leaves it when complete (reported ok) or failed.
+        # Keyed by block: a destination belongs to one live transfer at a time, so a slice of
+        # another transfer replaces a dead one's leftovers and the map never outgrows the cache.
+        self._parts: dict[int, tuple[str, int]] = {}
         self._serving: dict[asyncio.Task, ChannelT] = {}  # connection task -> its channel
         self._stopped = False
 
@@ -248,8 +249,6 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
             self.stats.slices += 1
         for dest, reason in results:
             self._report(frame.transfer_id, dest, reason, local)
-        if len(self._parts) > PARTS_PRUNE:
-            self._prune_parts()
         self.stats.frames += 1
         failed = [d for d, reason in results if reason is not None]
         first = next((r for _, r in results if r is not None), None)
@@ -317,24 +316,15 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
 
     def _report(self, transfer_id: str, dest: int, reason: str | None, local: HeadRange | None = None) -> None:
         """Report a block, or record one slice of it and report it once all its heads landed."""
-        key = (transfer_id, dest)
         if reason is None and local is not None and local.size != self._heads.size:
-            mask = self._parts.get(key, 0) | ((1 << local.stop) - (1 << local.start))
+            owner, mask = self._parts.get(dest, (transfer_id, 0))
+            mask = (mask if owner == transfer_id else 0) | ((1 << local.stop) - (1 << local.start))
             if mask != (1 << self._heads.size) - 1:
-                self._parts[key] = mask
+                self._parts[dest] = (transfer_id, mask)
                 return
-        self._parts.pop(key, None)
+        if dest in self._parts and self._parts[dest][0] == transfer_id:
+            del self._parts[dest]
         self._emit(transfer_id, dest, reason)
-
-    def _prune_parts(self) -> None:
-        """Forget partly landed blocks of transfers that take no more blocks (their owner
-        failed them already); without ``accepts``, the oldest half."""
-        if self.accepts is not None:
-            accepts = self.accepts
-            self._parts = {k: v for k, v in self._parts.items() if accepts(k[0])}
-        if len(self._parts) > PARTS_PRUNE:
-            keep = list(self._parts.items())[len(self._parts) // 2:]
-            self._parts = dict(keep)
 
     def _emit(self, transfer_id: str, dest: int, reason: str | None) -> None:
         if reason is None:

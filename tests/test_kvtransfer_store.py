@@ -164,14 +164,17 @@ def test_shm_receiver_needs_a_shared_store_and_backends_must_match():
     asyncio.run(asyncio.wait_for(body(), 20))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("algo", ["xxh3_64", "wsum32_v1"])
-def test_head_slices_pack_land_and_hash_as_blocks_of_a_narrower_layout(algo):
+def test_head_slices_pack_land_and_hash_as_blocks_of_a_narrower_layout(algo, device):
     """A slice of heads [a, c) of a block is the packed block of layout.with_heads(c - a):
     pack, land (at a head offset of another cache), write and in-place checksums agree."""
     from splitserve.common.kv_heads import HeadRange
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     layout = KVLayout(dtype="float32", block_size=4, num_layers=3, num_kv_heads=4, head_dim=8)
-    src = KVBlockStore(random_cache(layout, seed=1), layout, checksum_algo=algo)
-    dst = KVBlockStore(random_cache(layout, seed=2), layout, checksum_algo=algo)
+    src = KVBlockStore(random_cache(layout, seed=1).to(device), layout, checksum_algo=algo)
+    dst = KVBlockStore(random_cache(layout, seed=2).to(device), layout, checksum_algo=algo)
     before = dst.kv_caches.clone()
     heads = HeadRange(1, 3)
     narrow = layout.with_heads(2)
@@ -179,7 +182,7 @@ def test_head_slices_pack_land_and_hash_as_blocks_of_a_narrower_layout(algo):
     packed = src.pack([5, 2], heads=heads)
     data = bytes(packed.host() if hasattr(packed, "host") else packed)
     assert len(data) == 2 * narrow.block_nbytes
-    want = src.kv_caches[:, :, [5, 2], :, 1:3].permute(2, 0, 1, 3, 4, 5).contiguous()
+    want = src.kv_caches[:, :, [5, 2], :, 1:3].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
     assert data == bytes(want.view(torch.uint8).numpy())
     items = src.split(packed, heads=heads)
     sums = src.checksums([5, 2], heads=heads)

@@ -243,3 +243,31 @@ def test_prefill_ranks_in_another_process(backend, p_tp, d_tp, heads):
         finally:
             await decode.close()
     run(body(), timeout=40)
+
+
+def test_leftover_slices_of_a_dead_transfer_never_complete_a_new_one():
+    """P TP=2 -> D TP=1: transfer "a" gets only prefill rank 0's slices (its rank 1 died), so
+    the decode blocks are half landed; "b" reuses those blocks and must wait for both of its
+    own slices. The partial-block map stays bounded by the cache (keyed by block)."""
+    async def body():
+        full = full_cache(compat(4, 1), NUM_BLOCKS, seed=31)
+        prefill = PrefillRanks("tcp", compat(4, 2), full)
+        decode = DecodeRanks("tcp", compat(4, 1), NUM_BLOCKS)
+        await decode.start()
+        try:
+            src, dest = ids(17)
+            a = decode.table.reserve("a", "r", dest, lease_s=30)
+            await prefill.ranks[0].send(decode.addrs, "a", src, dest)
+            receiver = decode.receivers[0]
+            assert len(receiver._parts) == len(dest) and not a.landed
+            decode.table.fail("a", "prefill rank 1 died")
+            b = decode.table.reserve("b", "r", dest, lease_s=30)
+            await prefill.ranks[0].send(decode.addrs, "b", src, dest)  # rank 0's half again: not enough
+            assert not b.landed and len(receiver._parts) == len(dest)
+            await prefill.ranks[1].send(decode.addrs, "b", src, dest)
+            assert b.landed == set(dest) and receiver._parts == {}
+            assert decode.landed_exactly(full, src, dest)
+        finally:
+            await prefill.close()
+            await decode.close()
+    run(body())
