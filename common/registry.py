@@ -65,6 +65,22 @@ class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
         return self.role in ("decode", "colocated")
 
 
+def kv_pool_problem(role: NodeRole, kv: KVCompat, nodes: list[NodeInfo]) -> str | None:
+    """Why a starting node of ``role`` with KV key ``kv`` can exchange KV with none of the
+    registered nodes of the other role that publish a key (None: with some, or none
+    registered yet). A node calls it at start-up to refuse a pool it cannot join, naming
+    the mismatch, rather than be paired with nobody."""
+    if role == "colocated":
+        return None
+    peers = [(n.node_id, n.kv) for n in nodes if n.kv is not None and (n.role == "prefill") == (role != "prefill")]
+    problems = [f"{nid}: {why}" for nid, theirs in peers if (why := kv.exchange_problem(theirs)) is not None]
+    if not peers or len(problems) < len(peers):
+        return None
+    other = "decode" if role == "prefill" else "prefill"
+    return (f"this {role} node's KV cannot be exchanged with any registered {other} node "
+            f"(this node != that node): " + "; ".join(problems[:4]) + ("; ..." if len(problems) > 4 else ""))
+
+
 def new_epoch() -> str:
     """A fresh epoch for a node that is starting."""
     return uuid.uuid4().hex

@@ -40,7 +40,8 @@ def run(coro, timeout: float = TIMEOUT_S):
 
 def ids(seed: int, n: int = 12) -> tuple[list[int], list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(NUM_BLOCKS, generator=gen)[:n].tolist(), torch.randperm(NUM_BLOCKS, generator=gen)[:n].tolist()
+    src = torch.randperm(NUM_BLOCKS, generator=gen)[:n].tolist()
+    return src, torch.randperm(NUM_BLOCKS, generator=gen)[:n].tolist()
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])

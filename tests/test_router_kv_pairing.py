@@ -98,3 +98,15 @@ def test_cache_aware_takes_the_cheapest_compatible_pair():
     assert (d.prefill.node_id, d.decode.node_id) == ("p-a", "d-a")  # the hit outweighs d-a's load
     d = policy.choose(PROMPT, nodes, cached={})
     assert (d.prefill.node_id, d.decode.node_id) == ("p-b", "d-b")  # no hit: the idle pair
+
+
+def test_a_node_joining_an_incompatible_pool_is_told_why():
+    from splitserve.common.registry import kv_pool_problem
+    pool = [node("p0", "prefill", key(tp=4)), node("p1", "prefill", key(tp=2, head_dim=64)),
+            node("d0", "decode", key(tp=8, dtype="float16"))]
+    assert kv_pool_problem("decode", key(tp=8), pool) is None  # p0 can send to it
+    why = kv_pool_problem("decode", key(tp=8, num_layers=40), pool)
+    assert "any registered prefill node" in why and "p0: num_layers: 40 != 80" in why and "p1:" in why
+    assert "float16" in kv_pool_problem("prefill", key(tp=4), pool)  # d0 is the only decode node
+    assert kv_pool_problem("prefill", key(tp=4), pool[:2]) is None  # no decode node yet
+    assert kv_pool_problem("colocated", key(num_layers=1), pool) is None
