@@ -1,8 +1,9 @@
 """The layout of KV cache blocks, and the byte order of one block on the wire.
 
-Owns: ``KVLayout`` (what both ends of a transfer must agree on), its size
-arithmetic and the compatibility check of the handshake. Must not: import torch
-or touch tensors (``block_store`` maps a layout onto a cache tensor).
+Owns: ``KVLayout`` (the shape of one rank's cache and of a block of it on the wire),
+its size arithmetic, and ``KVShard`` (a rank: its node's ``KVCompat`` key and its rank
+number, which the handshake compares). Must not: import torch or touch tensors
+(``block_store`` maps a layout onto a cache tensor).
 
 A node's cache is one tensor::
 
