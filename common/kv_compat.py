@@ -56,5 +56,9 @@ class KVCompat(msgspec.Struct, frozen=True, tag="kv_compat", omit_defaults=True,
 
 def can_exchange(a: KVCompat | None, b: KVCompat | None) -> bool:
     """Whether KV can move between nodes with keys ``a`` and ``b``. A node that publishes no
-    key (an older record, a test double) is not ruled out here; its handshake still checks."""
-    return a is None or b is None or a.exchange_problem(b) is None
+    key (an older record, a test double) is not ruled out here (its handshake still checks);
+    a node whose own TP cannot split its heads is."""
+    if a is None or b is None:
+        known = a or b
+        return known is None or known.tp_problem() is None
+    return a.exchange_problem(b) is None
