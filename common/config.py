@@ -163,10 +163,15 @@ class EngineConfig:
     # Simulated node: timing model in place of the forward pass (no weights are loaded;
     # the model's config.json still gives vocab, context and the KV block size).
     sim: SimConfig | None = None
+    # Ranks (one process and one device each) the model is sharded over, Megatron-style
+    # (engine/sharding.py); checked against the model's heads and sizes when it is loaded.
+    # kv_cache_memory and gpu_memory_utilization are per rank: each rank's KV cache holds
+    # its KV heads of every block, so more ranks hold more blocks.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                     "prefill_chunk_size"):
+                     "prefill_chunk_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.cuda_graph_sizes is not None:

@@ -22,6 +22,13 @@ nothing to overlap and the deltas would only come one step later).
 Token-level stops (EOS, stop_token_ids, max_tokens, context length) are decided
 here; stop *strings* need text, so the caller that detokenizes finishes those
 requests through ``abort(req_id, "stop")``.
+
+Tensor parallelism (``tensor_parallel_size`` > 1): this engine is rank 0. It schedules,
+owns the block ids, prefix cache and hashes, samples, and its ModelRunner sends every
+step to the worker ranks (tp_launch.py, tp_worker.py). Given no ``tp`` leader, it starts
+the workers itself as child processes (offline use: ``LLM(..., tensor_parallel_size=2)``);
+a node passes the ``TPLeader`` whose rendezvous it gave the ranks it started. A rank
+that dies or hangs makes ``step()`` raise ``TPFailure``; ``close()`` stops the workers.
 """
 
 import logging
@@ -39,7 +46,9 @@ from . import prompt_logprobs
 from .kv_cache_manager import KVCacheManager
 from .limits import RequestLimits
 from .loader import resolve_model_dir
+from .model_config import ModelConfig
 from .model_runner import KVCacheFactory, LaunchedStep, ModelRunner
+from .parallel import TPFailure, rank_device, rank_threads
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -47,6 +56,7 @@ from .structured import GrammarCache
 
 if TYPE_CHECKING:
     from .sim_runner import SimRunner  # imported when a simulated engine is built
+    from .tp_launch import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +79,23 @@ class Reservation(NamedTuple):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None):
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None,
+                 tp: "TPLeader | None" = None):
+        """``tp``: rank 0's leader of a node whose workers it started (see tp_launch.py); None
+        with ``tensor_parallel_size`` > 1 starts them here, as child processes."""
+        size = config.tensor_parallel_size
+        threads = rank_threads(config.num_threads, size if config.sim is None else 1,
+                               rank_device(config.device, 0))
+        if threads:
+            torch.set_num_threads(threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.runner: ModelRunner | SimRunner
-        if config.sim is None:
+        self.tp: TPLeader | None = None
+        if config.sim is None and size > 1:  # a simulated node stands for TP in its timing alone
+            self.runner = self._start_ranks(config, kv_cache_factory, tp)
+        elif config.sim is None:
+            assert tp is None, "a TP leader for an engine with tensor_parallel_size 1"
             self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
         else:  # a simulated node: same engine, timing model in place of the forward pass
             from .sim_runner import SimRunner
@@ -101,6 +121,35 @@ class EngineCore:
         self.on_launch: Callable[[SchedulerOutput], None] | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
                  config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)
+
+    def _start_ranks(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None,
+                     tp: "TPLeader | None") -> ModelRunner:
+        """Rank 0's runner, after the workers joined (started here when ``tp`` is None)."""
+        from .sharding import check_model_tp
+        from .tp_launch import TPLeader
+
+        size = config.tensor_parallel_size
+        check_model_tp(ModelConfig.from_dir(self.model_dir), size)  # before any process starts
+        if tp is None:
+            tp = TPLeader(size)
+            tp.spawn_workers(config)
+        assert tp.size == size, f"a TP leader of {tp.size} ranks for tensor_parallel_size {size}"
+        self.tp = tp
+        try:
+            group = tp.join(rank_device(config.device, 0))
+            return ModelRunner(config, self.model_dir, kv_cache_factory, group, tp)
+        except TPFailure as e:
+            failure = tp.explain(e)
+            tp.close()
+            raise failure from e
+        except BaseException:
+            tp.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the worker ranks, if any (idempotent). Call from the thread that steps."""
+        if self.tp is not None:
+            self.tp.close()
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -211,7 +260,11 @@ class EngineCore:
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
-        launched = self.runner.launch(out, self.kv)
+        try:
+            launched = self.runner.launch(out, self.kv)
+        except TPFailure as e:
+            assert self.tp is not None, "only a TP engine's runner raises TPFailure"
+            raise self.tp.explain(e) from e
         self.busy_s += time.perf_counter() - t0
         for req in launched.requests:
             req.pending_tokens += 1

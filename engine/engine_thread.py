@@ -35,6 +35,11 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
     ResetPrefixCache()                     -> bool
     CachedHashes()                         -> list[int]
 
+A rank of a tensor-parallel engine that dies or hangs (``TPFailure`` from a step) is
+fatal, not one step's error: the running requests end with "error", every command
+then waiting or sent later fails with that ``TPFailure``, the thread stops, and
+``on_fatal(error)`` runs on the event loop (the node exits; its supervisor restarts it).
+
 A command runs even when its awaiting coroutine was cancelled meanwhile, so a
 request's owner ends it with ``AbortRequest`` (queued after anything it sent
 before): that frees whatever the earlier commands took. Events reach the event loop in
@@ -60,6 +65,7 @@ from ..common.kv_events import KVEvent
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
 from .engine_core import EngineCore, RequestDelta
+from .parallel import TPFailure
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -155,7 +161,8 @@ class EngineThread:
     def __init__(self, engine: EngineCore, aio_loop: asyncio.AbstractEventLoop,
                  on_deltas: Callable[[list[RequestDelta]], None],
                  on_kv_events: KVEventsCallback | None = None, exporter: BlockExporter | None = None,
-                 step_observer: StepObserver | None = None):
+                 step_observer: StepObserver | None = None,
+                 on_fatal: Callable[[TPFailure], None] | None = None):
         self._engine = engine  # the engine thread's from start() on; nobody else holds it
         self._aio = aio_loop
         self._on_deltas = on_deltas
@@ -170,6 +177,9 @@ class EngineThread:
         self.stats = self._stats()  # replaced (never mutated) by the engine thread; read anywhere
         self._step_observer = step_observer
         self._scheduled: SchedulerOutput | None = None  # engine thread: the step being computed
+        self._on_fatal = on_fatal
+        self.fatal: TPFailure | None = None  # set once by the engine thread: it stopped for good
+        self._fatal_lock = threading.Lock()
         engine.on_launch = self._on_launch
 
     @property
@@ -188,7 +198,11 @@ class EngineThread:
         """Queue ``command`` for the engine thread now (commands run in submission order);
         await the future for its result or exception."""
         fut = self._aio.create_future()
-        self._commands.put((command, fut))
+        with self._fatal_lock:  # a command is queued before the thread dies, or fails here
+            if self.fatal is not None:
+                fut.set_exception(self.fatal)
+                return fut
+            self._commands.put((command, fut))
         return fut
 
     def request_kv_snapshot(self) -> None:
@@ -255,6 +269,27 @@ class EngineThread:
             self._exports[req.request_id] = upto
             self._aio.call_soon_threadsafe(exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
 
+    def _die(self, error: TPFailure) -> None:
+        """Fail every request and every command, now and later, with ``error``; stop."""
+        log.error("engine stopped: %s", error)
+        with self._fatal_lock:
+            self.fatal = error
+        deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self._engine.scheduler.requests)]
+        for d in deltas:
+            self._engine.scheduler.finish(d.request_id, "error")
+        self.stats = self._stats()
+        if deltas:
+            self._aio.call_soon_threadsafe(self._on_deltas, deltas)
+        while True:  # commands queued before `fatal` was set
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._aio.call_soon_threadsafe(self._resolve, item[1], None, error)
+        if self._on_fatal is not None:
+            self._aio.call_soon_threadsafe(self._on_fatal, error)
+
     def _drain_kv_events(self) -> None:
         events = self._engine.kv.take_events()
         if self._on_kv_events is None:
@@ -302,6 +337,9 @@ class EngineThread:
             if self._engine.has_unfinished():
                 try:
                     deltas = self._engine.step()
+                except TPFailure as e:  # a rank is gone: this engine cannot step again
+                    self._die(e)
+                    return
                 except Exception:  # a bug must not hang every client: fail what was running
                     log.exception("engine step failed; failing %d requests", len(self._engine.scheduler.requests))
                     deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self._engine.scheduler.requests)]

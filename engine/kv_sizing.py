@@ -19,6 +19,11 @@ this process may use, as vLLM users know it; two nodes sharing a GPU each take a
 
 The KV cache must also fit in the memory the device has free right now (other processes
 count there); if it does not, the error says how much is free and what was asked.
+
+Tensor parallelism: each rank sizes its own cache (its KV heads, its device, the same
+budget per rank) and every rank takes the smallest block count of the group (one
+``min_int``), so block ids mean the same slot on every rank; a rank that cannot size
+its cache makes every rank raise.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ..common.config import EngineConfig
 from .attention.base import AttentionMetadata
 from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from .model_config import ModelConfig
+from .parallel import INIT_TIMEOUT_S, TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +53,10 @@ class KVCacheSize(NamedTuple):
     activation_peak_bytes: int | None
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return block_size * cfg.kv_bytes_per_token(dtype.itemsize)
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """One block of all layers, K and V, holding ``num_kv_heads`` heads (default: all the model's)."""
+    per_head = cfg.kv_bytes_per_token(dtype.itemsize) // cfg.num_kv_heads
+    return block_size * per_head * (cfg.num_kv_heads if num_kv_heads is None else num_kv_heads)
 
 
 def gpu_kv_cache_budget(total: int, utilization: float, weights: int, activation_peak: int,
@@ -73,8 +81,9 @@ def dummy_forward(model, backend, config: EngineConfig, dtype: torch.dtype, devi
     cache (freed on return); returns the scratch cache's bytes. Runs on any device."""
     cfg, bs, n = model.cfg, config.block_size, config.max_num_batched_tokens
     blocks = math.ceil(n / bs)
-    # [num_layers, 2, blocks, block_size, kv_heads, head_dim]
-    cache = torch.zeros((cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim), dtype=dtype, device=device)
+    # [num_layers, 2, blocks, block_size, kv_heads (this rank's), head_dim]
+    cache = torch.zeros((cfg.num_layers, 2, blocks, bs, model.shard.num_kv_heads, cfg.head_dim), dtype=dtype,
+                        device=device)
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n, device=device), num_decodes=0,
         decode_block_tables=torch.zeros((0, 1), dtype=torch.long, device=device),
@@ -88,10 +97,13 @@ def dummy_forward(model, backend, config: EngineConfig, dtype: torch.dtype, devi
     return cache.numel() * cache.element_size()
 
 
-def size_kv_cache(config: EngineConfig, model, backend, dtype: torch.dtype, device: torch.device) -> KVCacheSize:
-    """The KV cache's size for ``config`` (call after the model is loaded, before the cache exists)."""
-    block = kv_block_bytes(model.cfg, config.block_size, dtype)
+def size_kv_cache(config: EngineConfig, model, backend, dtype: torch.dtype, device: torch.device,
+                  group: TPGroup | None = None) -> KVCacheSize:
+    """The KV cache's size for ``config`` (call after the model is loaded, before the cache
+    exists); with a ``group`` of several ranks, every rank of it calls this together."""
+    block = kv_block_bytes(model.cfg, config.block_size, dtype, model.shard.num_kv_heads)
     weights = peak = None
+    failed: ValueError | None = None
     if config.gpu_memory_utilization is None:
         budget = config.kv_cache_memory
         field = "kv_cache_memory"
@@ -104,9 +116,20 @@ def size_kv_cache(config: EngineConfig, model, backend, dtype: torch.dtype, devi
         peak = max(0, torch.cuda.max_memory_allocated(device) - weights - scratch)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        budget = gpu_kv_cache_budget(total, config.gpu_memory_utilization, weights, peak, free)
         field = "gpu_memory_utilization"
-    num_blocks = budget // block
+        try:
+            budget = gpu_kv_cache_budget(total, config.gpu_memory_utilization, weights, peak, free)
+        except ValueError as e:  # raised after the group agreed, so no rank waits for this one
+            failed, budget = e, 0
+    num_blocks = local = budget // block
+    if group is not None and group.size > 1:  # every rank calls this, ranks finish loading at their pace
+        num_blocks = group.min_int(local, timeout_s=INIT_TIMEOUT_S)
+        budget = min(budget, num_blocks * block)
+    if failed is not None:
+        raise failed
+    if num_blocks < min(local, MIN_BLOCKS):
+        raise ValueError(f"{field}: another tensor-parallel rank's KV cache holds only {num_blocks} blocks "
+                         f"(see that rank's log)")
     if num_blocks < MIN_BLOCKS:
         raise ValueError(f"{field}: {budget} bytes for the KV cache hold fewer than {MIN_BLOCKS} blocks of "
                          f"{block} bytes; raise it")
@@ -120,11 +143,13 @@ def size_kv_cache(config: EngineConfig, model, backend, dtype: torch.dtype, devi
 
 
 def new_kv_cache(model_cfg: ModelConfig, size: KVCacheSize, config: EngineConfig, dtype: torch.dtype,
-                 device: torch.device, factory=None) -> torch.Tensor:
+                 device: torch.device, factory=None, num_kv_heads: int | None = None) -> torch.Tensor:
     """The zeroed KV cache ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` on ``device``,
-    or from ``factory(shape, dtype)`` when the node places it (shared memory)."""
+    or from ``factory(shape, dtype)`` when the node places it (shared memory). ``kv_heads``:
+    ``num_kv_heads`` (a rank's), default all the model's."""
     cfg = model_cfg
-    shape = (cfg.num_layers, 2, size.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    shape = (cfg.num_layers, 2, size.num_blocks, config.block_size, heads, cfg.head_dim)
     if factory is not None:
         return factory(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)

@@ -84,6 +84,17 @@ class LLM:
         self._tokenizer: Any = None  # the folder's transformers tokenizer, loaded on first use
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker ranks (``tensor_parallel_size`` > 1; idempotent). They are
+        daemonic children, so they end with this process anyway."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         """The model folder's tokenizer; InvalidRequest when the folder has none."""

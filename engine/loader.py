@@ -7,6 +7,13 @@ load formats (``LOAD_FORMATS``: auto and safetensors read the checkpoint, dummy
 draws seeded random weights on the target device so that real shapes can be
 benchmarked without downloading them) and the resolution of the model argument:
 ``None`` means the bundled model.
+
+Tensor parallelism: given a ``TPGroup`` of size t > 1, the loader builds rank
+``group.rank``'s shard (sharding.py) and reads only its slices of the checkpoint
+(``safe_open(...).get_slice``: the other ranks' bytes are never read). Dummy weights are
+drawn whole, in the TP=1 model's order from the same seed, and cut, so the TP=t dummy
+model is exactly the TP=1 dummy model, sharded (the draw costs each rank the whole
+model's random numbers, once, one tensor at a time).
 """
 
 import json
@@ -19,16 +26,14 @@ from safetensors import safe_open
 from ..common.config import LOAD_FORMATS
 from .model import CausalLM
 from .model_config import ModelConfig
+from .parallel import TPGroup
+from .sharding import FUSED, Cut, TPShard, cut, hf_cut, shard_full
 
 # Dummy weights: normal(0, std) matrices and biases, norms at 1. std is the usual HF
 # initializer_range: activations stay O(1) through 32+ layers in bf16 as in fp32.
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
-_FUSED = {  # our fused name -> the HF parts, concatenated on the output dim in this order
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -46,8 +51,9 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return path
 
 
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint, single-file or sharded."""
+def read_safetensors(model_dir: Path, shard: TPShard | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint, single-file or sharded; with ``shard`` (TP > 1) only
+    that rank's slice of each (``sharding.hf_cut``), checked against the full shape."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -56,23 +62,47 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     else:
         raise ValueError(f"model: {model_dir} holds no model.safetensors nor a sharded index; for random "
                          "weights from its config.json alone use load_format dummy (--load-format dummy)")
+    cfg = ModelConfig.from_dir(model_dir) if shard is not None and shard.size > 1 else None
     tensors = {}
     for name in files:
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+                c = None if cfg is None else _hf_key_cut(key, shard, cfg)  # type: ignore[arg-type]
+                tensors[key] = f.get_tensor(key) if c is None else _read_cut(f, key, c, model_dir)
     return tensors
 
 
+def _hf_key_cut(key: str, shard: TPShard, cfg: ModelConfig) -> Cut | None:
+    """The cut rank ``shard`` reads of checkpoint tensor ``key`` (None: all of it)."""
+    m = _LAYER.match(key)
+    if m:
+        return hf_cut(m.group(2), m.group(3), shard, cfg)
+    if key in ("model.embed_tokens.weight", "lm_head.weight"):
+        return hf_cut(key.split(".")[-2], "weight", shard, cfg)
+    return None
+
+
+def _read_cut(f, key: str, c: Cut, model_dir: Path) -> torch.Tensor:
+    """Read only the rows or columns ``c`` of ``key`` from an open safetensors file."""
+    sl = f.get_slice(key)
+    shape = sl.get_shape()
+    if c.dim >= len(shape) or c.stop > shape[c.dim]:
+        raise ValueError(f"model: {key} in {model_dir} has shape {tuple(shape)}, too small for its "
+                         f"tensor-parallel slice [{c.start}, {c.stop}) of dim {c.dim}: config.json implies more")
+    piece = sl[c.start:c.stop] if c.dim == 0 else sl[:, c.start:c.stop]
+    return cut(piece, Cut(0, 0, piece.shape[0], c.pad_to)) if c.pad_to is not None else piece
+
+
 def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               load_format: str = "auto") -> CausalLM:
+               load_format: str = "auto", group: TPGroup | None = None) -> CausalLM:
     """The model of ``model_dir`` in ``dtype`` on ``device``; ``load_format`` is one of
-    LOAD_FORMATS (dummy reads only config.json)."""
+    LOAD_FORMATS (dummy reads only config.json). With ``group`` (TP > 1): rank
+    ``group.rank``'s shard, reading only its slices."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, group)
     if load_format == "dummy":
         weights = dummy_weights(model, dtype, torch.device(device))
     else:
@@ -89,7 +119,7 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
     against the parameters of ``model`` (on the meta device): nothing missing, nothing
     left over, every shape as config.json implies."""
     cfg = model.cfg
-    hf = read_safetensors(model_dir)
+    hf = read_safetensors(model_dir, model.shard)
     ours: dict[str, torch.Tensor] = {}
     for key in list(hf):
         m = _LAYER.match(key)
@@ -99,10 +129,10 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
             ours["norm.weight"] = hf.pop(key)
         elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
             ours["lm_head.weight"] = hf.pop(key)
-        elif m and not any(m.group(2) in parts for parts in _FUSED.values()):
+        elif m and not any(m.group(2) in parts for parts in FUSED.values()):
             ours[f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"] = hf.pop(key)
     for i in range(cfg.num_layers):
-        for fused, parts in _FUSED.items():
+        for fused, parts in FUSED.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
                 if all(n in hf for n in names):
@@ -124,10 +154,18 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
 
 def dummy_weights(model: CausalLM, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Seeded random weights for every parameter of ``model`` (on the meta device), drawn
-    on ``device`` in ``dtype``: the same weights on every call on a given device."""
+    on ``device`` in ``dtype``: the same weights on every call on a given device. A
+    rank's shard gets its cut of the whole model's weights (drawn whole, in order)."""
     gen = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+    shard = model.shard
+    if shard.size > 1:
+        with torch.device("meta"):
+            full = CausalLM(model.cfg)  # the names, order and shapes of the TP=1 draw
+    else:
+        full = model
     out = {}
-    for name, param in model.named_parameters():  # a tied head is listed once, as embed_tokens
+    for name, param in full.named_parameters():  # a tied head is listed once, as embed_tokens
         t = torch.empty(param.shape, dtype=dtype, device=device)
-        out[name] = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, DUMMY_STD, generator=gen)
+        t = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, DUMMY_STD, generator=gen)
+        out[name] = shard_full(name, t, shard, model.cfg)
     return out

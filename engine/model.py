@@ -8,6 +8,19 @@ The model sees one flat batch of T tokens from many requests (see
 ``attention/base.py``); it never holds a per-request KV tensor. Weights use
 Hugging Face names except that q/k/v and gate/up projections are fused
 (``qkv_proj``, ``gate_up_proj``) by the loader, halving the matmul launches.
+
+Tensor parallelism (``group.size = t > 1``; what each rank holds: sharding.py): every
+rank runs this forward on its shard, in lockstep, with these collectives::
+
+    embed_tokens   vocab-parallel: ids outside the rank's rows look up zeros   all_reduce [T, hidden]
+    per layer      qkv_proj, gate_up_proj column-parallel (local heads, local MLP columns)
+                   o_proj, down_proj row-parallel: partial sums                 all_reduce [T, hidden] x 2
+    lm_head        vocab-parallel: each rank its rows' logits                   all_gather [S, V/t] -> [S, V]
+
+Every rank gets the whole logits (all_gather rather than gather to rank 0): one
+collective that NCCL captures in a CUDA graph like the all-reduces, the same shapes on
+every rank, and at decode S rows x V floats is small beside the weights a step reads.
+Only rank 0 samples from them. With ``t = 1`` the layers are the plain ones.
 """
 
 import math
@@ -18,6 +31,8 @@ from torch import nn
 
 from .attention.base import AttentionBackend, AttentionMetadata
 from .model_config import ModelConfig
+from .parallel import TPGroup
+from .sharding import TPShard, shard_of
 
 
 class RMSNorm(nn.Module):
@@ -80,14 +95,62 @@ class RotaryEmbedding(nn.Module):
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input features are split over the ranks: each computes its
+    partial product, the all-reduce sums them, then the (whole, replicated) bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup):
+        super().__init__(in_features, out_features, bias=bias)
+        self.group = group
+
+    def forward(self, x):  # x [T, in_features / t] -> [T, out_features]
+        y = self.group.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, group: TPGroup) -> nn.Linear:
+    """The plain layer at TP=1 (bitwise what it was before TP), else row-parallel."""
+    if group.size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, group)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + rows) of the (padded) vocabulary; other ids look up zeros and the
+    all-reduce fills them from the rank that holds them."""
+
+    def __init__(self, shard: TPShard, hidden: int, group: TPGroup):
+        super().__init__(shard.vocab_rows, hidden)
+        self.start, self.group = shard.vocab.start, group
+
+    def forward(self, ids):  # ids [T] global token ids -> [T, hidden]
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(x)
+
+
+class ParallelLMHead(nn.Linear):
+    """The LM head over this rank's vocabulary rows; the logits of all ranks are gathered,
+    padding columns cut off."""
+
+    def __init__(self, shard: TPShard, hidden: int, group: TPGroup):
+        super().__init__(hidden, shard.vocab_rows, bias=False)
+        self.vocab_size, self.group = shard.vocab_size, group
+
+    def forward(self, x):  # x [S, hidden] -> [S, vocab]
+        return self.group.all_gather(F.linear(x, self.weight), dim=-1)[:, : self.vocab_size]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup):
         super().__init__()
-        self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # this rank's query and KV heads (all of them at TP=1)
+        self.num_heads, self.kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = row_linear(q_size, cfg.hidden_size, cfg.o_bias, group)
         if cfg.qk_norm:  # Qwen3: one RMSNorm over head_dim shared by all q heads, one by all k heads
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -106,24 +169,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.inter = shard.intermediate_size  # this rank's columns
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = row_linear(self.inter, cfg.hidden_size, cfg.mlp_bias, group)
 
     def forward(self, x):  # x [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # each [T, intermediate]
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # each [T, intermediate / t]
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, group)
 
     def forward(self, x, rope, kv_cache, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
@@ -131,14 +194,24 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None):
+        """The whole model, or with a ``group`` of size t > 1 rank ``group.rank``'s shard."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        group = group if group is not None else TPGroup.single("cpu")
+        self.shard = shard_of(cfg, group.rank, group.size)
+        self.group = group
+        if group.size == 1:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(self.shard, cfg.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, group) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if group.size == 1:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(self.shard, cfg.hidden_size, group)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -146,8 +219,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, hd];
-        logits_indices: [S] rows whose next-token logits are wanted. Returns [S, vocab] float32."""
+        """input_ids, positions: [T]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, hd]
+        (this rank's KV heads); logits_indices: [S] rows whose next-token logits are wanted.
+        Returns [S, vocab] float32 (the whole vocabulary on every rank)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):

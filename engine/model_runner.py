@@ -21,10 +21,21 @@ returned ``LaunchedStep.result()`` waits for that copy. The engine schedules and
 launches step N+1 before it waits for step N (async scheduling): a decode row whose
 input token step N sampled (``Request.pending_tokens``) reads that id from step N's
 device tensor, so the host never needs it to build step N+1.
+
+Tensor parallelism: every rank of a node has a ModelRunner over its shard, built from
+the same config, in step (its KV cache holds the rank's KV heads of every block, with
+the same block ids)::
+
+    rank 0   launch: plan on the host (ForwardInputs, step_inputs.py) -> link.send_step
+                     -> execute (collectives inside) -> sample -> [broadcast sampled ids]
+    worker   follow: execute (the same inputs)                      -> [receive them]
+
+Only rank 0 samples. The bracketed broadcast runs under async scheduling only: the next
+step's rows that read the ids on the device (``from_last``) then find them on every rank.
 """
 
 import logging
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -40,10 +51,12 @@ from .kv_cache_manager import KVCacheManager
 from .kv_sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401 (kv_block_bytes: re-export)
 from .loader import load_model
 from .model_config import ModelConfig
+from .parallel import TPGroup
 from .prompt_logprobs import PromptRows
 from .request import Request
 from .sampler import SampledTokens, Sampler
 from .scheduler import SchedulerOutput
+from .step_inputs import ForwardInputs, PrefillChunk
 from .structured import GrammarMasker
 from .upload import upload
 
@@ -77,29 +90,53 @@ class LaunchedStep(NamedTuple):
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
 
 
+class StepLink(Protocol):
+    """How rank 0's runner reaches the worker ranks (tp_launch.TPLeader): every step's inputs,
+    sent before rank 0 runs the same forward."""
+
+    def send_step(self, inputs: ForwardInputs) -> None: ...
+
+
+class _Plan(NamedTuple):
+    """Rank 0's host-side view of a step: what to send, and what to do with its logits."""
+    inputs: ForwardInputs
+    sampling_reqs: list[Request]
+    sample_rows: list[int] | None  # rows of the logits that sample; None: the first len(sampling_reqs)
+    prompt: list[tuple[PromptRows, int]]  # (chunk, its first row in the logits)
+    num_tokens: int
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir, kv_cache_factory: KVCacheFactory | None = None):
+    def __init__(self, config: EngineConfig, model_dir, kv_cache_factory: KVCacheFactory | None = None,
+                 group: TPGroup | None = None, link: StepLink | None = None):
         """``kv_cache_factory`` lets a node place the cache (e.g. in shared memory for
-        a same-host KV transport); by default a plain tensor on ``config.device``."""
+        a same-host KV transport); by default a plain tensor on ``config.device``.
+        ``group``: this rank's TP group (None: TP=1); rank 0 also gets the ``link`` to
+        its workers, which run ``follow`` for every step rank 0 ``launch``es."""
         self.config = config
         self.dtype = _DTYPES[config.dtype]
-        self.device = torch.device(config.device)
-        self.model = load_model(model_dir, self.dtype, self.device, config.load_format)
+        self.group = group if group is not None else TPGroup.single(config.device)
+        self.device = torch.device(config.device) if self.group.size == 1 else self.group.device
+        self.link = link
+        self.model = load_model(model_dir, self.dtype, self.device, config.load_format, self.group)
         self.model_config: ModelConfig = self.model.cfg
+        self.shard = self.model.shard  # this rank's heads (shard.kv_heads: the KV heads its cache holds)
         cfg = self.model_config
         self.backend = select_backend(config, self.device, cfg.head_dim)
-        self.kv_size = size_kv_cache(config, self.model, self.backend, self.dtype, self.device)
+        self.kv_size = size_kv_cache(config, self.model, self.backend, self.dtype, self.device, self.group)
         self.num_blocks = self.kv_size.num_blocks
         self.scratch_block = self.num_blocks  # padding rows of static decode write here
-        # [num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]
+        # [num_layers, 2, num_blocks + 1, block_size, kv_heads (this rank's), head_dim]
         self.kv_caches = new_kv_cache(cfg, self.kv_size._replace(num_blocks=self.num_blocks + 1), config,
-                                       self.dtype, self.device, kv_cache_factory)
+                                       self.dtype, self.device, kv_cache_factory, self.shard.num_kv_heads)
         self.sampler = Sampler(seed=config.seed)
         self.grammar_masker: GrammarMasker | None = None  # made for the first structured request
         self.prefill_varlen = varlen_available(self.device, self.dtype)  # one attention call for all chunks
         self.static_decode = None if config.enforce_eager else self._static_decode()
-        self._last: dict[str, tuple[Request, int]] = {}  # the last launch's samplers -> row of ...
-        self._last_tokens: torch.Tensor | None = None  # ... its sampled ids [S], on the device
+        # async scheduling over several ranks: the ids rank 0 samples reach every rank's device
+        self.share_sampled = bool(config.async_scheduling) and self.group.size > 1
+        self._last: dict[str, tuple[Request, int]] = {}  # rank 0: the last launch's samplers -> row of ...
+        self._last_tokens: torch.Tensor | None = None  # ... its sampled ids [S], on the device (every rank)
 
     def _static_decode(self) -> StaticDecode:
         cfg, config = self.model_config, self.config
@@ -112,18 +149,32 @@ class ModelRunner:
         return StaticDecode(self.model, self.kv_caches, self.backend, sizes, -(-max_len // config.block_size),
                             self.scratch_block, use_graphs)
 
+    # ---- rank 0 ----------------------------------------------------------------------------
     def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         """Queue one forward pass over ``out.scheduled`` and sampling for every request
-        whose scheduled tokens reach the end of its sequence (``seq_len``)."""
+        whose scheduled tokens reach the end of its sequence (``seq_len``). With TP, the
+        workers get the step's inputs first and run the same forward."""
         decodes = [(r, n) for r, n in out.scheduled if n == 1]
         prefills = [(r, n) for r, n in out.scheduled if n > 1]
         if not prefills and self.static_decode is not None and self.static_decode.bucket(len(decodes)):
-            step = self._launch_static(decodes, kv)
+            plan = self._plan_static(decodes, kv)
         else:
-            step = self._launch_eager(decodes, prefills, kv)
-        self._last = {r.request_id: (r, i) for i, r in enumerate(step.requests)}
-        self._last_tokens = None if step.tokens is None else step.tokens.token_ids
-        return step
+            plan = self._plan_eager(decodes, prefills, kv)
+        if self.link is not None:
+            self.link.send_step(plan.inputs)
+        logits = self.execute(plan.inputs)
+        prompt = [_prompt_chunk(c, logits[at:at + len(c.rows)]) for c, at in plan.prompt]
+        reqs = plan.sampling_reqs
+        if plan.sample_rows is None:
+            sample_logits = logits[:len(reqs)]
+        else:
+            sample_logits = logits[upload(plan.sample_rows, logits.device)]
+        tokens = self._sample(sample_logits, reqs)
+        if self.share_sampled and tokens is not None:
+            self.group.broadcast(tokens.token_ids, src=0)  # queued on the stream: the host does not wait
+        self._last = {r.request_id: (r, i) for i, r in enumerate(reqs)}
+        self._last_tokens = None if tokens is None else tokens.token_ids
+        return LaunchedStep(reqs, tokens, plan.num_tokens, prompt)
 
     def _from_last(self, req: Request, pos: int) -> int:
         """-1 if ``req``'s input id at ``pos`` is on the host, else its row in the last launch's tokens."""
@@ -133,99 +184,64 @@ class ModelRunner:
         assert last is req and pos == req.num_tokens, (req.request_id, pos, req.num_tokens)
         return row
 
-    def _launch_eager(self, decodes, prefills, kv: KVCacheManager) -> LaunchedStep:
+    def _plan_eager(self, decodes, prefills, kv: KVCacheManager) -> _Plan:
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         logits_rows: list[int] = []
         sampling_reqs = []
-        prompt_rows: list[PromptRows] = []  # chunks whose logits give prompt logprobs
+        prompt_rows: list[PromptRows] = []  # chunks whose logits give prompt logprobs (rows: flat batch)
 
-        from_last: list[tuple[int, int]] = []  # (row, row of the last launch's tokens)
+        from_last: list[int] = []  # per decode row: row of the last launch's tokens, or -1
         tables = [kv.block_ids(r.request_id) for r, _ in decodes]
-        for (req, _), table in zip(decodes, tables):
+        for req, _ in decodes:
             pos = req.num_computed_tokens
             src = self._from_last(req, pos)
-            if src >= 0:
-                from_last.append((len(ids), src))
+            from_last.append(src)
             ids.append(req.all_token_ids[pos] if src < 0 else 0)
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
             if pos + 1 == req.seq_len:  # else: the last 1-token chunk of a prompt mid-way
                 logits_rows.append(len(ids) - 1)
                 sampling_reqs.append(req)
             elif _wants_prompt_logprobs(req, pos, 1):
                 prompt_rows.append(PromptRows(req, pos, [len(ids) - 1]))
-        nd = len(decodes)
-        max_blocks = max((len(t) for t in tables), default=1)
-        decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
-                                     dtype=torch.long).view(nd, max_blocks)
-        seq_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes], dtype=torch.long)
-        decode_mask = (build_decode_mask(seq_lens, max_blocks * bs, self.dtype, self.device)
-                       if self.backend.needs_decode_mask else None)  # the kernels read seq_lens instead
 
         chunks = []
         for req, n in prefills:
             start = req.num_computed_tokens
-            block_table = torch.tensor(kv.block_ids(req.request_id), dtype=torch.long)
-            pos = torch.arange(start + n)
-            key_slots = block_table[pos // bs] * bs + pos % bs  # [start + n]: the context, then the new tokens
-            chunks.append(ChunkSpec(len(ids), n, start, key_slots))
+            table = kv.block_ids(req.request_id)[:-(-(start + n) // bs)]  # the blocks of [0, start + n)
+            chunks.append(PrefillChunk(len(ids), n, start, table))
             if m := _wants_prompt_logprobs(req, start, n):
                 prompt_rows.append(PromptRows(req, start, list(range(len(ids), len(ids) + m))))
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend(key_slots[start:].tolist())
             if start + n == req.seq_len:
                 logits_rows.append(len(ids) - 1)
                 sampling_reqs.append(req)
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=upload(slots, dev, torch.long),
-            num_decodes=nd,
-            decode_block_tables=upload(decode_tables, dev),
-            decode_seq_lens=upload(seq_lens, dev),
-            decode_mask=decode_mask,
-            prefills=build_prefill_groups(chunks, dev, self.prefill_varlen),
-        )
-        input_ids = upload(ids, dev, torch.long)
-        if from_last:
-            assert self._last_tokens is not None, "rows read from the last launch's tokens"
-            dst_rows, src_rows = [d for d, _ in from_last], [s for _, s in from_last]
-            input_ids.index_copy_(0, upload(dst_rows, dev), self._last_tokens[upload(src_rows, dev)])
-        extra = [row for c in prompt_rows for row in c.rows]  # after the sampling rows
-        logits = self.model(input_ids, upload(positions, dev, torch.long), self.kv_caches, meta, self.backend,
-                            upload(logits_rows + extra, dev, torch.long))
-        at, prompt = len(logits_rows), []
-        for c in prompt_rows:  # [len(c.rows), V] each, in order after the sampling rows
-            prompt.append(_prompt_chunk(c, logits[at:at + len(c.rows)]))
+        prompt, at = [], len(logits_rows)
+        for c in prompt_rows:  # their logits come after the sampling rows, in order
+            prompt.append((c, at))
             at += len(c.rows)
-        return LaunchedStep(sampling_reqs, self._sample(logits[:len(logits_rows)], sampling_reqs), len(ids), prompt)
+        extra = [row for c in prompt_rows for row in c.rows]
+        inputs = ForwardInputs(False, ids, positions, tables, chunks, logits_rows + extra,
+                               from_last if max(from_last, default=-1) >= 0 else [], len(sampling_reqs))
+        return _Plan(inputs, sampling_reqs, None, prompt, len(ids))
 
-    def _launch_static(self, decodes, kv: KVCacheManager) -> LaunchedStep:
-        """A decode-only step through the padded fixed-shape forward."""
-        assert self.static_decode is not None, "launch() takes this path only with static decode on"
+    def _plan_static(self, decodes, kv: KVCacheManager) -> _Plan:
+        """A decode-only step through the padded fixed-shape forward (logits of every row)."""
         reqs = [r for r, _ in decodes]
         positions = [r.num_computed_tokens for r in reqs]
         src = [self._from_last(r, p) for r, p in zip(reqs, positions)]
         ids = [r.all_token_ids[p] if s < 0 else 0 for r, p, s in zip(reqs, positions, src)]
-        from_last = None
-        if max(src) >= 0:
-            assert self._last_tokens is not None, "rows read from the last launch's tokens"
-            from_last = (src, self._last_tokens)
-        logits = self.static_decode.run(ids, positions, [kv.block_ids(r.request_id) for r in reqs],
-                                        from_last)  # [D, vocab]
         # a 1-token chunk in the middle of a prompt computes KV but samples nothing
         rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.seq_len]
-        prompt = [_prompt_chunk(PromptRows(r, p, [i]), logits[i:i + 1])
-                  for i, (r, p) in enumerate(zip(reqs, positions))
+        prompt = [(PromptRows(r, p, [i]), i) for i, (r, p) in enumerate(zip(reqs, positions))
                   if p + 1 < r.seq_len and _wants_prompt_logprobs(r, p, 1)]
-        if len(rows) < len(reqs):
-            logits = logits[upload(rows, logits.device)]
         sampling_reqs = [reqs[i] for i in rows]
-        return LaunchedStep(sampling_reqs, self._sample(logits, sampling_reqs), len(reqs), prompt)
+        inputs = ForwardInputs(True, ids, positions, [kv.block_ids(r.request_id) for r in reqs], [], [],
+                               src if max(src) >= 0 else [], len(sampling_reqs))
+        return _Plan(inputs, sampling_reqs, None if len(rows) == len(reqs) else rows, prompt, len(reqs))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledTokens | None:
         """logits [S, vocab], row i for reqs[i]; None when nothing samples."""
@@ -236,6 +252,63 @@ class ModelRunner:
                 self.grammar_masker = GrammarMasker(logits.shape[1], logits.device)
             logits = self.grammar_masker(logits, [r.grammar for r in reqs])
         return self.sampler.sample(logits, reqs)
+
+    # ---- every rank --------------------------------------------------------------------------
+    def follow(self, inputs: ForwardInputs) -> None:
+        """A worker rank's step: the forward rank 0 runs for the same ``inputs`` (its logits
+        unused), then, under async scheduling, rank 0's sampled ids for the next step."""
+        self.execute(inputs)
+        if not self.share_sampled:
+            return
+        if inputs.num_sampled:
+            ids = torch.empty(inputs.num_sampled, dtype=torch.long, device=self.device)
+            self._last_tokens = self.group.broadcast(ids, src=0)
+        else:
+            self._last_tokens = None
+
+    def execute(self, inputs: ForwardInputs) -> torch.Tensor:
+        """The forward of one step on this rank's shard; logits [rows, vocab] float32 (every
+        row for a static step, else ``inputs.logits_rows``)."""
+        if inputs.static:
+            assert self.static_decode is not None, "rank 0 plans static steps only with static decode on"
+            from_last = None
+            if inputs.from_last:
+                assert self._last_tokens is not None, "rows read from the last launch's tokens"
+                from_last = (inputs.from_last, self._last_tokens)
+            return self.static_decode.run(inputs.input_ids, inputs.positions, inputs.decode_tables, from_last)
+        return self._execute_eager(inputs)
+
+    def _execute_eager(self, inputs: ForwardInputs) -> torch.Tensor:
+        bs, dev, nd = self.config.block_size, self.device, inputs.num_decodes
+        tables = inputs.decode_tables
+        max_blocks = max((len(t) for t in tables), default=1)
+        decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                     dtype=torch.long).view(nd, max_blocks)
+        seq_lens = torch.tensor([p + 1 for p in inputs.positions[:nd]], dtype=torch.long)
+        decode_mask = (build_decode_mask(seq_lens, max_blocks * bs, self.dtype, dev)
+                       if self.backend.needs_decode_mask else None)  # the kernels read seq_lens instead
+        slots = inputs.decode_slots(bs)
+        chunks = []
+        for c in inputs.chunks:
+            key_slots = c.key_slots(bs)  # [ctx_len + q_len]: the context, then the new tokens
+            chunks.append(ChunkSpec(c.q_start, c.q_len, c.ctx_len, key_slots))
+            slots.extend(key_slots[c.ctx_len:].tolist())
+        meta = AttentionMetadata(
+            slot_mapping=upload(slots, dev, torch.long),
+            num_decodes=nd,
+            decode_block_tables=upload(decode_tables, dev),
+            decode_seq_lens=upload(seq_lens, dev),
+            decode_mask=decode_mask,
+            prefills=build_prefill_groups(chunks, dev, self.prefill_varlen),
+        )
+        input_ids = upload(inputs.input_ids, dev, torch.long)
+        if inputs.from_last:
+            assert self._last_tokens is not None, "rows read from the last launch's tokens"
+            pairs = [(d, s) for d, s in enumerate(inputs.from_last) if s >= 0]
+            dst_rows, src_rows = [d for d, _ in pairs], [s for _, s in pairs]
+            input_ids.index_copy_(0, upload(dst_rows, dev), self._last_tokens[upload(src_rows, dev)])
+        return self.model(input_ids, upload(inputs.positions, dev, torch.long), self.kv_caches, meta, self.backend,
+                          upload(inputs.logits_rows, dev, torch.long))
 
 
 def _wants_prompt_logprobs(req, start: int, n: int) -> int:
