@@ -121,30 +121,47 @@ TINY_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2C
                  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
+def _save_tiny_model(tmp_path_factory, family, **overrides):
+    """(folder, transformers model): see ``tiny_model_dir``."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in TINY_FAMILIES[family])
+    cfg = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               tie_word_embeddings=False, eos_token_id=256, bos_token_id=0,
+               initializer_range=0.2)  # sharp attention: RoPE and masking errors change the tokens
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
+    model.save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
+    return path, model
+
+
 @pytest.fixture
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(family, **config overrides) -> (folder, transformers model): a random
     2-layer, hidden-64 GQA model of ``family`` (a TINY_FAMILIES key) saved as sharded
     safetensors. Weights are 10x transformers' default scale and biases and norm weights are random too (transformers starts them at 0 and
     1), so a mixed-up bias or q/k norm changes the output."""
-    import transformers
+    return lambda family, **overrides: _save_tiny_model(tmp_path_factory, family, **overrides)
+
+
+@pytest.fixture(scope="session")
+def shared_tiny_model(tmp_path_factory):
+    """shared_tiny_model(family, **overrides) -> folder: ``tiny_model_dir``'s model, saved once
+    per session for each set of arguments (for module-scoped engines)."""
+    made: dict[tuple, object] = {}
 
     def make(family, **overrides):
-        config_cls, model_cls = (getattr(transformers, n) for n in TINY_FAMILIES[family])
-        cfg = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                   tie_word_embeddings=False, eos_token_id=256, bos_token_id=0,
-                   initializer_range=0.2)  # sharp attention: RoPE and masking errors change the tokens
-        cfg.update(overrides)
-        torch.manual_seed(0)
-        model = model_cls(config_cls(**cfg)).eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim == 1:
-                    p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
-        path = tmp_path_factory.mktemp(f"tiny_{family}")
-        model.save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
-        return path, model
+        key = (family, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            made[key] = _save_tiny_model(tmp_path_factory, family, **overrides)[0]
+        return made[key]
     return make
 
 
