@@ -8,6 +8,8 @@ hand it to the component; nothing here holds state.
     splitserve make-trace OUT           a multi-tenant shared-prefix routing trace (JSONL)
     splitserve replay TRACE             replay a trace through the router against simulated nodes
     splitserve bench --base-url URL    load-test any OpenAI-compatible endpoint
+    splitserve plan                     the cheapest prefill/decode fleet for an SLO and a workload
+    splitserve planner                  resize the pools online from the routers' metrics
 """
 
 from __future__ import annotations
@@ -345,6 +347,36 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None,
                    help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable by its "
                         "owner only; the router gets the keys in its environment")
+    p.add_argument("--planner", action="store_true",
+                   help="size the prefill and decode pools from the SLO and the load: start and drain "
+                        "nodes (flags --planner-*; README 'The planner')")
+    _add_planner_args(p, "planner-", standalone=False)
+
+
+def _add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: bool = True) -> None:
+    from .deploy.planner.config import add_planner_args
+
+    add_planner_args(p, prefix, standalone)
+
+
+def cmd_planner(args) -> int:
+    from .deploy.planner.config import planner_config
+    from .deploy.planner.service import run_planner
+
+    run_planner(planner_config(args))
+    return 0
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from .benchmarks.loadgen.plan.cli import add_plan_args
+
+    add_plan_args(p)
+
+
+def cmd_plan(args) -> int:
+    from .benchmarks.loadgen.plan.cli import main as plan_main
+
+    return plan_main(args)
 
 
 def cmd_up(args) -> int:
@@ -387,6 +419,10 @@ COMMANDS = (
     Command("up", "start a local cluster (redis, router, nodes) and serve until Ctrl-C", _add_up_args, cmd_up),
     Command("bench", "benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, E2E percentiles, throughput, "
             "goodput", _add_bench_args, cmd_bench),
+    Command("plan", "the cheapest prefill/decode fleet that meets an SLO for a workload (offline, simulated)",
+            _add_plan_args, cmd_plan),
+    Command("planner", "size the prefill and decode pools online from the routers' metrics (Kubernetes: "
+            "--export-only)", _add_planner_args, cmd_planner),
 )
 
 

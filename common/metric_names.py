@@ -82,6 +82,23 @@ FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label 
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
 PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
 
+# ---- the planner (deploy/planner/: `splitserve planner`, `up --planner`) ---------------------------
+# Gauges labelled role (prefill | decode) unless said otherwise. On Kubernetes the HPAs follow
+# PLANNER_TARGET_REPLICAS through the Prometheus adapter (deploy/k8s/components/planner).
+PLANNER_TARGET_REPLICAS = PREFIX + "planner_target_replicas"  # gauge: the bounded size it wants
+PLANNER_CURRENT_REPLICAS = PREFIX + "planner_current_replicas"  # gauge: nodes serving or starting
+PLANNER_OBSERVED_LOAD = PREFIX + "planner_observed_load"  # gauge, label series: rate | isl | osl
+PLANNER_PREDICTED_LOAD = PREFIX + "planner_predicted_load"  # gauge, label series
+# gauge, labels series, predictor: mean absolute percentage error of its forecasts so far
+PLANNER_PREDICTION_ERROR = PREFIX + "planner_prediction_error"
+PLANNER_CORRECTION = PREFIX + "planner_correction"  # gauge: observed / profile time of the role
+PLANNER_SLO_MARGIN = PREFIX + "planner_slo_margin"  # gauge: (bound - predicted) / bound at the target
+PLANNER_OBSERVED_WITHIN_SLO = PREFIX + "planner_observed_within_slo"  # gauge, label slo: ttft | itl
+PLANNER_DECISIONS = PREFIX + "planner_decisions_total"  # counter, labels role, action: up | down | hold
+PLANNER_NODES_CHANGED = PREFIX + "planner_nodes_changed_total"  # counter, labels role, action: started | drained
+PLANNER_ACTIONS = ("up", "down", "hold")
+PLANNER_SERIES = ("rate", "isl", "osl")
+
 # ---- label values known in advance that are not outcomes (those are common/outcomes.py's
 # enums): every series starts at 0, so rate() and the alerts see a counter before its first
 # event (callers may still add values).

@@ -142,6 +142,7 @@ class Cluster:
         self._stopping = threading.Event()  # set by stop(): supervision ends
         self._supervisor: Supervisor | None = None
         self.status_port = 0  # the supervisor's status endpoint, once supervised
+        self.retired: set[str] = set()  # members stopped on purpose (a planner's scale-down): never restarted
 
     @property
     def url(self) -> str:
@@ -188,8 +189,22 @@ class Cluster:
 
     # ---- supervision (deploy/supervisor.py) -----------------------------------------------
     def member_names(self) -> list[str]:
-        names = list(dict.fromkeys(p.name for p in self.procs))
+        names = [n for n in dict.fromkeys(p.name for p in self.procs) if n not in self.retired]
         return names + (["redis"] if self.redis is not None else [])
+
+    def retire(self, name: str) -> Proc:
+        """Take member ``name`` out of supervision for good and SIGTERM it: a node drains
+        (refuses new work, deregisters and withdraws its index entries, finishes what it
+        holds within its --drain-grace) and exits; nothing restarts it."""
+        self.retired.add(name)
+        p = self.node(name)
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+        return p
+
+    def node_id_of(self, name: str) -> str:
+        """The registry node id of node member ``name`` (``start_node`` names both alike)."""
+        return name
 
     def exit_code(self, name: str) -> int | None:
         """None while member ``name`` runs, else its exit status."""
@@ -340,28 +355,56 @@ class Cluster:
 class SimCluster(Cluster):
     """Redis, the router and ``prefill_nodes`` + ``decode_nodes`` simulated nodes
     (engine/sim_runner.py), spread over ``fleet_procs`` ``splitserve sim-nodes``
-    processes. ``sim_args`` go to every fleet (e.g. ``--sim-speedup 10``)."""
+    processes. ``sim_args`` go to every fleet (e.g. ``--sim-speedup 10``).
+
+    With ``per_node`` each node is a one-node ``sim-nodes`` process of its own, member
+    ``<role>-<i>`` like a real node of ``up``, so a planner starts and drains them one by
+    one (``start_node``, ``retire``); ``role_profiles`` (role -> profile) then gives each
+    role's nodes their ``--profile`` (a deployment's two profiles)."""
 
     def __init__(self, prefill_nodes: int, decode_nodes: int, fleet_procs: int = 2, sim_args=(),
                  kv_cache_memory="1GiB", policy=None, router_args=(), cluster_token=None,
-                 router_replicas=1):
+                 router_replicas=1, per_node: bool = False, role_profiles: dict[str, str] | None = None):
         super().__init__(prefill_nodes, decode_nodes, kv_cache_memory=kv_cache_memory, policy=policy,
                          router_args=router_args, cluster_token=cluster_token,
                          router_replicas=router_replicas)
         self.fleet_procs = max(1, min(fleet_procs, prefill_nodes + decode_nodes))
         self.sim_args = list(sim_args)
+        self.per_node = per_node
+        self.role_profiles = dict(role_profiles or {})
+        if self.role_profiles and not per_node:
+            raise ValueError("SimCluster: role_profiles needs per_node (a fleet process has one profile)")
+
+    def _fleet_args(self, prefill: int, decode: int, id_prefix: str) -> list[str]:
+        c = self.cfg
+        return ["sim-nodes", "--host", c["host"], "--kv-backend", c["kv_backend"],
+                "--kv-cache-memory", c["kv_cache_memory"], "--prefill-nodes", str(prefill),
+                "--decode-nodes", str(decode), "--id-prefix", id_prefix, *self.sim_args]
+
+    def start_node(self, role: str, index: int, extra=()) -> Proc:
+        """``per_node``: one simulated node of ``role`` in its own process, member
+        ``<role>-<index>`` (node id: ``node_id_of``)."""
+        assert self.per_node, "SimCluster.start_node: the nodes share fleet processes (per_node=False)"
+        name = f"{role}-{index}"
+        profile = ["--profile", self.role_profiles[role]] if role in self.role_profiles else []
+        args = self._fleet_args(int(role == "prefill"), int(role == "decode"), name)
+        return self._spawn(name, [*args, *profile, *extra], "fleet")
+
+    def node_id_of(self, name: str) -> str:
+        return f"{name}-{name.rsplit('-', 1)[0]}-0" if self.per_node else name  # sim_fleet's <prefix>-<role>-<i>
 
     def start(self, timeout: float = 180.0) -> "SimCluster":
         if self.redis_url is None:
             self.start_redis()
         c, k = self.cfg, self.fleet_procs
-        fleets = []
-        for i in range(k):
-            share = lambda n: n // k + (i < n % k)
-            fleets.append(self._spawn(f"fleet-{i}", [
-                "sim-nodes", "--host", c["host"], "--kv-backend", c["kv_backend"],
-                "--kv-cache-memory", c["kv_cache_memory"], "--prefill-nodes", str(share(c["prefill_nodes"])),
-                "--decode-nodes", str(share(c["decode_nodes"])), "--id-prefix", f"f{i}", *self.sim_args], "fleet"))
+        if self.per_node:
+            fleets = [self.start_node(role, i) for role in ("prefill", "decode") for i in range(c[f"{role}_nodes"])]
+        else:
+            fleets = []
+            for i in range(k):
+                share = lambda n: n // k + (i < n % k)
+                fleets.append(self._spawn(f"fleet-{i}", self._fleet_args(
+                    share(c["prefill_nodes"]), share(c["decode_nodes"]), f"f{i}"), "fleet"))
         routers = self.start_routers()
         for p in [*fleets, *routers]:
             self.wait_ready(p, timeout)
@@ -419,7 +462,12 @@ def launch(args) -> int:
                       redis_password=new_cluster_token(), api_keys=api_keys,
                       router_replicas=getattr(args, "router_replicas", None) or 1,
                       load_format=getattr(args, "load_format", None) or defaults.get("load_format"),
-                      enforce_eager=enforce_eager)
+                      enforce_eager=enforce_eager,
+                      # a node drained by the planner past its grace hands its streams to another
+                      router_args=["--migration-limit", "2"] if getattr(args, "planner", False) else ())
+    if getattr(args, "planner", False):  # bad planner flags fail before anything starts
+        from .planner.config import planner_config
+        planner_config(args, "planner-", router_urls=(), redis_url=None, model=None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -431,11 +479,22 @@ def launch(args) -> int:
         return 1
     cluster.supervise()
     status_port = cluster.status_port
+    planner = None
+    if getattr(args, "planner", False):
+        from .planner.service import start_local_planner
+        try:
+            planner = start_local_planner(args, cluster, served_name(args))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            cluster.stop()
+            return 1
     replicas = "".join(f"\n  router replica: {u}/v1" for u in cluster.urls[1:])
+    planner_line = (f"\n  planner: http://127.0.0.1:{planner.port}/debug/planner  (its metrics at /metrics)"
+                    if planner is not None else "")
     auth = "\n    -H 'Authorization: Bearer <your API key>' \\" if keyed else ""
     print(f"""
 splitserve is serving the OpenAI API at {cluster.url}/v1{replicas}
-  supervisor status: http://127.0.0.1:{status_port}/status  (restart counters also at /metrics)
+  supervisor status: http://127.0.0.1:{status_port}/status  (restart counters also at /metrics){planner_line}
 
   curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\{auth}
     -d '{{"model": "{served_name(args)}", "messages": [{{"role": "user", "content": "Write a haiku about the sea."}}]}}'
@@ -444,5 +503,7 @@ A member that dies is restarted; Ctrl-C stops everything.""", flush=True)
     while not stop.wait(0.5):
         pass
     print("[splitserve] stopping (draining) ...", file=sys.stderr, flush=True)
+    if planner is not None:
+        planner.stop()  # no scaling while the cluster stops
     cluster.stop(grace_s=NODE_DRAIN_GRACE_S + 5)
     return 0

@@ -149,6 +149,7 @@ class EngineStats(NamedTuple):
     busy_s: float
     computed_tokens: int
     preemptions: int
+    sim_overrun_s: float = 0.0  # a simulated node's wall seconds beyond its steps' time (sim_runner.py)
 
 
 class BlockExporter(NamedTuple):
@@ -215,7 +216,8 @@ class EngineThread:
     def _stats(self) -> EngineStats:
         e = self._engine
         return EngineStats(e.load(), self._steps, e.kv.num_blocks, e.kv.num_free_blocks, e.busy_s,
-                           e.num_computed_tokens_total, e.num_preemptions_total)
+                           e.num_computed_tokens_total, e.num_preemptions_total,
+                           getattr(e.runner, "overrun_s", 0.0))
 
     def _handle(self, cmd: Command) -> Any:
         e = self._engine

@@ -12,6 +12,13 @@ float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 
     kv_caches  [1 layer, 2 (K, V), num_blocks, block_size, 1 head, head_dim 1]
 
+A step's period is its simulated time / speedup, the host's own time included: while
+a batch runs on from one step to the next, the wall time the host spent between them
+(the scheduler, the node's bookkeeping: what ``step_overhead_s`` of a profile already
+stands for) is taken off the next sleep. Whatever the host takes beyond the period is
+``overrun_s`` (wall seconds): a machine too slow for the speed-up, which a run must
+report instead of its figures (``/debug/state``: ``sim_overrun_s``).
+
 Must not: load weights or compute. Sampled tokens are never an EOS or stop id,
 so a simulated request runs to ``max_tokens``.
 """
@@ -51,12 +58,19 @@ class SimRunner:
         self.kv_caches = (kv_cache_factory(shape, torch.float32) if kv_cache_factory else
                           torch.zeros(shape, dtype=torch.float32))
         self.simulated_seconds = 0.0  # total step time asked of the model (a metric)
+        self.overrun_s = 0.0  # wall seconds steps took beyond their simulated time / speedup
+        self._last_end = 0.0  # when the previous launch returned (monotonic)
+        self._last_batch: set[str] = set()  # its request ids
 
     def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
         token for every request whose scheduled tokens reach the end of its sequence
         (the returned step is complete: a simulated node gains nothing from async scheduling)."""
         start = time.monotonic()
+        batch = {r.request_id for r, _ in out.scheduled}
+        # the batch ran on from the last step: the host's time since then is part of this period
+        carry = start - self._last_end if batch & self._last_batch else 0.0
+        self._last_batch = batch
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
         seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
@@ -69,8 +83,11 @@ class SimRunner:
                     token += 1
                 reqs.append(req)
                 tokens.append(token)
-        left = start + seconds / self.sim.speedup - time.monotonic()
+        left = start - carry + seconds / self.sim.speedup - time.monotonic()
         if left > 0:
             time.sleep(left)
+        else:
+            self.overrun_s += -left
+        self._last_end = time.monotonic()
         sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
         return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))

@@ -190,4 +190,5 @@ class NodeRuntime:
                 "kv_pool": self.kv_pool_info._asdict(),
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
                 "load": msgspec.structs.asdict(st.load), "steps": st.steps, "busy_s": st.busy_s,
-                "computed_tokens": st.computed_tokens, "preemptions": st.preemptions}
+                "computed_tokens": st.computed_tokens, "preemptions": st.preemptions,
+                "sim_overrun_s": st.sim_overrun_s}

@@ -5,6 +5,9 @@ heartbeat, prefix-index publisher) over a real engine whose forward pass is the
 timing model of ``EngineConfig.sim`` (engine/sim_runner.py). A simulated step is
 a sleep on the node's engine thread, so dozens of nodes share one process and one
 event loop: how one machine runs 64+ replicas against a real router and Redis.
+SIGTERM drains every node of the process as it drains a real node (node/app.py
+``drain``: 503 to new work, deregistered, in-flight requests finish within the
+drain grace), so a planner scales a simulated pool down as it would a real one.
 
 Owns: one NodeConfig per node (ids ``sim-prefill-<i>``, ``sim-decode-<i>``, plus a
 prefix to tell fleets apart; prefill and decode nodes may copy different templates,
@@ -21,7 +24,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ..common.config import NodeConfig, NodeRole
-from .app import RUNTIME, run_until_signal, start_site
+from .app import RUNTIME, drain, run_until_signal, start_site
 
 log = logging.getLogger(__name__)
 AppBuilder = Callable[[NodeConfig], web.Application]  # a node's config -> its role's app (cli.py)
@@ -67,6 +70,7 @@ async def serve_fleet(configs: list[NodeConfig], build_app: AppBuilder, stop: as
             rt = app[RUNTIME]
             print(f"NODE {rt.config.role} {rt.node_id} {rt.http_addr}", flush=True)
         await stop.wait()
+        await asyncio.gather(*(drain(app, app[RUNTIME].config.drain_grace_s) for app, _ in started))
     finally:
         await asyncio.gather(*(r.cleanup() for r in runners), return_exceptions=True)
 

@@ -106,6 +106,14 @@ class Outcome(NamedTuple):
     prompt_tokens: int
     cached_tokens: int
     error: str
+    output_tokens: int = 0
+    itl_s: float = float("nan")  # wall: (e2e - ttft) / (output tokens - 1), the request's mean ITL
+    late_s: float = 0.0  # wall: how long after its due time the request was sent
+
+
+# A replay is behind its schedule when its sends come later than this (wall seconds, p99):
+# its latencies are then those of a slower trace, and its figures are not the trace's.
+LATE_P99_S = 0.1
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
@@ -135,7 +143,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
         return Outcome(False, ttft, 0.0, len(prompt), 0,
                        f"error event: {error}" if error else "stream ended without usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return Outcome(True, ttft, time.perf_counter() - start, usage["prompt_tokens"], cached, "")
+    e2e, n = time.perf_counter() - start, usage.get("completion_tokens", 0)
+    itl = (e2e - ttft) / (n - 1) if n > 1 else float("nan")
+    return Outcome(True, ttft, e2e, usage["prompt_tokens"], cached, "", n, itl)
 
 
 def client_session(url: str, keepalive_s: float = KEEPALIVE_S) -> aiohttp.ClientSession:
@@ -152,10 +162,12 @@ async def replay(requests: list[TraceRequest], url: str, model: str, speedup: fl
     done = 0
     outcomes: list[Outcome | None] = [None] * len(requests)
     async with client_session(url) as session:
-        async def one(i: int, req: TraceRequest):
+        async def one(i: int, req: TraceRequest, due: float):
             nonlocal done
-            outcomes[i] = await send(session, "", model, prompt_tokens(req, hash_block=hash_block),
-                                     min(req.output_length, max_output_tokens))
+            late = time.perf_counter() - due
+            o = await send(session, "", model, prompt_tokens(req, hash_block=hash_block),
+                           min(req.output_length, max_output_tokens))
+            outcomes[i] = o._replace(late_s=late)
             done += 1
 
         tasks = []
@@ -168,7 +180,7 @@ async def replay(requests: list[TraceRequest], url: str, model: str, speedup: fl
                 if time.perf_counter() >= next_report:
                     next_report += PROGRESS_S
                     _progress(start, i, done, len(requests), outcomes)
-            tasks.append(asyncio.create_task(one(i, req)))
+            tasks.append(asyncio.create_task(one(i, req, due)))
         while done < len(requests):
             await asyncio.sleep(0.2)
             if time.perf_counter() >= next_report:
@@ -218,6 +230,16 @@ def not_idle(state: dict) -> dict:
     held["blocks_in_use"] = state["kv_blocks_total"] - state["kv_blocks_free"]
     held["outgoing"] = state.get("outgoing", 0)
     return {k: v for k, v in held.items() if v}
+
+
+def schedule_check(outcomes: list[Outcome], speedup: float) -> dict:
+    """Did the replay keep to its schedule? Send lateness (wall seconds) p99 and max, and
+    ``behind_schedule`` when p99 passes LATE_P99_S: the client or this machine could not
+    send at the trace's pace, so the figures are not the trace's."""
+    late = [o.late_s for o in outcomes]
+    p99 = percentile(late, 0.99)
+    return {"late_p99_s": round(p99, 4), "late_max_s": round(max(late, default=0.0), 4),
+            "late_p99_trace_s": round(p99 * speedup, 4), "behind_schedule": bool(p99 > LATE_P99_S)}
 
 
 def max_over_mean(values: list[float], n: int) -> float | None:
@@ -275,6 +297,7 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "prefill_nodes_not_idle_at_end": {nid: held for nid, st in sorted(states.items())
                                           if (held := not_idle(st))},
         "speedup": cfg.speedup, "wall_s": round(wall_s, 1), "max_output_tokens": cfg.max_output_tokens,
+        "schedule": schedule_check(outcomes, cfg.speedup),
         "kv_cache_memory": cfg.kv_cache_memory, "trace": trace_summary(requests), "config": asdict(cfg),
         # trace order: [ttft seconds of trace time (null: failed), prompt tokens, cached tokens]
         "per_request": [[round(o.ttft_s * cfg.speedup, 3) if o.ok else None, o.prompt_tokens, o.cached_tokens]
@@ -354,6 +377,9 @@ def print_summary(r: dict) -> None:
           f"requests {r['max_mean_requests']}")
     if r.get("profile"):
         print(f"  profile {r['profile']}: prefill nodes {r['prefill_profile']}, decode nodes {r['decode_profile']}")
+    if r.get("schedule", {}).get("behind_schedule"):
+        print(f"  BEHIND SCHEDULE: sends p99 {r['schedule']['late_p99_s']:.3f} s late (wall): this machine did not "
+              f"keep the trace's pace at --speedup {r['speedup']}; the figures above are not the trace's")
     for e in r["errors"]:
         print(f"  error: {e}")
     for node, held in r["prefill_nodes_not_idle_at_end"].items():

@@ -1,0 +1,72 @@
+"""``splitserve plan``: flags -> a workload (a trace, a named preset or phases) and an
+SLO -> the search (search.py) -> the table, ``--result-json`` and its plot (report.py);
+``--write-trace`` keeps the generated workload for ``splitserve replay``.
+
+Exit status 0 when a configuration meets the SLO, 1 when none tried does, 2 on a bad flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from splitserve.deploy.planner.slo import add_slo_args, slo_from_args
+
+from ..replay.generate import summarize
+from ..replay.trace import HASH_BLOCK, dump_trace, load_trace
+from .report import format_plan, write
+from .search import search
+from .workload import PRESETS, as_reqs, generate, parse_phase
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default="llama3-8b-h100",
+                   help="a profile or deployment (splitserve sim-nodes --list-profiles)")
+    w = p.add_argument_group("workload (one of)")
+    w.add_argument("--trace", default=None, help="a routing trace (JSONL, splitserve make-trace)")
+    w.add_argument("--workload", choices=sorted(PRESETS), default=None,
+                   help="a named workload: " + "; ".join(
+                       f"{k}: " + ", ".join(f"{ph.rate:g}/s {ph.input_mean} in {ph.output_mean} out" for ph in v)
+                       for k, v in PRESETS.items()))
+    w.add_argument("--phase", action="append", default=None, metavar="DURATION:RATE:IN:OUT[:SIGMA]",
+                   help="a phase of Poisson arrivals with lognormal lengths (repeatable: one after the other)")
+    w.add_argument("--rate-scale", type=float, default=1.0, help="multiply the workload's rates")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--trace-block-size", type=int, default=HASH_BLOCK, help="tokens per hash id of --trace")
+    add_slo_args(p)
+    s = p.add_argument_group("search")
+    s.add_argument("--max-nodes", type=int, default=32, help="per pool")
+    s.add_argument("--no-explore-tp", action="store_true",
+                   help="only the profile as named (default: every TP profile of its model, per pool)")
+    s.add_argument("--alternatives", type=int, default=4)
+    p.add_argument("--result-json", default=None, help="also writes the cost/attainment plot beside it (.png)")
+    p.add_argument("--write-trace", default=None, help="write the generated workload as a trace")
+
+
+def main(args: argparse.Namespace) -> int:
+    from splitserve.common.sim_profiles import get_deployment
+
+    slo = slo_from_args(args)
+    dep = get_deployment(args.profile)
+    given = sum(x is not None for x in (args.trace, args.workload, args.phase))
+    if given != 1:
+        raise ValueError("plan: give one workload: --trace FILE, --workload NAME or --phase ... (repeatable)")
+    if args.trace:
+        trace = load_trace(args.trace, args.trace_block_size)
+    else:
+        phases = PRESETS[args.workload] if args.workload else tuple(parse_phase(x) for x in args.phase)
+        trace = generate(phases, args.seed, dep.context, args.rate_scale)
+    if not trace:
+        raise ValueError("plan: the workload has no request (raise the rate or the duration)")
+    if args.write_trace:
+        dump_trace(trace, args.write_trace)
+    result = search(as_reqs(trace), dep, slo, args.max_nodes, not args.no_explore_tp, args.alternatives)
+    summary = {"profile": args.profile, "workload": args.trace or args.workload or args.phase,
+               "trace": summarize(trace)}
+    print(format_plan(result, slo, summary["trace"]))
+    if args.result_json:
+        write(result, slo, summary, args.result_json)
+    if result.best is None:
+        print("error: no configuration tried meets the SLO", file=sys.stderr)
+        return 1
+    return 0

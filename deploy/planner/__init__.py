@@ -1,0 +1,16 @@
+"""The planner: sizes the prefill and decode pools from the SLO and the load.
+
+    slo.py        Slo: TTFT and ITL bounds met by a share of requests; its flags
+    perf.py       PoolModel: nodes each pool needs for a load, from a simulated-node profile
+    predictor.py  moving average and Holt's trend, their errors, the better one answering
+    observe.py    the routers' /metrics and the node registry -> one Observation per interval
+    policy.py     observation -> prediction -> correction -> targets -> change (bounds,
+                  cooldowns), written down as a Decision
+    actuator.py   LocalPools (start and drain `up`'s nodes) | ExportOnly (Kubernetes: the
+                  HPAs follow the exported targets)
+    service.py    the loop, /metrics and /debug/planner; `splitserve planner`, `up --planner`
+    config.py     PlannerConfig and the flags
+
+The offline search of ``splitserve plan`` is a load tool (benchmarks/loadgen/plan/): it
+reads traces and replays, and imports perf.py and slo.py from here.
+"""
