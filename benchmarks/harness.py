@@ -38,7 +38,7 @@ import random
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import aiohttp
 
@@ -78,8 +78,10 @@ def ours_prefill(engine: EngineCore, batch: list[list[int]]) -> float:
     return sum(map(len, batch)) / (time.perf_counter() - start)
 
 
-def engine_decode(engine: EngineCore, batch: list[list[int]], steps: int) -> list[float]:
-    """Seconds of each decode step once every request has its first token."""
+def engine_decode(engine: EngineCore, batch: list[list[int]], steps: int,
+                  on_decode: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each decode step once every request has its first token; ``on_decode``
+    runs once the prefill is done, before the first timed step."""
     from splitserve.common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
@@ -88,6 +90,8 @@ def engine_decode(engine: EngineCore, batch: list[list[int]], steps: int) -> lis
     started: set[str] = set()
     while len(started) < len(batch):  # prefill (chunks mixed with the first decodes)
         started.update(d.request_id for d in engine.step())
+    if on_decode is not None:
+        on_decode()
     times = []
     while engine.has_unfinished():
         t0 = time.perf_counter()

@@ -75,7 +75,7 @@ class TPGroup:
     """One rank's view of its node's TP group. Collectives act in place where they can and
     raise ``CollectiveError`` on failure; ``timeout_s`` bounds each (an op may pass its own)."""
 
-    __slots__ = ("rank", "size", "device", "timeout_s", "_pg", "_timeout")
+    __slots__ = ("rank", "size", "device", "timeout_s", "_pg", "_timeout", "_host_waits")
 
     def __init__(self, rank: int, size: int, device: torch.device, pg: Any = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -84,6 +84,11 @@ class TPGroup:
         self.timeout_s = timeout_s
         self._pg = pg  # ProcessGroupGloo | ProcessGroupNCCL | None (size 1)
         self._timeout = timedelta(seconds=timeout_s)
+        # gloo runs an op on the host: wait for it, bounded. NCCL's wait() only orders the
+        # current stream after the op (what async scheduling and CUDA graph capture need);
+        # a wait with a timeout would block the host until the op completes. Its timeout is
+        # the op's option, enforced by the NCCL watchdog.
+        self._host_waits = backend_for(device) == "gloo"
 
     @classmethod
     def single(cls, device: torch.device | str) -> TPGroup:
@@ -97,7 +102,10 @@ class TPGroup:
     def _wait(self, op: str, work: Any, timeout_s: float | None) -> None:
         timeout = self._timeout if timeout_s is None else timedelta(seconds=timeout_s)
         try:
-            work.wait(timeout)
+            if self._host_waits:
+                work.wait(timeout)
+            else:
+                work.wait()
         except RuntimeError as e:  # gloo: connection closed or timed out; NCCL: aborted communicator
             raise CollectiveError(
                 f"tensor-parallel {op} failed on rank {self.rank} of {self.size} (timeout "

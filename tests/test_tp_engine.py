@@ -276,3 +276,41 @@ def test_worker_exits_when_rank0_is_killed(model_dir):
     finally:
         rank0.kill()
         rank0.wait()
+
+
+def test_engine_thread_stops_for_good_when_a_rank_dies(model_dir):
+    """On a node's EngineThread a dead rank is fatal: the running request ends with "error",
+    on_fatal gets the TPFailure, and a later command fails with it instead of hanging."""
+    import asyncio
+
+    from splitserve.engine.engine_thread import AddRequest, EngineThread
+
+    engine = EngineCore(tp_config(model_dir("llama3"), 2, SCENARIO_BLOCKS * 4, **ENGINE))
+    assert engine.tp is not None
+    worker = engine.tp.procs[1]
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        deltas: list = []
+        fatal: asyncio.Future = loop.create_future()
+        et = EngineThread(engine, loop, deltas.extend, on_fatal=fatal.set_result)
+        et.start()
+        try:
+            await et.submit(AddRequest("r", list(range(1, 21)), long))
+            while not deltas:
+                await asyncio.sleep(0.01)
+            os.kill(worker.pid, signal.SIGKILL)
+            error = await asyncio.wait_for(fatal, 15)
+            assert isinstance(error, TPFailure) and "SIGKILL" in str(error)
+            await asyncio.sleep(0.1)  # the error delta, queued before on_fatal, has run
+            assert deltas[-1].request_id == "r" and deltas[-1].finish_reason == "error"
+            with pytest.raises(TPFailure):
+                await et.submit(AddRequest("s", [1, 2, 3], long))
+        finally:
+            et.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
