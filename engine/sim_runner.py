@@ -12,10 +12,11 @@ float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 
     kv_caches  [1 layer, 2 (K, V), num_blocks, block_size, 1 head, head_dim 1]
 
-A step's period is its simulated time / speedup, the host's own time included: while
-a batch runs on from one step to the next, the wall time the host spent between them
-(the scheduler, the node's bookkeeping: what ``step_overhead_s`` of a profile already
-stands for) is taken off the next sleep. Whatever the host takes beyond the period is
+A step's period is its simulated time / speedup, the host's own time included: when a
+step's work was already there as the previous step ended (a batch running on, a prompt
+queued), the wall time the host spent between the two (the scheduler, the node's
+bookkeeping: what ``step_overhead_s`` of a profile already stands for) is taken off
+the next sleep. Whatever the host takes beyond the period is
 ``overrun_s`` (wall seconds): a machine too slow for the speed-up, which a run must
 report instead of its figures (``/debug/state``: ``sim_overrun_s``).
 
@@ -60,17 +61,14 @@ class SimRunner:
         self.simulated_seconds = 0.0  # total step time asked of the model (a metric)
         self.overrun_s = 0.0  # wall seconds steps took beyond their simulated time / speedup
         self._last_end = 0.0  # when the previous launch returned (monotonic)
-        self._last_batch: set[str] = set()  # its request ids
 
     def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
         token for every request whose scheduled tokens reach the end of its sequence
         (the returned step is complete: a simulated node gains nothing from async scheduling)."""
         start = time.monotonic()
-        batch = {r.request_id for r, _ in out.scheduled}
-        # the batch ran on from the last step: the host's time since then is part of this period
-        carry = start - self._last_end if batch & self._last_batch else 0.0
-        self._last_batch = batch
+        # this step's work waited as the last one ended: the host's time since is part of its period
+        carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
         seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))

@@ -82,6 +82,7 @@ class NodeLife:
     started: float  # monotonic
     drain_started: float | None = None
     stopped: float | None = None
+    exit_code: int | None = None  # 0: it drained and exited cleanly
 
 
 class LocalPools:
@@ -114,8 +115,9 @@ class LocalPools:
         with self._lock:
             for n in self.lives.values():
                 if n.stopped is None and n.drain_started is not None:
-                    if self.cluster.node(n.name).popen.poll() is not None:
-                        n.stopped = now
+                    code = self.cluster.node(n.name).popen.poll()
+                    if code is not None:
+                        n.stopped, n.exit_code = now, code
 
     async def apply(self, change: dict[str, int], nodes: list[NodeInfo]) -> list[str]:
         done = []
@@ -158,7 +160,8 @@ class LocalPools:
         with self._lock:
             nodes = [{"name": n.name, "role": n.role, "node_id": n.node_id, "age_s": round(now - n.started, 1),
                       "state": "stopped" if n.stopped is not None else
-                      "draining" if n.drain_started is not None else "serving"} for n in self.lives.values()]
+                      "draining" if n.drain_started is not None else "serving", "exit_code": n.exit_code}
+                     for n in self.lives.values()]
         return {"kind": self.kind, "nodes": nodes, "device_seconds": self.device_seconds(now),
                 "recent_actions": self.actions[-20:]}
 

@@ -194,10 +194,12 @@ class Policy:
     def _correct(self, obs: Observation, isl: float, osl: float, settled: dict[str, bool]) -> None:
         c = self.config
         pools = obs.pools
-        if obs.ttft_mean is not None and obs.finished >= c.min_samples and pools["prefill"].nodes \
-                and settled["prefill"]:
-            nodes = pools["prefill"].nodes
-            f = lambda k: self.model.ttft(obs.rate, obs.isl or isl, nodes, k, self.corr["decode"])  # noqa: E731
+        nodes = pools["prefill"].nodes
+        f = lambda k: self.model.ttft(obs.rate, obs.isl or isl, nodes, k, self.corr["decode"])  # noqa: E731
+        # (an overloaded pool per the model, a >= P: its queue grows without bound, so no
+        # stretch of the service explains one interval's TTFT; the size follows from the rate)
+        if obs.ttft_mean is not None and obs.finished >= c.min_samples and nodes and settled["prefill"] \
+                and not math.isinf(f(self.corr["prefill"])):
             lo, hi = c.corr_min, c.corr_max
             if f(hi) <= obs.ttft_mean:
                 k = hi

@@ -41,10 +41,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--alternatives", type=int, default=4)
     p.add_argument("--result-json", default=None, help="also writes the cost/attainment plot beside it (.png)")
     p.add_argument("--write-trace", default=None, help="write the generated workload as a trace")
+    p.add_argument("--check", action="store_true",
+                   help="then replay the workload on simulated nodes of the chosen fleet and print what they "
+                        "measured beside the prediction (minutes; check.py)")
+    p.add_argument("--check-speedup", type=float, default=None,
+                   help="the check's pace (default: as fast as keeps this machine's token rate under budget, "
+                        "at most real time)")
 
 
 def main(args: argparse.Namespace) -> int:
-    from splitserve.common.sim_profiles import get_deployment
+    from splitserve.common.sim_profiles import get_deployment, get_profile, pair
 
     slo = slo_from_args(args)
     dep = get_deployment(args.profile)
@@ -64,9 +70,22 @@ def main(args: argparse.Namespace) -> int:
     summary = {"profile": args.profile, "workload": args.trace or args.workload or args.phase,
                "trace": summarize(trace)}
     print(format_plan(result, slo, summary["trace"]))
-    if args.result_json:
-        write(result, slo, summary, args.result_json)
     if result.best is None:
+        if args.result_json:
+            write(result, slo, summary, args.result_json)
         print("error: no configuration tried meets the SLO", file=sys.stderr)
         return 1
+    if args.check:
+        from .check import check_plan, pick_speedup
+        b = result.best
+        fleet = pair(b.label(), get_profile(b.prefill_profile), get_profile(b.decode_profile))
+        speedup = args.check_speedup or pick_speedup(trace)
+        print(f"checking {b.label()} on simulated nodes at {speedup}x ...", file=sys.stderr, flush=True)
+        summary["check"] = check = check_plan(trace, fleet, b.prefill_nodes, b.decode_nodes, slo, speedup)
+        m = check["measured"]
+        print(f"check: TTFT within SLO {m['ttft_ok']:.1%} (predicted {b.ttft_ok:.1%}), ITL {m['itl_ok']:.1%} "
+              f"(predicted {b.itl_ok:.1%}); {m['failed']} failed"
+              + ("" if check["sustain"]["sustained"] else "; NOT SUSTAINED: " + "; ".join(check["sustain"]["why"])))
+    if args.result_json:
+        write(result, slo, summary, args.result_json)
     return 0

@@ -54,11 +54,12 @@ def parse_phase(text: str) -> Phase:
                          f"mean input and output tokens){detail}") from None
 
 
-# name -> phases. Rates are for llama3-8b-h100 (each needs a few nodes there).
+# name -> phases: two minutes each, at rates that need a few llama3-8b-h100 nodes (with
+# TTFT p90 <= 1 s, ITL p90 <= 15 ms: 3P:1D, 1P:2D and 2P:2D; benchmarks/planner/bench_plan.py).
 PRESETS: dict[str, tuple[Phase, ...]] = {
-    "prompt-heavy": (Phase(180, 9.0, 6000, 40, 0.4),),  # long documents, short answers
-    "output-heavy": (Phase(180, 10.0, 300, 900, 0.4),),  # short questions, long answers
-    "mixed": (Phase(180, 6.0, 2500, 350, 0.5),),  # chat with context
+    "prompt-heavy": (Phase(120, 12.0, 6000, 40, 0.4),),  # long documents, short answers
+    "output-heavy": (Phase(120, 10.0, 300, 900, 0.4),),  # short questions, long answers
+    "mixed": (Phase(120, 9.0, 3500, 250, 0.5),),  # chat with some context
 }
 
 

@@ -203,11 +203,16 @@ def _progress(start: float, sent: int, done: int, total: int, outcomes) -> None:
 
 async def prefill_node_states(redis_url: str) -> dict[str, dict]:
     """node_id -> /debug/state of every registered prefill node."""
+    return await node_states(redis_url, "prefill")
+
+
+async def node_states(redis_url: str, role: str | None = None) -> dict[str, dict]:
+    """node_id -> /debug/state of every registered node (of ``role``, when given)."""
     from splitserve.common.registry import NodeRegistry
 
     registry = NodeRegistry(redis_url)
     try:
-        nodes = [n for n in await registry.list_nodes() if n.role == "prefill"]
+        nodes = [n for n in await registry.list_nodes() if role is None or n.role == role]
     finally:
         await registry.close()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
@@ -305,27 +310,37 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
     }
 
 
+def sim_router_args(profile: str | None, speedup: float) -> tuple[str, ...]:
+    """The router's flags in front of simulated nodes sped up ``speedup`` times, standing
+    for ``profile`` (a profile or deployment; None: this CPU's fit): the balance half-life
+    in trace time, and the profile's context and cost ratios (module docstring)."""
+    from splitserve.router.config import CacheAwareWeights
+
+    weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / speedup}
+    profile_args: tuple[str, ...] = ()
+    if profile:  # the nodes' model: its context on the router too, and its cost ratios
+        from splitserve.common.sim_profiles import get_deployment
+        deployment = get_deployment(profile)
+        profile_args = ("--max-model-len", str(deployment.context), "--allow-long-max-model-len")
+        weights.update(deployment.policy_weights())
+    return (*profile_args, "--score-weights=" + ",".join(f"{k}={v:g}" for k, v in weights.items()))
+
+
 def run_replay(cfg: ReplayConfig) -> dict:
     """Start the cluster, replay, stop it; the summary (also written to ``cfg.result_json``)."""
     from splitserve.common.bundled import BUNDLED_MODEL_ID
     from splitserve.deploy.launcher import SimCluster
-    from splitserve.router.config import CacheAwareWeights
 
     requests = load_trace(cfg.trace, cfg.trace_block_size)[:cfg.limit]
     print(f"[replay] {cfg.trace}: {trace_summary(requests)}", file=sys.stderr, flush=True)
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
-    weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / cfg.speedup}
-    profile_args: tuple[str, ...] = ()
     deployment = None
-    if cfg.profile:  # the nodes' model: its context on the router too, and its cost ratios
+    if cfg.profile:
         from splitserve.common.sim_profiles import get_deployment
         deployment = get_deployment(cfg.profile)
-        profile_args = ("--max-model-len", str(deployment.context), "--allow-long-max-model-len")
-        weights.update(deployment.policy_weights())
-    router_args = (*profile_args, "--score-weights=" + ",".join(f"{k}={v:g}" for k, v in weights.items()),
-                   *cfg.router_args)
+    router_args = (*sim_router_args(cfg.profile, cfg.speedup), *cfg.router_args)
     cluster: SimCluster
     if deployment is not None and deployment.prefill is not deployment.decode:
         from .cluster import DeploymentSimCluster

@@ -1,0 +1,137 @@
+"""``splitserve up --planner`` with real nodes on this CPU (the bundled model): a load
+step makes the planner start a second prefill node, a quiet period makes it drain one,
+and no request fails on the way. The planner's intervals, cooldowns and bounds are
+flags, set short here so the whole story takes tens of seconds."""
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+
+from splitserve.common import metric_names as names
+from splitserve.deploy.launcher import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+async def one(session: aiohttp.ClientSession, url: str, prompt_len: int, max_tokens: int) -> str | None:
+    """One streamed completion; None when it succeeded, else why not."""
+    body = {"model": MODEL, "prompt": [random.randrange(1000, 40000) for _ in range(prompt_len)],
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                return f"HTTP {r.status}: {await r.text()}"
+            text = await r.text()
+            if "data: [DONE]" not in text or '"error"' in text:
+                return f"stream: {text[-300:]}"
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        return repr(e)
+    return None
+
+
+async def open_loop(url: str, rate: float, seconds: float, prompt_len: int, max_tokens: int,
+                    until=None) -> list[str | None]:
+    """Requests at ``rate`` per second for ``seconds`` (or until ``until()`` holds); every result."""
+    tasks = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        start = time.monotonic()
+        while time.monotonic() - start < seconds and not (until and until()):
+            tasks.append(asyncio.create_task(one(session, url, prompt_len, max_tokens)))
+            await asyncio.sleep(1 / rate)
+        return list(await asyncio.gather(*tasks))
+
+
+def planner_state(url: str) -> dict:
+    return get_json(f"{url}/debug/planner?n=200")
+
+
+def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
+    env.pop("SPLITSERVE_CLUSTER_TOKEN", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--kv-cache-memory", "64MiB",
+         "--planner", "--planner-interval", "2", "--planner-cooldown-up", "0", "--planner-cooldown-down", "4",
+         "--planner-down-after", "2", "--planner-min-samples", "2", "--planner-max-prefill", "2",
+         "--planner-max-decode", "1", "--planner-ttft-p90", "3000", "--planner-itl-p90", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        planner = None
+        deadline = time.monotonic() + 240
+        while planner is None:
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-40:])
+            line = up.stdout.readline()
+            lines.append(line.rstrip())
+            m = re.search(r"planner: (http://\S+)/debug/planner", line)
+            planner = m and m.group(1)
+        threading.Thread(target=lambda: lines.extend(ln.rstrip() for ln in up.stdout), daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+        assert planner_state(planner)["actuator"]["kind"] == "local"
+
+        def prefill_nodes() -> int:
+            return get_json(f"{url}/health").get("prefill_nodes", 0)
+
+        def scaled_up() -> bool:
+            return prefill_nodes() >= 2
+
+        # the load step: 300-token prompts at 1.5/s, about twice what one CPU prefill node computes
+        step = asyncio.run(open_loop(url, 1.5, 60, 300, 4, until=scaled_up))
+        assert scaled_up(), "\n".join(lines[-40:])
+        # the new node takes requests too
+        step += asyncio.run(open_loop(url, 1.5, 6, 300, 4))
+        ups = [d for d in planner_state(planner)["decisions"] if d.get("change", {}).get("prefill", 0) > 0]
+        assert ups, planner_state(planner)["decisions"]
+        first = ups[0]
+        assert first["target"]["prefill"] == 2 and first["current"]["prefill"] == 1
+        assert first["observed"]["rate"] > 0.5 and first["sizing"]["prefill"]["load"] > 0
+
+        # quiet: a trickle of short prompts with longer answers, so requests are in flight throughout
+        def drained() -> bool:
+            nodes = planner_state(planner)["actuator"]["nodes"]
+            return any(n["role"] == "prefill" and n["state"] == "stopped" for n in nodes)
+        quiet = asyncio.run(open_loop(url, 0.5, 90, 20, 16, until=drained))
+        quiet += asyncio.run(open_loop(url, 0.5, 4, 20, 16))
+        state = planner_state(planner)
+        stopped = [n for n in state["actuator"]["nodes"] if n["state"] == "stopped"]
+        assert stopped and stopped[0]["role"] == "prefill" and stopped[0]["exit_code"] == 0, state["actuator"]
+        downs = [d for d in state["decisions"] if d.get("change", {}).get("prefill", 0) < 0]
+        assert downs and any("draining" in r for r in downs[0]["reasons"]), downs
+        assert prefill_nodes() == 1
+
+        failed = [e for e in step + quiet if e is not None]
+        assert failed == [], failed[:3]
+        # every decision is exported
+        with urllib.request.urlopen(f"{planner}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert f'{names.PLANNER_NODES_CHANGED}{{action="started",model_name="{MODEL}",role="prefill"}} 1.0' in text
+        assert f'{names.PLANNER_NODES_CHANGED}{{action="drained",model_name="{MODEL}",role="prefill"}} 1.0' in text
+        assert names.PLANNER_PREDICTION_ERROR in text and names.PLANNER_TARGET_REPLICAS in text
+        errors = state["prediction_errors"]["rate"]
+        assert errors["moving_average"]["scored"] > 0 and errors["holt"]["scored"] > 0
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            code = up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert code == 0, "\n".join(lines[-40:])
