@@ -36,13 +36,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve import cli
 from splitserve.common import metric_names as names
 from splitserve.deploy.launcher import Cluster, free_port
+from splitserve.deploy.planner.config import planner_config
 from splitserve.router.config import router_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest minor still supported upstream when this was written
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-planner")  # cpu-planner: cpu + components/planner
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 BIN = Path(sys.executable).parent  # the venv running the tests
 SYSTEM_TOOLS = {"promtool": "apt: prometheus"}  # tool -> where deploy/setup.sh gets it; the rest are in BIN
@@ -84,13 +85,18 @@ def container(deployment: dict) -> dict:
     return deployment["spec"]["template"]["spec"]["containers"][0]
 
 
+def with_planner(overlay: str) -> bool:
+    return overlay.endswith("-planner")
+
+
 def test_every_object_validates_against_the_kubernetes_schemas(rendered):
     overlay, objs = rendered
     for obj in objs:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     kinds = sorted(o["kind"] for o in objs)
-    expected = {"Deployment": 4, "Service": 2, "HorizontalPodAutoscaler": 2,
-                "PodDisruptionBudget": 3, "NetworkPolicy": 3}
+    planner = with_planner(overlay)  # its Deployment, the routers' headless Service, its NetworkPolicy
+    expected = {"Deployment": 4 + planner, "Service": 2 + planner, "HorizontalPodAutoscaler": 2,
+                "PodDisruptionBudget": 3, "NetworkPolicy": 3 + planner}
     for kind, count in expected.items():
         assert kinds.count(kind) == count, (overlay, kind, kinds)
     assert all(o["metadata"].get("namespace") == "splitserve" for o in objs if o["kind"] != "Namespace")
@@ -124,11 +130,11 @@ def test_pools_have_probes_drain_and_disruption_budgets(rendered):
         assert labels.items() <= pod_labels.items(), role
 
 
-def adapter_metric_names() -> set[str]:
-    """The custom-metric names the Prometheus adapter rules expose."""
+def adapter_metric_names(group: str = "custom") -> set[str]:
+    """The custom (or external) metric names the Prometheus adapter rules expose."""
     rules = yaml.safe_load((K8S / "prometheus-adapter" / "rules.yaml").read_text())["rules"]
     out = set()
-    for rule in rules["custom"]:
+    for rule in rules[group]:
         series = rule["seriesQuery"].split("{")[0]
         match = re.match(rule["name"]["matches"], series)
         assert match, rule["name"]
@@ -137,7 +143,7 @@ def adapter_metric_names() -> set[str]:
 
 
 def test_each_pool_autoscales_on_its_own_queue_through_adapter_rules(rendered):
-    _, objs = rendered
+    overlay, objs = rendered
     hpas = by_kind(objs, "HorizontalPodAutoscaler")
     exposed = adapter_metric_names()
     signals = {"splitserve-prefill": {"splitserve_num_queued_prefill_tokens",
@@ -147,9 +153,37 @@ def test_each_pool_autoscales_on_its_own_queue_through_adapter_rules(rendered):
     for name, want in signals.items():
         spec = hpas[name]["spec"]
         assert spec["scaleTargetRef"]["name"] == name
-        used = {m["pods"]["metric"]["name"] for m in spec["metrics"]}
+        used = {m["pods"]["metric"]["name"] for m in spec["metrics"] if m["type"] == "Pods"}
         assert used == want, name
         assert used <= exposed, f"HPA {name} uses metrics no adapter rule defines: {used - exposed}"
+        external = [m["external"] for m in spec["metrics"] if m["type"] == "External"]
+        assert len(external) == with_planner(overlay), name
+
+
+def test_with_the_planner_each_hpa_follows_its_roles_target_and_the_planner_holds_no_api_access(rendered):
+    """components/planner: the HPAs take the planner's target for their role (AverageValue 1:
+    the metric's value is the replica count) through the adapter's external rule, next to their
+    queue metrics; the planner pod mounts no ServiceAccount token and nothing grants it a role."""
+    overlay, objs = rendered
+    if not with_planner(overlay):
+        assert "splitserve-planner" not in by_kind(objs, "Deployment")
+        return
+    target = names.PLANNER_TARGET_REPLICAS.replace("splitserve:", "splitserve_")
+    assert adapter_metric_names("external") == {target}
+    for role in ("prefill", "decode"):
+        (ext,) = [m["external"] for m in by_kind(objs, "HorizontalPodAutoscaler")[f"splitserve-{role}"]["spec"]
+                  ["metrics"] if m["type"] == "External"]
+        assert ext["metric"] == {"name": target, "selector": {"matchLabels": {"role": role}}}
+        assert ext["target"] == {"type": "AverageValue", "averageValue": "1"}
+    pod = by_kind(objs, "Deployment")["splitserve-planner"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert not [o for o in objs if o["kind"] in ("ServiceAccount", "Role", "ClusterRole", "RoleBinding",
+                                                    "ClusterRoleBinding")]
+    c = pod["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and pod["securityContext"]["runAsNonRoot"]
+    headless = by_kind(objs, "Service")["splitserve-router-pods"]["spec"]
+    assert headless["clusterIP"] == "None"
+    assert headless["selector"] == by_kind(objs, "Service")["splitserve-router"]["spec"]["selector"]
 
 
 def test_network_policies_keep_node_and_redis_ports_internal(rendered):
@@ -164,6 +198,11 @@ def test_network_policies_keep_node_and_redis_ports_internal(rendered):
             assert "podSelector" in peer or rule["ports"] == [{"port": 8100, "protocol": "TCP"}]
     redis_from = pols["splitserve-redis"]["spec"]["ingress"][0]
     assert redis_from["ports"] == [{"port": 6379, "protocol": "TCP"}] and redis_from["from"]
+    allowed = {e["key"]: e["values"] for e in redis_from["from"][0]["podSelector"]["matchExpressions"]}
+    assert ("planner" in allowed["app.kubernetes.io/component"]) == ("splitserve-planner" in pols)
+    if "splitserve-planner" in pols:  # its port: metrics scrapes only
+        (rule,) = pols["splitserve-planner"]["spec"]["ingress"]
+        assert rule["ports"] == [{"port": 8200, "protocol": "TCP"}] and "namespaceSelector" in rule["from"][0]
     assert pols["splitserve-router"]["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
 
 
@@ -179,13 +218,16 @@ def test_secrets_carry_the_api_key_cluster_token_and_redis_password(rendered):
                                               "REDIS_PASSWORD"}),
                        ("splitserve-prefill", {"SPLITSERVE_CLUSTER_TOKEN", "REDIS_PASSWORD"}),
                        ("splitserve-decode", {"SPLITSERVE_CLUSTER_TOKEN", "REDIS_PASSWORD"}),
-                       ("splitserve-redis", {"REDIS_PASSWORD"})):
+                       ("splitserve-redis", {"REDIS_PASSWORD"}),
+                       ("splitserve-planner", {"REDIS_PASSWORD"})):
+        if name not in deployments:
+            continue
         env = env_names(container(deployments[name]))
         for var in want:
             ref = env[var]["secretKeyRef"]
             refs.add((ref["name"], ref["key"]))
     secrets = by_kind(objs, "Secret")
-    if overlay == "cpu":  # generated with development values
+    if overlay.startswith("cpu"):  # generated with development values
         for secret, key in refs:
             assert key in secrets[secret]["data"], (secret, key)
     else:  # production: created by the operator (the overlay says how), never in the repo
@@ -209,7 +251,11 @@ def parse_command(argv: list[str], monkeypatch):
         built.append(router_config(a))
         return 0
 
-    capture = {"prefill": node, "decode": node, "router": router}
+    def planner(a):
+        built.append(planner_config(a))
+        return 0
+
+    capture = {"prefill": node, "decode": node, "router": router, "planner": planner}
     monkeypatch.setattr(cli, "COMMANDS", tuple(c._replace(run=capture.get(c.name, c.run)) for c in cli.COMMANDS))
     assert cli.main(argv) == 0, argv
     return built[0]
@@ -232,7 +278,14 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
         env = {e["name"]: expand(e["value"], values) for e in c.get("env", []) if "value" in e}
         monkeypatch.setenv("SPLITSERVE_REDIS_URL", env["SPLITSERVE_REDIS_URL"])
         configs[name] = parse_command([expand(a, values) for a in c["args"]], monkeypatch)
-    assert set(configs) == {"splitserve-router", "splitserve-prefill", "splitserve-decode"}
+    assert set(configs) == {"splitserve-router", "splitserve-prefill", "splitserve-decode"} | (
+        {"splitserve-planner"} if with_planner(overlay) else set())
+    if with_planner(overlay):
+        planner = configs["splitserve-planner"]
+        assert planner.export_only and planner.redis_url == "redis://:pw@splitserve-redis:6379/0"
+        assert planner.router_urls == ("http://splitserve-router-pods:8000",)
+        pod = by_kind(objs, "Deployment")["splitserve-planner"]["spec"]["template"]["spec"]
+        assert pod["containers"][0]["ports"][0]["containerPort"] == planner.port
     redis = container(by_kind(objs, "Deployment")["splitserve-redis"])
     assert redis["command"] == ["sh", "-c"] and 'requirepass "$REDIS_PASSWORD"' in redis["args"][0]
     assert configs["splitserve-router"].redis_url == "redis://:pw@splitserve-redis:6379/0"
@@ -340,9 +393,9 @@ def alert_exprs() -> list[str]:
 
 
 def adapter_exprs() -> list[str]:
-    rules = yaml.safe_load((K8S / "prometheus-adapter" / "rules.yaml").read_text())["rules"]["custom"]
+    groups = yaml.safe_load((K8S / "prometheus-adapter" / "rules.yaml").read_text())["rules"]
     out = []
-    for r in rules:
+    for r in groups["custom"] + groups.get("external", []):
         series = r["seriesQuery"].split("{")[0]
         out.append(r["seriesQuery"])
         out.append(r["metricsQuery"].replace("<<.Series>>", series)
@@ -467,7 +520,8 @@ def test_running_cluster_exports_every_referenced_metric_with_model_name(redis_w
     assert all(s.labels.get("model_name") == "SmolLM2-135M-Instruct" for s in series), \
         {s.name for s in series if "model_name" not in s.labels}
     exported = {s.name for s in series}
-    missing = referenced_metrics() - exported
+    # the planner's target comes from the planner process (tests/test_planner_up.py reads it there)
+    missing = referenced_metrics() - exported - {names.PLANNER_TARGET_REPLICAS}
     assert not missing, f"referenced by the dashboard/alerts/adapter but not exported: {sorted(missing)}"
     value = {}
     for s in series:
