@@ -48,7 +48,7 @@ from .limits import RequestLimits
 from .loader import resolve_model_dir
 from .model_config import ModelConfig
 from .model_runner import KVCacheFactory, LaunchedStep, ModelRunner
-from .parallel import TPFailure, rank_device, rank_threads
+from .parallel import TPFailure, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
@@ -92,6 +92,7 @@ class EngineCore:
         self.model_dir = resolve_model_dir(config.model)
         self.runner: ModelRunner | SimRunner
         self.tp: TPLeader | None = None
+        self._unpinned: set[int] | None = None  # the cores this process had before rank 0 was pinned
         if config.sim is None and size > 1:  # a simulated node stands for TP in its timing alone
             self.runner = self._start_ranks(config, kv_cache_factory, tp)
         elif config.sim is None:
@@ -136,20 +137,28 @@ class EngineCore:
         assert tp.size == size, f"a TP leader of {tp.size} ranks for tensor_parallel_size {size}"
         self.tp = tp
         try:
-            group = tp.join(rank_device(config.device, 0))
+            device = rank_device(config.device, 0)
+            group = tp.join(device)
+            cpus = rank_cpus(0, size, device)
+            if cpus is not None:  # CPU ranks of one host: each on its own cores (undone by close())
+                self._unpinned = pin_process(cpus)
             return ModelRunner(config, self.model_dir, kv_cache_factory, group, tp)
         except TPFailure as e:
             failure = tp.explain(e)
-            tp.close()
+            self.close()
             raise failure from e
         except BaseException:
-            tp.close()
+            self.close()
             raise
 
     def close(self) -> None:
-        """Stop the worker ranks, if any (idempotent). Call from the thread that steps."""
+        """Stop the worker ranks, if any, and give this process back the cores it had before
+        rank 0 was pinned to its share (idempotent). Call from the thread that steps."""
         if self.tp is not None:
             self.tp.close()
+        if self._unpinned is not None:
+            pin_process(self._unpinned)
+            self._unpinned = None
 
     @property
     def kv_capacity_tokens(self) -> int:

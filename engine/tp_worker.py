@@ -10,6 +10,7 @@ A worker's life (rank 0's side of each step: tp_launch.py, model_runner.py)::
 
     connect the step channel, Hello            rank 0 waits for every Hello
     join the TP group (TCPStore at rank 0)     gloo on the CPU, NCCL on CUDA
+    on the CPU: pin to its share of the cores  parallel.pin_process
     ModelRunner over its shard                 load its slices; KV cache sized with the
                                                group (same block count); static decode
                                                buckets (CUDA graphs captured together)
@@ -33,7 +34,8 @@ import torch
 from ..common.config import EngineConfig
 from .loader import resolve_model_dir
 from .model_runner import KVCacheFactory, ModelRunner
-from .parallel import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, init_tp_group, rank_device, rank_threads
+from .parallel import (DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, init_tp_group, pin_process, rank_cpus, rank_device,
+                       rank_threads)
 from .step_inputs import ForwardInputs
 from .tp_channel import Control, StepReceiver
 
@@ -81,6 +83,9 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: TPRendezvous, *,
                                   timedelta(seconds=rendezvous.init_timeout_s))
             group = init_tp_group(rank, rendezvous.size, dev, store, host=rendezvous.host,
                                   timeout_s=rendezvous.timeout_s)
+            cpus = rank_cpus(rank, rendezvous.size, dev)
+            if cpus is not None:
+                pin_process(cpus)  # the group's threads exist now: they move too
             runner = ModelRunner(config, resolve_model_dir(config.model), kv_cache_factory, group)
             if on_ready is not None:
                 on_ready(runner)

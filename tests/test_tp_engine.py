@@ -129,6 +129,7 @@ def test_tp_engine_equals_tp1(model_dir, reference, drive_engine, name, tp, load
     ref = reference(name, load_format)
     cfg = tp_config(model_dir(name), tp, SCENARIO_BLOCKS, load_format=load_format,
                     async_scheduling=async_scheduling, **ENGINE)
+    cores = os.sched_getaffinity(0)
     engine = EngineCore(cfg)
     try:
         assert engine.num_blocks == SCENARIO_BLOCKS
@@ -136,6 +137,7 @@ def test_tp_engine_equals_tp1(model_dir, reference, drive_engine, name, tp, load
     finally:
         engine.close()
     _check_against(run, ref, hidden=not async_scheduling)
+    assert os.sched_getaffinity(0) == cores, "close() gives rank 0's process its cores back"
     assert engine.tp is not None and all(p.exitcode == 0 for p in engine.tp.procs.values()), "Stop ends each worker"
 
 

@@ -11,7 +11,8 @@ machine hits them alike:
 
     tp1-2t   TP=1, 2 torch threads (both cores)
     tp1-1t   TP=1, 1 thread
-    tp2      TP=2, 1 thread per rank (rank 0 here, rank 1 a child process): both cores
+    tp2      TP=2, 1 thread per rank (rank 0 here, rank 1 a child process), each rank
+             pinned to its core as the engine does (this process is re-pinned around turns)
 
 Inside the TP=2 steps, rank 0 times its collectives (all_reduce: embedding + 2 per layer;
 all_gather: the LM head; waiting for the other rank included) and its step broadcast
@@ -41,7 +42,7 @@ from splitserve.benchmarks.harness import RESULTS, engine_decode, token_prompts
 from splitserve.common.config import EngineConfig
 from splitserve.engine.convert import bundled_model_dir
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.parallel import TPGroup, init_tp_group
+from splitserve.engine.parallel import TPGroup, init_tp_group, pin_process, rank_cpus
 from splitserve.engine.step_inputs import ForwardInputs
 from splitserve.engine.tp_channel import ToWorker
 
@@ -91,6 +92,9 @@ class Timed:
 def collective_peer(port: int, hidden: int, batches: list[int], reps: int) -> None:
     """Rank 1 of the all_reduce floor: the same all_reduces as rank 0, nothing else."""
     torch.set_num_threads(1)
+    cpus = rank_cpus(1, 2, torch.device("cpu"))
+    if cpus:
+        pin_process(cpus)
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
@@ -113,6 +117,8 @@ def all_reduce_floor(hidden: int, batches: list[int], reps: int = 300) -> dict[i
 
     store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=60))
     group = init_tp_group(0, 2, torch.device("cpu"), store)
+    cpus = rank_cpus(0, 2, torch.device("cpu"))
+    before = pin_process(cpus) if cpus else None
     out = {}
     for b in batches:
         x = torch.ones(b, hidden)
@@ -123,6 +129,8 @@ def all_reduce_floor(hidden: int, batches: list[int], reps: int = 300) -> dict[i
             if i >= 10:
                 times.append(time.perf_counter() - t0)
         out[b] = statistics.median(times) * 1e6
+    if before:
+        pin_process(before)
     group.close()
     peer.join(timeout=30)
     return out
@@ -162,11 +170,14 @@ def main() -> int:
         folder = model_folder(Path(tmp))
         base = dict(model=str(folder), load_format="dummy", kv_cache_memory=512 << 20, max_num_seqs=max(args.batches),
                     block_size=16)
+        all_cpus = os.sched_getaffinity(0)
         engines = {"tp1-2t": (EngineCore(EngineConfig(**base, num_threads=2)), 2),
                    "tp1-1t": (EngineCore(EngineConfig(**base, num_threads=1)), 1),
                    "tp2": (EngineCore(EngineConfig(**base, tensor_parallel_size=2, num_threads=1)), 1)}
         tp2 = engines["tp2"][0]
         assert tp2.tp is not None
+        # rank 0 pinned this process to its share of the cores; the TP=1 engines get them all back
+        cpus = {"tp1-2t": all_cpus, "tp1-1t": all_cpus, "tp2": os.sched_getaffinity(0)}
         timed.wrap(tp2.tp, "send_step")
         cfg = tp2.model_config
         vocab, layers = cfg.vocab_size, cfg.num_layers
@@ -174,12 +185,14 @@ def main() -> int:
         try:
             for b in args.batches:
                 times: dict[str, list[float]] = {name: [] for name in engines}
-                for e, threads in engines.values():
+                for name, (e, threads) in engines.items():
+                    pin_process(cpus[name])
                     torch.set_num_threads(threads)
                     engine_decode(e, token_prompts(b, 16, vocab, 999), 2)  # warm-up
                 timed.reset()
                 for rep in range(args.reps):
                     for name, (e, threads) in engines.items():
+                        pin_process(cpus[name])
                         torch.set_num_threads(threads)
                         start = timed.start if name == "tp2" else None
                         times[name] += engine_decode(e, token_prompts(b, args.prompt_len, vocab, rep), args.steps,
