@@ -22,6 +22,33 @@ know how a node supervises its processes (node/ and deploy/ do).
 A failure of any rank reaches rank 0 as a ``TPFailure`` from the engine's step;
 ``leader.explain`` words it: which rank, its exit code or signal when this leader
 started it, and what it reported.
+
+A node (its rank 0 process) starting its own ranks, e.g. under its supervisor::
+
+    leader = TPLeader(n, dead=...)                      # before the engine: ports are bound
+    start ranks 1..n-1 with (config, rank, leader.rendezvous)   # each: run_worker(...)
+    engine = EngineCore(config, factory, tp=leader)     # dead() names an exited worker: fail fast
+    ... EngineThread(engine, ..., on_fatal=exit the node) ...
+    engine.close()                                       # after the engine thread stopped
+
+KV transfer per rank is the node's code; the engine's seams for it:
+
+- Every rank's ``ModelRunner`` has ``kv_caches`` (``[layers, 2, blocks + 1, block_size,
+  its KV heads, head_dim]``: its heads of every block, under rank 0's block ids) and
+  ``shard.kv_heads`` (which global heads: ``common.kv_heads.rank_heads``). Rank 0's is
+  ``engine.runner`` (read before the engine goes to its thread, as NodeRuntime does);
+  a worker's is handed to ``run_worker(on_ready=...)``, where the node builds that rank's
+  block store, sender and receiver.
+- Import (decode node): each rank's receiver lands its heads into blocks rank 0 reserved
+  (``Reserve`` on rank 0); no step is involved. Workers report landed blocks to rank 0
+  over the node's own channel (kvtransfer/rank_report.py), not this one: a step channel's
+  socket belongs to its worker's main thread.
+- Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(block_ids)``
+  right after launching the step that completed those blocks (``on_launch``); the node's
+  pack also calls ``leader.send_control("kv_export", payload)`` naming the blocks. Each
+  worker runs ``controls["kv_export"](payload)`` after that step's forward and before the
+  next one, so the blocks are still intact there (a block freed by rank 0 is written
+  again only by a later step), and packs its own heads of them for its own sender.
 """
 
 from __future__ import annotations
@@ -29,6 +56,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import signal
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 
@@ -51,8 +79,11 @@ class TPLeader:
     engine thread only (``send_control`` from a BlockExporter's pack, for instance)."""
 
     def __init__(self, size: int, *, host: str = "127.0.0.1", store_port: int = 0, step_port: int = 0,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, init_timeout_s: float = INIT_TIMEOUT_S):
-        """Host the rendezvous on ``host`` (ports 0: free ones, read back in ``rendezvous``)."""
+                 timeout_s: float = DEFAULT_TIMEOUT_S, init_timeout_s: float = INIT_TIMEOUT_S,
+                 dead: Callable[[], str | None] | None = None):
+        """Host the rendezvous on ``host`` (ports 0: free ones, read back in ``rendezvous``).
+        ``dead()``: for workers the node starts itself, what happened to one that exited (or
+        None), so rank 0 stops waiting for it at once rather than after ``init_timeout_s``."""
         import torch.distributed as dist
 
         assert size >= 2, "a TP leader leads at least one worker"
@@ -65,6 +96,7 @@ class TPLeader:
                                        init_timeout_s=init_timeout_s)
         self.group: TPGroup | None = None
         self.procs: dict[int, BaseProcess] = {}  # rank -> the worker this leader started
+        self.dead = dead
         self._closed = False
 
     def spawn_workers(self, config: EngineConfig) -> None:
@@ -78,8 +110,8 @@ class TPLeader:
             self.procs[rank] = proc
 
     def join(self, device: torch.device) -> TPGroup:
-        """Wait for every worker's Hello (failing fast when a started one exits), then join the
-        group as rank 0. Every worker must be starting (spawned, or started by the node)."""
+        """Wait for every worker's Hello (failing fast when one exits: spawned here, or named by
+        the node's ``dead``), then join the group as rank 0. Every worker must be starting."""
         rdzv = self.rendezvous
         self.channel.wait_workers(rdzv.init_timeout_s, self._dead_worker)
         self.group = init_tp_group(0, self.size, device, self.store, host=rdzv.host, timeout_s=rdzv.timeout_s)
@@ -89,7 +121,7 @@ class TPLeader:
         for rank, proc in self.procs.items():
             if proc.exitcode is not None:
                 return f"rank {rank} (pid {proc.pid}) {_exit_words(proc.exitcode)}"
-        return None
+        return self.dead() if self.dead is not None else None
 
     def send_step(self, inputs: ForwardInputs) -> None:
         self.channel.send(inputs)

@@ -316,3 +316,20 @@ def test_engine_thread_stops_for_good_when_a_rank_dies(model_dir):
         asyncio.run(main())
     finally:
         engine.close()
+
+
+def test_a_worker_the_node_started_exiting_before_hello_fails_rank0_at_once(model_dir):
+    """A node watches the workers it starts (``TPLeader(dead=...)``): one that exits before it
+    connects ends rank 0's wait at once, not after the 600 s start-up timeout."""
+    import multiprocessing as mp
+
+    procs: list = []
+    leader = TPLeader(2, dead=lambda: next((f"rank 1 exited with {p.exitcode}" for p in procs
+                                            if p.exitcode is not None), None))
+    proc = mp.get_context("spawn").Process(target=os._exit, args=(7,))
+    procs.append(proc)
+    proc.start()
+    t0 = time.monotonic()
+    with pytest.raises(TPFailure, match="rank 1 exited with 7"):
+        EngineCore(tp_config(model_dir("llama3"), 2, SCENARIO_BLOCKS, **ENGINE), tp=leader)
+    assert time.monotonic() - t0 < 20
