@@ -5,6 +5,10 @@ A prompt is text, a list of token ids, or a chat conversation (a list of
 LLM tokenizes, runs the engine to completion and detokenizes, finishing
 requests on stop strings.
 
+With ``tensor_parallel_size=N`` the LLM starts N - 1 worker ranks as child processes
+(multiprocessing spawn, which re-imports the calling script: keep its top level under
+``if __name__ == "__main__":``); ``close()``, or leaving its ``with`` block, stops them.
+
 The tokenizer is loaded on first use: a model folder without one (a bare
 ``config.json`` with ``load_format="dummy"``) serves token-id prompts, with empty
 ``text``; text, chat and stop strings then raise InvalidRequest saying so.
