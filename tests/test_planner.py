@@ -143,9 +143,10 @@ def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
 
 
 def test_corrections_follow_what_the_pools_deliver():
-    pol = Policy(PoolModel(H100, SLO), PolicyConfig(Bounds(1, 16, 1, 16), min_samples=3, corr_weight=1.0))
+    pol = Policy(PoolModel(H100, SLO), PolicyConfig(Bounds(1, 16, 1, 16), min_samples=3, corr_window=1))
     model_ttft = pol.model.ttft(4, 6000, 2)
-    pol.decide(obs(4, prefill=2, ttft=2 * model_ttft, finished=10), {"prefill": 2, "decode": 1}, now=100)
+    pol.decide(obs(4, prefill=2, ttft=2 * model_ttft, finished=10, decode_running=20), {"prefill": 2, "decode": 1},
+               now=100)
     assert 1.3 < pol.corr["prefill"] < 2.5  # the pool is slower than the profile says
     step = pol.model.decode_step(20, 300, 1.0, 900)
     pol.decide(obs(4, 300, 900, prefill=2, itl=0.8 * step, finished=10, decode_running=20),

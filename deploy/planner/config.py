@@ -60,6 +60,9 @@ def add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: b
                    help="seconds after a pool changed before it shrinks")
     g.add_argument(f("down-after"), type=int, default=2,
                    help="decisions in a row that want fewer nodes before one is drained")
+    g.add_argument(f("up-after"), type=int, default=1,
+                   help="decisions in a row that want more nodes before they start (at once when the last "
+                        "interval missed the SLO)")
     g.add_argument(f("min-prefill"), type=int, default=1)
     g.add_argument(f("max-prefill"), type=int, default=8)
     g.add_argument(f("min-decode"), type=int, default=1)
@@ -95,7 +98,7 @@ def planner_config(args: argparse.Namespace, prefix: str = "", **given) -> Plann
     get_deployment(a("profile"))  # an unknown name fails here, naming the choices
     policy = PolicyConfig(bounds=Bounds(a("min_prefill"), a("max_prefill"), a("min_decode"), a("max_decode")),
                           cooldown_up_s=a("cooldown_up"), cooldown_down_s=a("cooldown_down"),
-                          down_after=a("down_after"), min_samples=a("min_samples"))
+                          down_after=a("down_after"), up_after=a("up_after"), min_samples=a("min_samples"))
     if "router_urls" not in given:
         from ...common.auth import redis_url_from
         if not args.router_url:

@@ -23,7 +23,9 @@ runs ``b = rate x osl x step(b) / D`` requests (a fixed point), each step::
                    b x (isl + osl) <= kv_headroom x the KV pool, b <= the step's token budget
 
 (``itl_headroom`` < 1 leaves room for the batch's swings: a request's ITL is the mean of
-the steps it shares.) Prefix-cache hits are not modelled: a cacheable load gets a
+the steps it shares.) Output lengths are known only when requests finish, a request's
+duration after a shift of the load, so ``decode_nodes_for`` also sizes the pool for the
+requests the decode nodes hold now, and the policy takes the larger. Prefix-cache hits are not modelled: a cacheable load gets a
 conservative size, and the observed-over-predicted correction takes the difference.
 
 Owns the arithmetic; must not read metrics or start anything (policy.py decides).
@@ -146,6 +148,18 @@ class PoolModel:
                 return nxt
             b = nxt
         return b
+
+    def decode_nodes_for(self, running: float, isl: float, osl: float, max_nodes: int, corr_d: float = 1.0) -> int:
+        """The fewest decode nodes that run ``running`` requests at once within the ITL bound
+        (a floor from what the decode nodes hold now: output lengths are only known once
+        requests finish, their number in flight at once)."""
+        bound = self.itl_headroom * self.slo.itl_s
+        cap = self.max_batch(isl, osl)
+        for nodes in range(1, max_nodes + 1):
+            b = running / nodes
+            if b <= cap and self.decode_step(b, isl, corr_d, osl) <= bound:
+                return nodes
+        return max_nodes
 
     def size_decode(self, rate: float, isl: float, osl: float, max_nodes: int,
                     corr_d: float = 1.0) -> DecodeSizing:

@@ -2,21 +2,27 @@
 -> what to change, within bounds and cooldowns, written down as a ``Decision``.
 
     1. predict   rate, input and output length of the next interval(s) (predictor.py);
-                 the rate asked of the pools is max(predicted, observed): a forecast may
-                 lag a step up, never hide it
+                 the rate asked of the pools is the larger of the forecast and the mean of
+                 the last ``rate_window`` observations: a forecast may lag a step up, never
+                 hide it, and one noisy interval alone moves nothing
     2. correct   corr_p: the prefill stretch that makes the model's mean TTFT at the
                  observed rate and prefill nodes equal the observed mean TTFT (bisection);
                  corr_d: observed mean ITL / the model's step at the observed batch per
                  decode node. Each only from an interval with >= min_samples requests
                  in which the role's pool was settled (every node it counts registered, no
                  change during the interval: a backlog left by a pool still growing is not
-                 the profile's error), clamped to [corr_min, corr_max], smoothed (EMA,
-                 weight corr_weight)
-    3. size      perf.PoolModel at the predicted load with the corrections, clamped to
-                 [min, max] per role
-    4. change    up at once to the target (cooldown_up_s after the role's last change);
-                 down by at most down_step nodes, only after ``down_after`` decisions in a
-                 row wanted fewer and cooldown_down_s after the role's last change
+                 the profile's error), clamped to [corr_min, corr_max]; the correction used
+                 is the median of the last ``corr_window`` of them (one odd interval moves
+                 nothing)
+    3. size      perf.PoolModel at the predicted load with the corrections; decode at least
+                 what the requests the decode nodes hold now need (output lengths show only
+                 when requests finish: a shift to longer answers shows first as requests
+                 piling up); clamped to [min, max] per role
+    4. change    up to the target after ``up_after`` decisions in a row wanted more (at once
+                 when the last interval missed the role's bound for more than the SLO
+                 allows), cooldown_up_s after the role's last change; down by at most
+                 down_step nodes, only after ``down_after`` decisions in a row wanted fewer
+                 and cooldown_down_s after the role's last change
 
 The ``Decision`` keeps everything it was based on (observed and predicted load, the
 corrections, each pool's sizing and SLO margin, why it changed or held); service.py logs,
@@ -26,7 +32,9 @@ exports and serves it. Owns the rule; must not scrape or start anything.
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -62,16 +70,19 @@ class PolicyConfig:
     cooldown_down_s: float = 120.0  # ... before it shrinks
     down_after: int = 2  # decisions in a row that want fewer nodes before one goes
     down_step: int = 1  # nodes one decision may remove from a role
+    up_after: int = 1  # decisions in a row that want more nodes before they start (SLO missed: at once)
     min_samples: int = 5  # requests an interval needs to move a correction
     corr_min: float = 0.5
     corr_max: float = 3.0
-    corr_weight: float = 0.5  # EMA weight of a new correction
+    corr_window: int = 5  # the correction is the median of this many of the last measured
+    rate_window: int = 2  # observations the rate floor averages
 
     def __post_init__(self):
-        if min(self.cooldown_up_s, self.cooldown_down_s) < 0 or self.down_after < 1 or self.down_step < 1:
-            raise ValueError("planner: cooldowns must be >= 0, down_after and down_step >= 1")
-        if not 0 < self.corr_min <= 1 <= self.corr_max or not 0 < self.corr_weight <= 1:
-            raise ValueError("planner: need 0 < corr_min <= 1 <= corr_max and 0 < corr_weight <= 1")
+        if min(self.cooldown_up_s, self.cooldown_down_s) < 0 or min(self.down_after, self.down_step,
+                                                                     self.up_after, self.rate_window) < 1:
+            raise ValueError("planner: cooldowns must be >= 0; down_after, down_step, up_after and rate_window >= 1")
+        if not 0 < self.corr_min <= 1 <= self.corr_max or self.corr_window < 1:
+            raise ValueError("planner: need 0 < corr_min <= 1 <= corr_max and corr_window >= 1")
 
 
 class Sizing(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -110,7 +121,11 @@ class Policy:
     series: dict[str, Ensemble] = field(default_factory=dict)  # rate / isl / osl -> predictor
     last_change: dict[str, float] = field(default_factory=lambda: {r: -math.inf for r in ROLES})
     wanted_fewer: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
+    wanted_more: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
     last: dict[str, float] = field(default_factory=dict)  # series -> last observed value
+    rates: deque[float] = field(default_factory=deque)  # the last observed rates
+    measured: dict[str, deque[float]] = field(default_factory=lambda: {r: deque() for r in ROLES})
+    decode_running: float | None = None  # the decode nodes' running requests at the last observation
     seq: int = 0
 
     def __post_init__(self):
@@ -129,7 +144,10 @@ class Policy:
                 self.series[name].observe(y)
                 self.last[name] = y
         predicted = {name: self.series[name].forecast() for name in values}
-        rate = max(predicted["rate"] or 0.0, obs.rate)
+        self.rates.append(obs.rate)
+        while len(self.rates) > self.config.rate_window:
+            self.rates.popleft()
+        rate = max(predicted["rate"] or 0.0, sum(self.rates) / len(self.rates))
         isl = predicted["isl"] or self.last.get("isl") or 1.0
         osl = predicted["osl"] or self.last.get("osl") or 1.0
         settled = {role: obs.pools[role].nodes == current[role]
@@ -139,6 +157,13 @@ class Policy:
         c, b = self.config, self.config.bounds
         p = self.model.size_prefill(rate, isl, b.max_prefill, self.corr["prefill"], self.corr["decode"])
         d = self.model.size_decode(rate, isl, osl, b.max_decode, self.corr["decode"])
+        held = obs.pools["decode"].running + obs.pools["decode"].waiting  # in flight now, whatever their length
+        floor = self.model.decode_nodes_for(held, isl, osl, b.max_decode, self.corr["decode"]) if held else 0
+        if floor > d.nodes:
+            reasons.append(f"decode: the {held} requests on the decode nodes now need {floor} nodes "
+                           f"(the rate and output length say {d.nodes})")
+            d = d._replace(nodes=floor, batch=held / floor,
+                           step_s=self.model.decode_step(held / floor, isl, self.corr["decode"], osl))
         slo = self.model.slo
         sizing = {
             "prefill": Sizing(nodes=p.nodes, feasible=p.feasible, predicted_latency_s=_finite(p.ttft_q_s),
@@ -151,18 +176,28 @@ class Policy:
                 reasons.append(f"{role}: the SLO is out of reach within {s.nodes} nodes at this load")
         target = {role: b.clamp(role, sizing[role].nodes if rate > 0 else 0) for role in ROLES}
         change = {}
+        missed = {"prefill": obs.ttft_ok is not None and obs.finished >= c.min_samples
+                  and obs.ttft_ok < slo.attainment,
+                  "decode": obs.itl_ok is not None and obs.finished >= c.min_samples and obs.itl_ok < slo.attainment}
         for role in ROLES:
             cur, want = current[role], target[role]
             since = now - self.last_change[role]
             if want > cur:
                 self.wanted_fewer[role] = 0
-                if since >= c.cooldown_up_s:
-                    change[role] = want - cur
-                    reasons.append(f"{role}: {cur} -> {want} nodes")
-                else:
+                self.wanted_more[role] += 1
+                if since < c.cooldown_up_s:
                     change[role] = 0
                     reasons.append(f"{role}: wants {want}, cooling down ({since:.0f} of {c.cooldown_up_s:g} s)")
+                elif self.wanted_more[role] >= c.up_after or missed[role]:
+                    change[role] = want - cur
+                    reasons.append(f"{role}: {cur} -> {want} nodes"
+                                   + (" (the last interval missed the SLO)" if missed[role] else ""))
+                else:
+                    change[role] = 0
+                    reasons.append(f"{role}: wants {want}, holding {cur} ({self.wanted_more[role]}/{c.up_after} "
+                                   "decisions)")
             elif want < cur:
+                self.wanted_more[role] = 0
                 self.wanted_fewer[role] += 1
                 if self.wanted_fewer[role] >= c.down_after and since >= c.cooldown_down_s:
                     change[role] = -min(c.down_step, cur - want)
@@ -172,11 +207,11 @@ class Policy:
                     reasons.append(f"{role}: wants {want}, holding {cur} ({self.wanted_fewer[role]}/{c.down_after} "
                                    f"decisions, {since:.0f} of {c.cooldown_down_s:g} s since the last change)")
             else:
-                self.wanted_fewer[role] = 0
+                self.wanted_fewer[role] = self.wanted_more[role] = 0
                 change[role] = 0
             if change[role]:
                 self.last_change[role] = now
-                self.wanted_fewer[role] = 0
+                self.wanted_fewer[role] = self.wanted_more[role] = 0
         return Decision(
             seq=self.seq, at=time.time(), interval_s=round(obs.interval_s, 3),
             observed={"rate": round(obs.rate, 4), "isl": _r(obs.isl), "osl": _r(obs.osl),
@@ -210,15 +245,21 @@ class Policy:
                     mid = (lo + hi) / 2
                     lo, hi = (mid, hi) if f(mid) < obs.ttft_mean else (lo, mid)
                 k = (lo + hi) / 2
-            self._smooth("prefill", k)
+            self._measured("prefill", k)
+        running = pools["decode"].running
+        before, self.decode_running = self.decode_running, running
         if obs.itl_mean is not None and obs.finished >= c.min_samples and pools["decode"].nodes and settled["decode"]:
-            batch = max(1.0, pools["decode"].running / pools["decode"].nodes)
+            # the interval's batch: the mean of the running requests at its two ends
+            batch = max(1.0, (running + (running if before is None else before)) / 2 / pools["decode"].nodes)
             step = self.model.decode_step(batch, obs.isl or isl, 1.0, obs.osl or osl)
-            self._smooth("decode", min(c.corr_max, max(c.corr_min, obs.itl_mean / step)))
+            self._measured("decode", min(c.corr_max, max(c.corr_min, obs.itl_mean / step)))
 
-    def _smooth(self, role: str, k: float) -> None:
-        w = self.config.corr_weight
-        self.corr[role] = (1 - w) * self.corr[role] + w * k
+    def _measured(self, role: str, k: float) -> None:
+        window = self.measured[role]
+        window.append(k)
+        while len(window) > self.config.corr_window:
+            window.popleft()
+        self.corr[role] = statistics.median(window)
 
     def errors(self) -> dict[str, dict]:
         """series -> predictor -> its error summary (predictor.py)."""

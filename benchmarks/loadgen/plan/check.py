@@ -14,8 +14,10 @@ what the model predicted (``splitserve plan --check``, the planner benchmarks).
                    MAX_OVERRUN_SHARE of the run (/debug/state sim_overrun_s)
 
 The speed-up is the trace's pace: above 1 the run is shorter than the trace, below 1
-longer, chosen (``pick_speedup``) so that the output tokens streamed per wall second
-stay under what this machine's router and nodes carry (``token_budget``).
+longer, chosen (``pick_speedup``) so that the output tokens streamed and the KV blocks
+moved per wall second stay under what this machine's router and nodes carry
+(``token_budget``, ``block_budget``): the host's own time per token and per block is
+wall time, so it counts speed-up times more in the trace's time.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from .search import quantile
 
 MAX_OVERRUN_SHARE = 0.02  # of a node's wall time spent behind its simulated steps
 TOKEN_BUDGET = 1500.0  # output tokens per wall second this 2-core machine streams with room to spare
+# KV blocks per wall second the simulated transfer path moves with room to spare (each block
+# costs the sender and the receiver ~0.1 ms of Python however small the simulated KV is)
+BLOCK_BUDGET = 600.0
 MODEL = "SmolLM2-135M-Instruct"  # simulated nodes serve the bundled model's name
 
 
@@ -48,12 +53,15 @@ class Measured(NamedTuple):
     errors: dict[str, int]  # first 80 characters of an error -> requests
 
 
-def pick_speedup(trace: list[TraceRequest], token_budget: float = TOKEN_BUDGET, most: float = 1.0) -> float:
+def pick_speedup(trace: list[TraceRequest], token_budget: float = TOKEN_BUDGET, block_budget: float = BLOCK_BUDGET,
+                 block_size: int = 16, most: float = 1.0) -> float:
     """The pace at which ``trace``'s output tokens stream at ``token_budget`` per wall
-    second at most (and at most ``most`` times real time), rounded down to 2 digits."""
+    second at most, and its prompts' KV blocks move at ``block_budget`` (and at most ``most``
+    times real time), rounded down to 2 digits."""
     span = max(1e-9, (trace[-1].timestamp - trace[0].timestamp) / 1000)
     tokens_per_s = sum(r.output_length for r in trace) / span
-    s = min(most, token_budget / max(tokens_per_s, 1e-9))
+    blocks_per_s = sum(r.input_length for r in trace) / block_size / span
+    s = min(most, token_budget / max(tokens_per_s, 1e-9), block_budget / max(blocks_per_s, 1e-9))
     return math.floor(s * 100) / 100 if s >= 0.01 else s
 
 
