@@ -421,8 +421,8 @@ COMMANDS = (
             "goodput", _add_bench_args, cmd_bench),
     Command("plan", "the cheapest prefill/decode fleet that meets an SLO for a workload (offline, simulated)",
             _add_plan_args, cmd_plan),
-    Command("planner", "size the prefill and decode pools online from the routers' metrics (Kubernetes: "
-            "--export-only)", _add_planner_args, cmd_planner),
+    Command("planner", "size the prefill and decode pools online from the routers' metrics and export the "
+            "targets for autoscalers (Kubernetes)", _add_planner_args, cmd_planner),
 )
 
 

@@ -32,7 +32,7 @@ class PlannerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # /metrics, /debug/planner, /health (0: a free port)
     history: int = 200  # decisions kept for /debug/planner
-    export_only: bool = False  # Kubernetes: publish the targets, start and stop nothing
+    export_only: bool = False  # publish the targets, start and stop nothing (`splitserve planner`: Kubernetes)
 
     def __post_init__(self):
         if self.interval_s <= 0 or self.time_scale <= 0:
@@ -82,9 +82,6 @@ def add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: b
                        help="the node registry (default: $SPLITSERVE_REDIS_URL)")
         g.add_argument("--model", default=None, help="count only nodes of this served model")
         g.add_argument("--host", default="127.0.0.1", help="bind address of /metrics and /debug/planner")
-        g.add_argument("--export-only", action="store_true",
-                       help="start and stop nothing: publish the targets (splitserve:planner_target_replicas) "
-                            "for autoscalers to follow (Kubernetes)")
     g.add_argument(f("port"), type=int, default=8200 if standalone else 0,
                    help="port of /metrics and /debug/planner" + ("" if standalone else " (default: a free one)"))
     add_slo_args(p, prefix, None if standalone else UP_SLO_MS)
@@ -104,7 +101,7 @@ def planner_config(args: argparse.Namespace, prefix: str = "", **given) -> Plann
         if not args.router_url:
             raise ValueError("planner: give the routers to read, --router-url URL (repeatable)")
         given = dict(given, router_urls=tuple(args.router_url), redis_url=redis_url_from(args.redis_url),
-                     model=args.model, host=args.host, export_only=args.export_only)
+                     model=args.model, host=args.host, export_only=True)
     return PlannerConfig(profile=a("profile"), slo=slo_from_args(args, prefix), policy=policy,
                          interval_s=a("interval"), window=a("predict_window"), ahead=a("predict_ahead"),
                          time_scale=a("time_scale"), port=a("port"), **given)
