@@ -20,7 +20,9 @@ runs ``b = rate x osl x step(b) / D`` requests (a fixed point), each step::
 
     step(b) = corr_d x profile step_seconds(decode_batch=b, context=b x (isl + osl / 2))
     decode nodes = the smallest D whose b converges with step(b) <= itl_headroom x slo.itl_s,
-                   b x (isl + osl) <= kv_headroom x the KV pool, b <= the step's token budget
+                   b x (isl + osl) + reserved / D <= kv_headroom x the KV pool, b <= the
+                   step's token budget; reserved = rate x slo.ttft_s x isl: the prompt
+                   blocks decode nodes hold for requests still queued for prefill
 
 (``itl_headroom`` < 1 leaves room for the batch's swings: a request's ITL is the mean of
 the steps it shares.) Output lengths are known only when requests finish, a request's
@@ -129,16 +131,22 @@ class PoolModel:
         b = max(1, math.ceil(batch - 1e-9))
         return corr_d * self._decode_sim.step_seconds(b, [], round(b * (isl + osl / 2)))
 
-    def max_batch(self, isl: float, osl: float) -> int:
-        """Requests one decode node can hold: its KV pool (full contexts, with headroom) and
-        its step's token budget."""
-        kv = int(self.kv_headroom * self.decode.kv_pool_tokens // max(1.0, isl + osl))
+    def max_batch(self, isl: float, osl: float, reserved: float = 0.0) -> int:
+        """Requests one decode node can hold: its KV pool (full contexts, with headroom, less
+        ``reserved`` tokens) and its step's token budget."""
+        kv = int(max(0.0, self.kv_headroom * self.decode.kv_pool_tokens - reserved) // max(1.0, isl + osl))
         return max(1, min(kv, self.decode.max_num_batched_tokens))
+
+    def reserved_tokens(self, rate: float, isl: float) -> float:
+        """Prompt tokens the decode nodes hold for requests still being prefilled elsewhere
+        (a decode node reserves a prompt's blocks when the request arrives): rate x the TTFT
+        bound x isl, the most the SLO lets them wait."""
+        return rate * self.slo.ttft_s * isl
 
     def decode_batch(self, rate: float, isl: float, osl: float, nodes: int, corr_d: float = 1.0) -> float:
         """Requests per decode node at ``rate`` (the fixed point of b = rate x osl x step(b) /
         nodes); inf when it grows past what a node holds."""
-        cap = self.max_batch(isl, osl)
+        cap = self.max_batch(isl, osl, self.reserved_tokens(rate, isl) / nodes)
         b = rate * osl * self.decode_step(1, isl, corr_d, osl) / nodes
         for _ in range(100):
             if b > cap:

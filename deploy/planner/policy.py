@@ -20,9 +20,10 @@
                  piling up); clamped to [min, max] per role
     4. change    up to the target after ``up_after`` decisions in a row wanted more (at once
                  when the last interval missed the role's bound for more than the SLO
-                 allows), cooldown_up_s after the role's last change; down by at most
-                 down_step nodes, only after ``down_after`` decisions in a row wanted fewer
-                 and cooldown_down_s after the role's last change
+                 allows), cooldown_up_s after the role's last change; down by half the
+                 excess (at least one node, at most ``down_step``), only after
+                 ``down_after`` decisions in a row wanted fewer and cooldown_down_s after
+                 the role's last change
 
 The ``Decision`` keeps everything it was based on (observed and predicted load, the
 corrections, each pool's sizing and SLO margin, why it changed or held); service.py logs,
@@ -69,7 +70,7 @@ class PolicyConfig:
     cooldown_up_s: float = 30.0  # wall seconds after a role's change before it grows again
     cooldown_down_s: float = 120.0  # ... before it shrinks
     down_after: int = 2  # decisions in a row that want fewer nodes before one goes
-    down_step: int = 1  # nodes one decision may remove from a role
+    down_step: int = 4  # nodes one decision may remove from a role, at most (it removes half the excess)
     up_after: int = 1  # decisions in a row that want more nodes before they start (SLO missed: at once)
     min_samples: int = 5  # requests an interval needs to move a correction
     corr_min: float = 0.5
@@ -200,7 +201,7 @@ class Policy:
                 self.wanted_more[role] = 0
                 self.wanted_fewer[role] += 1
                 if self.wanted_fewer[role] >= c.down_after and since >= c.cooldown_down_s:
-                    change[role] = -min(c.down_step, cur - want)
+                    change[role] = -min(c.down_step, max(1, (cur - want) // 2))
                     reasons.append(f"{role}: {cur} -> {cur + change[role]} nodes (target {want}), draining")
                 else:
                     change[role] = 0

@@ -12,10 +12,12 @@ GPU profile, or this CPU's fit)::
     prefill node   steps of chunked prefill: running prompts first, then waiting ones
                    FIFO, each at most prefill_chunk_size tokens, max_num_batched_tokens
                    and max_num_seqs a step; a prompt's last chunk ends its prefill
-    decode node    the prompt joins the batch at the first step boundary after its
-                   prefill ended (the first token leaves then, as AddPrefilled runs
-                   between steps), if the node's KV pool holds its whole context (else
-                   it waits, FIFO); then one token a step until its output length
+    decode node    holds the prompt's KV from the request's arrival (a decode node reserves
+                   the blocks before asking for the prefill); the prompt joins the batch
+                   at the first step boundary after its prefill ended (the first token
+                   leaves then, as AddPrefilled runs between steps), if the node's KV pool
+                   also holds its output (else it waits, FIFO); then one token a step until
+                   its output length
 
     TTFT = first token - arrival;   ITL (a request's) = (finish - first token) / (osl - 1)
 
@@ -146,12 +148,15 @@ class DecodeSim:
     clock: float = 0.0  # end of the last step (the next step's start when busy)
     step_no: int = 0
     ctx: float = 0.0  # context tokens of the running requests, summed
-    kv_used: int = 0  # whole contexts of the running requests
+    kv_used: int = 0  # whole contexts of the running requests and the prompts reserved
     ends: list[tuple[int, int]] = field(default_factory=list)  # heap (step it finishes at, request)
     joins: list[tuple[float, int]] = field(default_factory=list)  # heap (prefill done, request)
     kv_wait: deque[int] = field(default_factory=deque)  # ready, waiting for KV room
     assigned: int = 0  # requests assigned, not finished (the router's load figure)
     busy_s: float = 0.0
+
+    def reserve(self, isl: int) -> None:
+        self.kv_used += isl
 
     def join(self, t: float, i: int) -> None:
         heapq.heappush(self.joins, (t, i))
@@ -165,14 +170,15 @@ class DecodeSim:
         while self.kv_wait:
             i = self.kv_wait[0]
             r = self.reqs[i]
-            if self.ends and self.kv_used + r.isl + r.osl > pool:
+            if self.ends and self.kv_used + r.osl > pool:
                 break
             self.kv_wait.popleft()
             self.tracks[i].first = self.clock
             if r.osl <= 1:
+                self.kv_used -= r.isl
                 self._finish(i)
                 continue
-            self.kv_used += r.isl + r.osl
+            self.kv_used += r.osl
             self.ctx += r.isl + 1
             heapq.heappush(self.ends, (self.step_no + r.osl - 1, i))
 
@@ -255,6 +261,7 @@ def simulate(reqs: list[Req], deployment: SimDeployment, prefill_nodes: int, dec
         di = min(range(decode_nodes), key=lambda k: (decode[k].assigned, (k - i) % decode_nodes))
         owner[i] = di
         decode[di].assigned += 1
+        decode[di].reserve(r.isl)
         prefill[pi].add(i, r.isl, r.arrival)
     for p in prefill:
         p.advance(math.inf, done)
