@@ -48,7 +48,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-size", type=int, default=512)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--threads", type=int, default=None, help="torch threads for this process")
-    g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1")
+    g.add_argument("--device", default="cpu",
+                   help="torch device: cpu, cuda, cuda:1; a tensor-parallel node may list one per rank, "
+                        "rank 0's first: cuda:4,cuda:5 (default: rank r on cuda:k+r)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="shard the model over N ranks, one process and one device each (Megatron-style; "
+                        "N must split the model's heads); on cpu the ranks share this process's cores")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and KV cache (auto: float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--attention-backend", choices=("auto", "cuda", "triton", "torch"), default="auto",
@@ -78,10 +83,10 @@ def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> Eng
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk_size=args.prefill_chunk_size,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-                        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+                        device=args.device.split(",")[0], dtype=args.dtype, attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-                        sim=sim)
+                        tensor_parallel_size=args.tensor_parallel_size, sim=sim)
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +107,9 @@ def cmd_generate(args) -> int:
     from .common.sampling_params import SamplingParams
     from .engine.llm import LLM
 
+    if "," in args.device:
+        raise ValueError("device: a list of devices is for prefill and decode nodes; generate places rank r "
+                         "on cuda:k+r for --device cuda:k")
     llm = LLM.from_config(engine_config(args))
     print(f"[splitserve] KV cache holds {llm.engine.kv_capacity_tokens} tokens "
           f"({llm.engine.num_blocks} blocks)", file=sys.stderr)
@@ -148,11 +156,12 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
 def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None = None) -> NodeConfig:
     from .common.auth import cluster_token_from_args, redis_url_from
 
+    devices = tuple(args.device.split(",")) if "," in args.device else ()  # one per rank
     return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
                       cluster_token=cluster_token_from_args(args),
-                      drain_grace_s=args.drain_grace)
+                      drain_grace_s=args.drain_grace, rank_devices=devices)
 
 
 def _add_prefill_args(p: argparse.ArgumentParser) -> None:
@@ -179,8 +188,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     from .node.app import run_node
 
     role: NodeRole = "colocated" if args.command == "decode" and args.colocated else args.command
-    run_node(node_app, node_config(args, role))
-    return 0
+    return run_node(node_app, node_config(args, role))
 
 
 def _add_sim_nodes_args(p: argparse.ArgumentParser) -> None:
@@ -330,7 +338,13 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-devices", nargs="+", metavar="DEVICE",
                    help="devices the prefill nodes cycle through, e.g. cuda:0 (default: --device)")
     p.add_argument("--decode-devices", nargs="+", metavar="DEVICE",
-                   help="devices the decode nodes cycle through, e.g. cuda:1 (default: --device)")
+                   help="devices the decode nodes cycle through, e.g. cuda:1 (default: --device); a "
+                        "tensor-parallel node's entry lists its ranks' devices: cuda:0,cuda:1")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                   help="ranks per prefill node (its --tensor-parallel-size; default 1)")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                   help="ranks per decode (or colocated) node; any TP that splits the model's KV heads "
+                        "pairs with any prefill TP")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")

@@ -217,8 +217,17 @@ class NodeConfig:
     # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
     cluster_token: str | None = field(default=None, repr=False)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits
+    # The device of each rank of a tensor-parallel node, rank 0's first (it is engine.device);
+    # empty: engine/parallel.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
+    rank_devices: tuple[str, ...] = ()
 
     def __post_init__(self):
+        tp = self.engine.tensor_parallel_size
+        if self.rank_devices and (len(self.rank_devices) != tp or self.rank_devices[0] != self.engine.device):
+            raise ValueError(f"device: {len(self.rank_devices)} devices ({','.join(self.rank_devices)}) for "
+                             f"tensor_parallel_size {tp}; give one device per rank, rank 0's first")
+        if len(set(self.rank_devices)) < len(self.rank_devices) and self.engine.device.split(":")[0] == "cuda":
+            raise ValueError(f"device: {','.join(self.rank_devices)} names a GPU twice; each rank needs its own")
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
         if self.kv_backend not in tuple(KVBackend):

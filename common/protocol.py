@@ -98,17 +98,26 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """decode node -> prefill node: compute ``token_ids`` and push the KV of blocks
-    ``skip_blocks ..`` into ``dest_block_ids`` (one per block, in order) at ``kv_addr``."""
+    ``skip_blocks ..`` into ``dest_block_ids`` (one per block, in order) at ``kv_addr``;
+    a tensor-parallel decode node names every rank's receiver in ``kv_addrs`` (each decode
+    rank gets its KV heads of every block there: kvtransfer/tp_plan.py)."""
     request_id: str
     transfer_id: str
     token_ids: bytes  # the prompt, u32 little-endian: the router's bytes, forwarded
     sampling_params: SamplingParams
     kv_backend: str
-    kv_addr: str
+    kv_addr: str  # rank 0's receiver (the only one of a TP=1 decode node)
     skip_blocks: int  # leading blocks the decode node already holds (its prefix cache)
     dest_block_ids: list[int]
     prompt_hashes: PromptHashes | None = None  # the router's, when it sent them
     cache_salt: CacheSalt | None = None  # the GenerateRequest's: both nodes hash with it
+    # one receiver per decode rank, in rank order (its length is the decode node's TP);
+    # empty: [kv_addr], a TP=1 decode node
+    kv_addrs: list[str] = []
+
+    def decode_addrs(self) -> list[str]:
+        """Every decode rank's receiver, in rank order."""
+        return self.kv_addrs or [self.kv_addr]
 
 
 class PrefillResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

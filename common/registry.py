@@ -222,9 +222,12 @@ class Heartbeat:
         """Stop beating; with `deregister`, delete the record so routers forget the
         node at once instead of after the TTL (errors logged, not raised)."""
         if self._task is not None:
-            self._task.cancel()
-            # gather: our own cancellation still propagates, the task's does not
-            await asyncio.gather(self._task, return_exceptions=True)
+            # Again until it ends: Python 3.11's wait_for swallows a cancel that lands as the
+            # nudge it waits for is set (a finished request nudges), and the loop would go on.
+            while not self._task.done():
+                self._task.cancel()
+                # wait, not gather: our own cancellation still propagates, the task's does not
+                await asyncio.wait({self._task}, timeout=0.5)
             self._task = None
         if deregister and self._node_id is not None:
             try:

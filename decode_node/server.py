@@ -21,6 +21,14 @@ One request's path when a prefill node is named:
   -> the result: admit into the batch -> stream
      a failure: release the blocks, prefill locally, count a fallback
 
+With ``--tensor-parallel-size`` N this process is rank 0 of N: each rank has a receiver over
+its own KV heads (decode_node/ranks.py on the workers), the ``PrefillRequest`` names all of
+them (``kv_addrs``), and the table counts every block on every rank (``ranks=N``): the
+workers report what landed (``RankBlocks``) and acknowledge each transfer the table closes
+(``TransfersClosed`` -> ``ClosedApplied``); a failed or aborted transfer's blocks are
+released only once every worker acknowledged (kvtransfer/rank_report.py). If a rank dies,
+the node breaks every stream (the router migrates them, ``--migration-limit``) and exits.
+
 Each transfer is one ``Transfer`` in the table; the request's driver (``_transfer``)
 is its one owner, awaits its one ``done`` future, and removes it. The table
 resolves ``done`` from whichever input ends the transfer: a block (``_on_block``),
@@ -49,17 +57,22 @@ from ..common.protocol import GenerateRequest, PrefillRequest, TokenDelta, encod
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, BlockExporter, EngineThread, Release, \
     Reserve
+from ..engine.parallel import TPFailure
 from ..kvtransfer import KVReceiver, TransferError, make_receiver
 from ..kvtransfer.block_store import KVBlockStore
+from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, RankReady, TransfersClosed
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed
+from .ranks import DecodeRank
 
 log = logging.getLogger(__name__)
 RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer
 LEASE_CHECK_S = 0.5  # how often expired leases are failed
+RANKS_READY_S = 120.0  # start-up: every worker rank's receiver is up (they load the model first)
+CLOSED_APPLIED_S = 10.0  # a worker that has not acknowledged a closed transfer by then is broken
 
 
 class Fallback(NamedTuple):
@@ -78,9 +91,18 @@ class DecodeNode:
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
         self.rt = runtime
-        self.transfers = TransferTable()  # transfer_id -> Transfer, each owned by its request's driver
-        self.streams: dict[str, asyncio.Queue[TokenDelta]] = {}  # req_id -> its HTTP stream's queue
+        tp = runtime.tp
+        # transfer_id -> Transfer, each owned by its request's driver; every rank lands every block
+        self.transfers = TransferTable(ranks=tp, on_closed=self._closed if tp > 1 else None)
+        # req_id -> its HTTP stream's queue; None ends the stream without a final frame (the node failed)
+        self.streams: dict[str, asyncio.Queue[TokenDelta | None]] = {}
         self.receiver: KVReceiver | None = None
+        self.rank_addrs: dict[int, str] = {}  # worker rank -> its receiver's address (RankReady)
+        self._ranks_ready = asyncio.Event()  # every worker said RankReady
+        self._closed_seq = 0  # TransfersClosed sent to the workers so far
+        self._close_seq: dict[str, int] = {}  # transfer_id -> the seq that closed it (until released)
+        self._applied: dict[int, int] = {r: 0 for r in range(1, tp)}  # worker rank -> highest seq it applied
+        self._applied_event = asyncio.Event()  # some worker acknowledged
         self._aborts: set[asyncio.Task[bool]] = set()  # prefill aborts in flight (held: tasks are weak refs)
         m = runtime.metrics
         self.metrics = m
@@ -97,6 +119,11 @@ class DecodeNode:
     def kv_addr(self) -> str:
         return self.receiver.address if self.receiver is not None else ""
 
+    @property
+    def kv_addrs(self) -> list[str]:
+        """Every rank's receiver, in rank order (what a PrefillRequest names)."""
+        return [self.kv_addr] + [self.rank_addrs[r] for r in range(1, self.rt.tp)]
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         # peer_connector: a task written into a partition fails in seconds, not after the lease
@@ -104,15 +131,33 @@ class DecodeNode:
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                               headers=auth_headers(self.config.cluster_token))
         self.prefill_client = PrefillClient(self._session)
+        self.rt.on_failure.append(self._on_failure)
         if self.config.role == "decode":
             store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
             receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
-                                     self._on_block, device=self.config.engine.device)
+                                     self._on_block, device=self.config.engine.device, shard=self.rt.shard)
             receiver.accepts = self.transfers.is_live
             receiver.cluster_token = self.config.cluster_token
             await receiver.start()
             self.receiver = receiver
+        if self.rt.tp > 1:
+            self.rt.set_rank_handler(self._on_rank)
+            await self._wait_ranks_ready()
         self._lease_task = asyncio.create_task(self._expire_leases())
+
+    async def _wait_ranks_ready(self) -> None:
+        """Until every worker rank said RankReady (a decode rank: its receiver runs). Raises
+        ``TPFailure`` when the node failed meanwhile (a rank died), ``TimeoutError`` past
+        RANKS_READY_S."""
+        waits = [asyncio.create_task(self._ranks_ready.wait()), asyncio.create_task(self.rt.failed.wait())]
+        try:
+            async with asyncio.timeout(RANKS_READY_S):
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.rt.failure is not None:
+            raise TPFailure(self.rt.failure)
 
     async def stop(self) -> None:
         self._lease_task.cancel()
@@ -123,11 +168,65 @@ class DecodeNode:
     def inflight(self) -> int:
         return len(self.streams)
 
+    # ---- the worker ranks (rank 0's event loop) ----------------------------------------------
+    def _on_rank(self, rank: int, msg: RankMessage) -> None:
+        if isinstance(msg, RankBlocks):
+            if msg.landed:
+                self.m_blocks.labels("true").inc(len(msg.landed))
+            if msg.failed:
+                self.m_blocks.labels("false").inc(len(msg.failed))
+            self.transfers.on_rank_blocks(msg)  # renews the lease
+        elif isinstance(msg, ClosedApplied):
+            self._applied[rank] = max(self._applied[rank], msg.seq)
+            self._applied_event.set()
+        elif isinstance(msg, RankReady):
+            self.rank_addrs[rank] = msg.kv_addr
+            if len(self.rank_addrs) == self.rt.tp - 1:
+                self._ranks_ready.set()
+
+    def _closed(self, transfer_id: str) -> None:
+        """The table closed a transfer (it takes no more blocks): tell every worker rank."""
+        self._closed_seq += 1
+        self._close_seq[transfer_id] = self._closed_seq
+        assert self.rt.ranks is not None
+        self.rt.ranks.broadcast(TransfersClosed(seq=self._closed_seq, transfer_ids=[transfer_id]))
+
+    async def _closed_everywhere(self, transfer_id: str) -> None:
+        """Until every worker rank applied the close of ``transfer_id``: no frame of it lands
+        on any rank after this, so its blocks may hold another request's KV. Bounded: a
+        worker that does not answer is broken (the node fails)."""
+        seq = self._close_seq.pop(transfer_id, None)
+        if seq is None:
+            return
+        try:
+            async with asyncio.timeout(CLOSED_APPLIED_S):
+                while min(self._applied.values()) < seq and self.rt.failure is None:
+                    self._applied_event.clear()
+                    await self._applied_event.wait()
+        except TimeoutError:
+            self.rt.fail(f"tensor-parallel ranks did not acknowledge closing transfer {transfer_id} "
+                         f"within {CLOSED_APPLIED_S:g} s")
+
+    def _on_failure(self, reason: str) -> None:
+        """The node failed (a rank died): end every stream without a final frame, so the router
+        migrates it (or fails it fast), and fail every live transfer (its prefill node aborts)."""
+        for q in self.streams.values():
+            q.put_nowait(None)
+        for row in self.transfers.snapshot():
+            if self.transfers.is_live(row["transfer_id"]):
+                self.transfers.fail(row["transfer_id"], f"this decode node failed: {reason}")
+        self._applied_event.set()
+
     # ---- engine output ---------------------------------------------------------------------
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
+        # a dead rank stopped the engine (EngineThread.fatal is set before these deltas are
+        # queued): its "error" deltas become cut streams, which the router can migrate
+        broken = self.rt.failure is not None or self.engine_thread.fatal is not None
         for d in deltas:
             q = self.streams.get(d.request_id)
-            if q is not None:
+            if q is not None and broken and d.finish_reason == "error":
+                q.put_nowait(None)
+            elif q is not None:
                 q.put_nowait(TokenDelta(request_id=d.request_id, token_ids=d.new_token_ids,
                                         logprobs=d.new_logprobs, finish_reason=d.finish_reason,
                                         num_cached_tokens=d.num_cached_tokens,
@@ -169,7 +268,7 @@ class DecodeNode:
             return error_response(400, str(e), e.field)
         if req.request_id in self.streams:
             return error_response(409, f"request {req.request_id} is already running", "request_id")
-        queue: asyncio.Queue[TokenDelta] = asyncio.Queue()
+        queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
         self.streams[req.request_id] = queue
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
         driver = asyncio.create_task(self._drive(req, prompt, queue))
@@ -178,6 +277,8 @@ class DecodeNode:
             await resp.prepare(request)
             while True:
                 delta = await queue.get()
+                if delta is None:  # the node failed: no final frame, the router sees a broken node
+                    break
                 await resp.write(encode_frame(delta))
                 if delta.finish_reason is not None:
                     generated = delta.finish_reason not in ("abort", "error")
@@ -197,9 +298,13 @@ class DecodeNode:
         is done, AbortRequest frees what any earlier command took (a reservation made by
         a Reserve whose awaiter was cancelled included); a no-op for a finished request."""
         await asyncio.gather(driver, return_exceptions=True)
-        await self.engine_thread.submit(AbortRequest(rid))
+        try:
+            await self.engine_thread.submit(AbortRequest(rid))
+        except TPFailure:
+            pass  # the engine stopped for good (a rank died): it holds nothing any more
 
-    async def _drive(self, req: GenerateRequest, prompt: list[int], queue: asyncio.Queue[TokenDelta]) -> None:
+    async def _drive(self, req: GenerateRequest, prompt: list[int],
+                     queue: asyncio.Queue[TokenDelta | None]) -> None:
         """Get the request into the running batch: through a KV transfer, or locally.
         ``prompt``: ``req.token_ids`` read (``prompt_ids``)."""
         rid = req.request_id
@@ -233,7 +338,7 @@ class DecodeNode:
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
                               kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
                               prompt_hashes=req.prompt_hashes if hashes is not None else None,
-                              cache_salt=req.cache_salt)
+                              cache_salt=req.cache_salt, kv_addrs=self.kv_addrs if self.rt.tp > 1 else [])
         call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
         try:
@@ -271,7 +376,12 @@ class DecodeNode:
                 # give a sender that is still mid-frame time to stop before the blocks are reused.
                 if self.config.kv_backend in ("shm", "ipc"):
                     await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
-                await asyncio.shield(self.engine_thread.submit(Release(rid)))
+                await asyncio.shield(self._closed_everywhere(tid))  # every rank stopped landing it
+                try:
+                    await asyncio.shield(self.engine_thread.submit(Release(rid)))
+                except TPFailure:
+                    pass  # the engine stopped for good: it holds nothing any more
+            self._close_seq.pop(tid, None)
             self.transfers.remove(tid)
 
     def end_stream(self, request_id: str) -> bool:
@@ -295,7 +405,8 @@ class DecodeNode:
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    """The app of a decode or colocated node."""
-    runtime = NodeRuntime(config)
+    """The app of a decode or colocated node (rank 0 of its ranks: decode_node/ranks.py runs
+    on the others)."""
+    runtime = NodeRuntime(config, rank_role=DecodeRank)
     shm = config.role == "decode" and config.kv_backend == "shm"
     return build_node_app(runtime, DecodeNode(config, runtime), shm)

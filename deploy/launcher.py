@@ -26,6 +26,12 @@ the KV backend (ipc when every node runs on CUDA); without them nodes run on the
 CPU pinning (``cpus``, ``splitserve up --cpus prefill=0 decode=1 router=0``): each
 listed role's processes start under ``taskset -c`` on those CPUs, and a pinned node
 gets one torch thread per CPU, so prefill and decode never share a core.
+
+Tensor parallelism (``tp``, ``splitserve up --prefill-tp 2 --decode-tp 4``): a node of N
+ranks is one member whose process starts the other N - 1 itself (node/ranks.py), all in
+the member's own process group. A rank's death is the node's: it exits non-zero, the
+supervisor kills whatever is left of that process group (no stray rank outlives its
+node) and restarts the node whole.
 """
 
 import os
@@ -117,7 +123,7 @@ class Cluster:
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
                  served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
-                 enforce_eager=False):
+                 enforce_eager=False, tp=None):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -125,7 +131,8 @@ class Cluster:
                         kv_cache_memory=kv_cache_memory, threads=threads_per_node, model=model, host=host,
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
                         router_args=list(router_args), served=list(served_model_names),
-                        load_format=load_format, enforce_eager=enforce_eager)
+                        load_format=load_format, enforce_eager=enforce_eager,
+                        tp={r: n for r, n in (tp or {}).items() if n != 1})  # role -> ranks per node
         self.router_port = router_port or free_port()
         if router_replicas < 1:
             raise ValueError(f"router_replicas: must be >= 1, got {router_replicas}")
@@ -226,7 +233,7 @@ class Cluster:
     def supervise(self, poll_s: float = 0.25) -> Supervisor:
         """Restart members that die (a thread polling until ``stop()``); serves the
         supervisor's status endpoint."""
-        sup = Supervisor(self.member_names, self.exit_code, self.respawn, self.forget_node)
+        sup = Supervisor(self.member_names, self.exit_code, self.respawn, self.on_death)
         self.status_port = sup.serve_status()
         self._supervisor = sup
 
@@ -235,6 +242,13 @@ class Cluster:
                 sup.poll()
         threading.Thread(target=run, name="supervisor", daemon=True).start()
         return sup
+
+    def on_death(self, name: str) -> None:
+        """A member died: kill what is left of its process group (a tensor-parallel node's
+        worker ranks exit on their own when rank 0 goes; this makes sure), and forget it."""
+        if name != "redis":
+            kill_group(self.node(name).popen.pid)
+        self.forget_node(name)
 
     def forget_node(self, name: str) -> None:
         """Delete a dead node's registry record now, so routers stop choosing it within
@@ -260,6 +274,8 @@ class Cluster:
         engine = ((["--load-format", c["load_format"]] if c["load_format"] else [])
                   + (["--enforce-eager"] if c["enforce_eager"] else []))
         # no --redis-url: the URL holds the Redis password, so it travels in $SPLITSERVE_REDIS_URL
+        tp = c["tp"].get("decode" if role == "colocated" else role, 1)
+        engine += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         args = ["decode" if role == "colocated" else role, "--host", c["host"],
                 "--kv-backend", c["kv_backend"], *memory, *device, *engine,
                 "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
@@ -329,6 +345,7 @@ class Cluster:
         if self._supervisor is not None:
             self._supervisor.close()
             self._supervisor = None
+        running = [p for p in self.procs if p.popen.poll() is None]
         routers = [p for p in self.procs if p.role == "router"]
         for group in (routers, [p for p in self.procs if p.role != "router"]):
             for p in group:
@@ -341,6 +358,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait()
+            if p in running:
+                kill_group(p.popen.pid)  # a worker rank that outlived its node
         if self.redis is not None and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait(5)
@@ -412,6 +431,15 @@ class SimCluster(Cluster):
         return self
 
 
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process left in process group ``pgid`` (a member started in its own
+    session: its worker ranks); nothing left is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def parse_cpus(items: list[str]) -> dict[str, tuple[int, ...]]:
     """["prefill=0", "decode=1", "router=0,1"] -> {"prefill": (0,), ...}."""
     out = {}
@@ -445,11 +473,12 @@ def launch(args) -> int:
     pick = lambda flag, key: getattr(args, flag) if getattr(args, flag) is not None else defaults[key]
     enforce_eager = bool(getattr(args, "enforce_eager", None) or defaults.get("enforce_eager", False))
     device_flag = lambda flag, key=None: getattr(args, flag, None) or defaults.get(key or flag)
+    tp = {role: getattr(args, f"{role}_tp", None) or defaults.get(f"{role}_tp", 1) for role in ("prefill", "decode")}
     devices = plan_devices(device_flag("device"), device_flag("prefill_devices"), device_flag("decode_devices"),
                            args.kv_backend, defaults["kv_backend"], dtype=device_flag("dtype"),
                            gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
                            kv_cache_memory_given=args.kv_cache_memory is not None,
-                           default_utilization=defaults.get("gpu_memory_utilization", 0.9))
+                           default_utilization=defaults.get("gpu_memory_utilization", 0.9), tp=tp)
     cluster = Cluster(prefill_nodes=pick("prefill_nodes", "prefill_nodes"),
                       decode_nodes=pick("decode_nodes", "decode_nodes"), router_port=pick("port", "router_port"),
                       kv_backend=devices.kv_backend, kv_cache_memory=pick("kv_cache_memory", "kv_cache_memory"),
@@ -462,7 +491,7 @@ def launch(args) -> int:
                       redis_password=new_cluster_token(), api_keys=api_keys,
                       router_replicas=getattr(args, "router_replicas", None) or 1,
                       load_format=getattr(args, "load_format", None) or defaults.get("load_format"),
-                      enforce_eager=enforce_eager,
+                      enforce_eager=enforce_eager, tp=tp,
                       # a node drained by the planner past its grace hands its streams to another
                       router_args=["--migration-limit", "2"] if getattr(args, "planner", False) else ())
     if getattr(args, "planner", False):  # bad planner flags fail before anything starts

@@ -153,8 +153,11 @@ class EngineStats(NamedTuple):
 
 
 class BlockExporter(NamedTuple):
-    """How ExportKV packs blocks (engine thread) and where the BlocksReady go (event loop)."""
-    pack: Callable[[list[int]], Any]  # engine block ids -> a fresh buffer (not a view of the cache)
+    """How ExportKV packs blocks (engine thread) and where the BlocksReady go (event loop).
+    ``pack(request_id, start, block_ids)``: prompt blocks ``[start, start + len(block_ids))``
+    of the request, by engine block id -> a fresh buffer (not a view of the cache), or
+    whatever the node makes of them (a tensor-parallel node also tells its workers here)."""
+    pack: Callable[[str, int, list[int]], Any]
     on_ready: Callable[[BlocksReady], None]
 
 
@@ -190,10 +193,20 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread after its current step; whether it ended within ``timeout_s``
+        (a step may hang on a collective up to its timeout)."""
         self._stop.set()
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
+
+    def close_engine(self) -> None:
+        """``EngineCore.close`` once the thread ended (``stop`` returned True): a
+        tensor-parallel engine sends its workers Stop. No-op while the thread runs."""
+        if not self._thread.is_alive():
+            self._engine.close()
 
     def submit(self, command: Command) -> asyncio.Future:
         """Queue ``command`` for the engine thread now (commands run in submission order);
@@ -267,7 +280,7 @@ class EngineThread:
             upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
             if upto <= done:
                 continue
-            packed = exporter.pack(self._engine.kv.block_ids(req.request_id)[done:upto])
+            packed = exporter.pack(req.request_id, done, self._engine.kv.block_ids(req.request_id)[done:upto])
             self._exports[req.request_id] = upto
             self._aio.call_soon_threadsafe(exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
 

@@ -43,7 +43,7 @@ KV transfer per rank is the node's code; the engine's seams for it:
   (``Reserve`` on rank 0); no step is involved. Workers report landed blocks to rank 0
   over the node's own channel (kvtransfer/rank_report.py), not this one: a step channel's
   socket belongs to its worker's main thread.
-- Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(block_ids)``
+- Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(request, start, block_ids)``
   right after launching the step that completed those blocks (``on_launch``); the node's
   pack also calls ``leader.send_control("kv_export", payload)`` naming the blocks. Each
   worker runs ``controls["kv_export"](payload)`` after that step's forward and before the
@@ -120,7 +120,7 @@ class TPLeader:
     def _dead_worker(self) -> str | None:
         for rank, proc in self.procs.items():
             if proc.exitcode is not None:
-                return f"rank {rank} (pid {proc.pid}) {_exit_words(proc.exitcode)}"
+                return f"rank {rank} (pid {proc.pid}) {exit_words(proc.exitcode)}"
         return self.dead() if self.dead is not None else None
 
     def send_step(self, inputs: ForwardInputs) -> None:
@@ -137,7 +137,7 @@ class TPLeader:
         finish dying) and every failure a worker reported."""
         for proc in self.procs.values():
             proc.join(timeout=wait_s / max(1, len(self.procs)))
-        facts = [f"rank {r} (pid {p.pid}) {_exit_words(p.exitcode)}" for r, p in self.procs.items()
+        facts = [f"rank {r} (pid {p.pid}) {exit_words(p.exitcode)}" for r, p in self.procs.items()
                  if p.exitcode is not None]
         facts += [f"rank {f.rank} reported: {f.error}" for f in self.channel.drain()]
         what = "; ".join(facts) or "no worker exit seen"
@@ -164,7 +164,8 @@ class TPLeader:
             self.group.close()
 
 
-def _exit_words(code: int | None) -> str:
+def exit_words(code: int | None) -> str:
+    """How a process ended, in words: "was killed by SIGKILL", "exited with code 3"."""
     if code is None:
         return "is running"
     if code < 0:

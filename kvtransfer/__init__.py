@@ -26,15 +26,17 @@ from .block_store import (KVBlockStore, allocate_kv_cache, checksum, free_shared
 from .errors import TransferError
 from .factory import make_receiver, make_sender, sender_options
 from .layout import KVLayout, KVShard, LayoutMismatch
-from .rank_report import ClosedApplied, ClosedTransfers, RankBlocks, RankReporter, TransfersClosed
+from .rank_report import (ClosedApplied, ClosedTransfers, KVExport, RankBlocks, RankReady, RankReporter, RankSent,
+                          TransfersClosed)
 from .sender_core import SenderOptions
 from .state import Transfer, TransferFailure, TransferState, TransferTable
 from .tp_plan import PlanPart, RankSend, TransferPlan, transfer_plan
-from .tp_send import ShardSender
+from .tp_send import PackedSend, ShardSender, pack_sends
 
 __all__ = [
-    "ClosedApplied", "ClosedTransfers", "KVBlockStore", "KVLayout", "KVReceiver", "KVSender", "KVShard",
-    "LayoutMismatch", "OnBlock", "PlanPart", "RankBlocks", "RankReporter", "RankSend", "SenderOptions",
+    "ClosedApplied", "ClosedTransfers", "KVBlockStore", "KVExport", "KVLayout", "KVReceiver", "KVSender", "KVShard",
+    "LayoutMismatch", "OnBlock", "PackedSend", "PlanPart", "RankBlocks", "RankReady", "RankReporter", "RankSend",
+    "RankSent", "SenderOptions", "pack_sends",
     "ShardSender", "Transfer", "TransferError", "TransferFailure", "TransferPlan", "TransferState",
     "TransferTable", "TransfersClosed", "allocate_kv_cache", "checksum", "free_shared_kv_cache",
     "make_receiver", "make_sender", "map_shared_kv_cache", "sender_options", "shared_kv_cache",

@@ -1,13 +1,27 @@
-"""What the ranks of a tensor-parallel decode node tell each other about transfers.
+"""What the ranks of a tensor-parallel node tell each other about transfers.
 
-Owns the messages between a decode node's rank 0 (which owns the ``TransferTable``) and
-its worker ranks (each with its own receiver over its own KV shard), and the two helpers
-a worker rank runs: ``RankReporter`` (its receiver's ``on_block``: batches reports into
-``RankBlocks``) and ``ClosedTransfers`` (its receiver's ``accepts``: refuses blocks of
-transfers rank 0 closed). Must not: carry the messages (the node's rank channel does,
-msgpack via ``encode`` / ``decode``), or touch tensors or the table.
+Owns the messages between a node's rank 0 (which owns the transfer bookkeeping) and its
+worker ranks (each with its own sender or receiver over its own KV shard), and the two
+helpers a decode worker rank runs: ``RankReporter`` (its receiver's ``on_block``: batches
+reports into ``RankBlocks``) and ``ClosedTransfers`` (its receiver's ``accepts``: refuses
+blocks of transfers rank 0 closed). Must not: carry the messages (the node's rank channel
+does, msgpack via ``encode`` / ``decode``; ``KVExport`` rides the step channel as a
+Control payload, ``encode_export`` / ``decode_export``), or touch tensors or the table.
 
-::
+Both roles: a worker says ``RankReady`` once its sender or receiver runs (a decode rank
+with its receiver's address: rank 0 names every rank's in ``PrefillRequest.kv_addrs``).
+
+A prefill node (rank 0 decides what every rank sends, in the step order)::
+
+    rank 0 (engine thread, the step that completed blocks)   worker rank r
+    Control("kv_export", KVExport(transfer, decode addrs,   after that step's forward, before the
+            src ids, dest ids))  -- step channel -------->   next: pack its slices (ShardSender.pack),
+                                                             then send them (its event loop)
+                                 <-- RankSent(r, transfer, blocks, error) -- once sent (or failed)
+    rank 0 answers PrefillResult once its own sends are done and every worker's RankSent
+    counted every block (a worker's error fails the request: 502, the decode node falls back)
+
+A decode node::
 
     worker rank s                                              rank 0
     receiver.on_block = reporter.on_block   -- RankBlocks(s, transfer, landed, failed) -->
@@ -37,6 +51,37 @@ from collections.abc import Callable
 import msgspec
 
 
+class RankReady(msgspec.Struct, tag="rank_ready", omit_defaults=True, kw_only=True):
+    """worker rank -> rank 0, once: its KV sender or receiver runs (``kv_addr``: a decode
+    rank's receiver address; "" on a prefill rank)."""
+
+    rank: int
+    kv_addr: str = ""
+
+
+class RankSent(msgspec.Struct, tag="rank_sent", omit_defaults=True, kw_only=True):
+    """prefill worker rank -> rank 0: its share of one ``KVExport`` is sent (every frame
+    acknowledged by the decode ranks) or failed (``error``). ``blocks``: the export's
+    block count (an idle replica sends nothing and still reports them)."""
+
+    rank: int
+    transfer_id: str
+    blocks: int
+    nbytes: int = 0
+    error: str | None = None
+
+
+class KVExport(msgspec.Struct, tag="kv_export", omit_defaults=True, kw_only=True):
+    """prefill rank 0 -> worker ranks (a Control, ordered with the steps): pack your heads of
+    ``src_ids`` now (this step completed them) and send them into ``dest_ids`` of the decode
+    ranks at ``addrs`` (one per decode rank, in rank order) for ``transfer_id``."""
+
+    transfer_id: str
+    addrs: list[str]
+    src_ids: list[int]
+    dest_ids: list[int]
+
+
 class RankBlocks(msgspec.Struct, tag="rank_blocks", omit_defaults=True, kw_only=True):
     """worker rank -> rank 0: what this rank's receiver reported for one transfer since the
     last message: blocks whose every KV head of this rank landed with a good checksum, and
@@ -63,10 +108,11 @@ class ClosedApplied(msgspec.Struct, tag="closed_applied", omit_defaults=True, kw
     seq: int
 
 
-RankMessage = RankBlocks | TransfersClosed | ClosedApplied
+RankMessage = RankReady | RankSent | RankBlocks | TransfersClosed | ClosedApplied
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(RankMessage)
+_EXPORT_DECODER = msgspec.msgpack.Decoder(KVExport)
 
 
 def encode(msg: RankMessage) -> bytes:
@@ -76,6 +122,14 @@ def encode(msg: RankMessage) -> bytes:
 def decode(data: bytes) -> RankMessage:
     """Inverse of ``encode``; raises msgspec.DecodeError / ValidationError on a bad message."""
     return _DECODER.decode(data)
+
+
+def encode_export(msg: KVExport) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_export(data: bytes) -> KVExport:
+    return _EXPORT_DECODER.decode(data)
 
 
 class RankReporter:

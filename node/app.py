@@ -12,7 +12,9 @@ Owns, around a NodeRuntime (node/runtime.py) and the role's server object (a
   ``/debug/state`` (the runtime's state and the role's); the role lists its own
   routes as data (``NodeServer.routes``);
 - the process's life: bind, READY line, SIGTERM drains (stop taking work,
-  deregister, let in-flight requests finish within ``drain_grace_s``, exit 0).
+  deregister, let in-flight requests finish within ``drain_grace_s``, exit 0); a
+  broken node (``NodeRuntime.fail``: a tensor-parallel rank died) deregisters and exits
+  with ``EXIT_BROKEN`` at once, its in-flight work already failed by the role.
 
 Must not know which role it serves: the role's module builds its app with
 ``build_node_app`` and the process's entry point (cli.py) picks the role.
@@ -24,7 +26,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 
@@ -35,11 +37,15 @@ from ..common.http import error_response, read_msgpack
 from ..common.protocol import Abort
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, BlockExporter
+from ..engine.parallel import TPFailure
 from .runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 OPEN_PATHS = ("/health", "/metrics")  # no cluster token needed
 DRAIN_POLL_S = 0.1
+EXIT_BROKEN = 3  # the exit status of a node that failed (a rank died); its supervisor restarts it
+FAILED_FLUSH_S = 0.5  # a failed node's last answers (errors, cut streams) leave before it exits
 
 
 class NodeServer(Protocol):
@@ -121,7 +127,10 @@ async def abort(request: web.Request) -> web.Response:
         msg = await read_msgpack(request, Abort)
     except InvalidRequest as e:
         return error_response(400, str(e), e.field)
-    found = await request.app[RUNTIME].engine_thread.submit(AbortRequest(msg.request_id))
+    try:
+        found = await request.app[RUNTIME].engine_thread.submit(AbortRequest(msg.request_id))
+    except TPFailure:  # a rank died: the engine stopped for good and holds nothing any more
+        found = False
     ended = request.app[NODE].end_stream(msg.request_id)
     return web.json_response({"aborted": bool(found or ended)})
 
@@ -157,16 +166,31 @@ async def start_site(app: web.Application, config: NodeConfig) -> web.AppRunner:
     return runner
 
 
-async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> None:
-    """Run a node app until ``stop`` is set, then drain; prints ``READY <http_addr> <node_id>``
-    for launchers."""
+async def serve(app: web.Application, config: NodeConfig, stop: asyncio.Event) -> int:
+    """Run a node app until ``stop`` is set, then drain (exit status 0), or until the node
+    fails (``EXIT_BROKEN``: it deregisters and stops at once); prints ``READY <http_addr>
+    <node_id>`` for launchers."""
+    rt = app[RUNTIME]
     runner = await start_site(app, config)
     try:
-        print(f"READY {app[RUNTIME].http_addr} {app[RUNTIME].node_id}", flush=True)
-        await stop.wait()
-        await drain(app, config.drain_grace_s)
+        print(f"READY {rt.http_addr} {rt.node_id}", flush=True)
+        ended = [asyncio.create_task(stop.wait()), asyncio.create_task(rt.failed.wait())]
+        try:
+            await asyncio.wait(ended, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in ended:
+                task.cancel()
+        if rt.failure is None:
+            await drain(app, config.drain_grace_s)
+        else:
+            await rt.stop_heartbeat()  # routers stop choosing it now, not after its record's TTL
+            await asyncio.sleep(FAILED_FLUSH_S)
     finally:
         await runner.cleanup()
+    if rt.failure is not None:
+        log.error("node %s exits with status %d: %s", rt.node_id, EXIT_BROKEN, rt.failure)
+        return EXIT_BROKEN
+    return 0
 
 
 async def drain(app: web.Application, grace_s: float) -> None:
@@ -183,18 +207,19 @@ async def drain(app: web.Application, grace_s: float) -> None:
     log.warning("node %s drained%s", rt.node_id, f"; cancelling {left} requests past the grace period" if left else "")
 
 
-def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """``asyncio.run(main(stop))`` where SIGINT / SIGTERM set ``stop``."""
-    async def runner() -> None:
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """``asyncio.run(main(stop))`` where SIGINT / SIGTERM set ``stop``; its result."""
+    async def runner() -> T:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        return await main(stop)
 
-    asyncio.run(runner())
+    return asyncio.run(runner())
 
 
-def run_node(build_app: Callable[[NodeConfig], web.Application], config: NodeConfig) -> None:
-    """Serve ``build_app(config)`` (the role's app) until SIGINT / SIGTERM, then drain."""
-    run_until_signal(lambda stop: serve(build_app(config), config, stop))
+def run_node(build_app: Callable[[NodeConfig], web.Application], config: NodeConfig) -> int:
+    """Serve ``build_app(config)`` (the role's app) until SIGINT / SIGTERM, then drain; the
+    process's exit status (``EXIT_BROKEN`` when the node failed)."""
+    return run_until_signal(lambda stop: serve(build_app(config), config, stop))

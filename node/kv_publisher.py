@@ -145,8 +145,9 @@ class KVEventPublisher:
         """Stop publishing; with ``drop``, delete the node's entries now instead of
         after the TTL (errors logged, not raised)."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            while not self._task.done():  # again until it ends: 3.11's wait_for may swallow a cancel
+                self._task.cancel()
+                await asyncio.wait({self._task}, timeout=0.5)
             self._task = None
         if drop:
             try:

@@ -9,7 +9,20 @@
 - its metrics (node/metrics.py) and its part of ``GET /debug/state`` (device, dtype,
   KV pool, load);
 - /dev/shm KV segments of dead owners removed on start (node/shm_segments.py), its
-  own on exit.
+  own on exit;
+- with ``tensor_parallel_size`` N > 1, the node's worker ranks (node/ranks.py): this
+  process is rank 0 (HTTP, scheduler, transfer bookkeeping), it starts ranks 1..N-1 before
+  the engine, hands the role their messages (``set_rank_handler``) and stops them after
+  the engine thread. A rank's death is the node's death (``fail``);
+- the node's KV compatibility key (``kv_key``: its registration, every rank's handshake)
+  and the start-up refusal of a pool it cannot exchange KV with
+  (common/registry.py ``kv_pool_problem``).
+
+A node fails (``fail``) when a worker rank exits or the engine thread stops on a
+``TPFailure``: new work gets 503, the role fails what is in flight at once (``on_failure``:
+a decode node breaks its streams so the router migrates them, a prefill node answers
+errors so its decode nodes prefill themselves), ``failed`` is set and the process exits
+non-zero (node/app.py ``serve``); its supervisor restarts it whole.
 
 The aiohttp app around it (routes, guard, drain) is node/app.py; the role's server
 (prefill_node/, decode_node/) is built on both and never writes the runtime's
@@ -32,16 +45,24 @@ import msgspec
 import torch
 
 from ..common.config import NodeConfig
+from ..common.kv_compat import KVCompat
 from ..common.kv_events import KVEvent
 from ..common.kv_index import KVIndex
-from ..common.registry import Heartbeat, NodeInfo, NodeRegistry, new_epoch
+from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import BlockExporter, EngineThread
 from ..engine.limits import RequestLimits
+from ..engine.loader import resolve_model_dir
+from ..engine.model_config import ModelConfig
+from ..engine.parallel import TPFailure
+from ..engine.sharding import check_model_tp
+from ..engine.tp_launch import TPLeader
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
-from ..kvtransfer.layout import KVLayout
+from ..kvtransfer.layout import KVLayout, KVShard
+from ..kvtransfer.rank_report import RankMessage
 from .kv_publisher import KVEventPublisher
 from .metrics import NodeMetrics
+from .ranks import RankProcs, RoleFactory, node_kv_key
 from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
@@ -49,12 +70,14 @@ log = logging.getLogger(__name__)
 
 class KVPoolInfo(NamedTuple):
     """Where the node's KV block pool lives and how big it is (/debug/state, metrics)."""
-    device: str  # torch device, e.g. "cpu", "cuda:0"
+    device: str  # torch device, e.g. "cpu", "cuda:0" (rank 0's)
     dtype: str  # "float32", "bfloat16", ...
     blocks: int  # usable blocks (the tensor may hold one more: static decode's scratch block)
-    bytes: int
+    bytes: int  # every rank's KV cache together
     tokens: int
-    gpu_memory_utilization: float | None  # the fraction it was sized from, if any
+    gpu_memory_utilization: float | None  # the fraction it was sized from, if any (per rank)
+    # [rank] -> {"rank", "kv_heads": [start, stop), "bytes"}: each rank holds its KV heads of every block
+    ranks: tuple[dict, ...] = ()
 
 
 class RedisLink(NamedTuple):
@@ -73,8 +96,23 @@ class NodeRuntime:
     kv_pool_info: KVPoolInfo
     engine_thread: EngineThread  # the only way to the engine once started
 
-    def __init__(self, config: NodeConfig):
+    kv_key: KVCompat  # the node's KV compatibility key (its registration; every rank's handshake)
+    shard: KVShard  # rank 0's part of the node's KV: the key and rank 0 (its layout is ``layout``)
+
+    def __init__(self, config: NodeConfig, rank_role: RoleFactory | None = None):
+        """``rank_role``: the role's code on each worker rank (node/ranks.py), for a node
+        with ``tensor_parallel_size`` > 1."""
         self.config = config
+        cfg = config.engine
+        self.tp = cfg.tensor_parallel_size if cfg.sim is None else 1  # a simulated node stands for TP in timing
+        self._rank_role = rank_role
+        self.leader: TPLeader | None = None  # rank 0's end of the step channel: the engine thread's
+        self.ranks: RankProcs | None = None  # the worker ranks (TP > 1)
+        self._rank_handler: Callable[[int, RankMessage], None] | None = None
+        self._rank_backlog: list[tuple[int, RankMessage]] = []  # messages before the role took them
+        self.failure: str | None = None  # why the node cannot go on (a rank died); set once
+        self.failed = asyncio.Event()  # set with ``failure``: serve() ends the process non-zero
+        self.on_failure: list[Callable[[str], None]] = []  # the role's: fail what is in flight
         self.epoch = new_epoch()
         self.node_id = config.node_id  # "" until listening: then <role>-<host>-<port>
         self._engine: EngineCore | None = None  # built, not yet handed to the EngineThread
@@ -96,17 +134,84 @@ class NodeRuntime:
         if shm:
             name = self.shm_name = segment_name(os.getpid())
             factory = lambda shape, dtype: allocate_kv_cache(KVLayout.of_cache(shape, dtype), shape[2], name)
-        engine = self._engine = await asyncio.to_thread(EngineCore, self.config.engine, factory)
-        kv, cfg = engine.runner.kv_caches, self.config.engine
+        cfg = self.config.engine
+        if self.tp > 1:
+            self._start_ranks()
+        try:
+            engine = self._engine = await asyncio.to_thread(EngineCore, cfg, factory, self.leader)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
+            raise
+        kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
         self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
+        if cfg.sim is None:
+            self.kv_key = node_kv_key(cfg, engine.model_config, kv.dtype, self.tp)
+        else:  # a simulated node's cache is a token-sized stand-in: its key is that cache's
+            self.kv_key = KVShard.of_layout(self.layout, cfg.model_id).compat
+        self.shard = KVShard(self.kv_key, 0)
+        assert self.shard.layout == self.layout, f"rank 0's cache {self.layout} is not {self.shard.describe()}'s"
         blocks = engine.num_blocks  # the tensor may hold one more: static decode's scratch block
-        block_bytes = kv.numel() * kv.element_size() // kv.shape[2]
+        shards = [KVShard(self.kv_key, r) for r in range(self.tp)]
+        rank_bytes = [blocks * shard.layout.block_nbytes for shard in shards]
+        ranks = tuple({"rank": r, "kv_heads": list(shard.heads), "bytes": nbytes}
+                      for r, (shard, nbytes) in enumerate(zip(shards, rank_bytes)))
         self.kv_pool_info = KVPoolInfo(device=str(kv.device), dtype=str(kv.dtype).removeprefix("torch."),
-                                       blocks=blocks, bytes=blocks * block_bytes, tokens=blocks * cfg.block_size,
-                                       gpu_memory_utilization=cfg.gpu_memory_utilization)
+                                       blocks=blocks, bytes=sum(rank_bytes),
+                                       tokens=blocks * cfg.block_size,
+                                       gpu_memory_utilization=cfg.gpu_memory_utilization, ranks=ranks)
         info = self.kv_pool_info
         self.metrics.set_kv_pool(info.device, info.dtype, info.blocks, info.bytes, info.tokens)
+
+    def _start_ranks(self) -> None:
+        """Check the model splits over the ranks (a clear error before any process starts),
+        then bind rank 0's end and start ranks 1..N-1; they join while the engine loads."""
+        cfg = self.config.engine
+        check_model_tp(ModelConfig.from_dir(resolve_model_dir(cfg.model)), self.tp)
+        assert self._rank_role is not None, "a tensor-parallel node needs its role's rank code"
+        self.leader = TPLeader(self.tp, dead=lambda: self.ranks.dead() if self.ranks is not None else None)
+        self.ranks = RankProcs(self.config, self._rank_role, self.leader.rendezvous)
+        self.ranks.attach(asyncio.get_running_loop(), self._on_rank_message, self._on_rank_exit)
+        log.info("tensor-parallel node of %d ranks: workers %s", self.tp,
+                 ", ".join(f"rank {r} pid {pid}" for r, pid in self.ranks.pids.items()))
+
+    def _on_rank_message(self, rank: int, msg: RankMessage) -> None:
+        if self._rank_handler is None:
+            self._rank_backlog.append((rank, msg))
+        else:
+            self._rank_handler(rank, msg)
+
+    def set_rank_handler(self, handler: Callable[[int, RankMessage], None]) -> None:
+        """The role's handler of its workers' messages (on the event loop); those that came
+        before it was set are handed over first."""
+        self._rank_handler = handler
+        backlog, self._rank_backlog = self._rank_backlog, []
+        for rank, msg in backlog:
+            handler(rank, msg)
+
+    def _on_rank_exit(self, words: str) -> None:
+        # while the engine builds, its join fails with these words too (TPLeader(dead=...))
+        self.fail(f"tensor-parallel {words}")
+
+    def _on_engine_fatal(self, error: TPFailure) -> None:
+        self.fail(str(error))
+
+    def fail(self, reason: str) -> None:
+        """The node cannot go on (a rank died or hangs): refuse new work, let the role fail
+        what is in flight now (``on_failure``), and set ``failed`` (the process exits
+        non-zero: node/app.py). Idempotent; the event loop only."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self.draining = True
+        log.error("node %s is broken and exits: %s", self.node_id or self.config.role, reason)
+        for callback in self.on_failure:
+            try:
+                callback(reason)
+            except Exception:  # the others still run, and the node still exits
+                log.exception("failing in-flight work after %s", reason)
+        self.failed.set()
 
     def start_loop(self, on_deltas: Callable[[list[RequestDelta]], None],
                    exporter: BlockExporter | None = None, kv_addr: str = "") -> None:
@@ -120,7 +225,8 @@ class NodeRuntime:
         assert self._engine is not None, "start_engine first"
         self.kv_addr = kv_addr
         self.engine_thread = EngineThread(self._engine, asyncio.get_running_loop(), deliver, self._on_kv_events,
-                                          exporter, step_observer=self.metrics.observe_step)
+                                          exporter, step_observer=self.metrics.observe_step,
+                                          on_fatal=self._on_engine_fatal)
         self._engine = None  # the engine thread's from here on
         self.engine_thread.start()
 
@@ -134,7 +240,7 @@ class NodeRuntime:
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.limits.kv_capacity_tokens,
                         block_size=self.config.engine.block_size, max_model_len=self.limits.max_model_len,
-                        load=self.engine_thread.load)
+                        load=self.engine_thread.load, kv=self.kv_key)
 
     async def listening(self, port: int) -> None:
         """The node serves HTTP on ``port`` (the config's, or the one port 0 picked): its
@@ -143,13 +249,33 @@ class NodeRuntime:
         self.http_addr = f"http://{self.config.host}:{port}"
         self.node_id = self.config.node_id or f"{self.config.role}-{self.config.host}-{port}"
         if self.config.redis_url:
+            registry = NodeRegistry(self.config.redis_url)
+            try:
+                await self._check_pool(registry)
+            except BaseException:
+                await registry.close()
+                raise
             index = KVIndex(self.config.redis_url)
             publisher = KVEventPublisher(index, self.node_id, self.epoch, self.engine_thread.request_kv_snapshot,
                                          self.metrics.index_batches)
-            registry = NodeRegistry(self.config.redis_url)
             self.redis = RedisLink(registry, Heartbeat(registry, self.info), index, publisher)
             publisher.start()
             self.redis.heartbeat.start()
+
+    async def _check_pool(self, registry: NodeRegistry) -> None:
+        """Refuse to join a pool this node cannot exchange KV with (another model, dtype,
+        block size or head layout than every registered node of the other role): a
+        ``ValueError`` naming each mismatch, before it registers. Redis down: not checked."""
+        try:
+            nodes = await registry.list_nodes()
+        except REDIS_ERRORS as e:
+            log.warning("cannot read the registry to check KV compatibility (%r); registering anyway", e)
+            return
+        problem = kv_pool_problem(self.config.role, self.kv_key, nodes)
+        if problem is not None:
+            raise ValueError(f"{problem}. Start this node with the pool's model, --dtype and --block-size "
+                             f"(any --tensor-parallel-size that splits the model's KV heads pairs), or "
+                             f"point it at another --redis-url")
 
     async def start_draining(self) -> None:
         """Refuse new work from now on (node/app.py answers 503) and deregister, so routers
@@ -169,8 +295,14 @@ class NodeRuntime:
             await self.redis.kv_index.close()
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then the worker ranks (the engine's Stop; killed if they do
+        not exit), then free the shared KV cache."""
         if hasattr(self, "engine_thread"):
-            self.engine_thread.stop()
+            stopped = self.engine_thread.stop()
+            if stopped and self.ranks is not None and self.failure is None:
+                self.engine_thread.close_engine()  # Stop to every worker: they exit 0
+        if self.ranks is not None:
+            self.ranks.close(join_s=2.0 if self.failure is not None else 10.0)
         if self.shm_name:
             free_shared_kv_cache(self.shm_name)
 
@@ -187,6 +319,8 @@ class NodeRuntime:
         return {"node_id": self.node_id, "role": self.config.role, "epoch": self.epoch, "pid": os.getpid(),
                 "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
                 "device": self.config.engine.device, "dtype": self.config.engine.dtype,
+                "tensor_parallel_size": self.tp, "worker_pids": self.ranks.pids if self.ranks is not None else {},
+                "failure": self.failure, "kv": msgspec.structs.asdict(self.kv_key),
                 "kv_pool": self.kv_pool_info._asdict(),
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
                 "load": msgspec.structs.asdict(st.load), "steps": st.steps, "busy_s": st.busy_s,

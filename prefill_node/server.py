@@ -15,7 +15,14 @@ Block streaming, per request (engine thread -> event loop -> transport):
   ExportKV(req, skip_blocks), then AddRequest (engine/engine_thread.py):
   step k computes tokens .. n_k:  blocks [sent, n_k // bs) are complete -> pack
   last step (prompt done):        also the partial last block            -> pack
-  BlocksReady events -> per-transfer queue -> KVSender.send_blocks (in order)
+  BlocksReady events -> per-transfer queue -> ShardSender.send_packed (in order)
+
+Each decode rank gets its KV heads of every block (``PrefillRequest.kv_addrs``: one
+receiver per decode rank; kvtransfer/tp_plan.py says which prefill rank sends which heads
+where). With ``--tensor-parallel-size`` N this process is rank 0: its pack also sends the
+worker ranks a ``KVExport`` Control (ordered with the steps), each worker packs and sends
+its own slices (prefill_node/ranks.py) and reports ``RankSent``; the answer waits for
+every rank's sends (kvtransfer/rank_report.py).
 
 A prompt that cannot start now (too many waiting, KV pool full, node draining) is
 refused with 503 and Retry-After, so the decode node prefills it itself at once
@@ -27,6 +34,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -39,21 +47,44 @@ from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
-from ..kvtransfer import KVSender, TransferError, make_sender, sender_options
+from ..engine.parallel import TPFailure
+from ..kvtransfer import PackedSend, ShardSender, TransferError, make_sender, pack_sends
 from ..kvtransfer.block_store import KVBlockStore
+from ..kvtransfer.rank_report import KVExport, RankMessage, RankSent, encode_export
+from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
+from .ranks import PrefillRank, rank_sender_options
 
 log = logging.getLogger(__name__)
+
+
+class ExportJob(NamedTuple):
+    """What the engine thread's pack needs to know of a request (set before its ExportKV)."""
+    transfer_id: str
+    addrs: list[str]  # every decode rank's receiver, in rank order
+    skip: int  # prompt blocks the decode node holds: dest_ids[0] is prompt block ``skip``
+    dest_ids: list[int]
+
+
+class PackedChunk(NamedTuple):
+    """Rank 0's slices of prompt blocks one step completed, packed on the engine thread."""
+    dest_ids: list[int]
+    sends: list[PackedSend]
 
 
 @dataclass(slots=True)
 class Outgoing:
     """One request's outgoing transfer (event loop only)."""
     task: PrefillRequest
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (dest ids, packed bytes) | None
+    addrs: list[str]  # every decode rank's receiver, in rank order
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # PackedChunk | None (the prompt is done)
     first: RequestDelta | None = None  # the sampled first token, once the prompt is done
+    exported: int = 0  # blocks packed so far (each also announced to the worker ranks)
+    worker_blocks: dict[int, int] = field(default_factory=dict)  # worker rank -> blocks it reported sent
+    worker_error: str | None = None  # the first failure a worker rank reported (or the node's)
+    progress: asyncio.Event = field(default_factory=asyncio.Event)  # a worker reported
 
 
 class PrefillNode:
@@ -64,8 +95,10 @@ class PrefillNode:
         self.config = config
         self.rt = runtime
         self.out: dict[str, Outgoing] = {}  # req_id -> transfer state
+        self.by_transfer: dict[str, Outgoing] = {}  # transfer_id -> the same, for the workers' reports
+        self._jobs: dict[str, ExportJob] = {}  # req_id -> its export (written here, read by the engine thread)
         self._exporter: BlockExporter | None = None  # from start() on
-        self.senders: dict[str, KVSender] = {}  # backend -> KVSender (one connection pool each)
+        self.senders: dict[str, ShardSender] = {}  # backend -> rank 0's sender (one connection pool each)
         m = runtime.metrics
         self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
@@ -82,39 +115,72 @@ class PrefillNode:
     def kv_addr(self) -> str:
         return ""  # a prefill node sends KV blocks; it receives none
 
-    def _sender(self, backend: str) -> KVSender:
+    def _sender(self, backend: str) -> ShardSender:
         if backend not in self.senders:
-            # A send gets one lease, as the decode node's transfer does: past it the decode node
-            # has given up (and prefilled itself), so a partitioned peer cannot hold this
-            # request's blocks and its /prefill handler for the sender's default minute.
-            options = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0,
-                                     cluster_token=self.config.cluster_token,
-                                     timeout_s=self.config.transfer_lease_s)
-            self.senders[backend] = make_sender(backend, self.rt.layout, options,
-                                                device=self.config.engine.device)
+            sender = make_sender(backend, self.rt.layout, rank_sender_options(self.config),
+                                 device=self.config.engine.device, shard=self.rt.shard)
+            self.senders[backend] = ShardSender(sender, self.store, self.rt.shard)
         return self.senders[backend]
 
     async def start(self) -> None:
-        """Once the engine is built; senders connect lazily, per backend and decode node."""
+        """Once the engine is built; senders connect lazily, per backend and decode rank."""
         self.store = KVBlockStore(self.rt.kv_caches, self.rt.layout)
-        # the engine thread packs completed prompt blocks (a fresh buffer, not a view of the cache:
+        # the engine thread packs completed prompt blocks (fresh buffers, not views of the cache:
         # safe once the blocks are freed) and hands them to _on_blocks here
-        self._exporter = BlockExporter(self.store.pack, self._on_blocks)
+        self._exporter = BlockExporter(self._pack, self._on_blocks)
+        self.rt.on_failure.append(self._on_failure)
+        if self.rt.tp > 1:
+            self.rt.set_rank_handler(self._on_rank)
 
     async def stop(self) -> None:
         for s in self.senders.values():
-            await s.close()
+            await s.sender.close()
 
     def inflight(self) -> int:
         return len(self.out)
 
+    # ---- engine thread ---------------------------------------------------------------------
+    def _pack(self, request_id: str, start: int, block_ids: list[int]) -> PackedChunk | None:
+        """The exporter's pack, on the engine thread right after the step that completed prompt
+        blocks ``[start, start + len(block_ids))``: tell the worker ranks (a Control, run
+        before the next step), pack rank 0's slices. None once the request is gone."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return None
+        dests = job.dest_ids[start - job.skip:start - job.skip + len(block_ids)]
+        if self.rt.leader is not None:
+            self.rt.leader.send_control("kv_export", encode_export(KVExport(
+                transfer_id=job.transfer_id, addrs=job.addrs, src_ids=block_ids, dest_ids=dests)))
+        return PackedChunk(dests, pack_sends(self.store, self.rt.shard, len(job.addrs), block_ids))
+
     # ---- engine events (on this event loop) -----------------------------------------------
     def _on_blocks(self, ev: BlocksReady) -> None:
         o = self.out.get(ev.request_id)
-        if o is None:
+        if o is None or ev.packed is None:
             return  # aborted meanwhile
-        skip = o.task.skip_blocks
-        o.queue.put_nowait((o.task.dest_block_ids[ev.start - skip:ev.end - skip], ev.packed))
+        o.exported += ev.end - ev.start
+        o.queue.put_nowait(ev.packed)
+
+    def _on_rank(self, rank: int, msg: RankMessage) -> None:
+        """A worker rank's report (rank 0's event loop)."""
+        if not isinstance(msg, RankSent):
+            return  # RankReady: its sender is made; nothing to wait for
+        o = self.by_transfer.get(msg.transfer_id)
+        if o is None:
+            return  # the request ended meanwhile
+        if msg.error is not None and o.worker_error is None:
+            o.worker_error = f"prefill rank {rank}: {msg.error}"
+        o.worker_blocks[rank] = o.worker_blocks.get(rank, 0) + msg.blocks
+        self.m_bytes.inc(msg.nbytes)
+        o.progress.set()
+
+    def _on_failure(self, reason: str) -> None:
+        """The node failed (a rank died): every request waiting on its ranks fails now."""
+        for o in self.out.values():
+            if o.worker_error is None:
+                o.worker_error = f"this prefill node failed: {reason}"
+            o.progress.set()
+            o.queue.put_nowait(None)
 
     def on_deltas(self, deltas: list[RequestDelta]) -> None:
         for d in deltas:
@@ -158,8 +224,9 @@ class PrefillNode:
             resp.headers["Retry-After"] = "1"
             return resp
         params = _first_token_params(task.sampling_params)
-        o = Outgoing(task)
-        self.out[rid] = o
+        o = Outgoing(task, task.decode_addrs())
+        self.out[rid] = self.by_transfer[task.transfer_id] = o
+        self._jobs[rid] = ExportJob(task.transfer_id, o.addrs, task.skip_blocks, task.dest_block_ids)
         sender_task = None
         engine = self.rt.engine_thread
         try:
@@ -172,6 +239,8 @@ class PrefillNode:
             sender_task = asyncio.create_task(self._send_all(sender, o))
             sent = await sender_task
             first = o.first
+            if o.worker_error is not None:  # the node failed while this request ran
+                raise TransferError(o.worker_error)
             if first is None:
                 self.m_requests.labels(PrefillOutcome.ABORTED).inc()
                 return error_response(409, f"request {rid} was aborted")
@@ -190,23 +259,51 @@ class PrefillNode:
             self.m_requests.labels(PrefillOutcome.TRANSFER_FAILED).inc()
             log.warning("request %s: transfer %s failed: %s", rid, task.transfer_id, e)
             return error_response(502, f"KV transfer failed: {e}")
+        except TPFailure as e:  # a rank of this node died: the decode node prefills it itself
+            self.m_requests.labels(PrefillOutcome.ERROR).inc()
+            return error_response(503, f"this prefill node failed: {e}")
         finally:  # success, failure or the decode node hung up: nothing stays behind
             self.out.pop(rid, None)
+            self.by_transfer.pop(task.transfer_id, None)
+            self._jobs.pop(rid, None)
             if sender_task is not None and not sender_task.done():
                 sender_task.cancel()
-            await asyncio.shield(engine.submit(AbortRequest(rid)))
+            try:
+                await asyncio.shield(engine.submit(AbortRequest(rid)))
+            except TPFailure:
+                pass  # the engine stopped for good: it holds nothing any more
 
-    async def _send_all(self, sender: KVSender, o: Outgoing) -> int:
+    async def _send_all(self, sender: ShardSender, o: Outgoing) -> int:
+        """Send rank 0's slices as the steps complete them, then wait for every worker rank's;
+        the blocks sent."""
         sent = 0
-        while (item := await o.queue.get()) is not None:
-            dests, packed = item
+        while (chunk := await o.queue.get()) is not None:
             start = time.perf_counter()
-            await sender.send_blocks(o.task.kv_addr, o.task.transfer_id, list(zip(dests, self.store.split(packed))))
+            nbytes = await sender.send_packed(o.addrs, o.task.transfer_id, chunk.sends, chunk.dest_ids)
             self.m_send_seconds.inc(time.perf_counter() - start)
-            sent += len(dests)
-            self.m_blocks.inc(len(dests))
-            self.m_bytes.inc(len(dests) * self.rt.layout.block_nbytes)
+            sent += len(chunk.dest_ids)
+            self.m_blocks.inc(len(chunk.dest_ids))
+            self.m_bytes.inc(nbytes)
+        if self.rt.tp > 1:
+            await self._workers_sent(o)
         return sent
+
+    async def _workers_sent(self, o: Outgoing) -> None:
+        """Until every worker rank reported sending every block rank 0 packed (its slices
+        acknowledged by the decode ranks). Raises ``TransferError`` on a worker's failure,
+        the node's, or after the transfer lease (a worker that stopped answering)."""
+        try:
+            async with asyncio.timeout(self.config.transfer_lease_s):
+                while True:
+                    if o.worker_error is not None:
+                        raise TransferError(o.worker_error)
+                    if all(o.worker_blocks.get(r, 0) >= o.exported for r in range(1, self.rt.tp)):
+                        return
+                    o.progress.clear()
+                    await o.progress.wait()
+        except TimeoutError:
+            raise TransferError(f"the worker ranks did not report their sends within "
+                                f"{self.config.transfer_lease_s:g} s") from None
 
     def _check(self, task: PrefillRequest, prompt: list[int]) -> None:
         """400s for ``task`` (``prompt``: its token ids, read)."""
@@ -219,6 +316,11 @@ class PrefillNode:
         if task.kv_backend != self.config.kv_backend:
             raise InvalidRequest("kv_backend", f"this node sends over {self.config.kv_backend}, "
                                  f"not {task.kv_backend}")
+        key = self.rt.kv_key
+        try:
+            transfer_plan(key.tp, len(task.decode_addrs()), key.num_kv_heads)
+        except ValueError as e:
+            raise InvalidRequest("kv_addrs", f"{len(task.decode_addrs())} decode ranks: {e}") from None
 
     def end_stream(self, request_id: str) -> bool:
         """POST /abort (node/app.py), after the engine let go of the request: stop
@@ -239,6 +341,6 @@ def _first_token_params(params: SamplingParams) -> SamplingParams:
 
 
 def build_app(config: NodeConfig) -> web.Application:
-    """The app of a prefill node."""
-    runtime = NodeRuntime(config)
+    """The app of a prefill node (rank 0 of its ranks: prefill_node/ranks.py runs on the others)."""
+    runtime = NodeRuntime(config, rank_role=PrefillRank)
     return build_node_app(runtime, PrefillNode(config, runtime), shm=False)

@@ -1,6 +1,6 @@
 """The deployment files, validated offline with the real tools:
 
-- Kubernetes: both kustomize overlays rendered by kubectl's kustomize, every object
+- Kubernetes: every kustomize overlay (cpu, gpu, cpu-planner, gpu-tp) rendered by kubectl's kustomize, every object
   checked against the Kubernetes OpenAPI schemas (kubernetes-validate, strict), the
   production shape checked (probes, preStop, PDBs, HPAs whose metrics the Prometheus
   adapter rules define, NetworkPolicies, Secrets, GPU resources), and every container's
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest minor still supported upstream when this was written
-OVERLAYS = ("cpu", "gpu", "cpu-planner")  # cpu-planner: cpu + components/planner
+OVERLAYS = ("cpu", "gpu", "cpu-planner", "gpu-tp")  # cpu-planner: cpu + components/planner; gpu-tp: gpu, TP4/TP8 pods
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 BIN = Path(sys.executable).parent  # the venv running the tests
 SYSTEM_TOOLS = {"promtool": "apt: prometheus"}  # tool -> where deploy/setup.sh gets it; the rest are in BIN
@@ -293,12 +293,14 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
         cfg = configs[f"splitserve-{role}"]
         assert cfg.role == role and cfg.host == "10.1.2.3" and cfg.port == 8100
         assert cfg.redis_url == "redis://:pw@splitserve-redis:6379/0"
-        assert cfg.engine.device == ("cuda" if overlay == "gpu" else "cpu")
+        assert cfg.engine.device == ("cuda" if overlay.startswith("gpu") else "cpu")
         pod = by_kind(objs, "Deployment")[f"splitserve-{role}"]["spec"]["template"]["spec"]
         port = pod["containers"][0]["ports"][0]["containerPort"]
         assert port == cfg.port
-        if overlay == "gpu":
-            assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        if overlay.startswith("gpu"):  # one pod is one node: a GPU per rank
+            tp = cfg.engine.tensor_parallel_size
+            assert tp == ({"prefill": 4, "decode": 8}[role] if overlay == "gpu-tp" else 1)
+            assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == tp
             assert pod["tolerations"] and pod["nodeSelector"]
             assert cfg.engine.model == "/models/model"
         else:

@@ -53,6 +53,33 @@ def test_devices_per_role_split_each_gpu_among_its_nodes():
     assert flag(colocated.node_args("colocated", 0), "--device") == "cuda:1"
 
 
+def test_tensor_parallel_nodes_take_one_device_per_rank():
+    """The README's 70B on 8 GPUs: a TP4 prefill node on cuda:0-3 (its first device given)
+    and a TP8 decode node over all 8; a GPU's share of F counts every rank on it, and a node
+    takes its most shared GPU's share (its ranks hold the same block count)."""
+    tp = {"prefill": 4, "decode": 8}
+    plan = plan_devices(None, ["cuda:0"], [",".join(f"cuda:{i}" for i in range(8))], None, "shm", tp=tp)
+    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend=plan.kv_backend, devices=plan, tp=tp)
+    c.redis_url = "redis://127.0.0.1:1/0"
+    assert plan.kv_backend == "ipc" and plan.placement({"prefill": 1, "decode": 1}) == \
+        {f"cuda:{i}": 2 if i < 4 else 1 for i in range(8)}
+    prefill, decode = c.node_args("prefill", 0), c.node_args("decode", 0)
+    assert flag(prefill, "--device") == "cuda:0" and flag(prefill, "--tensor-parallel-size") == "4"
+    assert flag(decode, "--device") == "cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7"
+    assert flag(decode, "--tensor-parallel-size") == "8"
+    assert flag(prefill, "--gpu-memory-utilization") == flag(decode, "--gpu-memory-utilization") == "0.4500"
+    on_cpu = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="shm", kv_cache_memory="64MiB",
+                     tp={"prefill": 1, "decode": 2})
+    on_cpu.redis_url = "redis://127.0.0.1:1/0"
+    assert "--tensor-parallel-size" not in on_cpu.node_args("prefill", 0)
+    assert flag(on_cpu.node_args("decode", 0), "--tensor-parallel-size") == "2"
+    for devices, match in ((["cuda:0,cuda:1,cuda:2"], "names 3 devices for a node of 2 ranks"),
+                           (["cuda:0,cuda:0"], "puts two ranks of one node on one GPU"),
+                           (["cuda:0,cpu"], "mixes the CPU and GPUs")):
+        with pytest.raises(ValueError, match=match):
+            plan_devices(None, None, devices, None, "shm", tp={"decode": 2})
+
+
 def test_backend_follows_the_placement_unless_given():
     assert plan_devices(None, ["cpu"], ["cuda:0"], None, "shm").kv_backend == "tcp"
     assert plan_devices("cuda:0", None, None, "tcp", "shm").kv_backend == "tcp"
