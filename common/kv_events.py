@@ -3,9 +3,12 @@
 Events (in-process: engine thread -> the node's event loop -> node/kv_publisher.py,
 which folds them into Redis writes), in stream order:
 
-- ``BlockStored``: blocks with these hashes now hold KV on this node; the hashes
-  form one chain (each the child of the one before).
-- ``BlockRemoved``: these hashes are no longer held (evicted).
+- ``BlockStored``: blocks with these hashes now hold KV on this node, in ``tier`` (the
+  fastest tier that holds each: device memory, else host memory, else disk); the hashes
+  form one chain (each the child of the one before) when stored on the device. A hash
+  stored again with another tier moved there (evicted from the device into host memory,
+  loaded back from disk, ...).
+- ``BlockRemoved``: these hashes are no longer held in any tier.
 - ``AllBlocksCleared``: nothing is held any more (prefix cache reset).
 
 ``IndexUpdate`` is a wire type (msgpack on Redis pub/sub): a node's folded batch
@@ -16,15 +19,24 @@ channels, or import torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import msgspec
 
 
+class Tier(IntEnum):
+    """Where a node holds a block's KV, fastest first (engine/kv_offload.py: the lower tiers)."""
+    DEVICE = 0  # the engine's KV cache (GPU memory, or this process's memory on the CPU)
+    HOST = 1  # the host-memory pool (--kv-offload-memory; pinned on CUDA)
+    DISK = 2  # files under --kv-offload-dir
+
+
 @dataclass(slots=True)
 class BlockStored:
-    """A chain of full blocks registered in the prefix cache (the engine appends to the
-    last event while the chain continues)."""
+    """Full blocks registered in the prefix cache (the engine appends to the last event
+    while the chain continues), or moved to ``tier``."""
     block_hashes: list[int]
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ..common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 
 
 @dataclass(slots=True, eq=False)
@@ -236,7 +236,7 @@ class BlockPool:
         block.token_ids = tokens
         self.cached[block_hash] = block
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockStored) and last.block_hashes[-1] == parent_hash:
+        if isinstance(last, BlockStored) and last.tier is Tier.DEVICE and last.block_hashes[-1] == parent_hash:
             last.block_hashes.append(block_hash)  # the chain goes on: one event
         else:
             self._events.append(BlockStored([block_hash]))
