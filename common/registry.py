@@ -30,6 +30,7 @@ from redis.exceptions import RedisError
 
 from .config import NodeRole
 from .kv_compat import KVCompat
+from .kv_tier_stats import TierStats
 from .load import NodeLoad
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,9 @@ class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     # What a peer must share to exchange KV with it (model, dtype, block size, head layout,
     # TP); routers pair only compatible nodes (router/kv_pairing.py). None: not published.
     kv: KVCompat | None = None
+    # Each tier of its prefix cache, device first (a node without lower tiers: the device
+    # tier alone, or nothing from an older node); common/kv_tier_stats.py.
+    tiers: list[TierStats] = []
     load: NodeLoad = msgspec.field(default_factory=NodeLoad)
     updated_at: float = 0.0  # unix time of the heartbeat that wrote this record
 
