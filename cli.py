@@ -42,6 +42,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="CUDA: fraction of the device's total memory this process may use; the KV pool "
                         "gets what the weights and a profiled activation peak leave of it")
+    g.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="host memory for prefix-cache blocks evicted from the KV pool, e.g. 8GiB "
+                        "(pinned on CUDA); a later prompt with that prefix loads them back")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a disk tier below host memory: one checksummed file per block here, reused "
+                        "after a restart by a node of the same model, dtype and layout")
+    g.add_argument("--kv-offload-disk-bytes", default=None, metavar="SIZE",
+                   help="the disk tier's size, e.g. 100GiB (needs --kv-offload-dir)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -86,7 +94,10 @@ def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> Eng
                         device=args.device.split(",")[0], dtype=args.dtype, attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-                        tensor_parallel_size=args.tensor_parallel_size, sim=sim)
+                        tensor_parallel_size=args.tensor_parallel_size, sim=sim,
+                        kv_offload_memory=parse_size(args.kv_offload_memory or "0", "kv_offload_memory"),
+                        kv_offload_dir=args.kv_offload_dir,
+                        kv_offload_disk_bytes=parse_size(args.kv_offload_disk_bytes or "0", "kv_offload_disk_bytes"))
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -32,13 +32,14 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str | int) -> int:
-    """'512MiB', '2GiB', '1.5GB', '1048576' -> bytes (K/M/G/T are binary with or without i)."""
+def parse_size(text: str | int, field: str = "kv_cache_memory") -> int:
+    """'512MiB', '2GiB', '1.5GB', '1048576' -> bytes (K/M/G/T are binary with or without i);
+    ``field`` names the setting in the error."""
     if isinstance(text, int):
         return text
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"kv_cache_memory: cannot parse size {text!r}; use e.g. 512MiB or 2GiB")
+        raise ValueError(f"{field}: cannot parse size {text!r}; use e.g. 512MiB or 2GiB")
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
@@ -168,8 +169,28 @@ class EngineConfig:
     # kv_cache_memory and gpu_memory_utilization are per rank: each rank's KV cache holds
     # its KV heads of every block, so more ranks hold more blocks.
     tensor_parallel_size: int = 1
+    # Lower tiers of the prefix cache (engine/kv_offload.py): bytes of host memory that hold
+    # blocks evicted from the KV cache (0: none; pinned on CUDA), and a folder whose files
+    # hold blocks evicted from host memory, at most kv_offload_disk_bytes of them (None: no
+    # disk tier). A disk tier needs a host tier: blocks pass through it.
+    kv_offload_memory: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 0
 
     def __post_init__(self):
+        if self.kv_offload_memory < 0 or self.kv_offload_disk_bytes < 0:
+            raise ValueError("kv_offload_memory: must be >= 0" if self.kv_offload_memory < 0
+                             else "kv_offload_disk_bytes: must be >= 0")
+        if self.kv_offload_dir is not None and (not self.kv_offload_memory or not self.kv_offload_disk_bytes):
+            raise ValueError("kv_offload_dir: a disk tier needs kv_offload_memory (blocks reach the disk "
+                             "through host memory) and kv_offload_disk_bytes (its size)")
+        if self.kv_offload_disk_bytes and self.kv_offload_dir is None:
+            raise ValueError("kv_offload_disk_bytes: sizes the disk tier; give kv_offload_dir too")
+        if self.kv_offload_memory and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory: the tiers hold prefix-cache blocks; prefix caching is off")
+        if self.kv_offload_memory and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_memory: KV tiers are not built for tensor-parallel nodes yet "
+                             "(each rank would offload its own heads); use tensor_parallel_size 1")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
                      "prefill_chunk_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:

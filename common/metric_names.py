@@ -64,6 +64,16 @@ KV_POOL_TOKENS = PREFIX + "kv_pool_tokens"  # gauge
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"  # counter, prompt tokens looked up
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"  # counter, prompt tokens found cached
 NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"  # counter
+# Lower tiers of the prefix cache (engine/kv_offload.py), label tier (host, disk), in blocks
+# (vLLM's offloading connector and LMCache count the same things):
+KV_OFFLOAD_QUERIES = PREFIX + "kv_offload_queries_total"  # counter: prompt blocks looked up below the device
+KV_OFFLOAD_HITS = PREFIX + "kv_offload_hits_total"  # counter, label tier: blocks found (and loaded)
+KV_OFFLOAD_BYTES = PREFIX + "kv_offload_bytes_total"  # counter, labels tier, direction (load, store)
+KV_OFFLOAD_SECONDS = PREFIX + "kv_offload_seconds"  # histogram, labels tier, direction: one move
+KV_OFFLOAD_EVICTIONS = PREFIX + "kv_offload_evictions_total"  # counter, label tier: blocks evicted
+KV_OFFLOAD_FAULTS = PREFIX + "kv_offload_faults_total"  # counter, labels tier, fault: misses by bad file, ...
+KV_OFFLOAD_BLOCKS = PREFIX + "kv_offload_blocks"  # gauge, label tier: blocks held
+KV_OFFLOAD_CAPACITY = PREFIX + "kv_offload_capacity_blocks"  # gauge, label tier: blocks it holds when full
 REQUEST_QUEUE_TIME = PREFIX + "request_queue_time_seconds"  # histogram: added -> first scheduled
 REQUEST_PREFILL_TIME = PREFIX + "request_prefill_time_seconds"  # histogram: first scheduled -> prompt done
 REQUEST_DECODE_TIME = PREFIX + "request_decode_time_seconds"  # histogram: first token -> finished

@@ -27,6 +27,13 @@ class TransferEnd(StrEnum):
     ABORTED = "aborted"  # the request was cancelled while it ran
 
 
+class TierFault(StrEnum):
+    """Why a block did not make it to or back from a lower tier of the prefix cache."""
+    CORRUPT = "corrupt"  # a disk file failed a check when read: deleted, a miss
+    WRITE_FAILED = "write_failed"  # the write raised (disk full, permissions): the block is dropped
+    QUEUE_FULL = "queue_full"  # the disk writer is behind: the block is dropped, not waited for
+
+
 class FallbackReason(StrEnum):
     """Why a decode node prefilled a request itself instead of receiving its KV."""
     NO_BLOCKS = "no_blocks"  # the KV cache had too few free blocks to reserve for the prompt

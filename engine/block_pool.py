@@ -14,7 +14,9 @@ Block states::
     in use, uncached   > 0       no              no
     in use, cached     > 0       no              yes
 
-    free, *           --get_new_blocks-->  in use, uncached  (a cached one is evicted: BlockRemoved)
+    free, *           --get_new_blocks-->  in use, uncached  (a cached one is evicted: BlockRemoved,
+                                                            or BlockStored(tier) if ``on_evict``
+                                                            kept its KV in a lower tier)
     in use, uncached  --cache_block----->  in use, cached    (BlockStored)
     in use, *         --free_blocks----->  free, *           (once ref_cnt reaches 0; queue tail)
     free, cached      --touch----------->  in use, cached    (prefix hit)
@@ -27,7 +29,7 @@ cached block evicted (least recently freed first).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
@@ -134,6 +136,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block_hash -> block
         self._events: list[KVEvent] = []
+        # Lower tiers (engine/kv_offload.py): called with (block id, hash, tokens) as a cached
+        # block is evicted, before it is reused; returns the lower tier that now holds it, if any.
+        self.on_evict: Callable[[int, int, tuple[int, ...]], Tier | None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,14 +174,24 @@ class BlockPool:
         assert h is not None and self.cached.get(h) is block, (
             f"block {block.block_id} has hash {h} but is not the cached entry"
         )
+        assert block.token_ids is not None
+        tier = self.on_evict(block.block_id, h, block.token_ids) if self.on_evict is not None else None
         del self.cached[h]
         block.block_hash = None
         block.token_ids = None
+        self.record_event(BlockRemoved([h]) if tier is None else BlockStored([h], tier))
+
+    def record_event(self, event: BlockRemoved | BlockStored) -> None:
+        """Append a removal, or a move to a lower tier, to the event log (merged into the last
+        event of its kind and tier). Device stores go through ``cache_block``."""
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved):
-            last.block_hashes.append(h)
+        if isinstance(event, BlockRemoved) and isinstance(last, BlockRemoved):
+            last.block_hashes.extend(event.block_hashes)
+        elif (isinstance(event, BlockStored) and isinstance(last, BlockStored) and last.tier is event.tier
+              and event.tier is not Tier.DEVICE):
+            last.block_hashes.extend(event.block_hashes)
         else:
-            self._events.append(BlockRemoved(block_hashes=[h]))
+            self._events.append(event)
 
     def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
         """The block cached under ``block_hash`` if it holds exactly ``token_ids``.

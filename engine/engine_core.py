@@ -40,10 +40,13 @@ import torch
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
 from ..common.hashing import hash_blocks, hash_keys
+from ..common.kv_events import Tier
+from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from . import prompt_logprobs
 from .kv_cache_manager import KVCacheManager
+from .kv_offload import KVOffload
 from .limits import RequestLimits
 from .loader import resolve_model_dir
 from .model_config import ModelConfig
@@ -111,7 +114,9 @@ class EngineCore:
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens,
                                     self.grammars)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # lower tiers of the prefix cache (host memory, disk), if configured (kv_offload.py)
+        self.offload = KVOffload.build(config, self.runner.kv_caches)
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, self.offload)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size, self.max_model_len)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
@@ -153,12 +158,28 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the worker ranks, if any, and give this process back the cores it had before
-        rank 0 was pinned to its share (idempotent). Call from the thread that steps."""
+        rank 0 was pinned to its share (idempotent); the disk tier's writer finishes its
+        queue. Call from the thread that steps."""
+        offload: KVOffload | None = getattr(self, "offload", None)  # absent if the runner failed to build
+        if offload is not None:
+            offload.close()
+            self.offload = None
         if self.tp is not None:
             self.tp.close()
         if self._unpinned is not None:
             pin_process(self._unpinned)
             self._unpinned = None
+
+    def tier_stats(self) -> list[TierStats]:
+        """Each tier of the prefix cache, device first. The device tier's load rate is the
+        recompute rate (prefill tokens/s in bytes of blocks), measured with lower tiers only."""
+        off = self.offload
+        kv = self.runner.kv_caches  # rank 0's heads of every block: each rank holds as many, about
+        block_bytes = kv[:, :, 0].numel() * kv.element_size() * self.config.tensor_parallel_size
+        recompute = off.prefill_rate.value * block_bytes / self.config.block_size if off is not None else 0.0
+        device = TierStats(tier=Tier.DEVICE, capacity_blocks=self.num_blocks, used_blocks=len(self.kv.pool.cached),
+                           block_bytes=block_bytes, load_bytes_per_s=recompute)
+        return [device] + (off.stats() if off is not None else [])
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -205,8 +226,10 @@ class EngineCore:
         hashes = block_hashes if block_hashes is not None else hash_blocks(
             prompt_token_ids, self.config.block_size, hash_keys(self.config.model_id, cache_salt))
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
-        if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks) is None:
+        if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
             return None
+        if self.offload is not None:  # a receiver may write the blocks next: tier copies land first
+            self.offload.sync()
         return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
 
     def release(self, request_id: str) -> None:
@@ -274,7 +297,12 @@ class EngineCore:
         except TPFailure as e:
             assert self.tp is not None, "only a TP engine's runner raises TPFailure"
             raise self.tp.explain(e) from e
-        self.busy_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.busy_s += elapsed
+        if self.offload is not None and not self.config.async_scheduling:  # the forward ran in launch
+            prompt = sum(n for req, n in out.scheduled if req.num_computed_tokens < len(req.prompt_token_ids))
+            if prompt >= self.config.block_size:  # the recompute rate a lower-tier load competes with
+                self.offload.observe_prefill(prompt, elapsed)
         for req in launched.requests:
             req.pending_tokens += 1
         self.scheduler.update_after_step(out)

@@ -61,6 +61,7 @@ import queue
 import threading
 from typing import Any, Callable, NamedTuple
 
+from ..common.kv_tier_stats import TierStats
 from ..common.kv_events import KVEvent
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
@@ -150,6 +151,7 @@ class EngineStats(NamedTuple):
     computed_tokens: int
     preemptions: int
     sim_overrun_s: float = 0.0  # a simulated node's wall seconds beyond its steps' time (sim_runner.py)
+    tiers: tuple[TierStats, ...] = ()  # each tier of the prefix cache, device first (EngineCore.tier_stats)
 
 
 class BlockExporter(NamedTuple):
@@ -230,7 +232,7 @@ class EngineThread:
         e = self._engine
         return EngineStats(e.load(), self._steps, e.kv.num_blocks, e.kv.num_free_blocks, e.busy_s,
                            e.num_computed_tokens_total, e.num_preemptions_total,
-                           getattr(e.runner, "overrun_s", 0.0))
+                           getattr(e.runner, "overrun_s", 0.0), tuple(e.tier_stats()))
 
     def _handle(self, cmd: Command) -> Any:
         e = self._engine

@@ -23,15 +23,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..common.kv_events import KVEvent
+from ..common.kv_events import KVEvent, Tier
 from .block_pool import BlockPool, KVBlock
+from .kv_offload import KVOffload, LowerHit
 
 
 class ComputedBlocks(NamedTuple):
-    """Leading blocks of a prompt found in the prefix cache."""
+    """Leading blocks of a prompt found in the prefix cache: on the device (``blocks``),
+    then the run after them found in a lower tier (``lower``: each gets a new device block
+    and its KV loaded there when allocated)."""
 
     blocks: list[KVBlock]
-    num_tokens: int  # == len(blocks) * block_size
+    num_tokens: int  # == (len(blocks) + len(lower)) * block_size
+    lower: list[LowerHit] = []
 
 
 class KVCacheManager:
@@ -46,11 +50,18 @@ class KVCacheManager:
         ``num_free_blocks == num_blocks``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 offload: KVOffload | None = None) -> None:
+        """``offload``: the lower tiers of the prefix cache (engine/kv_offload.py), if any."""
         assert block_size > 0, f"block_size must be positive, got {block_size}"
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = offload.store
+            offload.record = self.pool.record_event
+            offload.on_device = self.pool.cached.__contains__
         self._req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> blocks, in token order
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
 
@@ -77,6 +88,9 @@ class KVCacheManager:
         counts are not changed: pass the result to ``allocate_slots`` before any
         other allocation can evict the blocks.
 
+        With lower tiers, the run of blocks after the device hits that a lower tier holds
+        follows in ``lower`` (when loading them pays: kv_offload.py ``lookup``).
+
         At least one prompt token is always left to compute (its logits give the
         first sampled token), so at most ``(len(token_ids) - 1) // block_size``
         blocks are returned::
@@ -94,7 +108,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return ComputedBlocks(hits, len(hits) * bs)
+        lower = [] if self.offload is None or len(hits) == max_blocks else \
+            self.offload.lookup(block_hashes, token_ids, len(hits), max_blocks)
+        return ComputedBlocks(hits, (len(hits) + len(lower)) * bs, lower)
 
     def num_blocks_needed(
         self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = ()
@@ -114,14 +130,17 @@ class KVCacheManager:
         return max(0, total - have) + evictable
 
     def allocate_slots(
-        self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+        self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = (),
+        lower: Sequence[LowerHit] = (),
     ) -> list[KVBlock] | None:
         """Make ``req_id`` own blocks for ``num_tokens`` tokens in total.
 
         On the first call for ``req_id``, ``computed_blocks`` (from
         ``get_computed_blocks``, unchanged since) become its leading blocks and are
-        touched; later calls must pass none. Returns the newly allocated blocks
-        (possibly empty), or None, changing nothing, if the pool is short.
+        touched, and the first new blocks take the ``lower`` hits that followed them:
+        each is registered in the prefix cache and its KV loaded from the host tier.
+        Later calls must pass neither. Returns the newly allocated blocks (possibly
+        empty), or None, changing nothing, if the pool is short.
         """
         if self.num_blocks_needed(req_id, num_tokens, computed_blocks) > self.pool.num_free_blocks:
             return None
@@ -139,6 +158,14 @@ class KVCacheManager:
             self._num_cached[req_id] = len(computed_blocks)
         total = -(-num_tokens // self.block_size)
         new = self.pool.get_new_blocks(max(0, total - len(owned)))
+        if lower:
+            assert self.offload is not None and len(owned) == len(computed_blocks) and len(new) >= len(lower), (
+                f"{req_id}: lower-tier hits on a later allocation or beyond {num_tokens} tokens")
+            for hit, block in zip(lower, new):
+                stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens)
+                assert stored, f"{req_id}: a lower-tier hit {hit.block_hash:x} is already on the device"
+            self.offload.load(lower, [b.block_id for b in new[:len(lower)]])
+            self._num_cached[req_id] += len(lower)
         owned.extend(new)
         return new
 
@@ -184,7 +211,10 @@ class KVCacheManager:
         return [b.block_id for b in self._req_blocks[req_id]]
 
     def take_events(self) -> list[KVEvent]:
-        """The prefix-cache events since the last call, oldest first (see BlockPool)."""
+        """The prefix-cache events since the last call, oldest first (see BlockPool), the
+        lower tiers' included."""
+        if self.offload is not None:
+            self.offload.poll()
         return self.pool.take_events()
 
     def cached_hashes(self) -> list[int]:
@@ -192,5 +222,17 @@ class KVCacheManager:
         the start (or the last ``AllBlocksCleared``) add up to."""
         return list(self.pool.cached)
 
+    def held_blocks(self) -> dict[int, Tier]:
+        """Every block hash this engine holds in any tier, with the fastest tier holding it
+        (what the tier events since the start add up to)."""
+        held = self.offload.held() if self.offload is not None else {}
+        held.update(dict.fromkeys(self.pool.cached, Tier.DEVICE))
+        return held
+
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached block, the lower tiers' too; False (nothing changed) while
+        any block is in use."""
+        done = self.pool.reset_prefix_cache()
+        if done and self.offload is not None:
+            self.offload.clear()
+        return done

@@ -109,7 +109,7 @@ class Scheduler:
             if self._prefix_in_flight(req, hashes, hit.num_tokens):
                 break
             n = min(req.num_tokens - hit.num_tokens, budget, self.chunk)
-            if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks) is None:
+            if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks, hit.lower) is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING

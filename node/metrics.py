@@ -18,16 +18,20 @@ fallbacks, transfers and blocks through the collectors here) or touch the engine
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..common import metric_names as n
+from ..common.kv_events import Tier
+from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.model_metrics import ModelMetrics
 from ..common.outcomes import (FallbackReason, IndexBatchResult, PrefillOutcome, PromptHashResult,
-                               TransferEnd)
+                               TierFault, TransferEnd)
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
+    from ..engine.kv_offload import Move
     from ..engine.engine_core import RequestDelta
     from ..engine.request import Request
     from ..engine.scheduler import SchedulerOutput
@@ -35,6 +39,8 @@ if TYPE_CHECKING:  # annotations only: this module never calls the engine
 # Seconds (vLLM's request-interval buckets, cut below 10 ms).
 INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                     20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+# Seconds of one tier move (a block is ~1 MiB here, tens of MiB for a long prompt's run on a GPU)
+OFFLOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PRUNE_SLACK = 64  # timing entries beyond the live requests before finished ones are dropped
 
 
@@ -103,6 +109,30 @@ class NodeMetrics:
                                 (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
+        # Lower tiers of the prefix cache: observed on the engine thread (kv_offload.TierObserver)
+        lower = [t.name.lower() for t in Tier if t is not Tier.DEVICE]
+        self.offload_queries = c.counter(n.KV_OFFLOAD_QUERIES, "Prompt blocks looked up in the lower "
+                                         "tiers (after the device's prefix cache missed)")
+        self.offload_hits = c.counter(n.KV_OFFLOAD_HITS, "Prompt blocks found in a lower tier and "
+                                      "loaded instead of recomputed", ["tier"])
+        self.offload_bytes = c.counter(n.KV_OFFLOAD_BYTES, "Block bytes moved to (store) or from "
+                                       "(load) a lower tier", ["tier", "direction"])
+        self.offload_seconds = c.histogram(n.KV_OFFLOAD_SECONDS, "Seconds of one move of blocks to or "
+                                           "from a lower tier", OFFLOAD_BUCKETS, ["tier", "direction"])
+        self.offload_evictions = c.counter(n.KV_OFFLOAD_EVICTIONS, "Blocks evicted from a lower tier",
+                                           ["tier"])
+        self.offload_faults = c.counter(n.KV_OFFLOAD_FAULTS, "Blocks lost to a fault: a bad file "
+                                        "(a miss), a failed write, a writer behind", ["tier", "fault"])
+        self.offload_blocks = c.gauge(n.KV_OFFLOAD_BLOCKS, "Blocks a lower tier holds", ["tier"])
+        self.offload_capacity = c.gauge(n.KV_OFFLOAD_CAPACITY, "Blocks a lower tier holds when full",
+                                        ["tier"])
+        for tier in lower:
+            self.offload_hits.labels(tier)
+            self.offload_evictions.labels(tier)
+            for direction in ("load", "store"):
+                self.offload_bytes.labels(tier, direction)
+        for fault in TierFault:
+            self.offload_faults.labels("disk", fault)
         self._times: dict[str, RequestTimes] = {}  # req_id -> times (engine thread only)
         self._preemptions_seen = 0
 
@@ -113,6 +143,30 @@ class NodeMetrics:
         self.preemptions.inc(preemptions_total - self._preemptions_seen)
         self._preemptions_seen = preemptions_total
         self.heartbeat_failures.set(heartbeat_failures)
+
+    # ---- lower tiers (kv_offload.TierObserver; engine thread) --------------------------------
+    def moved(self, move: Move) -> None:
+        tier, direction = move.tier.name.lower(), "load" if move.load else "store"
+        self.offload_bytes.labels(tier, direction).inc(move.nbytes)
+        self.offload_seconds.labels(tier, direction).observe(move.seconds)
+
+    def looked_up(self, queried_blocks: int, hits: dict[Tier, int]) -> None:
+        self.offload_queries.inc(queried_blocks)
+        for tier, count in hits.items():
+            self.offload_hits.labels(tier.name.lower()).inc(count)
+
+    def evicted(self, tier: Tier, blocks: int) -> None:
+        self.offload_evictions.labels(tier.name.lower()).inc(blocks)
+
+    def fault(self, tier: Tier, fault: TierFault) -> None:
+        self.offload_faults.labels(tier.name.lower(), fault).inc()
+
+    def set_tiers(self, tiers: Sequence[TierStats]) -> None:
+        """The lower tiers' sizes and use (the engine's published stats)."""
+        for t in tiers:
+            if t.tier is not Tier.DEVICE:
+                self.offload_blocks.labels(t.tier.name.lower()).set(t.used_blocks)
+                self.offload_capacity.labels(t.tier.name.lower()).set(t.capacity_blocks)
 
     def set_kv_pool(self, device: str, dtype: str, blocks: int, nbytes: int, tokens: int) -> None:
         """The KV pool's place and size (``NodeRuntime.kv_pool_info``), once at start."""

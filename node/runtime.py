@@ -145,6 +145,8 @@ class NodeRuntime:
             raise
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
+        if engine.offload is not None:  # its moves, hits and faults, counted on the engine thread
+            engine.offload.observer = self.metrics
         self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
         if cfg.sim is None:
             self.kv_key = node_kv_key(cfg, engine.model_config, kv.dtype, self.tp)
@@ -240,7 +242,7 @@ class NodeRuntime:
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.limits.kv_capacity_tokens,
                         block_size=self.config.engine.block_size, max_model_len=self.limits.max_model_len,
-                        load=self.engine_thread.load, kv=self.kv_key)
+                        load=self.engine_thread.load, kv=self.kv_key, tiers=list(self.engine_thread.stats.tiers))
 
     async def listening(self, port: int) -> None:
         """The node serves HTTP on ``port`` (the config's, or the one port 0 picked): its
@@ -310,6 +312,7 @@ class NodeRuntime:
         """Set the engine-state gauges from the latest published load (before a scrape)."""
         self.metrics.set_load(self.engine_thread.load, self.engine_thread.stats.preemptions,
                               self.redis.heartbeat.failures if self.redis is not None else 0)
+        self.metrics.set_tiers(self.engine_thread.stats.tiers)
 
     def state(self) -> dict:
         """The runtime's part of ``GET /debug/state`` (the role's server adds its own)."""

@@ -1,0 +1,372 @@
+"""The lower tiers of one engine's prefix cache: a host-memory pool below the KV cache and
+an optional disk tier below that (engine/kv_disk_tier.py).
+
+Owns the host pool (a tensor of slots shaped like the KV cache's blocks, pinned on CUDA),
+its LRU map (block hash -> slot, tokens), the moves between the tiers and their measured
+rates, the tier events (common/kv_events.py ``Tier``) and the tier stats a heartbeat
+reports. Engine thread only (the disk tier's writer has its own thread). Must not: choose
+or allocate device blocks, or know about requests (kv_cache_manager.py asks it).
+
+::
+
+    device KV cache --(a cached block is evicted: BlockPool.on_evict -> store)--> host slot
+    host slot --(LRU evicted: spill)--> disk file (queued to the writer) or dropped
+    admission: KVCacheManager.get_computed_blocks -> device hits, then lookup() here:
+      the next blocks of the prompt's hash chain found in host memory, else on disk (read
+      and checked now; a bad file ends the run: a miss)
+      -> taken only when loading them is cheaper than recomputing them, by the rates
+         measured here (host->device and disk->host bytes/s, the engine's prefill tokens/s)
+    allocate_slots: each hit gets a fresh device block, registered in the prefix cache at
+      once, and load() copies its host slot into it before any forward reads it
+
+A block is useful only with its parents: lookups walk the chain from the first block the
+device lacks and stop at the first miss; device evictions go tail first (a request frees
+its last block first), so a chain's children reach the host, and leave it, before their
+parents. Copies go on the engine's stream in order (on the CPU they are plain copies), so
+a store always reads a block before a later forward or load overwrites it; a decode
+node's reservation waits for them (``sync``) before a KV receiver writes the blocks.
+
+Events: a device eviction of a block a lower tier now holds is ``BlockStored(tier=HOST)``
+(or DISK) instead of ``BlockRemoved``; a host eviction makes it DISK, or removed; a disk
+file that goes away (evicted for room, a failed write or check) removes it unless a
+faster tier still has it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from ..common.config import EngineConfig
+from ..common.kv_events import BlockRemoved, BlockStored, Tier
+from ..common.kv_tier_stats import TierStats
+from ..common.outcomes import TierFault
+from .kv_disk_tier import DiskLayout, DiskTier
+
+log = logging.getLogger(__name__)
+
+RATE_EWMA = 0.2  # weight of the newest measurement in a rate
+
+
+class Move(NamedTuple):
+    """One batch of blocks moved between the device and a lower tier."""
+    tier: Tier  # HOST or DISK: the lower tier involved
+    load: bool  # True: from the tier towards the device; False: a store into the tier
+    blocks: int
+    nbytes: int
+    seconds: float  # measured on this host (a simulated node prices the move itself)
+
+
+class LowerHit(NamedTuple):
+    """A prompt block found below the device: in host slot ``slot``, or read from disk into
+    ``data`` (one block, the host tier's layout) by the lookup."""
+    block_hash: int
+    parent: int | None  # the previous block's hash in the chain
+    tokens: tuple[int, ...]
+    tier: Tier  # where it was found
+    slot: int = -1  # HOST
+    data: torch.Tensor | None = None  # DISK
+
+
+class TierObserver(Protocol):
+    """The node's metrics of the tiers (called on the engine thread)."""
+
+    def moved(self, move: Move) -> None: ...
+
+    def looked_up(self, queried_blocks: int, hits: dict[Tier, int]) -> None: ...
+
+    def evicted(self, tier: Tier, blocks: int) -> None: ...
+
+    def fault(self, tier: Tier, fault: TierFault) -> None: ...
+
+
+class _HostEntry(NamedTuple):
+    slot: int
+    tokens: tuple[int, ...]
+
+
+class _Rate:
+    """Bytes (or tokens) per second, a moving average of measurements."""
+
+    def __init__(self) -> None:
+        self.value = 0.0  # 0: nothing measured yet
+
+    def add(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        rate = amount / seconds
+        self.value = rate if self.value == 0 else (1 - RATE_EWMA) * self.value + RATE_EWMA * rate
+
+
+class KVOffload:
+    """The host and disk tiers of one engine (see the module docstring)."""
+
+    def __init__(self, kv_caches: torch.Tensor, block_size: int, host_blocks: int, disk: DiskTier | None = None):
+        assert host_blocks > 0, "a host tier of no blocks"
+        self.kv = kv_caches  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
+        self.cuda = kv_caches.device.type == "cuda"
+        shape = list(kv_caches.shape)
+        shape[2] = host_blocks
+        self.host = torch.empty(shape, dtype=kv_caches.dtype, pin_memory=self.cuda)
+        self.host_blocks = host_blocks
+        self._free_slots = list(range(host_blocks - 1, -1, -1))
+        self._lru: OrderedDict[int, _HostEntry] = OrderedDict()  # hash -> entry, least recently used first
+        self._protected: set[int] = set()  # hashes of the lookup being allocated: not evicted meanwhile
+        self.disk = disk
+        self._on_disk_pending: dict[int, tuple[int, ...]] = {}  # queued to the writer, not yet indexed
+        # the prefix cache's event log (KVCacheManager sets it): one ordered stream for every tier
+        self.record: Callable[[BlockRemoved | BlockStored], None] = lambda event: None
+        self._moves: list[Move] = []
+        self.observer: TierObserver | None = None
+        self.on_device: Callable[[int], bool] = lambda h: False  # the prefix cache's (KVCacheManager sets it)
+        self.rates = {Tier.HOST: _Rate(), Tier.DISK: _Rate()}  # loads towards the device, bytes/s
+        self.store_rate = _Rate()  # device -> host, bytes/s
+        self.prefill_rate = _Rate()  # the engine's, tokens/s
+        self._dirty = False  # copies issued since the last sync (CUDA)
+
+    @classmethod
+    def build(cls, config: EngineConfig, kv_caches: torch.Tensor) -> KVOffload | None:
+        """The tiers ``config`` asks for over ``kv_caches``, or None (no host tier)."""
+        if not config.kv_offload_memory:
+            return None
+        block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
+        host_blocks = config.kv_offload_memory // block_bytes
+        if host_blocks < 1:
+            raise ValueError(f"kv_offload_memory: {config.kv_offload_memory} bytes hold no block of "
+                             f"{block_bytes} bytes")
+        disk = None
+        if config.kv_offload_dir is not None:
+            block = list(kv_caches[:, :, 0].shape)
+            layout = DiskLayout(config.model_id, str(kv_caches.dtype).removeprefix("torch."), tuple(block))
+            disk = DiskTier(config.kv_offload_dir, layout, block_bytes, config.kv_offload_disk_bytes)
+        log.info("KV tiers: host %d blocks (%.0f MiB)%s", host_blocks, host_blocks * block_bytes / 2**20,
+                 f", disk up to {config.kv_offload_disk_bytes / 2**20:.0f} MiB in {disk.dir}" if disk else "")
+        return cls(kv_caches, config.block_size, host_blocks, disk)
+
+    # ---- stores (BlockPool.on_evict) -------------------------------------------------------
+    def store(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> Tier | None:
+        """The device is about to reuse cached block ``block_id``: keep its KV in host memory.
+        Returns the fastest lower tier that holds it now (the event's tier), None if none."""
+        entry = self._lru.get(block_hash)
+        if entry is not None and entry.tokens == tokens:
+            self._lru.move_to_end(block_hash)  # already there (it was loaded from here)
+            return Tier.HOST
+        slot = self._take_slot()
+        if slot is None:  # everything is protected by the lookup in progress
+            return Tier.DISK if self._on_disk(block_hash) else None
+        t0 = time.perf_counter()
+        self.host[:, :, slot].copy_(self.kv[:, :, block_id], non_blocking=self.cuda)
+        seconds = time.perf_counter() - t0
+        self._dirty = True
+        self._lru[block_hash] = _HostEntry(slot, tokens)
+        if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
+            self.store_rate.add(self.block_bytes, seconds)
+        self._record_move(Move(Tier.HOST, False, 1, self.block_bytes, seconds))
+        return Tier.HOST
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for h in self._lru:  # least recently used first, skipping the lookup's hits
+            if h not in self._protected:
+                return self._spill(h)
+        return None
+
+    def _spill(self, block_hash: int) -> int:
+        """Evict a host entry (to disk when there is one); its slot is free again."""
+        entry = self._lru.pop(block_hash)
+        self._count_evicted(Tier.HOST)
+        if self.disk is not None and not self._on_disk(block_hash):
+            if self.cuda and self._dirty:
+                self.sync()  # the slot's store must have landed before its bytes are read
+            payload = self.host[:, :, entry.slot].contiguous().view(torch.uint8).numpy().tobytes()
+            if self.disk.put(block_hash, entry.tokens, payload):
+                self._on_disk_pending[block_hash] = entry.tokens
+                self._record_move(Move(Tier.DISK, False, 1, self.block_bytes, 0.0))
+        if not self.on_device(block_hash):
+            self.record(BlockStored([block_hash], Tier.DISK) if self._on_disk(block_hash)
+                        else BlockRemoved([block_hash]))
+        return entry.slot
+
+    def _on_disk(self, block_hash: int) -> bool:
+        return self.disk is not None and (block_hash in self._on_disk_pending or self.disk.contains(block_hash))
+
+    # ---- loads (KVCacheManager.get_computed_blocks / allocate_slots) -------------------------
+    def lookup(self, block_hashes: Sequence[int], token_ids: Sequence[int], start: int,
+               max_blocks: int) -> list[LowerHit]:
+        """Prompt blocks ``start ..`` (the first the device lacks) found in host memory or on
+        disk, as a run from ``start`` (host hits protected from eviction until they are
+        loaded or the next lookup; disk hits read now); none when loading them would cost
+        more than recomputing them."""
+        self.poll()
+        bs = self.block_size
+        found: list[tuple[int, tuple[int, ...], Tier]] = []
+        for i in range(start, max_blocks):
+            h, tokens = block_hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])
+            entry = self._lru.get(h)
+            if entry is not None and entry.tokens == tokens:
+                found.append((h, tokens, Tier.HOST))
+            elif self._on_disk(h) and h not in self._on_disk_pending:
+                found.append((h, tokens, Tier.DISK))
+            else:
+                break
+        found = found if self._load_pays(found) else []
+        hits: list[LowerHit] = []
+        self._protected = set()
+        for i, (h, tokens, tier) in enumerate(found, start):
+            parent = block_hashes[i - 1] if i > 0 else None
+            if tier is Tier.HOST:
+                self._lru.move_to_end(h)
+                self._protected.add(h)
+                hits.append(LowerHit(h, parent, tokens, tier, slot=self._lru[h].slot))
+                continue
+            data = self._read_disk(h, tokens)
+            if data is None:
+                break  # a bad file: the run ends here
+            hits.append(LowerHit(h, parent, tokens, tier, data=data))
+        if self.observer is not None and max_blocks > start:
+            counts = {t: sum(1 for hit in hits if hit.tier is t) for t in (Tier.HOST, Tier.DISK)}
+            self.observer.looked_up(max_blocks - start, counts)
+        return hits
+
+    def _load_pays(self, found: list[tuple[int, tuple[int, ...], Tier]]) -> bool:
+        """Whether loading ``found`` is expected to take less than recomputing its tokens, by
+        the measured rates (nothing measured yet: loading is assumed to pay)."""
+        prefill = self.prefill_rate.value
+        if not found or prefill == 0:
+            return bool(found)
+        load_s = 0.0
+        for _, _, tier in found:
+            rates = [self.rates[Tier.HOST].value] + ([self.rates[Tier.DISK].value] if tier is Tier.DISK else [])
+            if any(r == 0 for r in rates):
+                return True
+            load_s += sum(self.block_bytes / r for r in rates)
+        return load_s < len(found) * self.block_size / prefill
+
+    def _read_disk(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+        """A block read from disk (one block of the host tier's shape), or None when its file
+        is unusable (deleted and counted by the disk tier)."""
+        assert self.disk is not None
+        t0 = time.perf_counter()
+        payload = self.disk.read(block_hash, tokens)
+        if payload is None:
+            self.poll()  # the file was dropped: its event and fault
+            return None
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.host.dtype)
+        data = data.view(self.host[:, :, 0].shape)
+        if self.cuda:
+            data = data.pin_memory()
+        seconds = time.perf_counter() - t0
+        self.rates[Tier.DISK].add(len(payload), seconds)
+        self._record_move(Move(Tier.DISK, True, 1, len(payload), seconds))
+        return data
+
+    def load(self, hits: Sequence[LowerHit], block_ids: Sequence[int]) -> None:
+        """Copy each hit (its host slot, or what was read from disk) into its new device
+        block (``block_ids``, in order), then release the lookup's protection."""
+        if hits:
+            t0 = time.perf_counter()
+            for hit, block_id in zip(hits, block_ids, strict=True):
+                src = self.host[:, :, hit.slot] if hit.data is None else hit.data
+                self.kv[:, :, block_id].copy_(src, non_blocking=self.cuda)
+            seconds = time.perf_counter() - t0
+            self._dirty = True
+            nbytes = len(hits) * self.block_bytes
+            if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
+                self.rates[Tier.HOST].add(nbytes, seconds)
+            self._record_move(Move(Tier.HOST, True, len(hits), nbytes, seconds))
+        self._protected = set()
+
+    def sync(self) -> None:
+        """Wait until every copy issued so far has landed (a no-op on the CPU)."""
+        if self.cuda and self._dirty:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.kv.device).synchronize()
+            seconds = time.perf_counter() - t0
+            recent = [m for m in self._moves if m.load and m.tier is Tier.HOST]
+            if recent:  # the copies of the latest loads ended within this wait, about
+                self.rates[Tier.HOST].add(sum(m.nbytes for m in recent), seconds + sum(m.seconds for m in recent))
+        self._dirty = False
+
+    # ---- the engine's other hooks ----------------------------------------------------------
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens in ``seconds``: the recompute rate."""
+        self.prefill_rate.add(tokens, seconds)
+
+    def clear(self) -> None:
+        """Forget every block in every lower tier (the prefix cache was reset: the caller
+        records ``AllBlocksCleared``); the disk tier's files are deleted."""
+        for entry in self._lru.values():
+            self._free_slots.append(entry.slot)
+        self._lru.clear()
+        self._protected = set()
+        if self.disk is not None:
+            self.disk.clear()
+            self.disk.take_dropped()
+            self._on_disk_pending.clear()
+
+    def poll(self) -> None:
+        """Fold in what the disk writer did: files that went away (evictions, failed writes)
+        become removal events unless a faster tier holds the block; faults are counted."""
+        if self.disk is None:
+            return
+        dropped, faults = self.disk.take_dropped()
+        for h in list(self._on_disk_pending):
+            if self.disk.contains(h):
+                del self._on_disk_pending[h]
+        for h in dropped:
+            self._on_disk_pending.pop(h, None)
+            if h not in self._lru and not self.on_device(h):
+                self.record(BlockRemoved([h]))
+        if dropped:
+            self._count_evicted(Tier.DISK, len(dropped))
+        if self.observer is not None:
+            for fault in faults:
+                self.observer.fault(Tier.DISK, fault)
+
+    def held(self) -> dict[int, Tier]:
+        """Every block hash in a lower tier, with the fastest lower tier holding it."""
+        self.poll()
+        held = dict.fromkeys(self.disk.hashes(), Tier.DISK) if self.disk is not None else {}
+        held.update(dict.fromkeys(self._on_disk_pending, Tier.DISK))
+        held.update(dict.fromkeys(self._lru, Tier.HOST))
+        return held
+
+    def take_moves(self) -> list[Move]:
+        """The moves since the last call (a simulated node prices them with its profile)."""
+        moves, self._moves = self._moves, []
+        return moves
+
+    def stats(self) -> list[TierStats]:
+        out = [TierStats(tier=Tier.HOST, capacity_blocks=self.host_blocks, used_blocks=len(self._lru),
+                         block_bytes=self.block_bytes, load_bytes_per_s=self.rates[Tier.HOST].value,
+                         store_bytes_per_s=self.store_rate.value)]
+        if self.disk is not None:
+            store = self.disk.stored_bytes / self.disk.store_s if self.disk.store_s > 0 else 0.0
+            out.append(TierStats(tier=Tier.DISK, capacity_blocks=self.disk.capacity_blocks,
+                                 used_blocks=self.disk.used_blocks, block_bytes=self.block_bytes,
+                                 load_bytes_per_s=self.rates[Tier.DISK].value, store_bytes_per_s=store))
+        return out
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _record_move(self, move: Move) -> None:
+        self._moves.append(move)
+        if len(self._moves) > 4096:  # nobody takes them (a real node): keep the recent ones
+            del self._moves[:2048]
+        if self.observer is not None:
+            self.observer.moved(move)
+
+    def _count_evicted(self, tier: Tier, blocks: int = 1) -> None:
+        if self.observer is not None:
+            self.observer.evicted(tier, blocks)

@@ -1,0 +1,267 @@
+"""The lower tiers of the prefix cache (engine/kv_offload.py, engine/kv_disk_tier.py):
+
+- the block bookkeeping on a real KVCacheManager over a CPU tensor: an evicted block's KV
+  lands in host memory, comes back into a fresh device block with its bytes intact, the
+  events say which tier holds each hash (a move is a store with the new tier, removal only
+  when no tier holds it), host evictions spill to disk and back, the protection of a
+  lookup's hits while their blocks are allocated;
+- the engine on a tiny random Llama: greedy tokens of prompts served from host memory and
+  from disk equal a run that recomputes them, a node restarted on the same folder finds
+  its blocks, a corrupted or truncated file and a temporary left by a kill are misses
+  (deleted, counted), a full disk is a counted failure; nothing raises, the device pool
+  is all free afterwards and the tiers stay within their sizes.
+"""
+
+import subprocess
+
+import pytest
+import torch
+
+from splitserve.common.kv_events import BlockRemoved, BlockStored, Tier
+from splitserve.common.outcomes import TierFault
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_disk_tier import SUFFIX, DiskLayout, DiskTier
+from splitserve.engine.kv_offload import KVOffload, Move
+
+BS = 4
+
+
+class Observer:
+    """Counts what the tiers report (the node's metrics implement the same calls)."""
+
+    def __init__(self):
+        self.hits = {Tier.HOST: 0, Tier.DISK: 0}
+        self.queried = 0
+        self.faults: list[TierFault] = []
+        self.moves: list[Move] = []
+        self.evictions = {Tier.HOST: 0, Tier.DISK: 0}
+
+    def moved(self, move):
+        self.moves.append(move)
+
+    def looked_up(self, queried, hits):
+        self.queried += queried
+        for t, n in hits.items():
+            self.hits[t] += n
+
+    def evicted(self, tier, blocks):
+        self.evictions[tier] += blocks
+
+    def fault(self, tier, fault):
+        self.faults.append(fault)
+
+
+def manager(num_blocks=4, host_blocks=4, disk=None):
+    kv = torch.zeros((2, 2, num_blocks, BS, 1, 2))
+    off = KVOffload(kv, BS, host_blocks, disk)
+    return kv, off, KVCacheManager(num_blocks, BS, True, off)
+
+
+def fill(kv, mgr, rid, tokens, value):
+    """Allocate ``tokens`` for ``rid``, write ``value + block index`` into its blocks, cache
+    them, free them: a finished request whose blocks stay cached."""
+    hashes = [hash((rid, i)) & (2**64 - 1) for i in range(len(tokens) // BS)]
+    hit = mgr.get_computed_blocks(hashes, tokens)
+    assert mgr.allocate_slots(rid, len(tokens), hit.blocks, hit.lower) is not None
+    for i, b in enumerate(mgr.block_ids(rid)):
+        kv[:, :, b] = value + i
+    mgr.cache_blocks(rid, hashes, tokens, len(tokens))
+    mgr.free(rid)
+    return hashes
+
+
+def test_evicted_blocks_come_back_from_host_with_their_bytes_and_the_events_name_the_tier():
+    kv, off, mgr = manager(num_blocks=4, host_blocks=8)
+    a = list(range(8)) + [99]  # 2 full blocks (+1 token: the last is never a hit)
+    ha = fill(kv, mgr, "a", a, 10.0)
+    assert mgr.take_events() == [BlockStored(ha)]
+    b = list(range(100, 112)) + [99]  # 4 blocks: evicts a's two
+    fill(kv, mgr, "b", b, 20.0)
+    events = mgr.take_events()
+    moved = [h for e in events if isinstance(e, BlockStored) and e.tier is Tier.HOST for h in e.block_hashes]
+    assert sorted(moved) == sorted(ha) and not any(isinstance(e, BlockRemoved) for e in events)
+    assert mgr.held_blocks()[ha[0]] is Tier.HOST
+    hit = mgr.get_computed_blocks(ha, a)
+    assert hit.blocks == [] and [h.block_hash for h in hit.lower] == ha and hit.num_tokens == 8
+    new = mgr.allocate_slots("a2", len(a), hit.blocks, hit.lower)
+    assert new is not None
+    for i, b_id in enumerate(mgr.block_ids("a2")[:2]):  # the bytes came back
+        assert torch.all(kv[:, :, b_id] == 10.0 + i)
+    assert mgr.held_blocks()[ha[0]] is Tier.DEVICE  # loaded back: device again, still on host too
+    stored = [e for e in mgr.take_events() if isinstance(e, BlockStored) and e.tier is Tier.DEVICE]
+    assert [h for e in stored for h in e.block_hashes][:2] == ha
+    mgr.free("a2")
+    assert mgr.num_free_blocks == 4
+
+
+def test_a_full_host_tier_drops_least_recent_and_a_lookup_protects_its_hits():
+    kv, off, mgr = manager(num_blocks=3, host_blocks=2)
+    tail = [1]  # a ninth token: the 2 full blocks can be hits
+    ha = fill(kv, mgr, "a", list(range(8)) + tail, 1.0)  # 2 cached blocks on the device
+    hb = fill(kv, mgr, "b", list(range(20, 28)) + tail, 2.0)  # a's 2 -> host
+    mgr.take_events()
+    hc = fill(kv, mgr, "c", list(range(40, 48)) + tail, 3.0)  # b's 2 -> host; a's dropped
+    events = mgr.take_events()
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(ha)  # no tier holds them any more
+    held = mgr.held_blocks()
+    assert all(held[h] is Tier.HOST for h in hb) and all(held[h] is Tier.DEVICE for h in hc)
+    assert all(h not in held for h in ha)
+    b = list(range(20, 28)) + tail
+    hit = mgr.get_computed_blocks(hb, b)
+    assert len(hit.lower) == 2
+    assert mgr.allocate_slots("b2", 13, hit.blocks, hit.lower) is None  # 4 blocks of 3: nothing changes
+    # allocating b's 3 blocks evicts c's 2 into a host tier full of b's, which the lookup
+    # protects: c's are dropped, b's bytes stay
+    hit = mgr.get_computed_blocks(hb, b)
+    assert mgr.allocate_slots("b2", 9, hit.blocks, hit.lower) is not None
+    assert [float(kv[0, 0, blk, 0, 0, 0]) for blk in mgr.block_ids("b2")[:2]] == [2.0, 3.0]
+    mgr.free("b2")
+    held = mgr.held_blocks()
+    assert all(held[h] is Tier.DEVICE for h in hb) and all(h not in held for h in hc)
+
+
+def test_host_evictions_spill_to_disk_and_come_back(tmp_path):
+    layout = DiskLayout("m", "float32", (2, 2, BS, 1, 2))
+    block_bytes = 2 * 2 * BS * 1 * 2 * 4
+    disk = DiskTier(tmp_path, layout, block_bytes, 64 << 10)
+    kv, off, mgr = manager(num_blocks=3, host_blocks=1, disk=disk)
+    obs = off.observer = Observer()
+    ha = fill(kv, mgr, "a", list(range(8)) + [1], 5.0)
+    fill(kv, mgr, "b", list(range(20, 28)) + [1], 6.0)  # a's blocks: host (1 slot), then disk
+    fill(kv, mgr, "c", list(range(40, 48)) + [1], 7.0)
+    disk.close()  # the writer finished its queue
+    disk = off.disk = DiskTier(tmp_path, layout, block_bytes, 64 << 10)  # the tier restarted on its folder
+    assert all(disk.contains(h) for h in ha)
+    hit = mgr.get_computed_blocks(ha, list(range(8)) + [1])
+    assert [h.tier for h in hit.lower] == [Tier.DISK, Tier.DISK]
+    assert mgr.allocate_slots("a2", 8, hit.blocks, hit.lower) is not None
+    assert [float(kv[1, 1, b, 3, 0, 1]) for b in mgr.block_ids("a2")] == [5.0, 6.0]
+    assert obs.hits[Tier.DISK] == 2 and any(m.tier is Tier.DISK and m.load for m in obs.moves)
+    disk.close()
+
+
+BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # bytes of a tiny Llama's block: 2 layers, K and V, 16 tokens, 2 KV heads of 16, fp32
+
+
+def tiny_llm(model_dir, blocks, **kw):
+    from splitserve.engine.llm import LLM
+    return LLM(str(model_dir), kv_cache_memory=blocks * BLOCK, max_num_seqs=4, **kw)
+
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def prompts():
+    """Three unrelated prompts of 6 full blocks each: each evicts the one before from 8 blocks."""
+    return [[(7 * i + 13 * j + 1) % 250 + 1 for j in range(100)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny(shared_tiny_model):
+    return shared_tiny_model("llama", max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    llm = tiny_llm(tiny, 64, enable_prefix_caching=False)
+    with llm:
+        return [o.token_ids for o in llm.generate(prompts(), PARAMS)]
+
+
+def run_turns(llm, order):
+    """Generate ``prompts()[i]`` for each i of ``order``, one at a time; (tokens, cached tokens)."""
+    ps = prompts()
+    out = []
+    for i in order:
+        o = llm.generate([ps[i]], PARAMS)[0]
+        out.append((i, o.token_ids, o.num_cached_tokens))
+    return out
+
+
+def test_engine_tokens_from_host_equal_recompute(tiny, reference):
+    llm = tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK)
+    with llm:
+        obs = llm.engine.offload.observer = Observer()
+        turns = run_turns(llm, [0, 1, 2, 0, 1])
+        for i, tokens, _ in turns:
+            assert tokens == reference[i], f"prompt {i}"
+        assert [c for _, _, c in turns[3:]] == [96, 96]  # 6 blocks each, from host memory
+        assert obs.hits[Tier.HOST] == 12 and obs.hits[Tier.DISK] == 0
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+        host = llm.engine.tier_stats()[1]
+        assert host.tier is Tier.HOST and host.used_blocks <= host.capacity_blocks == 32
+        assert host.load_bytes_per_s > 0 and host.store_bytes_per_s > 0
+
+
+def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, reference, tmp_path):
+    args = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)
+    with llm:
+        obs = llm.engine.offload.observer = Observer()
+        turns = run_turns(llm, [0, 1, 2, 0])
+        assert all(tokens == reference[i] for i, tokens, _ in turns)
+        assert turns[3][2] == 96 and obs.hits[Tier.DISK] >= 4  # most of prompt 0 came from disk
+    files = sorted(p for p in next(tmp_path.iterdir()).iterdir())
+    assert files and all(p.suffix == SUFFIX for p in files)
+    llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)  # a restarted node
+    with llm:
+        obs = llm.engine.offload.observer = Observer()
+        (i, tokens, cached), = run_turns(llm, [1])
+        assert tokens == reference[1] and cached == 96 and obs.hits[Tier.DISK] == 6
+
+
+def test_bad_files_are_misses_never_wrong_tokens(tiny, reference, tmp_path):
+    args = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
+    llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)
+    with llm:
+        run_turns(llm, [0, 1, 2])
+    folder = next(tmp_path.iterdir())
+    files = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime)
+    assert len(files) >= 6
+    flipped, truncated = files[0], files[1]  # prompt 0's leading blocks (written first)
+    data = bytearray(flipped.read_bytes())
+    data[-5] ^= 0xFF  # one payload byte: only the checksum notices
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:100])
+    (folder / "deadbeef.tmp123").write_bytes(b"half a block")  # a node killed while storing
+    llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)
+    with llm:
+        obs = llm.engine.offload.observer = Observer()
+        turns = run_turns(llm, [0])
+        assert turns[0][1] == reference[0]
+        assert TierFault.CORRUPT in obs.faults
+        assert not flipped.exists() or not truncated.exists()
+        assert not (folder / "deadbeef.tmp123").exists()
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_a_full_disk_is_a_counted_failure(tiny, reference, tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, kv_offload_dir=str(mount),
+                                    kv_offload_disk_bytes=1 << 20)  # the tier allows more than the disk has
+        with llm:
+            obs = llm.engine.offload.observer = Observer()
+            turns = run_turns(llm, [0, 1, 2, 0])
+            assert all(tokens == reference[i] for i, tokens, _ in turns)
+        assert TierFault.WRITE_FAILED in obs.faults
+        assert not [p for p in next(mount.iterdir()).iterdir() if p.suffix != SUFFIX]  # no temporaries left
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_tier_settings_are_checked():
+    from splitserve.common.config import EngineConfig
+    for kw, field in ((dict(kv_offload_dir="/tmp/x"), "kv_offload_dir"),
+                      (dict(kv_offload_disk_bytes=10), "kv_offload_disk_bytes"),
+                      (dict(kv_offload_memory=-1), "kv_offload_memory"),
+                      (dict(kv_offload_memory=1 << 20, enable_prefix_caching=False), "kv_offload_memory"),
+                      (dict(kv_offload_memory=1 << 20, tensor_parallel_size=2), "kv_offload_memory")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**kw)
