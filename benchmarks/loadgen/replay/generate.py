@@ -25,6 +25,9 @@
 Conversations start as a Poisson process (``rate`` per second) for ``duration_s``;
 one whose next turn would not fit ``max_context`` tokens ends. Deterministic in
 ``seed``. Message lengths are lognormal around their means.
+
+``PRESETS`` names the specs of ``make-trace --preset``, this generator's and the
+prefix-group generator's (groups.py), and ``generate`` runs either.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .groups import GroupSpec, generate_groups
 from .trace import HASH_BLOCK, TraceRequest
 
 
@@ -84,8 +88,10 @@ class TraceSpec:
                              f"got {self.max_context}")
 
 
-def generate(spec: TraceSpec) -> list[TraceRequest]:
+def generate(spec: TraceSpec | GroupSpec) -> list[TraceRequest]:
     """The trace of ``spec``, sorted by timestamp."""
+    if isinstance(spec, GroupSpec):
+        return generate_groups(spec)
     rng = np.random.default_rng(spec.seed)
     ids = itertools.count()
     system = [[next(ids) for _ in range(int(rng.integers(1, spec.max_system_blocks + 1)))]
@@ -134,8 +140,9 @@ def generate(spec: TraceSpec) -> list[TraceRequest]:
 # Named presets of ``make-trace --preset``. long-context: the input lengths of the
 # published long-context production traces (p50 7-12k, p90 27-39k, max ~128k):
 # multi-turn conversations whose prompts grow, shared system prompts, shared
-# documents and tool results.
-PRESETS = {
+# documents and tool results. prefix-groups: ~15k-token prompts in groups sharing 97%
+# of them, reused minutes apart, a working set ~3x 16 H100s' KV pools (groups.py).
+PRESETS: dict[str, TraceSpec | GroupSpec] = {
     "default": TraceSpec(),
     # seeds 0 / 1: input p50 10.6k / 9.6k, p90 34.7k / 31.7k, max 92k / 127k tokens
     "long-context": TraceSpec(tenants=16, max_system_blocks=8, users_per_tenant=50, rate=0.5,
@@ -143,6 +150,7 @@ PRESETS = {
                               mean_output_tokens=300, mean_think_s=30.0, max_context=131072,
                               docs=200, doc_share=0.55, mean_doc_tokens=9000, tool_share=0.2,
                               mean_tool_tokens=8000, length_sigma=0.6),
+    "prefix-groups": GroupSpec(),
 }
 
 

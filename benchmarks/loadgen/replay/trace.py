@@ -13,14 +13,16 @@ into a fixed deterministic token block, the last cut to ``input_length``:
     tokens       |512 |512 |512 |cut |
                   tokens_of(7) is the same list in every request and every run
 
-Owns: parsing with errors that name the line and field, the expansion, and the
+Owns: parsing with errors that name the line and field, the expansion, the
 oracle hit rate (one shared cache that never evicts: a block hits when any earlier
-request listed its id). Must not talk to a cluster.
+request listed its id) and the hit rate of one shared LRU cache of a given size.
+Must not talk to a cluster.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -128,4 +130,29 @@ def oracle_hits(requests: Iterable[TraceRequest], hash_block: int = HASH_BLOCK) 
             hit += min(hash_block, r.input_length - i * hash_block)
         seen.update(keys)
         hits.append(hit)
+    return hits
+
+
+def lru_hits(requests: Iterable[TraceRequest], capacity_tokens: int, hash_block: int = HASH_BLOCK) -> list[int]:
+    """Per request, the prompt tokens one shared prefix cache of ``capacity_tokens`` would
+    hold, evicting the least recently used blocks: its leading blocks (``prefix_keys``) in
+    the cache; then every block of the prompt is the most recent, its last block least
+    (an engine frees a request's blocks tail first, so a prefix outlives its tails)."""
+    requests = list(requests)
+    cache: OrderedDict[int, int] = OrderedDict()  # prefix key -> its tokens, least recent first
+    held = 0
+    hits = []
+    for r, keys in zip(requests, prefix_keys(requests)):
+        hit = 0
+        for i, key in enumerate(keys):
+            if key not in cache:
+                break
+            hit += min(hash_block, r.input_length - i * hash_block)
+        hits.append(hit)
+        for i in reversed(range(len(keys))):
+            tokens = min(hash_block, r.input_length - i * hash_block)
+            held += tokens - cache.pop(keys[i], 0)
+            cache[keys[i]] = tokens
+        while held > capacity_tokens and cache:
+            held -= cache.popitem(last=False)[1]
     return hits
