@@ -364,6 +364,13 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
                         "weights from the model folder's config.json")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="every node's --enforce-eager: no CUDA graphs, every step at its exact shape")
+    p.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="every node's host-memory tier for evicted prefix-cache blocks, e.g. 8GiB")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="a disk tier below it: node <id> keeps its block files in DIR/<id> (kept across "
+                        "restarts)")
+    p.add_argument("--kv-offload-disk-bytes", default=None, metavar="SIZE",
+                   help="each node's disk tier size, e.g. 100GiB")
     p.add_argument("--api-key", action="append", default=None, metavar="'KEY [cache_salt=SALT]'",
                    help="a client key the router requires as 'Authorization: Bearer <key>' on /v1/*, "
                         "optionally with its tenant's cache salt (repeatable; default: "

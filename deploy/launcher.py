@@ -45,6 +45,7 @@ import tomllib
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ..common.auth import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, auth_headers, new_cluster_token, redis_url_from
 from ..router.api_keys import API_KEY_ENV, ApiKey, api_keys_from_args
@@ -123,7 +124,7 @@ class Cluster:
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
                  served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
-                 enforce_eager=False, tp=None):
+                 enforce_eager=False, tp=None, kv_offload=None):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -132,7 +133,8 @@ class Cluster:
                         colocated=colocated, extra=list(extra_node_args), policy=policy,
                         router_args=list(router_args), served=list(served_model_names),
                         load_format=load_format, enforce_eager=enforce_eager,
-                        tp={r: n for r, n in (tp or {}).items() if n != 1})  # role -> ranks per node
+                        tp={r: n for r, n in (tp or {}).items() if n != 1},  # role -> ranks per node
+                        kv_offload=kv_offload)
         self.router_port = router_port or free_port()
         if router_replicas < 1:
             raise ValueError(f"router_replicas: must be >= 1, got {router_replicas}")
@@ -276,6 +278,7 @@ class Cluster:
         # no --redis-url: the URL holds the Redis password, so it travels in $SPLITSERVE_REDIS_URL
         tp = c["tp"].get("decode" if role == "colocated" else role, 1)
         engine += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        engine += c["kv_offload"].node_args(f"{role}-{index}") if c["kv_offload"] else []
         args = ["decode" if role == "colocated" else role, "--host", c["host"],
                 "--kv-backend", c["kv_backend"], *memory, *device, *engine,
                 "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
@@ -431,6 +434,19 @@ class SimCluster(Cluster):
         return self
 
 
+class TierFlags(NamedTuple):
+    """``up``'s KV tier flags, passed to every node (sizes as given, e.g. "8GiB")."""
+    memory: str | None  # --kv-offload-memory
+    dir: str | None  # --kv-offload-dir: each node gets its own folder under it (its node id)
+    disk_bytes: str | None  # --kv-offload-disk-bytes
+
+    def node_args(self, node_id: str) -> list[str]:
+        args = ["--kv-offload-memory", self.memory] if self.memory else []
+        if self.dir:
+            args += ["--kv-offload-dir", os.path.join(self.dir, node_id)]
+        return args + (["--kv-offload-disk-bytes", self.disk_bytes] if self.disk_bytes else [])
+
+
 def kill_group(pgid: int) -> None:
     """SIGKILL every process left in process group ``pgid`` (a member started in its own
     session: its worker ranks); nothing left is fine."""
@@ -492,6 +508,9 @@ def launch(args) -> int:
                       router_replicas=getattr(args, "router_replicas", None) or 1,
                       load_format=getattr(args, "load_format", None) or defaults.get("load_format"),
                       enforce_eager=enforce_eager, tp=tp,
+                      kv_offload=TierFlags(getattr(args, "kv_offload_memory", None),
+                                           getattr(args, "kv_offload_dir", None),
+                                           getattr(args, "kv_offload_disk_bytes", None)),
                       # a node drained by the planner past its grace hands its streams to another
                       router_args=["--migration-limit", "2"] if getattr(args, "planner", False) else ())
     if getattr(args, "planner", False):  # bad planner flags fail before anything starts

@@ -151,6 +151,28 @@ def tiny_model_dir(tmp_path_factory):
     return lambda family, **overrides: _save_tiny_model(tmp_path_factory, family, **overrides)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def served_tiny_model(shared_tiny_model, bundled_dir):
+    """served_tiny_model(family, **overrides) -> folder: ``shared_tiny_model``'s model over the
+    bundled vocabulary, with the bundled tokenizer beside it, so real nodes and the router
+    serve it like any model folder."""
+    import json
+    import shutil
+    ref = json.loads((bundled_dir / "config.json").read_text())
+
+    def get(family, **overrides):
+        path = shared_tiny_model(family, vocab_size=ref["vocab_size"], bos_token_id=ref["bos_token_id"],
+                                 eos_token_id=ref["eos_token_id"], **overrides)
+        for f in TOKENIZER_FILES:
+            if (bundled_dir / f).is_file() and not (path / f).is_file():
+                shutil.copy(bundled_dir / f, path / f)
+        return path
+    return get
+
+
 @pytest.fixture(scope="session")
 def shared_tiny_model(tmp_path_factory):
     """shared_tiny_model(family, **overrides) -> folder: ``tiny_model_dir``'s model, saved once

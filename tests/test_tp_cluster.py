@@ -22,7 +22,6 @@ models with the bundled tokenizer.
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -52,22 +51,14 @@ MODELS = {
 PREFILL_TP = (1, 2)  # prefill-0, prefill-1
 DECODE_TP = (1, 2, 2)  # decode-0 .. decode-2: with 2 prefill nodes, round robin walks all 6 pairs
 MAX_TOKENS = 12
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 @pytest.fixture(scope="module")
-def served_model(shared_tiny_model, bundled_dir):
+def served_model(served_tiny_model):
     """name -> a tiny random model folder over the bundled vocabulary, with its tokenizer."""
-    ref = json.loads((bundled_dir / "config.json").read_text())
-
     def get(name):
         family, overrides, _ = MODELS[name]
-        path = shared_tiny_model(family, vocab_size=ref["vocab_size"], bos_token_id=ref["bos_token_id"],
-                                 eos_token_id=ref["eos_token_id"], max_position_embeddings=512, **overrides)
-        for f in TOKENIZER_FILES:
-            if (bundled_dir / f).is_file() and not (path / f).is_file():
-                shutil.copy(bundled_dir / f, path / f)
-        return path
+        return served_tiny_model(family, max_position_embeddings=512, **overrides)
     return get
 
 
