@@ -56,9 +56,15 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class IndexUpdate(msgspec.Struct, tag=True, omit_defaults=True):
     """One applied index write of (node_id, epoch), published on ``EVENTS_CHANNEL``
     (common/kv_index.py) atomically with the write: batch ``seq`` of the node's
-    folded events. ``clear``: a full write, ``stored`` is then everything the node
-    holds (a resync point); otherwise ``removed`` then ``stored`` apply on top of
-    batch ``seq - 1``. Routers mirror the index from these."""
+    folded events. ``clear``: a full write, the stored lists are then everything the
+    node holds (a resync point); otherwise ``removed`` then the stored lists apply on
+    top of batch ``seq - 1``. Routers mirror the index from these.
+
+    A stored hash is in exactly one list, by the fastest tier that holds it now:
+    ``stored`` (the device), ``stored_host``, ``stored_disk``; a hash already held
+    that appears in another list moved there. An update without the tier lists (a
+    node from before tiers, or one without lower tiers) holds everything on the
+    device, and a reader from before tiers still reads ``stored`` and ``removed``."""
 
     node_id: str
     epoch: str
@@ -66,3 +72,5 @@ class IndexUpdate(msgspec.Struct, tag=True, omit_defaults=True):
     clear: bool = False
     stored: list[int] = []
     removed: list[int] = []
+    stored_host: list[int] = []
+    stored_disk: list[int] = []

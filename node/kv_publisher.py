@@ -3,6 +3,8 @@ common/kv_index.py) equal to what its prefix cache holds, tagged with the node's
 and epoch.
 
     engine thread --on_kv(events | snapshot)--> pending IndexDelta (event loop)
+                  (events carry each stored block's tier, a snapshot each held hash's:
+                  the index keeps the fastest tier holding each, common/kv_index.py)
     publisher task: every flush_interval_s, if pending: KVIndex.apply(pending, seq+1)
                     every refresh_interval_s when idle: KVIndex.refresh (TTL)
                     not in sync (start, Redis error, refused batch, lost keys):
@@ -19,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 
-from ..common.kv_events import KVEvent
+from ..common.kv_events import KVEvent, Tier
 from ..common.kv_index import REDIS_ERRORS, IndexDelta, KVIndex
 from ..common.model_metrics import BoundLabels
 from ..common.outcomes import IndexBatchResult
@@ -58,9 +60,10 @@ class KVEventPublisher:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
 
-    def on_kv(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
+    def on_kv(self, events: list[KVEvent], snapshot: Sequence[int] | Mapping[int, Tier] | None) -> None:
         """From the engine, in engine order: events since the last call, or (with
-        ``snapshot``) every hash held now, which replaces anything pending."""
+        ``snapshot``) every hash held now, which replaces anything pending: hash ->
+        the fastest tier holding it, or a plain list of hashes (all on the device)."""
         if snapshot is not None:
             self._pending = IndexDelta.full(snapshot)
             self._snapshot_asked = False

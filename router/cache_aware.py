@@ -8,14 +8,24 @@ Every term is in token-equivalents (1.0 = the time to prefill one prompt token);
 weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``)::
 
     L       prompt tokens
-    C(n)    predicted cached prompt tokens on node n (leading blocks it holds, from
-            the index, capped so that one token is always computed)
-    W(n)    prefill work with c = w.cached_token * C(n) of the prompt cached: each new
+    C(n)    predicted cached prompt tokens on node n (leading blocks it holds in any
+            tier, from the index, capped so that one token is always computed)
+    work(C) prefill work with c = w.cached_token * C of the prompt cached: each new
             token, plus its attention over the context before it,
-              W(n) = (L - c) + w.attention * (L - c) * (c + (L - c) / 2)
+              work(C) = (L - c) + w.attention * (L - c) * (c + (L - c) / 2)
             (``attention`` is the fitted ratio of the two costs; without it a long
             cached prefix would look worth only its length, though it also saves
             the new tokens' attention over it)
+    X(n)    the load of C(n)'s blocks held only below the device (host memory, disk):
+            each costs r(t) of the work recomputing it would, r(t) = its load time
+            over its recompute time at n's measured rates (router/tier_cost.py:
+            defaults where n reports none), with C_low(n) the tokens of those blocks
+            and r(n) their mean ratio:
+              X(n) = r(n) * (work(C(n) - C_low(n)) - work(C(n)))
+            0 when n holds the hit on the device; never below 0, so a lower-tier hit
+            never costs less than the same hit on the device; above recomputing those
+            blocks when the tier loads slower than n prefills (r > 1)
+    W(n)    work(C(n)) + X(n)
     reqs(n) max(running + waiting at n's last heartbeat, this router's in flight there)
     u(n)    n's KV usage, 0..1
     R(p)    the W of the requests sent to p (by this router and, through
@@ -28,8 +38,8 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
                + max(queued_prefill_tokens(p), in-flight work)     work ahead of it
                + w.prefill_request * reqs(p) + w.kv_usage * u(p)
                + w.balance * max(0, R(p) - R_mean) * (L - C(p)) / L  recent share over the mean
-    decode(d)  = w.transfer * (L - C(d))                           blocks sent to d
-               + w.decode_request * reqs(d) + w.kv_usage * u(d)
+    decode(d)  = w.transfer * (L - C(d)) + X(d)                    blocks sent to d
+               + w.decode_request * reqs(d) + w.kv_usage * u(d)    (or loaded there)
       with no prefill node (d prefills itself), the transfer term is replaced by
                W(d) + max(queued_prefill_tokens(d), in-flight work on d)
 
@@ -82,8 +92,9 @@ from ..common.registry import NodeInfo
 from .config import CacheAwareWeights
 from .kv_pairing import cheapest_pair
 from .node_terms import FleetTerms, RoleTerms
-from .policy import NO_CACHED, NO_INFLIGHT, Decision
+from .policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision
 from .recent_work import RecentWork
+from .tier_cost import TierBlocks, tier_cost
 
 _TIE_EPS = 1e-9  # costs this close are equal
 
@@ -102,7 +113,8 @@ class CacheAware:
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-               tie_key: int | None = None, now: float | None = None) -> Decision | None:
+               tie_key: int | None = None, tiers: Mapping[str, TierBlocks] = NO_TIERS,
+               now: float | None = None) -> Decision | None:
         """`RoutingPolicy.choose`; ``now``: the monotonic time of the decision (default:
         the clock), which decides what recent work has settled."""
         terms = self._terms
@@ -115,8 +127,8 @@ class CacheAware:
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
         now = time.monotonic() if now is None else now
-        p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now)
-        d_costs = self.decode_costs(decodes, n, cached, inflight, local, inflight_tokens)
+        p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now, tiers)
+        d_costs = self.decode_costs(decodes, n, cached, inflight, local, inflight_tokens, tiers)
         prefill, p_cost = _cheapest(prefills, p_costs, turn)
         decode, d_cost = _cheapest(decodes, d_costs, turn)
         if prefill is not None and terms.pairs is not None:  # a mixed fleet: only pairs that can exchange KV
@@ -124,7 +136,7 @@ class CacheAware:
             if pair is None:  # no prefill node can send to any decode node: they prefill themselves
                 prefill, p_cost = None, 0.0
                 decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, True,
-                                                                      inflight_tokens), turn)
+                                                                      inflight_tokens, tiers), turn)
             else:
                 prefill, decode = prefills.nodes[pair[0]], decodes.nodes[pair[1]]
                 p_cost, d_cost = float(p_costs[pair[0]]), float(d_costs[pair[1]])
@@ -134,11 +146,12 @@ class CacheAware:
             near = RoleTerms.of([d for d in decodes.nodes
                                  if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens])
             alone, a_cost = _cheapest(near, self.decode_costs(near, n, cached, inflight, True,
-                                                              inflight_tokens), turn)
+                                                              inflight_tokens, tiers), turn)
             if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
                 prefill, decode = None, alone
-        hit = cached.get((prefill or decode).node_id, 0)
-        work = self.work(n, hit)
+        computes = prefill or decode
+        hit = cached.get(computes.node_id, 0)
+        work = self.work(n, hit) + self.lower_load(n, hit, computes, tiers.get(computes.node_id))
         if prefill is not None:
             self.recent.add(prefill.node_id, work, now)
             ahead = max(prefill.load.queued_prefill_tokens, inflight_tokens.get(prefill.node_id, 0))
@@ -148,15 +161,23 @@ class CacheAware:
             ttft = work + max(decode.load.queued_prefill_tokens, inflight_tokens.get(decode.node_id, 0))
         return Decision(prefill, decode, work, ttft, ttft * self.w.token_s if self.w.token_s else None)
 
-    def work(self, prompt_len: int, hit: int) -> float:
-        """Prefill work of a prompt with ``hit`` tokens cached, in token-equivalents:
-        every new token, plus its attention over the context before it."""
+    def work(self, prompt_len: int, hit: float) -> float:
+        """Prefill work of a prompt with ``hit`` tokens cached on the device, in
+        token-equivalents: every new token, plus its attention over the context before it."""
         new, ctx = prompt_len - self.w.cached_token * hit, self.w.cached_token * hit
         return new + self.w.attention * new * (ctx + new / 2)
 
+    def lower_load(self, prompt_len: int, hit: int, node: NodeInfo, split: TierBlocks | None) -> float:
+        """X(n) of the module docstring: loading the blocks of ``node``'s ``hit`` that
+        ``split`` places below the device (None: all on the device, 0.0)."""
+        if split is None or not split.lower:
+            return 0.0
+        low = hit * split.lower / split.total
+        return tier_cost(node).of(split) * (self.work(prompt_len, hit - low) - self.work(prompt_len, hit))
+
     def prefill_costs(self, prefills: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                       inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
-                      now: float) -> np.ndarray:
+                      now: float, tiers: Mapping[str, TierBlocks] = NO_TIERS) -> np.ndarray:
         """[prefill nodes] prefill(p) of the module docstring: load and balance as array
         operations, every node charged the uncached prompt's work, then the work and
         balance terms corrected for the handful of nodes with a hit."""
@@ -172,16 +193,19 @@ class CacheAware:
             if i is not None and hit:
                 r = float(recent[i])
                 costs[i] += (self.work(prompt_len, hit) - full
+                             + self.lower_load(prompt_len, hit, prefills.nodes[i], tiers.get(nid))
                              + self.balance_cost(r - mean, prompt_len, hit)
                              - self.balance_cost(r - mean, prompt_len, 0))
         return costs
 
     def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
-                     inflight: Mapping[str, int], inflight_tokens: Mapping[str, int]) -> float:
+                     inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
+                     tiers: Mapping[str, TierBlocks] = NO_TIERS) -> float:
         """prefill(p) without the balance term: p's work for this prompt plus its load."""
         load = _loads(RoleTerms.of([p]), inflight, inflight_tokens, self.w.prefill_request,
                       self.w.kv_usage, True)[0]
-        return self.work(prompt_len, cached.get(p.node_id, 0)) + float(load)
+        hit = cached.get(p.node_id, 0)
+        return self.work(prompt_len, hit) + self.lower_load(prompt_len, hit, p, tiers.get(p.node_id)) + float(load)
 
     def balance_cost(self, excess: float, prompt_len: int, hit: int) -> float:
         """A node ``excess`` tokens of recent work above the mean pays for it in
@@ -190,7 +214,8 @@ class CacheAware:
 
     def decode_costs(self, decodes: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                      inflight: Mapping[str, int], local_prefill: bool,
-                     inflight_tokens: Mapping[str, int] = NO_INFLIGHT) -> np.ndarray:
+                     inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
+                     tiers: Mapping[str, TierBlocks] = NO_TIERS) -> np.ndarray:
         """[decode nodes] decode(d) of the module docstring; with ``local_prefill`` d
         prefills itself: its own prefill work and queue, fresh from this router's
         in-flight work, replace the transfer."""
@@ -200,13 +225,17 @@ class CacheAware:
         if local_prefill:
             costs += np.fromiter((self.work(prompt_len, cached.get(nid, 0)) for nid in decodes.ids),
                                  np.float64, len(decodes.ids))
-            return costs
-        loads, tr = costs, w.transfer
-        costs = loads + tr * prompt_len
-        for nid, hit in cached.items():  # the nodes holding part of the prompt: fewer blocks to send
+        else:
+            loads, tr = costs, w.transfer
+            costs = loads + tr * prompt_len
+            for nid, hit in cached.items():  # the nodes holding part of the prompt: fewer blocks to send
+                i = index.get(nid)
+                if i is not None and hit:
+                    costs[i] = loads[i] + tr * (prompt_len - hit)
+        for nid, split in tiers.items():  # and the part of it below the device: loaded there
             i = index.get(nid)
-            if i is not None and hit:
-                costs[i] = loads[i] + tr * (prompt_len - hit)
+            if i is not None and split.lower:
+                costs[i] += self.lower_load(prompt_len, cached.get(nid, 0), decodes.nodes[i], split)
         return costs
 
 

@@ -2,7 +2,8 @@
 (``GET /debug/decisions``) and the prediction metrics.
 
 Owns the record of one decision (nodes chosen, predicted cached tokens per node and
-for the decision, the policy's predicted TTFT, how long deciding took) and its
+for the decision, the decision's predicted hit by the tier holding each block, the
+policy's predicted TTFT, how long deciding took) and its
 settlement once the response reported the cached tokens it really got and its
 first token came (delivered TTFT). Must not route or talk to nodes.
 
@@ -26,6 +27,7 @@ from ..common.outcomes import PredictionOutcome
 from .metrics import RouterMetrics
 from .policy import Decision
 from .prefix_index import PrefixHits
+from .tier_cost import TIER_NAMES, TierBlocks
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ class DecisionRecord:
     # The cached prompt tokens the response should report: the prefilling node's hit.
     # None: no prediction (a load-only policy, or the index was unreachable).
     predicted_cached_tokens: int | None
+    # Its blocks by the tier that holds each on that node: {"device": n, "host": m, "disk": k}.
+    # None: no prediction.
+    predicted_hit_blocks_by_tier: dict[str, int] | None
     node_cached_tokens: dict[str, int]  # node_id -> predicted cached tokens (hits only)
     decision_s: float
     # The policy's TTFT prediction: token-equivalents, and seconds when it knows the rate.
@@ -62,6 +67,13 @@ def predicted_cached(decision: Decision, hits: PrefixHits | None) -> int | None:
     return hits.cached.get((decision.prefill or decision.decode).node_id, 0)
 
 
+def predicted_split(decision: Decision, hits: PrefixHits | None) -> TierBlocks | None:
+    """``predicted_cached``'s blocks by the tier holding each; None: no prediction."""
+    if hits is None or not hits.looked_up:
+        return None
+    return hits.tiers.get((decision.prefill or decision.decode).node_id, TierBlocks())
+
+
 @dataclass(slots=True)
 class DecisionLog:
     metrics: RouterMetrics
@@ -72,18 +84,22 @@ class DecisionLog:
     def record(self, request_id: str, policy: str, decision: Decision, prompt_tokens: int,
                hits: PrefixHits | None, decision_s: float) -> DecisionRecord:
         predicted = predicted_cached(decision, hits)
+        split = predicted_split(decision, hits)
         rec = DecisionRecord(
             request_id=request_id, ts=time.time(), policy=policy,
             prefill=decision.prefill.node_id if decision.prefill else None,
             decode=decision.decode.node_id, prompt_tokens=prompt_tokens,
             predicted_cached_tokens=predicted,
+            predicted_hit_blocks_by_tier=None if split is None else split.by_tier(),
             node_cached_tokens=dict(hits.cached) if hits is not None else {},
             decision_s=decision_s,
             predicted_ttft=None if decision.predicted_ttft is None else round(decision.predicted_ttft, 1),
             predicted_ttft_s=decision.predicted_ttft_s)
         self.records.append(rec)
         if predicted:
-            self.metrics.predicted_cached_tokens.inc(predicted)
+            for tier, tokens in zip(TIER_NAMES, _tokens_by_tier(predicted, split)):
+                if tokens:
+                    self.metrics.predicted_cached_tokens.labels(tier).inc(tokens)
         return rec
 
     def settle(self, rec: DecisionRecord, delivered: int | None, ttft_s: float | None = None) -> None:
@@ -115,3 +131,12 @@ class DecisionLog:
     def last(self, n: int) -> list[DecisionRecord]:
         """The ``n`` most recent decisions, oldest first."""
         return list(self.records)[-n:] if n > 0 else []
+
+
+def _tokens_by_tier(tokens: int, split: TierBlocks | None) -> tuple[int, int, int]:
+    """A hit's ``tokens`` shared out as ``split`` shares its blocks (all on the device
+    without one)."""
+    if split is None or not split.total:
+        return tokens, 0, 0
+    host, disk = tokens * split.host // split.total, tokens * split.disk // split.total
+    return tokens - host - disk, host, disk

@@ -36,7 +36,7 @@ from .generation import Generation
 from .leg import InflightSlot, Leg
 from .metrics import RouterMetrics
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
-from .policy import NO_CACHED, Decision, RoutingPolicy
+from .policy import NO_CACHED, NO_TIERS, Decision, RoutingPolicy
 from .prefix_index import PrefixHits, PrefixIndex
 from .prompt import Prompt
 from .tokenizer import RouterTokenizer
@@ -108,7 +108,8 @@ class Dispatcher:
                 decision = self.policy.choose(prompt.ids, nodes, self.inflight,
                                               cached=hits.cached if hits else NO_CACHED,
                                               inflight_tokens=self.inflight_tokens,
-                                              tie_key=int(hashes[-1]) if len(hashes) else None)
+                                              tie_key=int(hashes[-1]) if len(hashes) else None,
+                                              tiers=hits.tiers if hits else NO_TIERS)
             if decision is None:
                 break
             decision_s, hash_s = time.perf_counter() - t_route + hash_s, 0.0

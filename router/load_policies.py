@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from ..common.registry import NodeInfo
 from .kv_pairing import compatible_prefills
 from .node_terms import split_roles
-from .policy import NO_CACHED, NO_INFLIGHT, Decision
+from .policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision
 from .recent_work import RecentWork
+from .tier_cost import TierBlocks
 
 
 def decode_load(node: NodeInfo, inflight: Mapping[str, int]) -> tuple:
@@ -42,7 +43,8 @@ class _LoadOnly:
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-               tie_key: int | None = None) -> Decision | None:
+               tie_key: int | None = None,
+               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> Decision | None:
         """`RoutingPolicy.choose`."""
         prefills, decodes = split_roles(nodes)
         if not decodes:

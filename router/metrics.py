@@ -15,6 +15,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from ..common.model_metrics import BoundLabels, ModelMetrics
 from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome
 from .loop_lag import LAG_BUCKETS, LAG_PERIOD_S
+from .tier_cost import TIER_NAMES
 
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
 # cut below 10 ms.)
@@ -57,7 +58,7 @@ class RouterMetrics:
     decision_seconds: Histogram
     loop_lag: Histogram  # loop_lag.py
     index_lookups: BoundLabels[Counter]  # labels result: ok | error | skipped
-    predicted_cached_tokens: Counter
+    predicted_cached_tokens: BoundLabels[Counter]  # labels tier: device | host | disk
     predictions: BoundLabels[Counter]  # labels outcome (see decisions.py)
     prediction_hit_rate: Gauge
     inflight_requests: Gauge  # generating HTTP requests admitted (admission.py)
@@ -108,8 +109,10 @@ class RouterMetrics:
                                     "in-memory mirror, by result (ok; skipped: the mirror is not "
                                     "usable, Redis unreachable: routing by load only)", ["result"]),
             predicted_cached_tokens=c.counter(n.PREDICTED_CACHED_TOKENS, "Prompt tokens the routing "
-                                              "decisions predicted to be cached (compare with "
-                                              + n.DELIVERED_CACHED_TOKENS + ")"),
+                                              "decisions predicted to be cached, by the tier of "
+                                              "the node's prefix cache holding them (device, "
+                                              "host, disk; compare their sum with "
+                                              + n.DELIVERED_CACHED_TOKENS + ")", ["tier"]),
             predictions=c.counter(n.PREFIX_PREDICTIONS, "Finished generations by prediction "
                                   "outcome: hit (predicted > 0, delivered >= predicted), miss "
                                   "(delivered < predicted: a misprediction, e.g. a stale index "
@@ -132,6 +135,7 @@ class RouterMetrics:
         for counter, values in ((m.finished, n.FINISHED_REASONS), (m.failures, FailureReason),
                                 (m.redis_errors, n.REDIS_OPS), (m.index_lookups, IndexLookupResult),
                                 (m.predictions, counted_predictions),
+                                (m.predicted_cached_tokens, TIER_NAMES),
                                 (m.admission_rejections, n.ADMISSION_REJECTION_REASONS)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start

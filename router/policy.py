@@ -23,9 +23,11 @@ from typing import NamedTuple, Protocol
 
 from ..common.registry import NodeInfo
 from .recent_work import RecentWork
+from .tier_cost import TierBlocks
 
 NO_INFLIGHT: Mapping[str, int] = MappingProxyType({})
 NO_CACHED: Mapping[str, int] = MappingProxyType({})
+NO_TIERS: Mapping[str, TierBlocks] = MappingProxyType({})
 
 
 class Decision(NamedTuple):
@@ -57,12 +59,14 @@ class RoutingPolicy(Protocol):
                inflight: Mapping[str, int] = NO_INFLIGHT, *,
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-               tie_key: int | None = None) -> Decision | None:
+               tie_key: int | None = None,
+               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> Decision | None:
         """Pick nodes for one request; None when no decode-capable node exists.
         ``inflight``: node_id -> requests this router has in flight there (for prefill
         nodes: not yet past their first token); ``inflight_tokens``: node_id -> their
         prefill work still to do there (the ``Decision.prefill_work`` of each, in
         token-equivalents); ``cached``: node_id -> predicted cached prompt tokens
-        (absent: none); ``tie_key``: breaks ties among equal nodes the same way for the
-        same key (router replicas agree), None: ties rotate."""
+        (absent: none); ``tiers``: node_id -> those tokens' blocks by the tier holding
+        each (absent: all on the device); ``tie_key``: breaks ties among equal nodes the
+        same way for the same key (router replicas agree), None: ties rotate."""
         ...

@@ -1,9 +1,11 @@
 """The router's in-memory mirror of the global prefix index: a prompt -> predicted
-cached prompt tokens per node, with no Redis round trip per request.
+cached prompt tokens per node, and the tier each of those blocks is in, with no
+Redis round trip per request.
 
-    nodes --EVALSHA apply (SET + seq + PUBLISH IndexUpdate, atomic)--> Redis
+    nodes --EVALSHA apply (SET, tiers + seq + PUBLISH IndexUpdate, atomic)--> Redis
     Redis --pub/sub splitserve:kvevents--> this mirror (one task per router)
-        update seq == mirrored seq + 1     apply (SREM, SADD on the node's bit)
+        update seq == mirrored seq + 1     apply (SREM, SADD on the node's bit; the
+                                           tier of what it holds below the device)
         update with clear                  replace the node (a full write)
         seq older                          ignore (already in a snapshot)
         gap, unknown node or epoch         resync the node: KVIndex.snapshot (one
@@ -27,6 +29,13 @@ candidates (registry epoch, block size), so a fleet of hundreds adds no loop ove
 every node. A set with a hole may be read long, which the router counts as a
 misprediction.
 
+Tiers: a block held only in a lower tier (host memory, disk) is held: it has the
+node's bit like a device block, so the walk is the same. Each mirrored node also
+keeps ``lower``, its hashes held below the device with their tier (empty for a node
+without lower tiers); a lookup splits each hit node's matched blocks by tier
+(`TierBlocks`) with one dict read per block, only for nodes whose ``lower`` is not
+empty.
+
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
 served model id and the request's cache salt as the extra keys, ``hash_keys``, and
 RouterConfig.block_size, as every node does),
@@ -40,7 +49,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -48,12 +57,14 @@ import msgspec
 import numpy as np
 
 from ..common.hashing import hash_blocks_array, hash_keys
-from ..common.kv_events import IndexUpdate
+from ..common.kv_events import IndexUpdate, Tier
 from ..common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
 from ..common.outcomes import IndexLookupResult
 from ..common.protocol import PromptHashes
 from ..common.registry import NodeInfo
 from .metrics import RouterMetrics
+from .policy import NO_TIERS
+from .tier_cost import TierBlocks
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +77,15 @@ class PrefixHits(NamedTuple):
     cached: dict[str, int]  # node_id -> predicted cached prompt tokens (nodes with a hit only)
     num_blocks: int  # full blocks of the prompt
     looked_up: bool  # False: the mirror is not usable (Redis down): no prediction
+    tiers: Mapping[str, TierBlocks] = NO_TIERS  # node_id -> its hit's blocks by tier (every node in cached)
 
 
 @dataclass(slots=True)
 class MirroredNode:
     slot: int  # bit position in the hash -> nodes masks
     seq: int = 0  # the last batch applied
-    hashes: set[int] = field(default_factory=set)
+    hashes: set[int] = field(default_factory=set)  # held in any tier
+    lower: dict[int, Tier] = field(default_factory=dict)  # of hashes, those held only below the device
     behind: int | None = None  # a seq Redis had applied at the last check that we had not
 
 
@@ -107,8 +120,9 @@ class PrefixIndex:
                hashes: Sequence[int] | np.ndarray | None = None,
                cache_salt: str | None = None) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
-        leading blocks each node holds (at the epoch of its registry record), in
-        tokens, capped like the engine caps a hit (at least one token is computed).
+        leading blocks each node holds in any tier (at the epoch of its registry
+        record), in tokens, capped like the engine caps a hit (at least one token is
+        computed), and those blocks by the tier each is in.
         ``hashes``: the prompt's block hashes when the caller has them (computed
         once per request, `PromptHashes`); otherwise they are computed here, with
         ``cache_salt`` (a salted prompt only finds blocks of its own salt)."""
@@ -128,14 +142,31 @@ class PrefixIndex:
         # Only the nodes with a hit are matched to the candidates (their registry epoch,
         # their block size): no per-request loop over every node of a large fleet.
         cached: dict[str, int] = {}
+        tiers: dict[str, TierBlocks] = {}
         if found:
             live = {n.node_id: n for n in nodes}  # node_id -> the registry's record
+            leading: list[int] | None = None  # the hit's hashes as ints, once
             for slot, tokens in found.items():
-                node_id, epoch = self._slot_key[slot]
-                n = live.get(node_id)
-                if n is not None and n.epoch == epoch and self._same_block_size(n):
-                    cached[node_id] = tokens
-        return PrefixHits(cached, num_blocks, True)
+                key = self._slot_key[slot]
+                n = live.get(key[0])
+                if n is None or n.epoch != key[1] or not self._same_block_size(n):
+                    continue
+                cached[key[0]] = tokens
+                blocks, lower = tokens // bs, self._nodes[key].lower
+                if not lower:
+                    tiers[key[0]] = TierBlocks(blocks)
+                    continue
+                if leading is None:
+                    head = hashes[:max_blocks]
+                    leading = head.tolist() if isinstance(head, np.ndarray) else list(head)
+                below = [0, 0, 0]  # blocks by tier value (the device's stays 0)
+                for h in leading[:blocks]:
+                    t = lower.get(h)
+                    if t is not None:
+                        below[t] += 1
+                tiers[key[0]] = TierBlocks(blocks - below[Tier.HOST] - below[Tier.DISK],
+                                           below[Tier.HOST], below[Tier.DISK])
+        return PrefixHits(cached, num_blocks, True, tiers)
 
     def hash_prompt(self, prompt: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> np.ndarray:
         """The prompt's block hashes as every node keys them (this router's block size,
@@ -225,7 +256,7 @@ class PrefixIndex:
         if entry is None:
             self._retire_other_epochs(key)
         if u.clear:
-            self._replace(key, u.seq, set(u.stored))
+            self._replace(key, u.seq, {*u.stored, *u.stored_host, *u.stored_disk}, _lower_of(u))
         elif entry is not None and u.seq == entry.seq + 1:
             self._apply(entry, u)
         elif entry is None or u.seq > entry.seq:  # unknown node, or a gap
@@ -250,31 +281,41 @@ class PrefixIndex:
         if snap.seq is None:
             self._drop(key)
         else:
-            self._replace(key, snap.seq, snap.hashes)
+            self._replace(key, snap.seq, snap.hashes, dict(snap.lower))
 
     # -- mirror state ----------------------------------------------------------------------
 
-    def _replace(self, key: NodeKey, seq: int, hashes: set[int]) -> None:
+    def _replace(self, key: NodeKey, seq: int, hashes: set[int], lower: dict[int, Tier] | None = None) -> None:
+        """Mirror ``key`` as holding exactly ``hashes`` at batch ``seq``, ``lower`` (None:
+        none) of them below the device."""
         self._drop(key)
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
-        entry = self._nodes[key] = MirroredNode(slot, seq)
+        entry = self._nodes[key] = MirroredNode(slot, seq, lower={} if lower is None else lower)
         self._slot_key[slot] = key
         self._all |= 1 << slot
         self._add(entry, hashes)
 
     def _apply(self, entry: MirroredNode, u: IndexUpdate) -> None:
         bit = 1 << entry.slot
-        holders = self._holders
+        holders, lower = self._holders, entry.lower
         for h in u.removed:
             if h in entry.hashes:
                 entry.hashes.discard(h)
+                lower.pop(h, None)
                 left = holders[h] & ~bit
                 if left:
                     holders[h] = left
                 else:
                     del holders[h]
         self._add(entry, u.stored)
+        if lower:  # back on the device
+            for h in u.stored:
+                lower.pop(h, None)
+        if u.stored_host or u.stored_disk:
+            self._add(entry, u.stored_host)
+            self._add(entry, u.stored_disk)
+            lower.update(_lower_of(u))
         entry.seq = u.seq
 
     def _add(self, entry: MirroredNode, hashes) -> None:
@@ -325,6 +366,13 @@ class PrefixIndex:
                         "its prefix cache is invisible to routing", node.node_id,
                         node.block_size, self.block_size)
         return False
+
+
+def _lower_of(u: IndexUpdate) -> dict[int, Tier]:
+    """The hashes ``u`` stores below the device, with their tier."""
+    lower = dict.fromkeys(u.stored_host, Tier.HOST)
+    lower.update(dict.fromkeys(u.stored_disk, Tier.DISK))
+    return lower
 
 
 def _walk(get, hashes, max_blocks: int, alive: int, bs: int, found: dict[int, int]) -> None:

@@ -160,7 +160,7 @@ def test_decisions_settle_into_hits_and_mispredictions():
     assert outcomes == ["hit", None, "miss", "unseen", None, "failed"]
     assert metrics.predictions.labels(outcome="miss")._value.get() == 1
     assert metrics.prediction_hit_rate._value.get() == 0.5
-    assert metrics.predicted_cached_tokens._value.get() == 64 * 3
+    assert metrics.predicted_cached_tokens.labels(tier="device")._value.get() == 64 * 3
 
 
 def test_tie_key_breaks_ties_the_same_way_in_every_router():

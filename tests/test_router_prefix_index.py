@@ -68,7 +68,7 @@ async def test_predicted_cached_tokens_per_node(redis_url):
         # a node holding every block of a 64-token prompt: one token is always computed
         assert px.lookup(prompt[:64], [c]).cached == {"c": 48}
         assert px.lookup(prompt, [c, a]).cached == {"c": 64, "a": 48}
-        assert px.lookup(prompt[:BS], [a, c]) == ({}, 1, True)
+        assert px.lookup(prompt[:BS], [a, c]) == ({}, 1, True, {})
         # a node hashing with another block size is left out (with one warning)
         other = node("x", block_size=32)
         await writer.apply("x", other.epoch, IndexDelta.full(hash_blocks(prompt, 32, (MODEL,))), seq=1)
