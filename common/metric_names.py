@@ -46,7 +46,7 @@ ROUTER_EVENT_LOOP_LAG = PREFIX + "router_event_loop_lag_seconds"  # histogram: t
 REDIS_ERRORS = PREFIX + "redis_errors_total"  # counter, label op
 PREFIX_INDEX_LOOKUPS = PREFIX + "prefix_index_lookups_total"  # counter, label result
 # Predicted versus delivered prefix-cache hits of the routing decisions, in prompt tokens.
-PREDICTED_CACHED_TOKENS = PREFIX + "routing_predicted_cached_tokens_total"  # counter
+PREDICTED_CACHED_TOKENS = PREFIX + "routing_predicted_cached_tokens_total"  # counter, label tier: device | host | disk
 DELIVERED_CACHED_TOKENS = PREFIX + "routing_delivered_cached_tokens_total"  # counter
 PREFIX_PREDICTIONS = PREFIX + "prefix_predictions_total"  # counter, label outcome
 PREFIX_PREDICTION_HIT_RATE = PREFIX + "prefix_prediction_hit_rate"  # gauge
