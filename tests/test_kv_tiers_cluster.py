@@ -13,6 +13,8 @@ heartbeat reports each tier (NodeInfo.tiers) and every pool is free afterwards.
 
 import asyncio
 import os
+import signal
+import time
 import urllib.request
 
 import openai
@@ -82,3 +84,37 @@ async def registered(redis_url: str) -> dict:
         return {n.node_id: n for n in await registry.list_nodes()}
     finally:
         await registry.close()
+
+
+def test_a_node_killed_while_storing_comes_back_with_its_disk_tier(served_tiny_model, tmp_path):
+    """kill -9 of the prefill node while its disk writer stores blocks (prompts stream
+    through a host tier of 2 blocks, so nearly every eviction is a disk write): the
+    supervisor restarts it on the same folder, it starts (no temporary is left, no
+    file under a block's name is half-written), later requests get the recomputed texts,
+    some from the files the killed node wrote, and no disk file fails its checks."""
+    model = served_tiny_model("llama", max_position_embeddings=512)
+    want = reference(model)
+    folder = tmp_path / "kv"
+    tiers = TierFlags(memory=str(2 * BLOCK), dir=str(folder), disk_bytes="4MiB")
+    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory=str(12 * BLOCK),
+                 model=str(model), kv_offload=tiers) as c:
+        c.supervise()
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=2, timeout=60)
+
+        def ask(i: int) -> str:
+            return client.completions.create(model=str(model), prompt=prompts()[i], max_tokens=MAX_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+        assert [ask(i) for i in range(4)] == want
+        old = c.node("prefill-0").popen.pid
+        os.kill(old, signal.SIGKILL)  # its writer is storing the blocks the last prompts pushed out
+        deadline = time.monotonic() + 60
+        while not (c.node("prefill-0").popen.pid != old and c.node("prefill-0").ready.is_set()):
+            assert time.monotonic() < deadline, "the prefill node did not come back"
+            time.sleep(0.2)
+        c.wait_for_nodes(2, 30)
+        assert not [p for p in (folder / "prefill-0").rglob("*") if p.is_file() and p.suffix != ".kvb"]
+        assert [ask(i) for i in (0, 1, 2, 3)] == want
+        text = scrape(c.node("prefill-0").addr)
+        assert sample_sum(text, "splitserve:kv_offload_hits_total", tier="disk") > 0  # the killed node's files
+        assert sample_sum(text, "splitserve:kv_offload_faults_total", tier="disk", fault="corrupt") == 0
+        asyncio.run(wait_pools_free([c.node("prefill-0").addr, c.node("decode-0").addr], {}, 10))
