@@ -3,14 +3,16 @@ real redis-server: the fold keeps the last tier of a hash within a batch (a move
 store with the new tier), a remove after a move and a clear forget it; writes, full
 rewrites, snapshots and the published IndexUpdate carry the tiers; a record or an
 update from before tiers reads as all on the device; TTL refresh and drop cover the
-tier keys; the router's mirror follows moves, resyncs with tiers and splits a hit by
-tier."""
+tier keys; the index follows a real KVCacheManager with a host and a disk tier (its
+events folded batch by batch, or its held blocks written whole, equal what it holds);
+the router's mirror follows moves, resyncs with tiers and splits a hit by tier."""
 
 import asyncio
 import time
 
 import msgspec
 import pytest
+import torch
 
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
@@ -18,6 +20,9 @@ from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockSt
 from splitserve.common.kv_index import (EVENTS_CHANNEL, IndexDelta, KVIndex, NodeSnapshot, blocks_key,
                                         seq_key, tiers_key)
 from splitserve.common.registry import NodeInfo, new_epoch
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_disk_tier import DiskLayout, DiskTier
+from splitserve.engine.kv_offload import KVOffload
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.tier_cost import TierBlocks
@@ -181,6 +186,64 @@ async def test_batches_of_tiers_larger_than_one_redis_call(index):
     snap = await index.snapshot("big", e)
     assert snap.hashes == set(h[:2500])
     assert snap.lower == {x: t for x, t in held.items() if x in set(h[2400:2500]) and t != Tier.DEVICE}
+
+
+async def test_the_index_follows_a_cache_with_host_and_disk_tiers(index, tmp_path):
+    """Blocks pushed from the device (3 blocks) into host memory (1 block) and on to disk,
+    loaded back, then a reset: after every batch of the manager's own events Redis holds
+    what ``held_blocks`` says, tiers included."""
+    bs, shape = 4, (2, 2, 4, 1, 2)  # layers, K/V, block size, KV heads, head dim
+    kv = torch.zeros((2, 2, 3, bs, 1, 2))
+    disk = DiskTier(tmp_path, DiskLayout(MODEL, "float32", shape), kv[:, :, 0].numel() * 4, 64 << 10)
+    mgr = KVCacheManager(3, bs, True, KVOffload(kv, bs, 1, disk))
+    e, seq = new_epoch(), 0
+    seen: set[Tier] = set()  # the lower tiers the index held at some point
+
+    async def publish(delta: IndexDelta) -> None:
+        nonlocal seq
+        seq += 1
+        assert await index.apply("n", e, delta, seq)
+        held = mgr.held_blocks()
+        snap = await index.snapshot("n", e)
+        assert (snap.hashes, dict(snap.lower)) == (set(held), {h: t for h, t in held.items() if t != Tier.DEVICE})
+        seen.update(snap.lower.values())
+
+    def serve(rid: str, tokens: list[int]) -> list[int]:
+        hashes = hash_blocks(tokens, bs, (MODEL,))
+        hit = mgr.get_computed_blocks(hashes, tokens)
+        assert mgr.allocate_slots(rid, len(tokens), hit.blocks, hit.lower) is not None
+        mgr.cache_blocks(rid, hashes, tokens, len(tokens))
+        mgr.free(rid)
+        return hashes
+
+    try:
+        await publish(IndexDelta.full(mgr.held_blocks()))
+        first = serve("a", list(range(8)) + [1])  # 2 blocks (the last token is never a hit)
+        for i, start in enumerate((20, 40, 60)):  # each evicts the one before: host, then disk
+            d = IndexDelta()
+            d.fold(mgr.take_events())
+            await publish(d)
+            serve(f"b{i}", list(range(start, start + 8)) + [1])
+        disk.close()  # the writer finished its queue: every spilled block is on disk
+        d = IndexDelta()
+        d.fold(mgr.take_events())
+        await publish(d)
+        assert {mgr.held_blocks()[h] for h in first} == {Tier.DISK} and seen == {HOST, DISK}
+        serve("a2", list(range(8)) + [1])  # loaded back from disk onto the device
+        d = IndexDelta()
+        d.fold(mgr.take_events())
+        assert d.stored >= set(first)
+        await publish(d)
+        assert {h: mgr.held_blocks()[h] for h in first} == dict.fromkeys(first, Tier.DEVICE)
+        await publish(IndexDelta.full(mgr.held_blocks()))  # a resync writes the same state whole
+        assert mgr.reset_prefix_cache()
+        d = IndexDelta()
+        d.fold(mgr.take_events())
+        assert d.clear
+        await publish(d)
+        assert await index.snapshot("n", e) == NodeSnapshot(seq, set())
+    finally:
+        disk.close()
 
 
 # -- the router's mirror -----------------------------------------------------------------
