@@ -7,19 +7,27 @@ heartbeat (``NodeInfo.tiers``, common/kv_tier_stats.py).
     TierCost     load time over recompute time of one block, for the host and the disk
                  tier of one node (``tier_cost``):
 
-        load(t)      = block_bytes(t) / load_bytes_per_s(t)
+        move(t)      = block_bytes(t) / load_bytes_per_s(t)
+        load(host)   = move(host)
+        load(disk)   = move(disk) + move(host)   (a disk block is read into host memory and
+                       copied on as a host block is: engine/kv_offload.py, whose own
+                       choice to load or recompute adds the two the same way)
         recompute    = block_bytes(device) / load_bytes_per_s(device)   (the device tier's
                        load rate is the node's prefill rate, in bytes of blocks per second)
         ratio(t)     = load(t) / recompute: 0 costs nothing, 1 as much as recomputing,
-                       above 1 more (a tier slower than the node's prefill)
+                       above 1 more (a tier slower than the node's prefill); a disk
+                       block's never below a host block's
 
 A rate a node does not report (no tiers in its heartbeat: a node from before tiers or
 without lower tiers; 0.0: nothing measured yet) is the default of its kind below, so
 with nothing measured a host hit costs RECOMPUTE / HOST ~ 0.09 and a disk hit
-RECOMPUTE / DISK ~ 0.86 of recomputing it. A device hit is priced as the router always
-priced a hit (``CacheAwareWeights.cached_token``); router/cache_aware.py weighs a
-lower-tier hit as that device hit plus ratio(t) x the work recomputing its blocks
-would be, so it is never cheaper than the same hit on the device.
+RECOMPUTE / DISK + RECOMPUTE / HOST ~ 0.95 of recomputing it. A device hit is priced
+as the router always priced a hit (``CacheAwareWeights.cached_token``);
+router/cache_aware.py weighs a lower-tier hit as that device hit plus ratio(t) x the
+work recomputing its blocks would be, so it is never cheaper than the same hit on the
+device. A ratio above 1 prices the hit above recomputing, so the router prefers a
+node without it: such a node recomputes those blocks instead of loading them (the
+engine loads only when that pays) and reports fewer cached tokens than predicted.
 
 Owns the defaults, the ratios and the hit's split. Must not weigh them against load
 (router/cache_aware.py does) or do I/O.
@@ -87,12 +95,13 @@ def tier_cost(node: NodeInfo) -> TierCost:
     by_tier = {s.tier: s for s in node.tiers}
     block = next((s.block_bytes for s in node.tiers if s.block_bytes > 0), 1)  # cancels when unknown
     recompute = _block_s(by_tier.get(Tier.DEVICE), block, RECOMPUTE_BYTES_PER_S)
-    return TierCost(_block_s(by_tier.get(Tier.HOST), block, HOST_LOAD_BYTES_PER_S) / recompute,
-                    _block_s(by_tier.get(Tier.DISK), block, DISK_LOAD_BYTES_PER_S) / recompute)
+    host = _block_s(by_tier.get(Tier.HOST), block, HOST_LOAD_BYTES_PER_S)
+    disk = _block_s(by_tier.get(Tier.DISK), block, DISK_LOAD_BYTES_PER_S) + host
+    return TierCost(host / recompute, disk / recompute)
 
 
 def _block_s(stats: TierStats | None, block_bytes: int, default_rate: float) -> float:
-    """Seconds to move one block into the device at the tier's measured rate (the default
+    """Seconds to move one block out of a tier at its measured load rate (the default
     where it has none)."""
     if stats is None:
         return block_bytes / default_rate

@@ -51,13 +51,15 @@ def all_in(tier: Tier, blocks: int = HIT_BLOCKS) -> TierBlocks:
 
 def test_ratios_from_the_heartbeat_and_the_defaults_where_none():
     bare = NodeInfo(node_id="old", role="prefill", http_addr="http://old:1", model="m", epoch="e")
-    default = TierCost(RECOMPUTE_BYTES_PER_S / HOST_LOAD_BYTES_PER_S, RECOMPUTE_BYTES_PER_S / DISK_LOAD_BYTES_PER_S)
+    host = RECOMPUTE_BYTES_PER_S / HOST_LOAD_BYTES_PER_S
+    default = TierCost(host, RECOMPUTE_BYTES_PER_S / DISK_LOAD_BYTES_PER_S + host)  # disk: read, then as host
     assert tier_cost(bare) == pytest.approx(default)  # no tiers at all: a node from before tiers
     assert tier_cost(node("unmeasured", host=0.0, disk=0.0)) == pytest.approx(default)
     assert default.host < default.disk < 1.0  # with nothing measured: device < host < disk < recompute
     prefill_only = tier_cost(node("p", device=8e9))  # its prefill rate, the tiers' defaults
-    assert prefill_only == pytest.approx(TierCost(8e9 / HOST_LOAD_BYTES_PER_S, 8e9 / DISK_LOAD_BYTES_PER_S))
-    assert tier_cost(node("m", device=4e9, host=40e9, disk=2e9)) == pytest.approx(TierCost(0.1, 2.0))
+    assert prefill_only == pytest.approx(TierCost(8e9 / HOST_LOAD_BYTES_PER_S,
+                                                  8e9 / DISK_LOAD_BYTES_PER_S + 8e9 / HOST_LOAD_BYTES_PER_S))
+    assert tier_cost(node("m", device=4e9, host=40e9, disk=2e9)) == pytest.approx(TierCost(0.1, 2.1))
     mixed = TierBlocks(device=4, host=3, disk=1)
     assert mixed.total == 8 and mixed.lower == 4
     assert TierCost(0.1, 2.0).of(mixed) == pytest.approx((3 * 0.1 + 2.0) / 4)
