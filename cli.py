@@ -241,7 +241,9 @@ def _add_make_trace_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("out")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
-                   help="long-context: input p50 ~10k, p90 ~30k, max ~128k tokens (flags below override)")
+                   help="long-context: input p50 ~10k, p90 ~30k, max ~128k tokens (flags below override); "
+                        "prefix-groups: ~15k-token prompts in groups sharing 97%%, reused minutes apart, a "
+                        "working set ~3x 16 H100s' KV (only --duration and --seed apply)")
     p.add_argument("--tenants", type=int, default=None, help="system prompts")
     p.add_argument("--max-system-blocks", type=int, default=None,
                    help="system prompts have 1..N blocks of 512 tokens")
@@ -268,7 +270,11 @@ def cmd_make_trace(args) -> int:
                  duration_s=args.duration, mean_turns=args.mean_turns, mean_user_tokens=args.user_tokens,
                  mean_output_tokens=args.output_tokens, mean_think_s=args.think_time, seed=args.seed)
     # flags given on the command line override the preset (argparse defaults are None)
-    spec = dataclasses.replace(base, **{k: v for k, v in flags.items() if v is not None})
+    given = {k: v for k, v in flags.items() if v is not None}
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(base)})
+    if unknown:
+        raise SystemExit(f"make-trace: --preset {args.preset} has no {', '.join(unknown)}")
+    spec = dataclasses.replace(base, **given)
     trace = generate(spec)
     dump_trace(trace, args.out)
     print(json.dumps({"out": args.out, "preset": args.preset, **summarize(trace)}))
@@ -294,6 +300,11 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="simulated nodes stand for this GPU deployment "
                    "(splitserve sim-nodes --list-profiles); replaces --kv-cache-memory and --sim-timing")
     p.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id in the trace")
+    p.add_argument("--kv-offload-memory", default=None, metavar="SIZE",
+                   help="per simulated node: a host-memory tier of its prefix cache, in the modelled model's "
+                        "bytes (sim-nodes --list-profiles shows each profile's tier sizes)")
+    p.add_argument("--kv-offload-disk-bytes", default=None, metavar="SIZE",
+                   help="per simulated node: a disk tier below it (in a temporary folder)")
 
 
 def cmd_replay(args) -> int:
@@ -304,7 +315,8 @@ def cmd_replay(args) -> int:
         speedup=args.speedup, max_output_tokens=args.max_output_tokens, kv_cache_memory=args.kv_cache_memory,
         fleet_procs=args.fleet_procs, sim_timing=args.sim_timing, limit=args.limit,
         router_args=tuple(args.router_arg or ()), result_json=args.result_json,
-        profile=args.profile, trace_block_size=args.trace_block_size))
+        profile=args.profile, trace_block_size=args.trace_block_size, kv_offload_memory=args.kv_offload_memory,
+        kv_offload_disk_bytes=args.kv_offload_disk_bytes))
     print_summary(result)
     return 0 if result["failed"] == 0 else 1
 

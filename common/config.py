@@ -58,6 +58,11 @@ class SimConfig:
     step time (common/roofline.py), which also sees the decode rows' context.
     ``max_model_len`` and ``kv_bytes_per_token`` (0: the model folder's own) make a
     simulated node stand for the profile's model: its context and its KV cache size.
+    ``kv_network_bytes_per_s`` (0: not modelled) and ``kv_network_latency_s`` are the
+    network a simulated prefill node's KV leaves over (``transfer_seconds``; node/sim_link.py
+    holds a request's answer until its blocks would have crossed it). ``host_bytes_per_s``
+    and ``disk_read_bytes_per_s`` (0: not modelled) price the moves of the prefix cache's
+    lower tiers (engine/sim_runner.py adds them to the step that follows them).
 
     The defaults are the fit of ``benchmarks/engine/fit_timing.py`` to the real engine on the
     development machine (bundled model, fp32, 1 thread); the script writes the same
@@ -74,6 +79,10 @@ class SimConfig:
     roofline: Roofline | None = None
     max_model_len: int = 0  # 0: the model folder's max_position_embeddings
     kv_bytes_per_token: int = 0  # 0: the model folder's own (the KV cache holds as many tokens as it would)
+    kv_network_bytes_per_s: float = 0.0  # 0: a transfer takes what this machine's transport takes
+    kv_network_latency_s: float = 0.0
+    host_bytes_per_s: float = 0.0  # host memory <-> the KV cache, each direction; 0: a move is not priced
+    disk_read_bytes_per_s: float = 0.0  # disk -> host memory; 0: a load from disk is not priced
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "prefill_attn_s"):
@@ -83,6 +92,12 @@ class SimConfig:
             raise ValueError(f"sim speedup: must be > 0, got {self.speedup}")
         if self.max_model_len < 0 or self.kv_bytes_per_token < 0:
             raise ValueError("sim max_model_len and kv_bytes_per_token: must be >= 0")
+        for name in ("kv_network_bytes_per_s", "kv_network_latency_s", "host_bytes_per_s", "disk_read_bytes_per_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sim {name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("kv_network_bytes_per_s", "host_bytes_per_s", "disk_read_bytes_per_s"):
+            if getattr(self, name) and not self.kv_bytes_per_token:
+                raise ValueError(f"sim {name}: prices the modelled model's blocks; give kv_bytes_per_token too")
         batches = [b for b, _ in self.decode_s]
         if not batches or batches != sorted(set(batches)) or batches[0] < 1 or any(s < 0 for _, s in self.decode_s):
             raise ValueError("sim decode_s: needs (batch, seconds) pairs, batch >= 1 ascending, seconds >= 0")
@@ -115,6 +130,13 @@ class SimConfig:
         if decode_batch:
             t += self._decode(decode_batch)
         return t
+
+    def transfer_seconds(self, blocks: int, block_size: int) -> float:
+        """Simulated seconds (before ``speedup``) to move ``blocks`` KV blocks of the modelled
+        model over the KV network, on an idle link, latency excluded; 0.0 when not modelled."""
+        if not self.kv_network_bytes_per_s:
+            return 0.0
+        return blocks * block_size * self.kv_bytes_per_token / self.kv_network_bytes_per_s
 
     def _decode(self, batch: int) -> float:
         pts = self.decode_s

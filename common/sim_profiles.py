@@ -16,6 +16,12 @@ and their calibration state live there) and deriving from it, for a node of
                          peak x flops_efficiency x gpus (x tp_efficiency when gpus > 1),
                          bandwidth x bandwidth_efficiency x gpus (same), step overhead
                          (a CPU profile keeps SimConfig's fitted timing instead)
+    kv_network         = the [network.NAME] a prefill node's KV leaves over: its bytes_per_s
+                         x gpus (one link per GPU) and its latency_s (none on the CPU: a
+                         transfer then takes what this machine's transport takes)
+    host / disk tier   = host_tier_pools / disk_tier_pools x kv_pool_bytes, moved at the
+                         hardware's host_bytes_per_s / disk_read_bytes_per_s /
+                         disk_write_bytes_per_s x gpus
 
 A deployment's two profiles must hold the same KV (model, dtype, block size); their
 TP degrees and hardware may differ.
@@ -54,14 +60,30 @@ class SimProfile:
     max_num_seqs: int
     calibrated: bool
     roofline: Roofline | None  # None: SimConfig's fitted CPU timing
+    kv_network: str = ""  # the [network.NAME] between prefill and decode nodes; "": not modelled
+    kv_network_bytes_per_s: float = 0.0  # the node's links together (the network's rate x gpus)
+    kv_network_latency_s: float = 0.0
+    host_tier_bytes: int = 0  # the prefix cache's host-memory tier when a run turns it on
+    disk_tier_bytes: int = 0  # and its disk tier
+    host_bytes_per_s: float = 0.0  # host memory <-> KV pool, each direction, the node's GPUs together
+    disk_read_bytes_per_s: float = 0.0  # disk -> host memory
+    disk_write_bytes_per_s: float = 0.0  # host memory -> disk
 
     @property
     def kv_pool_tokens(self) -> int:
         return self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_size) * self.block_size
 
+    @property
+    def block_bytes(self) -> int:
+        """One KV block of the modelled model (all layers, K and V, every rank's heads)."""
+        return self.kv_bytes_per_token * self.block_size
+
     def sim_config(self, speedup: float = 1.0) -> SimConfig:
         return SimConfig(speedup=speedup, roofline=self.roofline, max_model_len=self.context,
-                         kv_bytes_per_token=self.kv_bytes_per_token)
+                         kv_bytes_per_token=self.kv_bytes_per_token,
+                         kv_network_bytes_per_s=self.kv_network_bytes_per_s,
+                         kv_network_latency_s=self.kv_network_latency_s,
+                         host_bytes_per_s=self.host_bytes_per_s, disk_read_bytes_per_s=self.disk_read_bytes_per_s)
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
         """One request's prompt of ``tokens``, ``cached`` of them already in the node's
@@ -94,6 +116,13 @@ class SimProfile:
             "prefill_8k_s": round(self.prefill_seconds(8192), 3),
             "prefill_32k_s": round(self.prefill_seconds(min(32768, self.context - 1)), 3),
             "decode_step_b32_ctx8k_ms": round(sim.step_seconds(32, [], 32 * 8192) * 1000, 2),
+            "kv_network": self.kv_network, "kv_network_gb_per_s": self.kv_network_bytes_per_s / 1e9,
+            "kv_network_latency_us": round(self.kv_network_latency_s * 1e6, 1),
+            "transfer_16k_ms": round(sim.transfer_seconds(-(-16384 // self.block_size), self.block_size) * 1000, 2),
+            "host_tier_gib": round(self.host_tier_bytes / GIB, 1), "host_gb_per_s": self.host_bytes_per_s / 1e9,
+            "disk_tier_gib": round(self.disk_tier_bytes / GIB, 1),
+            "disk_read_gb_per_s": self.disk_read_bytes_per_s / 1e9,
+            "disk_write_gb_per_s": self.disk_write_bytes_per_s / 1e9,
             "calibrated": self.calibrated,
         }
 
@@ -190,8 +219,20 @@ def format_profiles(profiles: dict[str, SimProfile], deployments: dict[str, SimD
                      f"{s['weight_gib']:>6.1f}GiB {s['kv_pool_gib']:>6.1f}GiB {p.kv_pool_tokens:>12} "
                      f"{s['prefill_8k_s']:>9.3f}s {s['prefill_32k_s']:>7.3f}s "
                      f"{s['decode_step_b32_ctx8k_ms']:>8.2f}ms  {'yes' if p.calibrated else 'no (stated)'}")
-    lines.append("decode b32: one step of 32 requests with 8k tokens of context each. "
-                 f"Numbers and their sources: {PROFILES_FILE}")
+    lines.append("decode b32: one step of 32 requests with 8k tokens of context each.")
+    lines.append(f"{'profile':22} {'KV network':>11} {'GB/s':>6} {'move 16k':>9} {'host tier':>10} {'GB/s':>6} "
+                 f"{'disk tier':>10} {'read/write GB/s':>16}")
+    for p in profiles.values():
+        s = p.summary()
+        net = (f"{p.kv_network:>11} {s['kv_network_gb_per_s']:>6g} {s['transfer_16k_ms']:>7.1f}ms"
+               if p.kv_network else f"{'-':>11} {'-':>6} {'host':>9}")
+        tiers = (f"{s['host_tier_gib']:>7.0f}GiB {s['host_gb_per_s']:>6g} {s['disk_tier_gib']:>7.0f}GiB "
+                 f"{s['disk_read_gb_per_s']:>7g} / {s['disk_write_gb_per_s']:<6g}" if p.host_tier_bytes else
+                 f"{'-':>10} {'-':>6} {'-':>10} {'-':>16}")
+        lines.append(f"{p.name:22} {net} {tiers}")
+    lines.append("move 16k: a prefill node's transfer of 16k tokens' KV to a decode node that holds none "
+                 "of it (host: what this machine's transport takes); tiers: the prefix cache's host "
+                 f"memory and disk, sized in KV pools. Numbers and their sources: {PROFILES_FILE}")
     for d in (load_deployments() if deployments is None else deployments).values():
         lines.append(f"deployment {d.describe()}")
     return "\n".join(lines)
@@ -243,13 +284,28 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
                 step_overhead_s=hw["step_overhead_s"])
         else:
             pool, roofline = int(p["kv_cache_gib"] * GIB), None
+        links = max(gpus, 1)  # one network link, PCIe link and drive per GPU
+        net_name = p.get("kv_network", "")
+        if net_name and net_name not in data.get("network", {}):
+            raise ValueError(f"{where}: kv_network = {net_name!r} is no [network.NAME] of the file; one of "
+                             f"{', '.join(sorted(data.get('network', {})))}")
+        net = data["network"][net_name] if net_name else {"bytes_per_s": 0.0, "latency_s": 0.0}
+        host_pools, disk_pools = p.get("host_tier_pools", 0.0), p.get("disk_tier_pools", 0.0)
+        if host_pools < 0 or disk_pools < 0 or (disk_pools and not host_pools):
+            raise ValueError(f"{where}: host_tier_pools and disk_tier_pools must be >= 0, and a disk tier "
+                             f"needs a host tier (blocks reach the disk through host memory)")
+        tier_rates = {k: (hw[k] * links if host_pools else 0.0)
+                      for k in ("host_bytes_per_s", "disk_read_bytes_per_s", "disk_write_bytes_per_s")}
         prof = SimProfile(name=name, model=p["model"], hardware=p["hardware"], gpus=gpus, dtype_bytes=dtype,
                           context=m["context"],
                           block_size=p["block_size"], kv_bytes_per_token=kv_tok, weight_bytes=weights,
                           kv_pool_bytes=pool, prefill_chunk_size=p["prefill_chunk_size"],
                           max_num_batched_tokens=p["max_num_batched_tokens"],
                           max_num_seqs=p["max_num_seqs"], calibrated=bool(hw["calibrated"]),
-                          roofline=roofline)
+                          roofline=roofline, kv_network=net_name,
+                          kv_network_bytes_per_s=net["bytes_per_s"] * links, kv_network_latency_s=net["latency_s"],
+                          host_tier_bytes=int(pool * host_pools), disk_tier_bytes=int(pool * disk_pools),
+                          **tier_rates)
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     if prof.kv_pool_tokens < prof.context:

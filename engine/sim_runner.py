@@ -12,6 +12,16 @@ float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 
     kv_caches  [1 layer, 2 (K, V), num_blocks, block_size, 1 head, head_dim 1]
 
+The prefix cache's lower tiers (engine/kv_offload.py) hold stand-in blocks too; their
+sizes are given in the modelled model's bytes like the KV cache's (``standin_tiers``
+turns them into the stand-ins' bytes: as many blocks as a real node's tiers hold), and
+the moves between the tiers since the last step (``KVOffload.take_moves``) add to the
+step what they would take the deployment (``SimConfig.host_bytes_per_s``: host memory
+<-> the KV cache, a load or a store; ``disk_read_bytes_per_s``: a load from disk, which
+then crosses into the KV cache as a host load too). A store to disk is the offload's
+writer thread's, off the steps, and is not priced. Each batch goes on the step that
+follows it: a real engine copies on the stream its forward runs on, before that forward.
+
 A step's period is its simulated time / speedup, the host's own time included: when a
 step's work was already there as the previous step ended (a batch running on, a prompt
 queued), the wall time the host spent between the two (the scheduler, the node's
@@ -26,17 +36,49 @@ so a simulated request runs to ``max_tokens``.
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
 from ..common.config import EngineConfig
+from ..common.kv_events import Tier
 from .kv_cache_manager import KVCacheManager
+from .kv_offload import Move
+from .loader import resolve_model_dir
 from .model_config import ModelConfig
 from .model_runner import KVCacheFactory, LaunchedStep, kv_block_bytes
 from .sampler import SampledTokens
 from .scheduler import SchedulerOutput
 
 _TOKEN_BASE, _TOKEN_SPAN = 1000, 20000  # sampled ids cycle through [1000, 21000)
+_STANDIN_DTYPE = torch.float32  # one value per token slot, K and V, of the stand-in blocks
+
+
+def standin_block_bytes(block_size: int) -> int:
+    """Bytes of one stand-in block (the KV cache shape above)."""
+    return 2 * block_size * _STANDIN_DTYPE.itemsize
+
+
+def modelled_block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Bytes of one KV block of the model a simulated node stands for: the profile's
+    (``SimConfig.kv_bytes_per_token``), else the model folder's own."""
+    assert config.sim is not None
+    if config.sim.kv_bytes_per_token:
+        return config.sim.kv_bytes_per_token * config.block_size
+    return kv_block_bytes(model_config, config.block_size, _STANDIN_DTYPE)
+
+
+def standin_tiers(config: EngineConfig) -> EngineConfig:
+    """A simulated node's ``config`` with its lower tiers' sizes (``kv_offload_memory``,
+    ``kv_offload_disk_bytes``: bytes of the modelled model's KV, as ``kv_cache_memory`` is)
+    in bytes of the stand-in blocks the engine's tiers hold: as many blocks as the modelled
+    node's tiers. The engine sizes its tiers from the KV cache it is given (engine/kv_offload.py)."""
+    if not config.kv_offload_memory:
+        return config
+    real = modelled_block_bytes(config, ModelConfig.from_dir(resolve_model_dir(config.model)))
+    standin = standin_block_bytes(config.block_size)
+    return dataclasses.replace(config, kv_offload_memory=config.kv_offload_memory // real * standin,
+                               kv_offload_disk_bytes=config.kv_offload_disk_bytes // real * standin)
 
 
 class SimRunner:
@@ -49,15 +91,15 @@ class SimRunner:
             model_config = dataclasses.replace(model_config, max_position_embeddings=self.sim.max_model_len)
         self.model_config = model_config
         bs = config.block_size
-        real_bytes = (self.sim.kv_bytes_per_token * bs if self.sim.kv_bytes_per_token
-                      else kv_block_bytes(self.model_config, bs, torch.float32))
-        self.num_blocks = config.kv_cache_memory // real_bytes
+        self.block_bytes = modelled_block_bytes(config, model_config)
+        self.num_blocks = config.kv_cache_memory // self.block_bytes
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold fewer than 2 blocks of "
-                             f"{real_bytes} bytes; raise it")
+                             f"{self.block_bytes} bytes; raise it")
         shape = (1, 2, self.num_blocks, bs, 1, 1)
-        self.kv_caches = (kv_cache_factory(shape, torch.float32) if kv_cache_factory else
-                          torch.zeros(shape, dtype=torch.float32))
+        self.kv_caches = (kv_cache_factory(shape, _STANDIN_DTYPE) if kv_cache_factory else
+                          torch.zeros(shape, dtype=_STANDIN_DTYPE))
+        assert self.kv_caches[:, :, 0].numel() * self.kv_caches.element_size() == standin_block_bytes(bs)
         self.simulated_seconds = 0.0  # total step time asked of the model (a metric)
         self.overrun_s = 0.0  # wall seconds steps took beyond their simulated time / speedup
         self._last_end = 0.0  # when the previous launch returned (monotonic)
@@ -71,7 +113,8 @@ class SimRunner:
         carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
+        moves = self.tier_move_seconds(kv.offload.take_moves()) if kv.offload is not None else 0.0
+        seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes)) + moves
         self.simulated_seconds += seconds
         reqs, tokens = [], []
         for req, n in out.scheduled:
@@ -89,3 +132,13 @@ class SimRunner:
         self._last_end = time.monotonic()
         sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
         return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))
+
+    def tier_move_seconds(self, moves: Sequence[Move]) -> float:
+        """Simulated seconds of ``moves`` at the profile's rates (module docstring)."""
+        seconds = 0.0
+        for m in moves:
+            if m.tier is Tier.HOST and self.sim.host_bytes_per_s:
+                seconds += m.blocks * self.block_bytes / self.sim.host_bytes_per_s
+            elif m.tier is Tier.DISK and m.load and self.sim.disk_read_bytes_per_s:
+                seconds += m.blocks * self.block_bytes / self.sim.disk_read_bytes_per_s
+        return seconds

@@ -11,7 +11,9 @@ drain grace), so a planner scales a simulated pool down as it would a real one.
 
 Owns: one NodeConfig per node (ids ``sim-prefill-<i>``, ``sim-decode-<i>``, plus a
 prefix to tell fleets apart; prefill and decode nodes may copy different templates,
-e.g. a TP4 prefill profile and a TP8 decode one) and their start and stop. Prints
+e.g. a TP4 prefill profile and a TP8 decode one; the prefix cache's lower tiers sized
+in the modelled model's bytes, as the KV cache is, each node's disk tier in a folder of
+its own under ``kv_offload_dir``) and their start and stop. Prints
 ``READY <n> nodes`` once every node serves, then one ``NODE <role> <node_id>
 <http_addr>`` line each.
 """
@@ -19,11 +21,13 @@ e.g. a TP4 prefill profile and a TP8 decode one) and their start and stop. Print
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 
 from aiohttp import web
 
 from ..common.config import NodeConfig, NodeRole
+from ..engine.sim_runner import standin_tiers
 from .app import RUNTIME, drain, run_until_signal, start_site
 
 log = logging.getLogger(__name__)
@@ -34,7 +38,8 @@ def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
                   id_prefix: str = "sim", decode_template: NodeConfig | None = None) -> list[NodeConfig]:
     """``template`` (its engine config carrying ``sim``) copied per node, port 0 each;
     the decode nodes copy ``decode_template`` when given (a deployment whose decode
-    nodes stand for another profile than its prefill nodes: common/sim_profiles.py)."""
+    nodes stand for another profile than its prefill nodes: common/sim_profiles.py).
+    Tier sizes are the modelled model's bytes (engine/sim_runner.py ``standin_tiers``)."""
     templates = {"prefill": template, "decode": decode_template or template}
     if any(t.engine.sim is None for t in templates.values()):
         raise ValueError("sim-nodes: the engine config has no timing model (EngineConfig.sim)")
@@ -43,8 +48,15 @@ def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
                          f"{decode_nodes} decode nodes")
     roles: list[tuple[NodeRole, int]] = ([("prefill", i) for i in range(prefill_nodes)]
                                          + [("decode", i) for i in range(decode_nodes)])
-    return [dataclasses.replace(templates[role], role=role, port=0, node_id=f"{id_prefix}-{role}-{i}")
-            for role, i in roles]
+    engines = {role: standin_tiers(t.engine) for role, t in templates.items()}
+    configs = []
+    for role, i in roles:
+        node_id = f"{id_prefix}-{role}-{i}"
+        engine = engines[role]
+        if engine.kv_offload_dir is not None:
+            engine = dataclasses.replace(engine, kv_offload_dir=os.path.join(engine.kv_offload_dir, node_id))
+        configs.append(dataclasses.replace(templates[role], role=role, port=0, node_id=node_id, engine=engine))
+    return configs
 
 
 async def serve_fleet(configs: list[NodeConfig], build_app: AppBuilder, stop: asyncio.Event) -> None:

@@ -27,6 +27,11 @@ every rank's sends (kvtransfer/rank_report.py).
 A prompt that cannot start now (too many waiting, KV pool full, node draining) is
 refused with 503 and Retry-After, so the decode node prefills it itself at once
 instead of waiting out its lease.
+
+A simulated node whose profile names a KV network (``SimConfig.kv_network_bytes_per_s``)
+books each step's blocks on its modelled link and answers once the last of them would
+have crossed it (node/sim_link.py), not when this machine's transport is done with the
+stand-in blocks.
 """
 
 import asyncio
@@ -55,6 +60,7 @@ from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
+from ..node.sim_link import SimLink
 from .ranks import PrefillRank, rank_sender_options
 
 log = logging.getLogger(__name__)
@@ -85,6 +91,7 @@ class Outgoing:
     worker_blocks: dict[int, int] = field(default_factory=dict)  # worker rank -> blocks it reported sent
     worker_error: str | None = None  # the first failure a worker rank reported (or the node's)
     progress: asyncio.Event = field(default_factory=asyncio.Event)  # a worker reported
+    due: float = 0.0  # a simulated link's modelled arrival of the last block booked (SimLink.book)
 
 
 class PrefillNode:
@@ -99,6 +106,8 @@ class PrefillNode:
         self._jobs: dict[str, ExportJob] = {}  # req_id -> its export (written here, read by the engine thread)
         self._exporter: BlockExporter | None = None  # from start() on
         self.senders: dict[str, ShardSender] = {}  # backend -> rank 0's sender (one connection pool each)
+        sim = config.engine.sim
+        self.link = SimLink(sim, config.engine.block_size) if sim is not None and sim.kv_network_bytes_per_s else None
         m = runtime.metrics
         self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
@@ -159,6 +168,8 @@ class PrefillNode:
         if o is None or ev.packed is None:
             return  # aborted meanwhile
         o.exported += ev.end - ev.start
+        if self.link is not None:
+            o.due = self.link.book(ev.end - ev.start)
         o.queue.put_nowait(ev.packed)
 
     def _on_rank(self, rank: int, msg: RankMessage) -> None:
@@ -247,6 +258,8 @@ class PrefillNode:
             if not first.new_token_ids:
                 self.m_requests.labels(PrefillOutcome.ERROR).inc()
                 return error_response(500, f"request {rid} failed in the engine")
+            if self.link is not None:  # the modelled network carries the blocks no faster than that
+                await self.link.arrive(o.due)
             self.m_requests.labels(PrefillOutcome.OK).inc()
             return msgpack_response(PrefillResult(
                 transfer_id=task.transfer_id, first_token=first.new_token_ids[0],
@@ -331,7 +344,7 @@ class PrefillNode:
         return o is not None
 
     def debug_state(self) -> dict:
-        return {"outgoing": len(self.out)}
+        return {"outgoing": len(self.out), **({"sim_link": self.link.state()} if self.link is not None else {})}
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:

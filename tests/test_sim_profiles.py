@@ -203,3 +203,37 @@ def test_a_pairing_whose_kv_differs_is_refused(tmp_path):
     with pytest.raises(ValueError, match="deployment llama3-70b-p-tp4-d-tp8-h100: decode = 'llama3-70b-tp9' "
                                          "is no profile"):
         load_profiles(path)
+
+
+def test_profiles_name_their_kv_network_and_prefix_cache_tiers():
+    """The GPU profiles move KV over one 400 Gb/s RDMA NIC per GPU and have a host tier of
+    4 KV pools at PCIe Gen5 rates and a disk tier of 16 at NVMe rates, times the node's GPUs;
+    the CPU profile models neither (its transfers take what this machine's transport takes)."""
+    profiles = load_profiles()
+    p, tp4, cpu = profiles["llama3-8b-h100"], profiles["llama3-70b-tp4-h100"], profiles["smollm2-135m-cpu"]
+    assert (p.kv_network, p.kv_network_bytes_per_s, p.kv_network_latency_s) == ("rdma-400g", 50e9, 10e-6)
+    assert tp4.kv_network_bytes_per_s == 4 * 50e9 and tp4.host_bytes_per_s == 4 * 50e9  # a link per GPU
+    assert p.host_tier_bytes == 4 * p.kv_pool_bytes and p.disk_tier_bytes == 16 * p.kv_pool_bytes
+    assert (p.host_bytes_per_s, p.disk_read_bytes_per_s, p.disk_write_bytes_per_s) == (50e9, 6e9, 3e9)
+    assert (cpu.kv_network, cpu.kv_network_bytes_per_s, cpu.host_tier_bytes, cpu.host_bytes_per_s) == ("", 0, 0, 0)
+    sim = p.sim_config(speedup=4.0)
+    # 16k tokens x 128 KiB per token of Llama-3-8B over 50 GB/s: ~43 ms (before the speed-up)
+    assert sim.transfer_seconds(1024, 16) == pytest.approx(16384 * 131072 / 50e9)
+    assert 0.0429 < sim.transfer_seconds(1024, 16) < 0.0430
+    assert cpu.sim_config().transfer_seconds(1024, 16) == 0.0
+    s = p.summary()
+    assert (s["kv_network"], s["transfer_16k_ms"], s["host_tier_gib"]) == ("rdma-400g", 42.95, 210.7)
+
+
+def test_a_profile_naming_an_unknown_network_or_a_disk_without_host_tier_is_refused(tmp_path):
+    text = PROFILES_FILE.read_text()
+    path = tmp_path / "p.toml"
+    path.write_text(text.replace('kv_network = "rdma-400g"', 'kv_network = "carrier-pigeon"', 1))
+    with pytest.raises(ValueError, match="kv_network = 'carrier-pigeon' is no"):
+        load_profiles(path)
+    path.write_text(text.replace("host_tier_pools = 4.0", "host_tier_pools = 0.0", 1))
+    with pytest.raises(ValueError, match="a disk tier needs a host tier"):
+        load_profiles(path)
+    from splitserve.common.config import SimConfig
+    with pytest.raises(ValueError, match="give kv_bytes_per_token too"):
+        SimConfig(kv_network_bytes_per_s=50e9)

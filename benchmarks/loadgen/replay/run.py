@@ -17,6 +17,17 @@ Reported (JSON with ``--result-json``):
                    requests with long cached prefixes are cheap, so this spreads wider
   prefill_nodes_not_idle_at_end  node -> what it still holds once every request was
                    answered (requests, queued tokens, KV blocks in use, transfers): a leak
+  hit_rate_by_tier with lower tiers (``kv_offload_memory``, per node, in the modelled model's
+                   bytes like ``kv_cache_memory``; ``kv_offload_disk_bytes`` adds a disk tier
+                   under a temporary folder): the prompt tokens served from each tier of the
+                   prefill nodes' prefix caches (device: cached minus the lower tiers' hits,
+                   from the nodes' kv_offload_hits_total) over all prompt tokens; and
+                   ``lower_tier_blocks``: those hits and the lower tiers' evictions, in blocks
+  sim_overrun_s    node -> wall seconds its steps ran beyond their simulated time (every node)
+  transfers        with a profile that names a KV network: the prefill nodes' modelled
+                   transfers (node/sim_link.py) and how many this machine moved later than
+                   the model (``transfer_check``: ``behind_model`` when that lateness is
+                   more than MAX_LATE_TRANSFER_SHARE of the TTFT reported)
 
 The router's clock is not compressed: its registry polls and heartbeats stay in
 wall-clock time. The one policy time constant, cache_aware's balance half-life,
@@ -38,9 +49,11 @@ nodes, not prefill capacity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,6 +89,8 @@ class ReplayConfig:
     result_json: str | None = None
     profile: str | None = None  # simulated nodes stand for this profile or deployment (sim_profiles.toml)
     trace_block_size: int = 512  # tokens per hash id in the trace
+    kv_offload_memory: str | None = None  # per node: a host-memory tier of the prefix cache (modelled bytes)
+    kv_offload_disk_bytes: str | None = None  # per node: a disk tier below it (needs kv_offload_memory)
 
     def __post_init__(self):
         if self.prefill_nodes < 1:
@@ -90,6 +105,13 @@ class ReplayConfig:
             raise ValueError(f"limit: must be >= 1, got {self.limit}")
         if self.trace_block_size < 1:
             raise ValueError(f"trace_block_size: must be >= 1, got {self.trace_block_size}")
+        if self.kv_offload_disk_bytes and not self.kv_offload_memory:
+            raise ValueError("kv_offload_disk_bytes: a disk tier needs kv_offload_memory (blocks reach the "
+                             "disk through host memory)")
+        from splitserve.common.config import parse_size
+        for name in ("kv_offload_memory", "kv_offload_disk_bytes"):
+            if getattr(self, name) is not None:
+                parse_size(getattr(self, name), name)  # a bad size fails here, not in every node
         if self.profile is not None:
             from splitserve.common.sim_profiles import get_deployment
             get_deployment(self.profile)  # an unknown name fails here, naming the choices
@@ -114,6 +136,10 @@ class Outcome(NamedTuple):
 # A replay is behind its schedule when its sends come later than this (wall seconds, p99):
 # its latencies are then those of a slower trace, and its figures are not the trace's.
 LATE_P99_S = 0.1
+# A replay's TTFT is the modelled network's only while this machine moves the stand-in blocks
+# within the modelled time: past this share of the TTFT summed over requests spent beyond
+# it, the figures are this machine's transport's.
+MAX_LATE_TRANSFER_SHARE = 0.02
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
@@ -247,6 +273,62 @@ def schedule_check(outcomes: list[Outcome], speedup: float) -> dict:
             "late_p99_trace_s": round(p99 * speedup, 4), "behind_schedule": bool(p99 > LATE_P99_S)}
 
 
+def transfer_check(states: dict[str, dict], speedup: float, ttft_trace_s: float) -> dict | None:
+    """The prefill nodes' modelled transfers (``/debug/state`` ``sim_link``; None when no
+    node models its network): how many, how many this machine moved later than the model,
+    by how much in trace seconds, and ``behind_model`` when that lateness passes
+    MAX_LATE_TRANSFER_SHARE of ``ttft_trace_s`` (the TTFT of every answered request, summed)."""
+    links = [st["sim_link"] for st in states.values() if "sim_link" in st]
+    if not links:
+        return None
+    n, late, late_s = (sum(lk[k] for lk in links) for k in ("transfers", "late", "late_s"))
+    share = late_s * speedup / ttft_trace_s if ttft_trace_s else 0.0
+    return {"transfers": n, "blocks": sum(lk["blocks"] for lk in links), "late": late,
+            "late_trace_s": round(late_s * speedup, 3),
+            "max_late_trace_s": round(max(lk["max_late_s"] for lk in links) * speedup, 4),
+            "late_share_of_ttft": round(share, 4), "behind_model": share > MAX_LATE_TRANSFER_SHARE}
+
+
+async def node_metrics(redis_url: str, role: str) -> dict[str, str]:
+    """node_id -> the /metrics text of every registered node of ``role``."""
+    from splitserve.common.registry import NodeRegistry
+
+    registry = NodeRegistry(redis_url)
+    try:
+        nodes = [n for n in await registry.list_nodes() if n.role == role]
+    finally:
+        await registry.close()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async def text(addr: str) -> str:
+            async with s.get(f"{addr}/metrics") as r:
+                return await r.text()
+        texts = await asyncio.gather(*(text(n.http_addr) for n in nodes))
+    return {n.node_id: t for n, t in zip(nodes, texts)}
+
+
+def tier_counts(metrics: dict[str, str], name: str) -> dict[str, float]:
+    """tier (host, disk) -> the counter ``name`` (per tier, in blocks: names.KV_OFFLOAD_HITS,
+    KV_OFFLOAD_EVICTIONS) summed over the nodes' /metrics."""
+    counts: dict[str, float] = {}
+    for text in metrics.values():
+        for family in text_string_to_metric_families(text):
+            if family.name == name.removesuffix("_total"):
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        tier = sample.labels["tier"]
+                        counts[tier] = counts.get(tier, 0.0) + sample.value
+    return counts
+
+
+def hits_by_tier(cached_tokens: int, prompt_tokens: int, lower_blocks: dict[str, float],
+                 block_size: int) -> dict[str, float]:
+    """Share of ``prompt_tokens`` served from each tier: the lower tiers' hits (blocks of
+    ``block_size``), the rest of ``cached_tokens`` from the device."""
+    lower = {tier: blocks * block_size for tier, blocks in sorted(lower_blocks.items())}
+    shares = {"device": cached_tokens - sum(lower.values()), **lower}
+    return {tier: round(tokens / prompt_tokens, 4) if prompt_tokens else 0.0 for tier, tokens in shares.items()}
+
+
 def max_over_mean(values: list[float], n: int) -> float | None:
     values = values + [0.0] * (n - len(values))  # nodes that got nothing
     mean = statistics.fmean(values) if values else 0.0
@@ -275,7 +357,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Outcome],
-              per_node: dict[str, float], states: dict[str, dict], wall_s: float) -> dict:
+              per_node: dict[str, float], states: dict[str, dict], wall_s: float,
+              lower: dict[str, dict[str, float]] | None = None, overrun_s: dict[str, float] | None = None) -> dict:
+    """The replay's figures (module docstring); ``states``: the prefill nodes' /debug/state,
+    ``lower``: their lower tiers' ``hits`` and ``evictions`` (``tier_counts``), ``overrun_s``:
+    every node's sim_overrun_s."""
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
     oracle = sum(oracle_hits(requests, cfg.trace_block_size)) / sum(r.input_length for r in requests)
@@ -293,6 +379,11 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "failed_by_error": failed_by_error, "profile": cfg.profile, **_role_profiles(cfg.profile),
         "hit_rate": round(hit, 4), "oracle_hit_rate": round(oracle, 4),
         "hit_rate_vs_oracle": round(hit / oracle, 4) if oracle else None,
+        "hit_rate_by_tier": (hits_by_tier(sum(o.cached_tokens for o in ok), prompt, lower["hits"],
+                                          next(iter(states.values()))["kv"]["block_size"])
+                             if lower is not None and states else None),
+        "lower_tier_blocks": lower,
+        "kv_offload_memory": cfg.kv_offload_memory, "kv_offload_disk_bytes": cfg.kv_offload_disk_bytes,
         "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
         "ttft_p99": round(percentile(ttft, 0.99), 3), "ttft_mean": round(statistics.fmean(ttft), 3) if ttft else None,
         "max_mean_load": max_over_mean(list(busy.values()), cfg.prefill_nodes),
@@ -303,6 +394,8 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
                                           if (held := not_idle(st))},
         "speedup": cfg.speedup, "wall_s": round(wall_s, 1), "max_output_tokens": cfg.max_output_tokens,
         "schedule": schedule_check(outcomes, cfg.speedup),
+        "transfers": transfer_check(states, cfg.speedup, sum(ttft)),
+        "sim_overrun_s": {k: round(v, 3) for k, v in sorted((overrun_s or {}).items())},
         "kv_cache_memory": cfg.kv_cache_memory, "trace": trace_summary(requests), "config": asdict(cfg),
         # trace order: [ttft seconds of trace time (null: failed), prompt tokens, cached tokens]
         "per_request": [[round(o.ttft_s * cfg.speedup, 3) if o.ok else None, o.prompt_tokens, o.cached_tokens]
@@ -336,6 +429,11 @@ def run_replay(cfg: ReplayConfig) -> dict:
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
+    disk = tempfile.TemporaryDirectory(prefix="replay-kv-") if cfg.kv_offload_disk_bytes else None
+    if cfg.kv_offload_memory:  # each node's tiers, in the modelled model's bytes (node/sim_fleet.py)
+        sim_args += ["--kv-offload-memory", cfg.kv_offload_memory]
+    if disk is not None:
+        sim_args += ["--kv-offload-dir", disk.name, "--kv-offload-disk-bytes", str(cfg.kv_offload_disk_bytes)]
     deployment = None
     if cfg.profile:
         from splitserve.common.sim_profiles import get_deployment
@@ -354,7 +452,7 @@ def run_replay(cfg: ReplayConfig) -> dict:
                              kv_cache_memory=cfg.kv_cache_memory, policy=cfg.policy, router_args=router_args)
     print(f"[replay] starting redis, router ({cfg.policy}), {cfg.prefill_nodes} prefill + "
           f"{cfg.num_decode_nodes} decode simulated nodes ...", file=sys.stderr, flush=True)
-    with cluster:
+    with cluster, disk or contextlib.nullcontext():
         start = time.perf_counter()
         outcomes = asyncio.run(replay(requests, cluster.url, BUNDLED_MODEL_ID, cfg.speedup,
                                       cfg.max_output_tokens, cfg.trace_block_size))
@@ -366,7 +464,14 @@ def run_replay(cfg: ReplayConfig) -> dict:
         if any(map(not_idle, states.values())):  # a transfer may still be closing: look again
             time.sleep(IDLE_RECHECK_S)
             states = asyncio.run(prefill_node_states(cluster.redis_url))
-    result = summarize(cfg, requests, outcomes, per_node, states, wall_s)
+        every = asyncio.run(node_states(cluster.redis_url))
+        lower = None
+        if cfg.kv_offload_memory:
+            metrics = asyncio.run(node_metrics(cluster.redis_url, "prefill"))
+            lower = {"hits": tier_counts(metrics, names.KV_OFFLOAD_HITS),
+                     "evictions": tier_counts(metrics, names.KV_OFFLOAD_EVICTIONS)}
+    overrun = {nid: float(st.get("sim_overrun_s", 0.0)) for nid, st in every.items()}
+    result = summarize(cfg, requests, outcomes, per_node, states, wall_s, lower, overrun)
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.result_json).write_text(json.dumps(result, indent=1))
@@ -392,9 +497,16 @@ def print_summary(r: dict) -> None:
           f"requests {r['max_mean_requests']}")
     if r.get("profile"):
         print(f"  profile {r['profile']}: prefill nodes {r['prefill_profile']}, decode nodes {r['decode_profile']}")
+    if r.get("hit_rate_by_tier"):
+        print("  prompt tokens served by tier: " + ", ".join(f"{t} {v:.1%}" for t, v in r["hit_rate_by_tier"].items()))
     if r.get("schedule", {}).get("behind_schedule"):
         print(f"  BEHIND SCHEDULE: sends p99 {r['schedule']['late_p99_s']:.3f} s late (wall): this machine did not "
               f"keep the trace's pace at --speedup {r['speedup']}; the figures above are not the trace's")
+    t = r.get("transfers")
+    if t is not None and t["behind_model"]:
+        print(f"  TRANSFERS BEHIND THE MODEL: {t['late']} of {t['transfers']} transfers arrived after their "
+              f"modelled time, {t['late_share_of_ttft']:.1%} of the TTFT (trace time): this machine did not "
+              f"move the stand-in blocks at --speedup {r['speedup']}; the TTFT figures are not the network's")
     for e in r["errors"]:
         print(f"  error: {e}")
     for node, held in r["prefill_nodes_not_idle_at_end"].items():
