@@ -43,9 +43,11 @@ class GroupSpec:
     """The defaults are the ``prefix-groups`` preset: against 16 ``llama3-8b-h100`` nodes'
     KV pools (6.9M tokens) seeds 0-2 give a working set of 3.0-3.2x, ~15k-token prompts,
     groups of 2 to 20-24 (mean 3.0) sharing 97% of a prompt, a median reuse gap of 55 s;
-    an unlimited cache serves 65% of the prompt tokens, an LRU of the 6.9M tokens 49-50%."""
+    an unlimited cache serves 65% of the prompt tokens, an LRU of the 6.9M tokens 47-48%.
+    The groups start within 10 minutes and the trace spans ~32 (its last groups' returns):
+    a replay at real time takes that long."""
     groups: int = 1300
-    duration_s: float = 1800.0  # groups start within this window
+    duration_s: float = 600.0  # groups start within this window
     mean_prompt_tokens: int = 15500
     length_sigma: float = 0.5  # lognormal sigma of a group's prompt length
     max_prompt_tokens: int = 120000
@@ -54,9 +56,9 @@ class GroupSpec:
     size_zipf: float = 3.0  # P(n) ~ n ** -size_zipf for n in 2..max_group
     gap_s: float = 40.0  # median gap to the group's next request, without a break
     return_share: float = 0.6  # of the groups: one gap is a return after a break
-    return_gap_s: float = 900.0  # median gap of a return
+    return_gap_s: float = 300.0  # median gap of a return
     gap_sigma: float = 0.6  # lognormal sigma of both
-    max_gap_s: float = 2700.0
+    max_gap_s: float = 900.0
     mean_output_tokens: int = 200
     seed: int = 0
 

@@ -65,6 +65,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .generate import summarize as trace_summary
 from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from splitserve.common import metric_names as names
+from splitserve.common.kv_events import Tier
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
 # A server closes a connection idle for its keep-alive time; a request sent on it as it
@@ -324,7 +325,7 @@ def hits_by_tier(cached_tokens: int, prompt_tokens: int, lower_blocks: dict[str,
                  block_size: int) -> dict[str, float]:
     """Share of ``prompt_tokens`` served from each tier: the lower tiers' hits (blocks of
     ``block_size``), the rest of ``cached_tokens`` from the device."""
-    lower = {tier: blocks * block_size for tier, blocks in sorted(lower_blocks.items())}
+    lower = {t.name.lower(): lower_blocks.get(t.name.lower(), 0.0) * block_size for t in Tier if t is not Tier.DEVICE}
     shares = {"device": cached_tokens - sum(lower.values()), **lower}
     return {tier: round(tokens / prompt_tokens, 4) if prompt_tokens else 0.0 for tier, tokens in shares.items()}
 
