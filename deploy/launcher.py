@@ -236,6 +236,7 @@ class Cluster:
         """Restart members that die (a thread polling until ``stop()``); serves the
         supervisor's status endpoint."""
         sup = Supervisor(self.member_names, self.exit_code, self.respawn, self.on_death)
+        sup.poll()  # every member is listed from the status endpoint's first answer on
         self.status_port = sup.serve_status()
         self._supervisor = sup
 

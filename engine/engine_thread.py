@@ -11,7 +11,7 @@ else crosses:
                                     <--result--      its return value (or exception)
     on_deltas([RequestDelta])       <--------------  after each step
     on_kv_events(events, None)      <--------------  prefix-cache events, after each pass
-    request_kv_snapshot() --flag--> on_kv_events([], every cached hash)
+    request_kv_snapshot() --flag--> on_kv_events([], every held hash -> tier)
     on_blocks(BlocksReady)          <--------------  prompt blocks packed for an ExportKV
     et.stats (EngineStats)          <--publishes---  a fresh immutable snapshot per pass
                                                      step_observer(SchedulerOutput, deltas, live)
@@ -62,7 +62,7 @@ import threading
 from typing import Any, Callable, NamedTuple
 
 from ..common.kv_tier_stats import TierStats
-from ..common.kv_events import KVEvent
+from ..common.kv_events import KVEvent, Tier
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
 from .engine_core import EngineCore, RequestDelta
@@ -72,7 +72,7 @@ from .scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 # (events since the last call, or [] with a snapshot; every cached hash, or None)
-KVEventsCallback = Callable[[list[KVEvent], "list[int] | None"], None]
+KVEventsCallback = Callable[[list[KVEvent], "dict[int, Tier] | None"], None]
 # engine thread, after each step: (what it scheduled, what it produced, unfinished requests left)
 StepObserver = Callable[[SchedulerOutput, list[RequestDelta], int], None]
 
@@ -222,8 +222,9 @@ class EngineThread:
         return fut
 
     def request_kv_snapshot(self) -> None:
-        """Ask for ``on_kv_events([], hashes)`` with every hash cached now, after the
-        event batches already drained (from any thread; at most one per request)."""
+        """Ask for ``on_kv_events([], held)`` with every hash held now (hash -> the fastest
+        tier holding it), after the event batches already drained (from any thread; at
+        most one per request)."""
         self._snapshot_wanted = True
         self._commands.put(None)  # wakes an idle engine thread
 
@@ -313,7 +314,7 @@ class EngineThread:
             return
         if self._snapshot_wanted:
             self._snapshot_wanted = False  # the drained events are part of the snapshot
-            self._aio.call_soon_threadsafe(self._on_kv_events, [], self._engine.kv.cached_hashes())
+            self._aio.call_soon_threadsafe(self._on_kv_events, [], self._engine.kv.held_blocks())
         elif events:
             self._aio.call_soon_threadsafe(self._on_kv_events, events, None)
 

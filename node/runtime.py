@@ -46,7 +46,7 @@ import torch
 
 from ..common.config import NodeConfig
 from ..common.kv_compat import KVCompat
-from ..common.kv_events import KVEvent
+from ..common.kv_events import KVEvent, Tier
 from ..common.kv_index import KVIndex
 from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
 from ..engine.engine_core import EngineCore, RequestDelta
@@ -232,7 +232,7 @@ class NodeRuntime:
         self._engine = None  # the engine thread's from here on
         self.engine_thread.start()
 
-    def _on_kv_events(self, events: list[KVEvent], snapshot: list[int] | None) -> None:
+    def _on_kv_events(self, events: list[KVEvent], snapshot: dict[int, Tier] | None) -> None:
         # Before the publisher starts the events are dropped: its first write is a snapshot.
         if self.redis is not None:
             self.redis.publisher.on_kv(events, snapshot)

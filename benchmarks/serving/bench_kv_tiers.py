@@ -34,6 +34,7 @@ import time
 import openai
 
 from splitserve.benchmarks.harness import MODEL, RESULTS, check_alive, node_counters
+from splitserve.common import metric_names as n
 from splitserve.deploy.launcher import Cluster, TierFlags
 
 SETUPS = ("device only", "host tier")
@@ -74,7 +75,7 @@ def run_setup(name: str, args, convos, seed: int) -> dict:
     with cluster:
         client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0, timeout=600)
         ttft(client, [random.Random(seed).randrange(100, 49000) for _ in range(64)])  # warm-up
-        base = node_counters(cluster, ("splitserve:prefix_cache", "splitserve:kv_offload"))
+        base = node_counters(cluster, (n.PREFIX + "prefix_cache", n.PREFIX + "kv_offload"))
         for turn in range(args.turns):
             for c, convo in enumerate(convos):
                 t = ttft(client, convo[turn])
@@ -82,7 +83,7 @@ def run_setup(name: str, args, convos, seed: int) -> dict:
                 print(f"  {name}: turn {turn + 1} conversation {c}: {len(convo[turn])} tokens, "
                       f"TTFT {t * 1000:.0f} ms", flush=True)
         check_alive(cluster)
-        after = node_counters(cluster, ("splitserve:prefix_cache", "splitserve:kv_offload"))
+        after = node_counters(cluster, (n.PREFIX + "prefix_cache", n.PREFIX + "kv_offload"))
     counters = {k: after[k] - base.get(k, 0.0) for k in after}
     return {"samples": samples, "counters": counters}
 
@@ -111,9 +112,9 @@ def summarize(runs: list[dict]) -> dict:
     for r in runs:
         for k, v in r["counters"].items():
             counters[k] = counters.get(k, 0.0) + v
-    queried = counter(counters, "splitserve:prefix_cache_queries_total")
-    hit = counter(counters, "splitserve:prefix_cache_hits_total")  # device and lower tiers, tokens
-    host = counter(counters, "splitserve:kv_offload_hits_total", tier="host") * BLOCK_SIZE
+    queried = counter(counters, n.PREFIX_CACHE_QUERIES)
+    hit = counter(counters, n.PREFIX_CACHE_HITS)  # device and lower tiers, tokens
+    host = counter(counters, n.KV_OFFLOAD_HITS, tier="host") * BLOCK_SIZE
     return {
         "requests": len(samples),
         "ttft_p50_ms": round(statistics.median(all_t) * 1000, 1), "ttft_p99_ms": round(pct(all_t, 0.99) * 1000, 1),
@@ -123,9 +124,9 @@ def summarize(runs: list[dict]) -> dict:
         "served_from": {"device": int(hit - host), "host": int(host), "recomputed": int(queried - hit)},
         "hit_rate": {"device": round((hit - host) / queried, 3) if queried else 0.0,
                      "host": round(host / queried, 3) if queried else 0.0},
-        "host_bytes": {"stored": int(counter(counters, "splitserve:kv_offload_bytes_total", tier="host",
+        "host_bytes": {"stored": int(counter(counters, n.KV_OFFLOAD_BYTES, tier="host",
                                              direction="store")),
-                       "loaded": int(counter(counters, "splitserve:kv_offload_bytes_total", tier="host",
+                       "loaded": int(counter(counters, n.KV_OFFLOAD_BYTES, tier="host",
                                              direction="load"))},
     }
 
