@@ -22,7 +22,7 @@ from splitserve.common.sim_profiles import get_deployment
 from splitserve.deploy.planner.actuator import LocalPools
 from splitserve.deploy.planner.observe import Observation, PoolState, parse_router_metrics
 from splitserve.deploy.planner.perf import PoolModel, erlang_c
-from splitserve.deploy.planner.policy import Bounds, Policy, PolicyConfig
+from splitserve.deploy.planner.policy import Bounds, Policy, PolicyConfig, significantly_below
 from splitserve.deploy.planner.predictor import Ensemble, Holt, MovingAverage
 from splitserve.deploy.planner.slo import Slo, add_slo_args, slo_from_args
 from splitserve.router.metrics import RouterMetrics
@@ -120,11 +120,12 @@ def test_router_metrics_parse_into_rates_means_and_shares():
 # ---- policy --------------------------------------------------------------------------------------
 
 def obs(rate: float, isl: float = 6000, osl: float = 40, prefill: int = 1, decode: int = 1, ttft=None,
-        itl=None, finished: int = 0, decode_running: int = 0) -> Observation:
+        itl=None, finished: int = 0, decode_running: int = 0, ttft_ok=None, by_node: tuple[int, ...] = ()) -> Observation:
     return Observation(at=0.0, interval_s=10.0, rate=rate, isl=isl if rate else None, osl=osl if rate else None,
-                       ttft_mean=ttft, ttft_ok=None, itl_mean=itl, itl_ok=None, finished=finished, failures=0,
+                       ttft_mean=ttft, ttft_ok=ttft_ok, itl_mean=itl, itl_ok=None, finished=finished, failures=0,
                        in_flight=0, pools={"prefill": PoolState(prefill, 0, 0, 0, 0.0),
-                                           "decode": PoolState(decode, decode_running, 0, 0, 0.0)}, routers=1)
+                                           "decode": PoolState(decode, decode_running, 0, 0, 0.0, by_node)},
+                       routers=1, ttft_n=finished, itl_n=finished)
 
 
 def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
@@ -136,8 +137,8 @@ def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
     assert d.target["prefill"] == 4 and not d.sizing["prefill"].feasible  # bounded; said why
     assert any("out of reach" in r for r in d.reasons)
     quiet = [pol.decide(obs(0, prefill=4), {"prefill": 4, "decode": 1}, now=t) for t in (20, 30, 40, 50)]
-    assert [q.change["prefill"] for q in quiet] == [0, 0, -1, 0]  # cooldown from t=10, then 2 in a row
-    assert quiet[2].target["prefill"] == 1 and quiet[2].current["prefill"] == 4  # one node a decision
+    assert [q.change["prefill"] for q in quiet] == [0, 0, -2, 0]  # cooldown from t=10, then 2 in a row
+    assert quiet[2].target["prefill"] == 1 and quiet[2].current["prefill"] == 4  # half the excess of 3
     raw = msgspec.json.decode(msgspec.json.encode(quiet[2]))
     assert raw["observed"]["rate"] == 0 and raw["sizing"]["prefill"]["nodes"] >= 0
 
@@ -155,6 +156,42 @@ def test_corrections_follow_what_the_pools_deliver():
     before = dict(pol.corr)
     pol.decide(obs(4, prefill=1, ttft=10.0, finished=10), {"prefill": 2, "decode": 1}, now=300)
     assert pol.corr["prefill"] == before["prefill"]  # a node still starting: not the profile's error
+
+
+def test_a_miss_is_one_beyond_chance():
+    assert not significantly_below(0.8, 5, 0.95)  # one slow request of five
+    assert not significantly_below(0.857, 7, 0.95) and not significantly_below(1.0, 3, 0.95)
+    assert significantly_below(0.625, 8, 0.95) and significantly_below(0.9, 200, 0.95)
+    assert not significantly_below(None, 0, 0.95)
+    # the policy: the sizing wants one more prefill node, up_after asks for 3 decisions in a row;
+    # an interval with 1 of 5 first tokens late does not jump the queue, 3 of 8 late does
+    cfg = PolicyConfig(Bounds(1, 16, 1, 16), cooldown_up_s=0, up_after=3, min_samples=5)
+    for late, n, jumps in ((1, 5, False), (3, 8, True)):
+        pol = Policy(PoolModel(H100, SLO), cfg)
+        d = pol.decide(obs(12, prefill=2, finished=n, ttft_ok=1 - late / n), {"prefill": 2, "decode": 1}, now=0)
+        assert d.target["prefill"] == 3 and (d.change["prefill"] == 1) == jumps, d.reasons
+
+
+def test_a_correction_pools_its_intervals_by_their_requests():
+    cfg = PolicyConfig(Bounds(1, 16, 1, 16), min_samples=3, corr_window=5)
+    pol = Policy(PoolModel(H100, SLO), cfg)
+    model_ttft = pol.model.ttft(4, 6000, 2)
+    # 40 requests as the profile says, then 3 at three times its TTFT: the 40 weigh more
+    pol.decide(obs(4, prefill=2, ttft=model_ttft, finished=40), {"prefill": 2, "decode": 1}, now=100)
+    assert pol.corr["prefill"] == pytest.approx(1.0, abs=0.01)
+    pol.decide(obs(4, prefill=2, ttft=3 * model_ttft, finished=3), {"prefill": 2, "decode": 1}, now=200)
+    assert 1.0 < pol.corr["prefill"] < 1.2
+    # decode: 2 nodes, one running 30 requests and one 0 (a pool just grown); the ITL the
+    # requests see is the step of 30, the profile's: no correction
+    step30 = pol.model.decode_step(30, 300, 1.0, 900)
+    pol = Policy(PoolModel(H100, SLO), cfg)
+    pol.decide(obs(4, 300, 900, prefill=2, decode=2, itl=step30, finished=10, decode_running=30, by_node=(30, 0)),
+               {"prefill": 2, "decode": 2}, now=300)
+    assert pol.corr["decode"] == pytest.approx(1.0, abs=0.01)
+    even = Policy(PoolModel(H100, SLO), cfg)  # the same ITL spread evenly would say the profile is slow
+    even.decide(obs(4, 300, 900, prefill=2, decode=2, itl=step30, finished=10, decode_running=30, by_node=(15, 15)),
+                {"prefill": 2, "decode": 2}, now=300)
+    assert even.corr["decode"] > 1.05
 
 
 # ---- the local actuator --------------------------------------------------------------------------

@@ -89,6 +89,7 @@ class PoolState(NamedTuple):
     waiting: int
     queued_prefill_tokens: int
     kv_usage: float  # mean over the role's nodes
+    running_by_node: tuple[int, ...] = ()  # each node's running requests (how evenly they spread)
 
 
 class Observation(NamedTuple):
@@ -107,6 +108,8 @@ class Observation(NamedTuple):
     in_flight: float
     pools: dict[str, PoolState]  # role -> state
     routers: int
+    ttft_n: int = 0  # first tokens behind ttft_mean / ttft_ok
+    itl_n: int = 0  # finished requests behind itl_mean / itl_ok
 
 
 def parse_router_metrics(text: str) -> RouterTotals:
@@ -159,7 +162,8 @@ def pool_states(nodes: list[NodeInfo], model: str | None = None) -> dict[str, Po
         mine = [n for n in nodes if n.role == role and (model is None or n.model == model)]
         out[role] = PoolState(len(mine), sum(n.load.running for n in mine), sum(n.load.waiting for n in mine),
                               sum(n.load.queued_prefill_tokens for n in mine),
-                              sum(n.load.kv_usage for n in mine) / len(mine) if mine else 0.0)
+                              sum(n.load.kv_usage for n in mine) / len(mine) if mine else 0.0,
+                              tuple(n.load.running for n in mine))
     return out
 
 
@@ -254,4 +258,4 @@ class Observer:
             osl=out.mean(), ttft_mean=scale(ttft.mean()), ttft_ok=ttft.share_at_most(self.ttft_s / self.k),
             itl_mean=scale(itl.mean()), itl_ok=itl.share_at_most(self.itl_s / self.k),
             finished=int(out.n), failures=d(totals.failures, prev.failures), in_flight=totals.running,
-            pools=pool_states(nodes, self.model), routers=totals.routers)
+            pools=pool_states(nodes, self.model), routers=totals.routers, ttft_n=int(ttft.n), itl_n=int(itl.n))

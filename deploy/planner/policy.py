@@ -5,25 +5,31 @@
                  the rate asked of the pools is the larger of the forecast and the mean of
                  the last ``rate_window`` observations: a forecast may lag a step up, never
                  hide it, and one noisy interval alone moves nothing
-    2. correct   corr_p: the prefill stretch that makes the model's mean TTFT at the
-                 observed rate and prefill nodes equal the observed mean TTFT (bisection);
-                 corr_d: observed mean ITL / the model's step at the observed batch per
-                 decode node. Each only from an interval with >= min_samples requests
-                 in which the role's pool was settled (every node it counts registered, no
-                 change during the interval: a backlog left by a pool still growing is not
-                 the profile's error), clamped to [corr_min, corr_max]; the correction used
-                 is the median of the last ``corr_window`` of them (one odd interval moves
-                 nothing)
+    2. correct   from the last ``corr_window`` measured intervals of each role together,
+                 each weighted by its requests (a handful of requests a interval says
+                 little alone; pooled, one odd interval moves little):
+                 corr_p: the prefill stretch that makes the model's mean TTFT (at each
+                 interval's rate, prompt length and prefill nodes) equal the observed mean
+                 TTFT (bisection); corr_d: observed mean ITL / the model's mean step, the
+                 step of each decode node at its own batch weighted by its requests (a
+                 pool just grown holds the old requests on its old nodes: that unevenness
+                 passes, it is not the profile's error). An interval is measured only
+                 with >= min_samples requests and the role's pool settled (every node it
+                 counts registered, no change during the interval: a backlog left by a
+                 pool still growing is not the profile's error); clamped to [corr_min,
+                 corr_max]
     3. size      perf.PoolModel at the predicted load with the corrections; decode at least
                  what the requests the decode nodes hold now need (output lengths show only
                  when requests finish: a shift to longer answers shows first as requests
                  piling up); clamped to [min, max] per role
     4. change    up to the target after ``up_after`` decisions in a row wanted more (at once
                  when the last interval missed the role's bound for more than the SLO
-                 allows), cooldown_up_s after the role's last change; down by half the
-                 excess (at least one node, at most ``down_step``), only after
-                 ``down_after`` decisions in a row wanted fewer and cooldown_down_s after
-                 the role's last change
+                 allows and more than chance explains: the one-sided 95% upper bound of
+                 its attainment (Wilson score, over its requests) under the SLO's; one
+                 slow request of five is not a miss), cooldown_up_s after the role's last
+                 change; down by half the excess rounded up (at most ``down_step``),
+                 only after ``down_after`` decisions in a row wanted fewer and
+                 cooldown_down_s after the role's last change
 
 The ``Decision`` keeps everything it was based on (observed and predicted load, the
 corrections, each pool's sizing and SLO margin, why it changed or held); service.py logs,
@@ -33,14 +39,14 @@ exports and serves it. Owns the rule; must not scrape or start anything.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
-from .observe import Observation
+from .observe import Observation, PoolState
 from .perf import PoolModel
 from .predictor import Ensemble
 
@@ -70,12 +76,12 @@ class PolicyConfig:
     cooldown_up_s: float = 30.0  # wall seconds after a role's change before it grows again
     cooldown_down_s: float = 120.0  # ... before it shrinks
     down_after: int = 2  # decisions in a row that want fewer nodes before one goes
-    down_step: int = 4  # nodes one decision may remove from a role, at most (it removes half the excess)
+    down_step: int = 4  # nodes one decision may remove from a role, at most (it removes half the excess, rounded up)
     up_after: int = 1  # decisions in a row that want more nodes before they start (SLO missed: at once)
     min_samples: int = 5  # requests an interval needs to move a correction
     corr_min: float = 0.5
     corr_max: float = 3.0
-    corr_window: int = 5  # the correction is the median of this many of the last measured
+    corr_window: int = 5  # the correction pools this many of the last measured intervals
     rate_window: int = 2  # observations the rate floor averages
 
     def __post_init__(self):
@@ -125,7 +131,7 @@ class Policy:
     wanted_more: dict[str, int] = field(default_factory=lambda: {r: 0 for r in ROLES})
     last: dict[str, float] = field(default_factory=dict)  # series -> last observed value
     rates: deque[float] = field(default_factory=deque)  # the last observed rates
-    measured: dict[str, deque[float]] = field(default_factory=lambda: {r: deque() for r in ROLES})
+    measured: dict[str, deque[Measured]] = field(default_factory=lambda: {r: deque() for r in ROLES})
     decode_running: float | None = None  # the decode nodes' running requests at the last observation
     seq: int = 0
 
@@ -177,9 +183,8 @@ class Policy:
                 reasons.append(f"{role}: the SLO is out of reach within {s.nodes} nodes at this load")
         target = {role: b.clamp(role, sizing[role].nodes if rate > 0 else 0) for role in ROLES}
         change = {}
-        missed = {"prefill": obs.ttft_ok is not None and obs.finished >= c.min_samples
-                  and obs.ttft_ok < slo.attainment,
-                  "decode": obs.itl_ok is not None and obs.finished >= c.min_samples and obs.itl_ok < slo.attainment}
+        missed = {"prefill": obs.ttft_n >= c.min_samples and significantly_below(obs.ttft_ok, obs.ttft_n, slo.attainment),
+                  "decode": obs.itl_n >= c.min_samples and significantly_below(obs.itl_ok, obs.itl_n, slo.attainment)}
         for role in ROLES:
             cur, want = current[role], target[role]
             since = now - self.last_change[role]
@@ -201,7 +206,7 @@ class Policy:
                 self.wanted_more[role] = 0
                 self.wanted_fewer[role] += 1
                 if self.wanted_fewer[role] >= c.down_after and since >= c.cooldown_down_s:
-                    change[role] = -min(c.down_step, max(1, (cur - want) // 2))
+                    change[role] = -min(c.down_step, math.ceil((cur - want) / 2))
                     reasons.append(f"{role}: {cur} -> {cur + change[role]} nodes (target {want}), draining")
                 else:
                     change[role] = 0
@@ -231,40 +236,87 @@ class Policy:
         c = self.config
         pools = obs.pools
         nodes = pools["prefill"].nodes
-        f = lambda k: self.model.ttft(obs.rate, obs.isl or isl, nodes, k, self.corr["decode"])  # noqa: E731
+        corr_d = self.corr["decode"]
         # (an overloaded pool per the model, a >= P: its queue grows without bound, so no
         # stretch of the service explains one interval's TTFT; the size follows from the rate)
         if obs.ttft_mean is not None and obs.finished >= c.min_samples and nodes and settled["prefill"] \
-                and not math.isinf(f(self.corr["prefill"])):
-            lo, hi = c.corr_min, c.corr_max
-            if f(hi) <= obs.ttft_mean:
-                k = hi
-            elif f(lo) >= obs.ttft_mean:
-                k = lo
-            else:
-                for _ in range(40):
-                    mid = (lo + hi) / 2
-                    lo, hi = (mid, hi) if f(mid) < obs.ttft_mean else (lo, mid)
-                k = (lo + hi) / 2
-            self._measured("prefill", k)
+                and not math.isinf(self.model.ttft(obs.rate, obs.isl or isl, nodes, self.corr["prefill"], corr_d)):
+            self._measured("prefill", Measured(obs.finished, obs.ttft_mean, obs.rate, obs.isl or isl, nodes))
+            self.corr["prefill"] = self._prefill_correction()
         running = pools["decode"].running
         before, self.decode_running = self.decode_running, running
         if obs.itl_mean is not None and obs.finished >= c.min_samples and pools["decode"].nodes and settled["decode"]:
-            # the interval's batch: the mean of the running requests at its two ends
-            batch = max(1.0, (running + (running if before is None else before)) / 2 / pools["decode"].nodes)
-            step = self.model.decode_step(batch, obs.isl or isl, 1.0, obs.osl or osl)
-            self._measured("decode", min(c.corr_max, max(c.corr_min, obs.itl_mean / step)))
+            batches = interval_batches(pools["decode"], before)
+            step = sum(b * self.model.decode_step(b, obs.isl or isl, 1.0, obs.osl or osl) for b in batches) / sum(batches)
+            self._measured("decode", Measured(obs.finished, obs.itl_mean, model_s=step))
+            window = self.measured["decode"]
+            k = sum(m.n * m.observed_s for m in window) / sum(m.n * m.model_s for m in window)
+            self.corr["decode"] = min(c.corr_max, max(c.corr_min, k))
 
-    def _measured(self, role: str, k: float) -> None:
+    def _prefill_correction(self) -> float:
+        """The stretch k in [corr_min, corr_max] whose model mean TTFT over the measured
+        intervals (weighted by requests) equals the observed one (bisection: the model's
+        TTFT grows with k; inf past a pool's capacity counts as too slow)."""
+        c, window = self.config, self.measured["prefill"]
+        total = sum(m.n for m in window)
+        observed = sum(m.n * m.observed_s for m in window) / total
+
+        def model(k: float) -> float:
+            return sum(m.n * self.model.ttft(m.rate, m.isl, m.nodes, k, self.corr["decode"]) for m in window) / total
+        lo, hi = c.corr_min, c.corr_max
+        if model(hi) <= observed:
+            return hi
+        if model(lo) >= observed:
+            return lo
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if model(mid) < observed else (lo, mid)
+        return (lo + hi) / 2
+
+    def _measured(self, role: str, m: Measured) -> None:
         window = self.measured[role]
-        window.append(k)
+        window.append(m)
         while len(window) > self.config.corr_window:
             window.popleft()
-        self.corr[role] = statistics.median(window)
 
     def errors(self) -> dict[str, dict]:
         """series -> predictor -> its error summary (predictor.py)."""
         return {name: e.errors() for name, e in self.series.items()}
+
+
+class Measured(NamedTuple):
+    """One interval a correction rests on: its requests and observed mean latency, and what
+    the model needs to predict it (prefill: rate, prompt length, nodes; decode: the model's
+    mean step at corr 1)."""
+    n: int
+    observed_s: float
+    rate: float = 0.0
+    isl: float = 0.0
+    nodes: int = 0
+    model_s: float = 0.0
+
+
+def interval_batches(pool: PoolState, running_before: float | None) -> list[float]:
+    """The batch of each decode node running requests over the interval: its share of the
+    requests running now, scaled to the mean of the pool's running requests at the
+    interval's two ends (at least one request; evenly over the pool when nobody runs
+    anything now)."""
+    mean_total = (pool.running + (pool.running if running_before is None else running_before)) / 2
+    by_node = pool.running_by_node if pool.running and len(pool.running_by_node) == pool.nodes else ()
+    if not by_node:
+        return [max(1.0, mean_total / pool.nodes)] * pool.nodes
+    return [max(1.0, r * mean_total / pool.running) for r in by_node if r]
+
+
+def significantly_below(share: float | None, n: int, target: float, z: float = 1.645) -> bool:
+    """Whether ``share`` of ``n`` requests within a bound says the attainment is under
+    ``target`` beyond chance: the Wilson score interval's upper end (one-sided, z = 1.645:
+    95%) is under it."""
+    if share is None or n <= 0:
+        return False
+    z2 = z * z
+    upper = (share + z2 / (2 * n) + z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))) / (1 + z2 / n)
+    return upper < target
 
 
 def _r(v: float | None, digits: int = 4) -> float | None:
