@@ -17,8 +17,8 @@ useful pace. SLO: TTFT <= 15 s and ITL <= 0.35 s for 95% of the requests.
     planner run   the fleet starts at ``splitserve plan``'s size for the first two minutes
                   (as an operator would start it); the planner decides every 15 s of trace
                   time (2.5 s wall) on a rate floor of the last minute, grows a pool after two
-                  decisions in a row (one when the SLO was missed) and shrinks it one node at
-                  a time after four and a cooldown; drained nodes finish their requests
+                  decisions in a row (one when the SLO was missed beyond chance) and shrinks
+                  it by half the excess after four and a cooldown; drained nodes finish their requests
                   first. Device-seconds: each node from its start to its exit.
     static splits the fleet model (benchmarks/loadgen/plan/fleetsim.py) ranks every P:D
                   split by cost over the whole trace; the cheapest it expects to reach the
