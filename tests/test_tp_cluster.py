@@ -241,9 +241,15 @@ def _kill_worker_under_load(c: Cluster, name: str) -> float:
     prompt = ["Write a haiku about the sea.", "Name three colors of the rainbow.", "Explain rain to a child."]
     migrations = metric(c.url, "splitserve:request_migrations_total")
 
+    def running() -> int:
+        return get_json(f"{c.node(name).addr}/debug/state", c.auth_headers())["load"]["running"]
+
     async def scenario():
         load = asyncio.create_task(run_load(c.url, rate=3, duration_s=6, prompts=prompt, max_tokens=120))
-        await asyncio.sleep(2)
+        await asyncio.sleep(1)
+        until = time.monotonic() + 4  # kill while the node runs requests (a slow machine starts them late)
+        while await asyncio.to_thread(running) == 0 and time.monotonic() < until:
+            await asyncio.sleep(0.1)
         os.kill(worker, signal.SIGKILL)
         return await load
     results = asyncio.run(scenario())
