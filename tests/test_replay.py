@@ -121,6 +121,10 @@ def test_replay_command_end_to_end(tmp_path):
     assert r["max_mean_load"] >= 1
     assert sum(r["prefill_requests_per_node"].values()) == 10
     assert r["prefill_nodes_not_idle_at_end"] == {}  # nothing leaked on the nodes
+    # where the mean TTFT went: each role's queue and prompt time, the rest is the path between
+    prefill = r["at_nodes"]["prefill"]
+    assert prefill["prefill_s"] > 0 and prefill["queue_s"] >= 0 and set(r["at_nodes"]) == {"prefill", "decode"}
+    assert prefill["queue_s"] + prefill["prefill_s"] + r["ttft_path_s"] == pytest.approx(r["ttft_mean"], abs=2e-3)
     assert "hit rate" in proc.stdout
 
 

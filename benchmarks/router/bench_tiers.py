@@ -182,6 +182,11 @@ def report(result: dict) -> None:
     for name, r in result["runs"].items():
         print(f"{name:>10s} TTFT p50 / p90 by share cached: " + ", ".join(
             f"{k} ({c['requests']}) {c['ttft_p50']:.3f} / {c['ttft_p90']:.3f} s" for k, c in r["ttft_by_hit"].items()))
+    for name, r in result["runs"].items():
+        nodes = r.get("at_nodes") or {}
+        print(f"{name:>10s} mean TTFT {r['ttft_mean']:.3f} s: " + ", ".join(
+            f"{role} queue {v['queue_s']:.3f} s, prompt {v['prefill_s']:.3f} s" for role, v in nodes.items())
+            + f"; rest of the path {r.get('ttft_path_s')} s")
     t = result["targets"]
     print(f"oracle (unlimited) {result['trace']['unlimited_hit_rate']:.1%}, LRU of the fleet's KV "
           f"{result['trace']['capacity_lru_hit_rate']:.1%}")

@@ -31,7 +31,7 @@ from splitserve.common.sim_profiles import SimDeployment
 from splitserve.deploy.launcher import SimCluster
 from splitserve.deploy.planner.slo import Slo
 
-from ..replay.run import Outcome, node_states, replay, schedule_check, sim_router_args
+from ..replay.run import Outcome, node_metrics, node_side, node_states, replay, schedule_check, sim_router_args
 from ..replay.trace import TraceRequest
 from .search import quantile
 
@@ -107,36 +107,6 @@ def start_fleet(deployment: SimDeployment, prefill_nodes: int, decode_nodes: int
         raise
 
 
-async def prefill_times(redis_url: str) -> dict[str, float]:
-    """The prefill nodes' mean queue and compute time per prompt (wall seconds, from their
-    request_queue_time / request_prefill_time histograms): the part of TTFT the model sizes."""
-    import aiohttp
-    from prometheus_client.parser import text_string_to_metric_families
-
-    from splitserve.common import metric_names as names
-    from splitserve.common.registry import NodeRegistry
-
-    registry = NodeRegistry(redis_url)
-    try:
-        nodes = [n for n in await registry.list_nodes() if n.role == "prefill"]
-    finally:
-        await registry.close()
-    sums = {names.REQUEST_QUEUE_TIME: [0.0, 0.0], names.REQUEST_PREFILL_TIME: [0.0, 0.0]}  # name -> [sum, count]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        for n in nodes:
-            async with s.get(f"{n.http_addr}/metrics") as r:
-                text = await r.text()
-            for fam in text_string_to_metric_families(text):
-                if fam.name in sums:
-                    for sample in fam.samples:
-                        if sample.name.endswith("_sum"):
-                            sums[fam.name][0] += sample.value
-                        elif sample.name.endswith("_count"):
-                            sums[fam.name][1] += sample.value
-    mean = lambda v: v[0] / v[1] if v[1] else 0.0  # noqa: E731
-    return {"queue_s": mean(sums[names.REQUEST_QUEUE_TIME]), "compute_s": mean(sums[names.REQUEST_PREFILL_TIME])}
-
-
 async def overruns(redis_url: str) -> dict[str, float]:
     """node id -> sim_overrun_s of every registered node."""
     return {nid: float(st.get("sim_overrun_s", 0.0)) for nid, st in (await node_states(redis_url)).items()}
@@ -151,13 +121,13 @@ def check_plan(trace: list[TraceRequest], deployment: SimDeployment, prefill_nod
         outcomes = asyncio.run(replay(trace, cluster.url, MODEL, speedup, 1 << 30))
         wall = time.perf_counter() - start
         over = asyncio.run(overruns(cluster.redis_url))
-        node_side = asyncio.run(prefill_times(cluster.redis_url))
+        prefill = node_side({"prefill": asyncio.run(node_metrics(cluster.redis_url, "prefill"))}, speedup)["prefill"]
     finally:
         cluster.stop()
     m = measure(outcomes, speedup, slo)
     ok = [o.ttft_s for o in outcomes if o.ok]
     ttft_mean = sum(ok) / len(ok) * speedup if ok else math.nan
-    at_nodes = (node_side["queue_s"] + node_side["compute_s"]) * speedup
+    at_nodes = prefill["queue_s"] + prefill["prefill_s"]
     return {"measured": m._asdict(), "speedup": speedup, "wall_s": round(wall, 1),
             # where the TTFT went, trace seconds: the prefill nodes' queue and compute (what the model
             # predicts) and the rest of the path (router, reservation, KV transfer, the first token's hop)

@@ -321,6 +321,43 @@ def tier_counts(metrics: dict[str, str], name: str) -> dict[str, float]:
     return counts
 
 
+def histogram_mean(metrics: dict[str, str], name: str) -> float:
+    """The mean of histogram ``name`` (seconds) over every node's /metrics text, 0.0 where it
+    observed nothing."""
+    total = count = 0.0
+    for text in metrics.values():
+        for family in text_string_to_metric_families(text):
+            if family.name == name:
+                for sample in family.samples:
+                    if sample.name.endswith("_sum"):
+                        total += sample.value
+                    elif sample.name.endswith("_count"):
+                        count += sample.value
+    return total / count if count else 0.0
+
+
+def node_side(metrics: dict[str, dict[str, str]], speedup: float) -> dict[str, dict[str, float]]:
+    """Where requests spent their time on the nodes, per role (``metrics``: role -> node_metrics),
+    in trace seconds: the mean wait from added to first scheduled (``queue_s``) and from
+    first scheduled to the prompt done (``prefill_s``: the prompt's compute, its lower-tier
+    loads and the steps it shared), and the bytes each role moved to and from its lower tiers
+    (``offload_bytes``: ``tier direction`` -> bytes)."""
+    out: dict[str, dict] = {}
+    for role, by_node in metrics.items():
+        moved: dict[str, float] = {}
+        for text in by_node.values():
+            for family in text_string_to_metric_families(text):
+                if family.name == names.KV_OFFLOAD_BYTES.removesuffix("_total"):
+                    for sample in family.samples:
+                        if sample.name.endswith("_total"):
+                            key = f"{sample.labels['tier']} {sample.labels['direction']}"
+                            moved[key] = moved.get(key, 0.0) + sample.value
+        out[role] = {"queue_s": round(histogram_mean(by_node, names.REQUEST_QUEUE_TIME) * speedup, 4),
+                     "prefill_s": round(histogram_mean(by_node, names.REQUEST_PREFILL_TIME) * speedup, 4),
+                     "offload_bytes": moved}
+    return out
+
+
 def hits_by_tier(cached_tokens: int, prompt_tokens: int, lower_blocks: dict[str, float],
                  block_size: int) -> dict[str, float]:
     """Share of ``prompt_tokens`` served from each tier: the lower tiers' hits (blocks of
@@ -359,10 +396,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Outcome],
               per_node: dict[str, float], states: dict[str, dict], wall_s: float,
-              lower: dict[str, dict[str, float]] | None = None, overrun_s: dict[str, float] | None = None) -> dict:
+              lower: dict[str, dict[str, float]] | None = None, overrun_s: dict[str, float] | None = None,
+              at_nodes: dict[str, dict] | None = None) -> dict:
     """The replay's figures (module docstring); ``states``: the prefill nodes' /debug/state,
     ``lower``: their lower tiers' ``hits`` and ``evictions`` (``tier_counts``), ``overrun_s``:
-    every node's sim_overrun_s."""
+    every node's sim_overrun_s, ``at_nodes``: ``node_side``'s split of the nodes' time."""
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
     oracle = sum(oracle_hits(requests, cfg.trace_block_size)) / sum(r.input_length for r in requests)
@@ -387,6 +425,11 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "kv_offload_memory": cfg.kv_offload_memory, "kv_offload_disk_bytes": cfg.kv_offload_disk_bytes,
         "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
         "ttft_p99": round(percentile(ttft, 0.99), 3), "ttft_mean": round(statistics.fmean(ttft), 3) if ttft else None,
+        # where the mean TTFT went (trace seconds): the prefill nodes' queue and prompt, and the
+        # rest of the path (router, decode reservation, KV transfer, the first token's hop)
+        "at_nodes": at_nodes,
+        "ttft_path_s": (round(statistics.fmean(ttft) - at_nodes["prefill"]["queue_s"] - at_nodes["prefill"]["prefill_s"], 4)
+                        if ttft and at_nodes and "prefill" in at_nodes else None),
         "max_mean_load": max_over_mean(list(busy.values()), cfg.prefill_nodes),
         "max_mean_requests": max_over_mean(list(per_node.values()), cfg.prefill_nodes),
         "prefill_requests_per_node": dict(sorted(per_node.items())),
@@ -466,13 +509,14 @@ def run_replay(cfg: ReplayConfig) -> dict:
             time.sleep(IDLE_RECHECK_S)
             states = asyncio.run(prefill_node_states(cluster.redis_url))
         every = asyncio.run(node_states(cluster.redis_url))
+        metrics = {role: asyncio.run(node_metrics(cluster.redis_url, role)) for role in ("prefill", "decode")}
         lower = None
         if cfg.kv_offload_memory:
-            metrics = asyncio.run(node_metrics(cluster.redis_url, "prefill"))
-            lower = {"hits": tier_counts(metrics, names.KV_OFFLOAD_HITS),
-                     "evictions": tier_counts(metrics, names.KV_OFFLOAD_EVICTIONS)}
+            lower = {"hits": tier_counts(metrics["prefill"], names.KV_OFFLOAD_HITS),
+                     "evictions": tier_counts(metrics["prefill"], names.KV_OFFLOAD_EVICTIONS)}
     overrun = {nid: float(st.get("sim_overrun_s", 0.0)) for nid, st in every.items()}
-    result = summarize(cfg, requests, outcomes, per_node, states, wall_s, lower, overrun)
+    result = summarize(cfg, requests, outcomes, per_node, states, wall_s, lower, overrun,
+                       node_side(metrics, cfg.speedup))
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.result_json).write_text(json.dumps(result, indent=1))
