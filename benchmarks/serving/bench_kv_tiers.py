@@ -3,7 +3,7 @@ prefixes come back after other conversations pushed them out of the device KV ca
 real nodes (router -> prefill -> decode, the bundled model), with and without a host tier
 below a KV cache that holds about one conversation, in the same run.
 
-    .venv/bin/python benchmarks/serving/bench_kv_tiers.py            # ~10 min here
+    .venv/bin/python benchmarks/serving/bench_kv_tiers.py            # ~27 min here (2 rounds)
 
 Workload (token-id prompts, so lengths are exact): ``--conversations`` conversations of
 ``--turns`` turns; turn 1 is a ``--first`` token prompt (a long system prompt and a
