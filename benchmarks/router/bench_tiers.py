@@ -17,8 +17,8 @@ roofline), a tier's loads and stores at PCIe Gen5 rate (engine/sim_runner.py), a
 transfer to the decode node at one 400 Gb/s NIC per GPU (node/sim_link.py). Each run is
 checked for keeping its pace (sends on schedule; no node's steps behind their simulated time
 more than plan/check.py's MAX_OVERRUN_SHARE of the run; transfers moved within their modelled
-time: replay/run.py ``transfer_check``); a run that did not is reported as not sustained
-and its ratios are not claimed.
+time: replay/run.py ``transfer_check``; judged by plan/check.py ``judge_pace``); a run that
+did not is reported as not sustained and its ratios are not claimed.
 
 Reported per variant: the prefix hit rate (prompt tokens cached over prompt tokens) and by
 tier, the oracle's, TTFT p50/p90/p99 in trace seconds, the TTFT of misses (under 10% of the
@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
-from splitserve.benchmarks.loadgen.plan.check import MAX_OVERRUN_SHARE
+from splitserve.benchmarks.loadgen.plan.check import judge_pace
 from splitserve.benchmarks.loadgen.replay.groups import GroupSpec, generate_groups, group_stats
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, percentile, print_summary, run_replay
 from splitserve.benchmarks.loadgen.replay.trace import dump_trace
@@ -62,21 +62,6 @@ def ttft_by_hit(per_request: list) -> dict:
             classes["miss" if share < 0.1 else "hit" if share >= 0.9 else "partial"].append(ttft)
     return {name: {"requests": len(v), "ttft_p50": round(percentile(v, 0.5), 3), "ttft_p90": round(percentile(v, 0.9), 3)}
             for name, v in classes.items() if v}
-
-
-def sustain(r: dict) -> dict:
-    """Whether a replay kept its pace (module docstring), and why not."""
-    why = []
-    if r["schedule"]["behind_schedule"]:
-        why.append(f"sends p99 {r['schedule']['late_p99_s']:.3f} s (wall) behind the schedule")
-    worst = max(r["sim_overrun_s"].items(), key=lambda kv: kv[1], default=("", 0.0))
-    share = worst[1] / max(r["wall_s"], 1e-9)
-    if share > MAX_OVERRUN_SHARE:
-        why.append(f"node {worst[0]} ran {share:.1%} of the run behind its simulated steps")
-    t = r.get("transfers")
-    if t is not None and t["behind_model"]:
-        why.append(f"transfers moved {t['late_share_of_ttft']:.1%} of the TTFT behind the modelled network")
-    return {"sustained": not why, "why": why, "worst_node_overrun_share": round(share, 4)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -140,8 +125,9 @@ def main() -> int:
                                         fleet_procs=args.fleet_procs, limit=args.limit,
                                         kv_offload_memory=str(host) if host else None))
             print_summary(r)
+            pace = judge_pace(r["schedule"], r["sim_overrun_s"], r["wall_s"], r["transfers"])
             runs[variant] = {**{k: v for k, v in r.items() if k != "per_request"},
-                             "ttft_by_hit": ttft_by_hit(r["per_request"]), "sustain": sustain(r)}
+                             "ttft_by_hit": ttft_by_hit(r["per_request"]), "sustain": pace}
             result = {"profile": args.profile, "nodes": args.nodes, "seed": args.seed, "speedup": args.speedup,
                       "limit": args.limit, "unlimited_pools": UNLIMITED_POOLS, "trace": stats, "runs": runs,
                       "targets": targets(runs)}

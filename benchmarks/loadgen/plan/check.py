@@ -82,7 +82,13 @@ def measure(outcomes: list[Outcome], speedup: float, slo: Slo) -> Measured:
 def sustain_check(outcomes: list[Outcome], overrun_s: dict[str, float], wall_s: float, speedup: float) -> dict:
     """Did this machine keep the simulation's pace? ``overrun_s``: node -> its
     sim_overrun_s (wall) over a run of ``wall_s``."""
-    schedule = schedule_check(outcomes, speedup)
+    return judge_pace(schedule_check(outcomes, speedup), overrun_s, wall_s)
+
+
+def judge_pace(schedule: dict, overrun_s: dict[str, float], wall_s: float, transfers: dict | None = None) -> dict:
+    """Whether a run kept its pace, and why not: ``schedule`` (replay/run.py
+    ``schedule_check``), every node's overrun over ``wall_s``, and where nodes model their
+    network, ``transfers`` (``transfer_check``)."""
     worst = max(overrun_s.items(), key=lambda kv: kv[1], default=("", 0.0))
     share = worst[1] / max(wall_s, 1e-9)
     why = []
@@ -90,6 +96,8 @@ def sustain_check(outcomes: list[Outcome], overrun_s: dict[str, float], wall_s: 
         why.append(f"the replay sent p99 {schedule['late_p99_s']:.3f} s (wall) behind its schedule")
     if share > MAX_OVERRUN_SHARE:
         why.append(f"node {worst[0]} ran {share:.1%} of the run behind its simulated steps")
+    if transfers is not None and transfers["behind_model"]:
+        why.append(f"transfers moved {transfers['late_share_of_ttft']:.1%} of the TTFT behind the modelled network")
     return {"sustained": not why, "why": why, **schedule, "worst_node_overrun_share": round(share, 4),
             "overrun_s": {k: round(v, 3) for k, v in sorted(overrun_s.items())}}
 

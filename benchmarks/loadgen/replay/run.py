@@ -307,17 +307,18 @@ async def node_metrics(redis_url: str, role: str) -> dict[str, str]:
     return {n.node_id: t for n, t in zip(nodes, texts)}
 
 
-def tier_counts(metrics: dict[str, str], name: str) -> dict[str, float]:
-    """tier (host, disk) -> the counter ``name`` (per tier, in blocks: names.KV_OFFLOAD_HITS,
-    KV_OFFLOAD_EVICTIONS) summed over the nodes' /metrics."""
+def tier_counts(metrics: dict[str, str], name: str, labels: tuple[str, ...] = ("tier",)) -> dict[str, float]:
+    """The counter ``name`` summed over the nodes' /metrics by its ``labels`` (joined by a
+    space): by tier (host, disk) for names.KV_OFFLOAD_HITS and KV_OFFLOAD_EVICTIONS (blocks),
+    by ``("tier", "direction")`` for KV_OFFLOAD_BYTES."""
     counts: dict[str, float] = {}
     for text in metrics.values():
         for family in text_string_to_metric_families(text):
             if family.name == name.removesuffix("_total"):
                 for sample in family.samples:
                     if sample.name.endswith("_total"):
-                        tier = sample.labels["tier"]
-                        counts[tier] = counts.get(tier, 0.0) + sample.value
+                        key = " ".join(sample.labels[label] for label in labels)
+                        counts[key] = counts.get(key, 0.0) + sample.value
     return counts
 
 
@@ -336,26 +337,16 @@ def histogram_mean(metrics: dict[str, str], name: str) -> float:
     return total / count if count else 0.0
 
 
-def node_side(metrics: dict[str, dict[str, str]], speedup: float) -> dict[str, dict[str, float]]:
+def node_side(metrics: dict[str, dict[str, str]], speedup: float) -> dict[str, dict]:
     """Where requests spent their time on the nodes, per role (``metrics``: role -> node_metrics),
     in trace seconds: the mean wait from added to first scheduled (``queue_s``) and from
     first scheduled to the prompt done (``prefill_s``: the prompt's compute, its lower-tier
     loads and the steps it shared), and the bytes each role moved to and from its lower tiers
     (``offload_bytes``: ``tier direction`` -> bytes)."""
-    out: dict[str, dict] = {}
-    for role, by_node in metrics.items():
-        moved: dict[str, float] = {}
-        for text in by_node.values():
-            for family in text_string_to_metric_families(text):
-                if family.name == names.KV_OFFLOAD_BYTES.removesuffix("_total"):
-                    for sample in family.samples:
-                        if sample.name.endswith("_total"):
-                            key = f"{sample.labels['tier']} {sample.labels['direction']}"
-                            moved[key] = moved.get(key, 0.0) + sample.value
-        out[role] = {"queue_s": round(histogram_mean(by_node, names.REQUEST_QUEUE_TIME) * speedup, 4),
-                     "prefill_s": round(histogram_mean(by_node, names.REQUEST_PREFILL_TIME) * speedup, 4),
-                     "offload_bytes": moved}
-    return out
+    return {role: {"queue_s": round(histogram_mean(by_node, names.REQUEST_QUEUE_TIME) * speedup, 4),
+                   "prefill_s": round(histogram_mean(by_node, names.REQUEST_PREFILL_TIME) * speedup, 4),
+                   "offload_bytes": tier_counts(by_node, names.KV_OFFLOAD_BYTES, ("tier", "direction"))}
+            for role, by_node in metrics.items()}
 
 
 def hits_by_tier(cached_tokens: int, prompt_tokens: int, lower_blocks: dict[str, float],
