@@ -17,7 +17,8 @@ Block states::
     free, *           --get_new_blocks-->  in use, uncached  (a cached one is evicted: BlockRemoved,
                                                             or BlockStored(tier) if ``on_evict``
                                                             kept its KV in a lower tier)
-    in use, uncached  --cache_block----->  in use, cached    (BlockStored)
+    in use, uncached  --cache_block----->  in use, cached    (BlockStored; ``on_cache`` queues the
+                                                            block's copy to a lower tier)
     in use, *         --free_blocks----->  free, *           (once ref_cnt reaches 0; queue tail)
     free, cached      --touch----------->  in use, cached    (prefix hit)
 
@@ -139,6 +140,8 @@ class BlockPool:
         # Lower tiers (engine/kv_offload.py): called with (block id, hash, tokens) as a cached
         # block is evicted, before it is reused; returns the lower tier that now holds it, if any.
         self.on_evict: Callable[[int, int, tuple[int, ...]], Tier | None] | None = None
+        # ... and called with (block id, hash, tokens) as a block is registered in the prefix cache.
+        self.on_cache: Callable[[int, int, tuple[int, ...]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -250,6 +253,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tokens
         self.cached[block_hash] = block
+        if self.on_cache is not None:
+            self.on_cache(block.block_id, block_hash, tokens)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockStored) and last.tier is Tier.DEVICE and last.block_hashes[-1] == parent_hash:
             last.block_hashes.append(block_hash)  # the chain goes on: one event

@@ -60,6 +60,7 @@ class KVCacheManager:
         self.offload = offload
         if offload is not None:
             self.pool.on_evict = offload.store
+            self.pool.on_cache = offload.cached
             offload.record = self.pool.record_event
             offload.on_device = self.pool.cached.__contains__
         self._req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> blocks, in token order

@@ -1,15 +1,23 @@
 """The lower tiers of one engine's prefix cache: a host-memory pool below the KV cache and
 an optional disk tier below that (engine/kv_disk_tier.py).
 
-Owns the host pool (a tensor of slots shaped like the KV cache's blocks, pinned on CUDA),
-its LRU map (block hash -> slot, tokens), the moves between the tiers and their measured
-rates, the tier events (common/kv_events.py ``Tier``) and the tier stats a heartbeat
-reports. Engine thread only (the disk tier's writer has its own thread). Must not: choose
-or allocate device blocks, or know about requests (kv_cache_manager.py asks it).
+Owns the host pool (slots shaped like the KV cache's blocks, slot-major so each is one
+contiguous, pinned on CUDA, range), its LRU map (block hash -> slot, tokens), the moves
+between the tiers and their measured rates, the tier events (common/kv_events.py
+``Tier``) and the tier stats a heartbeat reports. Engine thread only (the disk tier's
+writer has its own thread). Must not: choose or allocate device blocks, or know about
+requests (kv_cache_manager.py asks it).
 
 ::
 
-    device KV cache --(a cached block is evicted: BlockPool.on_evict -> store)--> host slot
+    a block is cached on the device (BlockPool.on_cache -> cached): queued for the host
+    flush() (the engine, after each step's forward is queued and after a prefilled request
+      lands): every queued block is copied to a host slot, in the background: on CUDA on
+      a copy stream that waits for the forward that wrote it (write-through)
+    device KV cache --(a cached block is evicted: BlockPool.on_evict -> store)--> host
+      already holds it (the usual case): nothing is copied; the next forward waits for the
+      copy stream (a no-op once the copy landed) before it overwrites the block
+      does not (dropped from the host meanwhile): copied now, on the same stream
     host slot --(LRU evicted: spill)--> disk file (queued to the writer) or dropped
     admission: KVCacheManager.get_computed_blocks -> device hits, then lookup() here:
       the next blocks of the prompt's hash chain found in host memory, else on disk (read
@@ -17,19 +25,24 @@ or allocate device blocks, or know about requests (kv_cache_manager.py asks it).
       -> taken only when loading them is cheaper than recomputing them, by the rates
          measured here (host->device and disk->host bytes/s, the engine's prefill tokens/s)
     allocate_slots: each hit gets a fresh device block, registered in the prefix cache at
-      once, and load() copies its host slot into it before any forward reads it
+      once, and load() copies its host slot into it (on the forward's stream, after the
+      copy stream) before any forward reads it
+
+The host tier is inclusive: a block on the device usually has its host copy too, so an
+eviction costs the step nothing; a host slot whose block is still on the device is the
+first kind of slot the LRU gives up only by age (an eviction from the device touches the
+block's host entry, the moment it becomes the only copy).
 
 A block is useful only with its parents: lookups walk the chain from the first block the
 device lacks and stop at the first miss; device evictions go tail first (a request frees
-its last block first), so a chain's children reach the host, and leave it, before their
-parents. Copies go on the engine's stream in order (on the CPU they are plain copies), so
-a store always reads a block before a later forward or load overwrites it; a decode
-node's reservation waits for them (``sync``) before a KV receiver writes the blocks.
+its last block first), so a chain's children reach the host tier's LRU end, and leave it,
+before their parents. A decode node's reservation waits for every copy (``sync``) before
+a KV receiver writes the blocks.
 
 Events: a device eviction of a block a lower tier now holds is ``BlockStored(tier=HOST)``
-(or DISK) instead of ``BlockRemoved``; a host eviction makes it DISK, or removed; a disk
-file that goes away (evicted for room, a failed write or check) removes it unless a
-faster tier still has it.
+(or DISK) instead of ``BlockRemoved``; a host eviction makes it DISK, or removed, unless
+the device still holds it; a disk file that goes away (evicted for room, a failed write
+or check) removes it unless a faster tier still has it.
 """
 
 from __future__ import annotations
@@ -37,7 +50,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set as AbstractSet
 from typing import NamedTuple, Protocol
 
 import torch
@@ -51,6 +64,7 @@ from .kv_disk_tier import DiskLayout, DiskTier
 log = logging.getLogger(__name__)
 
 RATE_EWMA = 0.2  # weight of the newest measurement in a rate
+GATHER_BLOCKS = 64  # blocks staged at a time by a store (bounds its device scratch memory)
 
 
 class Move(NamedTuple):
@@ -60,6 +74,7 @@ class Move(NamedTuple):
     blocks: int
     nbytes: int
     seconds: float  # measured on this host (a simulated node prices the move itself)
+    background: bool = False  # a write-through store: off the step's path (flush)
 
 
 class LowerHit(NamedTuple):
@@ -112,9 +127,13 @@ class KVOffload:
         self.block_size = block_size
         self.block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
         self.cuda = kv_caches.device.type == "cuda"
-        shape = list(kv_caches.shape)
-        shape[2] = host_blocks
-        self.host = torch.empty(shape, dtype=kv_caches.dtype, pin_memory=self.cuda)
+        block_shape = kv_caches[:, :, 0].shape
+        self.host = torch.empty((host_blocks, *block_shape), dtype=kv_caches.dtype, pin_memory=self.cuda)
+        # stores run here (CUDA): after the forward that wrote their blocks, beside the next ones
+        self.copy_stream = torch.cuda.Stream(kv_caches.device) if self.cuda else None
+        self._queued: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block id -> (id, hash, tokens)
+        self._wait = False  # the next forward reuses a block (or reads a slot) a copy may still touch
+        self._slot_landed: dict[int, torch.cuda.Event] = {}  # slot -> recorded after its store (CUDA)
         self.host_blocks = host_blocks
         self._free_slots = list(range(host_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, _HostEntry] = OrderedDict()  # hash -> entry, least recently used first
@@ -150,32 +169,101 @@ class KVOffload:
                  f", disk up to {config.kv_offload_disk_bytes / 2**20:.0f} MiB in {disk.dir}" if disk else "")
         return cls(kv_caches, config.block_size, host_blocks, disk)
 
-    # ---- stores (BlockPool.on_evict) -------------------------------------------------------
+    # ---- stores (BlockPool.on_cache, flush, BlockPool.on_evict) ----------------------------
+    def cached(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Device block ``block_id`` now holds ``block_hash`` (its KV written, or queued to be
+        by a forward or a load already issued): queue its copy to host memory unless the host
+        has it (a block loaded from here)."""
+        if self._holds(block_hash, tokens):
+            self._lru.move_to_end(block_hash)
+        else:
+            self._queued[block_id] = (block_id, block_hash, tokens)
+
+    def flush(self) -> None:
+        """Copy every queued block to a host slot: in the background on CUDA (the copy stream
+        waits for the work issued so far, then copies), plain copies on the CPU."""
+        if self._queued:
+            self._copy_out(list(self._queued.values()), background=True)
+
     def store(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> Tier | None:
-        """The device is about to reuse cached block ``block_id``: keep its KV in host memory.
-        Returns the fastest lower tier that holds it now (the event's tier), None if none."""
-        entry = self._lru.get(block_hash)
-        if entry is not None and entry.tokens == tokens:
-            self._lru.move_to_end(block_hash)  # already there (it was loaded from here)
-            return Tier.HOST
-        slot = self._take_slot()
-        if slot is None:  # everything is protected by the lookup in progress
+        """The device is about to reuse cached block ``block_id``: its KV must be in host
+        memory first. Returns the fastest lower tier that holds it now (the event's tier),
+        None if none."""
+        if block_id in self._queued:
+            self.flush()
+        if not self._holds(block_hash, tokens):  # dropped from the host since it was cached
+            self._copy_out([(block_id, block_hash, tokens)], background=False)
+        if not self._holds(block_hash, tokens):  # everything is protected by the lookup in progress
             return Tier.DISK if self._on_disk(block_hash) else None
-        t0 = time.perf_counter()
-        self.host[:, :, slot].copy_(self.kv[:, :, block_id], non_blocking=self.cuda)
-        seconds = time.perf_counter() - t0
-        self._dirty = True
-        self._lru[block_hash] = _HostEntry(slot, tokens)
-        if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
-            self.store_rate.add(self.block_bytes, seconds)
-        self._record_move(Move(Tier.HOST, False, 1, self.block_bytes, seconds))
+        self._lru.move_to_end(block_hash)  # from now on the only copy: the host's most recent
+        self._wait = True
         return Tier.HOST
 
-    def _take_slot(self) -> int | None:
+    def _holds(self, block_hash: int, tokens: tuple[int, ...]) -> bool:
+        entry = self._lru.get(block_hash)
+        return entry is not None and entry.tokens == tokens
+
+    def _copy_out(self, blocks: list[tuple[int, int, tuple[int, ...]]], background: bool) -> None:
+        """Copy ``blocks`` (id, hash, tokens) from the device into fresh host slots (as many
+        as the LRU can give) and forget them from the queue."""
+        for block_id, _, _ in blocks:
+            self._queued.pop(block_id, None)
+        moves: list[tuple[int, int]] = []  # (block id, slot)
+        batch: set[int] = set()  # hashes given a slot here: not spilled before their copy
+        for block_id, h, tokens in blocks:
+            if self._holds(h, tokens):
+                continue
+            stale = self._lru.pop(h, None)  # a hash collision: the other tokens' copy goes
+            if stale is not None:
+                self._free_slots.append(stale.slot)
+            slot = self._take_slot(batch)
+            if slot is None:
+                break
+            self._lru[h] = _HostEntry(slot, tokens)
+            batch.add(h)
+            moves.append((block_id, slot))
+        if not moves:
+            return
+        t0 = time.perf_counter()
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+            with torch.cuda.stream(self.copy_stream):
+                self._gather_to_host(moves)
+                landed = torch.cuda.Event()
+                landed.record()
+            for _, slot in moves:
+                self._slot_landed[slot] = landed
+        else:
+            self._gather_to_host(moves)
+        seconds = time.perf_counter() - t0
+        self._dirty = True
+        nbytes = len(moves) * self.block_bytes
+        if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
+            self.store_rate.add(nbytes, seconds)
+        self._record_move(Move(Tier.HOST, False, len(moves), nbytes, seconds, background))
+
+    def _gather_to_host(self, moves: list[tuple[int, int]]) -> None:
+        """Device blocks -> host slots, ``GATHER_BLOCKS`` at a time: one gather into a staging
+        tensor, then one copy per run of consecutive slots (non-blocking on CUDA: the host
+        slots are pinned and the staging tensor belongs to the current stream)."""
+        for i in range(0, len(moves), GATHER_BLOCKS):
+            chunk = moves[i:i + GATHER_BLOCKS]
+            ids = torch.tensor([b for b, _ in chunk], device=self.kv.device)
+            staged = self.kv.index_select(2, ids).movedim(2, 0)
+            start = 0
+            for j in range(1, len(chunk) + 1):
+                if j == len(chunk) or chunk[j][1] != chunk[j - 1][1] + 1:
+                    first = chunk[start][1]
+                    self.host[first:first + j - start].copy_(staged[start:j], non_blocking=self.cuda)
+                    start = j
+
+    def _take_slot(self, keep: AbstractSet[int] = frozenset()) -> int | None:
+        """A free host slot, spilling the least recently used entry not protected by the
+        lookup in progress nor in ``keep``; None if every entry is."""
         if self._free_slots:
             return self._free_slots.pop()
-        for h in self._lru:  # least recently used first, skipping the lookup's hits
-            if h not in self._protected:
+        for h in self._lru:
+            if h not in self._protected and h not in keep:
                 return self._spill(h)
         return None
 
@@ -183,10 +271,11 @@ class KVOffload:
         """Evict a host entry (to disk when there is one); its slot is free again."""
         entry = self._lru.pop(block_hash)
         self._count_evicted(Tier.HOST)
+        landed = self._slot_landed.pop(entry.slot, None)
         if self.disk is not None and not self._on_disk(block_hash):
-            if self.cuda and self._dirty:
-                self.sync()  # the slot's store must have landed before its bytes are read
-            payload = self.host[:, :, entry.slot].contiguous().view(torch.uint8).numpy().tobytes()
+            if landed is not None:  # the slot's store must have landed before its bytes are read
+                landed.synchronize()
+            payload = self.host[entry.slot].view(torch.uint8).numpy().tobytes()
             if self.disk.put(block_hash, entry.tokens, payload):
                 self._on_disk_pending[block_hash] = entry.tokens
                 self._record_move(Move(Tier.DISK, False, 1, self.block_bytes, 0.0))
@@ -260,7 +349,7 @@ class KVOffload:
             self.poll()  # the file was dropped: its event and fault
             return None
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.host.dtype)
-        data = data.view(self.host[:, :, 0].shape)
+        data = data.view(self.host[0].shape)
         if self.cuda:
             data = data.pin_memory()
         seconds = time.perf_counter() - t0
@@ -273,8 +362,11 @@ class KVOffload:
         block (``block_ids``, in order), then release the lookup's protection."""
         if hits:
             t0 = time.perf_counter()
+            if self.copy_stream is not None:  # a slot's own store may still be in flight
+                torch.cuda.current_stream(self.kv.device).wait_stream(self.copy_stream)
+            self._wait = True
             for hit, block_id in zip(hits, block_ids, strict=True):
-                src = self.host[:, :, hit.slot] if hit.data is None else hit.data
+                src = self.host[hit.slot] if hit.data is None else hit.data
                 self.kv[:, :, block_id].copy_(src, non_blocking=self.cuda)
             seconds = time.perf_counter() - t0
             self._dirty = True
@@ -284,10 +376,20 @@ class KVOffload:
             self._record_move(Move(Tier.HOST, True, len(hits), nbytes, seconds))
         self._protected = set()
 
+    def before_forward(self) -> bool:
+        """Called as a forward is about to be issued: whether it must wait for the stores in
+        flight (it reuses a block, or reads a slot, a store may still be copying; on CUDA the
+        wait is queued on the forward's stream, the host does not wait)."""
+        wait, self._wait = self._wait, False
+        if wait and self.copy_stream is not None:
+            torch.cuda.current_stream(self.kv.device).wait_stream(self.copy_stream)
+        return wait
+
     def sync(self) -> None:
         """Wait until every copy issued so far has landed (a no-op on the CPU)."""
-        if self.cuda and self._dirty:
+        if self.copy_stream is not None and self._dirty:
             t0 = time.perf_counter()
+            self.copy_stream.synchronize()
             torch.cuda.current_stream(self.kv.device).synchronize()
             seconds = time.perf_counter() - t0
             recent = [m for m in self._moves if m.load and m.tier is Tier.HOST]
@@ -306,6 +408,8 @@ class KVOffload:
         for entry in self._lru.values():
             self._free_slots.append(entry.slot)
         self._lru.clear()
+        self._queued.clear()
+        self._slot_landed.clear()
         self._protected = set()
         if self.disk is not None:
             self.disk.clear()

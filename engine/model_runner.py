@@ -162,6 +162,8 @@ class ModelRunner:
             plan = self._plan_eager(decodes, prefills, kv)
         if self.link is not None:
             self.link.send_step(plan.inputs)
+        if kv.offload is not None:  # stores still reading blocks this forward overwrites
+            kv.offload.before_forward()
         logits = self.execute(plan.inputs)
         prompt = [_prompt_chunk(c, logits[at:at + len(c.rows)]) for c, at in plan.prompt]
         reqs = plan.sampling_reqs

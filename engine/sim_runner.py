@@ -15,12 +15,19 @@ float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 The prefix cache's lower tiers (engine/kv_offload.py) hold stand-in blocks too; their
 sizes are given in the modelled model's bytes like the KV cache's (``standin_tiers``
 turns them into the stand-ins' bytes: as many blocks as a real node's tiers hold), and
-the moves between the tiers since the last step (``KVOffload.take_moves``) add to the
-step what they would take the deployment (``SimConfig.host_bytes_per_s``: host memory
-<-> the KV cache, a load or a store; ``disk_read_bytes_per_s``: a load from disk, which
-then crosses into the KV cache as a host load too). A store to disk is the offload's
-writer thread's, off the steps, and is not priced. Each batch goes on the step that
-follows it: a real engine copies on the stream its forward runs on, before that forward.
+the moves between the tiers since the last step (``KVOffload.take_moves``) cost what
+they would take the deployment (``SimConfig.host_bytes_per_s``: host memory <-> the KV
+cache, a load or a store; ``disk_read_bytes_per_s``: a load from disk, which then
+crosses into the KV cache as a host load too):
+
+    write-through stores (``Move.background``)  the copy engine's timeline: they start when
+                                                the step that queued them ended (or the
+                                                copies before them did) and cost no step
+    loads, stores at eviction                   on the step that follows them, as a real
+                                                engine issues them before that forward
+    a forward that must wait for the stores     (``KVOffload.before_forward``) starts once
+                                                the copy engine's timeline has caught up
+    a store to disk                             the offload's writer thread's: not priced
 
 A step's period is its simulated time / speedup, the host's own time included: when a
 step's work was already there as the previous step ended (a batch running on, a prompt
@@ -43,7 +50,7 @@ import torch
 from ..common.config import EngineConfig
 from ..common.kv_events import Tier
 from .kv_cache_manager import KVCacheManager
-from .kv_offload import Move
+from .kv_offload import KVOffload, Move
 from .loader import resolve_model_dir
 from .model_config import ModelConfig
 from .model_runner import KVCacheFactory, LaunchedStep, kv_block_bytes
@@ -103,6 +110,7 @@ class SimRunner:
         self.simulated_seconds = 0.0  # total step time asked of the model (a metric)
         self.overrun_s = 0.0  # wall seconds steps took beyond their simulated time / speedup
         self._last_end = 0.0  # when the previous launch returned (monotonic)
+        self._copies_until = 0.0  # when the copy engine is done with the stores queued so far (monotonic)
 
     def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
@@ -113,8 +121,9 @@ class SimRunner:
         carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        moves = self.tier_move_seconds(kv.offload.take_moves()) if kv.offload is not None else 0.0
-        seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes)) + moves
+        seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
+        if kv.offload is not None:
+            seconds += self._tier_seconds(kv.offload, start)
         self.simulated_seconds += seconds
         reqs, tokens = [], []
         for req, n in out.scheduled:
@@ -132,6 +141,16 @@ class SimRunner:
         self._last_end = time.monotonic()
         sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
         return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))
+
+    def _tier_seconds(self, offload: KVOffload, start: float) -> float:
+        """Simulated seconds the tier moves add to the step launched at ``start`` (wall):
+        its loads and stores at eviction, and its wait for the copy engine (module docstring)."""
+        moves = offload.take_moves()
+        background = self.tier_move_seconds([m for m in moves if m.background])
+        if background:  # queued as the previous step ended
+            self._copies_until = max(self._copies_until, self._last_end) + background / self.sim.speedup
+        wait = max(0.0, self._copies_until - start) * self.sim.speedup if offload.before_forward() else 0.0
+        return self.tier_move_seconds([m for m in moves if not m.background]) + wait
 
     def tier_move_seconds(self, moves: Sequence[Move]) -> float:
         """Simulated seconds of ``moves`` at the profile's rates (module docstring)."""

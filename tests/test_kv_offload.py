@@ -95,6 +95,47 @@ def test_evicted_blocks_come_back_from_host_with_their_bytes_and_the_events_name
     assert mgr.num_free_blocks == 4
 
 
+def test_cached_blocks_are_written_through_and_an_eviction_copies_only_what_the_host_lacks():
+    kv, off, mgr = manager(num_blocks=6, host_blocks=8)
+    obs = off.observer = Observer()
+    tail = [1]  # a ninth token: each request has 3 blocks, 2 of them cached
+    a = list(range(8)) + tail
+    ha = fill(kv, mgr, "a", a, 10.0)
+    off.flush()  # the engine flushes after each step: a's 2 blocks reach the host, still on the device
+    assert [(m.blocks, m.background, m.load) for m in obs.moves] == [(2, True, False)]
+    assert all(mgr.held_blocks()[h] is Tier.DEVICE for h in ha) and off.stats()[0].used_blocks == 2
+    kv[:, :, :3] = -1.0  # a's device blocks change: the host keeps what was flushed
+    hb = fill(kv, mgr, "b", list(range(20, 28)) + tail, 20.0)  # 3 free blocks: no eviction
+    assert not off.before_forward()
+    obs.moves.clear()
+    fill(kv, mgr, "c", list(range(40, 48)) + tail, 30.0)  # evicts a's: the host has them
+    assert obs.moves == [] and off.before_forward() and not off.before_forward()  # the forward waits once
+    assert all(mgr.held_blocks()[h] is Tier.HOST for h in ha)
+    fill(kv, mgr, "d", list(range(60, 68)) + tail, 40.0)  # evicts b's, still queued: flushed first
+    stores = [m for m in obs.moves if not m.load]
+    assert sum(m.blocks for m in stores) == 4 and all(m.background for m in stores)  # b's and c's
+    assert all(mgr.held_blocks()[h] is Tier.HOST for h in hb)
+    hit = mgr.get_computed_blocks(ha, a)
+    assert [h.tier for h in hit.lower] == [Tier.HOST, Tier.HOST]
+    assert mgr.allocate_slots("a2", 9, hit.blocks, hit.lower) is not None
+    assert [float(kv[0, 0, b, 0, 0, 0]) for b in mgr.block_ids("a2")[:2]] == [10.0, 11.0]
+    mgr.free("a2")
+    assert mgr.num_free_blocks == 6
+
+
+def test_a_block_the_host_dropped_while_on_the_device_is_copied_at_its_eviction():
+    kv, off, mgr = manager(num_blocks=3, host_blocks=2)
+    obs = off.observer = Observer()
+    ha = fill(kv, mgr, "a", list(range(8)) + [1], 1.0)
+    off.flush()
+    off.clear()  # the host forgot a's copies (as an LRU that gave their slots away would)
+    obs.moves.clear()
+    fill(kv, mgr, "b", list(range(20, 28)) + [1], 2.0)  # evicts a's: copied now, on the step's path
+    stores = [m for m in obs.moves if not m.load]
+    assert sum(m.blocks for m in stores) == 2 and not any(m.background for m in stores)
+    assert all(mgr.held_blocks()[h] is Tier.HOST for h in ha)
+
+
 def test_a_full_host_tier_drops_least_recent_and_a_lookup_protects_its_hits():
     kv, off, mgr = manager(num_blocks=3, host_blocks=2)
     tail = [1]  # a ninth token: the 2 full blocks can be hits
