@@ -60,6 +60,7 @@ from ..common.kv_events import BlockRemoved, BlockStored, Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.outcomes import TierFault
 from .kv_disk_tier import DiskLayout, DiskTier
+from .upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class Move(NamedTuple):
     blocks: int
     nbytes: int
     seconds: float  # measured on this host (a simulated node prices the move itself)
-    background: bool = False  # a write-through store: off the step's path (flush)
+    batch: int = 0  # a store: its number on the copy stream, counting from 1 (0: a load)
 
 
 class LowerHit(NamedTuple):
@@ -132,8 +133,10 @@ class KVOffload:
         # stores run here (CUDA): after the forward that wrote their blocks, beside the next ones
         self.copy_stream = torch.cuda.Stream(kv_caches.device) if self.cuda else None
         self._queued: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block id -> (id, hash, tokens)
-        self._wait = False  # the next forward reuses a block (or reads a slot) a copy may still touch
-        self._slot_landed: dict[int, torch.cuda.Event] = {}  # slot -> recorded after its store (CUDA)
+        self._batch = 0  # stores issued so far, in batches (Move.batch)
+        self._slot_batch: dict[int, int] = {}  # host slot -> the store batch that wrote it
+        self._landed: dict[int, torch.cuda.Event] = {}  # batch -> recorded after it (CUDA), until it landed
+        self._wait_for = 0  # the newest batch the next forward must wait for (0: none)
         self.host_blocks = host_blocks
         self._free_slots = list(range(host_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, _HostEntry] = OrderedDict()  # hash -> entry, least recently used first
@@ -183,7 +186,7 @@ class KVOffload:
         """Copy every queued block to a host slot: in the background on CUDA (the copy stream
         waits for the work issued so far, then copies), plain copies on the CPU."""
         if self._queued:
-            self._copy_out(list(self._queued.values()), background=True)
+            self._copy_out(list(self._queued.values()))
 
     def store(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> Tier | None:
         """The device is about to reuse cached block ``block_id``: its KV must be in host
@@ -192,20 +195,20 @@ class KVOffload:
         if block_id in self._queued:
             self.flush()
         if not self._holds(block_hash, tokens):  # dropped from the host since it was cached
-            self._copy_out([(block_id, block_hash, tokens)], background=False)
+            self._copy_out([(block_id, block_hash, tokens)])
         if not self._holds(block_hash, tokens):  # everything is protected by the lookup in progress
             return Tier.DISK if self._on_disk(block_hash) else None
         self._lru.move_to_end(block_hash)  # from now on the only copy: the host's most recent
-        self._wait = True
+        self._wait_for = max(self._wait_for, self._slot_batch.get(self._lru[block_hash].slot, 0))
         return Tier.HOST
 
     def _holds(self, block_hash: int, tokens: tuple[int, ...]) -> bool:
         entry = self._lru.get(block_hash)
         return entry is not None and entry.tokens == tokens
 
-    def _copy_out(self, blocks: list[tuple[int, int, tuple[int, ...]]], background: bool) -> None:
+    def _copy_out(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> None:
         """Copy ``blocks`` (id, hash, tokens) from the device into fresh host slots (as many
-        as the LRU can give) and forget them from the queue."""
+        as the LRU can give), as one batch on the copy stream, and forget them from the queue."""
         for block_id, _, _ in blocks:
             self._queued.pop(block_id, None)
         moves: list[tuple[int, int]] = []  # (block id, slot)
@@ -225,22 +228,25 @@ class KVOffload:
         if not moves:
             return
         t0 = time.perf_counter()
+        self._batch += 1
         if self.copy_stream is not None:
+            while self._landed and next(iter(self._landed.values())).query():  # forget the landed ones
+                del self._landed[next(iter(self._landed))]
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.kv.device))
             with torch.cuda.stream(self.copy_stream):
                 self._gather_to_host(moves)
-                landed = torch.cuda.Event()
-                landed.record()
-            for _, slot in moves:
-                self._slot_landed[slot] = landed
+                self._landed[self._batch] = torch.cuda.Event()
+                self._landed[self._batch].record()
         else:
             self._gather_to_host(moves)
+        for _, slot in moves:
+            self._slot_batch[slot] = self._batch
         seconds = time.perf_counter() - t0
         self._dirty = True
         nbytes = len(moves) * self.block_bytes
         if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
             self.store_rate.add(nbytes, seconds)
-        self._record_move(Move(Tier.HOST, False, len(moves), nbytes, seconds, background))
+        self._record_move(Move(Tier.HOST, False, len(moves), nbytes, seconds, self._batch))
 
     def _gather_to_host(self, moves: list[tuple[int, int]]) -> None:
         """Device blocks -> host slots, ``GATHER_BLOCKS`` at a time: one gather into a staging
@@ -248,8 +254,8 @@ class KVOffload:
         slots are pinned and the staging tensor belongs to the current stream)."""
         for i in range(0, len(moves), GATHER_BLOCKS):
             chunk = moves[i:i + GATHER_BLOCKS]
-            ids = torch.tensor([b for b, _ in chunk], device=self.kv.device)
-            staged = self.kv.index_select(2, ids).movedim(2, 0)
+            ids = upload([b for b, _ in chunk], self.kv.device)  # no host wait on CUDA
+            staged = self.kv.movedim(2, 0).index_select(0, ids)  # [blocks, layers, 2, ...], contiguous
             start = 0
             for j in range(1, len(chunk) + 1):
                 if j == len(chunk) or chunk[j][1] != chunk[j - 1][1] + 1:
@@ -271,7 +277,7 @@ class KVOffload:
         """Evict a host entry (to disk when there is one); its slot is free again."""
         entry = self._lru.pop(block_hash)
         self._count_evicted(Tier.HOST)
-        landed = self._slot_landed.pop(entry.slot, None)
+        landed = self._landed.get(self._slot_batch.pop(entry.slot, 0))
         if self.disk is not None and not self._on_disk(block_hash):
             if landed is not None:  # the slot's store must have landed before its bytes are read
                 landed.synchronize()
@@ -362,9 +368,9 @@ class KVOffload:
         block (``block_ids``, in order), then release the lookup's protection."""
         if hits:
             t0 = time.perf_counter()
-            if self.copy_stream is not None:  # a slot's own store may still be in flight
-                torch.cuda.current_stream(self.kv.device).wait_stream(self.copy_stream)
-            self._wait = True
+            newest = max((self._slot_batch.get(h.slot, 0) for h in hits if h.data is None), default=0)
+            self._wait_on(newest)  # a slot's own store may still be in flight
+            self._wait_for = max(self._wait_for, newest)
             for hit, block_id in zip(hits, block_ids, strict=True):
                 src = self.host[hit.slot] if hit.data is None else hit.data
                 self.kv[:, :, block_id].copy_(src, non_blocking=self.cuda)
@@ -376,14 +382,19 @@ class KVOffload:
             self._record_move(Move(Tier.HOST, True, len(hits), nbytes, seconds))
         self._protected = set()
 
-    def before_forward(self) -> bool:
-        """Called as a forward is about to be issued: whether it must wait for the stores in
-        flight (it reuses a block, or reads a slot, a store may still be copying; on CUDA the
-        wait is queued on the forward's stream, the host does not wait)."""
-        wait, self._wait = self._wait, False
-        if wait and self.copy_stream is not None:
-            torch.cuda.current_stream(self.kv.device).wait_stream(self.copy_stream)
-        return wait
+    def before_forward(self) -> int:
+        """Called as a forward is about to be issued: the newest store batch it must wait for
+        (it overwrites a block, or reads a slot, that batch copies), 0 for none. On CUDA the
+        wait is queued on the forward's stream: the host does not wait."""
+        batch, self._wait_for = self._wait_for, 0
+        self._wait_on(batch)
+        return batch
+
+    def _wait_on(self, batch: int) -> None:
+        """Make the current stream wait for store ``batch`` (and so every one before it)."""
+        landed = self._landed.get(batch)
+        if landed is not None:
+            torch.cuda.current_stream(self.kv.device).wait_event(landed)
 
     def sync(self) -> None:
         """Wait until every copy issued so far has landed (a no-op on the CPU)."""
@@ -409,7 +420,7 @@ class KVOffload:
             self._free_slots.append(entry.slot)
         self._lru.clear()
         self._queued.clear()
-        self._slot_landed.clear()
+        self._slot_batch.clear()
         self._protected = set()
         if self.disk is not None:
             self.disk.clear()

@@ -20,14 +20,15 @@ they would take the deployment (``SimConfig.host_bytes_per_s``: host memory <-> 
 cache, a load or a store; ``disk_read_bytes_per_s``: a load from disk, which then
 crosses into the KV cache as a host load too):
 
-    write-through stores (``Move.background``)  the copy engine's timeline: they start when
-                                                the step that queued them ended (or the
-                                                copies before them did) and cost no step
-    loads, stores at eviction                   on the step that follows them, as a real
-                                                engine issues them before that forward
-    a forward that must wait for the stores     (``KVOffload.before_forward``) starts once
-                                                the copy engine's timeline has caught up
-    a store to disk                             the offload's writer thread's: not priced
+    stores to host memory    the copy engine's timeline, one batch (``Move.batch``) after
+                             another: a batch starts when the step that queued it ended, or
+                             when the batch before it landed, and costs no step
+    a forward that overwrites a block, or reads a slot, whose store batch
+                             (``KVOffload.before_forward``) is still copying starts when
+                             that batch lands
+    loads                    on the step that follows them, as a real engine issues them
+                             on the forward's stream before that forward
+    a store to disk          the offload's writer thread's: not priced
 
 A step's period is its simulated time / speedup, the host's own time included: when a
 step's work was already there as the previous step ended (a batch running on, a prompt
@@ -111,6 +112,7 @@ class SimRunner:
         self.overrun_s = 0.0  # wall seconds steps took beyond their simulated time / speedup
         self._last_end = 0.0  # when the previous launch returned (monotonic)
         self._copies_until = 0.0  # when the copy engine is done with the stores queued so far (monotonic)
+        self._batch_landed: dict[int, float] = {}  # store batch -> when it lands (monotonic), until then
 
     def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
@@ -146,11 +148,15 @@ class SimRunner:
         """Simulated seconds the tier moves add to the step launched at ``start`` (wall):
         its loads and stores at eviction, and its wait for the copy engine (module docstring)."""
         moves = offload.take_moves()
-        background = self.tier_move_seconds([m for m in moves if m.background])
-        if background:  # queued as the previous step ended
-            self._copies_until = max(self._copies_until, self._last_end) + background / self.sim.speedup
-        wait = max(0.0, self._copies_until - start) * self.sim.speedup if offload.before_forward() else 0.0
-        return self.tier_move_seconds([m for m in moves if not m.background]) + wait
+        queued = self._last_end or start  # as the previous step ended
+        for m in moves:
+            if m.batch:
+                self._copies_until = max(self._copies_until, queued) + self.tier_move_seconds([m]) / self.sim.speedup
+                self._batch_landed[m.batch] = self._copies_until
+        landed = self._batch_landed.get(offload.before_forward(), 0.0)
+        self._batch_landed = {b: t for b, t in self._batch_landed.items() if t > start}
+        wait = max(0.0, landed - start) * self.sim.speedup
+        return self.tier_move_seconds([m for m in moves if not m.batch]) + wait
 
     def tier_move_seconds(self, moves: Sequence[Move]) -> float:
         """Simulated seconds of ``moves`` at the profile's rates (module docstring)."""

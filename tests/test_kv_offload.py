@@ -102,18 +102,18 @@ def test_cached_blocks_are_written_through_and_an_eviction_copies_only_what_the_
     a = list(range(8)) + tail
     ha = fill(kv, mgr, "a", a, 10.0)
     off.flush()  # the engine flushes after each step: a's 2 blocks reach the host, still on the device
-    assert [(m.blocks, m.background, m.load) for m in obs.moves] == [(2, True, False)]
+    assert [(m.blocks, m.batch, m.load) for m in obs.moves] == [(2, 1, False)]
     assert all(mgr.held_blocks()[h] is Tier.DEVICE for h in ha) and off.stats()[0].used_blocks == 2
     kv[:, :, :3] = -1.0  # a's device blocks change: the host keeps what was flushed
     hb = fill(kv, mgr, "b", list(range(20, 28)) + tail, 20.0)  # 3 free blocks: no eviction
     assert not off.before_forward()
     obs.moves.clear()
     fill(kv, mgr, "c", list(range(40, 48)) + tail, 30.0)  # evicts a's: the host has them
-    assert obs.moves == [] and off.before_forward() and not off.before_forward()  # the forward waits once
+    assert obs.moves == [] and off.before_forward() == 1 and off.before_forward() == 0  # for a's batch, once
     assert all(mgr.held_blocks()[h] is Tier.HOST for h in ha)
     fill(kv, mgr, "d", list(range(60, 68)) + tail, 40.0)  # evicts b's, still queued: flushed first
     stores = [m for m in obs.moves if not m.load]
-    assert sum(m.blocks for m in stores) == 4 and all(m.background for m in stores)  # b's and c's
+    assert [m.blocks for m in stores] == [4]  # b's and c's, one batch
     assert all(mgr.held_blocks()[h] is Tier.HOST for h in hb)
     hit = mgr.get_computed_blocks(ha, a)
     assert [h.tier for h in hit.lower] == [Tier.HOST, Tier.HOST]
@@ -132,7 +132,7 @@ def test_a_block_the_host_dropped_while_on_the_device_is_copied_at_its_eviction(
     obs.moves.clear()
     fill(kv, mgr, "b", list(range(20, 28)) + [1], 2.0)  # evicts a's: copied now, on the step's path
     stores = [m for m in obs.moves if not m.load]
-    assert sum(m.blocks for m in stores) == 2 and not any(m.background for m in stores)
+    assert [m.blocks for m in stores] == [1, 1] and off.before_forward() == stores[-1].batch  # the forward waits
     assert all(mgr.held_blocks()[h] is Tier.HOST for h in ha)
 
 
@@ -234,6 +234,23 @@ def test_engine_tokens_from_host_equal_recompute(tiny, reference):
         host = llm.engine.tier_stats()[1]
         assert host.tier is Tier.HOST and host.used_blocks <= host.capacity_blocks == 32
         assert host.load_bytes_per_s > 0 and host.store_bytes_per_s > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
+    cuda = dict(device="cuda", dtype="float32")
+    with tiny_llm(tiny, 64, enable_prefix_caching=False, **cuda) as llm:
+        want = [o.token_ids for o in llm.generate(prompts(), PARAMS)]
+    with tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK, **cuda) as llm:
+        assert llm.engine.config.async_scheduling and llm.engine.offload.copy_stream is not None
+        turns = run_turns(llm, [0, 1, 2, 0, 1, 2])  # each evicts the one before, written through
+        for i, tokens, _ in turns:
+            assert tokens == want[i], f"prompt {i}"
+        assert [c for _, _, c in turns[3:]] == [96, 96, 96]  # from pinned host memory
+        both = llm.generate(prompts()[:2], PARAMS)  # a batch: loads and stores in the same steps
+        assert [o.token_ids for o in both] == want[:2]
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
 
 
 def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, reference, tmp_path):

@@ -78,17 +78,17 @@ def test_tier_moves_are_priced_by_the_profile_and_disk_stores_are_off_the_step(b
     assert r.tier_move_seconds(moves) == pytest.approx(15 * P.block_bytes / 50e9 + 2 * P.block_bytes / 6e9)
 
 
-def test_write_through_stores_run_on_the_copy_engine_and_a_forward_reusing_blocks_waits_for_it(bundled_dir):
+def test_write_through_stores_run_on_the_copy_engine_and_a_forward_reusing_blocks_waits_for_theirs(bundled_dir):
     pool = 64 * P.block_bytes
-    engine = EngineCore(standin_tiers(EngineConfig(
-        model=str(bundled_dir), kv_cache_memory=pool, block_size=16, kv_offload_memory=8 * pool,
-        sim=P.sim_config(speedup=1.0))))
+    config = dict(model=str(bundled_dir), kv_cache_memory=pool, block_size=16, sim=P.sim_config(speedup=1.0))
+    engine = EngineCore(standin_tiers(EngineConfig(kv_offload_memory=8 * pool, **config)))
     r, off = engine.runner, engine.offload
     assert off is not None
+    a, b = list(range(1000, 1000 + 60 * 16 + 1)), list(range(30000, 30000 + 60 * 16 + 1))
+    step_s = run(EngineCore(EngineConfig(**config)), "a", a)[1]  # the same prompt without tiers
     block_s = P.block_bytes / 50e9
-    plain = EngineCore(EngineConfig(model=str(bundled_dir), kv_cache_memory=pool, block_size=16,
-                                    sim=P.sim_config(speedup=1.0)))
-    step_s = run(plain, "a", list(range(1000, 1000 + 60 * 16 + 1)))[1]  # the same prompt without tiers
+    # 10000 blocks' copies (0.42 s) ahead of a's on the copy engine
+    off._record_move(Move(Tier.HOST, False, 10_000, 0, 0.0, batch=10**9))
     seen: list[Move] = []
 
     class Seen:  # kv_offload.TierObserver: the moves
@@ -98,11 +98,9 @@ def test_write_through_stores_run_on_the_copy_engine_and_a_forward_reusing_block
         def fault(self, tier, fault): pass
 
     off.observer = Seen()
-    cached, seconds = run(engine, "a", list(range(1000, 1000 + 60 * 16 + 1)))  # 60 blocks written through
-    assert cached == 0 and sum(m.blocks for m in seen) == 60 and all(m.background and not m.load for m in seen)
-    assert seconds == pytest.approx(step_s, rel=1e-6)  # nothing waited
-    # a backlog of 10000 blocks' copies (0.42 s): a forward that reuses blocks waits for it
-    off._record_move(Move(Tier.HOST, False, 10_000, 0, 0.0, background=True))
-    cached, seconds = run(engine, "b", list(range(30000, 30000 + 60 * 16 + 1)))  # evicts a's blocks
+    cached, seconds = run(engine, "a", a)  # 60 blocks written through, behind the backlog
+    assert cached == 0 and sum(m.blocks for m in seen) == 60 and all(m.batch and not m.load for m in seen)
+    assert seconds == pytest.approx(step_s, rel=1e-6)  # nothing waited for them
+    cached, seconds = run(engine, "b", b)  # overwrites a's blocks: waits for their stores
     assert cached == 0 and seconds > step_s + 0.5 * 10_000 * block_s
-    assert r.tier_move_seconds([Move(Tier.HOST, False, 10, 0, 0.0, background=True)]) == pytest.approx(10 * block_s)
+    assert r.tier_move_seconds([Move(Tier.HOST, False, 10, 0, 0.0, batch=1)]) == pytest.approx(10 * block_s)
