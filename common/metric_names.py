@@ -88,6 +88,7 @@ KV_BYTES_SENT = PREFIX + "kv_bytes_sent_total"  # counter (prefill node): block 
 KV_SEND_SECONDS = PREFIX + "kv_send_seconds_total"
 KV_BLOCKS_RECEIVED = PREFIX + "kv_blocks_received_total"  # counter, label ok (decode node)
 KV_TRANSFERS = PREFIX + "kv_transfers_total"  # counter, label state: owned | failed | aborted
+KV_TRANSFER_STAGE_SECONDS = PREFIX + "kv_transfer_stage_seconds"  # histogram (decode node), label stage
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
 PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent

@@ -27,6 +27,13 @@ class TransferEnd(StrEnum):
     ABORTED = "aborted"  # the request was cancelled while it ran
 
 
+class TransferStage(StrEnum):
+    """A stage of a request's path through a decode node that a prefill node serves."""
+    RESERVE = "reserve"  # asked -> blocks reserved (the engine thread's queue and the lookup)
+    TRANSFER = "transfer"  # reserved -> every block and the first token in (the prefill node's work)
+    ADMIT = "admit"  # -> admitted into the running batch, the first token out
+
+
 class TierFault(StrEnum):
     """Why a block did not make it to or back from a lower tier of the prefix cache."""
     CORRUPT = "corrupt"  # a disk file failed a check when read: deleted, a miss

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import NamedTuple
 
@@ -52,7 +53,7 @@ from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, peer_connector, read_msgpack
-from ..common.outcomes import FallbackReason, TransferEnd
+from ..common.outcomes import FallbackReason, TransferEnd, TransferStage
 from ..common.protocol import GenerateRequest, PrefillRequest, TokenDelta, encode_frame, prompt_ids
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, BlockExporter, EngineThread, Release, \
@@ -329,7 +330,9 @@ class DecodeNode:
         when the router's checked out. The transfer's one owner: it ends here, in the
         table, on every path."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
+        t0 = time.monotonic()
         res = await self.engine_thread.submit(Reserve(rid, prompt, hashes, req.cache_salt))
+        t1 = time.monotonic()
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         skip = res.num_cached_tokens // self.config.engine.block_size
@@ -347,6 +350,7 @@ class DecodeNode:
             outcome = await asyncio.shield(transfer.done)
             if isinstance(outcome, TransferFailure):
                 raise TransferError(outcome.reason)
+            t2 = time.monotonic()
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
@@ -355,6 +359,9 @@ class DecodeNode:
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()
+            for stage, seconds in ((TransferStage.RESERVE, t1 - t0), (TransferStage.TRANSFER, t2 - t1),
+                                   (TransferStage.ADMIT, time.monotonic() - t2)):
+                self.metrics.transfer_stages.labels(stage).observe(seconds)
             return None  # the first token went out through on_deltas, ahead of the decode steps
         except asyncio.CancelledError:
             self.transfers.abort(tid, "request cancelled")

@@ -28,7 +28,7 @@ from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.model_metrics import ModelMetrics
 from ..common.outcomes import (FallbackReason, IndexBatchResult, PrefillOutcome, PromptHashResult,
-                               TierFault, TransferEnd)
+                               TierFault, TransferEnd, TransferStage)
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
     from ..engine.kv_offload import Move
@@ -98,6 +98,11 @@ class NodeMetrics:
         self.blocks_received = c.counter(n.KV_BLOCKS_RECEIVED, "KV blocks received", ["ok"])
         self.transfers = c.counter(n.KV_TRANSFERS, "finished KV transfers, by end state",
                                    ["state"])
+        self.transfer_stages = c.histogram(n.KV_TRANSFER_STAGE_SECONDS, "Seconds of each stage of an "
+                                           "owned transfer: reserve, transfer, admit", INTERVAL_BUCKETS,
+                                           ["stage"])
+        for stage in TransferStage:
+            self.transfer_stages.labels(stage)
         self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
                                    "failed or impossible transfer", ["reason"])
         self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "

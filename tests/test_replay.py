@@ -125,6 +125,9 @@ def test_replay_command_end_to_end(tmp_path):
     prefill = r["at_nodes"]["prefill"]
     assert prefill["prefill_s"] > 0 and prefill["queue_s"] >= 0 and set(r["at_nodes"]) == {"prefill", "decode"}
     assert prefill["queue_s"] + prefill["prefill_s"] + r["ttft_path_s"] == pytest.approx(r["ttft_mean"], abs=2e-3)
+    stages = r["at_nodes"]["decode"]["transfer_s"]  # the decode nodes' side of it
+    assert set(stages) == {"reserve", "transfer", "admit"} and stages["transfer"] > 0
+    assert all(s >= 0 for s in stages.values()) and sum(stages.values()) < r["ttft_mean"]
     assert "hit rate" in proc.stdout
 
 

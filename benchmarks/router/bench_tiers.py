@@ -172,7 +172,8 @@ def report(result: dict) -> None:
         nodes = r.get("at_nodes") or {}
         print(f"{name:>10s} mean TTFT {r['ttft_mean']:.3f} s: " + ", ".join(
             f"{role} queue {v['queue_s']:.3f} s, prompt {v['prefill_s']:.3f} s" for role, v in nodes.items())
-            + f"; rest of the path {r.get('ttft_path_s')} s")
+            + f"; rest of the path {r.get('ttft_path_s')} s; decode node stages " + ", ".join(
+                f"{stage} {s:.3f} s" for stage, s in (nodes.get("decode") or {}).get("transfer_s", {}).items()))
     t = result["targets"]
     print(f"oracle (unlimited) {result['trace']['unlimited_hit_rate']:.1%}, LRU of the fleet's KV "
           f"{result['trace']['capacity_lru_hit_rate']:.1%}")

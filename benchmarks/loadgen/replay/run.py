@@ -66,6 +66,7 @@ from .generate import summarize as trace_summary
 from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from splitserve.common import metric_names as names
 from splitserve.common.kv_events import Tier
+from splitserve.common.outcomes import TransferStage
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
 # A server closes a connection idle for its keep-alive time; a request sent on it as it
@@ -322,14 +323,16 @@ def tier_counts(metrics: dict[str, str], name: str, labels: tuple[str, ...] = ("
     return counts
 
 
-def histogram_mean(metrics: dict[str, str], name: str) -> float:
-    """The mean of histogram ``name`` (seconds) over every node's /metrics text, 0.0 where it
-    observed nothing."""
+def histogram_mean(metrics: dict[str, str], name: str, labels: dict[str, str] | None = None) -> float:
+    """The mean of histogram ``name`` (seconds) over every node's /metrics text (only its
+    samples with ``labels``, if given), 0.0 where it observed nothing."""
     total = count = 0.0
     for text in metrics.values():
         for family in text_string_to_metric_families(text):
             if family.name == name:
                 for sample in family.samples:
+                    if labels and any(sample.labels.get(k) != v for k, v in labels.items()):
+                        continue
                     if sample.name.endswith("_sum"):
                         total += sample.value
                     elif sample.name.endswith("_count"):
@@ -341,10 +344,15 @@ def node_side(metrics: dict[str, dict[str, str]], speedup: float) -> dict[str, d
     """Where requests spent their time on the nodes, per role (``metrics``: role -> node_metrics),
     in trace seconds: the mean wait from added to first scheduled (``queue_s``) and from
     first scheduled to the prompt done (``prefill_s``: the prompt's compute, its lower-tier
-    loads and the steps it shared), and the bytes each role moved to and from its lower tiers
+    loads and the steps it shared), the mean of each stage of a decode node's transfers
+    (``transfer_s``: stage -> seconds; reserve, transfer: the prefill node's work and the
+    move, admit), and the bytes each role moved to and from its lower tiers
     (``offload_bytes``: ``tier direction`` -> bytes)."""
     return {role: {"queue_s": round(histogram_mean(by_node, names.REQUEST_QUEUE_TIME) * speedup, 4),
                    "prefill_s": round(histogram_mean(by_node, names.REQUEST_PREFILL_TIME) * speedup, 4),
+                   "transfer_s": {stage.value: round(histogram_mean(by_node, names.KV_TRANSFER_STAGE_SECONDS,
+                                                                    {"stage": stage.value}) * speedup, 4)
+                                  for stage in TransferStage},
                    "offload_bytes": tier_counts(by_node, names.KV_OFFLOAD_BYTES, ("tier", "direction"))}
             for role, by_node in metrics.items()}
 
