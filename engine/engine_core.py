@@ -250,8 +250,6 @@ class EngineCore:
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
         self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens)
-        if self.offload is not None:  # its prompt's blocks: copied to the host in the background
-            self.offload.flush()
         req.append_token(first_token, logprobs)  # advances its grammar past the first token
         self.scheduler.add_running(req)
         reason = req.check_stop(self.max_model_len)
@@ -308,7 +306,7 @@ class EngineCore:
         for req in launched.requests:
             req.pending_tokens += 1
         self.scheduler.update_after_step(out)
-        if self.offload is not None:  # the blocks this forward completed: copied to the host behind it
+        if self.offload is not None:  # blocks completed by this forward or landed since: to the host behind it
             self.offload.flush()
         self.num_computed_tokens_total += launched.num_tokens
         if self.on_launch is not None:

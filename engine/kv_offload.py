@@ -11,9 +11,10 @@ requests (kv_cache_manager.py asks it).
 ::
 
     a block is cached on the device (BlockPool.on_cache -> cached): queued for the host
-    flush() (the engine, after each step's forward is queued and after a prefilled request
-      lands): every queued block is copied to a host slot, in the background: on CUDA on
-      a copy stream that waits for the forward that wrote it (write-through)
+    flush() (the engine, after each step's forward is queued): every queued block (those
+      the forward completes, a prefilled request's that landed since) is copied to a host
+      slot in the background: on CUDA on a copy stream that waits for the work issued so
+      far (write-through)
     device KV cache --(a cached block is evicted: BlockPool.on_evict -> store)--> host
       already holds it (the usual case): nothing is copied; the next forward waits for the
       copy stream (a no-op once the copy landed) before it overwrites the block
@@ -177,7 +178,7 @@ class KVOffload:
         """Device block ``block_id`` now holds ``block_hash`` (its KV written, or queued to be
         by a forward or a load already issued): queue its copy to host memory unless the host
         has it (a block loaded from here)."""
-        if self._holds(block_hash, tokens):
+        if self._entry(block_hash, tokens) is not None:
             self._lru.move_to_end(block_hash)
         else:
             self._queued[block_id] = (block_id, block_hash, tokens)
@@ -194,17 +195,25 @@ class KVOffload:
         None if none."""
         if block_id in self._queued:
             self.flush()
-        if not self._holds(block_hash, tokens):  # dropped from the host since it was cached
+        entry = self._entry(block_hash, tokens)
+        if entry is None:  # dropped from the host since it was cached
             self._copy_out([(block_id, block_hash, tokens)])
-        if not self._holds(block_hash, tokens):  # everything is protected by the lookup in progress
-            return Tier.DISK if self._on_disk(block_hash) else None
+            entry = self._entry(block_hash, tokens)
+            if entry is None:  # everything is protected by the lookup in progress
+                return Tier.DISK if self._on_disk(block_hash) else None
         self._lru.move_to_end(block_hash)  # from now on the only copy: the host's most recent
-        self._wait_for = max(self._wait_for, self._slot_batch.get(self._lru[block_hash].slot, 0))
+        batch = self._slot_batch.get(entry.slot, 0)
+        if batch > self._wait_for:
+            self._wait_for = batch
         return Tier.HOST
 
-    def _holds(self, block_hash: int, tokens: tuple[int, ...]) -> bool:
+    def _entry(self, block_hash: int, tokens: tuple[int, ...]) -> _HostEntry | None:
+        """The host entry of ``block_hash`` if it holds ``tokens`` (usually the very tuple the
+        device block holds: compared by identity first)."""
         entry = self._lru.get(block_hash)
-        return entry is not None and entry.tokens == tokens
+        if entry is None or (entry.tokens is not tokens and entry.tokens != tokens):
+            return None
+        return entry
 
     def _copy_out(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> None:
         """Copy ``blocks`` (id, hash, tokens) from the device into fresh host slots (as many
@@ -214,12 +223,13 @@ class KVOffload:
         moves: list[tuple[int, int]] = []  # (block id, slot)
         batch: set[int] = set()  # hashes given a slot here: not spilled before their copy
         for block_id, h, tokens in blocks:
-            if self._holds(h, tokens):
-                continue
-            stale = self._lru.pop(h, None)  # a hash collision: the other tokens' copy goes
-            if stale is not None:
-                self._free_slots.append(stale.slot)
-            slot = self._take_slot(batch)
+            held = self._lru.get(h)
+            if held is not None:
+                if held.tokens is tokens or held.tokens == tokens:
+                    continue
+                del self._lru[h]  # a hash collision: the other tokens' copy goes
+                self._free_slots.append(held.slot)
+            slot = self._free_slots.pop() if self._free_slots else self._take_slot(batch)
             if slot is None:
                 break
             self._lru[h] = _HostEntry(slot, tokens)
