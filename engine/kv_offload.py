@@ -17,8 +17,8 @@ requests (kv_cache_manager.py asks it).
       far (write-through)
     device KV cache --(a cached block is evicted: BlockPool.on_evict -> store)--> host
       already holds it (the usual case): nothing is copied; the next forward waits for the
-      copy stream (a no-op once the copy landed) before it overwrites the block
-      does not (dropped from the host meanwhile): copied now, on the same stream
+      store batch that copied it (``before_forward``: a no-op once it landed)
+      does not (dropped from the host meanwhile): copied now, a batch the forward waits for
     host slot --(LRU evicted: spill)--> disk file (queued to the writer) or dropped
     admission: KVCacheManager.get_computed_blocks -> device hits, then lookup() here:
       the next blocks of the prompt's hash chain found in host memory, else on disk (read
@@ -27,12 +27,13 @@ requests (kv_cache_manager.py asks it).
          measured here (host->device and disk->host bytes/s, the engine's prefill tokens/s)
     allocate_slots: each hit gets a fresh device block, registered in the prefix cache at
       once, and load() copies its host slot into it (on the forward's stream, after the
-      copy stream) before any forward reads it
+      batch that stored the slot) before any forward reads it
 
 The host tier is inclusive: a block on the device usually has its host copy too, so an
-eviction costs the step nothing; a host slot whose block is still on the device is the
-first kind of slot the LRU gives up only by age (an eviction from the device touches the
-block's host entry, the moment it becomes the only copy).
+eviction costs the step nothing. Host slots are given up least recently used first,
+whether or not the device still holds their block; a device eviction touches the block's
+host entry, since from then on it is the only copy. A store batch waits for the work
+issued before it, so it never overwrites a slot a load is still reading.
 
 A block is useful only with its parents: lookups walk the chain from the first block the
 device lacks and stop at the first miss; device evictions go tail first (a request frees
