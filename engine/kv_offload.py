@@ -224,13 +224,12 @@ class KVOffload:
         moves: list[tuple[int, int]] = []  # (block id, slot)
         batch: set[int] = set()  # hashes given a slot here: not spilled before their copy
         for block_id, h, tokens in blocks:
-            held = self._lru.get(h)
-            if held is not None:
-                if held.tokens is tokens or held.tokens == tokens:
-                    continue
-                del self._lru[h]  # a hash collision: the other tokens' copy goes
-                self._free_slots.append(held.slot)
-            slot = self._free_slots.pop() if self._free_slots else self._take_slot(batch)
+            if self._entry(h, tokens) is not None:
+                continue
+            stale = self._lru.pop(h, None)  # a hash collision: the other tokens' copy goes
+            if stale is not None:
+                self._free_slots.append(stale.slot)
+            slot = self._take_slot(batch)
             if slot is None:
                 break
             self._lru[h] = _HostEntry(slot, tokens)
