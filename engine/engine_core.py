@@ -33,6 +33,7 @@ that dies or hangs makes ``step()`` raise ``TPFailure``; ``close()`` stops the w
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
@@ -122,6 +123,11 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
         self.busy_s = 0.0  # wall seconds spent in forward passes (a metric)
+        # Called on every step once the blocks it reads are in place on the device (its
+        # lower-tier loads queued ahead), just before its forward is issued: the EngineThread
+        # packs the blocks a request had complete before the step (its cached prefix) here,
+        # so they leave while the step computes.
+        self.on_ready: Callable[[SchedulerOutput], None] | None = None
         # Called on every step once it is launched (the computed counts advanced) and before
         # finished requests free their blocks: the EngineThread packs completed blocks here.
         self.on_launch: Callable[[SchedulerOutput], None] | None = None
@@ -293,7 +299,7 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
         try:
-            launched = self.runner.launch(out, self.kv)
+            launched = self.runner.launch(out, self.kv, None if self.on_ready is None else partial(self.on_ready, out))
         except TPFailure as e:
             assert self.tp is not None, "only a TP engine's runner raises TPFailure"
             raise self.tp.explain(e) from e

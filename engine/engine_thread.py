@@ -29,9 +29,11 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
     ExportKV(id, start_block)              -> None     pack the request's prompt blocks
-                                                       [start_block, ...) as each step completes
-                                                       them -> BlocksReady events (send it before
-                                                       the AddRequest; it ends with the request)
+                                                       [start_block, ...): its cached prefix
+                                                       before its first forward, then what each
+                                                       step completes -> BlocksReady events
+                                                       (send it before the AddRequest; it ends
+                                                       with the request)
     ResetPrefixCache()                     -> bool
     CachedHashes()                         -> list[int]
 
@@ -186,6 +188,7 @@ class EngineThread:
         self._on_fatal = on_fatal
         self.fatal: TPFailure | None = None  # set once by the engine thread: it stopped for good
         self._fatal_lock = threading.Lock()
+        engine.on_ready = self._on_ready
         engine.on_launch = self._on_launch
 
     @property
@@ -266,14 +269,20 @@ class EngineThread:
                 return list(e.kv.cached_hashes())
         raise TypeError(f"not an engine command: {cmd!r}")
 
+    def _on_ready(self, sched: SchedulerOutput) -> None:
+        if self._exporter is not None and self._exports:
+            self._export_step(sched, self._exporter)
+
     def _on_launch(self, sched: SchedulerOutput) -> None:
         self._scheduled = sched
-        if self._exporter is not None:
+        if self._exporter is not None and self._exports:
             self._export_step(sched, self._exporter)
 
     def _export_step(self, sched: SchedulerOutput, exporter: BlockExporter) -> None:
-        """Pack the prompt blocks this step completed for exported requests (called by the
-        engine inside step(), before finished requests free their blocks)."""
+        """Pack the prompt blocks of exported requests that are complete and not packed yet
+        (called by the engine inside step(): before a step's forward, a newly admitted
+        request's cached prefix, which then leaves while the step computes; after it, and
+        before finished requests free their blocks, what the step completed)."""
         bs = self._engine.config.block_size
         for req, _ in sched.scheduled:
             done = self._exports.get(req.request_id)

@@ -150,10 +150,13 @@ class ModelRunner:
                             self.scratch_block, use_graphs)
 
     # ---- rank 0 ----------------------------------------------------------------------------
-    def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager,
+               ready: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one forward pass over ``out.scheduled`` and sampling for every request
         whose scheduled tokens reach the end of its sequence (``seq_len``). With TP, the
-        workers get the step's inputs first and run the same forward."""
+        workers get the step's inputs first and run the same forward. ``ready`` is called
+        just before the forward is queued, behind the step's lower-tier loads: what it
+        queues on this stream reads the blocks in place and runs ahead of the forward."""
         decodes = [(r, n) for r, n in out.scheduled if n == 1]
         prefills = [(r, n) for r, n in out.scheduled if n > 1]
         if not prefills and self.static_decode is not None and self.static_decode.bucket(len(decodes)):
@@ -164,6 +167,8 @@ class ModelRunner:
             self.link.send_step(plan.inputs)
         if kv.offload is not None:  # stores still reading blocks this forward overwrites
             kv.offload.before_forward()
+        if ready is not None:
+            ready()
         logits = self.execute(plan.inputs)
         prompt = [_prompt_chunk(c, logits[at:at + len(c.rows)]) for c, at in plan.prompt]
         reqs = plan.sampling_reqs

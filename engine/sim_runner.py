@@ -27,7 +27,9 @@ crosses into the KV cache as a host load too):
                              (``KVOffload.before_forward``) is still copying starts when
                              that batch lands
     loads                    on the step that follows them, as a real engine issues them
-                             on the forward's stream before that forward
+                             on the forward's stream before that forward; the blocks in place
+                             (``launch``'s ``ready``: a prefill node packs a cached prefix to
+                             send) once they and the wait above are done, before the forward
     a store to disk          the offload's writer thread's: not priced
 
 A step's period is its simulated time / speedup, the host's own time included: when a
@@ -44,7 +46,7 @@ so a simulated request runs to ``max_tokens``.
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -114,19 +116,26 @@ class SimRunner:
         self._copies_until = 0.0  # when the copy engine is done with the stores queued so far (monotonic)
         self._batch_landed: dict[int, float] = {}  # store batch -> when it lands (monotonic), until then
 
-    def launch(self, out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager,
+               ready: Callable[[], None] | None = None) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
         token for every request whose scheduled tokens reach the end of its sequence
-        (the returned step is complete: a simulated node gains nothing from async scheduling)."""
+        (the returned step is complete: a simulated node gains nothing from async scheduling).
+        The step's tier moves come first (its loads, its wait for a store batch), then
+        ``ready`` is called (the blocks it reads are in place), then its forward."""
         start = time.monotonic()
         # this step's work waited as the last one ended: the host's time since is part of its period
         carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        seconds = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
-        if kv.offload is not None:
-            seconds += self._tier_seconds(kv.offload, start)
+        moves = 0.0 if kv.offload is None else self._tier_seconds(kv.offload, start)
+        seconds = moves + self.sim.step_seconds(len(decodes), chunks, sum(decodes))
         self.simulated_seconds += seconds
+        if ready is not None:
+            left = start - carry + moves / self.sim.speedup - time.monotonic()
+            if left > 0:
+                time.sleep(left)
+            ready()
         reqs, tokens = [], []
         for req, n in out.scheduled:
             if req.num_computed_tokens + n == req.seq_len:

@@ -44,7 +44,9 @@ KV transfer per rank is the node's code; the engine's seams for it:
   over the node's own channel (kvtransfer/rank_report.py), not this one: a step channel's
   socket belongs to its worker's main thread.
 - Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(request, start, block_ids)``
-  right after launching the step that completed those blocks (``on_launch``); the node's
+  right after launching the step that completed those blocks (``on_launch``), and a newly
+  admitted request's cached prefix just before its first forward is queued (``on_ready``,
+  after that step's inputs went out); the node's
   pack also calls ``leader.send_control("kv_export", payload)`` naming the blocks. Each
   worker runs ``controls["kv_export"](payload)`` after that step's forward and before the
   next one, so the blocks are still intact there (a block freed by rank 0 is written

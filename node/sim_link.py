@@ -5,7 +5,8 @@ would carry its transfers (``SimConfig.kv_network_bytes_per_s``, from the profil
 A simulated node's KV cache holds tiny stand-in blocks, and the real transport moves
 them; what that costs this machine (Python per block, a loopback socket) is not what
 moving the modelled model's blocks costs the deployment. So a prefill node books each
-batch of blocks a step completed on its link when the step ends, and holds the
+batch of blocks on its link when it is packed (a step's completed blocks when the step
+ends; a cached prefix when its blocks are in place, before the first forward), and holds the
 request's answer (``PrefillResult``, which the decode node waits for before it admits
 the request) until the last of them would have arrived::
 
@@ -51,7 +52,7 @@ class SimLink:
         self.max_late_s = 0.0
 
     def book(self, blocks: int) -> float:
-        """Put ``blocks`` on the link now (their step just ended); when the last of them
+        """Put ``blocks`` on the link now (they were just packed); when the last of them
         arrives (monotonic wall time)."""
         start = max(time.monotonic(), self._free_at)
         self._free_at = start + blocks * self.block_s

@@ -13,6 +13,9 @@ its handshake)
 Block streaming, per request (engine thread -> event loop -> transport):
 
   ExportKV(req, skip_blocks), then AddRequest (engine/engine_thread.py):
+  admitted with a cached prefix:  its blocks [skip, cached // bs) -> pack before the
+                                  first forward (after any lower-tier loads): they leave
+                                  while the rest of the prompt computes
   step k computes tokens .. n_k:  blocks [sent, n_k // bs) are complete -> pack
   last step (prompt done):        also the partial last block            -> pack
   BlocksReady events -> per-transfer queue -> ShardSender.send_packed (in order)
