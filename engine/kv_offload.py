@@ -260,12 +260,16 @@ class KVOffload:
 
     def _gather_to_host(self, moves: list[tuple[int, int]]) -> None:
         """Device blocks -> host slots, ``GATHER_BLOCKS`` at a time: one gather into a staging
-        tensor, then one copy per run of consecutive slots (non-blocking on CUDA: the host
-        slots are pinned and the staging tensor belongs to the current stream)."""
+        tensor, then one scatter into the slots on the CPU, or on CUDA one copy per run of
+        consecutive slots (non-blocking: the host slots are pinned and the staging tensor
+        belongs to the current stream)."""
         for i in range(0, len(moves), GATHER_BLOCKS):
             chunk = moves[i:i + GATHER_BLOCKS]
             ids = upload([b for b, _ in chunk], self.kv.device)  # no host wait on CUDA
             staged = self.kv.movedim(2, 0).index_select(0, ids)  # [blocks, layers, 2, ...], contiguous
+            if not self.cuda:
+                self.host.index_copy_(0, torch.tensor([slot for _, slot in chunk]), staged)
+                continue
             start = 0
             for j in range(1, len(chunk) + 1):
                 if j == len(chunk) or chunk[j][1] != chunk[j - 1][1] + 1:
