@@ -234,8 +234,8 @@ class EngineCore:
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
             return None
-        if self.offload is not None:  # a receiver may write the blocks next: tier copies land first
-            self.offload.sync()
+        if self.offload is not None:  # a receiver may write the blocks next: their stores land first
+            self.offload.before_write()
         return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
 
     def release(self, request_id: str) -> None:

@@ -38,8 +38,8 @@ issued before it, so it never overwrites a slot a load is still reading.
 A block is useful only with its parents: lookups walk the chain from the first block the
 device lacks and stop at the first miss; device evictions go tail first (a request frees
 its last block first), so a chain's children reach the host tier's LRU end, and leave it,
-before their parents. A decode node's reservation waits for every copy (``sync``) before
-a KV receiver writes the blocks.
+before their parents. Before a KV receiver writes a decode node's reserved blocks, the
+store batch reading the cached blocks they evicted must land (``before_write``).
 
 Events: a device eviction of a block a lower tier now holds is ``BlockStored(tier=HOST)``
 (or DISK) instead of ``BlockRemoved``; a host eviction makes it DISK, or removed, unless
@@ -153,7 +153,7 @@ class KVOffload:
         self.rates = {Tier.HOST: _Rate(), Tier.DISK: _Rate()}  # loads towards the device, bytes/s
         self.store_rate = _Rate()  # device -> host, bytes/s
         self.prefill_rate = _Rate()  # the engine's, tokens/s
-        self._dirty = False  # copies issued since the last sync (CUDA)
+        self._timed_loads: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []  # CUDA: (start, end, bytes)
 
     @classmethod
     def build(cls, config: EngineConfig, kv_caches: torch.Tensor) -> KVOffload | None:
@@ -252,7 +252,6 @@ class KVOffload:
         for _, slot in moves:
             self._slot_batch[slot] = self._batch
         seconds = time.perf_counter() - t0
-        self._dirty = True
         nbytes = len(moves) * self.block_bytes
         if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
             self.store_rate.add(nbytes, seconds)
@@ -385,14 +384,20 @@ class KVOffload:
             newest = max((self._slot_batch.get(h.slot, 0) for h in hits if h.data is None), default=0)
             self._wait_on(newest)  # a slot's own store may still be in flight
             self._wait_for = max(self._wait_for, newest)
+            timed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
+            if timed is not None:
+                timed[0].record()
             for hit, block_id in zip(hits, block_ids, strict=True):
                 src = self.host[hit.slot] if hit.data is None else hit.data
                 self.kv[:, :, block_id].copy_(src, non_blocking=self.cuda)
             seconds = time.perf_counter() - t0
-            self._dirty = True
             nbytes = len(hits) * self.block_bytes
-            if not self.cuda:  # a CUDA copy returns before it ran: its time is not the rate
+            if timed is None:
                 self.rates[Tier.HOST].add(nbytes, seconds)
+            else:  # a CUDA copy returns before it ran: its rate is read from the events once it did
+                timed[1].record()
+                self._measure_loads()
+                self._timed_loads.append((*timed, nbytes))
             self._record_move(Move(Tier.HOST, True, len(hits), nbytes, seconds))
         self._protected = set()
 
@@ -410,17 +415,21 @@ class KVOffload:
         if landed is not None:
             torch.cuda.current_stream(self.kv.device).wait_event(landed)
 
-    def sync(self) -> None:
-        """Wait until every copy issued so far has landed (a no-op on the CPU)."""
-        if self.copy_stream is not None and self._dirty:
-            t0 = time.perf_counter()
-            self.copy_stream.synchronize()
-            torch.cuda.current_stream(self.kv.device).synchronize()
-            seconds = time.perf_counter() - t0
-            recent = [m for m in self._moves if m.load and m.tier is Tier.HOST]
-            if recent:  # the copies of the latest loads ended within this wait, about
-                self.rates[Tier.HOST].add(sum(m.nbytes for m in recent), seconds + sum(m.seconds for m in recent))
-        self._dirty = False
+    def before_write(self) -> None:
+        """Called before another thread (a KV receiver) writes device blocks just allocated:
+        wait, on the host, for the store batch that reads the cached blocks they evicted
+        (usually landed long ago: no wait). Not for the rest of the copy stream, nor for the
+        step in flight; the loads into the allocation's hit blocks run on the forward's
+        stream, ahead of the forward that reads them, and a receiver never writes those."""
+        landed = self._landed.get(self._wait_for)
+        if landed is not None:
+            landed.synchronize()
+
+    def _measure_loads(self) -> None:
+        """CUDA: the host-to-device rate of the loads that ran since the last call."""
+        while self._timed_loads and self._timed_loads[0][1].query():
+            start, end, nbytes = self._timed_loads.pop(0)
+            self.rates[Tier.HOST].add(nbytes, start.elapsed_time(end) / 1e3)
 
     # ---- the engine's other hooks ----------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -474,6 +483,7 @@ class KVOffload:
         return moves
 
     def stats(self) -> list[TierStats]:
+        self._measure_loads()
         out = [TierStats(tier=Tier.HOST, capacity_blocks=self.host_blocks, used_blocks=len(self._lru),
                          block_bytes=self.block_bytes, load_bytes_per_s=self.rates[Tier.HOST].value,
                          store_bytes_per_s=self.store_rate.value)]

@@ -251,6 +251,12 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
         both = llm.generate(prompts()[:2], PARAMS)  # a batch: loads and stores in the same steps
         assert [o.token_ids for o in both] == want[:2]
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+        assert llm.engine.tier_stats()[1].load_bytes_per_s > 0  # timed by CUDA events
+        # a decode node's reservation: it evicts cached blocks, waits for their stores only
+        res = llm.engine.reserve("r", prompts()[2])
+        assert res is not None and len(res.block_ids) == 7
+        llm.engine.release("r")
+        assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
 
 
 def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, reference, tmp_path):
