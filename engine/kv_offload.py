@@ -49,10 +49,11 @@ or check) removes it unless a faster tier still has it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence, Set as AbstractSet
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -221,19 +222,17 @@ class KVOffload:
         as the LRU can give), as one batch on the copy stream, and forget them from the queue."""
         for block_id, _, _ in blocks:
             self._queued.pop(block_id, None)
-        moves: list[tuple[int, int]] = []  # (block id, slot)
-        batch: set[int] = set()  # hashes given a slot here: not spilled before their copy
+        todo: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens): the host lacks it
         for block_id, h, tokens in blocks:
-            if self._entry(h, tokens) is not None:
+            if h in todo or self._entry(h, tokens) is not None:
                 continue
             stale = self._lru.pop(h, None)  # a hash collision: the other tokens' copy goes
             if stale is not None:
                 self._free_slots.append(stale.slot)
-            slot = self._take_slot(batch)
-            if slot is None:
-                break
+            todo[h] = (block_id, tokens)
+        moves: list[tuple[int, int]] = []  # (block id, slot)
+        for (h, (block_id, tokens)), slot in zip(todo.items(), self._take_slots(len(todo))):
             self._lru[h] = _HostEntry(slot, tokens)
-            batch.add(h)
             moves.append((block_id, slot))
         if not moves:
             return
@@ -276,32 +275,38 @@ class KVOffload:
                     self.host[first:first + j - start].copy_(staged[start:j], non_blocking=self.cuda)
                     start = j
 
-    def _take_slot(self, keep: AbstractSet[int] = frozenset()) -> int | None:
-        """A free host slot, spilling the least recently used entry not protected by the
-        lookup in progress nor in ``keep``; None if every entry is."""
-        if self._free_slots:
-            return self._free_slots.pop()
-        for h in self._lru:
-            if h not in self._protected and h not in keep:
-                return self._spill(h)
-        return None
+    def _take_slots(self, n: int) -> list[int]:
+        """Up to ``n`` host slots: free ones, then those of the least recently used entries
+        not protected by the lookup in progress, spilled; fewer if every entry is."""
+        slots = [self._free_slots.pop() for _ in range(min(n, len(self._free_slots)))]
+        if len(slots) < n:
+            victims = list(itertools.islice((h for h in self._lru if h not in self._protected), n - len(slots)))
+            slots += self._spill(victims)
+        return slots
 
-    def _spill(self, block_hash: int) -> int:
-        """Evict a host entry (to disk when there is one); its slot is free again."""
-        entry = self._lru.pop(block_hash)
-        self._count_evicted(Tier.HOST)
-        landed = self._landed.get(self._slot_batch.pop(entry.slot, 0))
-        if self.disk is not None and not self._on_disk(block_hash):
-            if landed is not None:  # the slot's store must have landed before its bytes are read
-                landed.synchronize()
-            payload = self.host[entry.slot].view(torch.uint8).numpy().tobytes()
-            if self.disk.put(block_hash, entry.tokens, payload):
-                self._on_disk_pending[block_hash] = entry.tokens
-                self._record_move(Move(Tier.DISK, False, 1, self.block_bytes, 0.0))
-        if not self.on_device(block_hash):
-            self.record(BlockStored([block_hash], Tier.DISK) if self._on_disk(block_hash)
-                        else BlockRemoved([block_hash]))
-        return entry.slot
+    def _spill(self, hashes: list[int]) -> list[int]:
+        """Evict these host entries (to disk when there is one); their slots, free again."""
+        slots, on_disk, removed = [], [], []
+        for h in hashes:
+            entry = self._lru.pop(h)
+            landed = self._landed.get(self._slot_batch.pop(entry.slot, 0))
+            if self.disk is not None and not self._on_disk(h):
+                if landed is not None:  # the slot's store must have landed before its bytes are read
+                    landed.synchronize()
+                payload = self.host[entry.slot].view(torch.uint8).numpy().tobytes()
+                if self.disk.put(h, entry.tokens, payload):
+                    self._on_disk_pending[h] = entry.tokens
+                    self._record_move(Move(Tier.DISK, False, 1, self.block_bytes, 0.0))
+            if not self.on_device(h):
+                (on_disk if self._on_disk(h) else removed).append(h)
+            slots.append(entry.slot)
+        if hashes:
+            self._count_evicted(Tier.HOST, len(hashes))
+        if on_disk:
+            self.record(BlockStored(on_disk, Tier.DISK))
+        if removed:
+            self.record(BlockRemoved(removed))
+        return slots
 
     def _on_disk(self, block_hash: int) -> bool:
         return self.disk is not None and (block_hash in self._on_disk_pending or self.disk.contains(block_hash))
