@@ -286,7 +286,9 @@ class KVOffload:
 
     def _spill(self, hashes: list[int]) -> list[int]:
         """Evict these host entries (to disk when there is one); their slots, free again."""
-        slots, on_disk, removed = [], [], []
+        slots: list[int] = []
+        on_disk: list[int] = []  # hashes now only on disk
+        removed: list[int] = []  # hashes in no tier now
         for h in hashes:
             entry = self._lru.pop(h)
             landed = self._landed.get(self._slot_batch.pop(entry.slot, 0))
