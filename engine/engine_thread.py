@@ -188,7 +188,8 @@ class EngineThread:
         self._on_fatal = on_fatal
         self.fatal: TPFailure | None = None  # set once by the engine thread: it stopped for good
         self._fatal_lock = threading.Lock()
-        engine.on_ready = self._on_ready
+        if exporter is not None:  # only an exporting node packs a cached prefix ahead of the forward
+            engine.on_ready = self._on_ready
         engine.on_launch = self._on_launch
 
     @property
@@ -270,7 +271,8 @@ class EngineThread:
         raise TypeError(f"not an engine command: {cmd!r}")
 
     def _on_ready(self, sched: SchedulerOutput) -> None:
-        if self._exporter is not None and self._exports:
+        assert self._exporter is not None, "on_ready is set only with an exporter"
+        if self._exports:
             self._export_step(sched, self._exporter)
 
     def _on_launch(self, sched: SchedulerOutput) -> None:
