@@ -169,6 +169,8 @@ def test_tie_key_breaks_ties_the_same_way_in_every_router():
     nodes = [node(f"p{i}") for i in range(4)] + [node(f"d{i}", "decode") for i in range(4)]
     a, b = CacheAware(), CacheAware()
     b._tie = itertools.count(3)  # b's counter is ahead of a's (as after other requests)
+    # Both decide at the same moments: their recent work then decays alike (on a slow machine
+    # b's later clock would make its balance terms differ from a's by more than a tie).
     for key in range(8):
-        assert pick(a, nodes, {}, tie_key=key) == pick(b, nodes, {}, tie_key=key)
-    assert len({pick(a, nodes, {}, tie_key=k)[0] for k in range(8)}) == 4
+        assert pick(a, nodes, {}, tie_key=key, now=100.0 + key) == pick(b, nodes, {}, tie_key=key, now=100.0 + key)
+    assert len({pick(a, nodes, {}, tie_key=k, now=200.0 + k)[0] for k in range(8)}) == 4
