@@ -56,8 +56,9 @@ class SimConfig:
 
     or, with ``roofline`` (a GPU profile, common/sim_profiles.py), the roofline's
     step time (common/roofline.py), which also sees the decode rows' context.
-    ``max_model_len`` and ``kv_bytes_per_token`` (0: the model folder's own) make a
-    simulated node stand for the profile's model: its context and its KV cache size.
+    ``max_model_len``, ``kv_bytes_per_token`` and ``num_layers`` (0: the model folder's own)
+    make a simulated node stand for the profile's model: its context, its KV cache size and
+    the layers a lower-tier load overlaps the forward by (engine/sim_runner.py).
     ``kv_network_bytes_per_s`` (0: not modelled) and ``kv_network_latency_s`` are the
     network a simulated prefill node's KV leaves over (``transfer_seconds``; node/sim_link.py
     holds a request's answer until its blocks would have crossed it). ``host_bytes_per_s``
@@ -83,6 +84,7 @@ class SimConfig:
     kv_network_latency_s: float = 0.0
     host_bytes_per_s: float = 0.0  # host memory <-> the KV cache, each direction; 0: a move is not priced
     disk_read_bytes_per_s: float = 0.0  # disk -> host memory; 0: a load from disk is not priced
+    num_layers: int = 0  # the modelled model's (lower-tier loads overlap a forward layer by layer); 0: the folder's
 
     def __post_init__(self):
         for name in ("step_s", "prefill_token_s", "prefill_attn_s"):
@@ -90,8 +92,8 @@ class SimConfig:
                 raise ValueError(f"sim {name}: must be >= 0, got {getattr(self, name)}")
         if self.speedup <= 0:
             raise ValueError(f"sim speedup: must be > 0, got {self.speedup}")
-        if self.max_model_len < 0 or self.kv_bytes_per_token < 0:
-            raise ValueError("sim max_model_len and kv_bytes_per_token: must be >= 0")
+        if self.max_model_len < 0 or self.kv_bytes_per_token < 0 or self.num_layers < 0:
+            raise ValueError("sim max_model_len, kv_bytes_per_token and num_layers: must be >= 0")
         for name in ("kv_network_bytes_per_s", "kv_network_latency_s", "host_bytes_per_s", "disk_read_bytes_per_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim {name}: must be >= 0, got {getattr(self, name)}")

@@ -68,6 +68,7 @@ class SimProfile:
     host_bytes_per_s: float = 0.0  # host memory <-> KV pool, each direction, the node's GPUs together
     disk_read_bytes_per_s: float = 0.0  # disk -> host memory
     disk_write_bytes_per_s: float = 0.0  # host memory -> disk
+    layers: int = 0  # the model's decoder layers (a lower-tier load overlaps a forward layer by layer); 0: the folder's
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -83,7 +84,8 @@ class SimProfile:
                          kv_bytes_per_token=self.kv_bytes_per_token,
                          kv_network_bytes_per_s=self.kv_network_bytes_per_s,
                          kv_network_latency_s=self.kv_network_latency_s,
-                         host_bytes_per_s=self.host_bytes_per_s, disk_read_bytes_per_s=self.disk_read_bytes_per_s)
+                         host_bytes_per_s=self.host_bytes_per_s, disk_read_bytes_per_s=self.disk_read_bytes_per_s,
+                         num_layers=self.layers)
 
     def prefill_seconds(self, tokens: int, cached: int = 0) -> float:
         """One request's prompt of ``tokens``, ``cached`` of them already in the node's
@@ -305,7 +307,7 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
                           roofline=roofline, kv_network=net_name,
                           kv_network_bytes_per_s=net["bytes_per_s"] * links, kv_network_latency_s=net["latency_s"],
                           host_tier_bytes=int(pool * host_pools), disk_tier_bytes=int(pool * disk_pools),
-                          **tier_rates)
+                          layers=m["layers"], **tier_rates)
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     if prof.kv_pool_tokens < prof.context:

@@ -123,10 +123,10 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
         self.busy_s = 0.0  # wall seconds spent in forward passes (a metric)
-        # Called on every step once the blocks it reads are in place on the device (its
-        # lower-tier loads queued ahead), just before its forward is issued: the EngineThread
-        # packs the blocks a request had complete before the step (its cached prefix) here,
-        # so they leave while the step computes.
+        # Called on every step just before its forward is issued, with what it queues placed
+        # behind the blocks the step reads (its lower-tier loads: beside the forward): the
+        # EngineThread packs the blocks a request had complete before the step (its cached
+        # prefix) here, so they leave while the step computes.
         self.on_ready: Callable[[SchedulerOutput], None] | None = None
         # Called on every step once it is launched (the computed counts advanced) and before
         # finished requests free their blocks: the EngineThread packs completed blocks here.
@@ -234,8 +234,11 @@ class EngineCore:
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
             return None
-        if self.offload is not None:  # a receiver may write the blocks next: their stores land first
-            self.offload.before_write()
+        if self.offload is not None:
+            loads = self.offload.take_loads()  # no forward follows now: the hits are loaded at once
+            if loads is not None:
+                loads.wait_all()
+            self.offload.before_write()  # a receiver may write the blocks next: their stores land first
         return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
 
     def release(self, request_id: str) -> None:

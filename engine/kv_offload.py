@@ -26,8 +26,11 @@ requests (kv_cache_manager.py asks it).
       -> taken only when loading them is cheaper than recomputing them, by the rates
          measured here (host->device and disk->host bytes/s, the engine's prefill tokens/s)
     allocate_slots: each hit gets a fresh device block, registered in the prefix cache at
-      once, and load() copies its host slot into it (on the forward's stream, after the
-      batch that stored the slot) before any forward reads it
+      once, and load() queues its copy; the next forward's take_loads() issues the step's
+      copies together, one layer after another (CUDA: on the load stream, after the store
+      batches they depend on, one kernel per layer reading the pinned slots:
+      engine/host_load_kernel.py), and the forward waits for a layer's copies only as it
+      reaches that layer (LayerLoads): the loads overlap the forward's earlier layers
 
 The host tier is inclusive: a block on the device usually has its host copy too, so an
 eviction costs the step nothing. Host slots are given up least recently used first,
@@ -155,6 +158,12 @@ class KVOffload:
         self.store_rate = _Rate()  # device -> host, bytes/s
         self.prefill_rate = _Rate()  # the engine's, tokens/s
         self._timed_loads: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []  # CUDA: (start, end, bytes)
+        # loads (CUDA): on their own stream, so the forward waits for each layer's, not for them all
+        self.load_stream = torch.cuda.Stream(kv_caches.device) if self.cuda else None
+        self._pending: list[tuple[int, int]] = []  # host hits queued for the next forward: (slot, block id)
+        self._pending_disk: list[tuple[torch.Tensor, int]] = []  # disk hits: (data, block id)
+        self._loading: set[int] = set()  # hashes of the queued host hits: their slots are not given up
+        self._load_after = 0  # the newest store batch the queued loads must wait for
 
     @classmethod
     def build(cls, config: EngineConfig, kv_caches: torch.Tensor) -> KVOffload | None:
@@ -277,10 +286,12 @@ class KVOffload:
 
     def _take_slots(self, n: int) -> list[int]:
         """Up to ``n`` host slots: free ones, then those of the least recently used entries
-        not protected by the lookup in progress, spilled; fewer if every entry is."""
+        neither protected by the lookup in progress nor queued to load, spilled; fewer if
+        every entry is."""
         slots = [self._free_slots.pop() for _ in range(min(n, len(self._free_slots)))]
         if len(slots) < n:
-            victims = list(itertools.islice((h for h in self._lru if h not in self._protected), n - len(slots)))
+            victims = list(itertools.islice((h for h in self._lru if h not in self._protected and h not in self._loading),
+                                            n - len(slots)))
             slots += self._spill(victims)
         return slots
 
@@ -384,29 +395,60 @@ class KVOffload:
         return data
 
     def load(self, hits: Sequence[LowerHit], block_ids: Sequence[int]) -> None:
-        """Copy each hit (its host slot, or what was read from disk) into its new device
-        block (``block_ids``, in order), then release the lookup's protection."""
-        if hits:
-            t0 = time.perf_counter()
-            newest = max((self._slot_batch.get(h.slot, 0) for h in hits if h.data is None), default=0)
-            self._wait_on(newest)  # a slot's own store may still be in flight
-            self._wait_for = max(self._wait_for, newest)
-            timed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda else None
-            if timed is not None:
-                timed[0].record()
-            for hit, block_id in zip(hits, block_ids, strict=True):
-                src = self.host[hit.slot] if hit.data is None else hit.data
-                self.kv[:, :, block_id].copy_(src, non_blocking=self.cuda)
-            seconds = time.perf_counter() - t0
-            nbytes = len(hits) * self.block_bytes
-            if timed is None:
-                self.rates[Tier.HOST].add(nbytes, seconds)
-            else:  # a CUDA copy returns before it ran: its rate is read from the events once it did
-                timed[1].record()
-                self._measure_loads()
-                self._timed_loads.append((*timed, nbytes))
-            self._record_move(Move(Tier.HOST, True, len(hits), nbytes, seconds))
+        """Queue each hit (its host slot, or what was read from disk) to be copied into its new
+        device block (``block_ids``, in order) by the next forward (``take_loads``); the
+        slots stay protected from eviction until then."""
+        for hit, block_id in zip(hits, block_ids, strict=True):
+            if hit.data is None:
+                self._pending.append((hit.slot, block_id))
+                self._loading.add(hit.block_hash)
+                self._load_after = max(self._load_after, self._slot_batch.get(hit.slot, 0))  # its store
+            else:
+                self._pending_disk.append((hit.data, block_id))
+        if hits:  # and the store batches still reading the blocks this allocation evicted
+            self._load_after = max(self._load_after, self._wait_for)
         self._protected = set()
+
+    def take_loads(self) -> LayerLoads | None:
+        """The loads queued since the last call, issued for the forward about to be issued
+        (None: none). CUDA: queued now on the load stream, behind the work issued so far and
+        the store batches they depend on: disk hits whole, then the host hits one layer at a
+        time (engine/host_load_kernel.py), each layer's end recorded for the forward to wait
+        on. CPU: disk hits copied now, host hits when the forward reaches each layer."""
+        if not self._pending and not self._pending_disk:
+            return None
+        pending, disk, after = self._pending, self._pending_disk, self._load_after
+        self._pending, self._pending_disk, self._loading, self._load_after = [], [], set(), 0
+        nbytes = (len(pending) + len(disk)) * self.block_bytes
+        if self.load_stream is None:
+            return LayerLoads(self, pending, disk, None, nbytes)
+        from .host_load_kernel import load_layer
+
+        t0 = time.perf_counter()
+        self.load_stream.wait_stream(torch.cuda.current_stream(self.kv.device))
+        with torch.cuda.stream(self.load_stream):
+            self._wait_on(after)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for data, block_id in disk:
+                self.kv[:, :, block_id].copy_(data, non_blocking=True)
+            slots = upload([s for s, _ in pending], self.kv.device, torch.long)
+            blocks = upload([b for _, b in pending], self.kv.device, torch.long)
+            layers: list[torch.cuda.Event] = []
+            for layer in range(self.kv.shape[0]):
+                load_layer(self.host, self.kv, slots, blocks, layer)
+                layers.append(torch.cuda.Event())
+                layers[-1].record()
+            end.record()
+        self._measure_loads()  # a CUDA copy returns before it ran: its rate is read from the events once it did
+        self._timed_loads.append((start, end, nbytes))
+        self._record_move(Move(Tier.HOST, True, len(pending) + len(disk), nbytes, time.perf_counter() - t0))
+        return LayerLoads(self, pending, disk, layers, nbytes)
+
+    def _loaded_on_cpu(self, blocks: int, nbytes: int, seconds: float) -> None:
+        """A CPU load's copies are done (``LayerLoads``): its rate and its move."""
+        self.rates[Tier.HOST].add(nbytes, seconds)
+        self._record_move(Move(Tier.HOST, True, blocks, nbytes, seconds))
 
     def before_forward(self) -> int:
         """Called as a forward is about to be issued: the newest store batch it must wait for
@@ -426,8 +468,8 @@ class KVOffload:
         """Called before another thread (a KV receiver) writes device blocks just allocated:
         wait, on the host, for the store batch that reads the cached blocks they evicted
         (usually landed long ago: no wait). Not for the rest of the copy stream, nor for the
-        step in flight; the loads into the allocation's hit blocks run on the forward's
-        stream, ahead of the forward that reads them, and a receiver never writes those."""
+        step in flight; a receiver never writes the allocation's hit blocks, whose loads the
+        caller issues and waits for (``take_loads``) before handing the blocks over."""
         landed = self._landed.get(self._wait_for)
         if landed is not None:
             landed.synchronize()
@@ -516,3 +558,60 @@ class KVOffload:
     def _count_evicted(self, tier: Tier, blocks: int = 1) -> None:
         if self.observer is not None:
             self.observer.evicted(tier, blocks)
+
+
+class LayerLoads:
+    """The lower-tier loads one forward reads (``KVOffload.take_loads``), in place layer by
+    layer, so the forward's first layers compute while later layers still cross the bus:
+
+    - ``wait(layer)``: before the forward's layer ``layer`` reads the cache. CUDA: the
+      current stream waits for that layer's copies; CPU: layers up to ``layer`` are copied
+      now (each once);
+    - ``wait_all()``: before a forward that cannot wait per layer (a static decode step), or
+      a loaded block is handed to another owner (a reservation a receiver writes around);
+    - ``then(fn)``: work that reads the loaded blocks without holding up the forward (a
+      prefill node packing a cached prefix to send). CUDA: ``fn`` queues it on the load
+      stream, behind the copies; CPU: after every layer is copied.
+    """
+
+    def __init__(self, offload: KVOffload, host: list[tuple[int, int]], disk: list[tuple[torch.Tensor, int]],
+                 layers: list[torch.cuda.Event] | None, nbytes: int):
+        self._offload = offload
+        self._layers = layers  # CUDA: recorded after each layer's copies
+        self._num_layers = offload.kv.shape[0]
+        self._next = 0  # CPU: the first layer not copied yet
+        self._blocks, self._nbytes, self._seconds = len(host) + len(disk), nbytes, 0.0
+        self._slots = torch.tensor([s for s, _ in host], dtype=torch.long)
+        self._ids = torch.tensor([b for _, b in host], dtype=torch.long)
+        if layers is None:
+            t0 = time.perf_counter()
+            for data, block_id in disk:
+                offload.kv[:, :, block_id].copy_(data)
+            self._seconds = time.perf_counter() - t0
+
+    def wait(self, layer: int) -> None:
+        if self._layers is not None:
+            torch.cuda.current_stream(self._offload.kv.device).wait_event(self._layers[layer])
+            return
+        if self._next > layer:
+            return
+        t0 = time.perf_counter()
+        kv, host = self._offload.kv, self._offload.host
+        for at in range(self._next, layer + 1):
+            if len(self._ids):
+                kv[at].index_copy_(1, self._ids, host[self._slots, at].transpose(0, 1))
+        self._next = layer + 1
+        self._seconds += time.perf_counter() - t0
+        if self._next == self._num_layers:
+            self._offload._loaded_on_cpu(self._blocks, self._nbytes, self._seconds)
+
+    def wait_all(self) -> None:
+        self.wait(self._num_layers - 1)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        if self._layers is None:
+            self.wait_all()
+            fn()
+            return
+        with torch.cuda.stream(self._offload.load_stream):
+            fn()

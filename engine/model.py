@@ -24,6 +24,7 @@ Only rank 0 samples from them. With ``t = 1`` the layers are the plain ones.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -218,13 +219,17 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: [num_layers, 2, num_blocks, block_size, kv_heads, hd]
         (this rank's KV heads); logits_indices: [S] rows whose next-token logits are wanted.
-        Returns [S, vocab] float32 (the whole vocabulary on every rank)."""
+        ``before_layer(i)``: called before layer i touches ``kv_caches[i]`` (the step's
+        lower-tier loads of that layer land there). Returns [S, vocab] float32 (the whole
+        vocabulary on every rank)."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, rope, kv_caches[i], meta, backend)
         x = self.norm(x[logits_indices])  # RMSNorm is per row: normalizing only the needed rows is exact
         return self.lm_head(x).float()

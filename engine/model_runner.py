@@ -154,9 +154,11 @@ class ModelRunner:
                ready: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one forward pass over ``out.scheduled`` and sampling for every request
         whose scheduled tokens reach the end of its sequence (``seq_len``). With TP, the
-        workers get the step's inputs first and run the same forward. ``ready`` is called
-        just before the forward is queued, behind the step's lower-tier loads: what it
-        queues on this stream reads the blocks in place and runs ahead of the forward."""
+        workers get the step's inputs first and run the same forward. The step's lower-tier
+        loads are issued first, one layer after another, and the forward waits for each
+        layer's just before it (kv_offload.py ``LayerLoads``). ``ready`` is called just
+        before the forward is queued: what it queues reads the blocks in place, loaded ones
+        included (with loads, it is queued behind them, beside the forward)."""
         decodes = [(r, n) for r, n in out.scheduled if n == 1]
         prefills = [(r, n) for r, n in out.scheduled if n > 1]
         if not prefills and self.static_decode is not None and self.static_decode.bucket(len(decodes)):
@@ -165,11 +167,15 @@ class ModelRunner:
             plan = self._plan_eager(decodes, prefills, kv)
         if self.link is not None:
             self.link.send_step(plan.inputs)
-        if kv.offload is not None:  # stores still reading blocks this forward overwrites
-            kv.offload.before_forward()
+        loads = None
+        if kv.offload is not None:
+            loads = kv.offload.take_loads()  # this step's lower-tier loads, layer by layer
+            kv.offload.before_forward()  # stores still reading blocks this forward overwrites
         if ready is not None:
-            ready()
-        logits = self.execute(plan.inputs)
+            ready() if loads is None else loads.then(ready)
+        if loads is not None and plan.inputs.static:
+            loads.wait_all()
+        logits = self.execute(plan.inputs, None if loads is None else loads.wait)
         prompt = [_prompt_chunk(c, logits[at:at + len(c.rows)]) for c, at in plan.prompt]
         reqs = plan.sampling_reqs
         if plan.sample_rows is None:
@@ -273,9 +279,10 @@ class ModelRunner:
         else:
             self._last_tokens = None
 
-    def execute(self, inputs: ForwardInputs) -> torch.Tensor:
+    def execute(self, inputs: ForwardInputs, before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """The forward of one step on this rank's shard; logits [rows, vocab] float32 (every
-        row for a static step, else ``inputs.logits_rows``)."""
+        row for a static step, else ``inputs.logits_rows``). ``before_layer(i)``: called as
+        an eager forward reaches layer i (a static step's loads are waited for before it)."""
         if inputs.static:
             assert self.static_decode is not None, "rank 0 plans static steps only with static decode on"
             from_last = None
@@ -283,9 +290,9 @@ class ModelRunner:
                 assert self._last_tokens is not None, "rows read from the last launch's tokens"
                 from_last = (inputs.from_last, self._last_tokens)
             return self.static_decode.run(inputs.input_ids, inputs.positions, inputs.decode_tables, from_last)
-        return self._execute_eager(inputs)
+        return self._execute_eager(inputs, before_layer)
 
-    def _execute_eager(self, inputs: ForwardInputs) -> torch.Tensor:
+    def _execute_eager(self, inputs: ForwardInputs, before_layer: Callable[[int], None] | None) -> torch.Tensor:
         bs, dev, nd = self.config.block_size, self.device, inputs.num_decodes
         tables = inputs.decode_tables
         max_blocks = max((len(t) for t in tables), default=1)
@@ -315,7 +322,7 @@ class ModelRunner:
             dst_rows, src_rows = [d for d, _ in pairs], [s for _, s in pairs]
             input_ids.index_copy_(0, upload(dst_rows, dev), self._last_tokens[upload(src_rows, dev)])
         return self.model(input_ids, upload(inputs.positions, dev, torch.long), self.kv_caches, meta, self.backend,
-                          upload(inputs.logits_rows, dev, torch.long))
+                          upload(inputs.logits_rows, dev, torch.long), before_layer)
 
 
 def _wants_prompt_logprobs(req, start: int, n: int) -> int:

@@ -26,10 +26,15 @@ crosses into the KV cache as a host load too):
     a forward that overwrites a block, or reads a slot, whose store batch
                              (``KVOffload.before_forward``) is still copying starts when
                              that batch lands
-    loads                    on the step that follows them, as a real engine issues them
-                             on the forward's stream before that forward; the blocks in place
-                             (``launch``'s ``ready``: a prefill node packs a cached prefix to
-                             send) once they and the wait above are done, before the forward
+    loads                    on the step that follows them, one layer after another as a
+                             real engine issues them (kv_offload.py ``LayerLoads``): the
+                             forward's layer i starts when the loads' layer i and the
+                             forward's layer i - 1 are done, a pipeline of the profile's
+                             layers (``SimConfig.num_layers``) whose stages split the loads
+                             and the forward evenly: max(loads, forward) + min(loads,
+                             forward) / layers; the blocks in place (``launch``'s ``ready``:
+                             a prefill node packs a cached prefix to send) once the loads
+                             and the wait above are done
     a store to disk          the offload's writer thread's: not priced
 
 A step's period is its simulated time / speedup, the host's own time included: when a
@@ -100,6 +105,7 @@ class SimRunner:
         if self.sim.max_model_len:
             model_config = dataclasses.replace(model_config, max_position_embeddings=self.sim.max_model_len)
         self.model_config = model_config
+        self.num_layers = self.sim.num_layers or model_config.num_layers  # the stages loads overlap with
         bs = config.block_size
         self.block_bytes = modelled_block_bytes(config, model_config)
         self.num_blocks = config.kv_cache_memory // self.block_bytes
@@ -121,18 +127,25 @@ class SimRunner:
         """Sleep the step's simulated time (divided by the speed-up), then sample one
         token for every request whose scheduled tokens reach the end of its sequence
         (the returned step is complete: a simulated node gains nothing from async scheduling).
-        The step's tier moves come first (its loads, its wait for a store batch), then
-        ``ready`` is called (the blocks it reads are in place), then its forward."""
+        The step's wait for a store batch comes first, then its loads beside its forward
+        (module docstring); ``ready`` is called once the loads are done (the blocks it reads
+        are in place)."""
         start = time.monotonic()
         # this step's work waited as the last one ended: the host's time since is part of its period
         carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        moves = 0.0 if kv.offload is None else self._tier_seconds(kv.offload, start)
-        seconds = moves + self.sim.step_seconds(len(decodes), chunks, sum(decodes))
+        wait = loads = 0.0
+        if kv.offload is not None:
+            if (layer_loads := kv.offload.take_loads()) is not None:
+                layer_loads.wait_all()  # the stand-in blocks move for real; the time is the profile's
+            wait, loads = self._tier_seconds(kv.offload, start)
+        forward = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
+        # the forward's layer i waits for the loads' layer i: a pipeline of `layers` stages
+        seconds = wait + (max(loads, forward) + min(loads, forward) / self.num_layers if loads else forward)
         self.simulated_seconds += seconds
         if ready is not None:
-            left = start - carry + moves / self.sim.speedup - time.monotonic()
+            left = start - carry + (wait + loads) / self.sim.speedup - time.monotonic()
             if left > 0:
                 time.sleep(left)
             ready()
@@ -153,9 +166,9 @@ class SimRunner:
         sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
         return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))
 
-    def _tier_seconds(self, offload: KVOffload, start: float) -> float:
-        """Simulated seconds the tier moves add to the step launched at ``start`` (wall):
-        its loads and stores at eviction, and its wait for the copy engine (module docstring)."""
+    def _tier_seconds(self, offload: KVOffload, start: float) -> tuple[float, float]:
+        """Simulated seconds of the step launched at ``start`` (wall) spent on its tiers: its
+        wait for the copy engine before anything of it starts, and its loads (module docstring)."""
         moves = offload.take_moves()
         queued = self._last_end or start  # as the previous step ended
         for m in moves:
@@ -165,7 +178,7 @@ class SimRunner:
         landed = self._batch_landed.get(offload.before_forward(), 0.0)
         self._batch_landed = {b: t for b, t in self._batch_landed.items() if t > start}
         wait = max(0.0, landed - start) * self.sim.speedup
-        return self.tier_move_seconds([m for m in moves if not m.batch]) + wait
+        return wait, self.tier_move_seconds([m for m in moves if not m.batch])
 
     def tier_move_seconds(self, moves: Sequence[Move]) -> float:
         """Simulated seconds of ``moves`` at the profile's rates (module docstring)."""

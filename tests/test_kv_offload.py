@@ -58,12 +58,20 @@ def manager(num_blocks=4, host_blocks=4, disk=None):
     return kv, off, KVCacheManager(num_blocks, BS, True, off)
 
 
+def land(off):
+    """What the next forward does with the loads queued since the last one: all its layers."""
+    loads = off.take_loads()
+    if loads is not None:
+        loads.wait_all()
+
+
 def fill(kv, mgr, rid, tokens, value):
     """Allocate ``tokens`` for ``rid``, write ``value + block index`` into its blocks, cache
     them, free them: a finished request whose blocks stay cached."""
     hashes = [hash((rid, i)) & (2**64 - 1) for i in range(len(tokens) // BS)]
     hit = mgr.get_computed_blocks(hashes, tokens)
     assert mgr.allocate_slots(rid, len(tokens), hit.blocks, hit.lower) is not None
+    land(mgr.offload)
     for i, b in enumerate(mgr.block_ids(rid)):
         kv[:, :, b] = value + i
     mgr.cache_blocks(rid, hashes, tokens, len(tokens))
@@ -86,6 +94,7 @@ def test_evicted_blocks_come_back_from_host_with_their_bytes_and_the_events_name
     assert hit.blocks == [] and [h.block_hash for h in hit.lower] == ha and hit.num_tokens == 8
     new = mgr.allocate_slots("a2", len(a), hit.blocks, hit.lower)
     assert new is not None
+    land(off)
     for i, b_id in enumerate(mgr.block_ids("a2")[:2]):  # the bytes came back
         assert torch.all(kv[:, :, b_id] == 10.0 + i)
     assert mgr.held_blocks()[ha[0]] is Tier.DEVICE  # loaded back: device again, still on host too
@@ -118,9 +127,43 @@ def test_cached_blocks_are_written_through_and_an_eviction_copies_only_what_the_
     hit = mgr.get_computed_blocks(ha, a)
     assert [h.tier for h in hit.lower] == [Tier.HOST, Tier.HOST]
     assert mgr.allocate_slots("a2", 9, hit.blocks, hit.lower) is not None
+    land(off)
     assert [float(kv[0, 0, b, 0, 0, 0]) for b in mgr.block_ids("a2")[:2]] == [10.0, 11.0]
     mgr.free("a2")
     assert mgr.num_free_blocks == 6
+
+
+def test_loads_land_layer_by_layer_as_the_forward_reaches_each_and_their_slots_are_held_until_then():
+    kv, off, mgr = manager(num_blocks=5, host_blocks=2)
+    obs = off.observer = Observer()
+    a = list(range(8)) + [1]
+    ha = fill(kv, mgr, "a", a, 10.0)
+    fill(kv, mgr, "b", list(range(20, 36)) + [1], 20.0)  # 5 blocks: a's 2 -> host (its 2 slots)
+    hit = mgr.get_computed_blocks(ha, a)
+    assert len(hit.lower) == 2
+    assert mgr.allocate_slots("a2", 9, hit.blocks, hit.lower) is not None
+    ids = mgr.block_ids("a2")[:2]
+    kv[:, :, ids] = -1.0  # whatever the new blocks held
+    # before the forward: another request's eviction needs host slots, but both are a2's to load
+    c = list(range(40, 44)) + [1]
+    hc = [hash(("c", 0)) & (2**64 - 1)]
+    hit_c = mgr.get_computed_blocks(hc, c)
+    assert mgr.allocate_slots("c", 5, hit_c.blocks, hit_c.lower) is not None  # evicts b's: no slot for them
+    assert all(mgr.held_blocks().get(h) is Tier.DEVICE for h in ha)  # a2's, and their host copies kept
+    assert off.stats()[0].used_blocks == 2 and off._loading == set(ha)
+    obs.moves.clear()
+    loads = off.take_loads()
+    assert loads is not None and off.take_loads() is None  # taken once
+    assert torch.all(kv[:, :, ids] == -1.0)  # nothing copied before the forward reaches a layer
+    loads.wait(0)
+    assert [float(kv[0, 0, b, 0, 0, 0]) for b in ids] == [10.0, 11.0]
+    assert torch.all(kv[1, :, ids] == -1.0) and obs.moves == []  # layer 1 not yet: no move yet
+    loads.wait_all()
+    loads.wait(1)  # once per layer
+    assert [float(kv[1, 1, b, 3, 0, 1]) for b in ids] == [10.0, 11.0]
+    assert [(m.load, m.blocks) for m in obs.moves] == [(True, 2)] and off.stats()[0].load_bytes_per_s > 0
+    mgr.free("a2")
+    mgr.free("c")
 
 
 def test_a_block_the_host_dropped_while_on_the_device_is_copied_at_its_eviction():
@@ -157,6 +200,7 @@ def test_a_full_host_tier_drops_least_recent_and_a_lookup_protects_its_hits():
     # protects: c's are dropped, b's bytes stay
     hit = mgr.get_computed_blocks(hb, b)
     assert mgr.allocate_slots("b2", 9, hit.blocks, hit.lower) is not None
+    land(off)
     assert [float(kv[0, 0, blk, 0, 0, 0]) for blk in mgr.block_ids("b2")[:2]] == [2.0, 3.0]
     mgr.free("b2")
     held = mgr.held_blocks()
@@ -178,6 +222,7 @@ def test_host_evictions_spill_to_disk_and_come_back(tmp_path):
     hit = mgr.get_computed_blocks(ha, list(range(8)) + [1])
     assert [h.tier for h in hit.lower] == [Tier.DISK, Tier.DISK]
     assert mgr.allocate_slots("a2", 8, hit.blocks, hit.lower) is not None
+    land(off)
     assert [float(kv[1, 1, b, 3, 0, 1]) for b in mgr.block_ids("a2")] == [5.0, 6.0]
     assert obs.hits[Tier.DISK] == 2 and any(m.tier is Tier.DISK and m.load for m in obs.moves)
     disk.close()
@@ -222,6 +267,7 @@ def run_turns(llm, order):
 
 
 def test_engine_tokens_from_host_equal_recompute(tiny, reference):
+    ps = prompts()
     llm = tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK)
     with llm:
         obs = llm.engine.offload.observer = Observer()
@@ -234,6 +280,26 @@ def test_engine_tokens_from_host_equal_recompute(tiny, reference):
         host = llm.engine.tier_stats()[1]
         assert host.tier is Tier.HOST and host.used_blocks <= host.capacity_blocks == 32
         assert host.load_bytes_per_s > 0 and host.store_bytes_per_s > 0
+        # a decode node's reservation loads its host hits at once (no forward follows it) ...
+        res = llm.engine.reserve("r", ps[2])
+        assert res is not None and res.num_cached_tokens == 96 and llm.engine.offload.take_loads() is None
+        llm.engine.release("r")
+        # ... so the blocks it leaves cached hold the right KV
+        again = llm.generate([ps[2]], PARAMS)[0]
+        assert again.token_ids == reference[2] and again.num_cached_tokens == 96
+        assert obs.hits[Tier.HOST] == 18
+
+
+def test_a_prompt_from_host_but_its_last_token_loads_before_a_static_decode_step(tiny):
+    """Its one uncached token runs as a decode-shaped step (padded, no per-layer waits):
+    the loads land in full before it."""
+    ps = [p[:97] for p in prompts()[:2]]  # 6 full blocks and one token
+    with tiny_llm(tiny, 64, enable_prefix_caching=False) as llm:
+        want = [o.token_ids for o in llm.generate(ps, PARAMS)]
+    with tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK) as llm:
+        assert llm.engine.runner.static_decode is not None
+        got = [llm.generate([ps[i]], PARAMS)[0] for i in (0, 1, 0)]
+        assert [o.token_ids for o in got] == [want[0], want[1], want[0]] and got[2].num_cached_tokens == 96
 
 
 @pytest.mark.gpu
@@ -243,7 +309,8 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
     with tiny_llm(tiny, 64, enable_prefix_caching=False, **cuda) as llm:
         want = [o.token_ids for o in llm.generate(prompts(), PARAMS)]
     with tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK, **cuda) as llm:
-        assert llm.engine.config.async_scheduling and llm.engine.offload.copy_stream is not None
+        off = llm.engine.offload
+        assert llm.engine.config.async_scheduling and off.copy_stream is not None and off.load_stream is not None
         turns = run_turns(llm, [0, 1, 2, 0, 1, 2])  # each evicts the one before, written through
         for i, tokens, _ in turns:
             assert tokens == want[i], f"prompt {i}"
@@ -253,10 +320,37 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
         assert llm.engine.tier_stats()[1].load_bytes_per_s > 0  # timed by CUDA events
         # a decode node's reservation: it evicts cached blocks, waits for their stores only
-        res = llm.engine.reserve("r", prompts()[2])
-        assert res is not None and len(res.block_ids) == 7
+        res = llm.engine.reserve("r", prompts()[2])  # and loads its host hits at once
+        assert res is not None and len(res.block_ids) == 7 and res.num_cached_tokens == 96
         llm.engine.release("r")
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+        again = llm.generate([prompts()[2]], PARAMS)[0]  # from the blocks the reservation loaded
+        assert again.token_ids == want[2] and again.num_cached_tokens == 96
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_load_kernel_reads_pinned_slots_into_scattered_blocks_on_cuda():
+    from splitserve.engine.host_load_kernel import load_layer
+
+    layers, block = 32, (16, 8, 128)  # Llama-3-8B's blocks, bf16: 2 MiB each
+    host = torch.randn((300, layers, 2, *block)).to(torch.bfloat16).pin_memory()
+    kv = torch.zeros((layers, 2, 1024, *block), dtype=torch.bfloat16, device="cuda")
+    slots = torch.randperm(300)[:256]
+    blocks = torch.randperm(1024)[:256]
+    dev_slots, dev_blocks = slots.cuda(), blocks.cuda()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for layer in range(layers):
+        load_layer(host, kv, dev_slots, dev_blocks, layer)
+    end.record()
+    end.synchronize()
+    got = kv.cpu()
+    for s, b in zip(slots.tolist(), blocks.tolist()):
+        assert torch.equal(got[:, :, b], host[s])
+    assert int((got != 0).movedim(2, 0).flatten(1).any(1).sum()) == 256  # no other block written
+    gbps = 256 * host[0].numel() * 2 / (start.elapsed_time(end) / 1e3) / 1e9
+    print(f"host-tier load kernel: 256 scattered 2 MiB blocks at {gbps:.1f} GB/s")
 
 
 def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, reference, tmp_path):

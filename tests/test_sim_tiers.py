@@ -1,8 +1,8 @@
 """A simulated node's prefix-cache tiers (engine/sim_runner.py): their sizes are the modelled
 model's bytes, as the KV cache's are (a node standing for an H100 with a host tier of 4 KV
 pools holds 4 pools' worth of blocks, in stand-in bytes), and a prompt served from the host
-tier costs its step the profile's PCIe time for the blocks loaded instead of the prompt's
-prefill; the blocks it evicts were written through to the host in the background and cost
+tier costs its step the profile's PCIe time for the blocks loaded, beside the forward layer by
+layer, instead of the prompt's prefill; the blocks it evicts were written through to the host in the background and cost
 the step nothing unless the copy engine is behind."""
 
 import dataclasses
@@ -64,8 +64,11 @@ def test_a_prompt_from_the_host_tier_costs_its_load_at_pcie_rate_not_its_prefill
     loaded = cached // 16
     assert cached == 8000 and loaded == 500  # every block of a came back
     compute = P.sim_config().step_seconds(0, [(8001 - cached, cached)])
-    # the load on top of the step; the blocks it pushed out (b's) reached the host as b ran
-    assert seconds == pytest.approx(compute + loaded * block_s, rel=0.05)
+    # the load beside the forward, layer by layer (32 of them); the blocks it pushed out (b's)
+    # reached the host as b ran
+    load = loaded * block_s
+    assert P.layers == 32 and load > compute
+    assert seconds == pytest.approx(load + compute / 32, rel=0.05)
     assert seconds < 0.25 * P.prefill_seconds(8001)  # far cheaper than computing the prompt again
 
 

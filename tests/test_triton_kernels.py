@@ -35,6 +35,11 @@ WRITE = {
     "fp16-bs32": dict(num_tokens=5, kv_heads=3, head_dim=128, block_size=32, num_blocks=2, dtype=torch.float16),
     "bf16-bs16": dict(num_tokens=6, kv_heads=1, head_dim=64, block_size=16, num_blocks=2, dtype=torch.bfloat16),
 }
+# name -> host-tier load case: slots of a slot-major host pool into scattered cache blocks
+HOST_LOAD = {
+    "fp32-bs16": dict(layers=3, kv_heads=2, head_dim=64, block_size=16, slots=7, blocks=9, dtype=torch.float32),
+    "bf16-bs32": dict(layers=2, kv_heads=1, head_dim=128, block_size=32, slots=4, blocks=9, dtype=torch.bfloat16),
+}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, vs fp32
 
 CHILD = """
@@ -50,10 +55,16 @@ for name, c in cases.items():
         triton_kernels.paged_decode_attention(out, c["q"], c["kv_cache"][0], c["kv_cache"][1], c["block_tables"],
                                               c["seq_lens"], scale=c["scale"], partition_size=c["partition_size"])
         outputs[name] = out
-    else:
+    elif c["kind"] == "write":
         kv_cache = c["kv_cache"].clone()
         triton_kernels.write_kv_cache(c["k"], c["v"], kv_cache[0], kv_cache[1], c["slot_mapping"])
         outputs[name] = kv_cache
+    else:
+        from splitserve.engine.host_load_kernel import load_layer
+        kv = c["kv"].clone()
+        for layer in range(kv.shape[0]):
+            load_layer(c["host"], kv, c["slots"], c["blocks"], layer)
+        outputs[name] = kv
 torch.save(outputs, sys.argv[2])
 """
 
@@ -72,6 +83,14 @@ def interpreted(tmp_path_factory, make_paged_decode, make_kv_write):
     for name, spec in WRITE.items():
         k, v, kv_cache, slots = make_kv_write(**spec)
         cases[name] = dict(kind="write", k=k, v=v, kv_cache=kv_cache, slot_mapping=slots)
+    gen = torch.Generator().manual_seed(7)
+    for name, spec in HOST_LOAD.items():
+        block = (spec["block_size"], spec["kv_heads"], spec["head_dim"])
+        host = torch.randn((spec["slots"], spec["layers"], 2, *block), generator=gen).to(spec["dtype"])
+        kv = torch.zeros((spec["layers"], 2, spec["blocks"], *block), dtype=spec["dtype"])
+        slots = torch.tensor([5, 0, 3, 6][:spec["slots"] - 1]) % spec["slots"]  # scattered, one slot unused
+        blocks = torch.tensor([8, 2, 4, 1][:len(slots)]) % spec["blocks"]
+        cases[name] = dict(kind="host_load", host=host, kv=kv, slots=slots, blocks=blocks)
     folder = tmp_path_factory.mktemp("triton_interpret")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save(cases, inputs)
@@ -98,6 +117,15 @@ def test_paged_decode_matches_torch_reference(interpreted, decode_reference, nam
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("name", list(HOST_LOAD))
+def test_host_load_copies_every_layer_of_each_slot_into_its_block_and_nothing_else(interpreted, name):
+    c, got = interpreted[name]
+    want = c["kv"].clone()
+    for slot, block in zip(c["slots"].tolist(), c["blocks"].tolist()):
+        want[:, :, block] = c["host"][slot]
+    assert torch.equal(got, want)  # a copy: bit-exact, the other blocks untouched (zero)
+
+
 @pytest.mark.parametrize("name", list(WRITE))
 def test_cache_write_matches_torch_reference_and_skips_slot_minus_one(interpreted, name):
     from splitserve.engine.attention.torch_backend import TorchAttention
@@ -119,7 +147,7 @@ def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
             sig[name] = "constexpr"
         elif name.startswith("part_"):
             sig[name] = "*fp32"
-        elif name in ("block_tables_ptr", "seq_lens_ptr", "slot_mapping_ptr"):
+        elif name in ("block_tables_ptr", "seq_lens_ptr", "slot_mapping_ptr", "slots_ptr", "blocks_ptr"):
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = "*" + dtype
@@ -135,6 +163,7 @@ def test_kernels_compile_for_sm80_and_sm90(cc, tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from splitserve.engine import host_load_kernel
     from splitserve.engine.attention import triton_kernels as tk
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # really compile, every run
@@ -146,6 +175,7 @@ def test_kernels_compile_for_sm80_and_sm90(cc, tmp_path, monkeypatch):
             SPLIT=dtype != "fp32", DOT_FP32=dtype != "fp16", DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")))
     builds.append((tk._decode_reduce, "bf16", dict(HEAD_DIM=128, HEAD_DIM_PAD=128, CHUNK=64)))
     builds.append((tk._write_kv_cache, "fp16", dict(KV_HEADS=3, KV_HEADS_PAD=4, HEAD_DIM=64, HEAD_DIM_PAD=64)))
+    builds.append((host_load_kernel._load_layer, "bf16", dict(SPAN=host_load_kernel.SPAN)))
     for kernel, dtype, constexprs in builds:
         compiled = triton.compile(ASTSource(fn=kernel, signature=_signature(kernel, dtype, constexprs),
                                             constexprs=constexprs), target=target, options=dict(num_warps=4))
