@@ -164,6 +164,12 @@ class KVOffload:
         self._pending_disk: list[tuple[torch.Tensor, int]] = []  # disk hits: (data, block id)
         self._loading: set[int] = set()  # hashes of the queued host hits: their slots are not given up
         self._load_after = 0  # the newest store batch the queued loads must wait for
+        if self.cuda:  # compile the load kernel now, and fail at start-up if the GPU cannot read the slots
+            from .host_load_kernel import load_layer
+
+            zero = torch.zeros(1, dtype=torch.long, device=kv_caches.device)
+            load_layer(self.host, kv_caches, zero, zero, 0)  # nothing is cached yet: block 0 is free
+            torch.cuda.synchronize(kv_caches.device)
 
     @classmethod
     def build(cls, config: EngineConfig, kv_caches: torch.Tensor) -> KVOffload | None:
