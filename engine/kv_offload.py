@@ -71,7 +71,7 @@ from .upload import upload
 log = logging.getLogger(__name__)
 
 RATE_EWMA = 0.2  # weight of the newest measurement in a rate
-GATHER_BLOCKS = 64  # blocks staged at a time by a store (bounds its device scratch memory)
+GATHER_BYTES = 128 << 20  # staged at a time by a store (bounds its scratch memory): 64 blocks of Llama-3-8B
 
 
 class Move(NamedTuple):
@@ -272,12 +272,13 @@ class KVOffload:
         self._record_move(Move(Tier.HOST, False, len(moves), nbytes, seconds, self._batch))
 
     def _gather_to_host(self, moves: list[tuple[int, int]]) -> None:
-        """Device blocks -> host slots, ``GATHER_BLOCKS`` at a time: one gather into a staging
+        """Device blocks -> host slots, ``GATHER_BYTES`` at a time: one gather into a staging
         tensor, then one scatter into the slots on the CPU, or on CUDA one copy per run of
         consecutive slots (non-blocking: the host slots are pinned and the staging tensor
         belongs to the current stream)."""
-        for i in range(0, len(moves), GATHER_BLOCKS):
-            chunk = moves[i:i + GATHER_BLOCKS]
+        per_chunk = max(1, GATHER_BYTES // self.block_bytes)
+        for i in range(0, len(moves), per_chunk):
+            chunk = moves[i:i + per_chunk]
             ids = upload([b for b, _ in chunk], self.kv.device)  # no host wait on CUDA
             staged = self.kv.movedim(2, 0).index_select(0, ids)  # [blocks, layers, 2, ...], contiguous
             if not self.cuda:
