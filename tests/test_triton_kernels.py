@@ -37,8 +37,8 @@ WRITE = {
 }
 # name -> host-tier load case: slots of a slot-major host pool into scattered cache blocks
 HOST_LOAD = {
-    "fp32-bs16": dict(layers=3, kv_heads=2, head_dim=64, block_size=16, slots=7, blocks=9, dtype=torch.float32),
-    "bf16-bs32": dict(layers=2, kv_heads=1, head_dim=128, block_size=32, slots=4, blocks=9, dtype=torch.bfloat16),
+    "host-fp32-bs16": dict(layers=3, kv_heads=2, head_dim=64, block_size=16, slots=7, blocks=9, dtype=torch.float32),
+    "host-bf16-bs32": dict(layers=2, kv_heads=1, head_dim=128, block_size=32, slots=4, blocks=9, dtype=torch.bfloat16),
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # atol = rtol, vs fp32
 
@@ -91,6 +91,7 @@ def interpreted(tmp_path_factory, make_paged_decode, make_kv_write):
         slots = torch.tensor([5, 0, 3, 6][:spec["slots"] - 1]) % spec["slots"]  # scattered, one slot unused
         blocks = torch.tensor([8, 2, 4, 1][:len(slots)]) % spec["blocks"]
         cases[name] = dict(kind="host_load", host=host, kv=kv, slots=slots, blocks=blocks)
+    assert len(cases) == len(DECODE) + len(WRITE) + len(HOST_LOAD), "case names must differ across kinds"
     folder = tmp_path_factory.mktemp("triton_interpret")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save(cases, inputs)
