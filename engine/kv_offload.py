@@ -588,9 +588,9 @@ class LayerLoads:
         self._num_layers = offload.kv.shape[0]
         self._next = 0  # CPU: the first layer not copied yet
         self._blocks, self._nbytes, self._seconds = len(host) + len(disk), nbytes, 0.0
-        self._slots = torch.tensor([s for s, _ in host], dtype=torch.long)
-        self._ids = torch.tensor([b for _, b in host], dtype=torch.long)
-        if layers is None:
+        if layers is None:  # CPU: the host hits' copies wait for the forward's layers
+            self._slots = torch.tensor([s for s, _ in host], dtype=torch.long)
+            self._ids = torch.tensor([b for _, b in host], dtype=torch.long)
             t0 = time.perf_counter()
             for data, block_id in disk:
                 offload.kv[:, :, block_id].copy_(data)

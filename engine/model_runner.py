@@ -171,8 +171,10 @@ class ModelRunner:
         if kv.offload is not None:
             loads = kv.offload.take_loads()  # this step's lower-tier loads, layer by layer
             kv.offload.before_forward()  # stores still reading blocks this forward overwrites
-        if ready is not None:
-            ready() if loads is None else loads.then(ready)
+        if ready is not None and loads is not None:
+            loads.then(ready)
+        elif ready is not None:
+            ready()
         if loads is not None and plan.inputs.static:
             loads.wait_all()
         logits = self.execute(plan.inputs, None if loads is None else loads.wait)
