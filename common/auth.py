@@ -5,6 +5,7 @@ or the environment, the constant-time comparison, and credentials kept out of lo
     add_cluster_token_args(group)      --cluster-token, --cluster-token-file
     cluster_token_from_args(args)      -> str | None (flag, else file, else $SPLITSERVE_CLUSTER_TOKEN)
     redis_url_from(flag, default)      --redis-url, else $SPLITSERVE_REDIS_URL, else ``default``
+                                       (env=RESPONSES_REDIS_URL_ENV: the responses' own Redis)
     read_secret_file(what, path)       a secret file's text (warns when others may read it)
     warn_secret_flag(flag, instead)    the warning for a secret given on the command line
     CLUSTER_TOKEN_HEADER               the header an internal request carries the token in
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 
 CLUSTER_TOKEN_ENV = "SPLITSERVE_CLUSTER_TOKEN"
 REDIS_URL_ENV = "SPLITSERVE_REDIS_URL"  # the Redis URL, password included, for every process
+# The routers' own Redis for stored /v1/responses (router/responses_store.py), apart from the
+# registry's; unset: the responses live in $SPLITSERVE_REDIS_URL's Redis.
+RESPONSES_REDIS_URL_ENV = "SPLITSERVE_RESPONSES_REDIS_URL"
 CLUSTER_TOKEN_HEADER = "X-Splitserve-Cluster-Token"
 MIN_SECRET_LEN = 8  # a shorter token or key is a typo or a placeholder, not a secret
 
@@ -97,14 +101,15 @@ def warn_secret_flag(flag: str, instead: str) -> None:
                 "use %s instead", flag, instead)
 
 
-def redis_url_from(flag: str | None, default: str | None = None) -> str | None:
-    """The Redis URL: ``flag`` (--redis-url; warned about when it carries a password),
-    else $SPLITSERVE_REDIS_URL, else ``default``."""
+def redis_url_from(flag: str | None, default: str | None = None, env: str = REDIS_URL_ENV,
+                   flag_name: str = "--redis-url") -> str | None:
+    """The Redis URL: ``flag`` (``flag_name``; warned about when it carries a password),
+    else ``$env`` ($SPLITSERVE_REDIS_URL), else ``default``."""
     if flag is not None:
         if _has_password(flag):
-            warn_secret_flag("a --redis-url with a password", f"${REDIS_URL_ENV}")
+            warn_secret_flag(f"a {flag_name} with a password", f"${env}")
         return flag
-    return os.environ.get(REDIS_URL_ENV) or default
+    return os.environ.get(env) or default
 
 
 def _has_password(url: str) -> bool:
