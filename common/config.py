@@ -254,7 +254,7 @@ class NodeConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
-    redis_url: str | None = None  # None: not registered (tests, single-node use)
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password; None: not registered
     node_id: str = ""  # "" : derived from role and port
     kv_backend: str = KVBackend.TCP  # a KVBackend value: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back

@@ -126,3 +126,17 @@ def test_effective_cache_salt_keeps_tenants_apart():
     keys = (ApiKey("key-a-0123456789", "A"), ApiKey("key-b-0123456789"))
     assert matched_key(keys, "key-a-0123456789") == keys[0] and matched_key(keys, "key-b-0123456789") == keys[1]
     assert matched_key(keys, "key-c-0123456789") is None and matched_key(keys, None) is None
+
+
+def test_config_reprs_hold_no_redis_password():
+    """A node's and the planner's frozen configs carry the Redis URL, password included;
+    their repr (what a log line or a traceback prints) holds neither the URL nor the password."""
+    from splitserve.common.config import EngineConfig, NodeConfig
+    from splitserve.deploy.planner.config import PlannerConfig
+    from splitserve.deploy.planner.slo import Slo
+    url = "redis://:pw-0123456789abcdef@10.0.0.1:6379/0"
+    node = NodeConfig(role="decode", engine=EngineConfig(), redis_url=url)
+    planner = PlannerConfig(profile="smollm2-135m-cpu", slo=Slo(ttft_s=1.0, itl_s=0.1), redis_url=url)
+    for config in (node, planner):
+        assert config.redis_url == url
+        assert "pw-0123456789abcdef" not in repr(config) and "10.0.0.1" not in repr(config)

@@ -27,7 +27,7 @@ class PlannerConfig:
     ahead: int = 1  # intervals the forecast looks ahead (a new node's start-up time)
     time_scale: float = 1.0  # a simulated cluster's --sim-speedup: profile seconds per wall second
     router_urls: tuple[str, ...] = ()
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password
     model: str | None = None  # count only nodes serving this model (None: all)
     host: str = "127.0.0.1"
     port: int = 0  # /metrics, /debug/planner, /health (0: a free port)
