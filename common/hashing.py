@@ -46,11 +46,14 @@ recurrence is computed in closed form, S_i = MULT**i * (MULT * S_{-1} + cumsum_j
 MULT**-j)), with tables of MULT's powers, ``SEGMENT_BLOCKS`` blocks at a time.
 
 Not a cryptographic hash: prompts crafted to collide (e.g. polynomial-hash attacks)
-only cost a cache miss, because a cached block is reused only when its tokens match.
+only cost a cache miss, because a cached block is reused only when its tokens match, and
+its salt identity (``salt_id``: a SHA-256 of the extra keys, kept with the block in every
+tier), so blocks of two salts are never shared even where their 64-bit hashes collide.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import sys
 from array import array
@@ -168,6 +171,15 @@ def encode_extra_keys(extra_keys: Sequence[str | int]) -> bytes:
 def chain_salt(extra_keys: tuple = ()) -> int:
     """The per-sequence salt of ``extra_keys`` (one XXH3 call, cached)."""
     return xxh3_64_intdigest(encode_extra_keys(extra_keys), seed=BLOCK_HASH_SEED)
+
+
+@lru_cache(maxsize=1024)
+def salt_id(extra_keys: tuple = ()) -> bytes:
+    """The salt identity of a request's blocks: SHA-256 of its extra keys (``hash_keys``),
+    32 bytes, the same in every process. Every tier of the prefix cache keeps it with a
+    cached block and a hit must match it as well as the tokens (a 64-bit hash alone could
+    collide across salts). Not secret: a digest, so a salt never lands on disk in clear."""
+    return hashlib.sha256(b"splitserve.salt_id.v1\0" + encode_extra_keys(extra_keys)).digest()
 
 
 def token_array(token_ids: Sequence[int] | bytes | np.ndarray) -> np.ndarray:

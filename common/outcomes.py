@@ -36,7 +36,9 @@ class TransferStage(StrEnum):
 
 class TierFault(StrEnum):
     """Why a block did not make it to or back from a lower tier of the prefix cache."""
-    CORRUPT = "corrupt"  # a disk file failed a check when read: deleted, a miss
+    CORRUPT = "corrupt"  # a disk file failed a check when read (cut short, wrong sizes, layout): deleted, a miss
+    UNAUTHENTICATED = "unauthenticated"  # its MAC did not verify (planted, another key's, damaged): deleted, a miss
+    UNSAFE = "unsafe"  # not a regular file of this node's user (a symlink, folder, fifo, another's): dropped, a miss
     WRITE_FAILED = "write_failed"  # the write raised (disk full, permissions): the block is dropped
     QUEUE_FULL = "queue_full"  # the disk writer is behind: the block is dropped, not waited for
 

@@ -23,7 +23,7 @@ Block states::
     free, cached      --touch----------->  in use, cached    (prefix hit)
 
 A block is in the free queue iff its ``ref_cnt`` is 0. A free block may still be
-cached: it keeps its hash and tokens until ``get_new_blocks`` pops it for reuse
+cached: it keeps its hash, tokens and salt until ``get_new_blocks`` pops it for reuse
 (eviction), so the queue head is both the next block handed out and the next
 cached block evicted (least recently freed first).
 """
@@ -46,6 +46,9 @@ class KVBlock:
     block_hash: int | None = None
     # The block's tokens while cached; a prefix hit must match them exactly.
     token_ids: tuple[int, ...] | None = None
+    # The salt identity of the request that cached it (common/hashing.py salt_id), while
+    # cached; a prefix hit must match it too (the 64-bit hash alone could collide across salts).
+    salt: bytes | None = None
     # Links of the free queue; both None while the block is not in it.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -137,11 +140,11 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block_hash -> block
         self._events: list[KVEvent] = []
-        # Lower tiers (engine/kv_offload.py): called with (block id, hash, tokens) as a cached
+        # Lower tiers (engine/kv_offload.py): called with (block id, hash, tokens, salt) as a cached
         # block is evicted, before it is reused; returns the lower tier that now holds it, if any.
-        self.on_evict: Callable[[int, int, tuple[int, ...]], Tier | None] | None = None
-        # ... and called with (block id, hash, tokens) as a block is registered in the prefix cache.
-        self.on_cache: Callable[[int, int, tuple[int, ...]], None] | None = None
+        self.on_evict: Callable[[int, int, tuple[int, ...], bytes], Tier | None] | None = None
+        # ... and called with (block id, hash, tokens, salt) as a block is registered in the prefix cache.
+        self.on_cache: Callable[[int, int, tuple[int, ...], bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -177,11 +180,12 @@ class BlockPool:
         assert h is not None and self.cached.get(h) is block, (
             f"block {block.block_id} has hash {h} but is not the cached entry"
         )
-        assert block.token_ids is not None
-        tier = self.on_evict(block.block_id, h, block.token_ids) if self.on_evict is not None else None
+        assert block.token_ids is not None and block.salt is not None
+        tier = self.on_evict(block.block_id, h, block.token_ids, block.salt) if self.on_evict is not None else None
         del self.cached[h]
         block.block_hash = None
         block.token_ids = None
+        block.salt = None
         self.record_event(BlockRemoved([h]) if tier is None else BlockStored([h], tier))
 
     def record_event(self, event: BlockRemoved | BlockStored) -> None:
@@ -196,14 +200,15 @@ class BlockPool:
         else:
             self._events.append(event)
 
-    def get_cached_block(self, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
-        """The block cached under ``block_hash`` if it holds exactly ``token_ids``.
+    def get_cached_block(self, block_hash: int, token_ids: Sequence[int], salt: bytes) -> KVBlock | None:
+        """The block cached under ``block_hash`` if it holds exactly ``token_ids`` and was
+        cached by a request of salt identity ``salt``.
 
-        Does not change ref counts. A hash collision (same hash, other tokens) is a
-        miss.
+        Does not change ref counts. A hash collision (same hash, other tokens or another
+        salt) is a miss.
         """
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
+        if block is None or block.token_ids != tuple(token_ids) or block.salt != salt:
             return None
         return block
 
@@ -229,10 +234,12 @@ class BlockPool:
         block_hash: int,
         parent_hash: int | None,
         token_ids: Sequence[int],
+        salt: bytes,
     ) -> bool:
         """Register the full, in-use ``block`` under ``block_hash``.
 
-        ``token_ids`` are the block's tokens (their count is the block size);
+        ``token_ids`` are the block's tokens (their count is the block size), ``salt``
+        the salt identity of the request whose KV it holds (common/hashing.py ``salt_id``);
         ``parent_hash`` is the previous block's hash in the chain, for the event.
         Returns True if registered. Returns False and records nothing when caching
         is disabled, or when another block already holds ``block_hash`` (that one
@@ -252,9 +259,10 @@ class BlockPool:
         tokens = tuple(token_ids)
         block.block_hash = block_hash
         block.token_ids = tokens
+        block.salt = salt
         self.cached[block_hash] = block
         if self.on_cache is not None:
-            self.on_cache(block.block_id, block_hash, tokens)
+            self.on_cache(block.block_id, block_hash, tokens, salt)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockStored) and last.tier is Tier.DEVICE and last.block_hashes[-1] == parent_hash:
             last.block_hashes.append(block_hash)  # the chain goes on: one event
@@ -277,6 +285,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
             block.token_ids = None
+            block.salt = None
         self.cached.clear()
         self._events.append(AllBlocksCleared())
         return True

@@ -40,7 +40,7 @@ import torch
 
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
-from ..common.hashing import hash_blocks, hash_keys
+from ..common.hashing import hash_blocks, hash_keys, salt_id
 from ..common.kv_events import Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
@@ -229,9 +229,10 @@ class EngineCore:
         prefills locally)."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
+        keys = hash_keys(self.config.model_id, cache_salt)
         hashes = block_hashes if block_hashes is not None else hash_blocks(
-            prompt_token_ids, self.config.block_size, hash_keys(self.config.model_id, cache_salt))
-        hit = self.kv.get_computed_blocks(hashes, prompt_token_ids)
+            prompt_token_ids, self.config.block_size, keys)
+        hit = self.kv.get_computed_blocks(hashes, prompt_token_ids, salt_id(keys))
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
             return None
         if self.offload is not None:
@@ -258,7 +259,7 @@ class EngineCore:
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
-        self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens)
+        self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens, req.salt)
         req.append_token(first_token, logprobs)  # advances its grammar past the first token
         self.scheduler.add_running(req)
         reason = req.check_stop(self.max_model_len)

@@ -3,7 +3,8 @@ lookup, block allocation as a request grows, registering full blocks, freeing.
 
 Owns: ``req_id -> blocks`` and ``req_id -> how many of them are cached``. Must not:
 hash tokens (callers pass the chained hashes from ``common.hashing``, computed with
-the same extra keys as the router), decide admission or preemption (the scheduler
+the same extra keys as the router, and the salt identity of those keys, ``salt_id``,
+which every hit must match beside the tokens), decide admission or preemption (the scheduler
 does, from ``num_blocks_needed`` and ``num_free_blocks``), or touch tensors.
 
 A request's blocks, by token position (block_size = 4)::
@@ -81,11 +82,12 @@ class KVCacheManager:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._req_blocks
 
-    def get_computed_blocks(self, block_hashes: list[int], token_ids: Sequence[int]) -> ComputedBlocks:
+    def get_computed_blocks(self, block_hashes: list[int], token_ids: Sequence[int], salt: bytes) -> ComputedBlocks:
         """The longest run of leading prompt blocks held in the prefix cache.
 
         ``block_hashes`` are the prompt's chained full-block hashes, ``token_ids``
-        the prompt. Each hit is verified against the block's stored tokens. Ref
+        the prompt, ``salt`` the salt identity of its extra keys (``salt_id``). Each hit
+        is verified against the block's stored tokens and salt identity. Ref
         counts are not changed: pass the result to ``allocate_slots`` before any
         other allocation can evict the blocks.
 
@@ -105,12 +107,12 @@ class KVCacheManager:
         max_blocks = min(len(block_hashes), (len(token_ids) - 1) // bs)
         hits: list[KVBlock] = []
         for i in range(max_blocks):
-            block = self.pool.get_cached_block(block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            block = self.pool.get_cached_block(block_hashes[i], token_ids[i * bs : (i + 1) * bs], salt)
             if block is None:
                 break
             hits.append(block)
         lower = [] if self.offload is None or len(hits) == max_blocks else \
-            self.offload.lookup(block_hashes, token_ids, len(hits), max_blocks)
+            self.offload.lookup(block_hashes, token_ids, salt, len(hits), max_blocks)
         return ComputedBlocks(hits, (len(hits) + len(lower)) * bs, lower)
 
     def num_blocks_needed(
@@ -163,7 +165,7 @@ class KVCacheManager:
             assert self.offload is not None and len(owned) == len(computed_blocks) and len(new) >= len(lower), (
                 f"{req_id}: lower-tier hits on a later allocation or beyond {num_tokens} tokens")
             for hit, block in zip(lower, new):
-                stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens)
+                stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens, hit.salt)
                 assert stored, f"{req_id}: a lower-tier hit {hit.block_hash:x} is already on the device"
             self.offload.load(lower, [b.block_id for b in new[:len(lower)]])
             self._num_cached[req_id] += len(lower)
@@ -171,13 +173,15 @@ class KVCacheManager:
         return new
 
     def cache_blocks(
-        self, req_id: str, block_hashes: list[int], token_ids: Sequence[int], num_computed_tokens: int
+        self, req_id: str, block_hashes: list[int], token_ids: Sequence[int], num_computed_tokens: int,
+        salt: bytes,
     ) -> None:
         """Register each of the request's blocks now full of computed tokens.
 
         Blocks ``[num_cached, num_computed_tokens // block_size)`` are registered
         with hash ``block_hashes[i]``, parent ``block_hashes[i - 1]`` (None for
-        block 0) and tokens ``token_ids[i*bs : (i+1)*bs]``. ``block_hashes`` must
+        block 0), tokens ``token_ids[i*bs : (i+1)*bs]`` and the request's salt
+        identity ``salt``. ``block_hashes`` must
         cover those blocks (extend them first as tokens grow). Calling again with
         the same or fewer tokens does nothing.
         """
@@ -195,7 +199,7 @@ class KVCacheManager:
         start = self._num_cached[req_id]
         for i in range(start, num_full):
             parent = block_hashes[i - 1] if i > 0 else None
-            self.pool.cache_block(owned[i], block_hashes[i], parent, token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache_block(owned[i], block_hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
         if num_full > start:
             self._num_cached[req_id] = num_full
 

@@ -1,5 +1,6 @@
-"""The disk tier of a prefix cache: one checksummed file per KV block under a folder,
-bounded in bytes, written by one background thread, read on the engine thread.
+"""The disk tier of a prefix cache: one authenticated file per KV block under a folder
+private to the node's user, bounded in bytes, written by one background thread, read on the
+engine thread.
 
 Owns the folder's files of this engine's layout, their index (block hash -> file size,
 least recently used first) and the writer thread. Must not: touch the device cache or the
@@ -8,16 +9,23 @@ into the engine: a bad file, a full disk or a failed write is a miss and a ``Tie
 
 Layout::
 
-    <dir>/<layout digest>/<block hash, hex>.kvb     one block, all layers, K and V
-      b"SPLITKV1" | u32 header length (little-endian) | header (msgpack DiskHeader) | payload
+    <dir>/kv-disk.key                               the node's MAC key, unless given (kv_disk_trust.py)
+    <dir>/<layout digest>/<block hash, hex>.kvb     one block (engine/kv_disk_file.py)
 
-The header names the model, dtype and one block's shape, so a node restarted with the
-same model, dtype and layout finds its files again (the digest of those is the folder; a
-file is checked against them again when read) and any other node ignores them. A read
-checks the magic, header, layout, hash, the block's tokens, the size and the CRC-32 of
-the payload; any mismatch deletes the file and counts ``TierFault.CORRUPT``. Files are
-written to a temporary name and renamed, so a node killed while storing leaves no
-half-written block under a block's name (temporaries are removed at the next start).
+A file names the model, dtype and block layout, so a node restarted with the same ones finds
+its files again (the digest of those is the folder; a file is checked against them again
+when read) and any other node ignores them; it carries the block's hash, tokens and salt
+identity, and a MAC under the node's key (engine/kv_disk_trust.py). A file that fails a
+check when read (kv_disk_file.py lists them: not a regular file of this user, not the size
+indexed, damaged, its MAC) is a miss: dropped from the index, deleted if it can be, its
+fault counted. A sound file of other tokens or another salt under the same hash (a 64-bit
+collision) is a plain miss and stays.
+
+Folders are made 0700 and must be private (checked at start-up, kv_disk_trust.py
+``private_dir``). A block is written 0600 to a temporary of an unpredictable name
+(O_CREAT | O_EXCL | O_NOFOLLOW), then renamed, so a node killed while storing leaves no
+half-written block under a block's name. The start-up scan removes temporaries, symlinks,
+other users' files and names that are no block's, and skips folders (never entering them).
 
 Threads: ``put`` queues from the engine thread; the writer thread writes, evicts the
 least recently used files to stay within ``max_bytes`` and reports what it dropped;
@@ -27,66 +35,54 @@ under one lock.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
-import struct
+import secrets
+import stat
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
 
-import msgspec
-
 from ..common.outcomes import TierFault
+from .kv_disk_file import (MAGIC, SUFFIX, BlockFileError, DiskHeader, DiskLayout, block_file_hash,
+                           block_file_name, encode_block, parse_block, plausible_size, read_block_file)
+from .kv_disk_trust import private_dir
+
+__all__ = ["MAGIC", "SUFFIX", "DiskLayout", "DiskTier", "DiskWrite"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"SPLITKV1"
-SUFFIX = ".kvb"
+TMP_PREFIX = ".tmp-"  # a block file being written: ".tmp-<random hex>"
 QUEUE_BLOCKS = 256  # blocks waiting for the writer; beyond it a block is dropped (QUEUE_FULL)
-_LEN = struct.Struct("<I")
-
-
-class DiskLayout(NamedTuple):
-    """What a block file must match to be read back by this engine."""
-    model: str
-    dtype: str
-    block_shape: tuple[int, ...]  # one block: [layers, 2, block_size, kv_heads, head_dim]
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(repr(tuple(self)).encode()).hexdigest()[:16]
-
-
-class DiskHeader(msgspec.Struct, array_like=True):
-    model: str
-    dtype: str
-    block_shape: list[int]
-    block_hash: int
-    tokens: list[int]
-    nbytes: int
-    crc32: int
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DiskWrite(NamedTuple):
     block_hash: int
     tokens: tuple[int, ...]
+    salt: bytes
     payload: bytes
 
 
 class DiskTier:
     """Blocks on disk for one engine layout (see the module docstring)."""
 
-    def __init__(self, root: str | os.PathLike, layout: DiskLayout, block_bytes: int, max_bytes: int):
+    def __init__(self, root: str | os.PathLike, layout: DiskLayout, block_bytes: int, max_bytes: int,
+                 key: bytes):
+        """``key``: the node's MAC key (kv_disk_trust.py ``disk_key``). Raises ValueError,
+        saying what to do, when ``root`` or the layout's folder in it is not private to the
+        node's user."""
+        assert len(key) >= 16, "a disk tier key of under 16 bytes"
         self.layout = layout
         self.block_bytes = block_bytes
         self.max_bytes = max_bytes
+        self._key = key
+        private_dir(Path(root))
         self.dir = Path(root) / layout.digest
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir, follow=False)
         self._lock = threading.Lock()
         self._files: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, least recently used first
         self._used = 0
@@ -100,16 +96,27 @@ class DiskTier:
         self._thread.start()
 
     def _scan(self) -> None:
-        """Index the files a previous run of this layout left, oldest first; drop temporaries."""
+        """Index the block files a previous run of this layout left, oldest first; remove
+        what is no block file of ours (counting the unsafe and the implausible); skip folders."""
         found = []
-        for path in self.dir.iterdir():
-            if path.suffix != SUFFIX:
-                path.unlink(missing_ok=True)  # a temporary of a write that never finished
-                continue
-            try:
-                found.append((path.stat().st_mtime, int(path.stem, 16), path.stat().st_size))
-            except (ValueError, OSError):
-                path.unlink(missing_ok=True)
+        with os.scandir(self.dir) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # gone meanwhile
+                if stat.S_ISDIR(st.st_mode):
+                    log.warning("disk tier %s: skipping the folder %s in it (remove it)", self.dir, entry.name)
+                    continue
+                h = block_file_hash(entry.name)
+                if h is not None and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() \
+                        and plausible_size(st.st_size, self.block_bytes):
+                    found.append((st.st_mtime, h, st.st_size))
+                    continue
+                if h is not None:  # not a temporary of a write that never finished: counted
+                    regular = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+                    self._faults.append(TierFault.CORRUPT if regular else TierFault.UNSAFE)
+                self._unlink(entry.name)
         for _, h, size in sorted(found):
             self._files[h] = size
             self._used += size
@@ -118,9 +125,6 @@ class DiskTier:
                      self._used / 2**20)
         while self._used > self.max_bytes and self._files:  # the budget may have shrunk since
             self._remove_oldest()
-
-    def _path(self, block_hash: int) -> Path:
-        return self.dir / f"{block_hash:x}{SUFFIX}"
 
     # ---- engine thread ---------------------------------------------------------------------
     def contains(self, block_hash: int) -> bool:
@@ -144,54 +148,39 @@ class DiskTier:
     def file_bytes(self) -> int:
         return self.block_bytes + 512  # header and framing, about
 
-    def put(self, block_hash: int, tokens: tuple[int, ...], payload: bytes) -> bool:
+    def put(self, block_hash: int, tokens: tuple[int, ...], salt: bytes, payload: bytes) -> bool:
         """Queue one block for the writer. False (and a QUEUE_FULL fault) when it is behind."""
         try:
-            self._queue.put_nowait(DiskWrite(block_hash, tokens, payload))
+            self._queue.put_nowait(DiskWrite(block_hash, tokens, salt, payload))
             return True
         except queue.Full:
             with self._lock:
                 self._faults.append(TierFault.QUEUE_FULL)
             return False
 
-    def read(self, block_hash: int, tokens: tuple[int, ...]) -> bytes | None:
-        """The block's payload, or None (a miss) when there is no such file or it fails a
-        check (then it is deleted and counted as CORRUPT)."""
+    def read(self, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> memoryview | None:
+        """The block's payload (a view of the file's bytes), or None (a miss): no such file,
+        a sound file of another block under this hash (it stays), or a file that fails a check
+        (dropped and counted: see the module docstring)."""
         with self._lock:
-            if block_hash not in self._files:
+            size = self._files.get(block_hash)
+            if size is None:
                 return None
             self._files.move_to_end(block_hash)
-        path = self._path(block_hash)
+        name = block_file_name(block_hash)
         try:
-            data = path.read_bytes()
-            payload = self._check(data, block_hash, tokens)
-        except (OSError, ValueError, msgspec.DecodeError) as e:
-            log.warning("disk tier: block file %s is unusable (%s); dropping it", path.name, e)
-            self._forget(block_hash, TierFault.CORRUPT)
+            data = read_block_file(self.dir / name, size)
+            header, payload = parse_block(data, self.layout, self.block_bytes, block_hash, self._key)
+        except BlockFileError as e:
+            log.warning("disk tier: block file %s is unusable (%s); dropping it", name, e)
+            self._forget(block_hash, e.fault)
+            return None
+        if header.salt != salt or tuple(header.tokens) != tokens:
             return None
         try:
-            os.utime(path)  # recency survives a restart
+            os.utime(self.dir / name, follow_symlinks=False)  # recency survives a restart
         except OSError:
             pass
-        return payload
-
-    def _check(self, data: bytes, block_hash: int, tokens: tuple[int, ...]) -> bytes:
-        if data[:len(MAGIC)] != MAGIC:
-            raise ValueError("bad magic")
-        (n,) = _LEN.unpack_from(data, len(MAGIC))
-        start = len(MAGIC) + _LEN.size
-        header = msgspec.msgpack.decode(data[start:start + n], type=DiskHeader)
-        want = self.layout
-        if (header.model, header.dtype, tuple(header.block_shape)) != tuple(want):
-            raise ValueError(f"layout {header.model}/{header.dtype}/{header.block_shape} is not {tuple(want)}")
-        if header.block_hash != block_hash or tuple(header.tokens) != tokens:
-            raise ValueError("another block's hash or tokens")
-        payload = data[start + n:]
-        if len(payload) != header.nbytes or header.nbytes != self.block_bytes:
-            raise ValueError(f"{len(payload)} payload bytes, header says {header.nbytes}, "
-                             f"a block is {self.block_bytes}")
-        if zlib.crc32(payload) != header.crc32:
-            raise ValueError("checksum mismatch")
         return payload
 
     def _forget(self, block_hash: int, fault: TierFault | None) -> None:
@@ -202,7 +191,17 @@ class DiskTier:
                 self._dropped.append(block_hash)
             if fault is not None:
                 self._faults.append(fault)
-        self._path(block_hash).unlink(missing_ok=True)
+        self._unlink(block_file_name(block_hash))
+
+    def _unlink(self, name: str) -> None:
+        """Delete ``name`` from the folder if it can (a folder put there stays; it is never
+        indexed again)."""
+        try:
+            os.unlink(self.dir / name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("disk tier: cannot remove %s from %s: %s", name, self.dir, e)
 
     def take_dropped(self) -> tuple[list[int], list[TierFault]]:
         """Hashes whose files went away since the last call (evicted for room, failed a write
@@ -241,11 +240,14 @@ class DiskTier:
                 self.stored_bytes += size
 
     def _write(self, job: DiskWrite) -> int:
-        header = msgspec.msgpack.encode(DiskHeader(
-            model=self.layout.model, dtype=self.layout.dtype, block_shape=list(self.layout.block_shape),
-            block_hash=job.block_hash, tokens=list(job.tokens), nbytes=len(job.payload),
-            crc32=zlib.crc32(job.payload)))
-        size = len(MAGIC) + _LEN.size + len(header) + len(job.payload)
+        try:
+            head, mac = encode_block(DiskHeader(
+                model=self.layout.model, dtype=self.layout.dtype, block_shape=list(self.layout.block_shape),
+                block_hash=job.block_hash, salt=job.salt, tokens=list(job.tokens), nbytes=len(job.payload)),
+                job.payload, self._key)
+        except ValueError as e:
+            raise OSError(str(e)) from None
+        size = len(head) + len(job.payload) + len(mac)
         with self._lock:
             if job.block_hash in self._files:
                 self._files.move_to_end(job.block_hash)
@@ -254,15 +256,16 @@ class DiskTier:
                 self._remove_oldest()
         if size > self.max_bytes:
             raise OSError(f"a block file of {size} bytes exceeds the disk tier's {self.max_bytes}")
-        path = self._path(job.block_hash)
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}"
+        fd = os.open(self.dir / tmp, _CREATE, 0o600)
         try:
-            with open(tmp, "wb") as f:
-                f.write(MAGIC + _LEN.pack(len(header)) + header)
+            with os.fdopen(fd, "wb") as f:
+                f.write(head)
                 f.write(job.payload)
-            os.replace(tmp, path)
+                f.write(mac)
+            os.replace(self.dir / tmp, self.dir / block_file_name(job.block_hash))
         except OSError:
-            tmp.unlink(missing_ok=True)
+            self._unlink(tmp)
             raise
         with self._lock:
             self._files[job.block_hash] = size
@@ -274,7 +277,4 @@ class DiskTier:
         h, size = self._files.popitem(last=False)
         self._used -= size
         self._dropped.append(h)
-        try:
-            self._path(h).unlink()
-        except OSError:
-            pass
+        self._unlink(block_file_name(h))

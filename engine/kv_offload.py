@@ -2,7 +2,7 @@
 an optional disk tier below that (engine/kv_disk_tier.py).
 
 Owns the host pool (slots shaped like the KV cache's blocks, slot-major so each is one
-contiguous, pinned on CUDA, range), its LRU map (block hash -> slot, tokens), the moves
+contiguous, pinned on CUDA, range), its LRU map (block hash -> slot, tokens, salt), the moves
 between the tiers and their measured rates, the tier events (common/kv_events.py
 ``Tier``) and the tier stats a heartbeat reports. Engine thread only (the disk tier's
 writer has its own thread). Must not: choose or allocate device blocks, or know about
@@ -39,7 +39,8 @@ host entry, since from then on it is the only copy. A store batch waits for the 
 issued before it, so it never overwrites a slot a load is still reading.
 
 A block is useful only with its parents: lookups walk the chain from the first block the
-device lacks and stop at the first miss; device evictions go tail first (a request frees
+device lacks and stop at the first miss (a block of other tokens or another salt identity
+under the hash is one: common/hashing.py ``salt_id``); device evictions go tail first (a request frees
 its last block first), so a chain's children reach the host tier's LRU end, and leave it,
 before their parents. Before a KV receiver writes a decode node's reserved blocks, the
 store batch reading the cached blocks they evicted must land (``before_write``).
@@ -57,6 +58,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
@@ -66,6 +68,7 @@ from ..common.kv_events import BlockRemoved, BlockStored, Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.outcomes import TierFault
 from .kv_disk_tier import DiskLayout, DiskTier
+from .kv_disk_trust import disk_key, private_dir
 from .upload import upload
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,7 @@ class LowerHit(NamedTuple):
     block_hash: int
     parent: int | None  # the previous block's hash in the chain
     tokens: tuple[int, ...]
+    salt: bytes  # the salt identity of the request that looked it up (common/hashing.py salt_id)
     tier: Tier  # where it was found
     slot: int = -1  # HOST
     data: torch.Tensor | None = None  # DISK
@@ -110,6 +114,15 @@ class TierObserver(Protocol):
 class _HostEntry(NamedTuple):
     slot: int
     tokens: tuple[int, ...]
+    salt: bytes  # the salt identity of the request that cached the block
+
+
+class _Block(NamedTuple):
+    """A device block to copy to the host tier."""
+    block_id: int
+    block_hash: int
+    tokens: tuple[int, ...]
+    salt: bytes
 
 
 class _Rate:
@@ -138,7 +151,7 @@ class KVOffload:
         self.host = torch.empty((host_blocks, *block_shape), dtype=kv_caches.dtype, pin_memory=self.cuda)
         # stores run here (CUDA): after the forward that wrote their blocks, beside the next ones
         self.copy_stream = torch.cuda.Stream(kv_caches.device) if self.cuda else None
-        self._queued: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # block id -> (id, hash, tokens)
+        self._queued: dict[int, _Block] = {}  # block id -> the block, to copy to the host
         self._batch = 0  # stores issued so far, in batches (Move.batch)
         self._slot_batch: dict[int, int] = {}  # host slot -> the store batch that wrote it
         self._landed: dict[int, torch.cuda.Event] = {}  # batch -> recorded after it (CUDA), until it landed
@@ -148,7 +161,7 @@ class KVOffload:
         self._lru: OrderedDict[int, _HostEntry] = OrderedDict()  # hash -> entry, least recently used first
         self._protected: set[int] = set()  # hashes of the lookup being allocated: not evicted meanwhile
         self.disk = disk
-        self._on_disk_pending: dict[int, tuple[int, ...]] = {}  # queued to the writer, not yet indexed
+        self._on_disk_pending: set[int] = set()  # hashes queued to the writer, not yet indexed
         # the prefix cache's event log (KVCacheManager sets it): one ordered stream for every tier
         self.record: Callable[[BlockRemoved | BlockStored], None] = lambda event: None
         self._moves: list[Move] = []
@@ -185,20 +198,22 @@ class KVOffload:
         if config.kv_offload_dir is not None:
             block = list(kv_caches[:, :, 0].shape)
             layout = DiskLayout(config.model_id, str(kv_caches.dtype).removeprefix("torch."), tuple(block))
-            disk = DiskTier(config.kv_offload_dir, layout, block_bytes, config.kv_offload_disk_bytes)
+            root = Path(config.kv_offload_dir)
+            private_dir(root)  # before its key file is read or made there
+            disk = DiskTier(root, layout, block_bytes, config.kv_offload_disk_bytes, disk_key(root))
         log.info("KV tiers: host %d blocks (%.0f MiB)%s", host_blocks, host_blocks * block_bytes / 2**20,
                  f", disk up to {config.kv_offload_disk_bytes / 2**20:.0f} MiB in {disk.dir}" if disk else "")
         return cls(kv_caches, config.block_size, host_blocks, disk)
 
     # ---- stores (BlockPool.on_cache, flush, BlockPool.on_evict) ----------------------------
-    def cached(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def cached(self, block_id: int, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> None:
         """Device block ``block_id`` now holds ``block_hash`` (its KV written, or queued to be
         by a forward or a load already issued): queue its copy to host memory unless the host
         has it (a block loaded from here)."""
-        if self._entry(block_hash, tokens) is not None:
+        if self._entry(block_hash, tokens, salt) is not None:
             self._lru.move_to_end(block_hash)
         else:
-            self._queued[block_id] = (block_id, block_hash, tokens)
+            self._queued[block_id] = _Block(block_id, block_hash, tokens, salt)
 
     def flush(self) -> None:
         """Copy every queued block to a host slot: in the background on CUDA (the copy stream
@@ -206,16 +221,16 @@ class KVOffload:
         if self._queued:
             self._copy_out(list(self._queued.values()))
 
-    def store(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> Tier | None:
+    def store(self, block_id: int, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> Tier | None:
         """The device is about to reuse cached block ``block_id``: its KV must be in host
         memory first. Returns the fastest lower tier that holds it now (the event's tier),
         None if none."""
         if block_id in self._queued:
             self.flush()
-        entry = self._entry(block_hash, tokens)
+        entry = self._entry(block_hash, tokens, salt)
         if entry is None:  # dropped from the host since it was cached
-            self._copy_out([(block_id, block_hash, tokens)])
-            entry = self._entry(block_hash, tokens)
+            self._copy_out([_Block(block_id, block_hash, tokens, salt)])
+            entry = self._entry(block_hash, tokens, salt)
             if entry is None:  # everything is protected by the lookup in progress
                 return Tier.DISK if self._on_disk(block_hash) else None
         self._lru.move_to_end(block_hash)  # from now on the only copy: the host's most recent
@@ -224,31 +239,32 @@ class KVOffload:
             self._wait_for = batch
         return Tier.HOST
 
-    def _entry(self, block_hash: int, tokens: tuple[int, ...]) -> _HostEntry | None:
-        """The host entry of ``block_hash`` if it holds ``tokens`` (usually the very tuple the
-        device block holds: compared by identity first)."""
+    def _entry(self, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> _HostEntry | None:
+        """The host entry of ``block_hash`` if it holds ``tokens`` of ``salt`` (usually the very
+        tuple the device block holds: compared by identity first)."""
         entry = self._lru.get(block_hash)
-        if entry is None or (entry.tokens is not tokens and entry.tokens != tokens):
+        if entry is None or (entry.tokens is not tokens and entry.tokens != tokens) or entry.salt != salt:
             return None
         return entry
 
-    def _copy_out(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> None:
-        """Copy ``blocks`` (id, hash, tokens) from the device into fresh host slots (as many
-        as the LRU can give), as one batch on the copy stream, and forget them from the queue."""
-        for block_id, _, _ in blocks:
-            self._queued.pop(block_id, None)
-        todo: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block id, tokens): the host lacks it
-        for block_id, h, tokens in blocks:
-            if h in todo or self._entry(h, tokens) is not None:
+    def _copy_out(self, blocks: list[_Block]) -> None:
+        """Copy ``blocks`` from the device into fresh host slots (as many as the LRU can give),
+        as one batch on the copy stream, and forget them from the queue."""
+        for block in blocks:
+            self._queued.pop(block.block_id, None)
+        todo: dict[int, _Block] = {}  # hash -> the block: the host lacks it
+        for block in blocks:
+            h = block.block_hash
+            if h in todo or self._entry(h, block.tokens, block.salt) is not None:
                 continue
-            stale = self._lru.pop(h, None)  # a hash collision: the other tokens' copy goes
+            stale = self._lru.pop(h, None)  # a hash collision: the other tokens' (or salt's) copy goes
             if stale is not None:
                 self._free_slots.append(stale.slot)
-            todo[h] = (block_id, tokens)
+            todo[h] = block
         moves: list[tuple[int, int]] = []  # (block id, slot)
-        for (h, (block_id, tokens)), slot in zip(todo.items(), self._take_slots(len(todo))):
-            self._lru[h] = _HostEntry(slot, tokens)
-            moves.append((block_id, slot))
+        for (h, block), slot in zip(todo.items(), self._take_slots(len(todo))):
+            self._lru[h] = _HostEntry(slot, block.tokens, block.salt)
+            moves.append((block.block_id, slot))
         if not moves:
             return
         t0 = time.perf_counter()
@@ -314,8 +330,8 @@ class KVOffload:
                 if landed is not None:  # the slot's store must have landed before its bytes are read
                     landed.synchronize()
                 payload = self.host[entry.slot].view(torch.uint8).numpy().tobytes()
-                if self.disk.put(h, entry.tokens, payload):
-                    self._on_disk_pending[h] = entry.tokens
+                if self.disk.put(h, entry.tokens, entry.salt, payload):
+                    self._on_disk_pending.add(h)
                     self._record_move(Move(Tier.DISK, False, 1, self.block_bytes, 0.0))
             if not self.on_device(h):
                 (on_disk if self._on_disk(h) else removed).append(h)
@@ -332,19 +348,18 @@ class KVOffload:
         return self.disk is not None and (block_hash in self._on_disk_pending or self.disk.contains(block_hash))
 
     # ---- loads (KVCacheManager.get_computed_blocks / allocate_slots) -------------------------
-    def lookup(self, block_hashes: Sequence[int], token_ids: Sequence[int], start: int,
+    def lookup(self, block_hashes: Sequence[int], token_ids: Sequence[int], salt: bytes, start: int,
                max_blocks: int) -> list[LowerHit]:
-        """Prompt blocks ``start ..`` (the first the device lacks) found in host memory or on
-        disk, as a run from ``start`` (host hits protected from eviction until they are
-        loaded or the next lookup; disk hits read now); none when loading them would cost
-        more than recomputing them."""
+        """Prompt blocks ``start ..`` (the first the device lacks) of salt identity ``salt``
+        found in host memory or on disk, as a run from ``start`` (host hits protected from
+        eviction until they are loaded or the next lookup; disk hits read now); none when
+        loading them would cost more than recomputing them."""
         self.poll()
         bs = self.block_size
         found: list[tuple[int, tuple[int, ...], Tier]] = []
         for i in range(start, max_blocks):
             h, tokens = block_hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])
-            entry = self._lru.get(h)
-            if entry is not None and entry.tokens == tokens:
+            if self._entry(h, tokens, salt) is not None:
                 found.append((h, tokens, Tier.HOST))
             elif self._on_disk(h) and h not in self._on_disk_pending:
                 found.append((h, tokens, Tier.DISK))
@@ -358,12 +373,12 @@ class KVOffload:
             if tier is Tier.HOST:
                 self._lru.move_to_end(h)
                 self._protected.add(h)
-                hits.append(LowerHit(h, parent, tokens, tier, slot=self._lru[h].slot))
+                hits.append(LowerHit(h, parent, tokens, salt, tier, slot=self._lru[h].slot))
                 continue
-            data = self._read_disk(h, tokens)
+            data = self._read_disk(h, tokens, salt)
             if data is None:
-                break  # a bad file: the run ends here
-            hits.append(LowerHit(h, parent, tokens, tier, data=data))
+                break  # a bad file, or another block's: the run ends here
+            hits.append(LowerHit(h, parent, tokens, salt, tier, data=data))
         if self.observer is not None and max_blocks > start:
             counts = {t: sum(1 for hit in hits if hit.tier is t) for t in (Tier.HOST, Tier.DISK)}
             self.observer.looked_up(max_blocks - start, counts)
@@ -383,16 +398,16 @@ class KVOffload:
             load_s += sum(self.block_bytes / r for r in rates)
         return load_s < len(found) * self.block_size / prefill
 
-    def _read_disk(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    def _read_disk(self, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> torch.Tensor | None:
         """A block read from disk (one block of the host tier's shape), or None when its file
-        is unusable (deleted and counted by the disk tier)."""
+        is another block's or unusable (then deleted and counted by the disk tier)."""
         assert self.disk is not None
         t0 = time.perf_counter()
-        payload = self.disk.read(block_hash, tokens)
+        payload = self.disk.read(block_hash, tokens, salt)
         if payload is None:
             self.poll()  # the file was dropped: its event and fault
             return None
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.host.dtype)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.host.dtype)  # aligned
         data = data.view(self.host[0].shape)
         if self.cuda:
             data = data.pin_memory()
@@ -512,11 +527,9 @@ class KVOffload:
         if self.disk is None:
             return
         dropped, faults = self.disk.take_dropped()
-        for h in list(self._on_disk_pending):
-            if self.disk.contains(h):
-                del self._on_disk_pending[h]
+        self._on_disk_pending = {h for h in self._on_disk_pending if not self.disk.contains(h)}
         for h in dropped:
-            self._on_disk_pending.pop(h, None)
+            self._on_disk_pending.discard(h)
             if h not in self._lru and not self.on_device(h):
                 self.record(BlockRemoved([h]))
         if dropped:

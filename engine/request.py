@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.hashing import extend_block_hashes
+from ..common.hashing import extend_block_hashes, salt_id
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .structured import GrammarState
 
@@ -37,6 +37,7 @@ class Request:
     sampling_params: SamplingParams
     block_size: int
     hash_keys: tuple  # extra keys of every block hash: common.hashing.hash_keys (model id, cache salt)
+    salt: bytes = field(init=False)  # their salt identity (common.hashing.salt_id): cached blocks carry it
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # structured outputs: advanced by every appended token
@@ -56,6 +57,7 @@ class Request:
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
+        self.salt = salt_id(tuple(self.hash_keys))
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_keys)
 
     @property

@@ -105,7 +105,7 @@ class Scheduler:
                 break
             # prompt logprobs need the logits of every prompt position: cached blocks have none
             hashes = [] if req.sampling_params.prompt_logprobs is not None else req.block_hashes
-            hit = self.kv.get_computed_blocks(hashes, req.all_token_ids)
+            hit = self.kv.get_computed_blocks(hashes, req.all_token_ids, req.salt)
             if self._prefix_in_flight(req, hashes, hit.num_tokens):
                 break
             n = min(req.num_tokens - hit.num_tokens, budget, self.chunk)
@@ -153,7 +153,7 @@ class Scheduler:
         the host (a block completed by a pending token is registered once that lands)."""
         if req.status is Status.RUNNING:
             self.kv.cache_blocks(req.request_id, req.block_hashes, req.all_token_ids,
-                                 min(req.num_computed_tokens, req.num_tokens))
+                                 min(req.num_computed_tokens, req.num_tokens), req.salt)
 
     def finish(self, req_id: str, reason: str) -> Request | None:
         """Finish (or abort) a request and free its blocks. Idempotent: None if unknown."""

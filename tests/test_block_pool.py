@@ -1,11 +1,14 @@
 """BlockPool and FreeBlockQueue: O(1) queue operations, ref counts, prefix hits
-verified by tokens, LRU eviction with events."""
+verified by tokens and salt identity, LRU eviction with events."""
 
 import time
 
-from splitserve.common.hashing import hash_blocks
+from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from splitserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+
+
+SALT = salt_id(hash_keys("test-model"))
 
 
 def make_pool(num_blocks: int = 8, enable_caching: bool = True) -> BlockPool:
@@ -85,15 +88,33 @@ def test_prefix_hit_verified_by_tokens():
     tokens = [11, 12, 13, 14]
     (h,) = hash_blocks(tokens, 4)
     (blk,) = pool.get_new_blocks(1)
-    assert pool.cache_block(blk, h, None, tokens)
-    assert pool.get_cached_block(h, tokens) is blk
-    assert pool.get_cached_block(h, [11, 12, 13, 15]) is None  # collision: not a hit
-    assert pool.get_cached_block(h + 1, tokens) is None
+    assert pool.cache_block(blk, h, None, tokens, SALT)
+    assert pool.get_cached_block(h, tokens, SALT) is blk
+    assert pool.get_cached_block(h, [11, 12, 13, 15], SALT) is None  # collision: not a hit
+    assert pool.get_cached_block(h + 1, tokens, SALT) is None
     # A forged map entry whose block holds other tokens is not a hit either.
     forged_hash = hash_blocks([1, 2, 3, 4], 4)[0]
     pool.cached[forged_hash] = blk
-    assert pool.get_cached_block(forged_hash, [1, 2, 3, 4]) is None
+    assert pool.get_cached_block(forged_hash, [1, 2, 3, 4], SALT) is None
     del pool.cached[forged_hash]
+
+
+def test_a_block_of_another_salt_is_not_a_hit_under_the_same_hash_and_tokens():
+    pool = make_pool(4)
+    tokens = [11, 12, 13, 14]
+    (h,) = hash_blocks(tokens, 4)  # forced equal for both salts
+    salt_a, salt_b = salt_id(hash_keys("m", "tenant-a")), salt_id(hash_keys("m", "tenant-b"))
+    a, b = pool.get_new_blocks(2)
+    assert pool.cache_block(a, h, None, tokens, salt_a)
+    assert pool.get_cached_block(h, tokens, salt_b) is None
+    assert not pool.cache_block(b, h, None, tokens, salt_b)  # a holds the hash: b stays uncached
+    assert pool.get_cached_block(h, tokens, salt_a) is a  # the same salt still shares
+    pool.free_blocks([a, b])
+    evicted = []
+    pool.on_evict = lambda block_id, bh, toks, salt: evicted.append((block_id, bh, toks, salt))
+    pool.get_new_blocks(4)
+    assert evicted == [(a.block_id, h, tuple(tokens), salt_a)]  # a lower tier learns the salt too
+    assert a.salt is None
 
 
 def test_touch_takes_cached_free_block_out_of_queue():
@@ -101,10 +122,10 @@ def test_touch_takes_cached_free_block_out_of_queue():
     tokens = [1, 2, 3, 4]
     (h,) = hash_blocks(tokens, 4)
     (blk,) = pool.get_new_blocks(1)
-    pool.cache_block(blk, h, None, tokens)
+    pool.cache_block(blk, h, None, tokens, SALT)
     pool.free_blocks([blk])
     assert blk in pool.free_queue and pool.num_free_blocks == 3
-    hit = pool.get_cached_block(h, tokens)
+    hit = pool.get_cached_block(h, tokens, SALT)
     assert hit is blk and blk.ref_cnt == 0  # lookup does not take a reference
     pool.touch([hit])
     assert blk.ref_cnt == 1 and blk not in pool.free_queue and pool.num_free_blocks == 2
@@ -114,7 +135,7 @@ def test_touch_takes_cached_free_block_out_of_queue():
     assert blk.ref_cnt == 1 and blk not in pool.free_queue
     pool.free_blocks([blk])
     assert blk.ref_cnt == 0 and ids(pool.free_queue)[-1] == blk.block_id
-    assert pool.get_cached_block(h, tokens) is blk  # still cached while free
+    assert pool.get_cached_block(h, tokens, SALT) is blk  # still cached while free
 
 
 def test_lru_eviction_order_with_removed_events():
@@ -124,7 +145,7 @@ def test_lru_eviction_order_with_removed_events():
     blocks = pool.get_new_blocks(4)
     parent = None
     for blk, h, i in zip(blocks, hashes, range(4)):
-        pool.cache_block(blk, h, parent, chain[i * 4 : (i + 1) * 4])
+        pool.cache_block(blk, h, parent, chain[i * 4 : (i + 1) * 4], SALT)
         parent = h
     # One batched store event for the whole chain.
     assert pool.take_events() == [
@@ -139,7 +160,7 @@ def test_lru_eviction_order_with_removed_events():
     assert pool.take_events() == [BlockRemoved(block_hashes=[hashes[3], hashes[2]])]
     assert set(pool.cached) == {hashes[0], hashes[1]}
     # The surviving prefix is still a hit and can be re-referenced.
-    assert pool.get_cached_block(hashes[0], chain[:4]) is blocks[0]
+    assert pool.get_cached_block(hashes[0], chain[:4], SALT) is blocks[0]
     pool.touch([blocks[0]])
     got2 = pool.get_new_blocks(1)
     assert ids(got2) == [1]  # block 0 is in use, block 1 is the only free one
@@ -152,10 +173,10 @@ def test_duplicate_hash_keeps_first_block_and_records_once():
     tokens = [5, 6, 7, 8]
     (h,) = hash_blocks(tokens, 4)
     a, b = pool.get_new_blocks(2)
-    assert pool.cache_block(a, h, None, tokens)
-    assert not pool.cache_block(b, h, None, tokens)
+    assert pool.cache_block(a, h, None, tokens, SALT)
+    assert not pool.cache_block(b, h, None, tokens, SALT)
     assert pool.cached[h] is a and b.block_hash is None
-    assert pool.cache_block(a, h, None, tokens)  # re-caching under its own hash: no-op
+    assert pool.cache_block(a, h, None, tokens, SALT)  # re-caching under its own hash: no-op
     events = pool.take_events()
     assert len(events) == 1 and events[0].block_hashes == [h]
 
@@ -165,9 +186,9 @@ def test_store_events_batch_only_consecutive_chains():
     x = hash_blocks(list(range(8)), 4)
     y = hash_blocks(list(range(50, 54)), 4)
     b0, b1, b2 = pool.get_new_blocks(3)
-    pool.cache_block(b0, x[0], None, range(4))
-    pool.cache_block(b2, y[0], None, range(50, 54))  # another chain: new event
-    pool.cache_block(b1, x[1], x[0], range(4, 8))  # parent is not y[0]: new event
+    pool.cache_block(b0, x[0], None, range(4), SALT)
+    pool.cache_block(b2, y[0], None, range(50, 54), SALT)  # another chain: new event
+    pool.cache_block(b1, x[1], x[0], range(4, 8), SALT)  # parent is not y[0]: new event
     ev = pool.take_events()
     assert [e.block_hashes for e in ev] == [[x[0]], [y[0]], [x[1]]]
     assert pool.take_events() == []  # drained
@@ -177,7 +198,7 @@ def test_reset_prefix_cache():
     pool = make_pool(2)
     (h,) = hash_blocks([1, 2], 2)
     (blk,) = pool.get_new_blocks(1)
-    pool.cache_block(blk, h, None, [1, 2])
+    pool.cache_block(blk, h, None, [1, 2], SALT)
     assert pool.reset_prefix_cache() is False  # a block is in use
     assert pool.cached == {h: blk}
     pool.free_blocks([blk])
@@ -194,8 +215,8 @@ def test_caching_disabled_has_no_map_and_no_events():
     pool = make_pool(2, enable_caching=False)
     (h,) = hash_blocks([1, 2], 2)
     (blk,) = pool.get_new_blocks(1)
-    assert pool.cache_block(blk, h, None, [1, 2]) is False
-    assert pool.get_cached_block(h, [1, 2]) is None
+    assert pool.cache_block(blk, h, None, [1, 2], SALT) is False
+    assert pool.get_cached_block(h, [1, 2], SALT) is None
     pool.free_blocks([blk])
     assert pool.reset_prefix_cache() is True
     assert pool.cached == {} and pool.take_events() == []

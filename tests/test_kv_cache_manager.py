@@ -1,14 +1,16 @@
-"""KVCacheManager: prefix hits, allocation as requests grow, caching, freeing,
-and a randomized run checking the pool's invariants after every operation."""
+"""KVCacheManager: prefix hits (checked against tokens and salt identity), allocation as
+requests grow, caching, freeing, and a randomized run checking the pool's invariants after
+every operation."""
 
 import random
 
-from splitserve.common.hashing import extend_block_hashes, hash_blocks
+from splitserve.common.hashing import extend_block_hashes, hash_blocks, salt_id
 from splitserve.common.kv_events import BlockRemoved, BlockStored
 from splitserve.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 BS = 4
 MODEL = ("test-model",)
+SALT = salt_id(MODEL)
 
 
 def make_manager(num_blocks: int = 16, caching: bool = True) -> KVCacheManager:
@@ -18,10 +20,10 @@ def make_manager(num_blocks: int = 16, caching: bool = True) -> KVCacheManager:
 def prefill(m: KVCacheManager, req_id: str, prompt: list[int]) -> ComputedBlocks | None:
     """Admit, allocate and fully compute ``prompt``, the way a scheduler would."""
     hashes = hash_blocks(prompt, BS, MODEL)
-    computed = m.get_computed_blocks(hashes, prompt)
+    computed = m.get_computed_blocks(hashes, prompt, SALT)
     if m.allocate_slots(req_id, len(prompt), computed.blocks) is None:
         return None
-    m.cache_blocks(req_id, hashes, prompt, len(prompt))
+    m.cache_blocks(req_id, hashes, prompt, len(prompt), SALT)
     return computed
 
 
@@ -90,14 +92,14 @@ def test_whole_prompt_cached_leaves_last_token_to_compute():
     prefill(m, "a", prompt)
     hashes = hash_blocks(prompt, BS, MODEL)
     assert len(hashes) == 2 and all(h in m.pool.cached for h in hashes)
-    computed = m.get_computed_blocks(hashes, prompt)
+    computed = m.get_computed_blocks(hashes, prompt, SALT)
     assert len(computed.blocks) == 1 and computed.num_tokens == 4  # t4..t7 recomputed
     longer = prompt + [99]
-    computed = m.get_computed_blocks(hash_blocks(longer, BS, MODEL), longer)
+    computed = m.get_computed_blocks(hash_blocks(longer, BS, MODEL), longer, SALT)
     assert computed.num_tokens == 8  # only t8 to compute
-    assert m.get_computed_blocks([], []) == ComputedBlocks([], 0)
+    assert m.get_computed_blocks([], [], SALT) == ComputedBlocks([], 0)
     one_block = prompt[:4]
-    assert m.get_computed_blocks(hashes[:1], one_block).num_tokens == 0
+    assert m.get_computed_blocks(hashes[:1], one_block, SALT).num_tokens == 0
 
 
 def test_prefix_hit_stops_at_first_miss_and_checks_tokens():
@@ -105,14 +107,17 @@ def test_prefix_hit_stops_at_first_miss_and_checks_tokens():
     prompt = list(range(20))
     prefill(m, "a", prompt)
     other = list(range(8)) + [77, 9, 10, 11] + list(range(12, 20))
-    computed = m.get_computed_blocks(hash_blocks(other, BS, MODEL), other)
+    computed = m.get_computed_blocks(hash_blocks(other, BS, MODEL), other, SALT)
     assert computed.num_tokens == 8  # block 2 differs, later blocks are not hits
     # Right hashes, wrong tokens (a forged or colliding hash list): no hit.
     hashes = hash_blocks(prompt, BS, MODEL)
     forged = [999] + prompt[1:]
-    assert m.get_computed_blocks(hashes, forged).num_tokens == 0
+    assert m.get_computed_blocks(hashes, forged, SALT).num_tokens == 0
     # Another model's hashes (different extra keys) do not hit.
-    assert m.get_computed_blocks(hash_blocks(prompt, BS, ("other",)), prompt).num_tokens == 0
+    assert m.get_computed_blocks(hash_blocks(prompt, BS, ("other",)), prompt, salt_id(("other",))).num_tokens == 0
+    # Nor do the right hashes and tokens of another salt (a forged or colliding hash list).
+    assert m.get_computed_blocks(hashes, prompt, salt_id(("other",))).num_tokens == 0
+    assert m.get_computed_blocks(hashes, prompt, SALT).num_tokens == 16
 
 
 def test_allocate_returns_none_without_state_change():
@@ -130,7 +135,7 @@ def test_allocate_returns_none_without_state_change():
     # "b" shares 2 blocks of the prefix; both are at ref_cnt 0 and must leave the
     # free queue when touched, so 4 free blocks are not enough for 2 + 3 new ones.
     prompt_b = prompt[:8] + list(range(100, 112))  # 20 tokens -> 5 blocks
-    computed = m.get_computed_blocks(hash_blocks(prompt_b, BS, MODEL), prompt_b)
+    computed = m.get_computed_blocks(hash_blocks(prompt_b, BS, MODEL), prompt_b, SALT)
     assert len(computed.blocks) == 2
     assert m.num_blocks_needed("b", 20, computed.blocks) == 5
     assert m.allocate_slots("b", 20, computed.blocks) is None
@@ -152,7 +157,7 @@ def test_cache_blocks_incremental_during_decode():
     tokens = list(range(6))
     hashes = hash_blocks(tokens, BS, MODEL)
     m.allocate_slots("a", len(tokens))
-    m.cache_blocks("a", hashes, tokens, len(tokens))
+    m.cache_blocks("a", hashes, tokens, len(tokens), SALT)
     assert m.take_events() == [
         BlockStored(block_hashes=hashes)
     ]
@@ -160,8 +165,8 @@ def test_cache_blocks_incremental_during_decode():
         tokens.append(1000 + t)
         assert m.allocate_slots("a", len(tokens)) is not None
         extend_block_hashes(hashes, tokens, BS, MODEL)
-        m.cache_blocks("a", hashes, tokens, len(tokens))
-    m.cache_blocks("a", hashes, tokens, len(tokens))  # idempotent
+        m.cache_blocks("a", hashes, tokens, len(tokens), SALT)
+    m.cache_blocks("a", hashes, tokens, len(tokens), SALT)  # idempotent
     assert hashes == hash_blocks(tokens, BS, MODEL) and len(hashes) == 3
     ev = m.take_events()
     assert ev == [
@@ -182,7 +187,7 @@ def test_free_evicts_tail_before_shared_prefix():
     m.allocate_slots("x", 4 * 6)  # 4 never-used blocks, then evicts 2 from a's tail
     hashes = hash_blocks(prompt, BS, MODEL)
     assert m.take_events() == [BlockRemoved(block_hashes=[hashes[3], hashes[2]])]
-    computed = m.get_computed_blocks(hashes, prompt + [0])
+    computed = m.get_computed_blocks(hashes, prompt + [0], SALT)
     assert [b.block_id for b in computed.blocks] == ids_a[:2]
 
 
@@ -209,7 +214,7 @@ def test_randomized_alloc_cache_free_keeps_invariants():
         if op < 0.35 or not live:
             prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 14))]
             hashes = hash_blocks(prompt, BS, MODEL)
-            computed = m.get_computed_blocks(hashes, prompt)
+            computed = m.get_computed_blocks(hashes, prompt, SALT)
             assert computed.num_tokens < len(prompt)
             req_id = f"r{next_id}"
             next_id += 1
@@ -231,7 +236,7 @@ def test_randomized_alloc_cache_free_keeps_invariants():
                 tokens.append(rng.randrange(50))
                 extend_block_hashes(hashes, tokens, BS, MODEL)
                 done = len(tokens)
-            m.cache_blocks(req_id, hashes, tokens, done)
+            m.cache_blocks(req_id, hashes, tokens, done, SALT)
             live[req_id] = (tokens, hashes, done)
         else:
             req_id = rng.choice(sorted(live))

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from splitserve.common.hashing import hash_blocks
+from splitserve.common.hashing import hash_blocks, salt_id
 from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate,
                                          Tier)
 from splitserve.common.kv_index import (EVENTS_CHANNEL, IndexDelta, KVIndex, NodeSnapshot, blocks_key,
@@ -31,6 +31,8 @@ pytestmark = pytest.mark.anyio
 
 BS = 16
 MODEL = "m"
+SALT = salt_id((MODEL,))
+KEY = bytes(range(32))  # the disk tier's MAC key
 HOST, DISK = Tier.HOST, Tier.DISK
 
 
@@ -194,7 +196,7 @@ async def test_the_index_follows_a_cache_with_host_and_disk_tiers(index, tmp_pat
     what ``held_blocks`` says, tiers included."""
     bs, shape = 4, (2, 2, 4, 1, 2)  # layers, K/V, block size, KV heads, head dim
     kv = torch.zeros((2, 2, 3, bs, 1, 2))
-    disk = DiskTier(tmp_path, DiskLayout(MODEL, "float32", shape), kv[:, :, 0].numel() * 4, 64 << 10)
+    disk = DiskTier(tmp_path, DiskLayout(MODEL, "float32", shape), kv[:, :, 0].numel() * 4, 64 << 10, KEY)
     mgr = KVCacheManager(3, bs, True, KVOffload(kv, bs, 1, disk))
     e, seq = new_epoch(), 0
     seen: set[Tier] = set()  # the lower tiers the index held at some point
@@ -210,9 +212,9 @@ async def test_the_index_follows_a_cache_with_host_and_disk_tiers(index, tmp_pat
 
     def serve(rid: str, tokens: list[int]) -> list[int]:
         hashes = hash_blocks(tokens, bs, (MODEL,))
-        hit = mgr.get_computed_blocks(hashes, tokens)
+        hit = mgr.get_computed_blocks(hashes, tokens, SALT)
         assert mgr.allocate_slots(rid, len(tokens), hit.blocks, hit.lower) is not None
-        mgr.cache_blocks(rid, hashes, tokens, len(tokens))
+        mgr.cache_blocks(rid, hashes, tokens, len(tokens), SALT)
         mgr.free(rid)
         return hashes
 

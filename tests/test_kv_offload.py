@@ -8,8 +8,9 @@
 - the engine on a tiny random Llama: greedy tokens of prompts served from host memory and
   from disk equal a run that recomputes them, a node restarted on the same folder finds
   its blocks, a corrupted or truncated file and a temporary left by a kill are misses
-  (deleted, counted), a full disk is a counted failure; nothing raises, the device pool
-  is all free afterwards and the tiers stay within their sizes.
+  (deleted, counted; more faults in test_kv_disk_tier_faults.py), a full disk is a counted
+  failure; nothing raises, the device pool is all free afterwards and the tiers stay
+  within their sizes.
 """
 
 import subprocess
@@ -17,14 +18,18 @@ import subprocess
 import pytest
 import torch
 
+from splitserve.common.hashing import salt_id
 from splitserve.common.kv_events import BlockRemoved, BlockStored, Tier
 from splitserve.common.outcomes import TierFault
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_disk_file import MAC_BYTES
 from splitserve.engine.kv_disk_tier import SUFFIX, DiskLayout, DiskTier
 from splitserve.engine.kv_offload import KVOffload, Move
 
 BS = 4
+SALT = salt_id(("m",))
+KEY = bytes(range(32))  # the disk tier's MAC key
 
 
 class Observer:
@@ -69,12 +74,12 @@ def fill(kv, mgr, rid, tokens, value):
     """Allocate ``tokens`` for ``rid``, write ``value + block index`` into its blocks, cache
     them, free them: a finished request whose blocks stay cached."""
     hashes = [hash((rid, i)) & (2**64 - 1) for i in range(len(tokens) // BS)]
-    hit = mgr.get_computed_blocks(hashes, tokens)
+    hit = mgr.get_computed_blocks(hashes, tokens, SALT)
     assert mgr.allocate_slots(rid, len(tokens), hit.blocks, hit.lower) is not None
     land(mgr.offload)
     for i, b in enumerate(mgr.block_ids(rid)):
         kv[:, :, b] = value + i
-    mgr.cache_blocks(rid, hashes, tokens, len(tokens))
+    mgr.cache_blocks(rid, hashes, tokens, len(tokens), SALT)
     mgr.free(rid)
     return hashes
 
@@ -90,7 +95,7 @@ def test_evicted_blocks_come_back_from_host_with_their_bytes_and_the_events_name
     moved = [h for e in events if isinstance(e, BlockStored) and e.tier is Tier.HOST for h in e.block_hashes]
     assert sorted(moved) == sorted(ha) and not any(isinstance(e, BlockRemoved) for e in events)
     assert mgr.held_blocks()[ha[0]] is Tier.HOST
-    hit = mgr.get_computed_blocks(ha, a)
+    hit = mgr.get_computed_blocks(ha, a, SALT)
     assert hit.blocks == [] and [h.block_hash for h in hit.lower] == ha and hit.num_tokens == 8
     new = mgr.allocate_slots("a2", len(a), hit.blocks, hit.lower)
     assert new is not None
@@ -124,7 +129,7 @@ def test_cached_blocks_are_written_through_and_an_eviction_copies_only_what_the_
     stores = [m for m in obs.moves if not m.load]
     assert [m.blocks for m in stores] == [4]  # b's and c's, one batch
     assert all(mgr.held_blocks()[h] is Tier.HOST for h in hb)
-    hit = mgr.get_computed_blocks(ha, a)
+    hit = mgr.get_computed_blocks(ha, a, SALT)
     assert [h.tier for h in hit.lower] == [Tier.HOST, Tier.HOST]
     assert mgr.allocate_slots("a2", 9, hit.blocks, hit.lower) is not None
     land(off)
@@ -139,7 +144,7 @@ def test_loads_land_layer_by_layer_as_the_forward_reaches_each_and_their_slots_a
     a = list(range(8)) + [1]
     ha = fill(kv, mgr, "a", a, 10.0)
     fill(kv, mgr, "b", list(range(20, 36)) + [1], 20.0)  # 5 blocks: a's 2 -> host (its 2 slots)
-    hit = mgr.get_computed_blocks(ha, a)
+    hit = mgr.get_computed_blocks(ha, a, SALT)
     assert len(hit.lower) == 2
     assert mgr.allocate_slots("a2", 9, hit.blocks, hit.lower) is not None
     ids = mgr.block_ids("a2")[:2]
@@ -147,7 +152,7 @@ def test_loads_land_layer_by_layer_as_the_forward_reaches_each_and_their_slots_a
     # before the forward: another request's eviction needs host slots, but both are a2's to load
     c = list(range(40, 44)) + [1]
     hc = [hash(("c", 0)) & (2**64 - 1)]
-    hit_c = mgr.get_computed_blocks(hc, c)
+    hit_c = mgr.get_computed_blocks(hc, c, SALT)
     assert mgr.allocate_slots("c", 5, hit_c.blocks, hit_c.lower) is not None  # evicts b's: no slot for them
     assert all(mgr.held_blocks().get(h) is Tier.DEVICE for h in ha)  # a2's, and their host copies kept
     assert off.stats()[0].used_blocks == 2 and off._loading == set(ha)
@@ -193,12 +198,12 @@ def test_a_full_host_tier_drops_least_recent_and_a_lookup_protects_its_hits():
     assert all(held[h] is Tier.HOST for h in hb) and all(held[h] is Tier.DEVICE for h in hc)
     assert all(h not in held for h in ha)
     b = list(range(20, 28)) + tail
-    hit = mgr.get_computed_blocks(hb, b)
+    hit = mgr.get_computed_blocks(hb, b, SALT)
     assert len(hit.lower) == 2
     assert mgr.allocate_slots("b2", 13, hit.blocks, hit.lower) is None  # 4 blocks of 3: nothing changes
     # allocating b's 3 blocks evicts c's 2 into a host tier full of b's, which the lookup
     # protects: c's are dropped, b's bytes stay
-    hit = mgr.get_computed_blocks(hb, b)
+    hit = mgr.get_computed_blocks(hb, b, SALT)
     assert mgr.allocate_slots("b2", 9, hit.blocks, hit.lower) is not None
     land(off)
     assert [float(kv[0, 0, blk, 0, 0, 0]) for blk in mgr.block_ids("b2")[:2]] == [2.0, 3.0]
@@ -210,16 +215,16 @@ def test_a_full_host_tier_drops_least_recent_and_a_lookup_protects_its_hits():
 def test_host_evictions_spill_to_disk_and_come_back(tmp_path):
     layout = DiskLayout("m", "float32", (2, 2, BS, 1, 2))
     block_bytes = 2 * 2 * BS * 1 * 2 * 4
-    disk = DiskTier(tmp_path, layout, block_bytes, 64 << 10)
+    disk = DiskTier(tmp_path, layout, block_bytes, 64 << 10, KEY)
     kv, off, mgr = manager(num_blocks=3, host_blocks=1, disk=disk)
     obs = off.observer = Observer()
     ha = fill(kv, mgr, "a", list(range(8)) + [1], 5.0)
     fill(kv, mgr, "b", list(range(20, 28)) + [1], 6.0)  # a's blocks: host (1 slot), then disk
     fill(kv, mgr, "c", list(range(40, 48)) + [1], 7.0)
     disk.close()  # the writer finished its queue
-    disk = off.disk = DiskTier(tmp_path, layout, block_bytes, 64 << 10)  # the tier restarted on its folder
+    disk = off.disk = DiskTier(tmp_path, layout, block_bytes, 64 << 10, KEY)  # the tier restarted on its folder
     assert all(disk.contains(h) for h in ha)
-    hit = mgr.get_computed_blocks(ha, list(range(8)) + [1])
+    hit = mgr.get_computed_blocks(ha, list(range(8)) + [1], SALT)
     assert [h.tier for h in hit.lower] == [Tier.DISK, Tier.DISK]
     assert mgr.allocate_slots("a2", 8, hit.blocks, hit.lower) is not None
     land(off)
@@ -361,7 +366,7 @@ def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, ref
         turns = run_turns(llm, [0, 1, 2, 0])
         assert all(tokens == reference[i] for i, tokens, _ in turns)
         assert turns[3][2] == 96 and obs.hits[Tier.DISK] >= 4  # most of prompt 0 came from disk
-    files = sorted(p for p in next(tmp_path.iterdir()).iterdir())
+    files = sorted(p for p in next(d for d in tmp_path.iterdir() if d.is_dir()).iterdir())
     assert files and all(p.suffix == SUFFIX for p in files)
     llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)  # a restarted node
     with llm:
@@ -375,12 +380,12 @@ def test_bad_files_are_misses_never_wrong_tokens(tiny, reference, tmp_path):
     llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)
     with llm:
         run_turns(llm, [0, 1, 2])
-    folder = next(tmp_path.iterdir())
+    folder = next(d for d in tmp_path.iterdir() if d.is_dir())
     files = sorted(folder.iterdir(), key=lambda p: p.stat().st_mtime)
     assert len(files) >= 6
     flipped, truncated = files[0], files[1]  # prompt 0's leading blocks (written first)
     data = bytearray(flipped.read_bytes())
-    data[-5] ^= 0xFF  # one payload byte: only the checksum notices
+    data[-MAC_BYTES - 5] ^= 0xFF  # one payload byte: only the MAC notices
     flipped.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:100])
     (folder / "deadbeef.tmp123").write_bytes(b"half a block")  # a node killed while storing
@@ -389,8 +394,8 @@ def test_bad_files_are_misses_never_wrong_tokens(tiny, reference, tmp_path):
         obs = llm.engine.offload.observer = Observer()
         turns = run_turns(llm, [0])
         assert turns[0][1] == reference[0]
-        assert TierFault.CORRUPT in obs.faults
-        assert not flipped.exists() or not truncated.exists()
+        assert TierFault.CORRUPT in obs.faults and TierFault.UNAUTHENTICATED in obs.faults
+        assert not flipped.exists() and not truncated.exists()
         assert not (folder / "deadbeef.tmp123").exists()
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
 
@@ -398,7 +403,8 @@ def test_bad_files_are_misses_never_wrong_tokens(tiny, reference, tmp_path):
 def test_a_full_disk_is_a_counted_failure(tiny, reference, tmp_path):
     mount = tmp_path / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k,mode=0700", "tmpfs", str(mount)],
+                          capture_output=True)  # 0700: the tier refuses a folder others may access
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -409,7 +415,8 @@ def test_a_full_disk_is_a_counted_failure(tiny, reference, tmp_path):
             turns = run_turns(llm, [0, 1, 2, 0])
             assert all(tokens == reference[i] for i, tokens, _ in turns)
         assert TierFault.WRITE_FAILED in obs.faults
-        assert not [p for p in next(mount.iterdir()).iterdir() if p.suffix != SUFFIX]  # no temporaries left
+        folder = next(d for d in mount.iterdir() if d.is_dir())
+        assert not [p for p in folder.iterdir() if p.suffix != SUFFIX]  # no temporaries left
     finally:
         subprocess.run(["umount", str(mount)], check=False)
 

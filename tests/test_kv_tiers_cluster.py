@@ -23,6 +23,7 @@ import pytest
 from splitserve.benchmarks.harness import wait_pools_free
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, TierFlags
+from splitserve.engine.kv_disk_trust import KEY_FILE_NAME
 from splitserve.common.registry import NodeRegistry
 from tests.metrics_text import sample_sum
 
@@ -91,7 +92,8 @@ def test_a_node_killed_while_storing_comes_back_with_its_disk_tier(served_tiny_m
     through a host tier of 2 blocks, so nearly every eviction is a disk write): the
     supervisor restarts it on the same folder, it starts (no temporary is left, no
     file under a block's name is half-written), later requests get the recomputed texts,
-    some from the files the killed node wrote, and no disk file fails its checks."""
+    some from the files the killed node wrote (under the key it made and finds again), and
+    no disk file fails its checks."""
     model = served_tiny_model("llama", max_position_embeddings=512)
     want = reference(model)
     folder = tmp_path / "kv"
@@ -112,9 +114,12 @@ def test_a_node_killed_while_storing_comes_back_with_its_disk_tier(served_tiny_m
             assert time.monotonic() < deadline, "the prefill node did not come back"
             time.sleep(0.2)
         c.wait_for_nodes(2, 30)
-        assert not [p for p in (folder / "prefill-0").rglob("*") if p.is_file() and p.suffix != ".kvb"]
+        assert not [p for p in (folder / "prefill-0").rglob("*")
+                    if p.is_file() and p.suffix != ".kvb" and p.name != KEY_FILE_NAME]
         assert [ask(i) for i in (0, 1, 2, 3)] == want
         text = scrape(c.node("prefill-0").addr)
         assert sample_sum(text, "splitserve:kv_offload_hits_total", tier="disk") > 0  # the killed node's files
         assert sample_sum(text, "splitserve:kv_offload_faults_total", tier="disk", fault="corrupt") == 0
+        # the restarted node reads its files under the key it made before (DIR/kv-disk.key)
+        assert sample_sum(text, "splitserve:kv_offload_faults_total", tier="disk", fault="unauthenticated") == 0
         asyncio.run(wait_pools_free([c.node("prefill-0").addr, c.node("decode-0").addr], {}, 10))
