@@ -46,8 +46,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="host memory for prefix-cache blocks evicted from the KV pool, e.g. 8GiB "
                         "(pinned on CUDA); a later prompt with that prefix loads them back")
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
-                   help="a disk tier below host memory: one checksummed file per block here, reused "
-                        "after a restart by a node of the same model, dtype and layout")
+                   help="a disk tier below host memory: one authenticated file per block here (the "
+                        "folder is the node user's alone: made 0700, refused if others may access it), "
+                        "reused after a restart by a node of the same model, dtype, layout and key "
+                        "($SPLITSERVE_KV_DISK_KEY, else $SPLITSERVE_KV_DISK_KEY_FILE, else DIR/kv-disk.key, "
+                        "made once)")
     g.add_argument("--kv-offload-disk-bytes", default=None, metavar="SIZE",
                    help="the disk tier's size, e.g. 100GiB (needs --kv-offload-dir)")
     g.add_argument("--block-size", type=int, default=16)
