@@ -45,6 +45,7 @@ ROUTING_DECISION_SECONDS = PREFIX + "routing_decision_seconds"  # histogram
 ROUTER_EVENT_LOOP_LAG = PREFIX + "router_event_loop_lag_seconds"  # histogram: timer wake-up delay
 REDIS_ERRORS = PREFIX + "redis_errors_total"  # counter, label op
 PREFIX_INDEX_LOOKUPS = PREFIX + "prefix_index_lookups_total"  # counter, label result
+RESPONSES_STORED = PREFIX + "responses_stored_total"  # counter, label result (common/outcomes.py StoreResult)
 # Predicted versus delivered prefix-cache hits of the routing decisions, in prompt tokens.
 PREDICTED_CACHED_TOKENS = PREFIX + "routing_predicted_cached_tokens_total"  # counter, label tier: device | host | disk
 DELIVERED_CACHED_TOKENS = PREFIX + "routing_delivered_cached_tokens_total"  # counter

@@ -86,3 +86,13 @@ class PredictionOutcome(StrEnum):
     UNSEEN = "unseen"  # nothing predicted, something delivered
     NONE = "none"  # nothing predicted, nothing delivered
     FAILED = "failed"  # the request failed: nothing to compare (in /debug/decisions, never counted)
+
+
+class StoreResult(StrEnum):
+    """What became of a /v1/responses entry the router meant to store (router/responses_store.py)."""
+    STORED = "stored"
+    TOO_LARGE = "too_large"  # one entry over the entry limit: not stored, the request succeeds
+    KEY_FULL = "key_full"  # its key's quota (bytes or entries) is used up: 429
+    OVER_SHARE = "over_share"  # the store's budget is full and its key holds more than its share: 429
+    STORE_FULL = "store_full"  # the store's budget is full, its key within its share: 503
+    UNAVAILABLE = "unavailable"  # Redis failed: not stored (logged), the request succeeds

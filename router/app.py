@@ -18,8 +18,8 @@ live as long as the app). The lifespan (cleanup_ctx) creates, in order, the Redi
 mirror task, the event-loop lag watch (loop_lag.py), the pooled
 `aiohttp.ClientSession` to the nodes, the sharing of the policy's recent work with
 the other router replicas (shared_work.py, when the policy keeps any), the
-dispatcher and the Redis store of /v1/responses (responses_store.py), and closes them
-in reverse after waiting for pending aborts.
+dispatcher and the Redis store of /v1/responses (responses_store.py: a Redis of its
+own with --responses-redis-url, and its budgets), and closes them in reverse after waiting for pending aborts.
 
 Must not import torch or `splitserve.engine`, or touch tensors.
 """
@@ -131,12 +131,14 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     dispatcher = Dispatcher(directory, policy, client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
                             config.retry_after_s, config.migration_limit)
-    responses = ResponseStore(config.redis_url)
+    responses = ResponseStore(config.responses_store_url, config.responses_max_bytes,
+                              config.responses_key_max_bytes, config.responses_key_max_entries,
+                              config.prepare_thread_bytes)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher,
                                    responses)
-    log.info("router: model %s, policy %s, block size %d, Redis %s, %d nodes known",
+    log.info("router: model %s, policy %s, block size %d, Redis %s (responses: %s), %d nodes known",
              config.model_id, config.policy, config.block_size, redact_url(config.redis_url),
-             len(directory.nodes))
+             redact_url(config.responses_store_url), len(directory.nodes))
     try:
         yield
     finally:

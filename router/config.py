@@ -6,9 +6,10 @@ import ipaddress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from ..common.auth import (REDIS_URL_ENV, add_cluster_token_args, check_secret, cluster_token_from_args,
-                           redis_url_from)
+from ..common.auth import (REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV, add_cluster_token_args, check_secret,
+                           cluster_token_from_args, redis_url_from)
 from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
+from ..common.config import parse_size
 from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, unique_keys
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -150,6 +151,17 @@ class RouterConfig:
     # A generation whose decode node breaks its stream moves to another decode node at most
     # this many times (router/migration.py); 0: the client gets a mid-stream error instead.
     migration_limit: int = 0
+    # Stored /v1/responses (router/responses_store.py) live in this Redis; None: redis_url's.
+    # A Redis of their own (with maxmemory above responses_max_bytes) keeps them away from
+    # the node registry and the prefix index.
+    responses_redis_url: str | None = field(default=None, repr=False)
+    # Their budgets, in bytes of Redis memory (UTF-8 text plus a per-entry overhead): 1 GiB
+    # for all keys together, and per API key 64 MiB and 1,000 responses (an agent's hour of
+    # turns, a chat user's day). A key over its quota, or over its fair share of a full
+    # store, gets 429; others get 503 while the store is full; nobody's entries are evicted.
+    responses_max_bytes: int = 1 << 30
+    responses_key_max_bytes: int = 64 << 20
+    responses_key_max_entries: int = 1000
 
     def __post_init__(self):
         names = tuple(self.served_model_names) or (self.model or BUNDLED_MODEL_ID,)
@@ -173,7 +185,8 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
-        for name in ("max_inflight", "max_connections", "retry_after_s"):
+        for name in ("max_inflight", "max_connections", "retry_after_s", "responses_max_bytes",
+                     "responses_key_max_bytes", "responses_key_max_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if type(self.migration_limit) is not int or not 0 <= self.migration_limit <= MAX_MIGRATION_LIMIT:
@@ -191,6 +204,11 @@ class RouterConfig:
             check_secret("cluster token", self.cluster_token)
         if (self.protect_health or self.protect_metrics) and not self.api_keys:
             raise ValueError("protect_health / protect_metrics: need an API key (--api-key)")
+
+    @property
+    def responses_store_url(self) -> str:
+        """The Redis of stored responses: their own, else the registry's."""
+        return self.responses_redis_url or self.redis_url
 
     @property
     def exposed_without_key(self) -> bool:
@@ -271,6 +289,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default "
                         "%(default)s)")
+    r = p.add_argument_group("router: stored /v1/responses")
+    r.add_argument("--responses-redis-url", default=None,
+                   help=f"a Redis of their own (default: ${RESPONSES_REDIS_URL_ENV}, else --redis-url's); "
+                        f"a URL with a password belongs in ${RESPONSES_REDIS_URL_ENV}")
+    r.add_argument("--responses-max-bytes", default=str(d.responses_max_bytes),
+                   help="the Redis memory all stored responses may take, e.g. 1GiB (default: 1GiB)")
+    r.add_argument("--responses-key-max-bytes", default=str(d.responses_key_max_bytes),
+                   help="per API key: a key over it gets 429 with Retry-After (default: 64MiB)")
+    r.add_argument("--responses-key-max-entries", type=int, default=d.responses_key_max_entries,
+                   help="per API key: stored responses (default %(default)s)")
 
 
 def add_model_args(g) -> None:
@@ -300,7 +328,13 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         max_inflight=args.max_inflight, max_connections=args.max_connections,
                         header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
                         body_timeout_s=args.body_timeout,
-                        drain_grace_s=args.drain_grace, migration_limit=args.migration_limit)
+                        drain_grace_s=args.drain_grace, migration_limit=args.migration_limit,
+                        responses_redis_url=redis_url_from(args.responses_redis_url, None,
+                                                           RESPONSES_REDIS_URL_ENV, "--responses-redis-url"),
+                        responses_max_bytes=parse_size(args.responses_max_bytes, "--responses-max-bytes"),
+                        responses_key_max_bytes=parse_size(args.responses_key_max_bytes,
+                                                           "--responses-key-max-bytes"),
+                        responses_key_max_entries=args.responses_key_max_entries)
 
 
 def _is_loopback(host: str) -> bool:

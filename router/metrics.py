@@ -13,7 +13,7 @@ from ..common import metric_names as n
 from prometheus_client import Counter, Gauge, Histogram
 
 from ..common.model_metrics import BoundLabels, ModelMetrics
-from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome
+from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome, StoreResult
 from .loop_lag import LAG_BUCKETS, LAG_PERIOD_S
 from .tier_cost import TIER_NAMES
 
@@ -64,6 +64,7 @@ class RouterMetrics:
     inflight_requests: Gauge  # generating HTTP requests admitted (admission.py)
     admission_rejections: BoundLabels[Counter]  # labels reason (n.ADMISSION_REJECTION_REASONS)
     migrations: Counter  # generations moved mid-stream to another decode node (migration.py)
+    responses_stored: BoundLabels[Counter]  # labels result (StoreResult): /v1/responses kept or refused
 
     @classmethod
     def create(cls, model_name: str) -> RouterMetrics:
@@ -128,6 +129,11 @@ class RouterMetrics:
                                            "connections: 503 at --max-connections)", ["reason"]),
             migrations=c.counter(n.REQUEST_MIGRATIONS, "Generations moved mid-stream to another "
                                  "decode node after theirs failed (--migration-limit)"),
+            responses_stored=c.counter(n.RESPONSES_STORED, "/v1/responses to be stored, by result: "
+                                       "stored; refused before or after generating (key_full, "
+                                       "over_share: 429; store_full: 503); too_large and "
+                                       "unavailable (Redis down): not stored, answered anyway",
+                                       ["result"]),
         )
         for role in ("prefill", "decode", "colocated"):
             m.nodes.labels(role=role).set(0)
@@ -136,7 +142,8 @@ class RouterMetrics:
                                 (m.redis_errors, n.REDIS_OPS), (m.index_lookups, IndexLookupResult),
                                 (m.predictions, counted_predictions),
                                 (m.predicted_cached_tokens, TIER_NAMES),
-                                (m.admission_rejections, n.ADMISSION_REJECTION_REASONS)):
+                                (m.admission_rejections, n.ADMISSION_REJECTION_REASONS),
+                                (m.responses_stored, StoreResult)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
         return m

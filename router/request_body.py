@@ -67,10 +67,12 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body is larger than the limit of {limit} bytes")
 
 
-async def off_loop(body: bytes, threshold: int, prepare: Callable[..., T], *args) -> T:
+async def off_loop(body: bytes, threshold: int, prepare: Callable[..., T], *args, size: int | None = None) -> T:
     """``prepare(body, *args)``: inline for a body of at most ``threshold`` bytes
     (RouterConfig.prepare_thread_bytes), on a worker thread for a larger one (a 100k-token
-    prompt takes ~0.5 s to render and tokenize; a thread hand-off costs ~0.1 ms)."""
-    if len(body) > threshold:
+    prompt takes ~0.5 s to render and tokenize; a thread hand-off costs ~0.1 ms). ``size``:
+    the work's size in bytes when it is more than the body's (a stored conversation the
+    body continues: a tiny body may stand for a 100k-token prompt)."""
+    if (len(body) if size is None else size) > threshold:
         return await asyncio.to_thread(prepare, body, *args)
     return prepare(body, *args)

@@ -8,11 +8,14 @@ A create runs on the chat path end to end::
 
     read body (request_body.py) -> decode (request_fields.py, responses_request.py)
       -> previous_response_id: its stored conversation (responses_store.py; 400 if unknown)
-      -> prepare (responses_prepare.py -> prepare.py; a large body on a worker thread)
+      -> unless "store": false, room for it in the key's quota (429 / 503 before any work)
+      -> prepare (responses_prepare.py -> prepare.py; on a worker thread when the whole
+         conversation, stored history and new body, is large)
       -> start the generation (openai_api.start_all -> dispatch.py)
       -> the chat bodies (bodies.py) -> the response (responses_objects.py) or its
          events (responses_events.py)
-      -> store it (unless "store": false), then answer / send response.completed
+      -> store it (unless "store": false), then answer / send response.completed; a store
+         the quota refuses now is a 429 / 503 (streamed: error, response.failed)
       -> always: close the generation (aborts it on its node unless it finished)
 
 Must not validate fields (the prepare modules do) or talk to nodes (dispatch.py).
@@ -39,8 +42,8 @@ from .responses_events import EventStream
 from .responses_objects import ResponseHead, new_id, output_of, usage_of
 from .responses_prepare import ResponsesPrepared, decode_responses, prepare_responses
 from .responses_request import parse_items
-from .responses_store import ResponseStore
-from .state import CONFIG, SERVICES, TOKENIZER
+from .responses_store import refusal
+from .state import CONFIG, METRICS, SERVICES, TOKENIZER
 from .structured import renamed_constraint_error
 
 log = logging.getLogger(__name__)
@@ -58,18 +61,25 @@ async def create(request: web.Request) -> web.StreamResponse:
     config, tok, services = app[CONFIG], app[TOKENIZER], app[SERVICES]
     body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
     req = await off_loop(body, config.prepare_thread_bytes, decode_responses)
+    owner = key_owner(request)
     history: list[dict[str, Any]] = []
+    size = len(body)  # the conversation's, in bytes: what preparing and storing it costs
     if req.previous_response_id is not None:
-        stored = await services.responses.get(req.previous_response_id, key_owner(request))
+        stored = await services.responses.get(req.previous_response_id, owner)
         if stored is None:
             raise ApiError(400, f"previous_response_id: no stored response {req.previous_response_id!r}"
                            " (unknown, deleted, expired, or created with store=false)",
                            param="previous_response_id")
-        history = stored["history"]
+        history, size = stored.history, size + stored.nbytes
+    if req.store is not False:
+        verdict = await services.responses.admit(owner, size)
+        if (err := refusal(verdict)) is not None:  # refused before any work
+            app[METRICS].responses_stored.labels(verdict.result).inc()
+            raise err
     max_model_len = services.directory.max_model_len(tok.max_model_len)
     rp: ResponsesPrepared = await off_loop(
         body, config.prepare_thread_bytes,
-        lambda _: prepare_responses(req, history, tok, config.served_model_names, max_model_len))
+        lambda _: prepare_responses(req, history, tok, config.served_model_names, max_model_len), size=size)
     head = ResponseHead(new_id("resp"), int(time.time()), rp.prep.model, req)
     builder = BodyBuilder(rp.prep, tok, head.id, head.created_at)
     try:
@@ -79,7 +89,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     client_gone = False
     try:
         if rp.prep.stream:
-            return await _stream(request, rp, head, builder, gens)
+            return await _stream(request, rp, head, builder, gens, size)
         async with contextlib.aclosing(merge_pieces(gens)) as pieces:
             async for piece in pieces:
                 builder.add(piece)
@@ -88,7 +98,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                     return web.Response(status=499)  # never sent: nobody is listening
         output, status = output_of(builder.final(gens))
         response = head.body(status, output, usage_of(usage(gens)))
-        await _store(services.responses, rp, response, key_owner(request))
+        if (err := await _store(request, rp, response, size)) is not None:
+            raise err  # the key crossed its quota with this response: it is not kept
         return web.json_response(response)
     except (asyncio.CancelledError, ConnectionResetError):  # the client went away
         client_gone = True
@@ -99,7 +110,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, rp: ResponsesPrepared, head: ResponseHead,
-                  builder: BodyBuilder, gens: list[Generation]) -> web.StreamResponse:
+                  builder: BodyBuilder, gens: list[Generation], size: int) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     events = EventStream(head, rp.logprobs)
@@ -125,19 +136,26 @@ async def _stream(request: web.Request, rp: ResponsesPrepared, head: ResponseHea
         await send(events.fail(ApiError(500, "internal error while streaming; see the router's log")))
     else:
         last, response = events.finish(usage_of(usage(gens)))
-        await _store(request.app[SERVICES].responses, rp, response, key_owner(request))  # before the client hears
-        await send(last)
+        refused = await _store(request, rp, response, size)  # before the client hears
+        await send(last if refused is None else events.fail(refused))
     await resp.write_eof()
     return resp
 
 
-async def _store(store: ResponseStore, rp: ResponsesPrepared, response: dict[str, Any], owner: str | None) -> None:
+async def _store(request: web.Request, rp: ResponsesPrepared, response: dict[str, Any],
+                 size: int) -> ApiError | None:
     """Keep the response and its conversation (the input, then the output as input items)
-    for a later previous_response_id of the same ``owner``, unless the request said store=false."""
+    for a later previous_response_id of the same key, unless the request said store=false.
+    The error answer when the key's quota or a full store refuses it (else None: stored,
+    or skipped with a log line). ``size``: the conversation's bytes before the output (a
+    large one is serialized on a worker thread)."""
     if rp.request.store is False:
-        return
+        return None
     history = rp.items + parse_items(response["output"], "output", set())
-    await store.put(response, history, owner)
+    verdict = await request.app[SERVICES].responses.put(response, history, key_owner(request),
+                                                        large=size > request.app[CONFIG].prepare_thread_bytes)
+    request.app[METRICS].responses_stored.labels(verdict.result).inc()
+    return refusal(verdict)
 
 
 async def retrieve(request: web.Request) -> web.Response:
@@ -145,7 +163,7 @@ async def retrieve(request: web.Request) -> web.Response:
     stored = await request.app[SERVICES].responses.get(response_id, key_owner(request))
     if stored is None:
         raise _not_found(response_id)
-    return web.json_response(stored["response"])
+    return web.json_response(stored.response)
 
 
 async def delete(request: web.Request) -> web.Response:

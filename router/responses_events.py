@@ -78,8 +78,9 @@ class EventStream:
         return out, response
 
     def fail(self, error: ApiError) -> list[dict[str, Any]]:
-        body = {"code": "server_error" if error.status >= 500 else "invalid_prompt",
-                "message": error.message}  # Response.error.code is one of OpenAI's few
+        code = ("server_error" if error.status >= 500 else "rate_limit_exceeded" if error.status == 429
+                else "invalid_prompt")  # Response.error.code is one of OpenAI's few
+        body = {"code": code, "message": error.message}
         return [self._event("error", code=error.code or error.type, message=error.message,
                             param=error.param),
                 self._event("response.failed", response=self.head.body("failed", self.items,
