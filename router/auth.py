@@ -10,8 +10,15 @@ A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_
 and ``WWW-Authenticate: Bearer``, before the body is read. Keys are compared in
 constant time, every configured key each time. The matched key's cache salt, when it
 has one, is left on the request (``KEY_SALT``) for the generating endpoints, which
-combine it with the request's own (router/api_keys.py); so is a digest of the key
+combine it with the request's own (router/api_keys.py); so is the key's owner id
 (``KEY_OWNER``), which owns the responses stored for it (router/responses_store.py).
+
+The owner id is an HMAC of the key, never a plain hash (Redis would then hold values
+that confirm a guessed key offline). Its secret is derived from the cluster token, the
+one secret every router replica of a cluster already shares, so replicas agree on
+owners without another secret to distribute; rotating the token (or upgrading from the
+plain hashes before) leaves the stored responses unreadable until they expire (an hour).
+A router without a cluster token uses a fixed, public secret: no better than a hash.
 
 Must not read request bodies or log a presented credential.
 """
@@ -19,6 +26,7 @@ Must not read request bodies or log a presented credential.
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 from aiohttp import web
 
@@ -29,7 +37,8 @@ from .errors import ApiError
 from .state import CONFIG
 
 KEY_SALT = web.RequestKey("key_cache_salt", str)  # the matched API key's cache salt, when it has one
-KEY_OWNER = web.RequestKey("key_owner", str)  # who presented the request: a digest of its API key
+KEY_OWNER = web.RequestKey("key_owner", str)  # who presented the request: its API key's owner id
+OWNER_LABEL = b"splitserve response owner v1"  # the owner secret's derivation label (a new version: new owners)
 
 
 def needs_api_key(config: RouterConfig, path: str) -> bool:
@@ -59,8 +68,16 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
             raise _unauthorized("invalid API key")
         if key.cache_salt is not None:
             request[KEY_SALT] = key.cache_salt
-        request[KEY_OWNER] = hashlib.sha256(key.key.encode()).hexdigest()[:32]
+        request[KEY_OWNER] = owner_id(config.cluster_token, key.key)
     return await handler(request)
+
+
+def owner_id(cluster_token: str | None, key: str) -> str:
+    """``key``'s owner id: HMAC-SHA256 under a secret derived from ``cluster_token``
+    (the label alone without one), 32 hex digits."""
+    secret = OWNER_LABEL if cluster_token is None else hmac.new(cluster_token.encode(), OWNER_LABEL,
+                                                                hashlib.sha256).digest()
+    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def key_salt(request: web.Request) -> str | None:
@@ -69,8 +86,8 @@ def key_salt(request: web.Request) -> str | None:
 
 
 def key_owner(request: web.Request) -> str | None:
-    """Whose request this is: a digest of the API key it came with (never the key itself),
-    None when the router takes no key. Stored responses belong to it."""
+    """Whose request this is: the owner id of the API key it came with (never the key
+    itself), None when the router takes no key. Stored responses belong to it."""
     return request.get(KEY_OWNER)
 
 
