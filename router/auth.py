@@ -1,10 +1,15 @@
 """Client authentication on the router: the API-key middleware and who may see
 other clients' request ids.
 
-    every path but /health, /ping and     needs "Authorization: Bearer <API key>"
-      /metrics                            when the router has API keys
-    /health and /ping, /metrics           open unless --protect-health / --protect-metrics
-    no API key configured                 everything open (the bind warning in app.py)
+    every path but /health, /ping,        needs "Authorization: Bearer <API key>"
+      /metrics and /debug/decisions       when the router has API keys
+    /health and /ping, /metrics           open unless --protect-health / --protect-metrics;
+                                          protected /metrics also takes the cluster token
+                                          (the planner's credential)
+    /debug/decisions                      every client's traffic: only the cluster token
+                                          (``require_cluster_token``: 403), never an API
+                                          key; open only on a router with neither
+    no API key configured                 everything else open (the bind warning in app.py)
 
 A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_key``)
 and ``WWW-Authenticate: Bearer``, before the body is read. Keys are compared in
@@ -48,6 +53,8 @@ def needs_api_key(config: RouterConfig, path: str) -> bool:
         return config.protect_health
     if path == "/metrics":
         return config.protect_metrics
+    if path == "/debug/decisions" and config.cluster_token is not None:
+        return False  # the cluster token's alone (require_cluster_token)
     return True
 
 
@@ -58,7 +65,7 @@ def key_matches(config: RouterConfig, presented: str | None) -> bool:
 @web.middleware
 async def api_key_middleware(request: web.Request, handler) -> web.StreamResponse:
     config = request.app[CONFIG]
-    if needs_api_key(config, request.path):
+    if needs_api_key(config, request.path) and not (request.path == "/metrics" and has_cluster_token(request)):
         presented = bearer_token(request.headers.get("Authorization"))
         if presented is None:
             raise _unauthorized("missing API key: send the header 'Authorization: Bearer "
@@ -95,6 +102,19 @@ def has_cluster_token(request: web.Request) -> bool:
     """Whether the caller presented this router's cluster token (never, when it has none)."""
     token = request.app[CONFIG].cluster_token
     return token is not None and token_matches(request.headers.get(CLUSTER_TOKEN_HEADER), token)
+
+
+def require_cluster_token(request: web.Request) -> None:
+    """For what shows every client's traffic: 403 unless the caller presents the cluster
+    token. A router with neither API keys nor a cluster token is open to all anyway."""
+    config = request.app[CONFIG]
+    if has_cluster_token(request) or (not config.api_keys and config.cluster_token is None):
+        return
+    if config.cluster_token is None:
+        raise ApiError(403, f"{request.path} needs the cluster token, and this router has none: start "
+                       "it with --cluster-token-file or $SPLITSERVE_CLUSTER_TOKEN", code="permission_denied")
+    raise ApiError(403, f"{request.path} shows every client's requests: present the cluster token in "
+                   f"the {CLUSTER_TOKEN_HEADER} header (an API key does not open it)", code="permission_denied")
 
 
 def _unauthorized(message: str) -> ApiError:

@@ -1,8 +1,9 @@
 """The router's small read-only endpoints: ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` and
-``GET /debug/decisions`` (the last routing decisions, predicted vs delivered; the
-request ids only to a caller presenting the cluster token: with an id anyone could
-abort another client's request on its node). Must not change any state."""
+``GET /debug/decisions`` (the last routing decisions, predicted vs delivered: every
+client's traffic, so only to a caller presenting the cluster token, auth.py; open with
+request ids hidden on a router with neither API keys nor a cluster token: with an id
+anyone could abort another client's request on its node). Must not change any state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import msgspec
 from aiohttp import web
 
-from .auth import has_cluster_token
+from .auth import has_cluster_token, require_cluster_token
 from .decisions import KEEP
 from .errors import ApiError
 from .state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
@@ -64,7 +65,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def decisions(request: web.Request) -> web.Response:
     """``?limit=N`` (0..KEEP, default 50) most recent routing decisions, oldest first;
-    ``request_id`` null unless the caller presents the cluster token."""
+    403 without the cluster token (auth.py); ``request_id`` null on an open router."""
+    require_cluster_token(request)
     raw = request.query.get("limit", str(DEFAULT_DECISIONS))
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 6 and int(raw) <= KEEP):
         raise ApiError(400, f"limit: must be an integer in [0, {KEEP}], got {raw[:20]!r}",

@@ -23,7 +23,7 @@ from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks, hash_keys
 from splitserve.common.kv_index import blocks_key
 from splitserve.deploy.launcher import Cluster
-from splitserve.router.api_keys import ApiKey, effective_cache_salt
+from splitserve.router.api_keys import ApiKey, derived_salt, effective_cache_salt
 from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow
@@ -31,6 +31,9 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 BS = 16
 KEY_A, KEY_B, KEY_C = "tenant-a-key-0123456789", "tenant-b-key-0123456789", "plain-key-0123456789"
+KEY_D, KEY_E = "plain-key-d-0123456789", "plain-key-e-0123456789"  # no salts: one cache each
+KEY_F, KEY_G = "team-key-f-0123456789", "team-key-g-0123456789"  # one explicit salt: one cache
+TOKEN = "salt-cluster-token-0123456789"  # /debug/decisions answers it alone, not an API key
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
 
 PROMPT = ("You are the help desk of a lighthouse museum. Answer briefly, politely and only with facts "
@@ -39,9 +42,10 @@ PROMPT = ("You are the help desk of a lighthouse museum. Answer briefly, politel
 
 @pytest.fixture(scope="module")
 def cluster():
-    keys = (ApiKey(KEY_A, "tenant-a"), ApiKey(KEY_B, "tenant-b"), ApiKey(KEY_C))
+    keys = (ApiKey(KEY_A, "tenant-a"), ApiKey(KEY_B, "tenant-b"), ApiKey(KEY_C), ApiKey(KEY_D), ApiKey(KEY_E),
+            ApiKey(KEY_F, "team"), ApiKey(KEY_G, "team"))
     with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="128MiB",
-                 api_keys=keys) as c:
+                 api_keys=keys, cluster_token=TOKEN) as c:
         yield c
 
 
@@ -58,15 +62,15 @@ def complete(cluster: Cluster, key: str, cache_salt: str | None = None) -> int:
 
 
 def last_decision(cluster: Cluster) -> dict:
-    req = urllib.request.Request(f"{cluster.url}/debug/decisions?limit=1",
-                                 headers={"Authorization": f"Bearer {KEY_A}"})
+    req = urllib.request.Request(f"{cluster.url}/debug/decisions?limit=1", headers=cluster.auth_headers())
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())["decisions"][-1]
 
 
 def held(cluster: Cluster, name: str) -> set[int]:
     """The block hashes node ``name`` holds in the prefix index, as Redis has them."""
-    with urllib.request.urlopen(f"{cluster.node(name).addr}/debug/state", timeout=10) as r:
+    req = urllib.request.Request(f"{cluster.node(name).addr}/debug/state", headers=cluster.auth_headers())
+    with urllib.request.urlopen(req, timeout=10) as r:
         epoch = json.loads(r.read())["epoch"]
     with redis.Redis.from_url(cluster.redis_url, socket_timeout=2) as r:
         return {int(m) for m in r.smembers(blocks_key(name, epoch))}
@@ -118,13 +122,30 @@ def test_tenants_with_salted_keys_never_hit_each_others_cache(cluster, tokenizer
     assert last_decision(cluster)["node_cached_tokens"] == {}
 
 
+def test_keys_without_a_salt_never_hit_each_others_cache_keys_naming_one_salt_share_it(cluster, tokenizer):
+    """Keys configured without a cache salt each get their own (derived from the key): the
+    same long prompt from another such key gets no cached token and no predicted hit.
+    Keys naming the same salt share one cache: the second one's first request hits."""
+    assert complete(cluster, KEY_D) == 0
+    wait_held(cluster, prompt_hashes(tokenizer, effective_cache_salt(derived_salt(TOKEN, KEY_D), None)))
+    assert complete(cluster, KEY_D) >= 8 * BS  # its own repeat hits
+    assert complete(cluster, KEY_E) == 0  # D's blocks are in every cache: none of them is E's
+    d = last_decision(cluster)
+    assert d["predicted_cached_tokens"] == 0 and d["node_cached_tokens"] == {}, d
+    assert complete(cluster, KEY_F) == 0
+    wait_held(cluster, prompt_hashes(tokenizer, effective_cache_salt("team", None)))
+    assert complete(cluster, KEY_G) >= 8 * BS  # G's first request: F's blocks, its team's
+    assert last_decision(cluster)["predicted_cached_tokens"] >= 8 * BS
+
+
 def test_explicit_cache_salts_on_one_key_isolate_and_repeat(cluster, tokenizer):
+    key_c = derived_salt(TOKEN, KEY_C)  # KEY_C has no salt of its own: the one derived from it
     assert complete(cluster, KEY_C, cache_salt="x") == 0
-    wait_held(cluster, prompt_hashes(tokenizer, effective_cache_salt(None, "x")))
+    wait_held(cluster, prompt_hashes(tokenizer, effective_cache_salt(key_c, "x")))
     assert complete(cluster, KEY_C, cache_salt="y") == 0  # another salt: no hit
     d = last_decision(cluster)
     assert d["predicted_cached_tokens"] == 0 and d["node_cached_tokens"] == {}, d
-    assert complete(cluster, KEY_C) == 0  # no salt: the shared cache, which holds none of it
+    assert complete(cluster, KEY_C) == 0  # no request salt: the key's own cache, which holds none of it
     assert complete(cluster, KEY_C, cache_salt="x") >= 8 * BS  # its own salt again: a hit
     assert last_decision(cluster)["predicted_cached_tokens"] >= 8 * BS
     assert complete(cluster, KEY_A, cache_salt="x") == 0  # tenant A's "x" is not the key's "x"
