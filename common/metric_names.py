@@ -110,6 +110,9 @@ PLANNER_DECISIONS = PREFIX + "planner_decisions_total"  # counter, labels role, 
 PLANNER_NODES_CHANGED = PREFIX + "planner_nodes_changed_total"  # counter, labels role, action: started | drained
 PLANNER_ACTIONS = ("up", "down", "hold")
 PLANNER_SERIES = ("rate", "isl", "osl")
+# counter, label reason (common/outcomes.py ScrapeFailure): a router's /metrics the planner could not read
+PLANNER_SCRAPE_FAILURES = PREFIX + "planner_scrape_failures_total"
+PLANNER_ROUTERS_SCRAPED = PREFIX + "planner_routers_scraped"  # gauge: routers whose /metrics the last scrape read
 
 # ---- label values known in advance that are not outcomes (those are common/outcomes.py's
 # enums): every series starts at 0, so rate() and the alerts see a counter before its first

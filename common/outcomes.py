@@ -96,3 +96,11 @@ class StoreResult(StrEnum):
     OVER_SHARE = "over_share"  # the store's budget is full and its key holds more than its share: 429
     STORE_FULL = "store_full"  # the store's budget is full, its key within its share: 503
     UNAVAILABLE = "unavailable"  # Redis failed: not stored (logged), the request succeeds
+
+
+# ---- planner -----------------------------------------------------------------------------------
+class ScrapeFailure(StrEnum):
+    """Why the planner could not read a router's /metrics (deploy/planner/observe.py)."""
+    UNAUTHORIZED = "unauthorized"  # 401 / 403: --protect-metrics, and the planner lacks the cluster token
+    BAD_STATUS = "bad_status"  # any other answer than 200
+    UNREACHABLE = "unreachable"  # no answer: connection refused, timed out, reset

@@ -286,6 +286,10 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
         assert planner.router_urls == ("http://splitserve-router-pods:8000",)
         pod = by_kind(objs, "Deployment")["splitserve-planner"]["spec"]["template"]["spec"]
         assert pod["containers"][0]["ports"][0]["containerPort"] == planner.port
+        # the routers' /metrics under --protect-metrics take the cluster token
+        token = {e["name"]: e.get("valueFrom") for e in pod["containers"][0]["env"]}["SPLITSERVE_CLUSTER_TOKEN"]
+        assert token["secretKeyRef"]["key"] == "cluster-token"  # name: the generated splitserve-secrets-<hash>
+        assert token["secretKeyRef"]["name"].startswith("splitserve-secrets")
     redis = container(by_kind(objs, "Deployment")["splitserve-redis"])
     assert redis["command"] == ["sh", "-c"] and 'requirepass "$REDIS_PASSWORD"' in redis["args"][0]
     assert configs["splitserve-router"].redis_url == "redis://:pw@splitserve-redis:6379/0"

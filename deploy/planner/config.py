@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from ...common.auth import add_cluster_token_args, cluster_token_from_args
 from ...common.sim_profiles import SimDeployment, get_deployment
 from .policy import Bounds, PolicyConfig
 from .slo import Slo, add_slo_args, slo_from_args
@@ -28,6 +29,8 @@ class PlannerConfig:
     time_scale: float = 1.0  # a simulated cluster's --sim-speedup: profile seconds per wall second
     router_urls: tuple[str, ...] = ()
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
+    # Presented on the routers' /metrics (what --protect-metrics accepts besides an API key).
+    cluster_token: str | None = field(default=None, repr=False)
     model: str | None = None  # count only nodes serving this model (None: all)
     host: str = "127.0.0.1"
     port: int = 0  # /metrics, /debug/planner, /health (0: a free port)
@@ -81,6 +84,7 @@ def add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: b
         g.add_argument("--redis-url", default=None,
                        help="the node registry (default: $SPLITSERVE_REDIS_URL)")
         g.add_argument("--model", default=None, help="count only nodes of this served model")
+        add_cluster_token_args(g)  # the routers' /metrics under --protect-metrics
         g.add_argument("--host", default="127.0.0.1", help="bind address of /metrics and /debug/planner")
     g.add_argument(f("port"), type=int, default=8200 if standalone else 0,
                    help="port of /metrics and /debug/planner" + ("" if standalone else " (default: a free one)"))
@@ -89,7 +93,7 @@ def add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: b
 
 def planner_config(args: argparse.Namespace, prefix: str = "", **given) -> PlannerConfig:
     """The config of ``add_planner_args``'s flags; ``given`` fills what the caller knows
-    (``up``: router_urls, redis_url, model)."""
+    (``up``: router_urls, redis_url, model, cluster_token)."""
     key = prefix.replace("-", "_")
     a = lambda name: getattr(args, key + name)  # noqa: E731
     get_deployment(a("profile"))  # an unknown name fails here, naming the choices
@@ -101,7 +105,8 @@ def planner_config(args: argparse.Namespace, prefix: str = "", **given) -> Plann
         if not args.router_url:
             raise ValueError("planner: give the routers to read, --router-url URL (repeatable)")
         given = dict(given, router_urls=tuple(args.router_url), redis_url=redis_url_from(args.redis_url),
-                     model=args.model, host=args.host, export_only=True)
+                     model=args.model, host=args.host, export_only=True,
+                     cluster_token=cluster_token_from_args(args))
     return PlannerConfig(profile=a("profile"), slo=slo_from_args(args, prefix), policy=policy,
                          interval_s=a("interval"), window=a("predict_window"), ahead=a("predict_ahead"),
                          time_scale=a("time_scale"), port=a("port"), **given)

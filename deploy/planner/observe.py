@@ -12,6 +12,12 @@ per role and their heartbeat load).
     from Redis (common/registry.py)
       per role: nodes, running, waiting, queued prefill tokens, mean KV usage
 
+The routers' /metrics are read with the cluster token (what --protect-metrics accepts
+besides an API key). A router that cannot be read (401 / 403 without the token, another
+status, no answer) is logged by name and reason and kept in ``last_scrape``, which the
+planner counts (planner_scrape_failures_total) and shows: an interval is never planned on
+silently missing routers, and with none answering there is no observation at all.
+
 A share at or under a bound is read from the cumulative buckets, linear within the
 bucket that holds the bound. A counter that went down (a router restarted) counts from
 zero. With ``time_scale`` (a simulated cluster sped up k times) rates are divided and
@@ -33,6 +39,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from ...common import metric_names as names
+from ...common.auth import auth_headers
+from ...common.outcomes import ScrapeFailure
 from ...common.registry import REDIS_ERRORS, NodeInfo, NodeRegistry
 
 log = logging.getLogger(__name__)
@@ -81,6 +89,12 @@ class RouterTotals(NamedTuple):
     itl: Hist  # per request: its mean inter-token latency
     output_tokens: Hist
     routers: int  # answered the scrape
+
+
+class Scrape(NamedTuple):
+    """One scrape of every router: how many answered, and why the others did not."""
+    answered: int
+    failed: dict[str, ScrapeFailure]  # router address -> why
 
 
 class PoolState(NamedTuple):
@@ -173,14 +187,17 @@ class Observer:
     returns the interval since the previous call (None on the first)."""
 
     def __init__(self, router_urls: list[str], redis_url: str | None, ttft_s: float, itl_s: float,
-                 time_scale: float = 1.0, model: str | None = None, timeout_s: float = 5.0):
+                 time_scale: float = 1.0, model: str | None = None, timeout_s: float = 5.0,
+                 cluster_token: str | None = None):
         self.router_urls, self.redis_url, self.model = list(router_urls), redis_url, model
+        self._headers = auth_headers(cluster_token)  # what a router's protected /metrics accepts
         self.ttft_s, self.itl_s, self.k = ttft_s, itl_s, time_scale
         self.timeout_s = timeout_s
         self._last: tuple[float, RouterTotals] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._registry: NodeRegistry | None = None
         self.last_nodes: list[NodeInfo] = []  # the registry at the last observe()
+        self.last_scrape = Scrape(0, {})  # the routers at the last scrape()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -221,15 +238,27 @@ class Observer:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         session = self._session
 
+        failed: dict[str, ScrapeFailure] = {}
+
         async def one(url: str) -> RouterTotals | None:
             try:
-                async with session.get(f"{url}/metrics") as r:
-                    return parse_router_metrics(await r.text()) if r.status == 200 else None
+                async with session.get(f"{url}/metrics", headers=self._headers) as r:
+                    if r.status == 200:
+                        return parse_router_metrics(await r.text())
+                    failed[url] = ScrapeFailure.UNAUTHORIZED if r.status in (401, 403) else ScrapeFailure.BAD_STATUS
+                    hint = (" (--protect-metrics: give the planner the cluster token, --cluster-token-file or "
+                            "$SPLITSERVE_CLUSTER_TOKEN)" if failed[url] is ScrapeFailure.UNAUTHORIZED else "")
+                    log.warning("planner: router %s answered %d to /metrics%s; planning without it",
+                                url, r.status, hint)
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                log.warning("planner: cannot scrape %s: %r", url, e)
-                return None
+                failed[url] = ScrapeFailure.UNREACHABLE
+                log.warning("planner: cannot scrape router %s: %s: %s; planning without it", url,
+                            type(e).__name__, e)
+            return None
         got = [t for t in await asyncio.gather(*(one(u) for u in await self._endpoints())) if t is not None]
+        self.last_scrape = Scrape(len(got), failed)
         if not got:
+            log.warning("planner: no router's /metrics could be read: no observation, no decision")
             return None
         total = got[0]
         for t in got[1:]:

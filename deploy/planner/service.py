@@ -27,9 +27,10 @@ from aiohttp import web
 
 from ...common import metric_names as names
 from ...common.model_metrics import ModelMetrics
+from ...common.outcomes import ScrapeFailure
 from .actuator import Actuator, ExportOnly
 from .config import PlannerConfig
-from .observe import Observer
+from .observe import Observation, Observer
 from .perf import PoolModel
 from .policy import ROLES, Decision, Policy
 
@@ -53,6 +54,12 @@ class PlannerMetrics:
         self.decisions = m.counter(names.PLANNER_DECISIONS, "decisions per role and what they did",
                                    ["role", "action"])
         self.changed = m.counter(names.PLANNER_NODES_CHANGED, "nodes started or drained", ["role", "action"])
+        self.scrape_failures = m.counter(names.PLANNER_SCRAPE_FAILURES, "routers whose /metrics could not be "
+                                         "read, by reason (unauthorized: --protect-metrics and no cluster "
+                                         "token; bad_status; unreachable)", ["reason"])
+        self.routers_scraped = m.gauge(names.PLANNER_ROUTERS_SCRAPED, "routers whose /metrics the last scrape read")
+        for reason in ScrapeFailure:
+            self.scrape_failures.labels(reason=reason)
         for role in ROLES:
             for action in names.PLANNER_ACTIONS:
                 self.decisions.labels(role=role, action=action)
@@ -90,15 +97,25 @@ class Planner:
         self.policy = Policy(self.model, config.policy, ahead=config.ahead, window=config.window,
                              time_scale=config.time_scale)
         self.observer = Observer(list(config.router_urls), config.redis_url, config.slo.ttft_s, config.slo.itl_s,
-                                 config.time_scale, config.model)
+                                 config.time_scale, config.model, cluster_token=config.cluster_token)
         self.actuator: Actuator = actuator if actuator is not None else ExportOnly()
         self.decisions: deque[Decision] = deque(maxlen=config.history)
         self.metrics = PlannerMetrics(config.model or dep.prefill.model)
         self._lock = threading.Lock()  # /debug/planner may be read from another thread (up)
 
+    async def observe(self) -> Observation | None:
+        """The observer's interval (None: the first, or no router answered), its failed
+        reads counted."""
+        obs = await self.observer.observe()
+        scrape = self.observer.last_scrape
+        self.metrics.routers_scraped.set(scrape.answered)
+        for reason in scrape.failed.values():
+            self.metrics.scrape_failures.labels(reason=reason).inc()
+        return obs
+
     async def step(self) -> Decision | None:
         """One interval: observe, decide, apply, record. None until two scrapes exist."""
-        obs = await self.observer.observe()
+        obs = await self.observe()
         if obs is None:
             return None
         nodes = self.observer.last_nodes
@@ -117,7 +134,7 @@ class Planner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Decide every interval until ``stop``; a failing interval is logged, not fatal."""
-        await self.observer.observe()  # the baseline scrape
+        await self.observe()  # the baseline scrape
         try:
             while not stop.is_set():
                 try:
@@ -136,7 +153,10 @@ class Planner:
         c = self.config
         with self._lock:
             last = [msgspec.to_builtins(d) for d in list(self.decisions)[-n:]]
+        scrape = self.observer.last_scrape
+        routers = {"answered": scrape.answered, "failed": {url: str(why) for url, why in scrape.failed.items()}}
         return {"profile": c.deployment.describe(), "slo": c.slo.describe(), "interval_s": c.interval_s,
+                "routers": routers,
                 "time_scale": c.time_scale, "bounds": _bounds(c), "actuator": self.actuator.state(),
                 "prediction_errors": self.policy.errors(), "decisions": last}
 
@@ -239,7 +259,7 @@ def start_local_planner(args, cluster, model: str) -> PlannerThread:
     from .config import planner_config
 
     config = planner_config(args, "planner-", router_urls=tuple(cluster.urls), redis_url=cluster.redis_url,
-                            model=model)
+                            model=model, cluster_token=cluster.cluster_token)
     dep = config.deployment
     pools = LocalPools(cluster, {"prefill": dep.prefill.gpus, "decode": dep.decode.gpus})
     thread = PlannerThread(Planner(config, pools))
