@@ -142,3 +142,30 @@ async def test_an_unreachable_store_answers_a_generic_503_and_logs_the_cause(cap
         assert refusal(await s.admit("owner-a", 100)) is None  # storing is skipped, the request goes on
     finally:
         await s.close()
+
+
+def test_the_router_flags_set_the_store(monkeypatch):
+    import argparse
+
+    from splitserve.common.auth import RESPONSES_REDIS_URL_ENV
+    from splitserve.router.config import add_router_args, router_config
+
+    def config(*argv: str) -> RouterConfig:
+        p = argparse.ArgumentParser()
+        add_router_args(p)
+        return router_config(p.parse_args(list(argv)))
+    monkeypatch.delenv(RESPONSES_REDIS_URL_ENV, raising=False)
+    plain = config("--redis-url", "redis://registry:6379/0")
+    assert plain.responses_store_url == "redis://registry:6379/0"  # no Redis of their own: the registry's
+    assert (plain.responses_max_bytes, plain.responses_key_max_bytes) == (1 << 30, 64 << 20)
+    monkeypatch.setenv(RESPONSES_REDIS_URL_ENV, "redis://:pw@responses:6379/0")
+    own = config("--responses-max-bytes", "2GiB", "--responses-key-max-bytes", "8MiB",
+                 "--responses-key-max-entries", "50")
+    assert own.responses_store_url == "redis://:pw@responses:6379/0" and "pw" not in repr(own)
+    assert (own.responses_max_bytes, own.responses_key_max_bytes, own.responses_key_max_entries) == (
+        2 << 30, 8 << 20, 50)
+    assert config("--responses-redis-url", "redis://flag:6379/1").responses_store_url == "redis://flag:6379/1"
+    with pytest.raises(ValueError, match="--responses-key-max-bytes"):
+        config("--responses-key-max-bytes", "lots")
+    with pytest.raises(ValueError, match="responses_key_max_entries"):
+        config("--responses-key-max-entries", "0")
