@@ -201,7 +201,7 @@ class ResponseStore:
     async def usage(self) -> Usage:
         """The bytes the live entries cost, in all and per owner (expired ones until a put trims them)."""
         total, by_owner = await asyncio.gather(self._redis.get(BYTES_KEY), self._redis.hgetall(USAGE_KEY))
-        return Usage(int(total or 0), {k.decode(): int(v) for k, v in by_owner.items()})
+        return Usage(int(total or 0), {_text(k): int(v) for k, v in by_owner.items()})
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -224,7 +224,7 @@ class ResponseStore:
             log.warning("router: the response store's Redis failed, %s not stored: %s: %s",
                         response_id or "an entry", type(e).__name__, e)
             return Verdict(StoreResult.UNAVAILABLE)
-        return Verdict(StoreResult(result.decode()), int(wait))
+        return Verdict(StoreResult(_text(result)), int(wait))
 
 
 def refusal(verdict: Verdict) -> ApiError | None:
@@ -250,6 +250,10 @@ def allocated(nbytes: int) -> int:
         return max(16, -(-nbytes // 16) * 16)
     step = 1 << ((nbytes - 1).bit_length() - 3)
     return -(-nbytes // step) * step
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _owner(owner: str | None) -> str:
