@@ -339,6 +339,7 @@ def cmd_router(args) -> int:
 
 
 def _add_up_args(p: argparse.ArgumentParser) -> None:
+    from .deploy.local_redis import RESPONSES_SHARE
     from .router.config import add_model_args
 
     p.add_argument("--config", default=None, help="TOML file (default: deploy/local.toml)")
@@ -357,6 +358,13 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None,
                    help="use this Redis instead of starting one (default: $SPLITSERVE_REDIS_URL, else "
                         "start one with a random password); members get it in their environment")
+    p.add_argument("--responses-maxmemory", default=None, metavar="SIZE",
+                   help=f"the Redis of the routers' stored /v1/responses, one of its own: its maxmemory "
+                        f"(volatile-lru; the routers' budget is {RESPONSES_SHARE:.0%}% of it; default: "
+                        "deploy/local.toml's, 256MiB)")
+    p.add_argument("--startup-timeout", type=float, default=None, metavar="S",
+                   help="seconds until every node registered and every router sees them, else stop and "
+                        "exit 1 naming who is missing (default: deploy/local.toml's, 180)")
     p.add_argument("--host", default=None, help="bind address of the router and nodes (default: "
                    "deploy/local.toml's, 127.0.0.1)")
     add_model_args(p)
@@ -389,11 +397,11 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None, metavar="'KEY [cache_salt=SALT]'",
                    help="a client key the router requires as 'Authorization: Bearer <key>' on /v1/*, "
                         "optionally with its tenant's cache salt (repeatable; default: "
-                        "$SPLITSERVE_API_KEY, comma-separated; none: no authentication); prefer "
+                        "$SPLITSERVE_API_KEY, one spec per line; none: no authentication); prefer "
                         "--api-key-file or the environment: flags show in `ps`")
     p.add_argument("--api-key-file", default=None,
                    help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable by its "
-                        "owner only; the router gets the keys in its environment")
+                        "owner only; the router gets the keys in an owner-only file of its own")
     p.add_argument("--planner", action="store_true",
                    help="size the prefill and decode pools from the SLO and the load: start and drain "
                         "nodes (flags --planner-*; README 'The planner')")

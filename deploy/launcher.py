@@ -6,16 +6,27 @@ serving) and stops everything, draining, only on Ctrl-C/SIGTERM.
 
 Nothing is open: ``up`` starts Redis with a random password and generates the cluster
 token (common/auth.py); everything binds 127.0.0.1. No secret is ever on a member's
-command line, where every local user can read it (``ps``, /proc/<pid>/cmdline):
+command line, where every local user can read it (``ps``, /proc/<pid>/cmdline), and each
+member gets only the secrets it needs (deploy/member_secrets.py):
 
     secret              how it reaches its members
-    Redis password      redis-server: its config on stdin (``redis-server -``, ``requirepass``);
-                        router and nodes: the URL in $SPLITSERVE_REDIS_URL
+    Redis passwords     redis-server: its config on stdin (``redis-server -``, ``requirepass``);
+                        router and nodes: the URL in $SPLITSERVE_REDIS_URL; the router alone
+                        the responses Redis's in $SPLITSERVE_RESPONSES_REDIS_URL
     cluster token       router and nodes: $SPLITSERVE_CLUSTER_TOKEN
-    client API keys     router: $SPLITSERVE_API_KEY (key specs with their cache salts, read
-                        from ``up --api-key-file``, ``--api-key`` or the caller's own variable)
+    client API keys     router: --api-key-file, an owner-only file of ``up``'s (key specs with
+                        their cache salts, read from ``up --api-key-file``, ``--api-key`` or
+                        the caller's $SPLITSERVE_API_KEY), removed when ``up`` stops
 
 A process's environment is readable by its user and root only, like a 0600 file.
+
+``up`` starts two Redis instances (deploy/local_redis.py): the main one (registry, prefix
+index; ``noeviction``) and one for the routers' stored /v1/responses (``--responses-maxmemory``,
+``volatile-lru``), so no flood of stored responses can crowd out the registry. It prints
+its URL only once the cluster serves (deploy/readiness.py: every node registered, every
+router sees them), or fails after ``--startup-timeout`` naming who is missing, having
+stopped everything. It stops in order: the routers (no new requests), then the nodes
+(they drain, deregister and withdraw their index entries), then Redis.
 
 Defaults come from ``deploy/local.toml``; flags override them.
 
@@ -36,83 +47,30 @@ node) and restarts the node whole.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import tomllib
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from ..common.auth import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, auth_headers, new_cluster_token, redis_url_from
-from ..router.api_keys import API_KEY_ENV, ApiKey, api_keys_from_args
+from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token, redis_url_from
+from ..common.config import parse_size
+from ..router.api_keys import ApiKey, api_keys_from_args
 from .devices import DevicePlan, plan_devices
+from .local_redis import (MAIN_EVICTION, RESPONSES_EVICTION, RedisPolicy, free_port, responses_budget,
+                          start_redis)
+from .member import Proc
+from .member_secrets import KeyFile, member_env
+from .readiness import wait_serving
 from .supervisor import Supervisor
 
 DEFAULT_CONFIG = Path(__file__).with_name("local.toml")
-NODE_DRAIN_GRACE_S = 30.0  # the nodes' --drain-grace default: `up` waits that long (+5 s) on Ctrl-C
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(port: int | None = None, password: str | None = None) -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server on ``port`` (None: a free loopback port), no persistence,
-    requiring ``password`` when given (read from its stdin as config, never from its
-    command line); (process, url with the password). Starting it again on the same port
-    simulates a Redis restart."""
-    port = port or free_port()
-    proc = subprocess.Popen(["redis-server", "-", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert proc.stdin is not None, "started with stdin=PIPE"
-    with proc.stdin:  # `redis-server -` reads config lines from stdin until it closes
-        if password:
-            quoted = password.replace("\\", "\\\\").replace('"', '\\"')
-            proc.stdin.write(f'requirepass "{quoted}"\n'.encode())
-    hello = (f"AUTH {password}\r\n" if password else "").encode() + b"PING\r\n"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-                s.sendall(hello)
-                time.sleep(0.02)
-                if b"+PONG" in s.recv(64):
-                    user = f":{password}@" if password else ""
-                    return proc, f"redis://{user}127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start (is it installed? deploy/setup.sh installs it)")
-
-
-@dataclass(slots=True)
-class Proc:
-    name: str
-    popen: subprocess.Popen[str]  # stdout piped as text (Cluster._spawn)
-    ready: threading.Event = field(default_factory=threading.Event)
-    addr: str = ""
-    log: list[str] = field(default_factory=list)  # the last lines it printed
-    args: list[str] = field(default_factory=list)  # splitserve.cli arguments, to start it again
-    role: str = ""  # prefill | decode | colocated | router | fleet (its --cpus key)
-
-    def pump(self) -> None:
-        """Read the child's output: catch its READY line, echo the rest with its name."""
-        assert self.popen.stdout is not None, "started with stdout=PIPE"
-        for line in self.popen.stdout:
-            line = line.rstrip()
-            self.log = (self.log + [line])[-50:]
-            if line.startswith("READY ") and not self.ready.is_set():
-                self.addr = line.split()[1]
-                self.ready.set()
-            elif os.environ.get("SPLITSERVE_QUIET") != "1":
-                print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+NODE_DRAIN_GRACE_S = 30.0  # the nodes' and routers' --drain-grace default: `up` waits that long (+5 s) on Ctrl-C
+REDIS = "redis"  # the members that are Redis instances (member_names)
+RESPONSES_REDIS = "responses-redis"
 
 
 class Cluster:
@@ -124,7 +82,8 @@ class Cluster:
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
                  served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
-                 enforce_eager=False, tp=None, kv_offload=None):
+                 enforce_eager=False, tp=None, kv_offload=None, redis_maxmemory=None,
+                 responses_maxmemory=None):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -143,10 +102,17 @@ class Cluster:
         self.router_ports = [self.router_port] + [free_port() for _ in range(router_replicas - 1)]
         self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
         self.redis_password = redis_password  # for the Redis this cluster starts
-        # the router's client keys (str or router.api_keys.ApiKey); (): it reads $SPLITSERVE_API_KEY
+        # the router's client keys (str or router.api_keys.ApiKey), handed over in a file; (): none
         self.api_keys = tuple(k if isinstance(k, ApiKey) else ApiKey(k) for k in api_keys)
+        self.key_file = KeyFile(self.api_keys) if self.api_keys else None
         self.redis_url = redis_url
         self.redis: subprocess.Popen | None = None
+        self.redis_policy = RedisPolicy(redis_maxmemory, MAIN_EVICTION)  # bytes or None: unbounded
+        # With responses_maxmemory (bytes), a second Redis of that size holds the routers'
+        # stored responses (deploy/local_redis.py); None: they live in the main one.
+        self.responses_maxmemory: int | None = responses_maxmemory
+        self.responses_redis: subprocess.Popen | None = None
+        self.responses_redis_url: str | None = None
         self.procs: list[Proc] = []
         self._stopping = threading.Event()  # set by stop(): supervision ends
         self._supervisor: Supervisor | None = None
@@ -170,15 +136,7 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], role: str) -> Proc:
         """Start ``splitserve <args>`` as member ``name``; its secrets go in its environment
         (the module's table), never in ``args``."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop(CLUSTER_TOKEN_ENV, None)
-        if self.cluster_token:
-            env[CLUSTER_TOKEN_ENV] = self.cluster_token
-        env.pop(REDIS_URL_ENV, None)
-        if self.redis_url is not None:
-            env[REDIS_URL_ENV] = self.redis_url
-        if self.api_keys and role == "router":
-            env[API_KEY_ENV] = ",".join(k.spec() for k in self.api_keys)
+        env = member_env(role, self.redis_url, self.cluster_token, self.responses_redis_url)
         cmd = [sys.executable, "-m", "splitserve.cli", *args]
         if role in self.cpus:
             cmd = ["taskset", "-c", ",".join(map(str, self.cpus[role])), *cmd]
@@ -190,7 +148,14 @@ class Cluster:
         return proc
 
     def start_redis(self, port: int | None = None) -> None:
-        self.redis, self.redis_url = start_redis(port, self.redis_password)
+        """The main Redis (again on ``port`` when given: a restart)."""
+        self.redis, self.redis_url = start_redis(port, self.redis_password, self.redis_policy, own_session=True)
+
+    def start_responses_redis(self, port: int | None = None) -> None:
+        """The Redis of the routers' stored responses, with the main one's password."""
+        assert self.responses_maxmemory is not None, "a responses Redis needs its maxmemory"
+        self.responses_redis, self.responses_redis_url = start_redis(
+            port, self.redis_password, RedisPolicy(self.responses_maxmemory, RESPONSES_EVICTION), own_session=True)
 
     def auth_headers(self) -> dict[str, str]:
         """Headers for a request to a node's internal endpoints (/debug/state, ...)."""
@@ -199,7 +164,8 @@ class Cluster:
     # ---- supervision (deploy/supervisor.py) -----------------------------------------------
     def member_names(self) -> list[str]:
         names = [n for n in dict.fromkeys(p.name for p in self.procs) if n not in self.retired]
-        return names + (["redis"] if self.redis is not None else [])
+        return (names + ([REDIS] if self.redis is not None else [])
+                + ([RESPONSES_REDIS] if self.responses_redis is not None else []))
 
     def retire(self, name: str) -> Proc:
         """Take member ``name`` out of supervision for good and SIGTERM it: a node drains
@@ -217,17 +183,21 @@ class Cluster:
 
     def exit_code(self, name: str) -> int | None:
         """None while member ``name`` runs, else its exit status."""
-        if name == "redis":
-            assert self.redis is not None, "a member only while this cluster runs its own Redis"
-            return self.redis.poll()
+        if name in (REDIS, RESPONSES_REDIS):
+            proc = self.redis if name == REDIS else self.responses_redis
+            assert proc is not None, "a member only while this cluster runs its own Redis"
+            return proc.poll()
         return self.node(name).popen.poll()
 
     def respawn(self, name: str) -> None:
         """Start member ``name`` again as it was started (same node id, port, password)."""
         if self._stopping.is_set():
             return  # the cluster is stopping: its members exit on purpose
-        if name == "redis":
-            self.start_redis(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]))
+        if name == REDIS:
+            self.start_redis(_port_of(self.redis_url))
+            return
+        if name == RESPONSES_REDIS:
+            self.start_responses_redis(_port_of(self.responses_redis_url))
             return
         old = self.node(name)
         self._spawn(name, old.args, old.role)
@@ -249,14 +219,14 @@ class Cluster:
     def on_death(self, name: str) -> None:
         """A member died: kill what is left of its process group (a tensor-parallel node's
         worker ranks exit on their own when rank 0 goes; this makes sure), and forget it."""
-        if name != "redis":
+        if name not in (REDIS, RESPONSES_REDIS):
             kill_group(self.node(name).popen.pid)
         self.forget_node(name)
 
     def forget_node(self, name: str) -> None:
         """Delete a dead node's registry record now, so routers stop choosing it within
         one discovery poll (its index entries are keyed by the old epoch: never read again)."""
-        if name == "redis" or name.startswith("router") or self.redis_url is None:
+        if name in (REDIS, RESPONSES_REDIS) or name.startswith("router") or self.redis_url is None:
             return
         import redis
         from ..common.registry import node_key
@@ -294,24 +264,42 @@ class Cluster:
                 + (["--served-model-name", *c["served"]] if c["served"] else []))
 
     def start(self, timeout: float = 180.0) -> "Cluster":
-        if self.redis_url is None:
-            self.start_redis()
+        """Start Redis (unless given), the nodes and the routers; return once it serves
+        (deploy/readiness.py) or stop everything and raise ``NotServing`` after ``timeout``."""
+        self._start_redises()
         c = self.cfg
         nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
         decode_role = "colocated" if c["colocated"] else "decode"
         nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
         routers = self.start_routers()
-        for p in [*nodes, *routers]:
-            self.wait_ready(p, timeout)
-        self.wait_for_nodes(len(nodes), timeout)
+        self.wait_serving([*nodes, *routers], {self.node_id_of(p.name): p for p in nodes},
+                          {"prefill": c["prefill_nodes"], decode_role: c["decode_nodes"]}, timeout)
         return self
+
+    def _start_redises(self) -> None:
+        if self.redis_url is None:
+            self.start_redis()
+        if self.responses_maxmemory is not None and self.responses_redis is None:
+            self.start_responses_redis()
+
+    def wait_serving(self, members: list[Proc], nodes: dict[str, Proc], roles: dict[str, int],
+                     timeout: float) -> None:
+        """readiness.wait_serving; on failure every member is stopped before it raises."""
+        try:
+            wait_serving(members, nodes, self.urls, roles, self.redis_url, timeout)
+        except BaseException:
+            self.stop()
+            raise
 
     def _router_args(self, port: int | None = None) -> list[str]:
         c = self.cfg
         policy = ["--policy", c["policy"]] if c["policy"] else []  # None: the router's default
         port = port or self.router_port
+        keys = ["--api-key-file", self.key_file.path()] if self.key_file is not None else []
+        store = (["--responses-max-bytes", str(responses_budget(self.responses_maxmemory))]
+                 if self.responses_maxmemory is not None else [])  # the store refuses before Redis evicts
         return ["router", "--host", c["host"], "--port", str(port),  # Redis: $SPLITSERVE_REDIS_URL
-                *policy, *self._model_args(), *c["router_args"]]
+                *policy, *keys, *store, *self._model_args(), *c["router_args"]]
 
     def wait_ready(self, p: Proc, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -343,30 +331,22 @@ class Cluster:
         return next(p for p in reversed(self.procs) if p.name == name)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the router first (it stops taking requests), then the nodes (they
-        drain); whatever has not exited after ``grace_s`` is killed."""
+        """Idempotent. SIGTERM the routers and wait for them (no new requests; those in
+        flight finish while the nodes still run), then the nodes (they drain, deregister and
+        withdraw their index entries while Redis still answers), then stop Redis. Each
+        group gets ``grace_s``; what has not exited by then is killed."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.close()
             self._supervisor = None
-        running = [p for p in self.procs if p.popen.poll() is None]
-        routers = [p for p in self.procs if p.role == "router"]
-        for group in (routers, [p for p in self.procs if p.role != "router"]):
-            for p in group:
-                if p.popen.poll() is None:
-                    p.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in self.procs:
-            try:
-                p.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
-            if p in running:
-                kill_group(p.popen.pid)  # a worker rank that outlived its node
-        if self.redis is not None and self.redis.poll() is None:
-            self.redis.terminate()
-            self.redis.wait(5)
+        _stop_group([p for p in self.procs if p.role == "router"], grace_s)
+        if self.key_file is not None:
+            self.key_file.close()  # a router started again would find no keys: none will be
+        _stop_group([p for p in self.procs if p.role != "router"], grace_s)
+        for proc in (self.responses_redis, self.redis):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(5)
 
     def __enter__(self):
         return self.start()
@@ -417,8 +397,7 @@ class SimCluster(Cluster):
         return f"{name}-{name.rsplit('-', 1)[0]}-0" if self.per_node else name  # sim_fleet's <prefix>-<role>-<i>
 
     def start(self, timeout: float = 180.0) -> "SimCluster":
-        if self.redis_url is None:
-            self.start_redis()
+        self._start_redises()
         c, k = self.cfg, self.fleet_procs
         if self.per_node:
             fleets = [self.start_node(role, i) for role in ("prefill", "decode") for i in range(c[f"{role}_nodes"])]
@@ -429,9 +408,9 @@ class SimCluster(Cluster):
                 fleets.append(self._spawn(f"fleet-{i}", self._fleet_args(
                     share(c["prefill_nodes"]), share(c["decode_nodes"]), f"f{i}"), "fleet"))
         routers = self.start_routers()
-        for p in [*fleets, *routers]:
-            self.wait_ready(p, timeout)
-        self.wait_for_nodes(c["prefill_nodes"] + c["decode_nodes"], timeout)
+        # a fleet's READY line counts its nodes: only the routers can tell which registered
+        self.wait_serving([*fleets, *routers], {}, {"prefill": c["prefill_nodes"], "decode": c["decode_nodes"]},
+                          timeout)
         return self
 
 
@@ -446,6 +425,27 @@ class TierFlags(NamedTuple):
         if self.dir:
             args += ["--kv-offload-dir", os.path.join(self.dir, node_id)]
         return args + (["--kv-offload-disk-bytes", self.disk_bytes] if self.disk_bytes else [])
+
+
+def _stop_group(procs: list[Proc], grace_s: float) -> None:
+    """SIGTERM every running process of ``procs``, wait up to ``grace_s`` for all of them,
+    kill the rest, and whatever is left of each one's process group (its worker ranks)."""
+    running = [p for p in procs if p.popen.poll() is None]
+    for p in running:
+        p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.popen.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+        kill_group(p.popen.pid)  # a worker rank that outlived its node
+
+
+def _port_of(url: str | None) -> int:
+    assert url is not None, "a Redis this cluster started has a URL"
+    return int(url.rsplit(":", 1)[1].split("/")[0])
 
 
 def kill_group(pgid: int) -> None:
@@ -512,6 +512,9 @@ def launch(args) -> int:
                       kv_offload=TierFlags(getattr(args, "kv_offload_memory", None),
                                            getattr(args, "kv_offload_dir", None),
                                            getattr(args, "kv_offload_disk_bytes", None)),
+                      redis_maxmemory=parse_size(defaults["redis_maxmemory"], "redis_maxmemory"),
+                      responses_maxmemory=parse_size(pick("responses_maxmemory", "responses_maxmemory"),
+                                                     "--responses-maxmemory"),
                       # a node drained by the planner past its grace hands its streams to another
                       router_args=["--migration-limit", "2"] if getattr(args, "planner", False) else ())
     if getattr(args, "planner", False):  # bad planner flags fail before anything starts
@@ -522,7 +525,7 @@ def launch(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print("[splitserve] starting redis, nodes and router ...", file=sys.stderr, flush=True)
     try:
-        cluster.start()
+        cluster.start(timeout=pick("startup_timeout", "startup_timeout_s"))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

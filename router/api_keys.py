@@ -5,7 +5,8 @@ effective cache salt (tenant isolation of the prefix caches).
                             KEY cache_salt=SALT    a key whose requests are hashed under SALT
     --api-key SPEC          repeatable; shows in `ps`: prefer the file or the environment
     --api-key-file FILE     one spec per line; blank lines and lines starting with # skipped
-    $SPLITSERVE_API_KEY     specs separated by commas (read when neither of the above is given)
+    $SPLITSERVE_API_KEY     one spec per line (read when neither of the above is given); a
+                            comma is refused: keys are not comma-separated
 
 A request's effective salt (what its block hashes are made with, common/hashing.py
 ``hash_keys``), as JSON text of [key salt, request salt]::
@@ -35,7 +36,7 @@ from typing import NamedTuple
 
 from ..common.auth import check_secret, read_secret_file, token_matches, warn_secret_flag
 
-API_KEY_ENV = "SPLITSERVE_API_KEY"  # key specs separated by commas
+API_KEY_ENV = "SPLITSERVE_API_KEY"  # key specs, one per line
 SALT_OPTION = "cache_salt"
 MAX_KEY_SALT_CHARS = 256
 
@@ -51,25 +52,29 @@ class ApiKey(NamedTuple):
 
 def parse_key_spec(spec: str, where: str) -> ApiKey:
     """``KEY`` or ``KEY cache_salt=SALT`` -> ApiKey; ValueError naming ``where`` (the flag,
-    file line or variable it came from) otherwise. SALT: no whitespace or comma."""
+    file line or variable it came from) otherwise, never quoting the spec: any part of it
+    may be key material (a key with a space in it reads as a key and an option). SALT: no
+    whitespace or comma."""
     key, *options = spec.split()
     salt = None
     for option in options:
         name, sep, value = option.partition("=")
         if name != SALT_OPTION or not sep or not value or salt is not None:
-            raise ValueError(f"{where}: expected 'KEY' or 'KEY {SALT_OPTION}=SALT', got an option "
-                             f"{name!r}" + ("" if name == SALT_OPTION else " (a key has no whitespace)"))
+            raise ValueError(f"{where}: expected 'KEY' or 'KEY {SALT_OPTION}=SALT' (a key has no "
+                             f"whitespace; the one option is {SALT_OPTION}=, given once)")
         if "," in value or len(value) > MAX_KEY_SALT_CHARS:
             raise ValueError(f"{where}: {SALT_OPTION} must be at most {MAX_KEY_SALT_CHARS} characters "
                              "without whitespace or commas")
         salt = value
+    if key.startswith("#"):  # a key file would read it as a comment, and lose the key
+        raise ValueError(f"{where}: an api key must not start with '#'")
     check_secret(f"{where}: api key", key)
     return ApiKey(key, salt)
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[ApiKey, ...]:
     """--api-key specs plus the lines of --api-key-file; neither: $SPLITSERVE_API_KEY
-    (comma-separated specs). Raises ValueError naming the option or line at fault."""
+    (one spec per line). Raises ValueError naming the option or line at fault."""
     keys: list[ApiKey] = []
     for spec in args.api_key or []:
         if spec.strip():
@@ -78,13 +83,25 @@ def api_keys_from_args(args: argparse.Namespace) -> tuple[ApiKey, ...]:
         warn_secret_flag("--api-key", f"--api-key-file or ${API_KEY_ENV}")
     if getattr(args, "api_key_file", None) is not None:
         text = read_secret_file("api key file", args.api_key_file)
+        before = len(keys)
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip() and not line.lstrip().startswith("#"):
                 keys.append(parse_key_spec(line, f"{args.api_key_file}:{n}"))
+        if len(keys) == before:  # taken as "no keys", the router would be open to anyone
+            raise ValueError(f"api key file: {args.api_key_file} holds no key (only comments or blank lines)")
     if not keys:
-        specs = os.environ.get(API_KEY_ENV, "").split(",")
-        keys = [parse_key_spec(s, f"${API_KEY_ENV}") for s in specs if s.strip()]
+        keys = env_api_keys(os.environ.get(API_KEY_ENV, ""))
     return unique_keys(keys)
+
+
+def env_api_keys(value: str) -> list[ApiKey]:
+    """The key specs of $SPLITSERVE_API_KEY, one per line. A comma is refused: specs were
+    once comma-separated, and a key containing one would split into two keys, each half
+    authenticating alone."""
+    if "," in value:
+        raise ValueError(f"${API_KEY_ENV}: holds a comma; give one key spec per line (keys are not "
+                         "comma-separated, and a key cannot contain a comma here), or use --api-key-file")
+    return [parse_key_spec(line, f"${API_KEY_ENV}") for line in value.splitlines() if line.strip()]
 
 
 def unique_keys(keys: list[ApiKey] | tuple[ApiKey, ...]) -> tuple[ApiKey, ...]:

@@ -266,7 +266,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", action="append", default=None, metavar="'KEY [cache_salt=SALT]'",
                    help=f"a client key for 'Authorization: Bearer <key>' on /v1/* and /debug/*, "
                         "optionally with the cache salt of its tenant (repeatable; default: "
-                        f"${API_KEY_ENV}, comma-separated; none: no authentication); prefer "
+                        f"${API_KEY_ENV}, one spec per line; none: no authentication); prefer "
                         "--api-key-file or the environment: flags show in `ps`")
     s.add_argument("--api-key-file", default=None,
                    help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable "

@@ -94,7 +94,7 @@ def test_api_key_specs_carry_cache_salts_from_flags_files_and_env(tmp_path, monk
     f.chmod(0o600)
     assert _keys(["--api-key-file", str(f)]) == (ApiKey(a, "tenant-a"), ApiKey(b))
     assert _keys(["--api-key", f"{a} cache_salt=x", "--api-key", b]) == (ApiKey(a, "x"), ApiKey(b))
-    monkeypatch.setenv(API_KEY_ENV, f"{a} cache_salt=s-a, {b}")
+    monkeypatch.setenv(API_KEY_ENV, f"{a} cache_salt=s-a\n {b}\n")  # one spec per line
     assert _keys([]) == (ApiKey(a, "s-a"), ApiKey(b))
     assert _keys(["--api-key", b]) == (ApiKey(b),)  # flags and files win over the environment
     monkeypatch.delenv(API_KEY_ENV)
@@ -140,3 +140,45 @@ def test_config_reprs_hold_no_redis_password():
     for config in (node, planner):
         assert config.redis_url == url
         assert "pw-0123456789abcdef" not in repr(config) and "10.0.0.1" not in repr(config)
+
+
+def test_a_comma_in_the_api_key_variable_is_refused_never_split(monkeypatch):
+    """$SPLITSERVE_API_KEY holds one key spec per line: a comma is refused with a message
+    saying so (split on it, a key containing one became two keys, each half
+    authenticating alone); the message holds no key material. Files and flags keep a
+    comma inside a key: nothing splits there."""
+    from splitserve.router.api_keys import API_KEY_ENV, ApiKey
+    a, b = "key-a-0123456789", "key-b-0123456789"
+    for value in (f"{a},{b}", f"{a} cache_salt=x, {b}", f"{a},"):
+        monkeypatch.setenv(API_KEY_ENV, value)
+        with pytest.raises(ValueError, match=r"\$SPLITSERVE_API_KEY: .*comma.*one key spec per line") as e:
+            _keys([])
+        assert "0123456789" not in str(e.value)
+    assert _keys(["--api-key", f"{a},{b}"]) == (ApiKey(f"{a},{b}"),)
+
+
+def test_key_spec_errors_hold_no_key_material(tmp_path):
+    """Whatever is wrong with a key spec, the error names where it came from and what to
+    write, never a part of the spec (a key with a space in it reads as a key and an option)."""
+    from splitserve.router.api_keys import parse_key_spec
+    secret = "SeCrEt"
+    for spec in (f"key-{secret}-part one{secret}two", f"key-{secret}-part {secret}=x",
+                 f"key-{secret}-0123 cache_salt=a cache_salt={secret}", f"key-{secret}-0123 cache_salt=",
+                 f"key-{secret}-0123 cache_salt={secret}," + "s" * 300, f"#{secret}-0123456789",
+                 f"{secret} cache_salt=x"):
+        with pytest.raises(ValueError) as e:
+            parse_key_spec(spec, "keys.txt:3")
+        assert str(e.value).startswith("keys.txt:3: ") and secret not in str(e.value), str(e.value)
+
+
+def test_an_api_key_file_without_a_key_is_refused(tmp_path, monkeypatch):
+    """A key file holding only comments and blank lines is an error, not 'no keys' (which
+    would leave the router open to anyone)."""
+    from splitserve.router.api_keys import API_KEY_ENV
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    f = tmp_path / "keys"
+    f.write_text("# nobody yet\n\n")
+    f.chmod(0o600)
+    with pytest.raises(ValueError, match="holds no key"):
+        _keys(["--api-key-file", str(f)])
+

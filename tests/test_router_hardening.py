@@ -241,7 +241,7 @@ def test_router_defaults_to_loopback_and_no_key(monkeypatch):
 
 
 def test_keys_and_token_from_flags_files_and_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPLITSERVE_API_KEY", f" {KEYS[0]} ,{KEYS[1]}")
+    monkeypatch.setenv("SPLITSERVE_API_KEY", f" {KEYS[0]} \n{KEYS[1]}")  # one spec per line
     monkeypatch.setenv(CLUSTER_TOKEN_ENV, "env-token-0123456789")
     c = parse([])
     assert keys_of(c) == KEYS and c.cluster_token == "env-token-0123456789"

@@ -9,12 +9,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
+import redis
 
 from splitserve.deploy.launcher import free_port
 from splitserve.node.shm_segments import list_segments, owner_pid
@@ -55,7 +58,7 @@ def test_up_restarts_a_killed_node_and_ctrl_c_stops_cleanly():
         url = f"http://127.0.0.1:{port}"
         want = completion(url)
         nodes = {m["name"] for m in get_json(status_url)["members"]}
-        assert nodes == {"prefill-0", "decode-0", "router", "redis"}
+        assert nodes == {"prefill-0", "decode-0", "router", "redis", "responses-redis"}
 
         # the launcher's children are in their own sessions: find the prefill node's pid
         ps = _children(up.pid, "splitserve.cli prefill")
@@ -156,18 +159,37 @@ def _proc_file(pid: int, name: str) -> list[str]:
         return []
 
 
-def test_up_puts_no_secret_on_any_command_line_and_still_serves(tmp_path):
-    """Every process `up` starts (redis-server, both nodes, the router) gets the Redis
-    password, the cluster token and the API keys in its environment; none of them is on
-    any of their command lines (what `ps` shows every local user). The nodes carry `up`'s
-    --load-format and --enforce-eager, and the cluster serves a keyed client."""
-    keys = ["tenant-a-key-" + "a" * 16, "tenant-b-key-" + "b" * 16]
+def _env_of(pid: int) -> dict[str, str]:
+    return dict(kv.split("=", 1) for kv in _proc_file(pid, "environ") if "=" in kv)
+
+
+def _by_kind(pids: list[int]) -> dict[str, list[int]]:
+    """kind (redis-server, cli router, cli prefill, cli decode) -> the pids of that kind."""
+    found: dict[str, list[int]] = {}
+    for pid in pids:
+        line = " ".join(_proc_file(pid, "cmdline"))
+        kind = next((k for k in ("redis-server", "cli router", "cli prefill", "cli decode") if k in line), None)
+        if kind:
+            found.setdefault(kind, []).append(pid)
+    return found
+
+
+def test_up_puts_no_secret_on_any_command_line_and_each_member_gets_only_its_own(tmp_path):
+    """Every process `up` starts gets the secrets it needs and no other: the nodes and
+    the router the Redis URL and the cluster token in their environment, the router the
+    API keys in an owner-only file of `up`'s private folder (a key with a comma in it
+    stays one key: neither half authenticates), redis-server none at all, and nobody
+    the caller's own $SPLITSERVE_API_KEY. No secret is on any command line (what `ps`
+    shows every local user); the key file is gone once `up` stopped. The nodes carry
+    `up`'s --load-format and --enforce-eager, and the cluster serves a keyed client."""
+    keys = ["tenant-a-key," + "a" * 16, "tenant-b-key-" + "b" * 16]
+    caller_key = "caller-env-key-0123456789"
     key_file = tmp_path / "keys"
     key_file.write_text(f"# two tenants\n{keys[0]} cache_salt=tenant-a\n{keys[1]} cache_salt=tenant-b\n")
     key_file.chmod(0o600)
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
-    for name in ("SPLITSERVE_API_KEY", "SPLITSERVE_REDIS_URL", "SPLITSERVE_CLUSTER_TOKEN"):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1", SPLITSERVE_API_KEY=caller_key)
+    for name in ("SPLITSERVE_REDIS_URL", "SPLITSERVE_CLUSTER_TOKEN"):
         env.pop(name, None)
     up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
                            "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-cache-memory", "32MiB",
@@ -180,30 +202,42 @@ def test_up_puts_no_secret_on_any_command_line_and_still_serves(tmp_path):
         while not any("supervisor status" in ln for ln in lines):
             assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
             lines.append(up.stdout.readline().rstrip())
-        procs = {pid: (_proc_file(pid, "cmdline"), dict(
-            kv.split("=", 1) for kv in _proc_file(pid, "environ") if "=" in kv)) for pid in _descendants(up.pid)}
-        by_kind = {}
-        for pid, (argv, _) in procs.items():
-            line = " ".join(argv)
-            kind = next((k for k in ("redis-server", "cli router", "cli prefill", "cli decode") if k in line), None)
-            if kind:
-                by_kind.setdefault(kind, []).append(pid)
-        assert {k: len(v) for k, v in by_kind.items()} == {
-            "redis-server": 1, "cli router": 1, "cli prefill": 1, "cli decode": 1}, procs
+        pids = _descendants(up.pid)
+        procs = {pid: (_proc_file(pid, "cmdline"), _env_of(pid)) for pid in pids}
+        by_kind = _by_kind(pids)
+        assert {k: len(v) for k, v in by_kind.items()} == {  # Redis: the main one and the responses'
+            "redis-server": 2, "cli router": 1, "cli prefill": 1, "cli decode": 1}, procs
         # the secrets, as the members really got them (their environments)
-        router_env = procs[by_kind["cli router"][0]][1]
+        router_argv, router_env = procs[by_kind["cli router"][0]]
         redis_url = router_env["SPLITSERVE_REDIS_URL"]
         password = urllib.parse.urlsplit(redis_url).password
         token = router_env["SPLITSERVE_CLUSTER_TOKEN"]
         assert password and len(password) >= 16 and len(token) >= 16
-        assert all(k in router_env["SPLITSERVE_API_KEY"] for k in keys)
+        router_keys = Path(router_argv[router_argv.index("--api-key-file") + 1])
+        assert router_keys.stat().st_mode & 0o777 == 0o600 and router_keys.parent.stat().st_mode & 0o777 == 0o700
+        assert router_keys.read_text().split("\n")[:2] == [f"{keys[0]} cache_salt=tenant-a",
+                                                            f"{keys[1]} cache_salt=tenant-b"]
         for kind in ("cli prefill", "cli decode"):
             node_env = procs[by_kind[kind][0]][1]
             assert node_env["SPLITSERVE_REDIS_URL"] == redis_url and node_env["SPLITSERVE_CLUSTER_TOKEN"] == token
-            assert "SPLITSERVE_API_KEY" not in node_env  # clients' keys are the router's alone
-        for pid, (argv, _) in procs.items():
+            assert "SPLITSERVE_RESPONSES_REDIS_URL" not in node_env  # the routers' alone
+        # stored responses: a Redis of their own, evicting only entries with a TTL, under the
+        # router's budget; the registry's refuses writes rather than evict
+        responses_url = router_env["SPLITSERVE_RESPONSES_REDIS_URL"]
+        assert responses_url != redis_url and urllib.parse.urlsplit(responses_url).password
+        assert router_argv[router_argv.index("--responses-max-bytes") + 1] == str(192 << 20)
+        with redis.Redis.from_url(responses_url) as r:
+            memory = r.config_get("maxmemory*")
+            assert memory["maxmemory"] == str(256 << 20) and memory["maxmemory-policy"] == "volatile-lru"
+        with redis.Redis.from_url(redis_url) as r:
+            assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+            assert int(r.config_get("maxmemory")["maxmemory"]) == 1 << 30
+        for pid in by_kind["redis-server"]:
+            assert not {n for n in procs[pid][1] if n.startswith("SPLITSERVE_")}, sorted(procs[pid][1])
+        for pid, (argv, penv) in procs.items():
+            assert "SPLITSERVE_API_KEY" not in penv, argv[:3]  # clients' keys: the router's file only
             line = " ".join(argv)
-            for secret in (password, token, *keys):
+            for secret in (password, token, *keys, caller_key):
                 assert secret not in line, f"a secret on the command line of {pid}: {argv[:3]}..."
             assert "--redis-url" not in argv and "--cluster-token" not in argv and "--api-key" not in argv
         for kind in ("cli prefill", "cli decode"):
@@ -212,7 +246,10 @@ def test_up_puts_no_secret_on_any_command_line_and_still_serves(tmp_path):
         assert not any(k in "\n".join(lines) for k in keys)
         body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The sea is", "max_tokens": 4,
                            "temperature": 0}).encode()
-        for headers, want in (({}, 401), ({"Authorization": f"Bearer {keys[1]}"}, 200)):
+        halves = keys[0].split(",")
+        for key, want in ((None, 401), (keys[1], 200), (keys[0], 200), (halves[0], 401), (halves[1], 401),
+                          (caller_key, 401)):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
             req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json", **headers})
             try:
@@ -220,10 +257,21 @@ def test_up_puts_no_secret_on_any_command_line_and_still_serves(tmp_path):
                     status, answer = r.status, json.loads(r.read())
             except urllib.error.HTTPError as e:
                 status = e.code
-            assert status == want
-        assert answer["usage"]["completion_tokens"] == 4
+            assert status == want, key
+            if want == 200:
+                assert answer["usage"]["completion_tokens"] == 4
+        stored = json.dumps({"model": "SmolLM2-135M-Instruct", "input": "Hi", "max_output_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/responses", data=stored, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {keys[1]}"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            response_id = json.loads(r.read())["id"]
+        with redis.Redis.from_url(responses_url) as r:
+            assert r.exists(f"splitserve:response:{response_id}")
+        with redis.Redis.from_url(redis_url) as r:
+            assert not list(r.scan_iter("splitserve:response*"))
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
+        assert not router_keys.exists() and not router_keys.parent.exists()
     finally:
         if up.poll() is None:
             up.kill()
@@ -237,7 +285,7 @@ def test_up_api_key_reaches_the_router(how):
     key, other = "k" * 24 + how, "o" * 24
     port = free_port()
     flag = ["--api-key", key] if how == "flag" else []
-    env = {"SPLITSERVE_API_KEY": f"{key},{'x' * 24}"} if how == "env" else {}
+    env = {"SPLITSERVE_API_KEY": f"{key}\n{'x' * 24}\n"} if how == "env" else {}  # one spec per line
     with small_up(port, flag, env) as (up, lines):
         assert key not in "\n".join(lines)  # the banner shows where the key goes, not the key
         url = f"http://127.0.0.1:{port}"
@@ -271,3 +319,126 @@ def test_up_router_replicas_prints_every_url_and_each_one_routes():
             assert isinstance(completion(url), str)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _read_lines(proc: subprocess.Popen, into: list[str]) -> threading.Thread:
+    """A thread appending ``proc``'s output lines to ``into`` until it closes."""
+    def pump():
+        for line in proc.stdout:
+            into.append(line.rstrip())
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    return t
+
+
+def test_ctrl_c_stops_the_routers_then_the_nodes_then_redis_and_nothing_warns():
+    """A terminal's Ctrl-C reaches `up`'s whole process group: the routers stop first (no
+    new requests), then the nodes drain (they deregister and drop their index entries
+    while Redis still answers), then Redis; no member logs a failed deregistration, a
+    failed index cleanup or an unreachable Redis."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("SPLITSERVE_API_KEY", "SPLITSERVE_REDIS_URL", "SPLITSERVE_CLUSTER_TOKEN", "SPLITSERVE_QUIET"):
+        env.pop(name, None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
+                           "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-cache-memory", "32MiB",
+                           "--kv-backend", "tcp", "--router-replicas", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True)  # its own process group, as in a terminal
+    lines: list[str] = []
+    reader = _read_lines(up, lines)
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            time.sleep(0.1)
+        assert isinstance(completion(f"http://127.0.0.1:{port}"), str)
+        kinds = _by_kind(_descendants(up.pid))
+        assert {k: len(v) for k, v in kinds.items()} == {
+            "redis-server": 2, "cli router": 2, "cli prefill": 1, "cli decode": 1}, kinds
+        os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
+        exited: dict[int, float] = {}
+        while up.poll() is None and time.monotonic() < deadline + 120:
+            now = time.monotonic()
+            exited.update({pid: now for pids in kinds.values() for pid in pids
+                           if pid not in exited and _exited(pid)})
+            time.sleep(0.005)
+        assert up.wait(5) == 0
+        reader.join(5)
+        when = {kind: [exited.get(pid, time.monotonic()) for pid in pids] for kind, pids in kinds.items()}
+        nodes = when["cli prefill"] + when["cli decode"]
+        assert max(when["cli router"]) <= min(nodes) and max(nodes) <= min(when["redis-server"]), when
+        noise = [ln for ln in lines if re.search(r"deregister.*failed|dropping the entries.*failed|"
+                                                 r"Redis unreachable|events unavailable", ln)]
+        assert not noise, "\n".join(noise)
+        assert any("node decode-0 drained" in ln for ln in lines)
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def test_up_never_says_it_serves_before_its_own_nodes_registered():
+    """Redis full (maxmemory reached, noeviction) and still holding the records of a
+    previous run's nodes, long dead: the router sees two nodes, but `up`'s own never
+    registered. `up` must not print its URL: after --startup-timeout it names the nodes
+    that did not register, stops every member and exits 1."""
+    import asyncio
+
+    from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
+    from splitserve.deploy.launcher import start_redis
+    redis_proc, url = start_redis(password="stale-pw-0123456789")
+
+    async def leave_stale_records():
+        registry = NodeRegistry(url, ttl_s=600)
+        for role in ("prefill", "decode"):
+            await registry.heartbeat(NodeInfo(node_id=f"{role}-0", role=role, http_addr="http://127.0.0.1:9",
+                                              model="SmolLM2-135M-Instruct", epoch=new_epoch()))
+        await registry.close()
+
+    asyncio.run(leave_stale_records())
+    import redis
+    with redis.Redis.from_url(url) as r:
+        r.config_set("maxmemory", 1)  # every write from now on: OOM
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            r.set("probe", "x")
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1", SPLITSERVE_REDIS_URL=url)
+    for name in ("SPLITSERVE_API_KEY", "SPLITSERVE_CLUSTER_TOKEN"):
+        env.pop(name, None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
+                           "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-cache-memory", "32MiB",
+                           "--kv-backend", "tcp", "--startup-timeout", "45"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    reader = _read_lines(up, lines)
+    members: dict[str, list[int]] = {}  # kind -> pids, as seen while it ran
+    try:
+        t0 = time.monotonic()
+        while up.poll() is None and time.monotonic() - t0 < 150:
+            for kind, pids in _by_kind(_descendants(up.pid)).items():
+                members[kind] = sorted(set(members.get(kind, [])) | set(pids))
+            time.sleep(0.2)
+        assert up.wait(1) == 1, "\n".join(lines[-30:])
+        reader.join(5)
+        out = "\n".join(lines)
+        assert "is serving" not in out and "supervisor status" not in out, out
+        error = next(ln for ln in lines if ln.startswith("error:"))
+        assert "prefill-0" in error and "decode-0" in error and "registered" in error, error
+        assert set(members) == {"redis-server", "cli router", "cli prefill", "cli decode"}, members  # started ...
+        assert all(_exited(pid) for pids in members.values() for pid in pids)  # ... and left none running
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        redis_proc.kill()
+        redis_proc.wait()
