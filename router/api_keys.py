@@ -8,6 +8,20 @@ effective cache salt (tenant isolation of the prefix caches).
     $SPLITSERVE_API_KEY     one spec per line (read when neither of the above is given); a
                             comma is refused: keys are not comma-separated
 
+A key's salt (``resolve_salts``, when the router's config is resolved):
+
+    the key spec            --shared-prefix-cache   the key's salt
+    KEY cache_salt=SALT     either                  SALT: keys naming one salt share one cache
+    KEY                     off (the default)       "key <HMAC of KEY>": a cache of its own
+    KEY                     on                      none: the one unsalted cache of every such key
+
+A derived salt is an HMAC-SHA256 of the key under a secret derived from the cluster token
+(``derived_salt``; a public label without one), never the key nor a plain hash of it:
+salts travel to the nodes and may be logged, and a plain hash would confirm a guessed key
+offline. Every router replica of a cluster shares the token, so they derive the same
+salts; a new token gives each key a new, empty cache. An explicit SALT has no whitespace,
+so it never equals a derived one. Without API keys nothing is salted (one client).
+
 A request's effective salt (what its block hashes are made with, common/hashing.py
 ``hash_keys``), as JSON text of [key salt, request salt]::
 
@@ -19,10 +33,10 @@ A request's effective salt (what its block hashes are made with, common/hashing.
 
 A request's own ``cache_salt`` narrows its key's namespace and never replaces it: the
 key's salt always sits in the first place, which no request can write, so whatever a
-client sends it cannot name another tenant's blocks, and the salts of keys need not be
-secret. Keys with the same salt share one cache (one tenant, several keys); keys without
-a salt share the unsalted cache, as before salts existed, unless their requests bring
-their own ``cache_salt``.
+client sends it cannot name another tenant's blocks. With keys, only
+--shared-prefix-cache leaves a key's salt empty: then its requests share the unsalted
+cache (a request's ``cached_tokens`` tells what the other keys' prompts began with)
+unless they bring their own ``cache_salt``.
 
 Must not log a key, or compare keys in time that depends on where they differ.
 """
@@ -30,6 +44,8 @@ Must not log a key, or compare keys in time that depends on where they differ.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import json
 import os
 from typing import NamedTuple
@@ -39,6 +55,7 @@ from ..common.auth import check_secret, read_secret_file, token_matches, warn_se
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # key specs, one per line
 SALT_OPTION = "cache_salt"
 MAX_KEY_SALT_CHARS = 256
+SALT_LABEL = b"splitserve key cache salt v1"  # the derived salts' secret label (a new version: new salts)
 
 
 class ApiKey(NamedTuple):
@@ -111,6 +128,25 @@ def unique_keys(keys: list[ApiKey] | tuple[ApiKey, ...]) -> tuple[ApiKey, ...]:
         if salts.setdefault(k.key, k.cache_salt) != k.cache_salt:
             raise ValueError("api keys: one key is listed twice with different cache salts")
     return tuple(ApiKey(key, salt) for key, salt in salts.items())
+
+
+def resolve_salts(keys: tuple[ApiKey, ...], cluster_token: str | None,
+                  shared_prefix_cache: bool) -> tuple[ApiKey, ...]:
+    """``keys`` with each key without a salt given its derived one (the first table),
+    unless ``shared_prefix_cache``. Resolving resolved keys changes nothing."""
+    if shared_prefix_cache:
+        return keys
+    return tuple(k if k.cache_salt is not None else ApiKey(k.key, derived_salt(cluster_token, k.key))
+                 for k in keys)
+
+
+def derived_salt(cluster_token: str | None, key: str) -> str:
+    """The cache salt of ``key`` when it has none of its own: "key " and 32 hex digits of
+    HMAC-SHA256(HMAC-SHA256(cluster token, SALT_LABEL), key) (SALT_LABEL alone as the
+    secret without a token)."""
+    secret = SALT_LABEL if cluster_token is None else hmac.new(cluster_token.encode(), SALT_LABEL,
+                                                               hashlib.sha256).digest()
+    return "key " + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def matched_key(keys: tuple[ApiKey, ...], presented: str | None) -> ApiKey | None:

@@ -10,7 +10,7 @@ from ..common.auth import (REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV, add_cluster_t
                            cluster_token_from_args, redis_url_from)
 from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
 from ..common.config import parse_size
-from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, unique_keys
+from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, resolve_salts, unique_keys
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 # --policy's names, the default first; router/policy_registry.py maps each to its policy.
@@ -121,9 +121,12 @@ class RouterConfig:
     node_connect_timeout_s: float = 2.0
     # Clients must send "Authorization: Bearer <one of these>" on /v1/* and /debug/*; a key's
     # cache salt isolates its requests' prefix caches (router/api_keys.py). Plain strings are
-    # read as keys without a salt. Empty: no authentication (fine on loopback; warned about
-    # anywhere else).
+    # read as keys without a salt, and resolved to keys with one derived from the key unless
+    # shared_prefix_cache. Empty: no authentication (fine on loopback; warned about anywhere else).
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    # Keys without a cache salt share the one unsalted prefix cache (off: each has its own):
+    # a request's cached_tokens then tells a key what the others' prompts began with.
+    shared_prefix_cache: bool = False
     protect_health: bool = False  # /health also needs an API key (off: probes stay simple)
     protect_metrics: bool = False  # /metrics also needs an API key
     # Sent to the nodes on every internal request; shows request ids on /debug/decisions
@@ -195,13 +198,14 @@ class RouterConfig:
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s: must be >= 0, got {self.drain_grace_s}")
         keys = unique_keys([ApiKey(k) if isinstance(k, str) else ApiKey(*k) for k in self.api_keys])
-        object.__setattr__(self, "api_keys", keys)  # resolved before anyone reads it
         for k in keys:
             check_secret("api key", k.key)
             if k.cache_salt is not None and (not isinstance(k.cache_salt, str) or not k.cache_salt):
                 raise ValueError("api key cache salt: must be a non-empty string")
         if self.cluster_token is not None:
             check_secret("cluster token", self.cluster_token)
+        keys = resolve_salts(keys, self.cluster_token, self.shared_prefix_cache)
+        object.__setattr__(self, "api_keys", keys)  # resolved before anyone reads it
         if (self.protect_health or self.protect_metrics) and not self.api_keys:
             raise ValueError("protect_health / protect_metrics: need an API key (--api-key)")
 
@@ -271,6 +275,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key-file", default=None,
                    help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable "
                         "by its owner only")
+    s.add_argument("--shared-prefix-cache", action="store_true",
+                   help="keys without a cache_salt share one prefix cache, so a request's cached_tokens "
+                        "tells what other keys' prompts began with (default: each key its own cache)")
     s.add_argument("--protect-health", action="store_true", help="/health needs an API key too")
     s.add_argument("--protect-metrics", action="store_true", help="/metrics needs an API key too")
     add_cluster_token_args(s)
@@ -323,6 +330,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         block_size=args.block_size, poll_interval_s=args.poll_interval,
                         node_read_timeout_s=args.node_read_timeout,
                         index_timeout_s=args.index_timeout, api_keys=api_keys_from_args(args),
+                        shared_prefix_cache=args.shared_prefix_cache,
                         protect_health=args.protect_health, protect_metrics=args.protect_metrics,
                         cluster_token=cluster_token_from_args(args),
                         max_inflight=args.max_inflight, max_connections=args.max_connections,

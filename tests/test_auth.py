@@ -182,3 +182,33 @@ def test_an_api_key_file_without_a_key_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds no key"):
         _keys(["--api-key-file", str(f)])
 
+
+def test_keys_without_a_salt_each_get_their_own_derived_from_the_key():
+    """With API keys, a key without a cache salt gets one of its own: an HMAC of the key
+    under a secret derived from the cluster token (router replicas agree; the salt, which
+    nodes and logs see, neither holds nor confirms the key). Keys naming the same salt
+    share it; --shared-prefix-cache gives keys without a salt the one unsalted cache."""
+    import argparse
+    import hashlib
+
+    from splitserve.router.api_keys import ApiKey, derived_salt
+    from splitserve.router.config import RouterConfig, add_router_args, router_config
+    a, b, c, d = (f"key-{n}-0123456789" for n in "abcd")
+    keys = (ApiKey(a), ApiKey(b), ApiKey(c, "team"), ApiKey(d, "team"))
+    salts = [k.cache_salt for k in RouterConfig(api_keys=keys, cluster_token="token-0123456789").api_keys]
+    assert salts[2:] == ["team", "team"]  # explicit: shared by choice
+    assert None not in salts[:2] and salts[0] != salts[1]  # derived: one cache per key
+    assert salts[0] == derived_salt("token-0123456789", a)  # every replica derives the same
+    for key, salt in zip((a, b), salts):
+        assert key not in salt and "0123456789" not in salt
+        assert hashlib.sha256(key.encode()).hexdigest()[:16] not in salt  # not a plain hash either
+    assert derived_salt("other-token-0123", a) != salts[0] and derived_salt(None, a) != salts[0]
+    again = RouterConfig(api_keys=RouterConfig(api_keys=keys, cluster_token="token-0123456789").api_keys,
+                         cluster_token="token-0123456789")
+    assert [k.cache_salt for k in again.api_keys] == salts  # resolving twice changes nothing
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    shared = router_config(p.parse_args(["--api-key", a, "--api-key", f"{c} cache_salt=team",
+                                         "--shared-prefix-cache"]))
+    assert shared.shared_prefix_cache and [k.cache_salt for k in shared.api_keys] == [None, "team"]
+    assert RouterConfig().api_keys == ()  # no keys: nothing to salt

@@ -21,6 +21,7 @@ import pytest
 from splitserve.common.auth import CLUSTER_TOKEN_ENV, redact_url
 from splitserve.common.kv_index import IndexDelta, KVIndex
 from splitserve.deploy.launcher import free_port
+from splitserve.router.api_keys import derived_salt
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig, add_router_args, router_config
 
@@ -225,7 +226,7 @@ def parse(argv) -> RouterConfig:
 
 
 def keys_of(c: RouterConfig) -> tuple[str, ...]:
-    assert all(k.cache_salt is None for k in c.api_keys)
+    assert all(k.cache_salt == derived_salt(c.cluster_token, k.key) for k in c.api_keys)  # none given
     return tuple(k.key for k in c.api_keys)
 
 
