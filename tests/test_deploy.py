@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve import cli
 from splitserve.common import metric_names as names
+from splitserve.common.config import parse_size
 from splitserve.deploy.launcher import Cluster, free_port
 from splitserve.deploy.planner.config import planner_config
 from splitserve.router.config import router_config
@@ -95,8 +96,8 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered):
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     kinds = sorted(o["kind"] for o in objs)
     planner = with_planner(overlay)  # its Deployment, the routers' headless Service, its NetworkPolicy
-    expected = {"Deployment": 4 + planner, "Service": 2 + planner, "HorizontalPodAutoscaler": 2,
-                "PodDisruptionBudget": 3, "NetworkPolicy": 3 + planner}
+    expected = {"Deployment": 5 + planner, "Service": 3 + planner, "HorizontalPodAutoscaler": 2,
+                "PodDisruptionBudget": 3, "NetworkPolicy": 4 + planner}
     for kind, count in expected.items():
         assert kinds.count(kind) == count, (overlay, kind, kinds)
     assert all(o["metadata"].get("namespace") == "splitserve" for o in objs if o["kind"] != "Namespace")
@@ -206,6 +207,44 @@ def test_network_policies_keep_node_and_redis_ports_internal(rendered):
     assert pols["splitserve-router"]["spec"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
 
 
+def redis_config(script: str) -> dict[str, str]:
+    """The config a Redis container's shell script feeds `redis-server -` on its stdin (a
+    here-document): name -> value."""
+    body = script.split("<<EOF\n", 1)[1].split("EOF", 1)[0]
+    return dict(line.strip().split(None, 1) for line in body.splitlines() if line.strip())
+
+
+def test_each_redis_is_bounded_and_stored_responses_have_their_own(rendered, monkeypatch):
+    """The registry's Redis refuses writes when full (noeviction, maxmemory below its
+    container's memory limit: Redis says no before the kernel kills it) rather than drop a
+    record or an index entry. Stored responses live in a Redis of their own that only the
+    routers reach and know the password of; it evicts only entries with a TTL (volatile-lru:
+    the store's accounting has none), above the routers' own store budget and below its
+    container's limit."""
+    _, objs = rendered
+    deployments = by_kind(objs, "Deployment")
+    budget = parse_command(container(deployments["splitserve-router"])["args"], monkeypatch).responses_max_bytes
+    for name, policy in (("splitserve-redis", "noeviction"), ("splitserve-responses-redis", "volatile-lru")):
+        c = container(deployments[name])
+        config = redis_config(c["args"][0])
+        limit = parse_size(c["resources"]["limits"]["memory"])
+        assert config["maxmemory-policy"] == policy and parse_size(config["maxmemory"]) < limit, name
+    responses_memory = parse_size(redis_config(container(deployments["splitserve-responses-redis"])["args"][0])
+                                  ["maxmemory"])
+    assert budget < responses_memory
+    for name, dep in deployments.items():
+        env = env_names(container(dep))
+        assert ("SPLITSERVE_RESPONSES_REDIS_URL" in env) == (name == "splitserve-router"), name
+        assert ("RESPONSES_REDIS_PASSWORD" in env) == (name == "splitserve-router"), name
+    ref = env_names(container(deployments["splitserve-responses-redis"]))["REDIS_PASSWORD"]["secretKeyRef"]
+    assert ref["key"] == "responses-redis-password"  # not the registry's password: nodes do not know it
+    (rule,) = by_kind(objs, "NetworkPolicy")["splitserve-responses-redis"]["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    (peer,) = rule["from"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "splitserve",
+                                                  "app.kubernetes.io/component": "router"}
+
+
 def env_names(c: dict) -> dict[str, dict]:
     return {e["name"]: e.get("valueFrom", {}) for e in c.get("env", [])}
 
@@ -215,7 +254,8 @@ def test_secrets_carry_the_api_key_cluster_token_and_redis_password(rendered):
     deployments = by_kind(objs, "Deployment")
     refs = set()
     for name, want in (("splitserve-router", {"SPLITSERVE_API_KEY", "SPLITSERVE_CLUSTER_TOKEN",
-                                              "REDIS_PASSWORD"}),
+                                              "REDIS_PASSWORD", "RESPONSES_REDIS_PASSWORD"}),
+                       ("splitserve-responses-redis", {"REDIS_PASSWORD"}),
                        ("splitserve-prefill", {"SPLITSERVE_CLUSTER_TOKEN", "REDIS_PASSWORD"}),
                        ("splitserve-decode", {"SPLITSERVE_CLUSTER_TOKEN", "REDIS_PASSWORD"}),
                        ("splitserve-redis", {"REDIS_PASSWORD"}),
@@ -266,7 +306,7 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
     its config; the Redis URL (password included) comes from $SPLITSERVE_REDIS_URL, and no
     container's command line (splitserve's or Redis's) holds a secret."""
     overlay, objs = rendered
-    values = {"POD_IP": "10.1.2.3", "REDIS_PASSWORD": "pw"}
+    values = {"POD_IP": "10.1.2.3", "REDIS_PASSWORD": "pw", "RESPONSES_REDIS_PASSWORD": "rpw"}
     configs = {}
     for name, dep in by_kind(objs, "Deployment").items():
         c = container(dep)
@@ -277,6 +317,10 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
             continue
         env = {e["name"]: expand(e["value"], values) for e in c.get("env", []) if "value" in e}
         monkeypatch.setenv("SPLITSERVE_REDIS_URL", env["SPLITSERVE_REDIS_URL"])
+        if "SPLITSERVE_RESPONSES_REDIS_URL" in env:
+            monkeypatch.setenv("SPLITSERVE_RESPONSES_REDIS_URL", env["SPLITSERVE_RESPONSES_REDIS_URL"])
+        else:
+            monkeypatch.delenv("SPLITSERVE_RESPONSES_REDIS_URL", raising=False)
         configs[name] = parse_command([expand(a, values) for a in c["args"]], monkeypatch)
     assert set(configs) == {"splitserve-router", "splitserve-prefill", "splitserve-decode"} | (
         {"splitserve-planner"} if with_planner(overlay) else set())
@@ -290,9 +334,11 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
         token = {e["name"]: e.get("valueFrom") for e in pod["containers"][0]["env"]}["SPLITSERVE_CLUSTER_TOKEN"]
         assert token["secretKeyRef"]["key"] == "cluster-token"  # name: the generated splitserve-secrets-<hash>
         assert token["secretKeyRef"]["name"].startswith("splitserve-secrets")
-    redis = container(by_kind(objs, "Deployment")["splitserve-redis"])
-    assert redis["command"] == ["sh", "-c"] and 'requirepass "$REDIS_PASSWORD"' in redis["args"][0]
+    for name in ("splitserve-redis", "splitserve-responses-redis"):
+        redis = container(by_kind(objs, "Deployment")[name])
+        assert redis["command"] == ["sh", "-c"] and 'requirepass "$REDIS_PASSWORD"' in redis["args"][0]
     assert configs["splitserve-router"].redis_url == "redis://:pw@splitserve-redis:6379/0"
+    assert configs["splitserve-router"].responses_redis_url == "redis://:rpw@splitserve-responses-redis:6379/0"
     for role in ("prefill", "decode"):
         cfg = configs[f"splitserve-{role}"]
         assert cfg.role == role and cfg.host == "10.1.2.3" and cfg.port == 8100
@@ -328,7 +374,7 @@ def test_compose_file_validates_against_the_compose_spec(tmp_path):
 def test_compose_services_files_and_command_lines(monkeypatch):
     doc = yaml.safe_load(COMPOSE.read_text())
     services = doc["services"]
-    assert set(services) == {"redis", "router", "prefill", "decode", "prometheus", "grafana"}
+    assert set(services) == {"redis", "responses-redis", "router", "prefill", "decode", "prometheus", "grafana"}
     for svc in services.values():
         for volume in svc.get("volumes", []):
             source = volume.split(":")[0]
@@ -340,21 +386,32 @@ def test_compose_services_files_and_command_lines(monkeypatch):
     example = dict(line.split("=", 1) for line in (DEPLOY / "compose.env.example").read_text().splitlines()
                    if line and not line.startswith("#"))
     assert needed == set(example)
-    redis_script = services["redis"]["command"][2]
-    assert 'requirepass "$$REDIS_PASSWORD"' in redis_script and "--requirepass" not in redis_script
-    assert "redis-server - " in redis_script  # config (the password) on stdin, not in the arguments
-    assert "-a " not in services["redis"]["healthcheck"]["test"][1]
+    for name, policy in (("redis", "noeviction"), ("responses-redis", "volatile-lru")):
+        redis_script = services[name]["command"][2]
+        assert 'requirepass "$$REDIS_PASSWORD"' in redis_script and "--requirepass" not in redis_script
+        assert "redis-server - " in redis_script  # config (the password) on stdin, not in the arguments
+        assert "-a " not in services[name]["healthcheck"]["test"][1]
+        assert redis_config(redis_script)["maxmemory-policy"] == policy, name
+    responses_memory = parse_size(redis_config(services["responses-redis"]["command"][2])["maxmemory"])
+    assert "responses-redis" in services["router"]["depends_on"]
     for role in ("router", "prefill", "decode"):
         script = services[role]["entrypoint"][2]
         assert "--redis-url" not in script and "PASSWORD" not in script  # secrets: environment only
-        url = services[role]["environment"]["SPLITSERVE_REDIS_URL"]
-        monkeypatch.setenv("SPLITSERVE_REDIS_URL", re.sub(r"\$\{SPLITSERVE_REDIS_PASSWORD:\?[^}]*\}", "pw", url))
+        env = services[role]["environment"]
+        monkeypatch.setenv("SPLITSERVE_REDIS_URL",
+                           re.sub(r"\$\{SPLITSERVE_REDIS_PASSWORD:\?[^}]*\}", "pw", env["SPLITSERVE_REDIS_URL"]))
+        assert ("SPLITSERVE_RESPONSES_REDIS_URL" in env) == (role == "router")  # the routers' alone
+        monkeypatch.setenv("SPLITSERVE_RESPONSES_REDIS_URL", re.sub(
+            r"\$\{SPLITSERVE_RESPONSES_REDIS_PASSWORD:\?[^}]*\}", "rpw", env.get("SPLITSERVE_RESPONSES_REDIS_URL", "")))
         script = script.replace("$$(hostname -i)", "172.18.0.5")
         argv = shlex.split(script.removeprefix("exec splitserve "))
         cfg = parse_command(argv, monkeypatch)
         assert cfg.redis_url == "redis://:pw@redis:6379/0"
         port = 8000 if role == "router" else 8100
         assert cfg.port == port
+        if role == "router":
+            assert cfg.responses_redis_url == "redis://:rpw@responses-redis:6379/0"
+            assert cfg.responses_max_bytes < responses_memory
     assert services["router"]["environment"]["SPLITSERVE_API_KEY"].startswith("${SPLITSERVE_API_KEY")
 
 
