@@ -481,7 +481,8 @@ COMMANDS = (
 )
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """``splitserve``'s parser: one subparser per command of COMMANDS."""
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -489,7 +490,11 @@ def main(argv=None) -> int:
         p = sub.add_parser(command.name, help=command.help)
         command.add_args(p)
         p.set_defaults(func=command.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
