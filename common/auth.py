@@ -12,6 +12,8 @@ or the environment, the constant-time comparison, and credentials kept out of lo
     token_matches(presented, expected) constant-time; False for a missing token
     auth_headers(token)                the headers an internal request carries ({} without a token)
     new_cluster_token()                a fresh random token (what `splitserve up` hands its members)
+    keyed_digest(token, label, key)    32 hex digits of an HMAC of an API key under a secret derived
+                                       from the cluster token and ``label`` (owner ids, derived salts)
     bearer_token(authorization)        "Bearer <key>" -> "<key>" (None otherwise)
     redact_url(url)                    "redis://user:pw@host/0" -> "redis://user:***@host/0"
 
@@ -29,6 +31,7 @@ import anything beyond the standard library.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import logging
 import os
@@ -141,6 +144,15 @@ def auth_headers(token: str | None) -> dict[str, str]:
 def new_cluster_token() -> str:
     """A fresh random token (`splitserve up` generates one for its members)."""
     return secrets.token_urlsafe(32)
+
+
+def keyed_digest(cluster_token: str | None, label: bytes, key: str) -> str:
+    """32 hex digits of HMAC-SHA256(HMAC-SHA256(cluster token, ``label``), ``key``): what
+    stands for an API key wherever it must not appear (stored-response owners, derived cache
+    salts). Replicas sharing the token agree; another label gives unrelated digests. Without
+    a token the secret is ``label`` itself: no better than a plain hash, and documented so."""
+    secret = label if cluster_token is None else hmac.new(cluster_token.encode(), label, hashlib.sha256).digest()
+    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def bearer_token(authorization: str | None) -> str | None:

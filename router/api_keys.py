@@ -44,13 +44,11 @@ Must not log a key, or compare keys in time that depends on where they differ.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import json
 import os
 from typing import NamedTuple
 
-from ..common.auth import check_secret, read_secret_file, token_matches, warn_secret_flag
+from ..common.auth import check_secret, keyed_digest, read_secret_file, token_matches, warn_secret_flag
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # key specs, one per line
 SALT_OPTION = "cache_salt"
@@ -144,9 +142,7 @@ def derived_salt(cluster_token: str | None, key: str) -> str:
     """The cache salt of ``key`` when it has none of its own: "key " and 32 hex digits of
     HMAC-SHA256(HMAC-SHA256(cluster token, SALT_LABEL), key) (SALT_LABEL alone as the
     secret without a token)."""
-    secret = SALT_LABEL if cluster_token is None else hmac.new(cluster_token.encode(), SALT_LABEL,
-                                                               hashlib.sha256).digest()
-    return "key " + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
+    return "key " + keyed_digest(cluster_token, SALT_LABEL, key)
 
 
 def matched_key(keys: tuple[ApiKey, ...], presented: str | None) -> ApiKey | None:

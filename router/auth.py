@@ -30,12 +30,9 @@ Must not read request bodies or log a presented credential.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
 from aiohttp import web
 
-from ..common.auth import CLUSTER_TOKEN_HEADER, bearer_token, token_matches
+from ..common.auth import CLUSTER_TOKEN_HEADER, bearer_token, keyed_digest, token_matches
 from .api_keys import matched_key
 from .config import RouterConfig
 from .errors import ApiError
@@ -82,9 +79,7 @@ async def api_key_middleware(request: web.Request, handler) -> web.StreamRespons
 def owner_id(cluster_token: str | None, key: str) -> str:
     """``key``'s owner id: HMAC-SHA256 under a secret derived from ``cluster_token``
     (the label alone without one), 32 hex digits."""
-    secret = OWNER_LABEL if cluster_token is None else hmac.new(cluster_token.encode(), OWNER_LABEL,
-                                                                hashlib.sha256).digest()
-    return hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
+    return keyed_digest(cluster_token, OWNER_LABEL, key)
 
 
 def key_salt(request: web.Request) -> str | None:
