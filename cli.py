@@ -21,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from .common.config import LOAD_FORMATS, EngineConfig, KVBackend, NodeConfig, NodeRole, SimConfig
+from .deploy.orphan import watch_launcher
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -496,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_launcher()  # a member of a local cluster stops when its launcher is gone (deploy/orphan.py)
     try:
         return args.func(args)
     except ValueError as e:  # configuration errors: say what to change, no traceback

@@ -115,6 +115,7 @@ class Cluster:
         self.responses_redis_url: str | None = None
         self.procs: list[Proc] = []
         self._stopping = threading.Event()  # set by stop(): supervision ends
+        self._stopped = threading.Event()  # set when stop() has stopped every member
         self._supervisor: Supervisor | None = None
         self.status_port = 0  # the supervisor's status endpoint, once supervised
         self.retired: set[str] = set()  # members stopped on purpose (a planner's scale-down): never restarted
@@ -213,6 +214,8 @@ class Cluster:
         def run():
             while not self._stopping.wait(poll_s):
                 sup.poll()
+            # A Redis this thread restarted dies with it (deploy/orphan.py): stay until stopped.
+            self._stopped.wait()
         threading.Thread(target=run, name="supervisor", daemon=True).start()
         return sup
 
@@ -347,6 +350,7 @@ class Cluster:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(5)
+        self._stopped.set()
 
     def __enter__(self):
         return self.start()

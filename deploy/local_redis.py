@@ -31,6 +31,7 @@ import time
 from typing import NamedTuple
 
 from .member_secrets import scrubbed_env
+from .orphan import die_with_launcher
 
 START_TIMEOUT_S = 10.0
 RESPONSES_SHARE = 0.75  # the responses store's budget: this share of its Redis's maxmemory
@@ -62,7 +63,8 @@ def start_redis(port: int | None = None, password: str | None = None, policy: Re
     proc = subprocess.Popen(["redis-server", "-", "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no"],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=scrubbed_env(), start_new_session=own_session)
+                            env=scrubbed_env(), start_new_session=own_session,
+                            preexec_fn=die_with_launcher)  # never outlives its starter (deploy/orphan.py)
     assert proc.stdin is not None, "started with stdin=PIPE"
     with proc.stdin:  # `redis-server -` reads config lines from stdin until it closes
         proc.stdin.write(_config(password, policy).encode())

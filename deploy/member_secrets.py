@@ -25,6 +25,7 @@ import tempfile
 
 from ..common.auth import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV
 from ..router.api_keys import API_KEY_ENV, ApiKey
+from .orphan import launcher_env
 
 SECRET_ENVS = (API_KEY_ENV, CLUSTER_TOKEN_ENV, REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV)
 KEY_FILE_NAME = "api-keys"
@@ -41,7 +42,7 @@ def member_env(role: str, redis_url: str | None, cluster_token: str | None,
                responses_redis_url: str | None) -> dict[str, str]:
     """The environment of a splitserve member of ``role`` (router, prefill, decode,
     colocated, fleet): the table above."""
-    env = scrubbed_env(PYTHONUNBUFFERED="1")
+    env = scrubbed_env(PYTHONUNBUFFERED="1", **launcher_env())  # launcher_env: deploy/orphan.py
     if redis_url is not None:
         env[REDIS_URL_ENV] = redis_url
     if cluster_token:

@@ -387,6 +387,48 @@ def test_ctrl_c_stops_the_routers_then_the_nodes_then_redis_and_nothing_warns():
             up.wait()
 
 
+def test_up_killed_outright_leaves_no_member_running():
+    """`up` killed with SIGKILL (an OOM kill, a test runner's timeout) cannot stop its
+    members, each in a session of its own: the nodes and the router notice their launcher
+    is gone and stop, and Redis gets SIGTERM from the kernel (deploy/orphan.py). Before,
+    every member ran on, orphaned, serving and heartbeating."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("SPLITSERVE_API_KEY", "SPLITSERVE_REDIS_URL", "SPLITSERVE_CLUSTER_TOKEN", "SPLITSERVE_QUIET"):
+        env.pop(name, None)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
+                           "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-cache-memory", "32MiB",
+                           "--kv-backend", "tcp"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          start_new_session=True)
+    lines: list[str] = []
+    _read_lines(up, lines)
+    members: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("supervisor status" in ln for ln in lines):
+            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-30:])
+            time.sleep(0.1)
+        kinds = _by_kind(_descendants(up.pid))
+        assert {k: len(v) for k, v in kinds.items()} == {
+            "redis-server": 2, "cli router": 1, "cli prefill": 1, "cli decode": 1}, kinds
+        members = [pid for pids in kinds.values() for pid in pids]
+        up.kill()
+        up.wait()
+        deadline = time.monotonic() + 60
+        while not all(_exited(pid) for pid in members) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {kind: [pid for pid in pids if not _exited(pid)] for kind, pids in kinds.items()}
+        assert not any(left.values()), f"still running after their launcher died: {left}"
+    finally:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
 def test_up_never_says_it_serves_before_its_own_nodes_registered():
     """Redis full (maxmemory reached, noeviction) and still holding the records of a
     previous run's nodes, long dead: the router sees two nodes, but `up`'s own never
