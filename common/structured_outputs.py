@@ -4,9 +4,11 @@ Owns `StructuredOutputsParams` (router -> prefill/decode nodes, inside `Sampling
 named and shaped as vLLM's): exactly one of a JSON schema, any JSON object, a regular
 expression, a list of choices or an EBNF grammar. Its `validate()` checks the shape
 (which one is set, types, sizes) and turns a schema given as a dict into its JSON text,
-so every node compiles -- and caches -- the same string. Whether the schema, regex or
-grammar compiles is the engine's check (engine/structured.py), which raises
-`InvalidRequest` naming the field.
+so every node compiles -- and caches -- the same string. It also refuses a constraint
+too costly to compile (common/grammar_limits.py), naming the keyword's path, e.g.
+``structured_outputs.json.properties.a.maxLength``; router and nodes both run it.
+Whether the schema, regex or grammar compiles is the nodes' check (node/grammar_service.py,
+engine/structured.py), which raises `InvalidRequest` naming the field.
 
 Must not import xgrammar or torch.
 """
@@ -20,6 +22,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from .errors import InvalidRequest
+from .grammar_limits import check_grammar, check_regex, check_schema
 
 FIELD = "structured_outputs"  # the parameter's name in errors
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar; far above any real one
@@ -74,13 +77,16 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 type(t) is int and t >= 0 for t in self.resume_token_ids):
             raise InvalidRequest(f"{FIELD}.resume_token_ids", "must be a list of token ids")
         if self.json is not None:
-            self.json = _schema_text(self.json)
-        for name in ("regex", "grammar"):
+            self.json, schema = _schema_text(self.json)
+            check_schema(schema, f"{FIELD}.json")
+        for name, check in (("regex", check_regex), ("grammar", check_grammar)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequest(f"{FIELD}.{name}", "must be a non-empty string")
             if value is not None and len(value) > MAX_SPEC_CHARS:
                 raise InvalidRequest(f"{FIELD}.{name}", f"at most {MAX_SPEC_CHARS} characters")
+            if value is not None:
+                check(value, f"{FIELD}.{name}")
         if self.choice is not None:
             c = self.choice
             if not isinstance(c, list) or not c or not all(isinstance(s, str) and s for s in c):
@@ -106,9 +112,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return GrammarSpec(GrammarKind.GRAMMAR, self.grammar, False)
 
 
-def _schema_text(schema: Any) -> str:
-    """A schema as JSON text: a dict or bool is serialized (key order kept: it is the
-    order properties are generated in); a string must parse to an object or a bool."""
+def _schema_text(schema: Any) -> tuple[str, Any]:
+    """A schema as JSON text, and parsed: a dict or bool is serialized (key order kept: it
+    is the order properties are generated in); a string must parse to an object or a bool."""
     field = f"{FIELD}.json"
     if isinstance(schema, str):
         if len(schema) > MAX_SPEC_CHARS:
@@ -117,13 +123,18 @@ def _schema_text(schema: Any) -> str:
             parsed = json.loads(schema)
         except ValueError as e:
             raise InvalidRequest(field, f"is not valid JSON: {e}") from None
+        except RecursionError:
+            raise InvalidRequest(field, "is nested too deep to read") from None
         if not isinstance(parsed, (dict, bool)):
             raise InvalidRequest(field, f"a JSON schema must be an object or a boolean, got "
                                  f"{type(parsed).__name__}")
-        return schema
+        return schema, parsed
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(field, f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
-    text = json.dumps(schema, ensure_ascii=False)
+    try:
+        text = json.dumps(schema, ensure_ascii=False)
+    except (RecursionError, ValueError, TypeError) as e:  # nested too deep, a circular or odd value
+        raise InvalidRequest(field, f"cannot be written as JSON: {type(e).__name__}") from None
     if len(text) > MAX_SPEC_CHARS:
         raise InvalidRequest(field, f"at most {MAX_SPEC_CHARS} characters")
-    return text
+    return text, schema

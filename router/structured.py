@@ -68,10 +68,13 @@ def request_constraint(req) -> Constraint | None:
 
 
 def rename(node_field: str, user_field: str) -> str:
-    """``structured_outputs.json`` (what nodes and validation name) -> the user's parameter."""
+    """``structured_outputs.json`` (what nodes and validation name) -> the user's parameter;
+    a path inside the schema is kept: ``structured_outputs.json.properties.a.maxLength`` ->
+    ``response_format.json_schema.schema.properties.a.maxLength``."""
     if user_field == FIELD or not node_field.startswith(FIELD):
         return node_field
-    return user_field
+    inside = f"{FIELD}.json."
+    return user_field + node_field[len(inside) - 1:] if node_field.startswith(inside) else user_field
 
 
 def renamed_constraint_error(e: ApiError, user_field: str | None) -> ApiError:

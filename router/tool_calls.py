@@ -38,6 +38,7 @@ from ..common.errors import InvalidRequest
 from ..common.structured_outputs import StructuredOutputsParams
 from .errors import ApiError
 from .openai_types import ChatCompletionRequest
+from .structured import rename
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -90,6 +91,8 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     if choice == "none":
         return ToolPlan(ToolMode.NONE, [])
     if choice == "required":
+        for i, t in enumerate(tools):  # each one's own limits first, an error naming the tool's field
+            _constraint(t["function"]["parameters"], f"tools[{i}].function.parameters")
         items = [{"type": "object", "properties": {"name": {"const": name},
                                                    "arguments": t["function"]["parameters"]},
                   "required": ["name", "arguments"], "additionalProperties": False}
@@ -97,7 +100,8 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if not req.parallel_tool_calls:
             schema["maxItems"] = 1
-        return ToolPlan(ToolMode.REQUIRED, tools, constraint=_constraint(schema, "tools"), field="tools")
+        return ToolPlan(ToolMode.REQUIRED, tools, constraint=_constraint(schema, "tools", inside=False),
+                        field="tools")
     if isinstance(choice, str):
         raise ApiError(400, "tool_choice: must be none, auto, required or {\"type\": \"function\", "
                        f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
@@ -113,11 +117,14 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
                     constraint=_constraint(names[name]["function"]["parameters"], field), field=field)
 
 
-def _constraint(schema: dict, field: str) -> StructuredOutputsParams:
+def _constraint(schema: dict, field: str, inside: bool = True) -> StructuredOutputsParams:
+    """``schema`` (the user's ``field``) validated; an error names the keyword's path inside
+    it unless not ``inside`` (a schema built here: its paths are not the user's)."""
     try:
         return StructuredOutputsParams(json=schema).validate()
-    except InvalidRequest as e:  # e.g. a schema too large
-        raise ApiError(400, f"{field}: {e.message}", param=field) from None
+    except InvalidRequest as e:  # e.g. a schema too large or too costly to compile
+        where = rename(e.field, field) if inside else field
+        raise ApiError(400, f"{where}: {e.message}", param=where) from None
 
 
 def system_prompt(tools: list[dict]) -> str:
