@@ -166,6 +166,12 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     add_cluster_token_args(g)
     g.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="S",
+                   help="CPU seconds one structured-output grammar may take to compile; past it the "
+                        "compile's worker process is killed and the request gets a 400 (too complex)")
+    g.add_argument("--grammar-compile-workers", type=int, default=2, metavar="N",
+                   help="worker processes compiling structured-output grammars (niced; started on the "
+                        "first structured request)")
 
 
 def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None = None) -> NodeConfig:
@@ -176,7 +182,9 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
                       cluster_token=cluster_token_from_args(args),
-                      drain_grace_s=args.drain_grace, rank_devices=devices)
+                      drain_grace_s=args.drain_grace, rank_devices=devices,
+                      grammar_compile_timeout_s=args.grammar_compile_timeout,
+                      grammar_compile_workers=args.grammar_compile_workers)
 
 
 def _add_prefill_args(p: argparse.ArgumentParser) -> None:

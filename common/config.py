@@ -262,6 +262,11 @@ class NodeConfig:
     # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
     cluster_token: str | None = field(default=None, repr=False)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits
+    # Structured outputs: CPU seconds one grammar compile may take before its worker process is
+    # killed (a 400: too complex), and the worker processes (node/grammar_service.py). The
+    # limits (common/grammar_limits.py) keep an accepted JSON schema to 2-5 s of a slow core.
+    grammar_compile_timeout_s: float = 10.0
+    grammar_compile_workers: int = 2  # above the router's default schema_compiles_per_key (1)
     # The device of each rank of a tensor-parallel node, rank 0's first (it is engine.device);
     # empty: engine/parallel.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
     rank_devices: tuple[str, ...] = ()
@@ -273,6 +278,9 @@ class NodeConfig:
                              f"tensor_parallel_size {tp}; give one device per rank, rank 0's first")
         if len(set(self.rank_devices)) < len(self.rank_devices) and self.engine.device.split(":")[0] == "cuda":
             raise ValueError(f"device: {','.join(self.rank_devices)} names a GPU twice; each rank needs its own")
+        if not self.grammar_compile_timeout_s > 0 or self.grammar_compile_workers < 1:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0 and grammar_compile_workers >= 1, got "
+                             f"{self.grammar_compile_timeout_s} and {self.grammar_compile_workers}")
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
         if self.kv_backend not in tuple(KVBackend):

@@ -93,6 +93,8 @@ KV_TRANSFER_STAGE_SECONDS = PREFIX + "kv_transfer_stage_seconds"  # histogram (d
 FALLBACK_PREFILLS = PREFIX + "decode_fallback_prefills_total"  # counter, label reason
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
 PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
+GRAMMAR_COMPILES = PREFIX + "grammar_compiles_total"  # counter, label outcome (common/outcomes.py GrammarCompileOutcome)
+GRAMMAR_COMPILE_SECONDS = PREFIX + "grammar_compile_seconds"  # histogram: one worker compile, wall seconds
 
 # ---- the planner (deploy/planner/: `splitserve planner`, `up --planner`) ---------------------------
 # Gauges labelled role (prefill | decode) unless said otherwise. On Kubernetes the HPAs follow
@@ -119,5 +121,6 @@ PLANNER_ROUTERS_SCRAPED = PREFIX + "planner_routers_scraped"  # gauge: routers w
 # event (callers may still add values).
 FINISHED_REASONS = ("stop", "length", "abort")
 REDIS_OPS = ("list_nodes", "index_lookup")
-ADMISSION_REJECTION_REASONS = ("busy", "draining", "connections")  # router/admission.py, listener.py
+# router/admission.py, listener.py, compile_budget.py
+ADMISSION_REJECTION_REASONS = ("busy", "draining", "connections", "schema_compiles")
 BLOCK_OK = ("true", "false")

@@ -57,6 +57,19 @@ class PromptHashResult(StrEnum):
     ABSENT = "absent"  # none carried
 
 
+class GrammarCompileOutcome(StrEnum):
+    """One structured-output grammar a node needed (node/grammar_service.py)."""
+    CACHED = "cached"  # compiled before: no work
+    COMPILED = "compiled"  # compiled now, in a worker process
+    INVALID = "invalid"  # xgrammar refused it (a bad schema, regex or grammar): 400
+    TIMEOUT = "timeout"  # over the compile CPU-time limit, the worker killed: 400 (too complex)
+    TOO_LARGE = "too_large"  # compiled, but too large to keep: 400
+    REFUSED = "refused"  # refused before (one of the three above), answered from memory: 400
+    BUSY = "busy"  # too many compiles already waiting for a worker: 503
+    STARVED = "starved"  # no answer in WALL_FACTOR x the limit (a CPU too busy to run it): 503
+    CRASHED = "crashed"  # the worker died otherwise: 503
+
+
 class IndexBatchResult(StrEnum):
     """One write of prefix-cache events to the Redis index."""
     OK = "ok"

@@ -44,7 +44,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
@@ -64,6 +64,7 @@ from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, RankReady, TransfersClosed
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
+from ..node.grammar_service import CompileUnavailable, unavailable_response
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed
@@ -261,18 +262,18 @@ class DecodeNode:
         try:
             req = await read_msgpack(request, GenerateRequest)
             prompt = prompt_ids(req.token_ids)
-            if req.sampling_params.structured_outputs is not None:  # a grammar's first compile: off the loop
-                await asyncio.to_thread(self.rt.limits.check, prompt, req.sampling_params)
-            else:
-                self.rt.limits.check(prompt, req.sampling_params)  # a 400 now, not an error frame later
+            self.rt.limits.check(prompt, req.sampling_params)  # a 400 now, not an error frame later
+            grammar = await self.rt.grammar(req.sampling_params)  # compiled in a worker, or cached
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
+        except CompileUnavailable as e:
+            return unavailable_response(str(e))
         if req.request_id in self.streams:
             return error_response(409, f"request {req.request_id} is already running", "request_id")
         queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
         self.streams[req.request_id] = queue
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
-        driver = asyncio.create_task(self._drive(req, prompt, queue))
+        driver = asyncio.create_task(self._drive(req, prompt, queue, grammar))
         generated = False  # the engine finished it (stop, length): its driver is returning now
         try:
             await resp.prepare(request)
@@ -305,26 +306,28 @@ class DecodeNode:
             pass  # the engine stopped for good (a rank died): it holds nothing any more
 
     async def _drive(self, req: GenerateRequest, prompt: list[int],
-                     queue: asyncio.Queue[TokenDelta | None]) -> None:
+                     queue: asyncio.Queue[TokenDelta | None], grammar: Any = None) -> None:
         """Get the request into the running batch: through a KV transfer, or locally.
-        ``prompt``: ``req.token_ids`` read (``prompt_ids``)."""
+        ``prompt``: ``req.token_ids`` read (``prompt_ids``); ``grammar``: its structured
+        output's, compiled (the engine thread never compiles)."""
         rid = req.request_id
         hashes = adopt_prompt_hashes(req.prompt_hashes, prompt, self.config.engine, self.metrics.prompt_hashes,
                                      req.cache_salt)
         if req.prefill_addr and self.config.role == "decode":
-            fallback = await self._transfer(req, req.prefill_addr, prompt, hashes)
+            fallback = await self._transfer(req, req.prefill_addr, prompt, hashes, grammar)
             if fallback is None:
                 return
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
         try:
-            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes, req.cache_salt))
+            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes, req.cache_salt,
+                                                       grammar))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
     async def _transfer(self, req: GenerateRequest, prefill_addr: str, prompt: list[int],
-                        hashes: list[int] | None) -> Fallback | None:
+                        hashes: list[int] | None, grammar: Any = None) -> Fallback | None:
         """Run the transfer from the prefill node at ``prefill_addr``; None when the
         request was admitted, else why it was not. ``hashes``: the prompt's block hashes
         when the router's checked out. The transfer's one owner: it ends here, in the
@@ -355,7 +358,7 @@ class DecodeNode:
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
                 rid, prompt, req.sampling_params, outcome.first_token, outcome.logprobs,
-                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs, req.cache_salt))
+                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs, req.cache_salt, grammar))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()

@@ -34,7 +34,7 @@ that dies or hangs makes ``step()`` raise ``TPFailure``; ``close()`` stops the w
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -109,12 +109,12 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.num_blocks = self.runner.num_blocks
-        # structured outputs (None on a simulated node, which samples no real tokens); thread-safe,
-        # so a node's event loop validates a grammar through `limits` off the engine thread
+        # structured outputs (None on a simulated node, which samples no real tokens): matchers, and
+        # the offline LLM's compiles (a node compiles in its workers and carries the grammar)
         self.grammars = None if config.sim is not None else GrammarCache(
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens,
-                                    self.grammars)
+                                    self.grammars is not None)
         # lower tiers of the prefix cache (host memory, disk), if configured (kv_offload.py)
         self.offload = KVOffload.build(config, self.runner.kv_caches)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, self.offload)
@@ -196,7 +196,8 @@ class EngineCore:
         return self.scheduler.num_preemptions
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Request:
+                     block_hashes: list[int] | None = None, cache_salt: str | None = None,
+                     grammar: Any = None) -> Request:
         self.limits.check(prompt_token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
@@ -204,23 +205,27 @@ class EngineCore:
         if not params.ignore_eos:
             stop_ids.update(self.model_config.eos_token_ids)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        grammar = None
+        state = None
         if params.structured_outputs is not None:
             assert self.grammars is not None, "limits.check refuses structured outputs on a simulated engine"
-            grammar = self.grammars.new_state(params.structured_outputs)
+            state = self.grammars.new_state(params.structured_outputs, grammar)
         return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                       hash_keys(self.config.model_id, cache_salt), frozenset(stop_ids), gen, grammar,
+                       hash_keys(self.config.model_id, cache_salt), frozenset(stop_ids), gen, state,
                        block_hashes=list(block_hashes) if block_hashes is not None else [])
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    block_hashes: list[int] | None = None, cache_salt: str | None = None) -> None:
+                    block_hashes: list[int] | None = None, cache_salt: str | None = None,
+                    grammar: Any = None) -> None:
         """Schedule a prompt. ``block_hashes``: its chained block hashes when the caller
         has them (carried from the router and checked, `PromptHashes.adopt`), made with
         ``cache_salt``: every block of the request (decoded ones too) is hashed with it,
-        so the prefix cache shares blocks only between requests of the same salt."""
+        so the prefix cache shares blocks only between requests of the same salt.
+        ``grammar``: the structured output's compiled grammar when the caller carries it
+        (a node always does); None compiles it here (the offline LLM)."""
         if request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} holds a KV reservation")
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt))
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt,
+                                             grammar))
 
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Reservation | None:
@@ -251,11 +256,11 @@ class EngineCore:
                       first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int,
                       block_hashes: list[int] | None = None,
                       prompt_logprobs: list[PromptLogprob | None] | None = None,
-                      cache_salt: str | None = None) -> RequestDelta:
+                      cache_salt: str | None = None, grammar: Any = None) -> RequestDelta:
         """Admit a request whose prompt KV landed in its reserved blocks and whose
         first token was sampled elsewhere; it joins the running batch to decode.
-        ``cache_salt``: the one its ``reserve`` hashed with."""
-        req = self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt)
+        ``cache_salt``: the one its ``reserve`` hashed with; ``grammar``: as `add_request`."""
+        req = self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt, grammar)
         req.num_computed_tokens = len(prompt_token_ids)
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token

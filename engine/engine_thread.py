@@ -20,6 +20,8 @@ else crosses:
 Commands (NamedTuples; ``submit`` answers with what the engine call returns):
 
     AddRequest(id, tokens, params)         -> None     schedule a prompt (prefill + decode here)
+        (AddRequest and AddPrefilled carry a structured output's compiled grammar: the
+        engine thread never compiles one, node/grammar_service.py does, in its workers)
     Reserve(id, tokens)                    -> Reservation | None (no free blocks)
     AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens[, prompt_logprobs])
                                            -> RequestDelta     (also handed to on_deltas, in order)
@@ -79,6 +81,11 @@ KVEventsCallback = Callable[[list[KVEvent], "dict[int, Tier] | None"], None]
 StepObserver = Callable[[SchedulerOutput, list[RequestDelta], int], None]
 
 
+def _carried(params: SamplingParams, grammar: Any) -> None:
+    assert params.structured_outputs is None or grammar is not None, \
+        "a structured request reaches the engine thread with its compiled grammar: it never compiles"
+
+
 # ---- commands (event loop -> engine thread) ----------------------------------------------
 class AddRequest(NamedTuple):
     request_id: str
@@ -86,6 +93,7 @@ class AddRequest(NamedTuple):
     params: SamplingParams
     block_hashes: list[int] | None = None  # the prompt's, when carried (PromptHashes.adopt)
     cache_salt: str | None = None  # the request's (common.hashing.hash_keys)
+    grammar: Any = None  # params.structured_outputs compiled (xgrammar.CompiledGrammar); required with one
 
 
 class Reserve(NamedTuple):
@@ -105,6 +113,7 @@ class AddPrefilled(NamedTuple):
     block_hashes: list[int] | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None  # computed by the prefill node
     cache_salt: str | None = None  # the one its Reserve hashed with
+    grammar: Any = None  # as AddRequest's
 
 
 class Release(NamedTuple):
@@ -242,12 +251,15 @@ class EngineThread:
     def _handle(self, cmd: Command) -> Any:
         e = self._engine
         match cmd:
-            case AddRequest(rid, ids, params, hashes, salt):
-                return e.add_request(rid, ids, params, hashes, salt)
+            case AddRequest(rid, ids, params, hashes, salt, grammar):
+                _carried(params, grammar)
+                return e.add_request(rid, ids, params, hashes, salt, grammar)
             case Reserve(rid, ids, hashes, salt):
                 return e.reserve(rid, ids, hashes, salt)
-            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt):
-                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt)
+            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt, grammar):
+                _carried(params, grammar)
+                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt,
+                                        grammar)
                 # through on_deltas, queued before any step's deltas: the first token reaches the
                 # request's stream before the second (the awaiter of the result runs later)
                 self._aio.call_soon_threadsafe(self._on_deltas, [delta])

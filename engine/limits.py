@@ -1,30 +1,27 @@
 """RequestLimits: what a request must fit to ever run on one engine (its vocabulary,
 context length and KV cache), fixed when the engine is built.
 
-A check over frozen numbers (and the engine's thread-safe grammar cache), so a node's
-event loop rejects a request at its HTTP boundary (a 400 before any stream starts)
-without touching the engine, which the engine thread owns. The engine runs the same check on every request it admits.
+A check over frozen numbers, so a node's event loop rejects a request at its HTTP
+boundary (a 400 before any stream starts) without touching the engine, which the engine
+thread owns. The engine runs the same check on every request it admits. A structured
+output's constraint is checked for shape and cost here (`SamplingParams.validate`,
+common/grammar_limits.py), never compiled: a node compiles it in a worker
+(node/grammar_service.py), the offline `LLM` in engine/structured.py.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from ..common.errors import InvalidRequest
 from ..common.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from .structured import GrammarCache
 
 
 class RequestLimits(NamedTuple):
     vocab_size: int
     max_model_len: int  # tokens of context: prompt + output
     kv_capacity_tokens: int  # tokens the whole KV cache holds
-    # compiles (and caches) a request's grammar: thread-safe, so the check may run on any
-    # thread (a node runs it off its event loop for a structured request: a first compile
-    # takes up to ~0.2 s); None: structured outputs are refused (a simulated engine)
-    grammars: GrammarCache | None = None
+    structured: bool = False  # structured outputs supported (False: a simulated engine refuses them)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field if this request can never run."""
@@ -47,7 +44,5 @@ class RequestLimits(NamedTuple):
         if n + params.max_tokens > self.kv_capacity_tokens:
             raise InvalidRequest("max_tokens", f"prompt + max_tokens ({n + params.max_tokens} tokens) exceed "
                                  f"the KV cache ({self.kv_capacity_tokens} tokens); lower max_tokens")
-        if params.structured_outputs is not None:
-            if self.grammars is None:
-                raise InvalidRequest("structured_outputs", "not supported by a simulated node")
-            self.grammars.check(params.structured_outputs)  # cached: the engine compiles again
+        if params.structured_outputs is not None and not self.structured:
+            raise InvalidRequest("structured_outputs", "not supported by a simulated node")

@@ -148,6 +148,8 @@ class LLM:
         token_lists = [self.tokenize(p) for p in prompts]
         for ids, p in zip(token_lists, params):
             self.engine.limits.check(ids, p)  # reject the whole batch before any request starts
+            if p.structured_outputs is not None and self.engine.grammars is not None:
+                self.engine.grammars.check(p.structured_outputs)  # compiled (and cached) here
         detok_list = [self._detokenizer(ids, p) for ids, p in zip(token_lists, params)]
 
         detoks: dict[str, IncrementalDetokenizer | None] = {}

@@ -5,8 +5,8 @@ Owns, per engine:
   - the tokenizer's xgrammar view (`TokenizerInfo`, built once, on the first structured
     request, from the model folder's tokenizer (transformers' `AutoTokenizer`) and the
     model's vocab size and EOS ids);
-  - the compiled grammars, cached by `GrammarSpec` (LRU, `MAX_CACHED_GRAMMARS`), so a
-    schema is compiled once per node however many requests use it;
+  - an offline engine's compiled grammars, cached by `GrammarSpec` (LRU,
+    `MAX_CACHED_GRAMMARS`), so a schema is compiled once however many requests use it;
   - `GrammarState`: a request's matcher, advanced by every token appended to the
     request (``Request.append_token``), the first token sampled on another node included;
   - `GrammarMasker`: for the rows of a sampling step that have a grammar, one batched
@@ -18,14 +18,16 @@ Owns, per engine:
 A grammar that completes allows only the stop tokens (EOS), and a request whose grammar
 terminated finishes with "stop" (``Request.check_stop``).
 
-`compile()` is thread-safe (a node compiles off its event loop to validate a request,
-the engine thread compiles again and hits the cache); everything else runs on the
-engine thread. Must not know about HTTP, the scheduler or the sampler's internals.
+Who compiles: a node compiles in worker processes under a CPU-time limit
+(node/grammar_service.py, engine/grammar_worker.py) and carries the compiled grammar to
+the engine with the request (``AddRequest`` / ``AddPrefilled``), so the engine thread
+never compiles; the offline `LLM` compiles here, in its caller's thread (`compile()`,
+thread-safe). Everything else runs on the engine thread. Must not know about HTTP, the
+scheduler or the sampler's internals.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -37,18 +39,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..common.errors import InvalidRequest
-from ..common.structured_outputs import FIELD, GrammarKind, GrammarSpec, StructuredOutputsParams
+from ..common.grammar_limits import MAX_CACHED_GRAMMARS
+from ..common.structured_outputs import FIELD, GrammarKind, StructuredOutputsParams
+from .grammar_worker import XGR_PREFIX, compile_spec
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-MAX_CACHED_GRAMMARS = 256  # distinct grammars kept compiled per engine
-# Threads xgrammar may use to compile one grammar and to fill one batch's bitmask.
+# Threads xgrammar may use to compile one grammar (offline) and to fill one batch's bitmask.
 XGRAMMAR_THREADS = 4
-# xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: " and may add "Check failed: ...: "
-_XGR_PREFIX = re.compile(r"^(\[[\d:]+\] \S+:\d+: )?(Check failed: .*? is false: )?")
-_KIND_FIELDS = {GrammarKind.JSON: "json", GrammarKind.JSON_OBJECT: "json_object", GrammarKind.REGEX: "regex",
-                GrammarKind.CHOICE: "choice", GrammarKind.GRAMMAR: "grammar"}
+KIND_FIELDS = {GrammarKind.JSON: "json", GrammarKind.JSON_OBJECT: "json_object", GrammarKind.REGEX: "regex",
+               GrammarKind.CHOICE: "choice", GrammarKind.GRAMMAR: "grammar"}
 
 
 @dataclass(slots=True)
@@ -69,7 +70,7 @@ class GrammarState:
 
 
 class GrammarCache:
-    """Compiles the grammars of one engine's requests and makes their matchers."""
+    """The compiled grammars of one offline engine, and every engine's matchers."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]):
         self._model_dir = Path(model_dir)
@@ -77,25 +78,40 @@ class GrammarCache:
         self._eos = list(eos_token_ids)
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
-        self._compiled: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()  # LRU
-        self.compiles = 0  # grammars compiled (cache misses), a counter for tests and metrics
+        self._compiled: OrderedDict[Any, xgr.CompiledGrammar] = OrderedDict()  # GrammarSpec -> grammar, LRU
+        self.compiles = 0  # grammars compiled here (cache misses), a counter for tests and metrics
+
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        """The model's tokenizer as xgrammar sees it (`InvalidRequest` when the model folder has
+        no tokenizer that loads). Seconds: call it off an event loop."""
+        import xgrammar as xgr
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
+        except (OSError, ValueError, TypeError) as e:  # no tokenizer files (load_format dummy)
+            raise InvalidRequest(FIELD, f"structured outputs need the model's tokenizer, and "
+                                 f"{self._model_dir} has none that loads: {e}") from None
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        """The compiled grammar of validated ``params``; `InvalidRequest` naming
-        ``structured_outputs.<field>`` when it does not compile."""
+        """The compiled grammar of validated ``params``, compiled in this thread (the offline
+        `LLM`; a node never calls this); `InvalidRequest` naming ``structured_outputs.<field>``
+        when it does not compile."""
         spec = params.spec()
         with self._lock:
             hit = self._compiled.get(spec)
             if hit is not None:
                 self._compiled.move_to_end(spec)
                 return hit
-            compiler = self._get_compiler()
+            if self._compiler is None:  # built on first use: most engines never load xgrammar
+                import xgrammar as xgr
+                self._compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=XGRAMMAR_THREADS)
+            compiler = self._compiler
         try:
-            compiled = _compile(compiler, spec)
+            compiled = compile_spec(compiler, spec)
         except RuntimeError as e:  # xgrammar reports every bad schema, regex or grammar so
-            message = _XGR_PREFIX.sub("", str(e)).strip()
-            raise InvalidRequest(f"{FIELD}.{_KIND_FIELDS[spec.kind]}",
-                                 f"cannot be compiled: {message}") from None
+            message = XGR_PREFIX.sub("", str(e)).strip()
+            raise InvalidRequest(f"{FIELD}.{KIND_FIELDS[spec.kind]}", f"cannot be compiled: {message}") from None
         with self._lock:
             self.compiles += 1
             self._compiled[spec] = compiled
@@ -105,51 +121,25 @@ class GrammarCache:
 
     def check(self, params: StructuredOutputsParams) -> None:
         """`InvalidRequest` unless the grammar compiles (and accepts ``resume_token_ids``)."""
-        if params.resume_token_ids:
-            self.new_state(params)
-        else:
-            self.compile(params)
+        self.new_state(params)
 
-    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
-        """A matcher at the grammar's start, advanced past ``params.resume_token_ids``."""
-        import xgrammar as xgr
-        state = GrammarState(xgr.GrammarMatcher(self.compile(params)))
-        for token_id in params.resume_token_ids:
-            state.accept(token_id)
-        if state.rejected is not None:
-            raise InvalidRequest(f"{FIELD}.resume_token_ids", f"token {state.rejected} does not follow the "
-                                 "grammar from its start")
-        return state
-
-    def _get_compiler(self) -> xgr.GrammarCompiler:
-        """Built on first use (under the lock): a node that never sees a structured
-        request never loads xgrammar or the tokenizer twice."""
-        if self._compiler is None:
-            import xgrammar as xgr
-            from transformers import AutoTokenizer
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(self._model_dir)
-            except (OSError, ValueError, TypeError) as e:  # no tokenizer files (load_format dummy)
-                raise InvalidRequest(FIELD, f"structured outputs need the model's tokenizer, and "
-                                     f"{self._model_dir} has none that loads: {e}") from None
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size,
-                                                      stop_token_ids=self._eos)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=XGRAMMAR_THREADS)
-        return self._compiler
+    def new_state(self, params: StructuredOutputsParams, compiled: Any = None) -> GrammarState:
+        """A matcher at the grammar's start, advanced past ``params.resume_token_ids``.
+        ``compiled``: the grammar, when the caller carries it (a node's); None compiles it here."""
+        return start_state(compiled if compiled is not None else self.compile(params), params)
 
 
-def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
-    if spec.kind is GrammarKind.JSON:
-        return compiler.compile_json_schema(spec.source, any_whitespace=spec.any_whitespace)
-    if spec.kind is GrammarKind.JSON_OBJECT:  # OpenAI's json_object: an object, not any JSON value
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
-    if spec.kind is GrammarKind.REGEX:
-        return compiler.compile_regex(spec.source)
-    if spec.kind is GrammarKind.CHOICE:  # JSON string literals are valid EBNF literals
-        import json
-        return compiler.compile_grammar("root ::= " + " | ".join(
-            json.dumps(c, ensure_ascii=False) for c in json.loads(spec.source)))
-    return compiler.compile_grammar(spec.source)
+def start_state(compiled: Any, params: StructuredOutputsParams) -> GrammarState:
+    """A matcher of ``compiled`` (``params``' grammar) at its start, advanced past
+    ``params.resume_token_ids`` (`InvalidRequest` if the grammar refuses them)."""
+    import xgrammar as xgr
+    state = GrammarState(xgr.GrammarMatcher(compiled))
+    for token_id in params.resume_token_ids:
+        state.accept(token_id)
+    if state.rejected is not None:
+        raise InvalidRequest(f"{FIELD}.resume_token_ids", f"token {state.rejected} does not follow the "
+                             "grammar from its start")
+    return state
 
 
 class GrammarMasker:

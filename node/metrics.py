@@ -27,8 +27,8 @@ from ..common.kv_events import Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.model_metrics import ModelMetrics
-from ..common.outcomes import (FallbackReason, IndexBatchResult, PrefillOutcome, PromptHashResult,
-                               TierFault, TransferEnd, TransferStage)
+from ..common.outcomes import (FallbackReason, GrammarCompileOutcome, IndexBatchResult, PrefillOutcome,
+                               PromptHashResult, TierFault, TransferEnd, TransferStage)
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
     from ..engine.kv_offload import Move
@@ -108,7 +108,12 @@ class NodeMetrics:
         self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
                                        "the router carried (adopted; rehashed: they did not check "
                                        "out; absent: none carried)", ["result"])
-        for counter, values in ((self.index_batches, IndexBatchResult),
+        self.grammar_compiles = c.counter(n.GRAMMAR_COMPILES, "structured-output grammars a request needed, by "
+                                          "outcome (cached, compiled, refused, ...)", ["outcome"])
+        self.grammar_compile_seconds = c.histogram(n.GRAMMAR_COMPILE_SECONDS, "Wall seconds of one grammar "
+                                                   "compile in a worker process", INTERVAL_BUCKETS)
+        for counter, values in ((self.grammar_compiles, GrammarCompileOutcome),
+                                (self.index_batches, IndexBatchResult),
                                 (self.prefill_requests, PrefillOutcome),
                                 (self.blocks_received, n.BLOCK_OK), (self.transfers, TransferEnd),
                                 (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult)):

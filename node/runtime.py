@@ -14,6 +14,8 @@
   process is rank 0 (HTTP, scheduler, transfer bookkeeping), it starts ranks 1..N-1 before
   the engine, hands the role their messages (``set_rank_handler``) and stops them after
   the engine thread. A rank's death is the node's death (``fail``);
+- its structured-output grammars (``grammars``, node/grammar_service.py): compiled in
+  worker processes under a CPU-time limit, carried to the engine with each request;
 - the node's KV compatibility key (``kv_key``: its registration, every rank's handshake)
   and the start-up refusal of a pool it cannot exchange KV with
   (common/registry.py ``kv_pool_problem``).
@@ -39,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 import torch
@@ -48,6 +50,7 @@ from ..common.config import NodeConfig
 from ..common.kv_compat import KVCompat
 from ..common.kv_events import KVEvent, Tier
 from ..common.kv_index import KVIndex
+from ..common.sampling_params import SamplingParams
 from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import BlockExporter, EngineThread
@@ -61,6 +64,7 @@ from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout, KVShard
 from ..kvtransfer.rank_report import RankMessage
 from .kv_publisher import KVEventPublisher
+from .grammar_service import GrammarService
 from .metrics import NodeMetrics
 from .ranks import RankProcs, RoleFactory, node_kv_key
 from .shm_segments import remove_dead_segments, segment_name
@@ -95,6 +99,7 @@ class NodeRuntime:
     layout: KVLayout
     kv_pool_info: KVPoolInfo
     engine_thread: EngineThread  # the only way to the engine once started
+    grammars: GrammarService | None  # None: a simulated engine (structured outputs refused)
 
     kv_key: KVCompat  # the node's KV compatibility key (its registration; every rank's handshake)
     shard: KVShard  # rank 0's part of the node's KV: the key and rank 0 (its layout is ``layout``)
@@ -145,6 +150,9 @@ class NodeRuntime:
             raise
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
+        c = self.config
+        self.grammars = None if engine.grammars is None else GrammarService(
+            engine.grammars.tokenizer_info, c.grammar_compile_workers, c.grammar_compile_timeout_s, self.metrics)
         if engine.offload is not None:  # its moves, hits and faults, counted on the engine thread
             engine.offload.observer = self.metrics
         self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
@@ -165,6 +173,15 @@ class NodeRuntime:
                                        gpu_memory_utilization=cfg.gpu_memory_utilization, ranks=ranks)
         info = self.kv_pool_info
         self.metrics.set_kv_pool(info.device, info.dtype, info.blocks, info.bytes, info.tokens)
+
+    async def grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of a checked request's structured output (None without one),
+        for its AddRequest / AddPrefilled. Raises InvalidRequest (a 400) or
+        CompileUnavailable (a 503 + Retry-After)."""
+        if params.structured_outputs is None:
+            return None
+        assert self.grammars is not None, "limits.check refuses structured outputs on a simulated node"
+        return await self.grammars.grammar(params.structured_outputs)
 
     def _start_ranks(self) -> None:
         """Check the model splits over the ranks (a clear error before any process starts),
@@ -297,8 +314,10 @@ class NodeRuntime:
             await self.redis.kv_index.close()
 
     def shutdown(self) -> None:
-        """Stop the engine thread, then the worker ranks (the engine's Stop; killed if they do
-        not exit), then free the shared KV cache."""
+        """Kill the grammar compile workers, stop the engine thread, then the worker ranks (the
+        engine's Stop; killed if they do not exit), then free the shared KV cache."""
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()  # kills the compile workers
         if hasattr(self, "engine_thread"):
             stopped = self.engine_thread.stop()
             if stopped and self.ranks is not None and self.failure is None:

@@ -61,6 +61,7 @@ from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import KVExport, RankMessage, RankSent, encode_export
 from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
+from ..node.grammar_service import CompileUnavailable, unavailable_response
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
@@ -221,13 +222,14 @@ class PrefillNode:
         try:
             task = await read_msgpack(request, PrefillRequest)
             prompt = prompt_ids(task.token_ids)
-            if task.sampling_params.structured_outputs is not None:  # a first compile: off the loop
-                await asyncio.to_thread(self._check, task, prompt)
-            else:
-                self._check(task, prompt)
+            self._check(task, prompt)
+            grammar = await self.rt.grammar(task.sampling_params)  # compiled in a worker, or cached
         except InvalidRequest as e:
             self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
             return error_response(400, str(e), e.field)
+        except CompileUnavailable as e:
+            self.m_requests.labels(PrefillOutcome.REFUSED).inc()
+            return unavailable_response(str(e))
         rid = task.request_id
         if rid in self.out:
             return error_response(409, f"request {rid} is already being prefilled", "request_id")
@@ -247,7 +249,7 @@ class PrefillNode:
             export = engine.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
             hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
                                          self.metrics.prompt_hashes, task.cache_salt)
-            await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt))
+            await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt, grammar))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))
