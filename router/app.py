@@ -52,14 +52,15 @@ from .dispatch import Dispatcher
 from .errors import ApiError
 from .listener import HEADER_TIMERS, header_timer_middleware, listen, raise_file_limit
 from .loop_lag import watch_loop_lag
+from .compile_budget import REJECTION_REASON, CompileBudget
 from .metrics import RouterMetrics
 from .node_client import NodeClient
 from .policy_registry import make_policy
 from .prefix_index import PrefixIndex
 from .responses_store import ResponseStore
 from .shared_work import SharedWork
-from .state import (ADMISSION, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES, TOKENIZER,
-                    RouterServices)
+from .state import (ADMISSION, COMPILE_BUDGET, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES,
+                    TOKENIZER, RouterServices)
 from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ def build_app(config: RouterConfig) -> web.Application:
     app[METRICS] = RouterMetrics.create(config.model_id)
     app[DECISIONS] = DecisionLog(app[METRICS])
     app[ADMISSION] = Admission(config.max_inflight, config.retry_after_s, app[METRICS])
+    rejected = app[METRICS].admission_rejections.labels(reason=REJECTION_REASON)
+    app[COMPILE_BUDGET] = CompileBudget(config.schema_compiles_per_key, config.schema_compiles_per_key_per_minute,
+                                        on_reject=rejected.inc)
     app[POLICY] = make_policy(config.policy, config.weights)
     app.cleanup_ctx.append(_services)
     app.on_response_prepare.append(_add_request_id)

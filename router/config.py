@@ -151,6 +151,10 @@ class RouterConfig:
     # SIGTERM: new requests get 503 while in-flight ones finish, for at most this long.
     drain_grace_s: float = 30.0
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
+    # Structured-output constraints no node has answered yet, per API key (router/compile_budget.py):
+    # at most this many compiling at once, and this many a minute; more get 429. Known ones are free.
+    schema_compiles_per_key: int = 1
+    schema_compiles_per_key_per_minute: int = 20
     # A generation whose decode node breaks its stream moves to another decode node at most
     # this many times (router/migration.py); 0: the client gets a mid-stream error instead.
     migration_limit: int = 0
@@ -189,7 +193,8 @@ class RouterConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         for name in ("max_inflight", "max_connections", "retry_after_s", "responses_max_bytes",
-                     "responses_key_max_bytes", "responses_key_max_entries"):
+                     "responses_key_max_bytes", "responses_key_max_entries", "schema_compiles_per_key",
+                     "schema_compiles_per_key_per_minute"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if type(self.migration_limit) is not int or not 0 <= self.migration_limit <= MAX_MIGRATION_LIMIT:
@@ -296,6 +301,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--drain-grace", type=float, default=d.drain_grace_s,
                    help="on SIGTERM, seconds in-flight requests may take to finish (default "
                         "%(default)s)")
+    s.add_argument("--schema-compiles-per-key", type=int, default=d.schema_compiles_per_key,
+                   help="structured-output constraints new to the nodes one API key may have compiling "
+                        "at once; more get 429 (default %(default)s)")
+    s.add_argument("--schema-compiles-per-key-per-minute", type=int, default=d.schema_compiles_per_key_per_minute,
+                   help="new structured-output constraints one API key may send a minute; more get 429 "
+                        "(default %(default)s)")
     r = p.add_argument_group("router: stored /v1/responses")
     r.add_argument("--responses-redis-url", default=None,
                    help=f"a Redis of their own (default: ${RESPONSES_REDIS_URL_ENV}, else --redis-url's); "
@@ -337,6 +348,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout,
                         body_timeout_s=args.body_timeout,
                         drain_grace_s=args.drain_grace, migration_limit=args.migration_limit,
+                        schema_compiles_per_key=args.schema_compiles_per_key,
+                        schema_compiles_per_key_per_minute=args.schema_compiles_per_key_per_minute,
                         responses_redis_url=redis_url_from(args.responses_redis_url, None,
                                                            RESPONSES_REDIS_URL_ENV, "--responses-redis-url"),
                         responses_max_bytes=parse_size(args.responses_max_bytes, "--responses-max-bytes"),

@@ -5,7 +5,8 @@ Owns one request's life on the router::
 
     read body (415/413/408: request_body.py) -> prepare (400/404; a body over
       prepare_thread_bytes on a worker thread, so a long prompt never stalls the loop)
-      -> start every prompt on a decode node (503/4xx/502)
+      -> the key's compile budget for a new structured-output constraint (429:
+         compile_budget.py) -> start every prompt on a decode node (503/4xx/502)
       -> stream: 200 text/event-stream, "data: {chunk}\\n\\n"..., "data: [DONE]\\n\\n"
       -> whole:  200 JSON once every choice finished
       -> always: close every generation (aborts it on its node unless it finished)
@@ -29,7 +30,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-from .auth import key_salt
+from .auth import key_owner, key_salt
 from .dispatch import Dispatcher
 from .errors import ApiError, sse_error
 from .generation import Generation, merge_pieces
@@ -37,7 +38,7 @@ from .prepare import PreparedRequest, prepare_chat, prepare_completion
 from .request_body import off_loop, read_body
 from .bodies import BodyBuilder
 from .structured import renamed_constraint_error
-from .state import CONFIG, SERVICES, TOKENIZER
+from .state import COMPILE_BUDGET, CONFIG, SERVICES, TOKENIZER
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
     response_id = id_prefix + uuid.uuid4().hex
     builder = BodyBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
     try:
-        gens = await start_all(app[SERVICES].dispatcher, prep, response_id, t_start, key_salt(request))
+        async with app[COMPILE_BUDGET].compile_slot(key_owner(request), prep.params):  # 429: the key's budget
+            gens = await start_all(app[SERVICES].dispatcher, prep, response_id, t_start, key_salt(request))
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, prep.constraint_field) from None
     client_gone = False

@@ -43,7 +43,7 @@ from .responses_objects import ResponseHead, new_id, output_of, usage_of
 from .responses_prepare import ResponsesPrepared, decode_responses, prepare_responses
 from .responses_request import parse_items
 from .responses_store import refusal
-from .state import CONFIG, METRICS, SERVICES, TOKENIZER
+from .state import COMPILE_BUDGET, CONFIG, METRICS, SERVICES, TOKENIZER
 from .structured import renamed_constraint_error
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     head = ResponseHead(new_id("resp"), int(time.time()), rp.prep.model, req)
     builder = BodyBuilder(rp.prep, tok, head.id, head.created_at)
     try:
-        gens = await start_all(services.dispatcher, rp.prep, head.id, t_start, key_salt(request))
+        async with app[COMPILE_BUDGET].compile_slot(owner, rp.prep.params):  # 429: the key's budget
+            gens = await start_all(services.dispatcher, rp.prep, head.id, t_start, key_salt(request))
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, rp.prep.constraint_field) from None
     client_gone = False

@@ -12,6 +12,7 @@ from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
 from .admission import Admission
 from .background import BackgroundTasks
+from .compile_budget import CompileBudget
 from .config import RouterConfig
 from .decisions import DecisionLog
 from .discovery import NodeDirectory
@@ -43,4 +44,5 @@ DECISIONS = web.AppKey("decisions", DecisionLog)
 POLICY = web.AppKey[RoutingPolicy]("policy")  # built once with the app; its state lives as long
 SERVICES = web.AppKey("services", RouterServices)
 ADMISSION = web.AppKey("admission", Admission)
+COMPILE_BUDGET = web.AppKey("compile_budget", CompileBudget)  # per API key: new structured-output constraints
 REQUEST_ID = web.RequestKey("request_id", str)  # the x-request-id of this request
