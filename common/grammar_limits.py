@@ -154,11 +154,12 @@ def _check_keywords(node: dict, path: str, budget: _Budget) -> None:
     pattern = node.get("pattern")
     if isinstance(pattern, str):
         _spend_pattern(pattern, f"{path}.pattern", budget)
-    lo, hi = node.get("minLength"), node.get("maxLength")
+    lo: int = node.get("minLength") or 0  # both checked above: non-negative integers
+    hi: int | None = node.get("maxLength")
     if hi is not None or lo:
-        key = (lo, hi, pattern, node.get("format"))  # xgrammar compiles each distinct one once
-        if key not in budget.seen:
-            budget.seen.add(key)
+        bound = (lo, hi, pattern, node.get("format"))  # xgrammar compiles each distinct one once
+        if bound not in budget.seen:
+            budget.seen.add(bound)
             cost = min(hi, REPEAT_PLATEAU) if hi is not None else min(lo, MIN_LENGTH_PLATEAU)
             where = "maxLength" if hi is not None else "minLength"
             budget.spend(cost, f"{path}.{where}", f"{where} {node[where]}")

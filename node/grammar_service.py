@@ -35,6 +35,7 @@ loads xgrammar, and with it torch: a few hundred MB), not with the node. Event l
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -110,7 +111,7 @@ class GrammarService:
                     self._count(Outcome.BUSY)
                     raise CompileUnavailable(f"{self._waiting} grammar compiles already wait on this node")
                 task = self._compiling[spec] = asyncio.create_task(self._compile(spec))
-                task.add_done_callback(lambda t, s=spec: self._done(s, t))
+                task.add_done_callback(functools.partial(self._done, spec))
             compiled = await asyncio.shield(task)  # a request that goes away leaves the compile be
         if params.resume_token_ids:
             start_state(compiled, params)  # raises InvalidRequest if the grammar refuses them

@@ -316,8 +316,9 @@ class NodeRuntime:
     def shutdown(self) -> None:
         """Kill the grammar compile workers, stop the engine thread, then the worker ranks (the
         engine's Stop; killed if they do not exit), then free the shared KV cache."""
-        if getattr(self, "grammars", None) is not None:
-            self.grammars.close()  # kills the compile workers
+        grammars: GrammarService | None = getattr(self, "grammars", None)
+        if grammars is not None:
+            grammars.close()  # kills the compile workers
         if hasattr(self, "engine_thread"):
             stopped = self.engine_thread.stop()
             if stopped and self.ranks is not None and self.failure is None:

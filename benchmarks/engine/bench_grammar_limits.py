@@ -18,6 +18,7 @@ import argparse
 import json
 import platform
 import time
+from typing import Any
 
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.common.errors import InvalidRequest
@@ -68,7 +69,7 @@ def filler(schema: dict) -> dict:
         i += 1
 
 
-CASES: dict[str, tuple[str, object]] = {
+CASES: dict[str, tuple[str, Any]] = {
     "maxLength plateau (one of 100000)": ("json", strings([{"maxLength": 100_000}])),
     "maxLength 256": ("json", strings([{"maxLength": REPEAT_PLATEAU}])),
     "maxLength 128 distinct x2": ("json", distinct_max(128)),
@@ -102,8 +103,10 @@ CASES: dict[str, tuple[str, object]] = {
 }
 
 
-def params(kind: str, spec: object) -> StructuredOutputsParams:
-    return StructuredOutputsParams(**{"json" if kind == "json" else kind: spec})
+def params(kind: str, spec: Any) -> StructuredOutputsParams:
+    if kind == "json":
+        return StructuredOutputsParams(json=spec)
+    return StructuredOutputsParams(regex=spec) if kind == "regex" else StructuredOutputsParams(grammar=spec)
 
 
 def main() -> None:
@@ -117,7 +120,7 @@ def main() -> None:
     from splitserve.engine.convert import bundled_model_dir
     tok = AutoTokenizer.from_pretrained(bundled_model_dir())
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, (kind, spec) in CASES.items():
         if args.only and args.only not in name:
             continue
