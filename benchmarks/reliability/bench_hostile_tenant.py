@@ -23,7 +23,7 @@ tier    Damaged disk-tier files. A real cluster (the bundled model, one prefill 
         is cut to its magic and two bytes (what a crash or a full disk leaves), and every
         prompt is sent again, three at a time. Targets: 0 failed requests, every answer
         token-exact with the first pass (greedy), the faults counted
-        (``splitserve:kv_offload_faults_total``), both nodes alive.
+        (``kv_offload_faults_total``), both nodes alive.
 
 Writes ``benchmarks/results/hostile_tenant.json``. A run whose round the machine could
 not sustain (the quiet run's own requests failing or timing out) says so and reports no
@@ -47,6 +47,7 @@ import aiohttp
 import redis
 
 from splitserve.benchmarks.harness import MODEL, RESULTS, check_alive, node_counters
+from splitserve.common.metric_names import KV_OFFLOAD_FAULTS
 
 KEYS = {"A": "hostile-key-a-0123456789", "B": "tenant-key-b-0123456789", "C": "tenant-key-c-0123456789"}
 MiB = 1 << 20
@@ -268,7 +269,7 @@ def phase_tier(prompts: int) -> dict:
         with ThreadPoolExecutor(3) as pool:
             again = list(pool.map(lambda t: _complete(c.url, t), texts))
         check_alive(c)
-        faults = {k: v for k, v in node_counters(c, ("splitserve:kv_offload_faults_total",)).items() if v}
+        faults = {k: v for k, v in node_counters(c, (KV_OFFLOAD_FAULTS,)).items() if v}
     out["failed"] = sum(s != 200 for s, _ in again) + sum(s != 200 for s, _ in first)
     out["token_exact"] = sum(a == b for a, b in zip(first, again))
     out["faults"] = faults
