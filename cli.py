@@ -411,6 +411,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None,
                    help="file with one 'KEY [cache_salt=SALT]' per line (# comments), readable by its "
                         "owner only; the router gets the keys in an owner-only file of its own")
+    p.add_argument("--shared-prefix-cache", action="store_true",
+                   help="every router's --shared-prefix-cache: API keys without a cache_salt share one "
+                        "prefix cache (default: each key its own)")
     p.add_argument("--planner", action="store_true",
                    help="size the prefill and decode pools from the SLO and the load: start and drain "
                         "nodes (flags --planner-*; README 'The planner')")

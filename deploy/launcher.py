@@ -520,7 +520,9 @@ def launch(args) -> int:
                       responses_maxmemory=parse_size(pick("responses_maxmemory", "responses_maxmemory"),
                                                      "--responses-maxmemory"),
                       # a node drained by the planner past its grace hands its streams to another
-                      router_args=["--migration-limit", "2"] if getattr(args, "planner", False) else ())
+                      router_args=((["--migration-limit", "2"] if getattr(args, "planner", False) else [])
+                                   + (["--shared-prefix-cache"] if getattr(args, "shared_prefix_cache", False)
+                                      else [])))
     if getattr(args, "planner", False):  # bad planner flags fail before anything starts
         from .planner.config import planner_config
         planner_config(args, "planner-", router_urls=(), redis_url=None, model=None)

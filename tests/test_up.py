@@ -307,6 +307,21 @@ def test_up_api_key_reaches_the_router(how):
         assert up.wait(60) == 0
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_up_shared_prefix_cache_reaches_every_router(shared):
+    """``up --shared-prefix-cache`` is each router's flag (keys without a salt share one
+    cache); without it no router gets it (each key its own cache, the default)."""
+    port = free_port()
+    flags = ["--router-replicas", "2"] + (["--shared-prefix-cache"] if shared else [])
+    with small_up(port, flags) as (up, _):
+        routers = _children(up.pid, "cli router")
+        assert len(routers) == 2
+        for pid in routers:
+            assert ("--shared-prefix-cache" in _proc_file(pid, "cmdline")) == shared
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+
+
 def test_up_router_replicas_prints_every_url_and_each_one_routes():
     """``up --router-replicas 2``: both routers are listed in the banner, see the node
     and serve completions; Ctrl-C stops both."""
