@@ -20,5 +20,5 @@ def cache_root() -> Path:
 
 
 def converted_dir() -> Path:
-    """The converted folder (it may not exist yet: ``engine.convert`` creates it)."""
+    """The converted folder (it may not exist yet: ``engine.models.convert`` creates it)."""
     return cache_root() / f"{BUNDLED_MODEL_ID}-v{CONVERSION_VERSION}"

@@ -162,7 +162,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache; the engine reports the tokens it holds
     # CUDA only: the fraction of the device's total memory this process may use; the KV cache
-    # gets what is left of it after the weights and a profiled activation peak (engine/kv_sizing.py).
+    # gets what is left of it after the weights and a profiled activation peak (engine/kv/sizing.py).
     # None: the KV cache is kv_cache_memory bytes.
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64  # running requests per step
@@ -189,11 +189,11 @@ class EngineConfig:
     # the model's config.json still gives vocab, context and the KV block size).
     sim: SimConfig | None = None
     # Ranks (one process and one device each) the model is sharded over, Megatron-style
-    # (engine/sharding.py); checked against the model's heads and sizes when it is loaded.
+    # (engine/models/sharding.py); checked against the model's heads and sizes when it is loaded.
     # kv_cache_memory and gpu_memory_utilization are per rank: each rank's KV cache holds
     # its KV heads of every block, so more ranks hold more blocks.
     tensor_parallel_size: int = 1
-    # Lower tiers of the prefix cache (engine/kv_offload.py): bytes of host memory that hold
+    # Lower tiers of the prefix cache (engine/kv/tier_store.py): bytes of host memory that hold
     # blocks evicted from the KV cache (0: none; pinned on CUDA), and a folder whose files
     # hold blocks evicted from host memory, at most kv_offload_disk_bytes of them (None: no
     # disk tier). A disk tier needs a host tier: blocks pass through it.
@@ -268,7 +268,7 @@ class NodeConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_workers: int = 2  # above the router's default schema_compiles_per_key (1)
     # The device of each rank of a tensor-parallel node, rank 0's first (it is engine.device);
-    # empty: engine/parallel.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
+    # empty: engine/parallel/group.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
     rank_devices: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -5,7 +5,7 @@ heads, head dim) and its tensor parallelism, and the one judgement of whether a 
 node's KV can land in a decode node's cache (``exchange_problem``). A node puts its key
 in its registry record (``common/registry.py NodeInfo.kv``) and, with its rank, in every
 KV handshake (``kvtransfer/wire.py``); the router pairs only nodes whose keys agree
-(``router/kv_pairing.py``), and a receiver refuses a sender whose key does not, before a
+(``router/routing/kv_pairing.py``), and a receiver refuses a sender whose key does not, before a
 byte moves. Must not: import torch or know how a transfer is cut (``kvtransfer/tp_plan.py``).
 
 Every field but ``tp`` must be equal. Different TP degrees are compatible: a transfer

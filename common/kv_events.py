@@ -25,7 +25,7 @@ import msgspec
 
 
 class Tier(IntEnum):
-    """Where a node holds a block's KV, fastest first (engine/kv_offload.py: the lower tiers)."""
+    """Where a node holds a block's KV, fastest first (engine/kv/tier_store.py: the lower tiers)."""
     DEVICE = 0  # the engine's KV cache (GPU memory, or this process's memory on the CPU)
     HOST = 1  # the host-memory pool (--kv-offload-memory; pinned on CUDA)
     DISK = 2  # files under --kv-offload-dir

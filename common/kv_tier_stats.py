@@ -1,7 +1,7 @@
 """What a node reports of each tier of its prefix cache (its heartbeat: ``NodeInfo.tiers``):
 size, use and the measured move rates the router prices a hit in that tier with.
 
-Filled by the node from its engine's lower tiers (engine/kv_offload.py) and, for the
+Filled by the node from its engine's lower tiers (engine/kv/tier_store.py) and, for the
 device tier, from its KV pool. Must not import torch or node code.
 """
 

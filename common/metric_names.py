@@ -65,7 +65,7 @@ KV_POOL_TOKENS = PREFIX + "kv_pool_tokens"  # gauge
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"  # counter, prompt tokens looked up
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"  # counter, prompt tokens found cached
 NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"  # counter
-# Lower tiers of the prefix cache (engine/kv_offload.py), label tier (host, disk), in blocks
+# Lower tiers of the prefix cache (engine/kv/tier_store.py), label tier (host, disk), in blocks
 # (vLLM's offloading connector and LMCache count the same things):
 KV_OFFLOAD_QUERIES = PREFIX + "kv_offload_queries_total"  # counter: prompt blocks looked up below the device
 KV_OFFLOAD_HITS = PREFIX + "kv_offload_hits_total"  # counter, label tier: blocks found (and loaded)
@@ -121,6 +121,6 @@ PLANNER_ROUTERS_SCRAPED = PREFIX + "planner_routers_scraped"  # gauge: routers w
 # event (callers may still add values).
 FINISHED_REASONS = ("stop", "length", "abort")
 REDIS_OPS = ("list_nodes", "index_lookup")
-# router/admission.py, listener.py, compile_budget.py
+# router/http/admission.py, listener.py, compile_budget.py
 ADMISSION_REJECTION_REASONS = ("busy", "draining", "connections", "schema_compiles")
 BLOCK_OK = ("true", "false")

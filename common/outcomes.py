@@ -102,7 +102,7 @@ class PredictionOutcome(StrEnum):
 
 
 class StoreResult(StrEnum):
-    """What became of a /v1/responses entry the router meant to store (router/responses_store.py)."""
+    """What became of a /v1/responses entry the router meant to store (router/responses/store.py)."""
     STORED = "stored"
     TOO_LARGE = "too_large"  # one entry over the entry limit: not stored, the request succeeds
     KEY_FULL = "key_full"  # its key's quota (bytes or entries) is used up: 429

@@ -56,7 +56,7 @@ class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     block_size: int = 0  # tokens per KV block, as hashed into the prefix index (0: unknown)
     max_model_len: int = 0  # the context the node accepts, prompt + output tokens (0: unknown)
     # What a peer must share to exchange KV with it (model, dtype, block size, head layout,
-    # TP); routers pair only compatible nodes (router/kv_pairing.py). None: not published.
+    # TP); routers pair only compatible nodes (router/routing/kv_pairing.py). None: not published.
     kv: KVCompat | None = None
     # Each tier of its prefix cache, device first (a node without lower tiers: the device
     # tier alone, or nothing from an older node); common/kv_tier_stats.py.

@@ -4,7 +4,7 @@ Owns the `SamplingParams` struct (router -> prefill/decode nodes), its range che
 and `TokenLogprobs` (nodes -> router). Every user error raises `InvalidRequest`
 naming the field and the allowed range, so the router can answer a 400.
 
-Must not import torch: the sampler that consumes these lives in `engine/sampler.py`.
+Must not import torch: the sampler that consumes these lives in `engine/sampling/sampler.py`.
 """
 
 from __future__ import annotations

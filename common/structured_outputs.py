@@ -8,7 +8,7 @@ so every node compiles -- and caches -- the same string. It also refuses a const
 too costly to compile (common/grammar_limits.py), naming the keyword's path, e.g.
 ``structured_outputs.json.properties.a.maxLength``; router and nodes both run it.
 Whether the schema, regex or grammar compiles is the nodes' check (node/grammar_service.py,
-engine/structured.py), which raises `InvalidRequest` naming the field.
+engine/sampling/structured.py), which raises `InvalidRequest` naming the field.
 
 Must not import xgrammar or torch.
 """

@@ -6,7 +6,7 @@ was handed to the transport, or by an error status with a msgpack `ErrorBody`;
 ``POST {node}/abort`` (msgpack `Abort`, idempotent). The cluster token, when there
 is one, goes in the session's headers. Every failure of a prefill call becomes
 `PrefillFailed` (a `TransferError`: the decode node prefills the request itself);
-an abort never raises. Shaped like router/node_client.py, the router's client to
+an abort never raises. Shaped like router/streams/node_client.py, the router's client to
 decode nodes.
 
 Must not own the `aiohttp.ClientSession` (the decode node's lifecycle does),

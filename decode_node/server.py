@@ -58,7 +58,7 @@ from ..common.protocol import GenerateRequest, PrefillRequest, TokenDelta, encod
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, BlockExporter, EngineThread, Release, \
     Reserve
-from ..engine.parallel import TPFailure
+from ..engine.parallel.group import TPFailure
 from ..kvtransfer import KVReceiver, TransferError, make_receiver
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, RankReady, TransfersClosed

@@ -50,5 +50,5 @@ if [ -z "${SPLITSERVE_NO_APT:-}" ]; then
 fi
 
 # One-time GGUF -> safetensors conversion (prints the cached folder).
-"$PY" -m splitserve.engine.convert
+"$PY" -m splitserve.engine.models.convert
 echo "[setup] done: $VENV"

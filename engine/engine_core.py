@@ -25,7 +25,7 @@ requests through ``abort(req_id, "stop")``.
 
 Tensor parallelism (``tensor_parallel_size`` > 1): this engine is rank 0. It schedules,
 owns the block ids, prefix cache and hashes, samples, and its ModelRunner sends every
-step to the worker ranks (tp_launch.py, tp_worker.py). Given no ``tp`` leader, it starts
+step to the worker ranks (parallel/launch.py, parallel/worker.py). Given no ``tp`` leader, it starts
 the workers itself as child processes (offline use: ``LLM(..., tensor_parallel_size=2)``);
 a node passes the ``TPLeader`` whose rendezvous it gave the ranks it started. A rank
 that dies or hangs makes ``step()`` raise ``TPFailure``; ``close()`` stops the workers.
@@ -45,22 +45,22 @@ from ..common.kv_events import Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
-from . import prompt_logprobs
-from .kv_cache_manager import KVCacheManager
-from .kv_offload import KVOffload
+from .sampling import prompt_logprobs
+from .kv.cache_manager import KVCacheManager
+from .kv.tier_store import KVOffload
 from .limits import RequestLimits
-from .loader import resolve_model_dir
-from .model_config import ModelConfig
+from .models.loader import resolve_model_dir
+from .models.config import ModelConfig
 from .model_runner import KVCacheFactory, LaunchedStep, ModelRunner
-from .parallel import TPFailure, pin_process, rank_cpus, rank_device, rank_threads
+from .parallel.group import TPFailure, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request
-from .sampler import Sampler
+from .sampling.sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
-from .structured import GrammarCache
+from .sampling.structured import GrammarCache
 
 if TYPE_CHECKING:
     from .sim_runner import SimRunner  # imported when a simulated engine is built
-    from .tp_launch import TPLeader
+    from .parallel.launch import TPLeader
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Reservation(NamedTuple):
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None,
                  tp: "TPLeader | None" = None):
-        """``tp``: rank 0's leader of a node whose workers it started (see tp_launch.py); None
+        """``tp``: rank 0's leader of a node whose workers it started (see parallel/launch.py); None
         with ``tensor_parallel_size`` > 1 starts them here, as child processes."""
         size = config.tensor_parallel_size
         threads = rank_threads(config.num_threads, size if config.sim is None else 1,
@@ -115,7 +115,7 @@ class EngineCore:
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens,
                                     self.grammars is not None)
-        # lower tiers of the prefix cache (host memory, disk), if configured (kv_offload.py)
+        # lower tiers of the prefix cache (host memory, disk), if configured (kv/tier_store.py)
         self.offload = KVOffload.build(config, self.runner.kv_caches)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, self.offload)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
@@ -137,8 +137,8 @@ class EngineCore:
     def _start_ranks(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None,
                      tp: "TPLeader | None") -> ModelRunner:
         """Rank 0's runner, after the workers joined (started here when ``tp`` is None)."""
-        from .sharding import check_model_tp
-        from .tp_launch import TPLeader
+        from .models.sharding import check_model_tp
+        from .parallel.launch import TPLeader
 
         size = config.tensor_parallel_size
         check_model_tp(ModelConfig.from_dir(self.model_dir), size)  # before any process starts

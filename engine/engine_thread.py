@@ -70,7 +70,7 @@ from ..common.kv_events import KVEvent, Tier
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
 from .engine_core import EngineCore, RequestDelta
-from .parallel import TPFailure
+from .parallel.group import TPFailure
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ boundary (a 400 before any stream starts) without touching the engine, which the
 thread owns. The engine runs the same check on every request it admits. A structured
 output's constraint is checked for shape and cost here (`SamplingParams.validate`,
 common/grammar_limits.py), never compiled: a node compiles it in a worker
-(node/grammar_service.py), the offline `LLM` in engine/structured.py.
+(node/grammar_service.py), the offline `LLM` in engine/sampling/structured.py.
 """
 
 from __future__ import annotations

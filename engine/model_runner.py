@@ -1,7 +1,7 @@
 """ModelRunner: owns the model weights and the paged KV cache tensor, turns a
 SchedulerOutput into one forward pass, and samples.
 
-The KV cache is sized and allocated by engine/kv_sizing.py (kv_cache_memory, or on a GPU
+The KV cache is sized and allocated by engine/kv/sizing.py (kv_cache_memory, or on a GPU
 gpu_memory_utilization after a profiled dummy forward):
 
     bytes per block = num_layers * 2 (K, V) * block_size * kv_heads * head_dim * dtype bytes
@@ -41,23 +41,23 @@ import torch
 
 from ..common.config import EngineConfig
 from ..common.sampling_params import PromptLogprob, TokenLogprobs
-from . import prompt_logprobs
+from .sampling import prompt_logprobs
 from .attention.base import AttentionMetadata
 from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from .attention.selector import select_backend
 from .attention.torch_backend import build_decode_mask
 from .decode_graphs import StaticDecode, default_graph_sizes
-from .kv_cache_manager import KVCacheManager
-from .kv_sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401 (kv_block_bytes: re-export)
-from .loader import load_model
-from .model_config import ModelConfig
-from .parallel import TPGroup
-from .prompt_logprobs import PromptRows
+from .kv.cache_manager import KVCacheManager
+from .kv.sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401 (kv_block_bytes: re-export)
+from .models.loader import load_model
+from .models.config import ModelConfig
+from .parallel.group import TPGroup
+from .sampling.prompt_logprobs import PromptRows
 from .request import Request
-from .sampler import SampledTokens, Sampler
+from .sampling.sampler import SampledTokens, Sampler
 from .scheduler import SchedulerOutput
 from .step_inputs import ForwardInputs, PrefillChunk
-from .structured import GrammarMasker
+from .sampling.structured import GrammarMasker
 from .upload import upload
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shap
 
 
 class StepLink(Protocol):
-    """How rank 0's runner reaches the worker ranks (tp_launch.TPLeader): every step's inputs,
+    """How rank 0's runner reaches the worker ranks (launch.TPLeader): every step's inputs,
     sent before rank 0 runs the same forward."""
 
     def send_step(self, inputs: ForwardInputs) -> None: ...
@@ -156,7 +156,7 @@ class ModelRunner:
         whose scheduled tokens reach the end of its sequence (``seq_len``). With TP, the
         workers get the step's inputs first and run the same forward. The step's lower-tier
         loads are issued first, one layer after another, and the forward waits for each
-        layer's just before it (kv_offload.py ``LayerLoads``). ``ready`` is called just
+        layer's just before it (kv/tier_store.py ``LayerLoads``). ``ready`` is called just
         before the forward is queued: what it queues reads the blocks in place, loaded ones
         included (with loads, it is queued behind them, beside the forward)."""
         decodes = [(r, n) for r, n in out.scheduled if n == 1]

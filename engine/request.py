@@ -21,7 +21,7 @@ import torch
 
 from ..common.hashing import extend_block_hashes, salt_id
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
-from .structured import GrammarState
+from .sampling.structured import GrammarState
 
 
 class Status(enum.Enum):

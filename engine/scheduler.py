@@ -35,7 +35,7 @@ readmitted before the token lands, since recompute needs every id on the host.
 from collections import deque
 from typing import NamedTuple
 
-from .kv_cache_manager import KVCacheManager
+from .kv.cache_manager import KVCacheManager
 from .request import Request, Status
 
 

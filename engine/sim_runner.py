@@ -12,7 +12,7 @@ float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 
     kv_caches  [1 layer, 2 (K, V), num_blocks, block_size, 1 head, head_dim 1]
 
-The prefix cache's lower tiers (engine/kv_offload.py) hold stand-in blocks too; their
+The prefix cache's lower tiers (engine/kv/tier_store.py) hold stand-in blocks too; their
 sizes are given in the modelled model's bytes like the KV cache's (``standin_tiers``
 turns them into the stand-ins' bytes: as many blocks as a real node's tiers hold), and
 the moves between the tiers since the last step (``KVOffload.take_moves``) cost what
@@ -27,7 +27,7 @@ crosses into the KV cache as a host load too):
                              (``KVOffload.before_forward``) is still copying starts when
                              that batch lands
     loads                    on the step that follows them, one layer after another as a
-                             real engine issues them (kv_offload.py ``LayerLoads``): the
+                             real engine issues them (kv/tier_store.py ``LayerLoads``): the
                              forward's layer i starts when the loads' layer i and the
                              forward's layer i - 1 are done, a pipeline of the profile's
                              layers (``SimConfig.num_layers``) whose stages split the loads
@@ -57,12 +57,12 @@ import torch
 
 from ..common.config import EngineConfig
 from ..common.kv_events import Tier
-from .kv_cache_manager import KVCacheManager
-from .kv_offload import KVOffload, Move
-from .loader import resolve_model_dir
-from .model_config import ModelConfig
+from .kv.cache_manager import KVCacheManager
+from .kv.tier_store import KVOffload, Move
+from .models.loader import resolve_model_dir
+from .models.config import ModelConfig
 from .model_runner import KVCacheFactory, LaunchedStep, kv_block_bytes
-from .sampler import SampledTokens
+from .sampling.sampler import SampledTokens
 from .scheduler import SchedulerOutput
 
 _TOKEN_BASE, _TOKEN_SPAN = 1000, 20000  # sampled ids cycle through [1000, 21000)
@@ -87,7 +87,7 @@ def standin_tiers(config: EngineConfig) -> EngineConfig:
     """A simulated node's ``config`` with its lower tiers' sizes (``kv_offload_memory``,
     ``kv_offload_disk_bytes``: bytes of the modelled model's KV, as ``kv_cache_memory`` is)
     in bytes of the stand-in blocks the engine's tiers hold: as many blocks as the modelled
-    node's tiers. The engine sizes its tiers from the KV cache it is given (engine/kv_offload.py)."""
+    node's tiers. The engine sizes its tiers from the KV cache it is given (engine/kv/tier_store.py)."""
     if not config.kv_offload_memory:
         return config
     real = modelled_block_bytes(config, ModelConfig.from_dir(resolve_model_dir(config.model)))

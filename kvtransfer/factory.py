@@ -58,19 +58,19 @@ def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = 
         algo = default_checksum_algo("cuda" if backend == "ipc" else device)
         options = dataclasses.replace(options, checksum=algo)
     if backend == "ipc":
-        from .ipc import IpcSender
+        from .backends.ipc import IpcSender
         return IpcSender(layout, options, device="cuda" if torch.device(device).type == "cpu" else device,
                          shard=shard)
     if backend == "tcp":
-        from .tcp import TcpSender
+        from .backends.tcp import TcpSender
         return TcpSender(layout, options, shard)
     if backend == "shm":
-        from .shm import ShmSender
+        from .backends.shm import ShmSender
         return ShmSender(layout, options, shard)
     if backend == "nccl":
-        from .nccl import NcclSender
+        from .backends.nccl import NcclSender
         return NcclSender(layout, options, shard, device=device)
-    from .ucx import UcxSender
+    from .backends.ucx import UcxSender
     return UcxSender(layout, options, shard)
 
 
@@ -83,16 +83,16 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
     (default: the one rank of a TP=1 node with ``layout`` and no model name)."""
     _check_backend(backend)
     if backend == "nccl":
-        from .nccl import NcclReceiver
+        from .backends.nccl import NcclReceiver
         return NcclReceiver(layout, store, on_block, host=host, port=port,
                             advertise_host=advertise_host, device=device, shard=shard)
     cls: type[FramedReceiver[Any]]
     if backend == "tcp":
-        from .tcp import TcpReceiver as cls
+        from .backends.tcp import TcpReceiver as cls
     elif backend == "shm":
-        from .shm import ShmReceiver as cls
+        from .backends.shm import ShmReceiver as cls
     elif backend == "ipc":
-        from .ipc import IpcReceiver as cls
+        from .backends.ipc import IpcReceiver as cls
     else:
-        from .ucx import UcxReceiver as cls
+        from .backends.ucx import UcxReceiver as cls
     return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host, shard=shard)

@@ -37,7 +37,7 @@ from ..common.http import error_response, read_msgpack
 from ..common.protocol import Abort
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, BlockExporter
-from ..engine.parallel import TPFailure
+from ..engine.parallel.group import TPFailure
 from .runtime import NodeRuntime
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ processes under a CPU-time limit, and carried to the engine with each request.
                                           MAX_WAITING_PER_WORKER compiles wait per slot,
                                           beyond: `CompileUnavailable`, a 503 + Retry-After)
                                             -> CompileWorker.compile on a thread
-                                               (engine/grammar_worker.py: a process, niced,
+                                               (engine/sampling/grammar_worker.py: a process, niced,
                                                killed past ``timeout_s`` CPU seconds)
                                             -> compiled there: LocalCompiler compiles the
                                                node's copy (one niced thread)
@@ -48,8 +48,8 @@ from ..common.grammar_limits import MAX_CACHED_GRAMMARS
 from ..common.http import error_response
 from ..common.outcomes import GrammarCompileOutcome as Outcome
 from ..common.structured_outputs import FIELD, GrammarSpec, StructuredOutputsParams
-from ..engine.grammar_worker import CompileWorker, LocalCompiler, WorkerResult
-from ..engine.structured import KIND_FIELDS, start_state
+from ..engine.sampling.grammar_worker import CompileWorker, LocalCompiler, WorkerResult
+from ..engine.sampling.structured import KIND_FIELDS, start_state
 
 log = logging.getLogger(__name__)
 MAX_REFUSALS = 1024  # refused constraints remembered (each answered again without a compile)

@@ -49,11 +49,11 @@ import torch
 
 from ..common.config import EngineConfig, NodeConfig
 from ..common.kv_compat import KVCompat
-from ..engine.model_config import ModelConfig
+from ..engine.models.config import ModelConfig
 from ..engine.model_runner import KVCacheFactory, ModelRunner
-from ..engine.parallel import TPFailure
-from ..engine.tp_launch import exit_words
-from ..engine.tp_worker import ControlHandler, TPRendezvous, run_worker
+from ..engine.parallel.group import TPFailure
+from ..engine.parallel.launch import exit_words
+from ..engine.parallel.worker import ControlHandler, TPRendezvous, run_worker
 from ..kvtransfer import rank_report
 from ..kvtransfer.rank_report import RankMessage
 

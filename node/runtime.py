@@ -55,11 +55,11 @@ from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, k
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import BlockExporter, EngineThread
 from ..engine.limits import RequestLimits
-from ..engine.loader import resolve_model_dir
-from ..engine.model_config import ModelConfig
-from ..engine.parallel import TPFailure
-from ..engine.sharding import check_model_tp
-from ..engine.tp_launch import TPLeader
+from ..engine.models.loader import resolve_model_dir
+from ..engine.models.config import ModelConfig
+from ..engine.parallel.group import TPFailure
+from ..engine.models.sharding import check_model_tp
+from ..engine.parallel.launch import TPLeader
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout, KVShard
 from ..kvtransfer.rank_report import RankMessage

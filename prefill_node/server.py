@@ -55,7 +55,7 @@ from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
-from ..engine.parallel import TPFailure
+from ..engine.parallel.group import TPFailure
 from ..kvtransfer import PackedSend, ShardSender, TransferError, make_sender, pack_sends
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import KVExport, RankMessage, RankSent, encode_export

@@ -18,7 +18,7 @@ live as long as the app). The lifespan (cleanup_ctx) creates, in order, the Redi
 mirror task, the event-loop lag watch (loop_lag.py), the pooled
 `aiohttp.ClientSession` to the nodes, the sharing of the policy's recent work with
 the other router replicas (shared_work.py, when the policy keeps any), the
-dispatcher and the Redis store of /v1/responses (responses_store.py: a Redis of its
+dispatcher and the Redis store of /v1/responses (responses/store.py: a Redis of its
 own with --responses-redis-url, and its budgets), and closes them in reverse after waiting for pending aborts.
 
 Must not import torch or `splitserve.engine`, or touch tensors.
@@ -41,27 +41,29 @@ from ..common.errors import InvalidRequest
 from ..common.http import peer_connector
 from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
-from . import endpoints, extra_endpoints, openai_api, responses_api
-from .admission import Admission
-from .auth import api_key_middleware
-from .background import BackgroundTasks
+from .http import endpoints, extra_endpoints
+from .openai import api as openai_api
+from .responses import api as responses_api
+from .http.admission import Admission
+from .http.auth import api_key_middleware
+from .streams.background import BackgroundTasks
 from .config import RouterConfig
-from .decisions import DecisionLog
-from .discovery import NodeDirectory
-from .dispatch import Dispatcher
-from .errors import ApiError
-from .listener import HEADER_TIMERS, header_timer_middleware, listen, raise_file_limit
-from .loop_lag import watch_loop_lag
-from .compile_budget import REJECTION_REASON, CompileBudget
+from .routing.decisions import DecisionLog
+from .routing.discovery import NodeDirectory
+from .streams.dispatch import Dispatcher
+from .http.errors import ApiError
+from .http.listener import HEADER_TIMERS, header_timer_middleware, listen, raise_file_limit
+from .http.loop_lag import watch_loop_lag
+from .http.compile_budget import REJECTION_REASON, CompileBudget
 from .metrics import RouterMetrics
-from .node_client import NodeClient
-from .policy_registry import make_policy
-from .prefix_index import PrefixIndex
-from .responses_store import ResponseStore
-from .shared_work import SharedWork
+from .streams.node_client import NodeClient
+from .routing.policy_registry import make_policy
+from .routing.prefix_index import PrefixIndex
+from .responses.store import ResponseStore
+from .routing.shared_work import SharedWork
 from .state import (ADMISSION, COMPILE_BUDGET, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES,
                     TOKENIZER, RouterServices)
-from .tokenizer import RouterTokenizer
+from .openai.tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 

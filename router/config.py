@@ -10,17 +10,17 @@ from ..common.auth import (REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV, add_cluster_t
                            cluster_token_from_args, redis_url_from)
 from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
 from ..common.config import parse_size
-from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, resolve_salts, unique_keys
+from .http.api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, resolve_salts, unique_keys
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
-# --policy's names, the default first; router/policy_registry.py maps each to its policy.
+# --policy's names, the default first; router/routing/policy_registry.py maps each to its policy.
 POLICIES = ("cache_aware", "least_load", "round_robin")
 MAX_MIGRATION_LIMIT = 16  # a request that kills this many nodes is not worth another one
 
 
 @dataclass(frozen=True, slots=True)
 class CacheAwareWeights:
-    """Weights of the cache_aware policy's cost (router/cache_aware.py has the formula).
+    """Weights of the cache_aware policy's cost (router/routing/cache_aware.py has the formula).
     Every term is in token-equivalents: 1.0 is the time a node takes to prefill one
     prompt token, so a predicted cached token is worth at most ``cached_token`` of
     load and a prefix hit never outweighs more than the prompt's length of load."""
@@ -38,7 +38,7 @@ class CacheAwareWeights:
     # prefixes; this caps how far one node's share runs ahead of the others'
     balance: float = 2.0
     balance_half_life_s: float = 300.0  # conversations last minutes
-    # With router replicas (another router's work heard, router/shared_work.py), recent work
+    # With router replicas (another router's work heard, router/routing/shared_work.py), recent work
     # counts once this old: every replica has heard it by then (the pub/sub delay is
     # milliseconds), so replicas deciding at the same moment weigh the same work and agree.
     balance_settle_s: float = 0.1
@@ -120,7 +120,7 @@ class RouterConfig:
     node_read_timeout_s: float = 300.0
     node_connect_timeout_s: float = 2.0
     # Clients must send "Authorization: Bearer <one of these>" on /v1/* and /debug/*; a key's
-    # cache salt isolates its requests' prefix caches (router/api_keys.py). Plain strings are
+    # cache salt isolates its requests' prefix caches (router/http/api_keys.py). Plain strings are
     # read as keys without a salt, and resolved to keys with one derived from the key unless
     # shared_prefix_cache. Empty: no authentication (fine on loopback; warned about anywhere else).
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
@@ -151,14 +151,14 @@ class RouterConfig:
     # SIGTERM: new requests get 503 while in-flight ones finish, for at most this long.
     drain_grace_s: float = 30.0
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
-    # Structured-output constraints no node has answered yet, per API key (router/compile_budget.py):
+    # Structured-output constraints no node has answered yet, per API key (router/http/compile_budget.py):
     # at most this many compiling at once, and this many a minute; more get 429. Known ones are free.
     schema_compiles_per_key: int = 1
     schema_compiles_per_key_per_minute: int = 20
     # A generation whose decode node breaks its stream moves to another decode node at most
-    # this many times (router/migration.py); 0: the client gets a mid-stream error instead.
+    # this many times (router/streams/migration.py); 0: the client gets a mid-stream error instead.
     migration_limit: int = 0
-    # Stored /v1/responses (router/responses_store.py) live in this Redis; None: redis_url's.
+    # Stored /v1/responses (router/responses/store.py) live in this Redis; None: redis_url's.
     # A Redis of their own (with maxmemory above responses_max_bytes) keeps them away from
     # the node registry and the prefix index.
     responses_redis_url: str | None = field(default=None, repr=False)

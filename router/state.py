@@ -10,17 +10,17 @@ from aiohttp import web
 
 from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
-from .admission import Admission
-from .background import BackgroundTasks
-from .compile_budget import CompileBudget
+from .http.admission import Admission
+from .streams.background import BackgroundTasks
+from .http.compile_budget import CompileBudget
 from .config import RouterConfig
-from .decisions import DecisionLog
-from .discovery import NodeDirectory
-from .dispatch import Dispatcher
+from .routing.decisions import DecisionLog
+from .routing.discovery import NodeDirectory
+from .streams.dispatch import Dispatcher
 from .metrics import RouterMetrics
-from .policy import RoutingPolicy
-from .responses_store import ResponseStore
-from .tokenizer import RouterTokenizer
+from .routing.policy import RoutingPolicy
+from .responses.store import ResponseStore
+from .openai.tokenizer import RouterTokenizer
 
 
 @dataclass(slots=True)

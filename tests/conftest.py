@@ -19,7 +19,7 @@ torch.set_num_threads(int(os.environ.get("SPLITSERVE_TEST_THREADS", "2")))
 
 @pytest.fixture(scope="session")
 def bundled_dir():
-    from splitserve.engine.convert import bundled_model_dir
+    from splitserve.engine.models.convert import bundled_model_dir
     return bundled_model_dir()
 
 

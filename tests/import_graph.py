@@ -13,7 +13,7 @@ LAYER = {"common": 0, "csrc": 1, "engine": 2, "kvtransfer": 2, "node": 3, "route
 
 
 def module_name(path: Path) -> str:
-    """``engine.model`` for engine/model.py, ``router`` for router/__init__.py, ``""`` for the root."""
+    """``engine.models.llama`` for engine/models/llama.py, ``router`` for router/__init__.py, ``""`` for the root."""
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

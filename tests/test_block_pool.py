@@ -5,7 +5,7 @@ import time
 
 from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from splitserve.engine.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from splitserve.engine.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 SALT = salt_id(hash_keys("test-model"))

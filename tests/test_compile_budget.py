@@ -1,4 +1,4 @@
-"""The per-key compile budget (router/compile_budget.py): one API key's new
+"""The per-key compile budget (router/http/compile_budget.py): one API key's new
 structured-output constraints are limited at once and per minute (429 with
 Retry-After), other keys and constraints nodes already answered are not; and the
 real router applies it per API key on every generating endpoint."""
@@ -11,9 +11,9 @@ import pytest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.router.app import start_router
-from splitserve.router.compile_budget import CompileAdmit, CompileBudget
+from splitserve.router.http.compile_budget import CompileAdmit, CompileBudget
 from splitserve.router.config import RouterConfig
-from splitserve.router.errors import ApiError
+from splitserve.router.http.errors import ApiError
 
 
 class Clock:

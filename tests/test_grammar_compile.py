@@ -1,5 +1,5 @@
 """Grammar compiles on a node: in a worker process under a CPU-time limit
-(engine/grammar_worker.py, node/grammar_service.py), never on the engine thread.
+(engine/sampling/grammar_worker.py, node/grammar_service.py), never on the engine thread.
 
 - a compile past its limit is killed (the process is gone, not burning a core), the
   request is refused as too complex, a resend is refused from memory, and the next
@@ -32,8 +32,8 @@ from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.decode_node.server import build_app as build_decode_app
-from splitserve.engine.grammar_worker import CompileWorker
-from splitserve.engine.structured import GrammarCache, start_state
+from splitserve.engine.sampling.grammar_worker import CompileWorker
+from splitserve.engine.sampling.structured import GrammarCache, start_state
 from splitserve.node import grammar_service
 from splitserve.node.grammar_service import GrammarService
 

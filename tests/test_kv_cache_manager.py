@@ -6,7 +6,7 @@ import random
 
 from splitserve.common.hashing import extend_block_hashes, hash_blocks, salt_id
 from splitserve.common.kv_events import BlockRemoved, BlockStored
-from splitserve.engine.kv_cache_manager import ComputedBlocks, KVCacheManager
+from splitserve.engine.kv.cache_manager import ComputedBlocks, KVCacheManager
 
 BS = 4
 MODEL = ("test-model",)

@@ -1,4 +1,4 @@
-"""Faults of the disk tier (engine/kv_disk_tier.py, engine/kv_disk_trust.py).
+"""Faults of the disk tier (engine/kv/disk_tier.py, engine/kv/disk_trust.py).
 
 Every damaged, planted or unsafe block file is a miss and a counted ``TierFault``, dropped
 from the index, and the tier serves on: a file cut after its magic, a header length beyond
@@ -25,9 +25,9 @@ import pytest
 from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
 from splitserve.common.outcomes import TierFault
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.kv_disk_file import MAC_BYTES, DiskHeader, block_file_name, encode_block
-from splitserve.engine.kv_disk_tier import MAGIC, DiskLayout, DiskTier
-from splitserve.engine.kv_disk_trust import KEY_ENV, KEY_FILE_ENV, KEY_FILE_NAME, disk_key
+from splitserve.engine.kv.disk_file import MAC_BYTES, DiskHeader, block_file_name, encode_block
+from splitserve.engine.kv.disk_tier import MAGIC, DiskLayout, DiskTier
+from splitserve.engine.kv.disk_trust import KEY_ENV, KEY_FILE_ENV, KEY_FILE_NAME, disk_key
 
 LAYOUT = DiskLayout("m", "float32", (2, 2, 4, 1, 2))
 BB = 2 * 2 * 4 * 1 * 2 * 4  # bytes of one block of LAYOUT

@@ -20,12 +20,12 @@ from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockSt
 from splitserve.common.kv_index import (EVENTS_CHANNEL, IndexDelta, KVIndex, NodeSnapshot, blocks_key,
                                         seq_key, tiers_key)
 from splitserve.common.registry import NodeInfo, new_epoch
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.kv_disk_tier import DiskLayout, DiskTier
-from splitserve.engine.kv_offload import KVOffload
+from splitserve.engine.kv.cache_manager import KVCacheManager
+from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
+from splitserve.engine.kv.tier_store import KVOffload
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.prefix_index import PrefixIndex
-from splitserve.router.tier_cost import TierBlocks
+from splitserve.router.routing.prefix_index import PrefixIndex
+from splitserve.router.routing.tier_cost import TierBlocks
 
 pytestmark = pytest.mark.anyio
 

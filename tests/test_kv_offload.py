@@ -1,4 +1,4 @@
-"""The lower tiers of the prefix cache (engine/kv_offload.py, engine/kv_disk_tier.py):
+"""The lower tiers of the prefix cache (engine/kv/tier_store.py, engine/kv/disk_tier.py):
 
 - the block bookkeeping on a real KVCacheManager over a CPU tensor: an evicted block's KV
   lands in host memory, comes back into a fresh device block with its bytes intact, the
@@ -22,10 +22,10 @@ from splitserve.common.hashing import salt_id
 from splitserve.common.kv_events import BlockRemoved, BlockStored, Tier
 from splitserve.common.outcomes import TierFault
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.kv_cache_manager import KVCacheManager
-from splitserve.engine.kv_disk_file import MAC_BYTES
-from splitserve.engine.kv_disk_tier import SUFFIX, DiskLayout, DiskTier
-from splitserve.engine.kv_offload import KVOffload, Move
+from splitserve.engine.kv.cache_manager import KVCacheManager
+from splitserve.engine.kv.disk_file import MAC_BYTES
+from splitserve.engine.kv.disk_tier import SUFFIX, DiskLayout, DiskTier
+from splitserve.engine.kv.tier_store import KVOffload, Move
 
 BS = 4
 SALT = salt_id(("m",))
@@ -336,7 +336,7 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_host_load_kernel_reads_pinned_slots_into_scattered_blocks_on_cuda():
-    from splitserve.engine.host_load_kernel import load_layer
+    from splitserve.engine.kv.host_load_kernel import load_layer
 
     layers, block = 32, (16, 8, 128)  # Llama-3-8B's blocks, bf16: 2 MiB each
     host = torch.randn((300, layers, 2, *block)).to(torch.bfloat16).pin_memory()

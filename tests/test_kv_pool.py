@@ -1,4 +1,4 @@
-"""KV cache sizing and placement (engine/kv_sizing.py) and what a node shows of it
+"""KV cache sizing and placement (engine/kv/sizing.py) and what a node shows of it
 (/debug/state, /metrics). The GPU budget is arithmetic tested here; the profiled sizing
 itself runs only on CUDA (marked gpu), on the bundled model's shape."""
 
@@ -10,7 +10,7 @@ import torch
 from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.engine.attention.selector import select_backend
-from splitserve.engine.kv_sizing import dummy_forward, gpu_kv_cache_budget, kv_block_bytes
+from splitserve.engine.kv.sizing import dummy_forward, gpu_kv_cache_budget, kv_block_bytes
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.tests.metrics_text import sample_sum
 

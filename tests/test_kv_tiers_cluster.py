@@ -23,7 +23,7 @@ import pytest
 from splitserve.benchmarks.harness import wait_pools_free
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, TierFlags
-from splitserve.engine.kv_disk_trust import KEY_FILE_NAME
+from splitserve.engine.kv.disk_trust import KEY_FILE_NAME
 from splitserve.common.registry import NodeRegistry
 from tests.metrics_text import sample_sum
 

@@ -37,7 +37,7 @@ def run(coro, timeout: float = TIMEOUT_S):
 
 
 def ucx_unavailable() -> str | None:
-    from splitserve.kvtransfer.ucx import load_ucxx
+    from splitserve.kvtransfer.backends.ucx import load_ucxx
     try:
         load_ucxx()
     except TransferError as e:
@@ -46,7 +46,7 @@ def ucx_unavailable() -> str | None:
 
 
 def nccl_unavailable() -> str | None:
-    from splitserve.kvtransfer.pair_group import check_available
+    from splitserve.kvtransfer.backends.pair_group import check_available
     try:
         check_available(torch.device("cpu"))
     except TransferError as e:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitserve.kvtransfer.channel import ChannelClosed
-from splitserve.kvtransfer.pair_group import PairGroup, check_available
+from splitserve.kvtransfer.backends.pair_group import PairGroup, check_available
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ import torch
 from splitserve.common.kv_heads import HeadRange
 from splitserve.kvtransfer import (KVLayout, KVShard, LayoutMismatch, SenderOptions, TransferError,
                                    TransferFailure, TransferState, make_sender)
-from splitserve.kvtransfer.tcp import dial
+from splitserve.kvtransfer.backends.tcp import dial
 from splitserve.kvtransfer.wire import Hello, Refused, Welcome
 from splitserve.tests.kv_ranks import DecodeRanks, PrefillRanks, compat, full_cache, transfer
 

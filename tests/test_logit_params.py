@@ -14,8 +14,8 @@ import torch
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
-from splitserve.engine.logit_masks import apply_logit_masks
-from splitserve.engine.sampler import Sampler
+from splitserve.engine.sampling.logit_masks import apply_logit_masks
+from splitserve.engine.sampling.sampler import Sampler
 
 EOS = 256
 PROMPT = [5, 17, 99, 3, 42, 7, 7, 120, 64, 1, 200, 33, 9]

@@ -15,9 +15,9 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
-from splitserve.engine.loader import load_model
-from splitserve.engine.model import CausalLM
-from splitserve.engine.model_config import ModelConfig
+from splitserve.engine.models.loader import load_model
+from splitserve.engine.models.llama import CausalLM
+from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.model_runner import kv_block_bytes
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "model_configs"

@@ -1,4 +1,4 @@
-"""The response store's budgets on a real redis-server (router/responses_store.py): sizes
+"""The response store's budgets on a real redis-server (router/responses/store.py): sizes
 in UTF-8 bytes, a quota per key (bytes and entries) that refuses the key over it and
 never touches another key's entries, a global byte budget shared out fairly, and the
 bytes of deleted and expired entries given back; Redis's own error text never reaches
@@ -11,8 +11,8 @@ import pytest
 
 from splitserve.common.outcomes import StoreResult
 from splitserve.router.config import RouterConfig
-from splitserve.router.errors import ApiError
-from splitserve.router.responses_store import ENTRY_OVERHEAD_BYTES, MAX_ENTRY_BYTES, ResponseStore, refusal
+from splitserve.router.http.errors import ApiError
+from splitserve.router.responses.store import ENTRY_OVERHEAD_BYTES, MAX_ENTRY_BYTES, ResponseStore, refusal
 
 pytestmark = pytest.mark.anyio
 KiB = 1024

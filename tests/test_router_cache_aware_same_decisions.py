@@ -1,4 +1,4 @@
-"""cache_aware's vectorised cost (router/node_terms.py arrays, recent work on one time
+"""cache_aware's vectorised cost (router/routing/node_terms.py arrays, recent work on one time
 base) makes the same decisions as the formula written out node by node, the way the
 policy computed it before (one ``exp`` per node for the recent work, a Python loop
 per node): on random fleets with random heartbeat loads, in-flight work, predicted
@@ -17,7 +17,7 @@ import pytest
 
 from splitserve.common.load import NodeLoad
 from splitserve.common.registry import NodeInfo
-from splitserve.router.cache_aware import CacheAware
+from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.config import CacheAwareWeights
 
 

@@ -19,7 +19,7 @@ from splitserve.common import metric_names as names
 from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
-from splitserve.router.discovery import UNREACHABLE_QUARANTINE_S
+from splitserve.router.routing.discovery import UNREACHABLE_QUARANTINE_S
 from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.anyio
@@ -157,7 +157,7 @@ async def test_redis_outage_keeps_last_known_nodes(router, registry, redis_serve
     await registry.heartbeat(node("d0", "decode"))
     await wait_health(router, decode_nodes=1)
     redis_server.stop()
-    with caplog.at_level(logging.WARNING, logger="splitserve.router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.router.routing.discovery"):
         body = await wait_health(router, redis="unreachable")
         await asyncio.sleep(5 * POLL_S)
     assert body["redis"] == "unreachable"
@@ -177,7 +177,7 @@ async def test_nodes_with_another_block_size_are_ignored_and_the_nodes_context_b
         router, registry, caplog):
     """A node hashing KV blocks of another size than the router's (16) is never routed to
     (one warning naming it); the smallest context the nodes report bounds the 400 check."""
-    with caplog.at_level(logging.WARNING, logger="splitserve.router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.router.routing.discovery"):
         await registry.heartbeat(msgspec.structs.replace(node("d32", "decode"), block_size=32))
         await registry.heartbeat(msgspec.structs.replace(node("d16", "decode"), block_size=16,
                                                          max_model_len=1024))

@@ -10,7 +10,7 @@ import pytest
 import splitserve
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.openai.tokenizer import RouterTokenizer
 
 pytestmark = pytest.mark.anyio
 CONTEXT = 8192  # the bundled model's context
@@ -104,7 +104,7 @@ async def test_not_json_is_400(router, http):
 
 
 def test_api_key_guards_tokenize_but_not_ping():
-    from splitserve.router.auth import needs_api_key
+    from splitserve.router.http.auth import needs_api_key
     keyed = RouterConfig(api_keys=("sekret-key-1234567890",))
     assert [needs_api_key(keyed, p) for p in ("/tokenize", "/detokenize", "/version", "/ping")] == [
         True, True, True, False]  # /ping is a probe, open like /health

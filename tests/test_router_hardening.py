@@ -21,7 +21,7 @@ import pytest
 from splitserve.common.auth import CLUSTER_TOKEN_ENV, redact_url
 from splitserve.common.kv_index import IndexDelta, KVIndex
 from splitserve.deploy.launcher import free_port
-from splitserve.router.api_keys import derived_salt
+from splitserve.router.http.api_keys import derived_salt
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig, add_router_args, router_config
 
@@ -527,7 +527,7 @@ async def test_node_client_sends_the_cluster_token_on_every_request(token):
     from splitserve.common.hashing import token_bytes
     from splitserve.common.protocol import GenerateRequest
     from splitserve.common.sampling_params import SamplingParams
-    from splitserve.router.node_client import NodeClient, NodeRejected
+    from splitserve.router.streams.node_client import NodeClient, NodeRejected
 
     seen = []  # (path, the token header or None)
 

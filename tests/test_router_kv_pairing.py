@@ -1,4 +1,4 @@
-"""The router's pairing filter (router/kv_pairing.py) in every policy: a prefill node is
+"""The router's pairing filter (router/routing/kv_pairing.py) in every policy: a prefill node is
 paired only with decode nodes that can take its KV (same model, dtype, block size, layers,
 KV heads and head dim; different TP is fine), in a mixed fleet as in a uniform one; with
 no compatible prefill node the decode node prefills itself. The key round-trips through
@@ -10,10 +10,10 @@ import pytest
 from splitserve.common.kv_compat import KVCompat
 from splitserve.common.load import NodeLoad
 from splitserve.common.registry import NodeInfo
-from splitserve.router.cache_aware import CacheAware
-from splitserve.router.kv_pairing import cheapest_pair, compatible, pair_mask
-from splitserve.router.node_terms import FleetTerms
-from splitserve.router.policy_registry import make_policy
+from splitserve.router.routing.cache_aware import CacheAware
+from splitserve.router.routing.kv_pairing import cheapest_pair, compatible, pair_mask
+from splitserve.router.routing.node_terms import FleetTerms
+from splitserve.router.routing.policy_registry import make_policy
 
 L = 1000
 PROMPT = list(range(L))

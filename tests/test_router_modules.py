@@ -15,14 +15,17 @@ ROUTER = Path(splitserve.router.__file__).parent
 
 
 def router_modules() -> list[str]:
-    return sorted(p.stem for p in ROUTER.glob("*.py") if p.stem != "__init__")
+    """Every module under router/, dotted below it (``routing.prefix_index``); packages too."""
+    return sorted(".".join(p.relative_to(ROUTER).with_suffix("").parts).removesuffix(".__init__")
+                  for p in ROUTER.rglob("*.py") if p != ROUTER / "__init__.py")
 
 
 def test_the_policies_do_not_import_the_registry():
     g = graph()
-    assert {"router.cache_aware", "router.load_policies", "router.policy"} <= g["router.policy_registry"]
+    routing = "router.routing"
+    assert {f"{routing}.cache_aware", f"{routing}.load_policies", f"{routing}.policy"} <= g[f"{routing}.policy_registry"]
     for m in ("policy", "cache_aware", "load_policies", "node_terms", "recent_work"):
-        assert "router.policy_registry" not in g[f"router.{m}"], m
+        assert f"{routing}.policy_registry" not in g[f"{routing}.{m}"], m
 
 
 _IMPORT_EACH_FIRST = """

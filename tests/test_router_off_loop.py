@@ -11,8 +11,8 @@ import time
 import pytest
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.request_body import off_loop
-from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.router.http.request_body import off_loop
+from splitserve.router.openai.tokenizer import RouterTokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog near seven old river banks".split()
 
@@ -63,7 +63,7 @@ async def test_a_long_stored_conversation_is_prepared_off_the_loop_after_a_tiny_
     so the router's loop keeps waking its timers while it renders and tokenizes."""
     from splitserve.common.outcomes import StoreResult
     from splitserve.router.app import start_router
-    from splitserve.router.responses_store import ResponseStore
+    from splitserve.router.responses.store import ResponseStore
 
     config = RouterConfig(host="127.0.0.1", port=0, redis_url=redis_url)
     running = await start_router(config)

@@ -1,5 +1,5 @@
 """Who owns a stored response: an HMAC of the API key under a secret derived from the
-cluster token (router/auth.py), so router replicas of one cluster agree, another
+cluster token (router/http/auth.py), so router replicas of one cluster agree, another
 cluster's routers do not, and Redis holds no plain hash of a key (which would confirm a
 guessed key offline). Real router apps on real sockets and a real redis-server."""
 
@@ -8,9 +8,9 @@ import hashlib
 import pytest
 
 from splitserve.router.app import start_router
-from splitserve.router.auth import owner_id
+from splitserve.router.http.auth import owner_id
 from splitserve.router.config import RouterConfig
-from splitserve.router.responses_store import ResponseStore
+from splitserve.router.responses.store import ResponseStore
 
 pytestmark = pytest.mark.anyio
 

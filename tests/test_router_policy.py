@@ -7,9 +7,9 @@ import pytest
 
 from splitserve.common.load import NodeLoad
 from splitserve.common.registry import NodeInfo
-from splitserve.router.load_policies import LeastLoad, RoundRobin
-from splitserve.router.policy import Decision
-from splitserve.router.policy_registry import make_policy
+from splitserve.router.routing.load_policies import LeastLoad, RoundRobin
+from splitserve.router.routing.policy import Decision
+from splitserve.router.routing.policy_registry import make_policy
 
 PROMPT = [1, 2, 3]
 

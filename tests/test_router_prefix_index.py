@@ -14,7 +14,7 @@ from splitserve.common.kv_index import IndexDelta, KVIndex
 from splitserve.common.registry import NodeInfo, new_epoch
 from splitserve.deploy.launcher import free_port, start_redis
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.prefix_index import PrefixIndex
+from splitserve.router.routing.prefix_index import PrefixIndex
 
 pytestmark = pytest.mark.anyio
 
@@ -163,7 +163,7 @@ async def test_redis_down_means_load_only_then_a_full_resync(caplog):
     px = mirror(url)
     try:
         await until(lambda: px.lookup(prompt, [a]).cached == {"a": 48})
-        with caplog.at_level(logging.WARNING, logger="splitserve.router.prefix_index"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.router.routing.prefix_index"):
             proc.kill()
             proc.wait()
             await until(lambda: not px.connected)

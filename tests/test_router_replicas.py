@@ -16,7 +16,7 @@ import pytest
 
 from splitserve.common.registry import NodeRegistry
 from splitserve.deploy.launcher import SimCluster
-from splitserve.router.discovery import NodeDirectory
+from splitserve.router.routing.discovery import NodeDirectory
 
 MODEL = "SmolLM2-135M-Instruct"
 BS = 16

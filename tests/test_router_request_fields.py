@@ -1,4 +1,4 @@
-"""The unknown-field rule (router/request_fields.py) on /v1/chat/completions,
+"""The unknown-field rule (router/openai/request_fields.py) on /v1/chat/completions,
 /v1/completions and /v1/responses: a field nobody defines is a 400 with OpenAI's body
 ("Unrecognized request argument supplied: <field>", param the field); fields that do
 not change the output are accepted; fields that would, and cannot be honoured, are a
@@ -16,9 +16,9 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 from openai.types.responses import response_create_params
 
-from splitserve.router.openai_types import ChatCompletionRequest, CompletionRequest
-from splitserve.router.request_fields import ENDPOINTS
-from splitserve.router.responses_request import ResponsesRequest
+from splitserve.router.openai.structs import ChatCompletionRequest, CompletionRequest
+from splitserve.router.openai.request_fields import ENDPOINTS
+from splitserve.router.responses.request import ResponsesRequest
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
 

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
-from splitserve.router.responses_prepare import responses_field
+from splitserve.router.responses.prepare import responses_field
 
 pytestmark = pytest.mark.anyio
 

@@ -7,10 +7,10 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from splitserve.router.errors import ApiError
-from splitserve.router.responses_events import EventStream
-from splitserve.router.responses_objects import ResponseHead, output_of, usage_of
-from splitserve.router.responses_request import ResponsesRequest
+from splitserve.router.http.errors import ApiError
+from splitserve.router.responses.events import EventStream
+from splitserve.router.responses.objects import ResponseHead, output_of, usage_of
+from splitserve.router.responses.request import ResponsesRequest
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 USAGE = {"prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37,

@@ -1,5 +1,5 @@
 """Router replicas share cache_aware's recent work per node through Redis pub/sub
-(router/shared_work.py): each router's decisions reach the others' balance term, so
+(router/routing/shared_work.py): each router's decisions reach the others' balance term, so
 they weigh nodes alike; without Redis a router keeps counting its own. The app
 builds its policy once and shares the recent work the policy declares (none for the
 load-only policies)."""
@@ -11,9 +11,9 @@ import pytest
 
 from splitserve.common.kv_index import KVIndex
 from splitserve.router import app as router_app
-from splitserve.router.cache_aware import CacheAware
+from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.config import RouterConfig
-from splitserve.router.shared_work import SharedWork
+from splitserve.router.routing.shared_work import SharedWork
 from splitserve.router.state import POLICY, SERVICES
 
 pytestmark = pytest.mark.anyio

@@ -1,4 +1,4 @@
-"""cache_aware prices a prefix hit by the tier holding it (router/tier_cost.py): the
+"""cache_aware prices a prefix hit by the tier holding it (router/routing/tier_cost.py): the
 ratios from a node's heartbeat tiers (defaults where it reports none), device hit <
 host hit < disk hit < recompute when the rates say so, a host hit above recompute
 when host memory loads slower than the node prefills, never a lower-tier hit below
@@ -11,13 +11,13 @@ import pytest
 from splitserve.common.kv_events import Tier
 from splitserve.common.kv_tier_stats import TierStats
 from splitserve.common.registry import NodeInfo
-from splitserve.router.cache_aware import CacheAware
-from splitserve.router.decisions import DecisionLog
+from splitserve.router.routing.cache_aware import CacheAware
+from splitserve.router.routing.decisions import DecisionLog
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.node_terms import RoleTerms
-from splitserve.router.policy import Decision
-from splitserve.router.prefix_index import PrefixHits
-from splitserve.router.tier_cost import (DISK_LOAD_BYTES_PER_S, HOST_LOAD_BYTES_PER_S,
+from splitserve.router.routing.node_terms import RoleTerms
+from splitserve.router.routing.policy import Decision
+from splitserve.router.routing.prefix_index import PrefixHits
+from splitserve.router.routing.tier_cost import (DISK_LOAD_BYTES_PER_S, HOST_LOAD_BYTES_PER_S,
                                          RECOMPUTE_BYTES_PER_S, TierBlocks, TierCost, tier_cost)
 
 BS = 16

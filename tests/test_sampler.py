@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.sampler import Sampler, SamplerOutput, apply_penalties
+from splitserve.engine.sampling.sampler import Sampler, SamplerOutput, apply_penalties
 
 torch.set_num_threads(1)
 
@@ -320,7 +320,7 @@ def test_logprobs_capped_by_vocab():
 def test_top_p_one_keeps_the_tail_even_when_the_cumsum_saturates():
     """In float32 the mass before a far-tail token rounds to 1.0; a row with
     top_p == 1 in a batch that sorts for another row must still keep it."""
-    from splitserve.engine.sampler import _filter
+    from splitserve.engine.sampling.sampler import _filter
 
     logits = torch.zeros(2, 50)
     logits[:, 0] = 30.0  # p0 = 1 - 5e-12: the cumsum reaches 1.0 right after it

@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.sampler import Sampler
+from splitserve.engine.sampling.sampler import Sampler
 
 
 def make_req(prompt=(), output=(), stop_ids=(), **params) -> SimpleNamespace:

@@ -52,7 +52,7 @@ def test_roofline_is_bandwidth_bound_for_decode_and_compute_bound_for_prefill():
 def test_policy_weights_price_a_prefill_as_the_roofline_times_it():
     """cache_aware's work W = new + attention x new x (ctx + new / 2), times token_s, is
     the profile's compute-bound prefill step (the router weighs hits as the nodes pay)."""
-    from splitserve.router.cache_aware import CacheAware
+    from splitserve.router.routing.cache_aware import CacheAware
     from splitserve.router.config import CacheAwareWeights
 
     p = get_profile("llama3-8b-h100")
@@ -158,7 +158,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them_and_a_tp_that_does_not_spl
 
 
 def test_deployment_prefills_on_tp4_decodes_on_tp8_and_prices_prefill_as_tp4():
-    from splitserve.router.cache_aware import CacheAware
+    from splitserve.router.routing.cache_aware import CacheAware
     from splitserve.router.config import CacheAwareWeights
 
     d = get_deployment("llama3-70b-p-tp4-d-tp8-h100")

@@ -37,7 +37,7 @@ def test_config_and_cli_flags():
 
 
 def test_padding_rows_write_only_the_scratch_block(tiny_llama_dir):
-    from splitserve.engine.loader import load_model
+    from splitserve.engine.models.loader import load_model
 
     path, _ = tiny_llama_dir()
     model = load_model(path, torch.float32, torch.device("cpu"))
@@ -139,7 +139,7 @@ def test_full_width_tables_with_stale_columns_equal_cut_tables(tiny_llama_dir):
     """What a CUDA graph reads: all W table columns, where columns past a row's blocks hold
     stale ids from earlier steps. On CPU the same layout (masked by seq_len) gives the
     logits and cache writes of the tables cut to the step's widest row."""
-    from splitserve.engine.loader import load_model
+    from splitserve.engine.models.loader import load_model
 
     path, _ = tiny_llama_dir()
     model = load_model(path, torch.float32, torch.device("cpu"))

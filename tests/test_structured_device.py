@@ -14,8 +14,8 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.structured import GrammarMasker
+from splitserve.engine.sampling.sampler import Sampler
+from splitserve.engine.sampling.structured import GrammarMasker
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]

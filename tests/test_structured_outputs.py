@@ -12,7 +12,7 @@ import torch
 
 from splitserve import LLM, SamplingParams, StructuredOutputsParams
 from splitserve.common.errors import InvalidRequest
-from splitserve.engine.structured import GrammarMasker
+from splitserve.engine.sampling.structured import GrammarMasker
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
@@ -150,7 +150,7 @@ def test_limits_without_grammars_refuse_structured_outputs():
 
 
 def test_resume_token_ids_continue_the_grammar(llm):
-    """A migrated request (router/migration.py): prompt + the tokens already streamed,
+    """A migrated request (router/streams/migration.py): prompt + the tokens already streamed,
     with the grammar resumed past them, ends the same JSON document."""
     so = StructuredOutputsParams(json=SCHEMA)
     prompt = llm.tokenize(ASK)

@@ -7,9 +7,9 @@ import json
 import msgspec
 import pytest
 
-from splitserve.router.errors import ApiError
-from splitserve.router.openai_types import ChatCompletionRequest
-from splitserve.router.tool_calls import ToolCallStream, ToolMode, inline_tools, parse, plan_tools
+from splitserve.router.http.errors import ApiError
+from splitserve.router.openai.structs import ChatCompletionRequest
+from splitserve.router.openai.tool_calls import ToolCallStream, ToolMode, inline_tools, parse, plan_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

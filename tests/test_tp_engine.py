@@ -29,8 +29,8 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM
-from splitserve.engine.parallel import TPFailure
-from splitserve.engine.tp_launch import TPLeader
+from splitserve.engine.parallel.group import TPFailure
+from splitserve.engine.parallel.launch import TPLeader
 from splitserve.tests.tp_ranks import JOIN_AT, SCENARIO_BLOCKS, scenario, start_dump_workers, tp_config
 
 pytestmark = pytest.mark.slow

@@ -15,13 +15,13 @@ import torch
 from splitserve.common.config import EngineConfig
 from splitserve.common.kv_heads import rank_heads
 from splitserve.engine.llm import LLM
-from splitserve.engine.loader import hf_to_ours, load_model
-from splitserve.engine.model import CausalLM, ParallelLMHead, VocabParallelEmbedding
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.parallel import TPGroup
-from splitserve.engine.sharding import model_tp_problems, shard_full, shard_of
+from splitserve.engine.models.loader import hf_to_ours, load_model
+from splitserve.engine.models.llama import CausalLM, ParallelLMHead, VocabParallelEmbedding
+from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.parallel.group import TPGroup
+from splitserve.engine.models.sharding import model_tp_problems, shard_full, shard_of
 from splitserve.engine.step_inputs import ForwardInputs, PrefillChunk
-from splitserve.engine.tp_channel import Control, Stop, ToWorker
+from splitserve.engine.parallel.channel import Control, Stop, ToWorker
 from splitserve.tests.tp_ranks import fake_group, gloo_peer
 
 
@@ -165,7 +165,7 @@ def test_group_collectives_and_a_dead_or_hung_peer(fault, bound_s):
     import socket
     import time
 
-    from splitserve.engine.parallel import CollectiveError, init_tp_group
+    from splitserve.engine.parallel.group import CollectiveError, init_tp_group
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

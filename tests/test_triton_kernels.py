@@ -60,7 +60,7 @@ for name, c in cases.items():
         triton_kernels.write_kv_cache(c["k"], c["v"], kv_cache[0], kv_cache[1], c["slot_mapping"])
         outputs[name] = kv_cache
     else:
-        from splitserve.engine.host_load_kernel import load_layer
+        from splitserve.engine.kv.host_load_kernel import load_layer
         kv = c["kv"].clone()
         for layer in range(kv.shape[0]):
             load_layer(c["host"], kv, c["slots"], c["blocks"], layer)
@@ -164,7 +164,7 @@ def test_kernels_compile_for_sm80_and_sm90(cc, tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from splitserve.engine import host_load_kernel
+    from splitserve.engine.kv import host_load_kernel
     from splitserve.engine.attention import triton_kernels as tk
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # really compile, every run

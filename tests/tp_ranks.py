@@ -18,11 +18,11 @@ import torch
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.kv_sizing import kv_block_bytes
-from splitserve.engine.model_config import ModelConfig
-from splitserve.engine.parallel import TPGroup, init_tp_group
-from splitserve.engine.sharding import shard_of
-from splitserve.engine.tp_worker import TPRendezvous, run_worker
+from splitserve.engine.kv.sizing import kv_block_bytes
+from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.parallel.group import TPGroup, init_tp_group
+from splitserve.engine.models.sharding import shard_of
+from splitserve.engine.parallel.worker import TPRendezvous, run_worker
 
 
 def fake_group(rank: int, size: int) -> TPGroup:

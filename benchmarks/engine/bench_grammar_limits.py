@@ -117,7 +117,7 @@ def main() -> None:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from splitserve.engine.convert import bundled_model_dir
+    from splitserve.engine.models.convert import bundled_model_dir
     tok = AutoTokenizer.from_pretrained(bundled_model_dir())
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
     rows: list[dict[str, Any]] = []

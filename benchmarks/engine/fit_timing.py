@@ -27,7 +27,7 @@ from splitserve.benchmarks.harness import RESULTS
 from splitserve.common.config import EngineConfig, SimConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.model_runner import LaunchedStep, ModelRunner
 from splitserve.engine.scheduler import SchedulerOutput
 

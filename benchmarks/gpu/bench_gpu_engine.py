@@ -45,7 +45,7 @@ from splitserve.benchmarks.gpu.contract import environment, target_row, write_js
 from splitserve.benchmarks.harness import RESULTS, copy_bandwidth, engine_decode, ours_prefill, sync, token_prompts
 from splitserve.common.config import EngineConfig
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.loader import resolve_model_dir
+from splitserve.engine.models.loader import resolve_model_dir
 from splitserve.engine.model_runner import ModelRunner
 
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"

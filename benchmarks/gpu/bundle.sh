@@ -59,7 +59,7 @@ if ! (cd "$DEST/deb" && apt-get download -q "${DEBS[@]}" >/dev/null 2>&1); then
   (cd "$DEST/deb" && apt-get download -q "${DEBS[@]}" >/dev/null)
 fi
 
-model="$("$PY" -m splitserve.engine.convert | tail -n 1)"
+model="$("$PY" -m splitserve.engine.models.convert | tail -n 1)"
 find "$model" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$DEST/model/" \;
 [ -f "$DEST/model/config.json" ] && [ -f "$DEST/model/tokenizer.json" ] || {
   echo "bundle.sh: $model lacks config.json or tokenizer.json" >&2; exit 1; }

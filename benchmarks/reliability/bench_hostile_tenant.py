@@ -242,7 +242,7 @@ def phase_tier(prompts: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from splitserve.deploy.launcher import Cluster, TierFlags
-    from splitserve.engine.kv_disk_file import MAGIC
+    from splitserve.engine.kv.disk_file import MAGIC
 
     rng = random.Random(7)
     texts = [f"Story {i}. " + _words(rng, 700) for i in range(prompts)]  # ~700 tokens each

@@ -10,7 +10,7 @@ is predicted cached on a handful of nodes (4 prefill nodes at random depths, 1 d
 node). Every call records its decision's work (the balance term's input), as in the
 router, and gets a fresh list of the same node records (dispatch filters the live
 nodes per request); "rebuild" times the first call after a heartbeat poll, when the
-records are new and the policy rebuilds its per-node arrays (router/node_terms.py).
+records are new and the policy rebuilds its per-node arrays (router/routing/node_terms.py).
 Pinned to one core; p10/p50/p99 of wall time per call. Target:
 p50 <= 0.15 ms at 256 + 64.
 Writes ``benchmarks/results/policy_cost.json``.
@@ -47,7 +47,7 @@ def fleet(prefills: int, rng: random.Random):
 
 
 def run(prefills: int, seconds: float, rng: random.Random) -> dict:
-    from splitserve.router.cache_aware import CacheAware
+    from splitserve.router.routing.cache_aware import CacheAware
 
     nodes = fleet(prefills, rng)
     policy = CacheAware()

@@ -122,7 +122,7 @@ async def churn(writer, state, chains, seconds: float, rng: random.Random) -> in
 def mirror(redis_url: str, **kw):
     from splitserve.common.kv_index import KVIndex
     from splitserve.router.metrics import RouterMetrics
-    from splitserve.router.prefix_index import PrefixIndex
+    from splitserve.router.routing.prefix_index import PrefixIndex
 
     px = PrefixIndex(KVIndex(redis_url, timeout_s=10.0), RouterMetrics.create(MODEL), MODEL, BS, **kw)
     px.start()
@@ -151,7 +151,7 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
 
     from splitserve.common.protocol import GenerateRequest
     from splitserve.common.sampling_params import SamplingParams
-    from splitserve.router.prompt import Prompt
+    from splitserve.router.openai.prompt import Prompt
 
     params = SamplingParams(max_tokens=16)
     prepared = [Prompt.of(p, VOCAB) for p in prompts]
@@ -210,11 +210,11 @@ def parse_cost(prompt: list[int], runs: int = 20) -> dict:
     and each part's p50."""
     import msgspec
 
-    from splitserve.engine.convert import bundled_model_dir
-    from splitserve.router.openai_types import CompletionRequest
-    from splitserve.router.prepare import decode_body, prepare_completion
-    from splitserve.router.prompt import Prompt
-    from splitserve.router.tokenizer import RouterTokenizer
+    from splitserve.engine.models.convert import bundled_model_dir
+    from splitserve.router.openai.structs import CompletionRequest
+    from splitserve.router.openai.prepare import decode_body, prepare_completion
+    from splitserve.router.openai.prompt import Prompt
+    from splitserve.router.openai.tokenizer import RouterTokenizer
 
     tok = RouterTokenizer(bundled_model_dir(), max_model_len=len(prompt) + 64, allow_long=True)
     assert tok.vocab_size >= VOCAB, tok.vocab_size
@@ -241,11 +241,11 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
     alternate requests of a steady stream at ``rate``/s; for each request the other
     router's choice at the same moment (on a copy of its policy's history, so that stays
     its own) is compared with the serving router's. ``share``: the routers share their
-    recent work per node over Redis (router/shared_work.py, as ``splitserve router``
+    recent work per node over Redis (router/routing/shared_work.py, as ``splitserve router``
     does); without it each one's balance term sees only its own half of the traffic."""
     from splitserve.common.kv_index import KVIndex
-    from splitserve.router.cache_aware import CacheAware
-    from splitserve.router.shared_work import SharedWork
+    from splitserve.router.routing.cache_aware import CacheAware
+    from splitserve.router.routing.shared_work import SharedWork
 
     pols = {id(a): CacheAware(), id(b): CacheAware()}
     shared = [SharedWork(KVIndex(url), p.recent) for p in pols.values()] if share else []
@@ -282,7 +282,7 @@ def mirror_bytes(state, redis_url: str) -> tuple[int, int, int]:
     from splitserve.common.kv_events import IndexUpdate
     from splitserve.common.kv_index import KVIndex
     from splitserve.router.metrics import RouterMetrics
-    from splitserve.router.prefix_index import PrefixIndex
+    from splitserve.router.routing.prefix_index import PrefixIndex
 
     # The mirror's collaborators, made before the count starts: never used (the mirror is
     # never started), they are no part of its bytes.
@@ -302,7 +302,7 @@ def mirror_bytes(state, redis_url: str) -> tuple[int, int, int]:
 
 async def run_one(prefills: int, args) -> dict:
     from splitserve.deploy.launcher import start_redis
-    from splitserve.router.cache_aware import CacheAware
+    from splitserve.router.routing.cache_aware import CacheAware
 
     rng = random.Random(prefills)
     proc, url = start_redis()

@@ -89,6 +89,6 @@ def transformers_static(prompts: list[list[int]], output_lens: list[int]) -> dic
     """Output tokens/s of transformers generate in static batches of 32, in order
     (prefill included, as in serving); each batch runs to its longest output and only
     the asked-for tokens count."""
-    from splitserve.engine.convert import bundled_model_dir
+    from splitserve.engine.models.convert import bundled_model_dir
     with ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_pin_both) as ex:
         return ex.submit(_static_batches, str(bundled_model_dir()), prompts, output_lens).result()

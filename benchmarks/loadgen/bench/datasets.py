@@ -55,7 +55,7 @@ class RequestSpec(NamedTuple):
 
 def load_tokenizer(path: str | None) -> Tokenizer:
     """The tokenizer of the model folder ``path``; None: the bundled model's."""
-    from splitserve.router.tokenizer import RouterTokenizer
+    from splitserve.router.openai.tokenizer import RouterTokenizer
 
     return RouterTokenizer(path or bundled_tokenizer_dir())
 
@@ -65,7 +65,7 @@ def bundled_tokenizer_dir() -> Path:
     from splitserve.common.bundled import converted_dir
     path = Path(converted_dir())
     if not (path / "tokenizer.json").is_file():
-        from splitserve.engine.convert import bundled_model_dir
+        from splitserve.engine.models.convert import bundled_model_dir
         path = Path(bundled_model_dir())
     return path
 

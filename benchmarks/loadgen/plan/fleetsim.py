@@ -8,7 +8,7 @@ GPU profile, or this CPU's fit)::
     router         each request, at its arrival, to the prefill node with the fewest
                    prompt tokens assigned and not computed, and the decode node with the
                    fewest requests assigned and not finished (the load terms of
-                   router/cache_aware.py without the prefix term: no cache hits modelled)
+                   router/routing/cache_aware.py without the prefix term: no cache hits modelled)
     prefill node   steps of chunked prefill: running prompts first, then waiting ones
                    FIFO, each at most prefill_chunk_size tokens, max_num_batched_tokens
                    and max_num_seqs a step; a prompt's last chunk ends its prefill

@@ -1,0 +1,243 @@
+"""The per-request view of the KV cache, used by the schedulers: prefix-cache
+lookup, block allocation as a request grows, registering full blocks, freeing.
+
+Owns: ``req_id -> blocks`` and ``req_id -> how many of them are cached``. Must not:
+hash tokens (callers pass the chained hashes from ``common.hashing``, computed with
+the same extra keys as the router, and the salt identity of those keys, ``salt_id``,
+which every hit must match beside the tokens), decide admission or preemption (the scheduler
+does, from ``num_blocks_needed`` and ``num_free_blocks``), or touch tensors.
+
+A request's blocks, by token position (block_size = 4)::
+
+    tokens:  | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 t10 t11 | t12 t13 _ _ |
+    blocks:  |  blocks[0]  |  blocks[1]  |   blocks[2]   |  blocks[3]  |
+             |<- computed (prefix hits) ->|<------ newly allocated ---->|
+             |<---------- cached ------------------------>|  partial: never cached
+                                                          ^ num_computed_tokens // 4 = 3
+
+    blocks needed for n tokens:  ceil(n / block_size)
+    block i holds tokens:        token_ids[i * block_size : (i + 1) * block_size]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ...common.kv_events import KVEvent, Tier
+from .block_pool import BlockPool, KVBlock
+from .tier_store import KVOffload, LowerHit
+
+
+class ComputedBlocks(NamedTuple):
+    """Leading blocks of a prompt found in the prefix cache: on the device (``blocks``),
+    then the run after them found in a lower tier (``lower``: each gets a new device block
+    and its KV loaded there when allocated)."""
+
+    blocks: list[KVBlock]
+    num_tokens: int  # == (len(blocks) + len(lower)) * block_size
+    lower: list[LowerHit] = []
+
+
+class KVCacheManager:
+    """Maps requests to KV blocks of one ``BlockPool``.
+
+    Contracts:
+      - A request owns one reference on each of its blocks, from its first
+        ``allocate_slots`` until ``free``.
+      - Its first ``num_cached`` blocks are registered in the prefix cache (or were
+        refused as duplicates); the rest are not.
+      - After every request is freed, every ref count is 0 and
+        ``num_free_blocks == num_blocks``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 offload: KVOffload | None = None) -> None:
+        """``offload``: the lower tiers of the prefix cache (engine/kv/tier_store.py), if any."""
+        assert block_size > 0, f"block_size must be positive, got {block_size}"
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = offload.store
+            self.pool.on_cache = offload.cached
+            offload.record = self.pool.record_event
+            offload.on_device = self.pool.cached.__contains__
+        self._req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> blocks, in token order
+        self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._req_blocks
+
+    def get_computed_blocks(self, block_hashes: list[int], token_ids: Sequence[int], salt: bytes) -> ComputedBlocks:
+        """The longest run of leading prompt blocks held in the prefix cache.
+
+        ``block_hashes`` are the prompt's chained full-block hashes, ``token_ids``
+        the prompt, ``salt`` the salt identity of its extra keys (``salt_id``). Each hit
+        is verified against the block's stored tokens and salt identity. Ref
+        counts are not changed: pass the result to ``allocate_slots`` before any
+        other allocation can evict the blocks.
+
+        With lower tiers, the run of blocks after the device hits that a lower tier holds
+        follows in ``lower`` (when loading them pays: kv/tier_store.py ``lookup``).
+
+        At least one prompt token is always left to compute (its logits give the
+        first sampled token), so at most ``(len(token_ids) - 1) // block_size``
+        blocks are returned::
+
+            8 tokens, block_size 4, both blocks cached -> 1 block (t4..t7 recomputed)
+            9 tokens, block_size 4, both blocks cached -> 2 blocks (t8 computed)
+        """
+        if not self.enable_prefix_caching or not token_ids:
+            return ComputedBlocks([], 0)
+        bs = self.block_size
+        max_blocks = min(len(block_hashes), (len(token_ids) - 1) // bs)
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.get_cached_block(block_hashes[i], token_ids[i * bs : (i + 1) * bs], salt)
+            if block is None:
+                break
+            hits.append(block)
+        lower = [] if self.offload is None or len(hits) == max_blocks else \
+            self.offload.lookup(block_hashes, token_ids, salt, len(hits), max_blocks)
+        return ComputedBlocks(hits, (len(hits) + len(lower)) * bs, lower)
+
+    def num_blocks_needed(
+        self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> int:
+        """Free-queue blocks that ``allocate_slots(req_id, num_tokens,
+        computed_blocks)`` would take: the new blocks, plus (on a first allocation)
+        the computed blocks at ref_cnt 0, which leave the free queue when touched.
+        The allocation succeeds iff this is ``<= num_free_blocks``."""
+        owned = self._req_blocks.get(req_id)
+        if owned is not None:
+            assert not computed_blocks, f"{req_id}: computed blocks on a later allocation"
+            have, evictable = len(owned), 0
+        else:
+            have = len(computed_blocks)
+            evictable = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        total = -(-num_tokens // self.block_size)  # ceil
+        return max(0, total - have) + evictable
+
+    def allocate_slots(
+        self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = (),
+        lower: Sequence[LowerHit] = (),
+    ) -> list[KVBlock] | None:
+        """Make ``req_id`` own blocks for ``num_tokens`` tokens in total.
+
+        On the first call for ``req_id``, ``computed_blocks`` (from
+        ``get_computed_blocks``, unchanged since) become its leading blocks and are
+        touched, and the first new blocks take the ``lower`` hits that followed them:
+        each is registered in the prefix cache and its KV loaded from the host tier.
+        Later calls must pass neither. Returns the newly allocated blocks (possibly
+        empty), or None, changing nothing, if the pool is short.
+        """
+        if self.num_blocks_needed(req_id, num_tokens, computed_blocks) > self.pool.num_free_blocks:
+            return None
+        owned = self._req_blocks.get(req_id)
+        if owned is None:
+            assert num_tokens >= len(computed_blocks) * self.block_size, (
+                f"{req_id}: {num_tokens} tokens but {len(computed_blocks)} computed blocks"
+            )
+            for b in computed_blocks:
+                assert b.block_hash is not None, (
+                    f"{req_id}: computed block {b.block_id} was evicted before allocation"
+                )
+            self.pool.touch(computed_blocks)
+            owned = self._req_blocks[req_id] = list(computed_blocks)
+            self._num_cached[req_id] = len(computed_blocks)
+        total = -(-num_tokens // self.block_size)
+        new = self.pool.get_new_blocks(max(0, total - len(owned)))
+        if lower:
+            assert self.offload is not None and len(owned) == len(computed_blocks) and len(new) >= len(lower), (
+                f"{req_id}: lower-tier hits on a later allocation or beyond {num_tokens} tokens")
+            for hit, block in zip(lower, new):
+                stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens, hit.salt)
+                assert stored, f"{req_id}: a lower-tier hit {hit.block_hash:x} is already on the device"
+            self.offload.load(lower, [b.block_id for b in new[:len(lower)]])
+            self._num_cached[req_id] += len(lower)
+        owned.extend(new)
+        return new
+
+    def cache_blocks(
+        self, req_id: str, block_hashes: list[int], token_ids: Sequence[int], num_computed_tokens: int,
+        salt: bytes,
+    ) -> None:
+        """Register each of the request's blocks now full of computed tokens.
+
+        Blocks ``[num_cached, num_computed_tokens // block_size)`` are registered
+        with hash ``block_hashes[i]``, parent ``block_hashes[i - 1]`` (None for
+        block 0), tokens ``token_ids[i*bs : (i+1)*bs]`` and the request's salt
+        identity ``salt``. ``block_hashes`` must
+        cover those blocks (extend them first as tokens grow). Calling again with
+        the same or fewer tokens does nothing.
+        """
+        if not self.enable_prefix_caching:
+            return
+        owned = self._req_blocks[req_id]
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        assert num_full <= len(owned), (
+            f"{req_id}: {num_computed_tokens} computed tokens but {len(owned)} blocks"
+        )
+        assert num_full <= len(block_hashes) and num_full * bs <= len(token_ids), (
+            f"{req_id}: {num_full} full blocks, {len(block_hashes)} hashes, {len(token_ids)} tokens"
+        )
+        start = self._num_cached[req_id]
+        for i in range(start, num_full):
+            parent = block_hashes[i - 1] if i > 0 else None
+            self.pool.cache_block(owned[i], block_hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
+        if num_full > start:
+            self._num_cached[req_id] = num_full
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks, last block first, so that a sequence's tail
+        is evicted before its (possibly shared) prefix. Unknown ids are ignored."""
+        owned = self._req_blocks.pop(req_id, None)
+        self._num_cached.pop(req_id, None)
+        if owned is not None:
+            self.pool.free_blocks(reversed(owned))
+
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's block ids in token order (its block table row)."""
+        return [b.block_id for b in self._req_blocks[req_id]]
+
+    def take_events(self) -> list[KVEvent]:
+        """The prefix-cache events since the last call, oldest first (see BlockPool), the
+        lower tiers' included."""
+        if self.offload is not None:
+            self.offload.poll()
+        return self.pool.take_events()
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash held in the prefix cache now: the state the events since
+        the start (or the last ``AllBlocksCleared``) add up to."""
+        return list(self.pool.cached)
+
+    def held_blocks(self) -> dict[int, Tier]:
+        """Every block hash this engine holds in any tier, with the fastest tier holding it
+        (what the tier events since the start add up to)."""
+        held = self.offload.held() if self.offload is not None else {}
+        held.update(dict.fromkeys(self.pool.cached, Tier.DEVICE))
+        return held
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, the lower tiers' too; False (nothing changed) while
+        any block is in use."""
+        done = self.pool.reset_prefix_cache()
+        if done and self.offload is not None:
+            self.offload.clear()
+        return done

@@ -1,0 +1,171 @@
+"""Which part of the model one tensor-parallel rank holds (Megatron-style), and the one
+set of slicing rules every loader applies (safetensors reads only the rank's slices;
+dummy weights are drawn whole and sliced, so TP=t equals the TP=1 dummy model).
+
+Owns ``TPShard`` (a rank's query heads, KV heads, MLP columns and vocabulary rows),
+``check_model_tp`` (the model-dependent checks of ``tensor_parallel_size``) and the
+slicing of each weight. Must not: run collectives (model.py places them) or read files.
+
+With ``t`` ranks, ``Hq`` query heads, ``H`` KV heads, intermediate size ``I``,
+vocabulary ``V`` padded to ``t * ceil(V / t)`` rows, rank ``r`` holds::
+
+    weight (our names)             split on           rank r holds
+    embed_tokens, lm_head          vocab rows         [r*Vr, (r+1)*Vr), Vr = ceil(V/t); rows >= V are zero
+    self_attn.qkv_proj (q|k|v)     output rows        q: heads [r*Hq/t, (r+1)*Hq/t); k, v: its KV heads
+                                                      (common/kv_heads.rank_heads: a slice, or one head
+                                                      replicated when H < t); biases alike
+    self_attn.o_proj               input columns      its q heads' columns; bias whole, added after the sum
+    mlp.gate_up_proj (gate|up)     output rows        [r*I/t, (r+1)*I/t) of each; biases alike
+    mlp.down_proj                  input columns      the same columns; bias whole, added after the sum
+    norms (q_norm, k_norm too)     -                  replicated (they act per row or per head)
+
+Query head h uses KV head ``h // (Hq/H)``; a rank's query heads all use KV heads it holds
+(in both cases of rank_heads), so grouped-query attention stays local to the rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ...common.kv_heads import HeadRange, rank_heads, tp_problem
+from .config import ModelConfig
+
+
+class TPShard(NamedTuple):
+    """What rank ``rank`` of ``size`` holds of a model (``size == 1``: all of it)."""
+
+    rank: int
+    size: int
+    q_heads: HeadRange  # global query heads
+    kv_heads: HeadRange  # global KV heads: this rank's KV cache holds exactly these
+    inter: HeadRange  # intermediate (MLP) columns [start, stop)
+    vocab: HeadRange  # vocabulary rows [start, start + rows); rows at or past vocab_size are padding
+    vocab_size: int  # the model's, unpadded
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads.size
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.inter.size
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.vocab.size
+
+    @property
+    def vocab_real_rows(self) -> int:
+        """This rank's rows that are real tokens (the rest are padding)."""
+        return max(0, min(self.vocab.stop, self.vocab_size) - self.vocab.start)
+
+
+def model_tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
+    """Why ``cfg`` cannot be split over ``tp`` ranks, each naming the field and the numbers."""
+    if tp < 1:
+        return [f"tensor_parallel_size: must be >= 1, got {tp}"]
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"tensor_parallel_size: {tp} does not divide the model's {cfg.num_heads} attention "
+                        f"heads (num_attention_heads); use a divisor of {cfg.num_heads}")
+    kv = tp_problem(tp, cfg.num_kv_heads)
+    if kv is not None:
+        problems.append(kv.replace("tensor_parallel_size ", "tensor_parallel_size: ", 1)
+                        + " (num_key_value_heads)")
+    if cfg.intermediate_size % tp:
+        problems.append(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size "
+                        f"{cfg.intermediate_size}; use a divisor of it")
+    return problems
+
+
+def check_model_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` (every problem, what to change) unless ``cfg`` splits over ``tp`` ranks."""
+    problems = model_tp_problems(cfg, tp)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def shard_of(cfg: ModelConfig, rank: int, size: int) -> TPShard:
+    """Rank ``rank``'s part of ``cfg`` (checked: raises ``ValueError`` when it does not split)."""
+    check_model_tp(cfg, size)
+    hq, inter = cfg.num_heads // size, cfg.intermediate_size // size
+    rows = -(-cfg.vocab_size // size)  # ceil: the vocabulary is padded to size * rows
+    return TPShard(rank, size, HeadRange(rank * hq, (rank + 1) * hq), rank_heads(rank, size, cfg.num_kv_heads),
+                   HeadRange(rank * inter, (rank + 1) * inter), HeadRange(rank * rows, (rank + 1) * rows),
+                   cfg.vocab_size)
+
+
+class Cut(NamedTuple):
+    """The slice ``[start, stop)`` along ``dim`` of a full tensor that a rank holds;
+    ``pad_to`` rows when the slice is padded (the vocabulary)."""
+
+    dim: int
+    start: int
+    stop: int
+    pad_to: int | None = None
+
+
+def hf_cut(part: str, kind: str, shard: TPShard, cfg: ModelConfig) -> Cut | None:
+    """The cut of one checkpoint tensor: ``part`` is its Hugging Face module path inside a
+    layer (``self_attn.q_proj``) or ``embed_tokens`` / ``lm_head`` / ``norm``; ``kind``
+    ``weight`` or ``bias``. None: the rank holds the whole tensor."""
+    if shard.size == 1:
+        return None
+    hd = cfg.head_dim
+    q, kv, inter = shard.q_heads, shard.kv_heads, shard.inter
+    if part in ("embed_tokens", "lm_head"):
+        return Cut(0, shard.vocab.start, shard.vocab.start + shard.vocab_real_rows, shard.vocab_rows)
+    if part == "self_attn.q_proj":
+        return Cut(0, q.start * hd, q.stop * hd)
+    if part in ("self_attn.k_proj", "self_attn.v_proj"):
+        return Cut(0, kv.start * hd, kv.stop * hd)
+    if part in ("mlp.gate_proj", "mlp.up_proj"):
+        return Cut(0, inter.start, inter.stop)
+    if part == "self_attn.o_proj" and kind == "weight":
+        return Cut(1, q.start * hd, q.stop * hd)
+    if part == "mlp.down_proj" and kind == "weight":
+        return Cut(1, inter.start, inter.stop)
+    return None  # norms, o_proj and down_proj biases (added once, after the all-reduce)
+
+
+# our fused name -> its Hugging Face parts, concatenated on the output dim in this order
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def cut(t: torch.Tensor, c: Cut | None) -> torch.Tensor:
+    """``t``'s slice under ``c`` (a view unless padded), zero rows appended up to ``pad_to``."""
+    if c is None:
+        return t
+    piece = t.narrow(c.dim, c.start, c.stop - c.start)
+    if c.pad_to is None or c.pad_to == piece.shape[c.dim]:
+        return piece
+    shape = list(piece.shape)
+    shape[c.dim] = c.pad_to - shape[c.dim]
+    return torch.cat((piece, piece.new_zeros(shape)), dim=c.dim)
+
+
+def shard_full(name: str, full: torch.Tensor, shard: TPShard, cfg: ModelConfig) -> torch.Tensor:
+    """Rank ``shard``'s part of ``full``, the TP=1 model's parameter ``name`` (our names,
+    fused q/k/v and gate/up): what the dummy loader draws whole and cuts."""
+    if shard.size == 1:
+        return full
+    kind = name.rsplit(".", 1)[1]
+    top = name.split(".", 1)[0]
+    if top in ("embed_tokens", "lm_head", "norm"):
+        return cut(full, hf_cut(top, kind, shard, cfg)).contiguous()
+    part = name.split(".", 2)[2].rsplit(".", 1)[0]  # layers.<i>.<part>.<kind>
+    if part in FUSED:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = [q, kv, kv] if part == "self_attn.qkv_proj" else [cfg.intermediate_size] * 2
+        pieces = full.split(sizes, dim=0)
+        return torch.cat([cut(p, hf_cut(hf, kind, shard, cfg)) for p, hf in zip(pieces, FUSED[part])])
+    return cut(full, hf_cut(part, kind, shard, cfg)).contiguous()

@@ -1,0 +1,219 @@
+"""The tensor-parallel group of one node's ranks: who this rank is (``rank``, ``size``,
+``device``) and the collectives the sharded model runs, every one bounded by a timeout.
+
+Owns ``TPGroup`` (all_reduce, all_gather, broadcast, min_int), ``init_tp_group`` (a
+``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA, built with their
+constructors over a ``TCPStore`` rendezvous, never ``init_process_group``: a node's
+KV transports make groups of their own, kvtransfer/backends/pair_group.py) and the per-rank
+defaults (``rank_device``, ``rank_threads``). Must not: know the model, the step
+channel (parallel/channel.py) or how ranks are started (parallel/launch.py).
+
+A TP=1 engine holds ``TPGroup.single(device)``: every collective returns its input
+untouched, and the model checks ``size > 1`` once when it is built, so TP=1 runs the
+exact pre-TP code (not even an identity call per layer).
+
+Failure is bounded (ARCHITECTURE.md: a rank's death is the node's death)::
+
+    a peer dies (kill -9)      gloo: its sockets close, the op in flight fails at once
+    a peer hangs (SIGSTOP)     gloo: the op fails after ``timeout_s`` (checked: tests/test_tp_engine.py)
+    either, on NCCL            the watchdog tears the rank down after ``timeout_s``
+                               (TORCH_NCCL_ASYNC_ERROR_HANDLING=3; not tested here: no GPU)
+
+and surfaces as ``CollectiveError`` (a ``TPFailure``, as is the step channel's
+``ChannelClosed``), which the engine lets through: the node exits and its supervisor
+restarts it whole.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+DEFAULT_TIMEOUT_S = 60.0  # every collective of a step: far above any step's skew between ranks
+INIT_TIMEOUT_S = 600.0  # rendezvous, and the first collective after loading (ranks load at their own pace)
+
+
+class TPFailure(RuntimeError):
+    """A rank of the node is gone or stuck: the node cannot go on, its supervisor restarts
+    it whole (the engine thread treats it as fatal, not as one step's error)."""
+
+
+class CollectiveError(TPFailure):
+    """A collective of the TP group failed: a rank died (its connections closed) or did not
+    arrive within the timeout."""
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device when a node runs on ``device``: the CPU for every rank,
+    ``cuda:(k + rank)`` for ``cuda:k`` (``cuda`` means ``cuda:0``). A node that places
+    its ranks otherwise passes each rank its device."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
+def rank_cpus(rank: int, size: int, device: torch.device) -> set[int] | None:
+    """The cores rank ``rank`` runs on when CPU ranks share this host: its even share of the
+    cores this process may use (rank 0 the first). None: not a CPU rank of several, or fewer
+    cores than ranks (nothing to pin)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if device.type != "cpu" or size < 2 or len(cpus) < size:
+        return None
+    per = len(cpus) // size
+    return set(cpus[rank * per:(rank + 1) * per])
+
+
+def pin_process(cpus: set[int]) -> set[int]:
+    """Run every thread of this process (and those it starts later) on ``cpus``; returns the
+    cores it could use before. Ranks that wait on each other in every layer must not be
+    pulled onto one core by the scheduler (a woken task goes to its waker's core): measured
+    here, unpinned ranks took turns on one core and each all-reduce cost ~2 ms instead of
+    ~0.3 ms (benchmarks/engine/bench_tp.py)."""
+    before = os.sched_getaffinity(0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
+    return before
+
+
+def rank_threads(num_threads: int | None, size: int, device: torch.device) -> int | None:
+    """Torch threads for one rank: ``num_threads`` when given; on the CPU with several
+    ranks, this process's cores split evenly (ranks on one host must not fight over
+    cores); else None (torch's default)."""
+    if num_threads:
+        return num_threads
+    if size > 1 and device.type == "cpu":
+        return max(1, len(os.sched_getaffinity(0)) // size)
+    return None
+
+
+class TPGroup:
+    """One rank's view of its node's TP group. Collectives act in place where they can and
+    raise ``CollectiveError`` on failure; ``timeout_s`` bounds each (an op may pass its own)."""
+
+    __slots__ = ("rank", "size", "device", "timeout_s", "_pg", "_timeout", "_host_waits")
+
+    def __init__(self, rank: int, size: int, device: torch.device, pg: Any = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        assert 0 <= rank < size and (pg is not None or size == 1), (rank, size)
+        self.rank, self.size, self.device = rank, size, device
+        self.timeout_s = timeout_s
+        self._pg = pg  # ProcessGroupGloo | ProcessGroupNCCL | None (size 1)
+        self._timeout = timedelta(seconds=timeout_s)
+        # gloo runs an op on the host: wait for it, bounded. NCCL's wait() only orders the
+        # current stream after the op (what async scheduling and CUDA graph capture need);
+        # a wait with a timeout would block the host until the op completes. Its timeout is
+        # the op's option, enforced by the NCCL watchdog.
+        self._host_waits = backend_for(device) == "gloo"
+
+    @classmethod
+    def single(cls, device: torch.device | str) -> TPGroup:
+        """The group of a TP=1 engine: every collective is the identity."""
+        return cls(0, 1, torch.device(device))
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def _wait(self, op: str, work: Any, timeout_s: float | None) -> None:
+        timeout = self._timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        try:
+            if self._host_waits:
+                work.wait(timeout)
+            else:
+                work.wait()
+        except RuntimeError as e:  # gloo: connection closed or timed out; NCCL: aborted communicator
+            raise CollectiveError(
+                f"tensor-parallel {op} failed on rank {self.rank} of {self.size} (timeout "
+                f"{timeout.total_seconds():g} s): {e}. A rank died or hangs; the node must restart") from e
+
+    def _opts(self, cls_name: str, timeout_s: float | None) -> Any:
+        from torch._C import _distributed_c10d as c10d  # the options classes (dist re-exports only some)
+
+        opts = getattr(c10d, cls_name)()
+        opts.timeout = self._timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        return opts
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", timeout_s: float | None = None) -> torch.Tensor:
+        """``t`` summed (or min/max) over the ranks, in place; returns ``t``."""
+        if self.size == 1:
+            return t
+        import torch.distributed as dist
+
+        opts = self._opts("AllreduceOptions", timeout_s)
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        self._wait("all_reduce", self._pg.allreduce([t], opts), timeout_s)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1, timeout_s: float | None = None) -> torch.Tensor:
+        """Every rank's ``t`` (equal shapes) concatenated along ``dim`` in rank order."""
+        if self.size == 1:
+            return t
+        t = t.contiguous()
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        self._wait("all_gather", self._pg._allgather_base(out, t, self._opts("AllgatherOptions", timeout_s)),
+                   timeout_s)
+        return torch.cat(out.view(self.size, *t.shape).unbind(0), dim=dim)  # ranks' slices, side by side
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> torch.Tensor:
+        """``t`` of rank ``src`` on every rank, in place; returns ``t``."""
+        if self.size == 1:
+            return t
+        opts = self._opts("BroadcastOptions", timeout_s)
+        opts.rootRank, opts.rootTensor = src, 0
+        self._wait("broadcast", self._pg.broadcast([t], opts), timeout_s)
+        return t
+
+    def min_int(self, value: int, timeout_s: float | None = None) -> int:
+        """The smallest ``value`` over the ranks (a host int; e.g. the KV blocks all ranks hold)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return int(self.all_reduce(t, "min", timeout_s).item())
+
+    def close(self) -> None:
+        """Drop the process group (idempotent). NCCL's is aborted, which also fails an op in flight."""
+        pg, self._pg = self._pg, None
+        if pg is not None and backend_for(self.device) == "nccl":
+            pg.abort()
+
+
+def init_tp_group(rank: int, size: int, device: torch.device, store: Any, *, host: str = "127.0.0.1",
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+    """Join the TP group as ``rank`` through ``store`` (a torch ``TCPStore``: rank 0's master
+    or a client of it). Blocks until every rank joined (bounded by the store's timeout).
+    ``host``: the address this rank's gloo listens on (ranks of a node share a host)."""
+    if size == 1:
+        return TPGroup.single(device)
+    import torch.distributed as dist
+
+    options: Any  # gloo's _Options or NCCL's Options; torch's stubs name neither's fields
+    prefixed = dist.PrefixStore("tp", store)
+    if backend_for(device) == "gloo":
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)]
+        options._threads = 1  # the caller waits on every op: one thread runs it
+        options._timeout = timedelta(seconds=timeout_s)
+        pg: Any = dist.ProcessGroupGloo(prefixed, rank, size, options)
+    else:
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING is read here: torch's default (3) tears the rank down
+        # when an op fails or times out. Built before any KV pair group, which sets 2 for its own.
+        torch.cuda.set_device(device)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timedelta(seconds=timeout_s)
+        options.group_name = "tp"
+        pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    group = TPGroup(rank, size, device, pg, timeout_s)
+    # gloo connects in its constructor; NCCL builds its communicator in the first collective
+    group.all_reduce(torch.zeros(1, device=device), timeout_s=INIT_TIMEOUT_S)
+    return group
