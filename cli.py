@@ -273,8 +273,8 @@ def _add_make_trace_args(p: argparse.ArgumentParser) -> None:
 def cmd_make_trace(args) -> int:
     import dataclasses
 
-    from .benchmarks.loadgen.replay.generate import PRESETS, generate, summarize
-    from .benchmarks.loadgen.replay.trace import dump_trace
+    from .benchmarks.loadgen.replay.generate import PRESETS, generate
+    from .common.trace import dump_trace, summarize
 
     base = PRESETS[args.preset]
     flags = dict(tenants=args.tenants, max_system_blocks=args.max_system_blocks,
@@ -435,15 +435,17 @@ def cmd_planner(args) -> int:
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    from .benchmarks.loadgen.plan.cli import add_plan_args
+    from .deploy.planner.offline.cli import add_plan_args
 
     add_plan_args(p)
 
 
 def cmd_plan(args) -> int:
-    from .benchmarks.loadgen.plan.cli import main as plan_main
+    from .benchmarks.loadgen.replay.plan_check import check_plan, pick_speedup
+    from .deploy.planner.offline.cli import PlanCheck
+    from .deploy.planner.offline.cli import main as plan_main
 
-    return plan_main(args)
+    return plan_main(args, PlanCheck(pick_speedup, check_plan))
 
 
 def cmd_up(args) -> int:

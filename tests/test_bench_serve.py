@@ -21,8 +21,8 @@ from splitserve.benchmarks.loadgen.bench.arrivals import fixed_offsets
 from splitserve.benchmarks.loadgen.bench.client import RequestResult
 from splitserve.benchmarks.loadgen.bench.config import normalize_base_url
 from splitserve.benchmarks.loadgen.bench.datasets import load_tokenizer, trace_specs
-from splitserve.benchmarks.loadgen.replay.trace import HASH_BLOCK, block_tokens
 from splitserve.common import metric_names as names
+from splitserve.common.trace import HASH_BLOCK, block_tokens
 from splitserve.deploy.launcher import Cluster, free_port
 from splitserve.tests.metrics_text import sample_sum
 

@@ -13,13 +13,13 @@ import sys
 import msgspec
 import pytest
 
-from splitserve.benchmarks.loadgen.plan.fleetsim import Req, StepSum, simulate
-from splitserve.benchmarks.loadgen.plan.search import search
-from splitserve.benchmarks.loadgen.plan.workload import PRESETS, Phase, as_reqs, generate, parse_phase
 from splitserve.common.registry import NodeInfo
 from splitserve.common.load import NodeLoad
 from splitserve.common.sim_profiles import get_deployment
 from splitserve.deploy.planner.actuator import LocalPools
+from splitserve.deploy.planner.offline.fleetsim import Req, StepSum, simulate
+from splitserve.deploy.planner.offline.search import search
+from splitserve.deploy.planner.offline.workload import PRESETS, Phase, as_reqs, generate, parse_phase
 from splitserve.deploy.planner.observe import Observation, PoolState, parse_router_metrics
 from splitserve.deploy.planner.perf import PoolModel, erlang_c
 from splitserve.deploy.planner.policy import Bounds, Policy, PolicyConfig, significantly_below

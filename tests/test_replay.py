@@ -11,9 +11,9 @@ import pytest
 
 from splitserve.common.sim_profiles import get_profile
 from splitserve.benchmarks.loadgen.replay.balance import greedy_max_mean
-from splitserve.benchmarks.loadgen.replay.generate import TraceSpec, generate, summarize
-from splitserve.benchmarks.loadgen.replay.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace,
-                                                oracle_hits, prompt_tokens)
+from splitserve.benchmarks.loadgen.replay.generate import TraceSpec, generate
+from splitserve.common.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace, oracle_hits, prompt_tokens,
+                                     summarize)
 
 
 def write(tmp_path, lines) -> str:
@@ -47,7 +47,7 @@ def test_hash_ids_expand_to_fixed_blocks_cut_to_input_length():
     assert tc != tb[:512]
     assert all(100 <= t < 49000 for t in tb)
     # the expansion is fixed across processes (no hash randomisation, no global state)
-    out = subprocess.run([sys.executable, "-c", "from splitserve.benchmarks.loadgen.replay.trace import "
+    out = subprocess.run([sys.executable, "-c", "from splitserve.common.trace import "
                           "TraceRequest, prompt_tokens; print(prompt_tokens(TraceRequest(0, 8, 1, [5])))"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONHASHSEED="7"), check=True)
     assert json.loads(out.stdout) == ta[:8]

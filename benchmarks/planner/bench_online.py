@@ -20,7 +20,7 @@ useful pace. SLO: TTFT <= 15 s and ITL <= 0.35 s for 95% of the requests.
                   decisions in a row (one when the SLO was missed beyond chance) and shrinks
                   it by half the excess after four and a cooldown; drained nodes finish their requests
                   first. Device-seconds: each node from its start to its exit.
-    static splits the fleet model (benchmarks/loadgen/plan/fleetsim.py) ranks every P:D
+    static splits the fleet model (deploy/planner/offline/fleetsim.py) ranks every P:D
                   split by cost over the whole trace; the cheapest it expects to reach the
                   SLO is replayed, then the next cheaper one, until the replays bracket the
                   cheapest static split that reaches it (``--max-static-runs``)
@@ -46,14 +46,14 @@ from pathlib import Path
 import msgspec
 
 from splitserve.benchmarks.harness import RESULTS
-from splitserve.benchmarks.loadgen.plan.check import MODEL, measure, overruns, start_fleet, sustain_check
-from splitserve.benchmarks.loadgen.plan.search import evaluate
-from splitserve.benchmarks.loadgen.plan.workload import Phase, as_reqs, generate
-from splitserve.benchmarks.loadgen.replay.generate import summarize
+from splitserve.benchmarks.loadgen.replay.plan_check import MODEL, measure, overruns, start_fleet, sustain_check
 from splitserve.benchmarks.loadgen.replay.run import Outcome, replay
 from splitserve.common.registry import REDIS_ERRORS, NodeRegistry
 from splitserve.common.sim_profiles import SimDeployment, get_deployment
+from splitserve.common.trace import summarize
 from splitserve.deploy.planner.actuator import LocalPools
+from splitserve.deploy.planner.offline.search import evaluate
+from splitserve.deploy.planner.offline.workload import Phase, as_reqs, generate
 from splitserve.deploy.planner.config import PlannerConfig
 from splitserve.deploy.planner.policy import Bounds, PolicyConfig
 from splitserve.deploy.planner.service import Planner, PlannerThread

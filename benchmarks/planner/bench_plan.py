@@ -4,9 +4,9 @@ simulated nodes, meet the SLO the plan predicted?
 
     .venv/bin/python benchmarks/planner/bench_plan.py                 # ~35 min here
 
-For each workload of ``benchmarks/loadgen/plan/workload.py`` PRESETS (two minutes of
+For each workload of ``deploy/planner/offline/workload.py`` PRESETS (two minutes of
 Poisson arrivals each, no shared prefix): the plan (the fleet model's search,
-benchmarks/loadgen/plan/search.py) for TTFT p90 <= 1 s and ITL p90 <= 15 ms, then the
+deploy/planner/offline/search.py) for TTFT p90 <= 1 s and ITL p90 <= 15 ms, then the
 trace replayed on the chosen fleet (``plan --check``: one sim-nodes process per node,
 standing for an H100 each, the real router, Redis and KV transport). The replay runs
 slower than real time where it must: an H100 decode node streams ~10k tokens/s and its
@@ -33,11 +33,11 @@ import sys
 from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
-from splitserve.benchmarks.loadgen.plan.check import check_plan, pick_speedup
-from splitserve.benchmarks.loadgen.plan.search import search
-from splitserve.benchmarks.loadgen.plan.workload import PRESETS, as_reqs, generate
-from splitserve.benchmarks.loadgen.replay.generate import summarize
+from splitserve.benchmarks.loadgen.replay.plan_check import check_plan, pick_speedup
 from splitserve.common.sim_profiles import get_deployment
+from splitserve.common.trace import summarize
+from splitserve.deploy.planner.offline.search import search
+from splitserve.deploy.planner.offline.workload import PRESETS, as_reqs, generate
 from splitserve.deploy.planner.slo import Slo
 
 WORKLOADS = ("prompt-heavy", "mixed", "output-heavy")

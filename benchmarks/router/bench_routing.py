@@ -37,10 +37,10 @@ from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.balance import greedy_max_mean
-from splitserve.benchmarks.loadgen.replay.generate import generate, summarize
+from splitserve.benchmarks.loadgen.replay.generate import generate
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, print_summary, run_replay
-from splitserve.benchmarks.loadgen.replay.trace import dump_trace
 from splitserve.common.sim_profiles import get_deployment
+from splitserve.common.trace import dump_trace, summarize
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 RATE_PER_16_NODES = 0.25  # new conversations per second of trace time

@@ -16,8 +16,8 @@ The nodes price what matters here as the deployment would: a prompt's compute (t
 roofline), a tier's loads and stores at PCIe Gen5 rate (engine/sim_runner.py), and the KV
 transfer to the decode node at one 400 Gb/s NIC per GPU (node/sim_link.py). Each run is
 checked for keeping its pace (sends on schedule; no node's steps behind their simulated time
-more than plan/check.py's MAX_OVERRUN_SHARE of the run; transfers moved within their modelled
-time: replay/run.py ``transfer_check``; judged by plan/check.py ``judge_pace``); a run that
+more than replay/plan_check.py's MAX_OVERRUN_SHARE of the run; transfers moved within their modelled
+time: replay/run.py ``transfer_check``; judged by replay/plan_check.py ``judge_pace``); a run that
 did not is reported as not sustained and its ratios are not claimed.
 
 Reported per variant: the prefix hit rate (prompt tokens cached over prompt tokens) and by
@@ -35,11 +35,11 @@ import sys
 from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
-from splitserve.benchmarks.loadgen.plan.check import judge_pace
 from splitserve.benchmarks.loadgen.replay.groups import GroupSpec, generate_groups, group_stats
+from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, percentile, print_summary, run_replay
-from splitserve.benchmarks.loadgen.replay.trace import dump_trace
 from splitserve.common.sim_profiles import get_profile
+from splitserve.common.trace import dump_trace
 
 VARIANTS = ("none", "host", "unlimited")
 UNLIMITED_POOLS = 16  # host tier of the unlimited variant, in KV pools per node (the trace's is ~3 per node)

@@ -11,6 +11,6 @@
     service.py    the loop, /metrics and /debug/planner; `splitserve planner`, `up --planner`
     config.py     PlannerConfig and the flags
 
-The offline search of ``splitserve plan`` is a load tool (benchmarks/loadgen/plan/): it
-reads traces and replays, and imports perf.py and slo.py from here.
+    offline/      `splitserve plan`: the cheapest fleet for a workload, searched on a model
+                  of the fleet (fleetsim.py, search.py, workload.py, report.py, cli.py)
 """

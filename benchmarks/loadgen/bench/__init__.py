@@ -1,7 +1,7 @@
 """``splitserve bench``: a load generator for any OpenAI-compatible endpoint.
 
     datasets.py             -> list[RequestSpec]       what to send (a routing trace
-                                                       read through ../replay/trace.py)
+                                                       read through common/trace.py)
     arrivals.py             -> send offsets (seconds)  when to send it
     client.py               -> RequestResult           one streamed request, timed
     runner.py               -> RunResult               a schedule under a concurrency cap

@@ -8,7 +8,7 @@
                      reply's token count the output length
     custom:PATH      a JSONL file, one {"prompt": str} a line (vLLM's custom dataset);
                      --custom-output-len tokens each
-    trace:PATH       a routing trace in the replay's format (``replay/trace.py``: each hash
+    trace:PATH       a routing trace in the replay's format (``common/trace.py``: each hash
                      id expands to the same token block, so ``splitserve bench`` and
                      ``splitserve replay`` send the same prompts), on its own timestamps
 
@@ -27,8 +27,9 @@ import random
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from ..jsonl import read_jsonl
-from ..replay.trace import load_trace, prompt_tokens
+from splitserve.common.jsonl import read_jsonl
+from splitserve.common.trace import load_trace, prompt_tokens
+
 from .config import BenchConfig
 
 DEFAULT_NUM_PROMPTS = 100

@@ -1,2 +1,3 @@
-"""Trace replay against simulated nodes: the trace format, its generator, and the
-driver behind ``splitserve replay``."""
+"""Trace replay against simulated nodes: the trace generator (the format is
+common/trace.py), the driver behind ``splitserve replay``, and the check behind
+``splitserve plan --check`` (plan_check.py)."""

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from splitserve.common.sim_profiles import SimProfile
-from .trace import HASH_BLOCK, TraceRequest, prefix_keys
+from splitserve.common.trace import HASH_BLOCK, TraceRequest, prefix_keys
 
 
 def greedy_max_mean(requests: Sequence[TraceRequest], nodes: int, profile: SimProfile,

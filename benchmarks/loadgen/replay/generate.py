@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .groups import GroupSpec, generate_groups
-from .trace import HASH_BLOCK, TraceRequest
+from splitserve.common.trace import HASH_BLOCK, TraceRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,20 +152,4 @@ PRESETS: dict[str, TraceSpec | GroupSpec] = {
                               mean_tool_tokens=8000, length_sigma=0.6),
     "prefix-groups": GroupSpec(),
 }
-
-
-def summarize(requests: list[TraceRequest]) -> dict:
-    """Trace-level figures printed by ``make-trace`` (and by ``replay``)."""
-    from .trace import oracle_hits
-
-    total = sum(r.input_length for r in requests)
-    span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if len(requests) > 1 else 0.0
-    lengths = sorted(r.input_length for r in requests)
-    return {"requests": len(requests), "span_s": round(span_s, 1),
-            "input_p50": lengths[len(lengths) // 2], "input_p90": lengths[int(len(lengths) * 0.9)],
-            "input_max": lengths[-1],
-            "rate_per_s": round(len(requests) / span_s, 3) if span_s else None,
-            "mean_input_tokens": round(total / len(requests), 1),
-            "mean_output_tokens": round(sum(r.output_length for r in requests) / len(requests), 1),
-            "oracle_hit_rate": round(sum(oracle_hits(requests)) / total, 4)}
 

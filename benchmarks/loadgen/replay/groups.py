@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .trace import HASH_BLOCK, TraceRequest, lru_hits, oracle_hits, prefix_keys
+from splitserve.common.trace import HASH_BLOCK, TraceRequest, lru_hits, oracle_hits, prefix_keys
 
 
 @dataclass(frozen=True, slots=True)

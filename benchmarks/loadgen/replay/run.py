@@ -62,11 +62,11 @@ from typing import NamedTuple
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from .generate import summarize as trace_summary
-from .trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from splitserve.common import metric_names as names
 from splitserve.common.kv_events import Tier
 from splitserve.common.outcomes import TransferStage
+from splitserve.common.trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
+from splitserve.common.trace import summarize as trace_summary
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
 # A server closes a connection idle for its keep-alive time; a request sent on it as it

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from splitserve.deploy.planner.slo import Slo
-
+from ..slo import Slo
 from .search import Candidate, PlanResult
 
 

@@ -36,8 +36,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from splitserve.common.config import SimConfig
-from splitserve.common.sim_profiles import SimDeployment, SimProfile
+from ....common.config import SimConfig
+from ....common.sim_profiles import SimDeployment, SimProfile
 
 
 class Req(NamedTuple):

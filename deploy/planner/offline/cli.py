@@ -2,6 +2,10 @@
 SLO -> the search (search.py) -> the table, ``--result-json`` and its plot (report.py);
 ``--write-trace`` keeps the generated workload for ``splitserve replay``.
 
+``--check`` replays the workload on simulated nodes: a load tool a layer above
+(benchmarks/loadgen/replay/plan_check.py), which the top-level CLI hands in as a
+``PlanCheck``.
+
 Exit status 0 when a configuration meets the SLO, 1 when none tried does, 2 on a bad flag.
 """
 
@@ -9,14 +13,23 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
-from splitserve.deploy.planner.slo import add_slo_args, slo_from_args
-
-from ..replay.generate import summarize
-from ..replay.trace import HASH_BLOCK, dump_trace, load_trace
+from ....common.sim_profiles import SimDeployment, get_deployment, get_profile, pair
+from ....common.trace import HASH_BLOCK, TraceRequest, dump_trace, load_trace, summarize
+from ..slo import Slo, add_slo_args, slo_from_args
 from .report import format_plan, write
 from .search import search
 from .workload import PRESETS, as_reqs, generate, parse_phase
+
+
+class PlanCheck(NamedTuple):
+    """What ``--check`` runs (benchmarks/loadgen/replay/plan_check.py)."""
+
+    pick_speedup: Callable[[list[TraceRequest]], float]  # trace -> the pace this machine keeps
+    # trace, fleet, prefill nodes, decode nodes, SLO, speed-up -> what the simulated nodes measured
+    check_plan: Callable[[list[TraceRequest], SimDeployment, int, int, Slo, float], dict]
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -43,15 +56,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-trace", default=None, help="write the generated workload as a trace")
     p.add_argument("--check", action="store_true",
                    help="then replay the workload on simulated nodes of the chosen fleet and print what they "
-                        "measured beside the prediction (minutes; check.py)")
+                        "measured beside the prediction (minutes; plan_check.py)")
     p.add_argument("--check-speedup", type=float, default=None,
                    help="the check's pace (default: as fast as keeps this machine's token rate under budget, "
                         "at most real time)")
 
 
-def main(args: argparse.Namespace) -> int:
-    from splitserve.common.sim_profiles import get_deployment, get_profile, pair
-
+def main(args: argparse.Namespace, check: PlanCheck) -> int:
     slo = slo_from_args(args)
     dep = get_deployment(args.profile)
     given = sum(x is not None for x in (args.trace, args.workload, args.phase))
@@ -76,16 +87,15 @@ def main(args: argparse.Namespace) -> int:
         print("error: no configuration tried meets the SLO", file=sys.stderr)
         return 1
     if args.check:
-        from .check import check_plan, pick_speedup
         b = result.best
         fleet = pair(b.label(), get_profile(b.prefill_profile), get_profile(b.decode_profile))
-        speedup = args.check_speedup or pick_speedup(trace)
+        speedup = args.check_speedup or check.pick_speedup(trace)
         print(f"checking {b.label()} on simulated nodes at {speedup}x ...", file=sys.stderr, flush=True)
-        summary["check"] = check = check_plan(trace, fleet, b.prefill_nodes, b.decode_nodes, slo, speedup)
-        m = check["measured"]
+        summary["check"] = checked = check.check_plan(trace, fleet, b.prefill_nodes, b.decode_nodes, slo, speedup)
+        m, sustain = checked["measured"], checked["sustain"]
         print(f"check: TTFT within SLO {m['ttft_ok']:.1%} (predicted {b.ttft_ok:.1%}), ITL {m['itl_ok']:.1%} "
               f"(predicted {b.itl_ok:.1%}); {m['failed']} failed"
-              + ("" if check["sustain"]["sustained"] else "; NOT SUSTAINED: " + "; ".join(check["sustain"]["why"])))
+              + ("" if sustain["sustained"] else "; NOT SUSTAINED: " + "; ".join(sustain["why"])))
     if args.result_json:
         write(result, slo, summary, args.result_json)
     return 0

@@ -15,8 +15,9 @@ into a fixed deterministic token block, the last cut to ``input_length``:
 
 Owns: parsing with errors that name the line and field, the expansion, the
 oracle hit rate (one shared cache that never evicts: a block hits when any earlier
-request listed its id) and the hit rate of one shared LRU cache of a given size.
-Must not talk to a cluster.
+request listed its id), the hit rate of one shared LRU cache of a given size, and a
+trace's summary figures. Shared by the load tools (make-trace, replay, bench) and the
+offline planner (``splitserve plan``). Must not talk to a cluster.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from ..jsonl import read_jsonl
+from .jsonl import read_jsonl
 
 HASH_BLOCK = 512  # prompt tokens per hash id
 _SEED = 0x5EED  # the expansion never changes between runs or machines
@@ -156,3 +157,18 @@ def lru_hits(requests: Iterable[TraceRequest], capacity_tokens: int, hash_block:
         while held > capacity_tokens and cache:
             held -= cache.popitem(last=False)[1]
     return hits
+
+
+def summarize(requests: list[TraceRequest]) -> dict:
+    """Trace-level figures printed by ``make-trace`` (and by ``replay``)."""
+    total = sum(r.input_length for r in requests)
+    span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if len(requests) > 1 else 0.0
+    lengths = sorted(r.input_length for r in requests)
+    return {"requests": len(requests), "span_s": round(span_s, 1),
+            "input_p50": lengths[len(lengths) // 2], "input_p90": lengths[int(len(lengths) * 0.9)],
+            "input_max": lengths[-1],
+            "rate_per_s": round(len(requests) / span_s, 3) if span_s else None,
+            "mean_input_tokens": round(total / len(requests), 1),
+            "mean_output_tokens": round(sum(r.output_length for r in requests) / len(requests), 1),
+            "oracle_hit_rate": round(sum(oracle_hits(requests)) / total, 4)}
+

@@ -28,12 +28,12 @@ import time
 from typing import NamedTuple
 
 from splitserve.common.sim_profiles import SimDeployment
+from splitserve.common.trace import TraceRequest
 from splitserve.deploy.launcher import SimCluster
+from splitserve.deploy.planner.offline.search import quantile
 from splitserve.deploy.planner.slo import Slo
 
-from ..replay.run import Outcome, node_metrics, node_side, node_states, replay, schedule_check, sim_router_args
-from ..replay.trace import TraceRequest
-from .search import quantile
+from .run import Outcome, node_metrics, node_side, node_states, replay, schedule_check, sim_router_args
 
 MAX_OVERRUN_SHARE = 0.02  # of a node's wall time spent behind its simulated steps
 TOKEN_BUDGET = 1500.0  # output tokens per wall second this 2-core machine streams with room to spare

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..replay.trace import HASH_BLOCK, TraceRequest
+from ....common.trace import HASH_BLOCK, TraceRequest
 from .fleetsim import Req
 
 

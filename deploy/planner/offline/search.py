@@ -22,10 +22,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from splitserve.common.sim_profiles import SimDeployment, load_profiles, pair
-from splitserve.deploy.planner.perf import PoolModel
-from splitserve.deploy.planner.slo import Slo
-
+from ....common.sim_profiles import SimDeployment, load_profiles, pair
+from ..perf import PoolModel
+from ..slo import Slo
 from .fleetsim import Req, simulate
 
 
