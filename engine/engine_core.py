@@ -50,7 +50,7 @@ from .kv.cache_manager import KVCacheManager
 from .kv.tier_store import KVOffload
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
-from .models.config import ModelConfig
+from .models.registry import read_model_config
 from .model_runner import KVCacheFactory, LaunchedStep, ModelRunner
 from .parallel.group import TPFailure, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request
@@ -141,7 +141,7 @@ class EngineCore:
         from .parallel.launch import TPLeader
 
         size = config.tensor_parallel_size
-        check_model_tp(ModelConfig.from_dir(self.model_dir), size)  # before any process starts
+        check_model_tp(read_model_config(self.model_dir), size)  # before any process starts
         if tp is None:
             tp = TPLeader(size)
             tp.spawn_workers(config)

@@ -61,6 +61,7 @@ from .kv.cache_manager import KVCacheManager
 from .kv.tier_store import KVOffload, Move
 from .models.loader import resolve_model_dir
 from .models.config import ModelConfig
+from .models.registry import read_model_config
 from .model_runner import KVCacheFactory, LaunchedStep, kv_block_bytes
 from .sampling.sampler import SampledTokens
 from .scheduler import SchedulerOutput
@@ -90,7 +91,7 @@ def standin_tiers(config: EngineConfig) -> EngineConfig:
     node's tiers. The engine sizes its tiers from the KV cache it is given (engine/kv/tier_store.py)."""
     if not config.kv_offload_memory:
         return config
-    real = modelled_block_bytes(config, ModelConfig.from_dir(resolve_model_dir(config.model)))
+    real = modelled_block_bytes(config, read_model_config(resolve_model_dir(config.model)))
     standin = standin_block_bytes(config.block_size)
     return dataclasses.replace(config, kv_offload_memory=config.kv_offload_memory // real * standin,
                                kv_offload_disk_bytes=config.kv_offload_disk_bytes // real * standin)
@@ -101,7 +102,7 @@ class SimRunner:
         assert config.sim is not None
         self.config = config
         self.sim = config.sim
-        model_config = ModelConfig.from_dir(model_dir)
+        model_config = read_model_config(model_dir)
         if self.sim.max_model_len:
             model_config = dataclasses.replace(model_config, max_position_embeddings=self.sim.max_model_len)
         self.model_config = model_config

@@ -56,7 +56,7 @@ from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import BlockExporter, EngineThread
 from ..engine.limits import RequestLimits
 from ..engine.models.loader import resolve_model_dir
-from ..engine.models.config import ModelConfig
+from ..engine.models.registry import read_model_config
 from ..engine.parallel.group import TPFailure
 from ..engine.models.sharding import check_model_tp
 from ..engine.parallel.launch import TPLeader
@@ -187,7 +187,7 @@ class NodeRuntime:
         """Check the model splits over the ranks (a clear error before any process starts),
         then bind rank 0's end and start ranks 1..N-1; they join while the engine loads."""
         cfg = self.config.engine
-        check_model_tp(ModelConfig.from_dir(resolve_model_dir(cfg.model)), self.tp)
+        check_model_tp(read_model_config(resolve_model_dir(cfg.model)), self.tp)
         assert self._rank_role is not None, "a tensor-parallel node needs its role's rank code"
         self.leader = TPLeader(self.tp, dead=lambda: self.ranks.dead() if self.ranks is not None else None)
         self.ranks = RankProcs(self.config, self._rank_role, self.leader.rendezvous)

@@ -95,7 +95,7 @@ class RouterConfig:
     # in responses and /v1/models, labels the metrics, is the model id nodes register under
     # and an extra key of every block hash. Empty: resolved to (model or BUNDLED_MODEL_ID,).
     served_model_names: tuple[str, ...] = ()
-    max_model_len: int | None = None  # None: the model's usable context (ModelConfig)
+    max_model_len: int | None = None  # None: the model's usable context (common/hf_config.py)
     # Accept a max_model_len beyond the tokenizer model's context (with a warning): the
     # nodes serve another model than the tokenizer's config says (simulated GPU profiles).
     allow_long_max_model_len: bool = False

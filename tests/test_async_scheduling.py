@@ -12,7 +12,7 @@ import torch
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.registry import read_model_config
 from splitserve.engine.model_runner import kv_block_bytes
 
 TOPICS = ["tea", "maps", "owls", "clocks", "rain", "salt", "ships", "glass"]
@@ -154,7 +154,7 @@ def test_preemption_with_tokens_in_flight_gives_the_same_tokens(make_engine, tok
     ids = prompts(tokenizer, 6)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     requests = {f"r{i}": (p, params) for i, p in enumerate(ids)}
-    block_bytes = kv_block_bytes(ModelConfig.from_dir(bundled_dir), 4, torch.float32)
+    block_bytes = kv_block_bytes(read_model_config(bundled_dir), 4, torch.float32)
     engine_args = {"block_size": 4, "kv_cache_memory": 20 * block_bytes, "max_num_seqs": 6,
                    "enable_prefix_caching": False}
     sync = make_engine(async_scheduling=False, num_threads=1, **engine_args)

@@ -10,8 +10,9 @@ lazy one inside a function too, so none can dodge the rule):
     csrc                                                          1
     common                                                        0
 
-A module imports only its own package or a package of a lower layer; there is no import
-cycle among product modules; a benchmark imports no other subject's benchmark (only the
+A module imports only its own package or a package of a lower layer, and never a package
+``APART`` keeps it from (the router nothing of the engine); there is no import cycle among
+product modules; a benchmark imports no other subject's benchmark (only the
 shared harness and the load tools); nothing in the product imports tests/."""
 
 import pytest
@@ -19,12 +20,20 @@ import pytest
 from splitserve.tests.import_graph import LAYER, graph, imports, product_modules, top
 
 BENCHMARKS_SHARED = ("benchmarks.harness", "benchmarks.loadgen")  # what every benchmark may import
+# package -> lower packages it must not import all the same: the router reads config.json itself
+# (common/hf_config.py), so a model family only the nodes know never stops it from starting
+APART = {"router": ("engine",)}
 
 
 def test_arrows_run_down_the_layers():
     upward = sorted((a, b) for a, deps in graph().items() for b in deps
                     if top(a) != top(b) and LAYER[top(b)] >= LAYER[top(a)])
     assert upward == [], "imports that do not go down a layer: " + ", ".join(f"{a} -> {b}" for a, b in upward)
+
+
+def test_packages_kept_apart_import_nothing_of_each_other():
+    bad = sorted((a, b) for a, deps in graph().items() for b in deps if top(b) in APART.get(top(a), ()))
+    assert bad == [], "imports across a wall: " + ", ".join(f"{a} -> {b}" for a, b in bad)
 
 
 def test_no_import_cycle():

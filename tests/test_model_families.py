@@ -18,6 +18,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.registry import family_of, model_config, read_model_config
 from splitserve.engine.model_runner import kv_block_bytes
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "model_configs"
@@ -29,14 +30,8 @@ NEW_TOKENS = 20
 
 
 def num_parameters(cfg: ModelConfig) -> int:
-    """Parameters of the model (a tied head counted once), from the config's shapes alone."""
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    attn = h * (q + 2 * kv) + q * h + cfg.qkv_bias * (q + 2 * kv) + cfg.o_bias * h + cfg.qk_norm * 2 * hd
-    mlp = 3 * h * cfg.intermediate_size + cfg.mlp_bias * (2 * cfg.intermediate_size + h)
-    layer = attn + mlp + 2 * h  # + input and post-attention norms
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.vocab_size * h + cfg.num_layers * layer + h + head
+    """Parameters of the model (a tied head counted once): its family's count from the config's shapes alone."""
+    return family_of(cfg.architecture).parameters(cfg).total
 
 
 FAMILIES = {  # case -> (family, transformers config overrides, ModelConfig fields expected)
@@ -98,7 +93,7 @@ def test_qwen_sliding_window_from_either_config_form(fields, window):
     cfg = json.loads((CONFIGS / "qwen3-8b" / "config.json").read_text())
     for key in ("use_sliding_window", "max_window_layers"):
         cfg.pop(key)
-    parsed = ModelConfig.from_dict({**cfg, "sliding_window": 64, **fields})
+    parsed = model_config({**cfg, "sliding_window": 64, **fields})
     assert parsed.sliding_window == window
     assert parsed.max_position_embeddings == (64 if window else 40960)
 
@@ -111,7 +106,7 @@ def test_shipped_shapes_on_the_meta_device(name, params, kv_bytes, arch):
     """The published parameter counts and bf16 KV bytes per token, without allocating weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = ModelConfig.from_dir(CONFIGS / name)
+    cfg = read_model_config(CONFIGS / name)
     assert cfg.architecture == arch
     assert num_parameters(cfg) == params
     assert cfg.kv_bytes_per_token(torch.bfloat16.itemsize) == kv_bytes
@@ -125,7 +120,7 @@ def test_shipped_shapes_on_the_meta_device(name, params, kv_bytes, arch):
 
 def _config_only_dir(tmp_path, model_type="qwen3", **overrides) -> Path:
     """A folder holding only a tiny config.json (no weights, no tokenizer); the
-    architecture comes from model_type, as ModelConfig reads configs without one."""
+    architecture comes from model_type, as the registry reads configs without one."""
     from transformers import AutoConfig
 
     cfg = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -181,7 +176,7 @@ def test_unsupported_config_names_the_field(change, field):
     cfg = json.loads((CONFIGS / "llama3-8b" / "config.json").read_text())
     cfg.update(change)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        ModelConfig.from_dict(cfg)
+        model_config(cfg)
 
 
 def test_load_format_flag_and_validation():

@@ -18,6 +18,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import hf_to_ours, load_model
 from splitserve.engine.models.llama import CausalLM, ParallelLMHead, VocabParallelEmbedding
 from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.registry import model_config, read_model_config
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.models.sharding import model_tp_problems, shard_full, shard_of
 from splitserve.engine.step_inputs import ForwardInputs, PrefillChunk
@@ -26,7 +27,7 @@ from splitserve.tests.tp_ranks import fake_group, gloo_peer
 
 
 def _cfg(heads=4, kv=2, inter=128, vocab=257) -> ModelConfig:
-    return ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=64,
+    return model_config(dict(architectures=["LlamaForCausalLM"], vocab_size=vocab, hidden_size=64,
                                       intermediate_size=inter, num_hidden_layers=1, num_attention_heads=heads,
                                       num_key_value_heads=kv))
 
@@ -90,7 +91,7 @@ def test_checkpoint_slices_equal_the_cut_of_the_whole_model(tiny_model_dir, fami
     (sharding.shard_full, the dummy loader's rule) of the TP=1 weights, biases included;
     a tied embedding is tied in the shard too."""
     path, _ = tiny_model_dir(family, num_key_value_heads=kv, tie_word_embeddings=(family == "qwen3"))
-    cfg = ModelConfig.from_dir(path)
+    cfg = read_model_config(path)
     with torch.device("meta"):
         whole_model = CausalLM(cfg)
     whole = hf_to_ours(whole_model, path)

@@ -19,7 +19,7 @@ import torch
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.sizing import kv_block_bytes
-from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.registry import read_model_config
 from splitserve.engine.parallel.group import TPGroup, init_tp_group
 from splitserve.engine.models.sharding import shard_of
 from splitserve.engine.parallel.worker import TPRendezvous, run_worker
@@ -34,7 +34,7 @@ def fake_group(rank: int, size: int) -> TPGroup:
 def tp_config(model_dir: Path, tp: int, blocks: int, **fields) -> EngineConfig:
     """fp32 CPU config of ``tp`` ranks whose KV cache holds ``blocks`` blocks per rank (as at
     TP=1: the same block ids, so the same schedule and preemptions)."""
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = read_model_config(model_dir)
     bs = fields.pop("block_size", 8)
     heads = shard_of(cfg, 0, tp).num_kv_heads
     return EngineConfig(model=str(model_dir), tensor_parallel_size=tp, block_size=bs, dtype="float32",

@@ -1,8 +1,15 @@
-"""A Llama-family decoder in plain torch: RMSNorm, RoPE (default, linear or llama3
-scaling), grouped-query attention over the paged KV cache, SwiGLU MLP. One class
-serves Llama 2/3/3.1, Qwen2, Qwen3 and Mistral: their differences are flags of
-``ModelConfig`` (``qkv_bias``, ``o_bias``, ``mlp_bias``, ``qk_norm``,
-``tie_word_embeddings``, ``head_dim``), not subclasses.
+"""The dense family: a Llama-family decoder in plain torch (RMSNorm, RoPE (default, linear
+or llama3 scaling), grouped-query attention over the paged KV cache, SwiGLU MLP) and its
+registration (``FAMILY``, registry.py). One class serves Llama 2/3/3.1, Qwen2, Qwen3 and
+Mistral: their differences are flags of ``ModelConfig`` (``qkv_bias``, ``o_bias``,
+``mlp_bias``, ``qk_norm``, ``tie_word_embeddings``, ``head_dim``), not subclasses:
+
+    family   | qkv_bias           | o_bias         | qk_norm | tied embeddings | sliding window
+    ---------+--------------------+----------------+---------+-----------------+-----------------
+    Llama    | attention_bias     | attention_bias | no      | from config     | none
+    Qwen2    | always             | never          | no      | from config     | common/hf_config
+    Qwen3    | attention_bias     | attention_bias | yes     | from config     | common/hf_config
+    Mistral  | never              | never          | no      | from config     | common/hf_config
 
 The model sees one flat batch of T tokens from many requests (see
 ``attention/base.py``); it never holds a per-request KV tensor. Weights use
@@ -30,10 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...common.hf_config import architecture
 from ..attention.base import AttentionBackend, AttentionMetadata
 from .config import ModelConfig
+from .family import ModelFamily, ParamCount
 from ..parallel.group import TPGroup
-from .sharding import TPShard, shard_of
+from .sharding import DENSE_SHARDING, TPShard, shard_of
 
 
 class RMSNorm(nn.Module):
@@ -235,3 +244,37 @@ class CausalLM(nn.Module):
         return self.lm_head(x).float()
 
 
+# architectures[0] -> (qkv bias, o_proj bias, q/k RMSNorm); None: the config's attention_bias
+DENSE_FLAGS: dict[str, tuple[bool | None, bool | None, bool]] = {
+    "LlamaForCausalLM": (None, None, False),
+    "Qwen2ForCausalLM": (True, False, False),
+    "Qwen3ForCausalLM": (None, None, True),
+    "MistralForCausalLM": (False, False, False),
+}
+
+
+def dense_config(cfg: dict) -> ModelConfig:
+    """The config adapter of the dense family: config.json with the architecture's flags."""
+    return ModelConfig.from_hf(cfg, *DENSE_FLAGS[architecture(cfg)])
+
+
+def dense_parameters(cfg: ModelConfig) -> ParamCount:
+    """CausalLM's parameters (a tied head counted once), from the config's shapes alone;
+    every one is active for every token."""
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    attn = h * (q + 2 * kv) + q * h + cfg.qkv_bias * (q + 2 * kv) + cfg.o_bias * h + cfg.qk_norm * 2 * hd
+    mlp = 3 * h * cfg.intermediate_size + cfg.mlp_bias * (2 * cfg.intermediate_size + h)
+    layer = attn + mlp + 2 * h  # + input and post-attention norms
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    total = cfg.vocab_size * h + cfg.num_layers * layer + h + head
+    return ParamCount(total, total)
+
+
+def hf_names(key: str) -> str:
+    """The dense family's checkpoints use the module's Hugging Face names already."""
+    return key
+
+
+FAMILY = ModelFamily(architectures=tuple(DENSE_FLAGS), config=dense_config, module=CausalLM,
+                     weight_map=hf_names, sharding=DENSE_SHARDING, parameters=dense_parameters)

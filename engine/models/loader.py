@@ -1,15 +1,17 @@
-"""Loads a Hugging Face checkpoint of any family ``ModelConfig`` supports (one
-``model.safetensors`` or shards listed in ``model.safetensors.index.json``) into
-``CausalLM``, or builds it with random weights from ``config.json`` alone.
+"""Loads a Hugging Face checkpoint of any registered family (registry.py; one
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``) into the
+family's module, or builds it with random weights from ``config.json`` alone.
 
-Owns the name mapping from HF weights to ours (q/k/v and gate/up are fused), the
-load formats (``LOAD_FORMATS``: auto and safetensors read the checkpoint, dummy
-draws seeded random weights on the target device so that real shapes can be
-benchmarked without downloading them) and the resolution of the model argument:
-``None`` means the bundled model.
+Owns the name mapping from checkpoint weights to ours: the family's weight map gives each
+tensor its Hugging Face-style name (``model.layers.<i>.<part>.<kind>``, ``model.embed_tokens``,
+``model.norm``, ``lm_head``), and its sharding plan's fused parts are concatenated
+(q/k/v and gate/up in the dense family). Also the load formats (``LOAD_FORMATS``: auto
+and safetensors read the checkpoint, dummy draws seeded random weights on the target
+device so that real shapes can be benchmarked without downloading them) and the
+resolution of the model argument: ``None`` means the bundled model.
 
 Tensor parallelism: given a ``TPGroup`` of size t > 1, the loader builds rank
-``group.rank``'s shard (sharding.py) and reads only its slices of the checkpoint
+``group.rank``'s shard (the family's sharding plan) and reads only its slices of the checkpoint
 (``safe_open(...).get_slice``: the other ranks' bytes are never read). Dummy weights are
 drawn whole, in the TP=1 model's order from the same seed, and cut, so the TP=t dummy
 model is exactly the TP=1 dummy model, sharded (the draw costs each rank the whole
@@ -24,10 +26,12 @@ import torch
 from safetensors import safe_open
 
 from ...common.config import LOAD_FORMATS
-from .llama import CausalLM
 from .config import ModelConfig
+from .family import ModelFamily
+from .llama import CausalLM
 from ..parallel.group import TPGroup
-from .sharding import FUSED, Cut, TPShard, cut, hf_cut, shard_full
+from .registry import family_of, read_model_config
+from .sharding import Cut, TPShard, cut
 
 # Dummy weights: normal(0, std) matrices and biases, norms at 1. std is the usual HF
 # initializer_range: activations stay O(1) through 32+ layers in bf16 as in fp32.
@@ -52,8 +56,9 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 
 
 def read_safetensors(model_dir: Path, shard: TPShard | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint, single-file or sharded; with ``shard`` (TP > 1) only
-    that rank's slice of each (``sharding.hf_cut``), checked against the full shape."""
+    """All tensors of a checkpoint, single-file or sharded, under their family's weight map's
+    names; with ``shard`` (TP > 1) only that rank's slice of each (the family's sharding
+    plan), checked against the full shape."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -62,23 +67,25 @@ def read_safetensors(model_dir: Path, shard: TPShard | None = None) -> dict[str,
     else:
         raise ValueError(f"model: {model_dir} holds no model.safetensors nor a sharded index; for random "
                          "weights from its config.json alone use load_format dummy (--load-format dummy)")
-    cfg = ModelConfig.from_dir(model_dir) if shard is not None and shard.size > 1 else None
+    cfg = read_model_config(model_dir)
+    family = family_of(cfg.architecture)
     tensors = {}
     for name in files:
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():
-                c = None if cfg is None else _hf_key_cut(key, shard, cfg)  # type: ignore[arg-type]
-                tensors[key] = f.get_tensor(key) if c is None else _read_cut(f, key, c, model_dir)
+                hf = family.weight_map(key)
+                c = None if shard is None or shard.size == 1 else _hf_key_cut(hf, shard, cfg, family)
+                tensors[hf] = f.get_tensor(key) if c is None else _read_cut(f, key, c, model_dir)
     return tensors
 
 
-def _hf_key_cut(key: str, shard: TPShard, cfg: ModelConfig) -> Cut | None:
-    """The cut rank ``shard`` reads of checkpoint tensor ``key`` (None: all of it)."""
+def _hf_key_cut(key: str, shard: TPShard, cfg: ModelConfig, family: ModelFamily) -> Cut | None:
+    """The cut rank ``shard`` reads of the tensor named ``key`` (None: all of it)."""
     m = _LAYER.match(key)
     if m:
-        return hf_cut(m.group(2), m.group(3), shard, cfg)
+        return family.sharding.cut(m.group(2), m.group(3), shard, cfg)
     if key in ("model.embed_tokens.weight", "lm_head.weight"):
-        return hf_cut(key.split(".")[-2], "weight", shard, cfg)
+        return family.sharding.cut(key.split(".")[-2], "weight", shard, cfg)
     return None
 
 
@@ -100,9 +107,8 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     ``group.rank``'s shard, reading only its slices."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    cfg = ModelConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = CausalLM(cfg, group)
+    cfg = read_model_config(model_dir)
+    model = _build(cfg, group)
     if load_format == "dummy":
         weights = dummy_weights(model, dtype, torch.device(device))
     else:
@@ -115,10 +121,11 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
 
 
 def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under our names (q/k/v and gate/up fused), checked
+    """The checkpoint's tensors under our names (the family's fused parts fused), checked
     against the parameters of ``model`` (on the meta device): nothing missing, nothing
     left over, every shape as config.json implies."""
     cfg = model.cfg
+    fused_parts = family_of(cfg.architecture).sharding.fused
     hf = read_safetensors(model_dir, model.shard)
     ours: dict[str, torch.Tensor] = {}
     for key in list(hf):
@@ -129,10 +136,10 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
             ours["norm.weight"] = hf.pop(key)
         elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
             ours["lm_head.weight"] = hf.pop(key)
-        elif m and not any(m.group(2) in parts for parts in FUSED.values()):
+        elif m and not any(m.group(2) in parts for parts in fused_parts.values()):
             ours[f"layers.{m.group(1)}.{m.group(2)}.{m.group(3)}"] = hf.pop(key)
     for i in range(cfg.num_layers):
-        for fused, parts in FUSED.items():
+        for fused, parts in fused_parts.items():
             for kind in ("weight", "bias"):
                 names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
                 if all(n in hf for n in names):
@@ -158,14 +165,19 @@ def dummy_weights(model: CausalLM, dtype: torch.dtype, device: torch.device) -> 
     rank's shard gets its cut of the whole model's weights (drawn whole, in order)."""
     gen = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     shard = model.shard
-    if shard.size > 1:
-        with torch.device("meta"):
-            full = CausalLM(model.cfg)  # the names, order and shapes of the TP=1 draw
-    else:
-        full = model
+    full = _build(model.cfg, None) if shard.size > 1 else model  # the names, order and shapes of the TP=1 draw
+    shard_full = family_of(model.cfg.architecture).sharding.full
     out = {}
     for name, param in full.named_parameters():  # a tied head is listed once, as embed_tokens
         t = torch.empty(param.shape, dtype=dtype, device=device)
         t = t.fill_(1.0) if name.endswith("norm.weight") else t.normal_(0.0, DUMMY_STD, generator=gen)
         out[name] = shard_full(name, t, shard, model.cfg)
     return out
+
+
+def _build(cfg: ModelConfig, group: TPGroup | None) -> CausalLM:
+    """The family's module for ``cfg`` on the meta device (no memory until weights land)."""
+    with torch.device("meta"):
+        model = family_of(cfg.architecture).module(cfg, group)
+    assert isinstance(model, CausalLM), f"{cfg.architecture}: a family's module is a CausalLM (family.py)"
+    return model

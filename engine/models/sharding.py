@@ -3,8 +3,10 @@ set of slicing rules every loader applies (safetensors reads only the rank's sli
 dummy weights are drawn whole and sliced, so TP=t equals the TP=1 dummy model).
 
 Owns ``TPShard`` (a rank's query heads, KV heads, MLP columns and vocabulary rows),
-``check_model_tp`` (the model-dependent checks of ``tensor_parallel_size``) and the
-slicing of each weight. Must not: run collectives (model.py places them) or read files.
+``check_model_tp`` (the model-dependent checks of ``tensor_parallel_size``), the
+``ShardingPlan`` a model family names (family.py) and the dense module's plan
+(``DENSE_SHARDING``: the slicing of each weight below). Must not: run collectives
+(llama.py places them) or read files.
 
 With ``t`` ranks, ``Hq`` query heads, ``H`` KV heads, intermediate size ``I``,
 vocabulary ``V`` padded to ``t * ceil(V / t)`` rows, rank ``r`` holds::
@@ -25,6 +27,7 @@ Query head h uses KV head ``h // (Hq/H)``; a rank's query heads all use KV heads
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -169,3 +172,15 @@ def shard_full(name: str, full: torch.Tensor, shard: TPShard, cfg: ModelConfig) 
         pieces = full.split(sizes, dim=0)
         return torch.cat([cut(p, hf_cut(hf, kind, shard, cfg)) for p, hf in zip(pieces, FUSED[part])])
     return cut(full, hf_cut(part, kind, shard, cfg)).contiguous()
+
+
+class ShardingPlan(NamedTuple):
+    """How a family's module is cut over tensor-parallel ranks (its checkpoint names:
+    Hugging Face-style, after the family's weight map)."""
+
+    fused: dict[str, tuple[str, ...]]  # the module's fused name -> its checkpoint parts, in order
+    cut: Callable[[str, str, TPShard, ModelConfig], Cut | None]  # (part, kind, shard, cfg): as hf_cut
+    full: Callable[[str, torch.Tensor, TPShard, ModelConfig], torch.Tensor]  # as shard_full
+
+
+DENSE_SHARDING = ShardingPlan(FUSED, hf_cut, shard_full)

@@ -1,7 +1,9 @@
 """The router's view of the model: tokenizer, chat template and context length,
 read from the model folder (tokenizer.json, tokenizer_config.json,
-chat_template.jinja, config.json). The context comes from the engine's torch-free
-`ModelConfig`, so a sliding-window cap is the same here as on the nodes.
+chat_template.jinja, config.json). The context comes from common/hf_config.py, which
+the nodes' config adapters read too, so a sliding-window cap is the same here as on the
+nodes; the router never reads the engine's config (a family only the nodes know, added
+through the engine's model registry, serves here like any other).
 
 Owns text <-> token ids for the whole cluster (nodes speak token ids only).
 Must not import torch or transformers (``AutoTokenizer`` pulls torch in): it uses
@@ -21,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ...common.errors import InvalidRequest
-from ...engine.models.config import ModelConfig  # config.json only: no torch
+from ...common.hf_config import read_config_json, usable_context
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +42,9 @@ class RouterTokenizer:
                 "--model, or convert the bundled model (python -m splitserve.engine.models.convert)")
         self._tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tok_cfg = _read_json(model_dir / "tokenizer_config.json")
-        model_cfg = ModelConfig.from_dir(model_dir)
-        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), model_cfg.vocab_size)
-        context = model_cfg.max_position_embeddings  # usable context, as the engine caps it
+        model_cfg = read_config_json(model_dir)
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), model_cfg["vocab_size"])
+        context = usable_context(model_cfg)  # as the nodes cap it
         if max_model_len is not None and max_model_len > context and allow_long:
             log.warning("router: max_model_len %d is beyond %s's context of %d tokens "
                         "(--allow-long-max-model-len)", max_model_len, model_dir, context)

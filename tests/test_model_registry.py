@@ -1,0 +1,88 @@
+"""Adding a model family: a toy family defined in one file outside the package
+(tests/toy_family.py: an architecture transformers does not have, Meta's tensor names,
+two config fields named its own way) and named in $SPLITSERVE_MODEL_FAMILIES serves
+token for token like transformers' LlamaForCausalLM on the same weights (fp32, CPU):
+offline, and through real processes (redis-server, router -> prefill -> decode). Without
+the variable the architecture is refused naming it; the router, which never imports the
+engine, starts on the folder either way."""
+
+import os
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from splitserve.common import metric_names as names
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.deploy.launcher import Cluster
+from splitserve.engine.llm import LLM
+from splitserve.engine.models.registry import FAMILIES_ENV, family_of, read_model_config
+from splitserve.router.openai.tokenizer import RouterTokenizer
+from splitserve.tests.metrics_text import sample_sum
+from splitserve.tests.toy_family import ARCHITECTURE, save_toy_checkpoint
+
+TOY_FILE = str(Path(__file__).with_name("toy_family.py"))
+PROMPTS = [[5, 17, 42, 99, 3, 8, 200, 13, 77] * 3, [1, 2, 3, 4, 5, 6, 7]]
+NEW_TOKENS = 16
+os.environ.setdefault("SPLITSERVE_QUIET", "1")
+
+
+@pytest.fixture(scope="module")
+def toy(served_tiny_model, tmp_path_factory, hf_greedy):
+    """(toy folder, transformers' greedy tokens of each prompt on the same weights)."""
+    from transformers import LlamaForCausalLM
+
+    llama = served_tiny_model("llama")
+    out = tmp_path_factory.mktemp("toy") / "model"
+    save_toy_checkpoint(llama, out)
+    hf = LlamaForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
+    assert all(len(r) > 4 for r in refs), "the prompts should decode for a while before any EOS"
+    return out, refs
+
+
+def test_unregistered_architecture_is_refused_naming_the_variable(toy, monkeypatch):
+    monkeypatch.delenv(FAMILIES_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"{ARCHITECTURE} is not supported.*{FAMILIES_ENV}"):
+        read_model_config(toy[0])
+    assert RouterTokenizer(toy[0]).max_model_len == 256  # the router needs no family
+
+
+def test_toy_family_matches_transformers_offline(toy, monkeypatch):
+    monkeypatch.setenv(FAMILIES_ENV, TOY_FILE)
+    path, refs = toy
+    cfg = read_model_config(path)
+    assert (cfg.architecture, cfg.intermediate_size, cfg.rms_norm_eps) == (ARCHITECTURE, 128, 1e-6)
+    counts = family_of(ARCHITECTURE).parameters(cfg)
+    with LLM(str(path), kv_cache_memory=8 << 20, block_size=4) as llm:
+        assert counts.total == counts.active == sum(p.numel() for p in llm.engine.runner.model.parameters())
+        out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in out] == refs
+
+
+@pytest.mark.slow
+def test_toy_family_served_through_router_prefill_decode(toy, monkeypatch):
+    monkeypatch.setenv(FAMILIES_ENV, TOY_FILE)  # every member inherits it
+    path, refs = toy
+    tok = RouterTokenizer(path)
+    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_cache_memory="8MiB", model=str(path))
+    try:
+        c.start()
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        for prompt, ref in zip(PROMPTS, refs):
+            r = client.completions.create(model=str(path), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                          logprobs=0)
+            assert r.choices[0].logprobs.tokens == [tok.token_text(t) for t in ref]
+            assert r.usage.completion_tokens == len(ref)
+        # the prompts' KV travelled from the prefill node: the decode node computed none of them
+        assert metric(c, "prefill-0", names.KV_BLOCKS_SENT) > 0
+        assert metric(c, "decode-0", names.FALLBACK_PREFILLS) == 0
+    finally:
+        c.stop()
+
+
+def metric(cluster: Cluster, name: str, metric_name: str) -> float:
+    with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
+        return sample_sum(r.read().decode(), metric_name)
