@@ -73,7 +73,7 @@ def test_goodput_needs_both_bounds():
           result("a", ttft=0.1, e2e=2.0, out=10),   # TPOT 211 ms: too slow
           result("b", ttft=0.6, e2e=1.0, out=10),   # TTFT over
           result("b", ttft=0.2, e2e=0.2, out=1)]    # one token: only TTFT applies
-    s = summarize(rs, duration_s=2.0, slo=Slo(ttft_ms=500, tpot_ms=150))
+    s = summarize(rs, duration_s=2.0, slo=Slo(ttft_s=0.5, itl_s=0.15))
     assert s.good_requests == 2 and s.goodput == pytest.approx(1.0)
     assert s.slo == {"ttft_ms": 500, "tpot_ms": 150}
     assert set(s.by_tag) == {"a", "b"} and s.by_tag["a"].good_requests == 1
@@ -82,7 +82,7 @@ def test_goodput_needs_both_bounds():
 
 
 def test_empty_run_has_no_percentiles():
-    s = summarize([result(ok=False)], 1.0, Slo(100, 100))
+    s = summarize([result(ok=False)], 1.0, Slo(0.1, 0.1))
     assert s.completed == 0 and s.ttft_ms == {} and s.good_requests == 0 and s.cached_share == 0.0
 
 
@@ -308,7 +308,7 @@ def test_short_run_metrics_are_sane_and_match_the_router(cluster, tok):
     assert router_counter(cluster, names.GENERATION_TOKENS) - gen0 == sum(x.output_tokens for x in everything)
     assert router_counter(cluster, names.PROMPT_TOKENS) - prompt0 == sum(x.prompt_tokens for x in everything)
 
-    s = summarize(r.results, r.duration_s, Slo(ttft_ms=1e9, tpot_ms=1e9))
+    s = summarize(r.results, r.duration_s, Slo(ttft_s=1e6, itl_s=1e6))
     assert (s.completed, s.failed, s.usage_reported) == (6, 0, 6)
     for stats in (s.ttft_ms, s.tpot_ms, s.itl_ms, s.e2e_ms):
         assert set(stats) == {"mean", "p50", "p90", "p99"}
@@ -319,7 +319,7 @@ def test_short_run_metrics_are_sane_and_match_the_router(cluster, tok):
     assert r.duration_s >= max(x.start_s + x.e2e_s for x in r.results)
     assert 0.0 <= s.cached_share <= 1.0
     assert s.good_requests == 6 and s.goodput == pytest.approx(s.request_throughput)
-    assert summarize(r.results, r.duration_s, Slo(ttft_ms=0.001)).good_requests == 0
+    assert summarize(r.results, r.duration_s, Slo(ttft_s=1e-6)).good_requests == 0
     # the chat pair shares a 16-token prefix + template, one after the other: the second hits
     sc = summarize(rc.results, rc.duration_s)
     assert 0.0 < sc.cached_share <= 1.0

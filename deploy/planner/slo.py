@@ -1,11 +1,16 @@
-"""The service-level objective the planner sizes the pools for, and its flags.
+"""The service-level objective, one type for the planners (online and offline) and for
+``splitserve bench --goodput``, and the planners' flags.
 
     Slo(ttft_s, itl_s, attainment): at least ``attainment`` of the requests get their
     first token within ``ttft_s`` and their later tokens ``itl_s`` apart on average
 
-A request's ITL here is its mean inter-token latency (its TPOT: decode time over output
-tokens - 1), as ``splitserve bench --goodput`` judges a request; ``--itl-p90 50`` means
-90% of the requests average 50 ms or less between tokens. A one-token answer meets it.
+Units: seconds, in the type and everywhere it is computed with; milliseconds only where
+people type or read them (the flags, ``describe``, bench's ``ttft_ms``/``tpot_ms`` keys).
+A request's ITL here is its mean inter-token latency (decode time over output tokens - 1:
+what ``splitserve bench`` reports as TPOT, so its ``--goodput tpot:MS`` is this bound);
+``--itl-p90 50`` means 90% of the requests average 50 ms or less between tokens. A
+one-token answer meets it. A bound not given is ``inf`` (bench may give one alone; the
+planners' flags need both).
 
 Owns the type and the parsing of ``--ttft-p90 / --itl-p90`` and of goodput terms
 (``--goodput ttft:MS itl:MS``, ``tpot`` is read as ``itl``). Must not import anything
@@ -15,13 +20,14 @@ above common/.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    ttft_s: float
-    itl_s: float
+    ttft_s: float = math.inf
+    itl_s: float = math.inf
     attainment: float = 0.9  # share of requests that must meet each bound
 
     def __post_init__(self):

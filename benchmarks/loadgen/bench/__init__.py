@@ -13,9 +13,11 @@ Other code (the comparison script, tests) uses the library directly: build specs
 ``await run(...)``, ``summarize(...)``.
 """
 
+from splitserve.deploy.planner.slo import Slo
+
 from .arrivals import poisson_offsets, trace_offsets
 from .client import EndpointError, Endpoint, check_endpoint
-from .config import BenchConfig, Slo
+from .config import BenchConfig
 from .datasets import RequestSpec, load_dataset
 from .metrics import Summary, summarize
 from .runner import RunResult, run

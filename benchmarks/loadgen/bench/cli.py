@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+from splitserve.deploy.planner.slo import Slo
+
 from .arrivals import poisson_offsets, trace_offsets
 from .client import Endpoint, EndpointError, check_endpoint
-from .config import BenchConfig, EndpointType, Slo, normalize_base_url
+from .config import BenchConfig, EndpointType, normalize_base_url
 from .datasets import load_dataset, load_tokenizer
-from .metrics import summarize
+from .metrics import slo_ms, summarize
 from .report import format_summary, plot_cdfs, plot_vs_rate, request_records, write_json
 from .runner import run
 
@@ -78,16 +80,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
 
 
+SLO_FIELDS = {"ttft": "ttft_s", "tpot": "itl_s"}  # --goodput term -> Slo field (bench's TPOT is its ITL)
+
+
 def parse_slo(items: list[str] | None) -> Slo | None:
     if not items:
         return None
     bounds = {}
     for item in items:
         key, _, value = item.partition(":")
-        if key not in ("ttft", "tpot") or not value:
+        if key not in SLO_FIELDS or not value:
             raise ValueError(f"--goodput: {item!r}; use ttft:MS and/or tpot:MS")
         try:
-            bounds[f"{key}_ms"] = float(value)
+            bounds[SLO_FIELDS[key]] = float(value) / 1000
         except ValueError:
             raise ValueError(f"--goodput: {item!r}: {value!r} is not a number of milliseconds") from None
     return Slo(**bounds)
@@ -171,7 +176,7 @@ async def bench(cfg: BenchConfig) -> int:
 def _write(path: Path, cfg: BenchConfig, model: str, runs: list) -> None:
     write_json(path, {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
-        "config": {k: (v._asdict() if isinstance(v := getattr(cfg, k), Slo) else v)
+        "config": {k: (slo_ms(v) if isinstance(v := getattr(cfg, k), Slo) else v)
                    for k in cfg.__slots__ if k != "api_key"},
         "runs": [{"label": label, "request_rate": rate, "summary": s.to_dict(),
                   "requests": request_records(r.results)} for label, rate, r, s in runs]})

@@ -3,18 +3,12 @@ before anything starts (cli.py) and never written back to."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
+
+from splitserve.deploy.planner.slo import Slo
 
 EndpointType = Literal["chat", "completions"]  # /v1/chat/completions or /v1/completions
-
-
-class Slo(NamedTuple):
-    """Goodput bounds: a request is good when it meets both (milliseconds)."""
-
-    ttft_ms: float = math.inf
-    tpot_ms: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +35,7 @@ class BenchConfig:
     ignore_eos: bool = False  # send ignore_eos=true (a vLLM extension splitserve supports)
     temperature: float = 0.0
     seed: int = 0
-    slo: Slo | None = None
+    slo: Slo | None = None  # --goodput's bounds (its attainment is not used)
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     result_json: str | None = None  # also writes <stem>.png (and <stem>_rates.png)
     disable_tqdm: bool = False

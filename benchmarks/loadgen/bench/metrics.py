@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from splitserve.deploy.planner.slo import Slo
+
 from .client import RequestResult
-from .config import Slo
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +67,13 @@ def stats_ms(values_s: list[float], percentiles: tuple[float, ...]) -> dict[str,
 
 
 def is_good(r: RequestResult, slo: Slo) -> bool:
-    tpot = r.tpot_s
-    return r.ok and r.ttft_s * 1000 <= slo.ttft_ms and (tpot is None or tpot * 1000 <= slo.tpot_ms)
+    tpot = r.tpot_s  # the SLO's ITL: a request's mean inter-token latency
+    return r.ok and r.ttft_s <= slo.ttft_s and (tpot is None or tpot <= slo.itl_s)
+
+
+def slo_ms(slo: Slo) -> dict[str, float]:
+    """The goodput bounds as bench's summary and JSON name them (vLLM's keys), milliseconds."""
+    return {"ttft_ms": round(slo.ttft_s * 1000, 6), "tpot_ms": round(slo.itl_s * 1000, 6)}
 
 
 def summarize(results: list[RequestResult], duration_s: float, slo: Slo | None = None,
@@ -90,7 +96,7 @@ def summarize(results: list[RequestResult], duration_s: float, slo: Slo | None =
         tpot_ms=stats_ms([t for r in ok if (t := r.tpot_s) is not None], percentiles),
         itl_ms=stats_ms([x for r in ok for x in r.itl_s], percentiles),
         e2e_ms=stats_ms([r.e2e_s for r in ok], percentiles),
-        slo=slo._asdict() if slo is not None else None, good_requests=good,
+        slo=slo_ms(slo) if slo is not None else None, good_requests=good,
         goodput=rate(good) if good is not None else None,
         errors=dict(errors.most_common(5)),
         by_tag={t: summarize([r for r in results if r.tag == t], duration_s, slo, percentiles,
