@@ -22,7 +22,7 @@ from splitserve.deploy.planner.offline.search import search
 from splitserve.deploy.planner.offline.workload import PRESETS, Phase, as_reqs, generate, parse_phase
 from splitserve.deploy.planner.observe import Observation, PoolState, parse_router_metrics
 from splitserve.deploy.planner.perf import PoolModel, erlang_c
-from splitserve.deploy.planner.policy import Bounds, Policy, PolicyConfig, significantly_below
+from splitserve.deploy.planner.scaling import Bounds, Policy, PolicyConfig, significantly_below
 from splitserve.deploy.planner.predictor import Ensemble, Holt, MovingAverage
 from splitserve.deploy.planner.slo import Slo, add_slo_args, slo_from_args
 from splitserve.router.metrics import RouterMetrics

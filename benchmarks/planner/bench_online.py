@@ -55,7 +55,7 @@ from splitserve.deploy.planner.actuator import LocalPools
 from splitserve.deploy.planner.offline.search import evaluate
 from splitserve.deploy.planner.offline.workload import Phase, as_reqs, generate
 from splitserve.deploy.planner.config import PlannerConfig
-from splitserve.deploy.planner.policy import Bounds, PolicyConfig
+from splitserve.deploy.planner.scaling import Bounds, PolicyConfig
 from splitserve.deploy.planner.service import Planner, PlannerThread
 from splitserve.deploy.planner.slo import Slo
 

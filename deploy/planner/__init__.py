@@ -4,8 +4,8 @@
     perf.py       PoolModel: nodes each pool needs for a load, from a simulated-node profile
     predictor.py  moving average and Holt's trend, their errors, the better one answering
     observe.py    the routers' /metrics and the node registry -> one Observation per interval
-    policy.py     observation -> prediction -> correction -> targets -> change (bounds,
-                  cooldowns), written down as a Decision
+    scaling.py    observation -> prediction -> correction -> targets -> change (bounds,
+                  cooldowns), written down as a PlanningDecision
     actuator.py   LocalPools (start and drain `up`'s nodes) | ExportOnly (Kubernetes: the
                   HPAs follow the exported targets)
     service.py    the loop, /metrics and /debug/planner; `splitserve planner`, `up --planner`

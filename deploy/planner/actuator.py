@@ -14,7 +14,7 @@
 
 Both count a role's nodes as those serving or starting, never those draining. LocalPools
 also keeps each node's life (start to exit, draining included) for the device-seconds a
-run cost. Must not decide anything (policy.py does).
+run cost. Must not decide anything (scaling.py does).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ...common.auth import add_cluster_token_args, cluster_token_from_args
 from ...common.sim_profiles import SimDeployment, get_deployment
-from .policy import Bounds, PolicyConfig
+from .scaling import Bounds, PolicyConfig
 from .slo import Slo, add_slo_args, slo_from_args
 
 UP_SLO_MS = (5000.0, 500.0)  # up --planner's default TTFT and ITL bounds: the bundled model on this CPU

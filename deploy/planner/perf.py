@@ -20,7 +20,7 @@ runs ``b = rate x osl x step(b) / D`` requests (a fixed point), each step::
 
     step(b) = corr_d x profile step_seconds(decode_batch=b, context=b x (isl + osl / 2))
     decode nodes = the smallest D whose b converges with step(b) <= itl_headroom x slo.itl_s,
-                   b x (isl + osl) + reserved / D <= kv_headroom x the KV pool, b <= the
+                   b x (isl + osl) + reserved / D <= kv_headroom x the KV cache, b <= the
                    step's token budget; reserved = rate x slo.ttft_s x isl: the prompt
                    blocks decode nodes hold for requests still queued for prefill
 
@@ -30,7 +30,7 @@ duration after a shift of the load, so ``decode_nodes_for`` also sizes the pool 
 requests the decode nodes hold now, and the policy takes the larger. Prefix-cache hits are not modelled: a cacheable load gets a
 conservative size, and the observed-over-predicted correction takes the difference.
 
-Owns the arithmetic; must not read metrics or start anything (policy.py decides).
+Owns the arithmetic; must not read metrics or start anything (scaling.py decides).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ...common.sim_profiles import SimDeployment, SimProfile
 from .slo import Slo
 
 ITL_HEADROOM = 0.85  # a node's mean step at its planned batch stays this far under the ITL bound
-KV_HEADROOM = 0.9  # of the KV pool the planned batch may fill (full contexts)
+KV_HEADROOM = 0.9  # of the KV cache the planned batch may fill (full contexts)
 
 
 class PrefillSizing(NamedTuple):
@@ -57,7 +57,7 @@ class DecodeSizing(NamedTuple):
     nodes: int
     batch: float  # requests running per decode node
     step_s: float  # predicted ITL: one step at that batch, corrected
-    kv_share: float  # of one node's KV pool those requests fill (full contexts)
+    kv_share: float  # of one node's KV cache those requests fill (full contexts)
     feasible: bool
 
 
@@ -132,7 +132,7 @@ class PoolModel:
         return corr_d * self._decode_sim.step_seconds(b, [], round(b * (isl + osl / 2)))
 
     def max_batch(self, isl: float, osl: float, reserved: float = 0.0) -> int:
-        """Requests one decode node can hold: its KV pool (full contexts, with headroom, less
+        """Requests one decode node can hold: its KV cache (full contexts, with headroom, less
         ``reserved`` tokens) and its step's token budget."""
         kv = int(max(0.0, self.kv_headroom * self.decode.kv_pool_tokens - reserved) // max(1.0, isl + osl))
         return max(1, min(kv, self.decode.max_num_batched_tokens))

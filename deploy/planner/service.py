@@ -1,5 +1,5 @@
 """The online planner: every interval it observes the routers and the registry, decides
-(policy.py), applies the change (actuator.py), logs the decision as one JSON line and
+(scaling.py), applies the change (actuator.py), logs the decision as one JSON line and
 exports it; its HTTP app serves
 
     GET /debug/planner   the config, the last decisions (?n=20), the predictors' errors,
@@ -32,7 +32,7 @@ from .actuator import Actuator, ExportOnly
 from .config import PlannerConfig
 from .observe import Observation, Observer
 from .perf import PoolModel
-from .policy import ROLES, Decision, Policy
+from .scaling import ROLES, PlanningDecision, Policy
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class PlannerMetrics:
             for action in ("started", "drained"):
                 self.changed.labels(role=role, action=action)
 
-    def record(self, d: Decision, errors: dict[str, dict[str, dict]]) -> None:
+    def record(self, d: PlanningDecision, errors: dict[str, dict[str, dict]]) -> None:
         for role in ROLES:
             self.target.labels(role=role).set(d.target[role])
             self.current.labels(role=role).set(d.current[role] + d.change.get(role, 0))
@@ -99,7 +99,7 @@ class Planner:
         self.observer = Observer(list(config.router_urls), config.redis_url, config.slo.ttft_s, config.slo.itl_s,
                                  config.time_scale, config.model, cluster_token=config.cluster_token)
         self.actuator: Actuator = actuator if actuator is not None else ExportOnly()
-        self.decisions: deque[Decision] = deque(maxlen=config.history)
+        self.decisions: deque[PlanningDecision] = deque(maxlen=config.history)
         self.metrics = PlannerMetrics(config.model or dep.prefill.model)
         self._lock = threading.Lock()  # /debug/planner may be read from another thread (up)
 
@@ -113,7 +113,7 @@ class Planner:
             self.metrics.scrape_failures.labels(reason=reason).inc()
         return obs
 
-    async def step(self) -> Decision | None:
+    async def step(self) -> PlanningDecision | None:
         """One interval: observe, decide, apply, record. None until two scrapes exist."""
         obs = await self.observe()
         if obs is None:

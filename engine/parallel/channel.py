@@ -1,7 +1,7 @@
 """The step channel of a tensor-parallel node: rank 0 sends every worker rank each step's
 ``ForwardInputs`` (step_inputs.py), in order, over zmq (msgspec msgpack), plus
 ``Control`` messages ordered with the steps and a final ``Stop``; a worker sends rank 0
-``Hello`` when it connects and ``Failed`` when it cannot start.
+``RankHello`` when it connects and ``Failed`` when it cannot start.
 
 Owns the messages and both ends (``StepSender`` on rank 0, ``StepReceiver`` on a worker).
 Must not: run the model, or carry tensors (collectives do, parallel.py). Not
@@ -11,15 +11,15 @@ HTTP: one msgpack encode and one zmq send per worker per step.
 ::
 
     rank 0: ROUTER (bound; ROUTER_MANDATORY)            worker r: DEALER (identity b"rank<r>")
-      <-- Hello(r, pid) ------------------------------------ on connect
+      <-- RankHello(r, pid) -------------------------------- on connect
       --- ForwardInputs | Control(kind, payload) | Stop -->  recv(), in send order
       <-- Failed(r, error) --------------------------------- its start-up raised
 
 Failure is seen on both ends without waiting for a collective:
-- a worker that is gone makes rank 0's next send raise ``ChannelClosed`` at once
+- a worker that is gone makes rank 0's next send raise ``StepChannelClosed`` at once
   (ROUTER_MANDATORY: a message for an unknown peer is an error, not a silent drop);
 - rank 0 gone (its socket closed, or silent past zmq's heartbeat timeout) makes a
-  worker's ``recv`` raise ``ChannelClosed`` (the DEALER's monitor reports the disconnect).
+  worker's ``recv`` raise ``StepChannelClosed`` (the DEALER's monitor reports the disconnect).
 
 Nothing is dropped or blocks: both ends queue without a high-water mark (a step's inputs
 are kilobytes; rank 0 sends one per step and waits for the step itself).
@@ -43,7 +43,7 @@ HEARTBEAT_IVL_MS = 1000  # zmq pings between the ends ...
 HEARTBEAT_TIMEOUT_MS = 10000  # ... and drops a connection silent for this long (a lost host)
 
 
-class Hello(msgspec.Struct, tag="hello", array_like=True):
+class RankHello(msgspec.Struct, tag="hello", array_like=True):
     rank: int
     pid: int
 
@@ -65,10 +65,10 @@ class Stop(msgspec.Struct, tag="stop", array_like=True):
 
 
 ToWorker = ForwardInputs | Control | Stop
-ToLeader = Hello | Failed
+ToLeader = RankHello | Failed
 
 
-class ChannelClosed(TPFailure):
+class StepChannelClosed(TPFailure):
     """The other end of the step channel is gone."""
 
 
@@ -85,7 +85,7 @@ def _identity(rank: int) -> bytes:
 
 
 class StepSender:
-    """Rank 0's end: bind, wait for every worker's Hello, then send to all of them."""
+    """Rank 0's end: bind, wait for every worker's RankHello, then send to all of them."""
 
     def __init__(self, size: int, addr: str = "tcp://127.0.0.1:*"):
         """``addr``: where to bind (zmq syntax; ``*`` as the port picks a free one)."""
@@ -99,11 +99,11 @@ class StepSender:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToLeader)
         self._peers = [_identity(r) for r in range(1, size)]
-        self.pids: dict[int, int] = {}  # rank -> pid, from its Hello
+        self.pids: dict[int, int] = {}  # rank -> pid, from its RankHello
         self.failures: list[Failed] = []  # what workers reported
 
     def wait_workers(self, timeout_s: float, dead: Callable[[], str | None] = lambda: None) -> None:
-        """Return once every worker said Hello. Raises ``ChannelClosed`` when one reports a
+        """Return once every worker said RankHello. Raises ``StepChannelClosed`` when one reports a
         failure, ``dead()`` names a problem (e.g. a started process exited), or
         ``timeout_s`` passes (naming the ranks still missing)."""
         deadline = time.monotonic() + timeout_s
@@ -113,10 +113,10 @@ class StepSender:
                 continue
             problem = dead()
             if problem is not None:
-                raise ChannelClosed(f"tensor-parallel workers did not start: {problem}")
+                raise StepChannelClosed(f"tensor-parallel workers did not start: {problem}")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.size)) - set(self.pids))
-                raise ChannelClosed(f"tensor-parallel ranks {missing} did not connect to {self.addr} "
+                raise StepChannelClosed(f"tensor-parallel ranks {missing} did not connect to {self.addr} "
                                     f"within {timeout_s:g} s")
 
     def _take(self) -> None:
@@ -124,7 +124,7 @@ class StepSender:
         msg = self._decoder.decode(data)
         if isinstance(msg, Failed):
             self.failures.append(msg)
-            raise ChannelClosed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
+            raise StepChannelClosed(f"tensor-parallel rank {msg.rank} failed to start: {msg.error}")
         self.pids[msg.rank] = msg.pid
 
     def drain(self) -> list[Failed]:
@@ -132,18 +132,18 @@ class StepSender:
         try:
             while self._sock.poll(0):
                 self._take()
-        except (ChannelClosed, zmq.ZMQError, msgspec.DecodeError):
+        except (StepChannelClosed, zmq.ZMQError, msgspec.DecodeError):
             pass
         return self.failures
 
     def send(self, msg: ToWorker) -> None:
-        """To every worker, in rank order. Raises ``ChannelClosed`` when one is gone."""
+        """To every worker, in rank order. Raises ``StepChannelClosed`` when one is gone."""
         data = self._encoder.encode(msg)
         for peer in self._peers:
             try:
                 self._sock.send_multipart((peer, data), copy=False)
             except zmq.ZMQError as e:
-                raise ChannelClosed(f"tensor-parallel {peer.decode()} left the step channel ({e})") from e
+                raise StepChannelClosed(f"tensor-parallel {peer.decode()} left the step channel ({e})") from e
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -151,7 +151,7 @@ class StepSender:
 
 
 class StepReceiver:
-    """A worker's end: connect, say Hello, then receive rank 0's messages in order."""
+    """A worker's end: connect, say RankHello, then receive rank 0's messages in order."""
 
     def __init__(self, addr: str, rank: int):
         self.rank = rank
@@ -167,10 +167,10 @@ class StepReceiver:
         self._connected = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToWorker)
-        self._sock.send(self._encoder.encode(Hello(rank, os.getpid())))
+        self._sock.send(self._encoder.encode(RankHello(rank, os.getpid())))
 
     def recv(self) -> ToWorker:
-        """The next message (blocks). Raises ``ChannelClosed`` once rank 0 disconnected."""
+        """The next message (blocks). Raises ``StepChannelClosed`` once rank 0 disconnected."""
         while True:
             ready = dict(self._poller.poll())
             if self._sock in ready:
@@ -180,7 +180,7 @@ class StepReceiver:
                 if event == zmq.EVENT_CONNECTED:
                     self._connected = True
                 elif event == zmq.EVENT_DISCONNECTED and self._connected:
-                    raise ChannelClosed(f"tensor-parallel rank {self.rank}: rank 0 closed the step channel")
+                    raise StepChannelClosed(f"tensor-parallel rank {self.rank}: rank 0 closed the step channel")
 
     def report_failure(self, error: str) -> None:
         """Tell rank 0 why this worker cannot start (best effort: it may be gone)."""

@@ -20,7 +20,7 @@ Failure is bounded (ARCHITECTURE.md: a rank's death is the node's death)::
                                (TORCH_NCCL_ASYNC_ERROR_HANDLING=3; not tested here: no GPU)
 
 and surfaces as ``CollectiveError`` (a ``TPFailure``, as is the step channel's
-``ChannelClosed``), which the engine lets through: the node exits and its supervisor
+``StepChannelClosed``), which the engine lets through: the node exits and its supervisor
 restarts it whole.
 """
 

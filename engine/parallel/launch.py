@@ -12,7 +12,7 @@ know how a node supervises its processes (node/ and deploy/ do).
     leader = TPLeader(size)   TCPStore server, StepSender bound
     [leader.spawn_workers(config)] --- or the node starts each worker with leader.rendezvous ---
     EngineCore(config, tp=leader):
-      leader.join(device)     waits for every Hello  <-- Hello           (connect)
+      leader.join(device)     waits for RankHellos   <-- RankHello       (connect)
                               init_tp_group           <-> init_tp_group   (TCPStore)
       ModelRunner(group, link=leader)                 ModelRunner(group)  (shards; KV sizing agrees)
     each step: leader.send_step(inputs) ------------> runner.follow(inputs)
@@ -67,7 +67,7 @@ import torch
 from ...common.config import EngineConfig
 from .group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, TPFailure, TPGroup, init_tp_group
 from ..step_inputs import ForwardInputs
-from .channel import ChannelClosed, Control, StepSender, Stop
+from .channel import Control, StepChannelClosed, StepSender, Stop
 from .worker import TPRendezvous, run_worker
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class TPLeader:
             self.procs[rank] = proc
 
     def join(self, device: torch.device) -> TPGroup:
-        """Wait for every worker's Hello (failing fast when one exits: spawned here, or named by
+        """Wait for every worker's RankHello (failing fast when one exits: spawned here, or named by
         the node's ``dead``), then join the group as rank 0. Every worker must be starting."""
         rdzv = self.rendezvous
         self.channel.wait_workers(rdzv.init_timeout_s, self._dead_worker)
@@ -153,7 +153,7 @@ class TPLeader:
         self._closed = True
         try:
             self.channel.send(Stop())
-        except ChannelClosed:
+        except StepChannelClosed:
             pass  # some worker is gone already: the rest see the channel close
         for proc in self.procs.values():
             proc.join(timeout=JOIN_TIMEOUT_S)

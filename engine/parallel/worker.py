@@ -8,7 +8,7 @@ cache, its heads) and ``controls`` (instructions rank 0 sends between steps).
 
 A worker's life (rank 0's side of each step: parallel/launch.py, model_runner.py)::
 
-    connect the step channel, Hello            rank 0 waits for every Hello
+    connect the step channel, RankHello        rank 0 waits for every RankHello
     join the TP group (TCPStore at rank 0)     gloo on the CPU, NCCL on CUDA
     on the CPU: pin to its share of the cores  parallel.pin_process
     ModelRunner over its shard                 load its slices; KV cache sized with the
@@ -18,7 +18,7 @@ A worker's life (rank 0's side of each step: parallel/launch.py, model_runner.py
     loop: ForwardInputs -> runner.follow       the same forward as rank 0, in lockstep
           Control(kind, payload) -> controls[kind](payload)
           Stop -> return
-    rank 0 gone (channel closed)     -> raises ChannelClosed
+    rank 0 gone (channel closed)     -> raises StepChannelClosed
     a collective failed or timed out -> raises CollectiveError
 """
 

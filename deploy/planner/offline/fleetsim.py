@@ -15,7 +15,7 @@ GPU profile, or this CPU's fit)::
     decode node    holds the prompt's KV from the request's arrival (a decode node reserves
                    the blocks before asking for the prefill); the prompt joins the batch
                    at the first step boundary after its prefill ended (the first token
-                   leaves then, as AddPrefilled runs between steps), if the node's KV pool
+                   leaves then, as AddPrefilled runs between steps), if the node's KV cache
                    also holds its output (else it waits, FIFO); then one token a step until
                    its output length
 

@@ -1,5 +1,5 @@
 """One planning decision per interval: observation -> prediction -> correction -> targets
--> what to change, within bounds and cooldowns, written down as a ``Decision``.
+-> what to change, within bounds and cooldowns, written down as a ``PlanningDecision``.
 
     1. predict   rate, input and output length of the next interval(s) (predictor.py);
                  the rate asked of the pools is the larger of the forecast and the mean of
@@ -31,7 +31,7 @@
                  only after ``down_after`` decisions in a row wanted fewer and
                  cooldown_down_s after the role's last change
 
-The ``Decision`` keeps everything it was based on (observed and predicted load, the
+The ``PlanningDecision`` keeps everything it was based on (observed and predicted load, the
 corrections, each pool's sizing and SLO margin, why it changed or held); service.py logs,
 exports and serves it. Owns the rule; must not scrape or start anything.
 """
@@ -101,7 +101,7 @@ class Sizing(msgspec.Struct, omit_defaults=True, kw_only=True):
     load: float  # prefill: busy nodes (rate x service); decode: requests per node
 
 
-class Decision(msgspec.Struct, omit_defaults=True, kw_only=True):
+class PlanningDecision(msgspec.Struct, omit_defaults=True, kw_only=True):
     seq: int
     at: float  # unix time
     interval_s: float  # profile seconds the observation covers
@@ -139,7 +139,7 @@ class Policy:
         for name in ("rate", "isl", "osl"):
             self.series.setdefault(name, Ensemble(window=self.window, ahead=self.ahead))
 
-    def decide(self, obs: Observation, current: dict[str, int], now: float | None = None) -> Decision:
+    def decide(self, obs: Observation, current: dict[str, int], now: float | None = None) -> PlanningDecision:
         """The decision for ``obs`` with ``current`` nodes per role (serving or starting);
         ``now``: monotonic seconds (cooldowns)."""
         now = time.monotonic() if now is None else now
@@ -218,7 +218,7 @@ class Policy:
             if change[role]:
                 self.last_change[role] = now
                 self.wanted_fewer[role] = self.wanted_more[role] = 0
-        return Decision(
+        return PlanningDecision(
             seq=self.seq, at=time.time(), interval_s=round(obs.interval_s, 3),
             observed={"rate": round(obs.rate, 4), "isl": _r(obs.isl), "osl": _r(obs.osl),
                       "ttft_mean_s": _r(obs.ttft_mean), "ttft_within_slo": _r(obs.ttft_ok),
