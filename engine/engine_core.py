@@ -41,13 +41,12 @@ import torch
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
 from ..common.hashing import hash_blocks, hash_keys, salt_id
-from ..common.kv_events import Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .sampling import prompt_logprobs
 from .kv.cache_manager import KVCacheManager
-from .kv.tier_store import KVOffload
+from .kv.tier_store import TierObserver
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
 from .models.registry import read_model_config
@@ -84,9 +83,10 @@ class Reservation(NamedTuple):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None,
-                 tp: "TPLeader | None" = None):
+                 tp: "TPLeader | None" = None, tier_observer: TierObserver | None = None):
         """``tp``: rank 0's leader of a node whose workers it started (see parallel/launch.py); None
-        with ``tensor_parallel_size`` > 1 starts them here, as child processes."""
+        with ``tensor_parallel_size`` > 1 starts them here, as child processes. ``tier_observer``:
+        what counts the lower tiers' moves, hits and faults (a node's metrics), if any."""
         size = config.tensor_parallel_size
         threads = rank_threads(config.num_threads, size if config.sim is None else 1,
                                rank_device(config.device, 0))
@@ -115,9 +115,8 @@ class EngineCore:
             self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.kv_capacity_tokens,
                                     self.grammars is not None)
-        # lower tiers of the prefix cache (host memory, disk), if configured (kv/tier_store.py)
-        self.offload = KVOffload.build(config, self.runner.kv_caches)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching, self.offload)
+        # with the lower tiers of the prefix cache (host memory, disk), if configured (kv/tier_store.py)
+        self.kv = KVCacheManager.build(config, self.num_blocks, self.runner.kv_caches, tier_observer)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.prefill_chunk_size, self.max_model_len)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
@@ -166,10 +165,9 @@ class EngineCore:
         """Stop the worker ranks, if any, and give this process back the cores it had before
         rank 0 was pinned to its share (idempotent); the disk tier's writer finishes its
         queue. Call from the thread that steps."""
-        offload: KVOffload | None = getattr(self, "offload", None)  # absent if the runner failed to build
-        if offload is not None:
-            offload.close()
-            self.offload = None
+        kv: KVCacheManager | None = getattr(self, "kv", None)  # absent if the runner failed to build
+        if kv is not None:
+            kv.close()
         if self.tp is not None:
             self.tp.close()
         if self._unpinned is not None:
@@ -179,13 +177,8 @@ class EngineCore:
     def tier_stats(self) -> list[TierStats]:
         """Each tier of the prefix cache, device first. The device tier's load rate is the
         recompute rate (prefill tokens/s in bytes of blocks), measured with lower tiers only."""
-        off = self.offload
         kv = self.runner.kv_caches  # rank 0's heads of every block: each rank holds as many, about
-        block_bytes = kv[:, :, 0].numel() * kv.element_size() * self.config.tensor_parallel_size
-        recompute = off.prefill_rate.value * block_bytes / self.config.block_size if off is not None else 0.0
-        device = TierStats(tier=Tier.DEVICE, capacity_blocks=self.num_blocks, used_blocks=len(self.kv.pool.cached),
-                           block_bytes=block_bytes, load_bytes_per_s=recompute)
-        return [device] + (off.stats() if off is not None else [])
+        return self.kv.tier_stats(kv[:, :, 0].numel() * kv.element_size() * self.config.tensor_parallel_size)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -240,11 +233,7 @@ class EngineCore:
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids, salt_id(keys))
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
             return None
-        if self.offload is not None:
-            loads = self.offload.take_loads()  # no forward follows now: the hits are loaded at once
-            if loads is not None:
-                loads.wait_all()
-            self.offload.before_write()  # a receiver may write the blocks next: their stores land first
+        self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first
         return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
 
     def release(self, request_id: str) -> None:
@@ -314,15 +303,14 @@ class EngineCore:
             raise self.tp.explain(e) from e
         elapsed = time.perf_counter() - t0
         self.busy_s += elapsed
-        if self.offload is not None and not self.config.async_scheduling:  # the forward ran in launch
+        if not self.config.async_scheduling:  # the forward ran in launch
             prompt = sum(n for req, n in out.scheduled if req.num_computed_tokens < len(req.prompt_token_ids))
             if prompt >= self.config.block_size:  # the recompute rate a lower-tier load competes with
-                self.offload.observe_prefill(prompt, elapsed)
+                self.kv.observe_prefill(prompt, elapsed)
         for req in launched.requests:
             req.pending_tokens += 1
         self.scheduler.update_after_step(out)
-        if self.offload is not None:  # blocks completed by this forward or landed since: to the host behind it
-            self.offload.flush()
+        self.kv.save_cached()  # blocks completed by this forward or landed since: to the host behind it
         self.num_computed_tokens_total += launched.num_tokens
         if self.on_launch is not None:
             self.on_launch(out)

@@ -167,10 +167,8 @@ class ModelRunner:
             plan = self._plan_eager(decodes, prefills, kv)
         if self.link is not None:
             self.link.send_step(plan.inputs)
-        loads = None
-        if kv.offload is not None:
-            loads = kv.offload.take_loads()  # this step's lower-tier loads, layer by layer
-            kv.offload.before_forward()  # stores still reading blocks this forward overwrites
+        loads = kv.take_loads()  # this step's lower-tier loads, layer by layer
+        kv.before_forward()  # stores still reading blocks this forward overwrites
         if ready is not None and loads is not None:
             loads.then(ready)
         elif ready is not None:

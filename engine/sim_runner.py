@@ -15,7 +15,7 @@ float per token slot, so the KV transport moves real, checksummed, tiny blocks:
 The prefix cache's lower tiers (engine/kv/tier_store.py) hold stand-in blocks too; their
 sizes are given in the modelled model's bytes like the KV cache's (``standin_tiers``
 turns them into the stand-ins' bytes: as many blocks as a real node's tiers hold), and
-the moves between the tiers since the last step (``KVOffload.take_moves``) cost what
+the moves between the tiers since the last step (``KVCacheManager.take_moves``) cost what
 they would take the deployment (``SimConfig.host_bytes_per_s``: host memory <-> the KV
 cache, a load or a store; ``disk_read_bytes_per_s``: a load from disk, which then
 crosses into the KV cache as a host load too):
@@ -24,7 +24,7 @@ crosses into the KV cache as a host load too):
                              another: a batch starts when the step that queued it ended, or
                              when the batch before it landed, and costs no step
     a forward that overwrites a block, or reads a slot, whose store batch
-                             (``KVOffload.before_forward``) is still copying starts when
+                             (``KVCacheManager.before_forward``) is still copying starts when
                              that batch lands
     loads                    on the step that follows them, one layer after another as a
                              real engine issues them (kv/tier_store.py ``LayerLoads``): the
@@ -35,7 +35,7 @@ crosses into the KV cache as a host load too):
                              forward) / layers; the blocks in place (``launch``'s ``ready``:
                              a prefill node packs a cached prefix to send) once the loads
                              and the wait above are done
-    a store to disk          the offload's writer thread's: not priced
+    a store to disk          the disk tier's writer thread's: not priced
 
 A step's period is its simulated time / speedup, the host's own time included: when a
 step's work was already there as the previous step ended (a batch running on, a prompt
@@ -58,7 +58,7 @@ import torch
 from ..common.config import EngineConfig
 from ..common.kv_events import Tier
 from .kv.cache_manager import KVCacheManager
-from .kv.tier_store import KVOffload, Move
+from .kv.tier_store import Move
 from .models.loader import resolve_model_dir
 from .models.config import ModelConfig
 from .models.registry import read_model_config
@@ -136,11 +136,9 @@ class SimRunner:
         carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
         decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
         chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        wait = loads = 0.0
-        if kv.offload is not None:
-            if (layer_loads := kv.offload.take_loads()) is not None:
-                layer_loads.wait_all()  # the stand-in blocks move for real; the time is the profile's
-            wait, loads = self._tier_seconds(kv.offload, start)
+        if (layer_loads := kv.take_loads()) is not None:
+            layer_loads.wait_all()  # the stand-in blocks move for real; the time is the profile's
+        wait, loads = self._tier_seconds(kv, start)
         forward = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
         # the forward's layer i waits for the loads' layer i: a pipeline of `layers` stages
         seconds = wait + (max(loads, forward) + min(loads, forward) / self.num_layers if loads else forward)
@@ -167,16 +165,16 @@ class SimRunner:
         sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
         return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))
 
-    def _tier_seconds(self, offload: KVOffload, start: float) -> tuple[float, float]:
+    def _tier_seconds(self, kv: KVCacheManager, start: float) -> tuple[float, float]:
         """Simulated seconds of the step launched at ``start`` (wall) spent on its tiers: its
         wait for the copy engine before anything of it starts, and its loads (module docstring)."""
-        moves = offload.take_moves()
+        moves = kv.take_moves()
         queued = self._last_end or start  # as the previous step ended
         for m in moves:
             if m.batch:
                 self._copies_until = max(self._copies_until, queued) + self.tier_move_seconds([m]) / self.sim.speedup
                 self._batch_landed[m.batch] = self._copies_until
-        landed = self._batch_landed.get(offload.before_forward(), 0.0)
+        landed = self._batch_landed.get(kv.before_forward(), 0.0)
         self._batch_landed = {b: t for b, t in self._batch_landed.items() if t > start}
         wait = max(0.0, landed - start) * self.sim.speedup
         return wait, self.tier_move_seconds([m for m in moves if not m.batch])

@@ -121,28 +121,28 @@ class NodeMetrics:
                 counter.labels(value)  # exported at 0 from the start
         # Lower tiers of the prefix cache: observed on the engine thread (tier_store.TierObserver)
         lower = [t.name.lower() for t in Tier if t is not Tier.DEVICE]
-        self.offload_queries = c.counter(n.KV_OFFLOAD_QUERIES, "Prompt blocks looked up in the lower "
+        self.tier_queries = c.counter(n.KV_OFFLOAD_QUERIES, "Prompt blocks looked up in the lower "
                                          "tiers (after the device's prefix cache missed)")
-        self.offload_hits = c.counter(n.KV_OFFLOAD_HITS, "Prompt blocks found in a lower tier and "
+        self.tier_hits = c.counter(n.KV_OFFLOAD_HITS, "Prompt blocks found in a lower tier and "
                                       "loaded instead of recomputed", ["tier"])
-        self.offload_bytes = c.counter(n.KV_OFFLOAD_BYTES, "Block bytes moved to (store) or from "
+        self.tier_bytes = c.counter(n.KV_OFFLOAD_BYTES, "Block bytes moved to (store) or from "
                                        "(load) a lower tier", ["tier", "direction"])
-        self.offload_seconds = c.histogram(n.KV_OFFLOAD_SECONDS, "Seconds of one move of blocks to or "
+        self.tier_seconds = c.histogram(n.KV_OFFLOAD_SECONDS, "Seconds of one move of blocks to or "
                                            "from a lower tier", OFFLOAD_BUCKETS, ["tier", "direction"])
-        self.offload_evictions = c.counter(n.KV_OFFLOAD_EVICTIONS, "Blocks evicted from a lower tier",
+        self.tier_evictions = c.counter(n.KV_OFFLOAD_EVICTIONS, "Blocks evicted from a lower tier",
                                            ["tier"])
-        self.offload_faults = c.counter(n.KV_OFFLOAD_FAULTS, "Blocks lost to a fault: a bad file "
+        self.tier_faults = c.counter(n.KV_OFFLOAD_FAULTS, "Blocks lost to a fault: a bad file "
                                         "(a miss), a failed write, a writer behind", ["tier", "fault"])
-        self.offload_blocks = c.gauge(n.KV_OFFLOAD_BLOCKS, "Blocks a lower tier holds", ["tier"])
-        self.offload_capacity = c.gauge(n.KV_OFFLOAD_CAPACITY, "Blocks a lower tier holds when full",
+        self.tier_blocks = c.gauge(n.KV_OFFLOAD_BLOCKS, "Blocks a lower tier holds", ["tier"])
+        self.tier_capacity = c.gauge(n.KV_OFFLOAD_CAPACITY, "Blocks a lower tier holds when full",
                                         ["tier"])
         for tier in lower:
-            self.offload_hits.labels(tier)
-            self.offload_evictions.labels(tier)
+            self.tier_hits.labels(tier)
+            self.tier_evictions.labels(tier)
             for direction in ("load", "store"):
-                self.offload_bytes.labels(tier, direction)
+                self.tier_bytes.labels(tier, direction)
         for fault in TierFault:
-            self.offload_faults.labels("disk", fault)
+            self.tier_faults.labels("disk", fault)
         self._times: dict[str, RequestTimes] = {}  # req_id -> times (engine thread only)
         self._preemptions_seen = 0
 
@@ -157,26 +157,26 @@ class NodeMetrics:
     # ---- lower tiers (tier_store.TierObserver; engine thread) --------------------------------
     def moved(self, move: Move) -> None:
         tier, direction = move.tier.name.lower(), "load" if move.load else "store"
-        self.offload_bytes.labels(tier, direction).inc(move.nbytes)
-        self.offload_seconds.labels(tier, direction).observe(move.seconds)
+        self.tier_bytes.labels(tier, direction).inc(move.nbytes)
+        self.tier_seconds.labels(tier, direction).observe(move.seconds)
 
     def looked_up(self, queried_blocks: int, hits: dict[Tier, int]) -> None:
-        self.offload_queries.inc(queried_blocks)
+        self.tier_queries.inc(queried_blocks)
         for tier, count in hits.items():
-            self.offload_hits.labels(tier.name.lower()).inc(count)
+            self.tier_hits.labels(tier.name.lower()).inc(count)
 
     def evicted(self, tier: Tier, blocks: int) -> None:
-        self.offload_evictions.labels(tier.name.lower()).inc(blocks)
+        self.tier_evictions.labels(tier.name.lower()).inc(blocks)
 
     def fault(self, tier: Tier, fault: TierFault) -> None:
-        self.offload_faults.labels(tier.name.lower(), fault).inc()
+        self.tier_faults.labels(tier.name.lower(), fault).inc()
 
     def set_tiers(self, tiers: Sequence[TierStats]) -> None:
         """The lower tiers' sizes and use (the engine's published stats)."""
         for t in tiers:
             if t.tier is not Tier.DEVICE:
-                self.offload_blocks.labels(t.tier.name.lower()).set(t.used_blocks)
-                self.offload_capacity.labels(t.tier.name.lower()).set(t.capacity_blocks)
+                self.tier_blocks.labels(t.tier.name.lower()).set(t.used_blocks)
+                self.tier_capacity.labels(t.tier.name.lower()).set(t.capacity_blocks)
 
     def set_kv_pool(self, device: str, dtype: str, blocks: int, nbytes: int, tokens: int) -> None:
         """The KV pool's place and size (``NodeRuntime.kv_pool_info``), once at start."""

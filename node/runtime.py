@@ -143,7 +143,8 @@ class NodeRuntime:
         if self.tp > 1:
             self._start_ranks()
         try:
-            engine = self._engine = await asyncio.to_thread(EngineCore, cfg, factory, self.leader)
+            # the tiers' moves, hits and faults: counted by the metrics, on the engine thread
+            engine = self._engine = await asyncio.to_thread(EngineCore, cfg, factory, self.leader, self.metrics)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
@@ -153,8 +154,6 @@ class NodeRuntime:
         c = self.config
         self.grammars = None if engine.grammars is None else GrammarService(
             engine.grammars.tokenizer_info, c.grammar_compile_workers, c.grammar_compile_timeout_s, self.metrics)
-        if engine.offload is not None:  # its moves, hits and faults, counted on the engine thread
-            engine.offload.observer = self.metrics
         self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
         if cfg.sim is None:
             self.kv_key = node_kv_key(cfg, engine.model_config, kv.dtype, self.tp)

@@ -111,8 +111,12 @@ def test_a_block_of_another_salt_is_not_a_hit_under_the_same_hash_and_tokens():
     assert pool.get_cached_block(h, tokens, salt_a) is a  # the same salt still shares
     pool.free_blocks([a, b])
     evicted = []
-    pool.on_evict = lambda block_id, bh, toks, salt: evicted.append((block_id, bh, toks, salt))
-    pool.get_new_blocks(4)
+
+    class Lower:  # block_pool.LowerTiers: what a lower tier learns of an eviction
+        def cached(self, block_id, bh, toks, salt): pass
+        def store(self, block_id, bh, toks, salt): evicted.append((block_id, bh, toks, salt))
+
+    pool.get_new_blocks(4, Lower())
     assert evicted == [(a.block_id, h, tuple(tokens), salt_a)]  # a lower tier learns the salt too
     assert a.salt is None
 

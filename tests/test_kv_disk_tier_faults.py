@@ -317,8 +317,8 @@ def test_the_engine_serves_a_prompt_whose_disk_files_were_cut_short_with_the_rig
     with tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, kv_offload_dir=str(tmp_path),
                   kv_offload_disk_bytes=1 << 20) as llm:
         engine = llm.engine
-        disk = engine.offload.disk
-        obs = engine.offload.observer = Faults()
+        disk = engine.kv.tiers.disk
+        obs = engine.kv.tiers.observer = Faults()
         for p in prompts():
             llm.generate([p], PARAMS)
         hashes = hash_blocks(prompts()[0], 16, hash_keys(engine.config.model_id))

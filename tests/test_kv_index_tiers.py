@@ -22,7 +22,7 @@ from splitserve.common.kv_index import (EVENTS_CHANNEL, IndexDelta, KVIndex, Nod
 from splitserve.common.registry import NodeInfo, new_epoch
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import KVOffload
+from splitserve.engine.kv.tier_store import TierSpec
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.routing.prefix_index import PrefixIndex
 from splitserve.router.routing.tier_cost import TierBlocks
@@ -197,7 +197,7 @@ async def test_the_index_follows_a_cache_with_host_and_disk_tiers(index, tmp_pat
     bs, shape = 4, (2, 2, 4, 1, 2)  # layers, K/V, block size, KV heads, head dim
     kv = torch.zeros((2, 2, 3, bs, 1, 2))
     disk = DiskTier(tmp_path, DiskLayout(MODEL, "float32", shape), kv[:, :, 0].numel() * 4, 64 << 10, KEY)
-    mgr = KVCacheManager(3, bs, True, KVOffload(kv, bs, 1, disk))
+    mgr = KVCacheManager(3, bs, True, TierSpec(kv, 1, disk))
     e, seq = new_epoch(), 0
     seen: set[Tier] = set()  # the lower tiers the index held at some point
 

@@ -25,7 +25,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_file import MAC_BYTES
 from splitserve.engine.kv.disk_tier import SUFFIX, DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import KVOffload, Move
+from splitserve.engine.kv.tier_store import Move, TierSpec
 
 BS = 4
 SALT = salt_id(("m",))
@@ -59,8 +59,8 @@ class Observer:
 
 def manager(num_blocks=4, host_blocks=4, disk=None):
     kv = torch.zeros((2, 2, num_blocks, BS, 1, 2))
-    off = KVOffload(kv, BS, host_blocks, disk)
-    return kv, off, KVCacheManager(num_blocks, BS, True, off)
+    mgr = KVCacheManager(num_blocks, BS, True, TierSpec(kv, host_blocks, disk))
+    return kv, mgr.tiers, mgr
 
 
 def land(off):
@@ -76,7 +76,7 @@ def fill(kv, mgr, rid, tokens, value):
     hashes = [hash((rid, i)) & (2**64 - 1) for i in range(len(tokens) // BS)]
     hit = mgr.get_computed_blocks(hashes, tokens, SALT)
     assert mgr.allocate_slots(rid, len(tokens), hit.blocks, hit.lower) is not None
-    land(mgr.offload)
+    land(mgr.tiers)
     for i, b in enumerate(mgr.block_ids(rid)):
         kv[:, :, b] = value + i
     mgr.cache_blocks(rid, hashes, tokens, len(tokens), SALT)
@@ -275,7 +275,7 @@ def test_engine_tokens_from_host_equal_recompute(tiny, reference):
     ps = prompts()
     llm = tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK)
     with llm:
-        obs = llm.engine.offload.observer = Observer()
+        obs = llm.engine.kv.tiers.observer = Observer()
         turns = run_turns(llm, [0, 1, 2, 0, 1])
         for i, tokens, _ in turns:
             assert tokens == reference[i], f"prompt {i}"
@@ -287,7 +287,7 @@ def test_engine_tokens_from_host_equal_recompute(tiny, reference):
         assert host.load_bytes_per_s > 0 and host.store_bytes_per_s > 0
         # a decode node's reservation loads its host hits at once (no forward follows it) ...
         res = llm.engine.reserve("r", ps[2])
-        assert res is not None and res.num_cached_tokens == 96 and llm.engine.offload.take_loads() is None
+        assert res is not None and res.num_cached_tokens == 96 and llm.engine.kv.tiers.take_loads() is None
         llm.engine.release("r")
         # ... so the blocks it leaves cached hold the right KV
         again = llm.generate([ps[2]], PARAMS)[0]
@@ -314,7 +314,7 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
     with tiny_llm(tiny, 64, enable_prefix_caching=False, **cuda) as llm:
         want = [o.token_ids for o in llm.generate(prompts(), PARAMS)]
     with tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK, **cuda) as llm:
-        off = llm.engine.offload
+        off = llm.engine.kv.tiers
         assert llm.engine.config.async_scheduling and off.copy_stream is not None and off.load_stream is not None
         turns = run_turns(llm, [0, 1, 2, 0, 1, 2])  # each evicts the one before, written through
         for i, tokens, _ in turns:
@@ -362,7 +362,7 @@ def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, ref
     args = dict(kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=1 << 20)
     llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)
     with llm:
-        obs = llm.engine.offload.observer = Observer()
+        obs = llm.engine.kv.tiers.observer = Observer()
         turns = run_turns(llm, [0, 1, 2, 0])
         assert all(tokens == reference[i] for i, tokens, _ in turns)
         assert turns[3][2] == 96 and obs.hits[Tier.DISK] >= 4  # most of prompt 0 came from disk
@@ -370,7 +370,7 @@ def test_engine_tokens_from_disk_equal_recompute_and_survive_a_restart(tiny, ref
     assert files and all(p.suffix == SUFFIX for p in files)
     llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)  # a restarted node
     with llm:
-        obs = llm.engine.offload.observer = Observer()
+        obs = llm.engine.kv.tiers.observer = Observer()
         (i, tokens, cached), = run_turns(llm, [1])
         assert tokens == reference[1] and cached == 96 and obs.hits[Tier.DISK] == 6
 
@@ -391,7 +391,7 @@ def test_bad_files_are_misses_never_wrong_tokens(tiny, reference, tmp_path):
     (folder / "deadbeef.tmp123").write_bytes(b"half a block")  # a node killed while storing
     llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, **args)
     with llm:
-        obs = llm.engine.offload.observer = Observer()
+        obs = llm.engine.kv.tiers.observer = Observer()
         turns = run_turns(llm, [0])
         assert turns[0][1] == reference[0]
         assert TierFault.CORRUPT in obs.faults and TierFault.UNAUTHENTICATED in obs.faults
@@ -411,7 +411,7 @@ def test_a_full_disk_is_a_counted_failure(tiny, reference, tmp_path):
         llm = tiny_llm(tiny, 8, kv_offload_memory=2 * BLOCK, kv_offload_dir=str(mount),
                                     kv_offload_disk_bytes=1 << 20)  # the tier allows more than the disk has
         with llm:
-            obs = llm.engine.offload.observer = Observer()
+            obs = llm.engine.kv.tiers.observer = Observer()
             turns = run_turns(llm, [0, 1, 2, 0])
             assert all(tokens == reference[i] for i, tokens, _ in turns)
         assert TierFault.WRITE_FAILED in obs.faults

@@ -20,7 +20,7 @@ from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import KVOffload
+from splitserve.engine.kv.tier_store import TierSpec
 
 BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # bytes of the tiny Llama's block: 2 layers, K and V, 16 tokens, 2 KV heads of 16, fp32
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -66,8 +66,8 @@ def a_then_b(engine, model_id: str, push_down: list[int], tier: Tier) -> tuple[i
     again, cached_a = serve(engine, "a0-again", ps[0], "a", hashes_a)
     for i in push_down:
         serve(engine, f"a{i}-again", ps[i], "a")
-    if engine.offload is not None and engine.offload.disk is not None:
-        disk = engine.offload.disk
+    if engine.kv.tiers is not None and engine.kv.tiers.disk is not None:
+        disk = engine.kv.tiers.disk
         deadline = time.monotonic() + 10
         while not all(disk.contains(h) for h in hashes_a[:4]) and time.monotonic() < deadline:
             time.sleep(0.02)  # the writer stores prompt 0's blocks
@@ -99,7 +99,7 @@ def test_one_hash_list_and_two_salts_share_no_block_on_any_tier(tmp_path):
     kv = torch.zeros((2, 2, 3, bs, 1, 2))  # [layers, K/V, blocks, block size, KV heads, head dim]
     disk = DiskTier(tmp_path, DiskLayout("m", "float32", (2, 2, bs, 1, 2)), kv[:, :, 0].numel() * 4, 64 << 10,
                     bytes(range(32)))
-    mgr = KVCacheManager(3, bs, True, KVOffload(kv, bs, 2, disk))
+    mgr = KVCacheManager(3, bs, True, TierSpec(kv, 2, disk))
     tokens = list(range(8)) + [1]  # 2 full blocks: the ninth token is never a hit
     hashes = [11, 12]  # forced: the same for both salts
 

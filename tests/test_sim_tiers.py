@@ -53,10 +53,10 @@ def test_a_prompt_from_the_host_tier_costs_its_load_at_pcie_rate_not_its_prefill
         model=str(bundled_dir), kv_cache_memory=pool, block_size=16, prefill_chunk_size=P.prefill_chunk_size,
         max_num_batched_tokens=P.max_num_batched_tokens, kv_offload_memory=4 * pool,
         sim=P.sim_config(speedup=1000.0))))
-    assert engine.offload is not None and engine.offload.host_blocks == 4 * 512
+    assert engine.kv.tiers is not None and engine.kv.tiers.host_blocks == 4 * 512
     a, b = list(range(1000, 1000 + 8000)), list(range(20000, 20000 + 8000))
     assert run(engine, "a", a)[0] == 0
-    engine.offload.take_moves()
+    engine.kv.take_moves()
     cached, seconds = run(engine, "b", b)  # a's blocks leave the device for the host tier
     assert cached == 0
     cached, seconds = run(engine, "a2", a + [7])  # a again: from the host tier
@@ -85,7 +85,7 @@ def test_write_through_stores_run_on_the_copy_engine_and_a_forward_reusing_block
     pool = 64 * P.block_bytes
     config = dict(model=str(bundled_dir), kv_cache_memory=pool, block_size=16, sim=P.sim_config(speedup=1.0))
     engine = EngineCore(standin_tiers(EngineConfig(kv_offload_memory=8 * pool, **config)))
-    r, off = engine.runner, engine.offload
+    r, off = engine.runner, engine.kv.tiers
     assert off is not None
     a, b = list(range(1000, 1000 + 60 * 16 + 1)), list(range(30000, 30000 + 60 * 16 + 1))
     step_s = run(EngineCore(EngineConfig(**config)), "a", a)[1]  # the same prompt without tiers

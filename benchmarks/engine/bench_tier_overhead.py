@@ -69,9 +69,9 @@ def main() -> int:
     torch.set_num_threads(1)
     engines = {"none": engine(False), "host": engine(True)}
     blocks = engines["none"].num_blocks
-    offload = engines["host"].offload
-    assert offload is not None
-    warm = (blocks + offload.host_blocks) * 16 // PROMPT_TOKENS + 4  # the pool and the host tier full
+    tiers = engines["host"].kv.tiers
+    assert tiers is not None
+    warm = (blocks + tiers.host_blocks) * 16 // PROMPT_TOKENS + 4  # the pool and the host tier full
     print(f"{PROFILE}: {blocks} device blocks, {PROMPT_TOKENS}-token prompts, warm-up {warm} each", flush=True)
     for e in engines.values():
         for i in range(warm):

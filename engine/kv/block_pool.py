@@ -15,10 +15,10 @@ Block states::
     in use, cached     > 0       no              yes
 
     free, *           --get_new_blocks-->  in use, uncached  (a cached one is evicted: BlockRemoved,
-                                                            or BlockStored(tier) if ``on_evict``
+                                                            or BlockStored(tier) if ``lower.store``
                                                             kept its KV in a lower tier)
-    in use, uncached  --cache_block----->  in use, cached    (BlockStored; ``on_cache`` queues the
-                                                            block's copy to a lower tier)
+    in use, uncached  --cache_block----->  in use, cached    (BlockStored; ``lower.cached`` queues
+                                                            the block's copy to a lower tier)
     in use, *         --free_blocks----->  free, *           (once ref_cnt reaches 0; queue tail)
     free, cached      --touch----------->  in use, cached    (prefix hit)
 
@@ -30,8 +30,9 @@ cached block evicted (least recently freed first).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ...common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 
@@ -52,6 +53,18 @@ class KVBlock:
     # Links of the free queue; both None while the block is not in it.
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
+
+
+class LowerTiers(Protocol):
+    """The tiers below the device, as the pool's operations tell them of a block cached or
+    evicted (engine/kv/tier_store.py ``TierStore``; the cache manager hands them in)."""
+
+    def cached(self, block_id: int, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> None:
+        """Device block ``block_id`` was registered in the prefix cache."""
+
+    def store(self, block_id: int, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> Tier | None:
+        """Cached block ``block_id`` is about to be reused: keep its KV; the lower tier that now
+        holds it, or None."""
 
 
 class FreeBlockQueue:
@@ -140,11 +153,6 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block_hash -> block
         self._events: list[KVEvent] = []
-        # Lower tiers (engine/kv/tier_store.py): called with (block id, hash, tokens, salt) as a cached
-        # block is evicted, before it is reused; returns the lower tier that now holds it, if any.
-        self.on_evict: Callable[[int, int, tuple[int, ...], bytes], Tier | None] | None = None
-        # ... and called with (block id, hash, tokens, salt) as a block is registered in the prefix cache.
-        self.on_cache: Callable[[int, int, tuple[int, ...], bytes], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -156,11 +164,12 @@ class BlockPool:
         """Fraction of blocks in use (ref_cnt > 0), in [0, 1]."""
         return 1.0 - len(self.free_queue) / self.num_blocks
 
-    def get_new_blocks(self, n: int) -> list[KVBlock]:
+    def get_new_blocks(self, n: int, lower: LowerTiers | None = None) -> list[KVBlock]:
         """Pop ``n`` blocks from the free queue head, each returned with ref_cnt 1.
 
         A popped block still holding a hash is evicted from the prefix cache (a
-        ``BlockRemoved`` event). The caller checks ``num_free_blocks`` first.
+        ``BlockRemoved`` event, or ``BlockStored(tier)`` when ``lower`` kept its KV). The
+        caller checks ``num_free_blocks`` first.
         """
         assert 0 <= n <= len(self.free_queue), (
             f"asked for {n} blocks, {len(self.free_queue)} free"
@@ -170,18 +179,18 @@ class BlockPool:
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
             if block.block_hash is not None:
-                self._evict(block)
+                self._evict(block, lower)
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, lower: LowerTiers | None) -> None:
         h = block.block_hash
         assert h is not None and self.cached.get(h) is block, (
             f"block {block.block_id} has hash {h} but is not the cached entry"
         )
         assert block.token_ids is not None and block.salt is not None
-        tier = self.on_evict(block.block_id, h, block.token_ids, block.salt) if self.on_evict is not None else None
+        tier = lower.store(block.block_id, h, block.token_ids, block.salt) if lower is not None else None
         del self.cached[h]
         block.block_hash = None
         block.token_ids = None
@@ -235,8 +244,9 @@ class BlockPool:
         parent_hash: int | None,
         token_ids: Sequence[int],
         salt: bytes,
+        lower: LowerTiers | None = None,
     ) -> bool:
-        """Register the full, in-use ``block`` under ``block_hash``.
+        """Register the full, in-use ``block`` under ``block_hash`` (and tell ``lower``).
 
         ``token_ids`` are the block's tokens (their count is the block size), ``salt``
         the salt identity of the request whose KV it holds (common/hashing.py ``salt_id``);
@@ -261,8 +271,8 @@ class BlockPool:
         block.token_ids = tokens
         block.salt = salt
         self.cached[block_hash] = block
-        if self.on_cache is not None:
-            self.on_cache(block.block_id, block_hash, tokens, salt)
+        if lower is not None:
+            lower.cached(block.block_id, block_hash, tokens, salt)
         last = self._events[-1] if self._events else None
         if isinstance(last, BlockStored) and last.tier is Tier.DEVICE and last.block_hashes[-1] == parent_hash:
             last.block_hashes.append(block_hash)  # the chain goes on: one event

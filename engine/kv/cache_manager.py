@@ -7,6 +7,12 @@ the same extra keys as the router, and the salt identity of those keys, ``salt_i
 which every hit must match beside the tokens), decide admission or preemption (the scheduler
 does, from ``num_blocks_needed`` and ``num_free_blocks``), or touch tensors.
 
+It builds and owns the tier store below the device (kv/tier_store.py), if configured, and is
+the engine's and the runners' one way to it: lookups run inside ``get_computed_blocks``, a
+step's loads are ``take_loads`` (and ``before_forward``), its stores ``save_cached``, and
+``tier_stats`` reports every tier. The block pool and the tier store hold no hooks into each
+other: the manager hands the store to the pool's operations that cache or evict a block.
+
 A request's blocks, by token position (block_size = 4)::
 
     tokens:  | t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 t10 t11 | t12 t13 _ _ |
@@ -24,9 +30,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
+from ...common.config import EngineConfig
 from ...common.kv_events import KVEvent, Tier
+from ...common.kv_tier_stats import TierStats
 from .block_pool import BlockPool, KVBlock
-from .tier_store import KVOffload, LowerHit
+from .tier_store import LayerLoads, LowerHit, Move, TierObserver, TierSpec, TierStore
 
 
 class ComputedBlocks(NamedTuple):
@@ -52,20 +62,24 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 offload: KVOffload | None = None) -> None:
-        """``offload``: the lower tiers of the prefix cache (engine/kv/tier_store.py), if any."""
+                 tiers: TierSpec | None = None, observer: TierObserver | None = None) -> None:
+        """``tiers``: the lower tiers of the prefix cache to build (kv/tier_store.py), if any,
+        watched by ``observer``."""
         assert block_size > 0, f"block_size must be positive, got {block_size}"
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.offload = offload
-        if offload is not None:
-            self.pool.on_evict = offload.store
-            self.pool.on_cache = offload.cached
-            offload.record = self.pool.record_event
-            offload.on_device = self.pool.cached.__contains__
+        self.tiers = None if tiers is None else TierStore(tiers, block_size, self.pool, observer)
         self._req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> blocks, in token order
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
+
+    @classmethod
+    def build(cls, config: EngineConfig, num_blocks: int, kv_caches: torch.Tensor,
+              observer: TierObserver | None = None) -> KVCacheManager:
+        """The manager of an engine's ``num_blocks`` blocks of ``kv_caches``, with the lower tiers
+        ``config`` asks for."""
+        return cls(num_blocks, config.block_size, config.enable_prefix_caching,
+                   TierSpec.from_config(config, kv_caches), observer)
 
     @property
     def num_blocks(self) -> int:
@@ -111,8 +125,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        lower = [] if self.offload is None or len(hits) == max_blocks else \
-            self.offload.lookup(block_hashes, token_ids, salt, len(hits), max_blocks)
+        lower = [] if self.tiers is None or len(hits) == max_blocks else \
+            self.tiers.lookup(block_hashes, token_ids, salt, len(hits), max_blocks)
         return ComputedBlocks(hits, (len(hits) + len(lower)) * bs, lower)
 
     def num_blocks_needed(
@@ -160,14 +174,14 @@ class KVCacheManager:
             owned = self._req_blocks[req_id] = list(computed_blocks)
             self._num_cached[req_id] = len(computed_blocks)
         total = -(-num_tokens // self.block_size)
-        new = self.pool.get_new_blocks(max(0, total - len(owned)))
+        new = self.pool.get_new_blocks(max(0, total - len(owned)), self.tiers)
         if lower:
-            assert self.offload is not None and len(owned) == len(computed_blocks) and len(new) >= len(lower), (
+            assert self.tiers is not None and len(owned) == len(computed_blocks) and len(new) >= len(lower), (
                 f"{req_id}: lower-tier hits on a later allocation or beyond {num_tokens} tokens")
             for hit, block in zip(lower, new):
-                stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens, hit.salt)
+                stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens, hit.salt, self.tiers)
                 assert stored, f"{req_id}: a lower-tier hit {hit.block_hash:x} is already on the device"
-            self.offload.load(lower, [b.block_id for b in new[:len(lower)]])
+            self.tiers.load(lower, [b.block_id for b in new[:len(lower)]])
             self._num_cached[req_id] += len(lower)
         owned.extend(new)
         return new
@@ -199,7 +213,8 @@ class KVCacheManager:
         start = self._num_cached[req_id]
         for i in range(start, num_full):
             parent = block_hashes[i - 1] if i > 0 else None
-            self.pool.cache_block(owned[i], block_hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt)
+            self.pool.cache_block(owned[i], block_hashes[i], parent, token_ids[i * bs : (i + 1) * bs], salt,
+                                  self.tiers)
         if num_full > start:
             self._num_cached[req_id] = num_full
 
@@ -218,8 +233,8 @@ class KVCacheManager:
     def take_events(self) -> list[KVEvent]:
         """The prefix-cache events since the last call, oldest first (see BlockPool), the
         lower tiers' included."""
-        if self.offload is not None:
-            self.offload.poll()
+        if self.tiers is not None:
+            self.tiers.poll()
         return self.pool.take_events()
 
     def cached_hashes(self) -> list[int]:
@@ -230,7 +245,7 @@ class KVCacheManager:
     def held_blocks(self) -> dict[int, Tier]:
         """Every block hash this engine holds in any tier, with the fastest tier holding it
         (what the tier events since the start add up to)."""
-        held = self.offload.held() if self.offload is not None else {}
+        held = self.tiers.held() if self.tiers is not None else {}
         held.update(dict.fromkeys(self.pool.cached, Tier.DEVICE))
         return held
 
@@ -238,6 +253,59 @@ class KVCacheManager:
         """Forget every cached block, the lower tiers' too; False (nothing changed) while
         any block is in use."""
         done = self.pool.reset_prefix_cache()
-        if done and self.offload is not None:
-            self.offload.clear()
+        if done and self.tiers is not None:
+            self.tiers.clear()
         return done
+
+    # ---- the lower tiers, around each step (no-ops without them) -------------------------------
+    def take_loads(self) -> LayerLoads | None:
+        """The lower-tier loads the allocations since the last call queued, issued for the forward
+        about to be issued (None: none; kv/tier_store.py ``LayerLoads``)."""
+        return self.tiers.take_loads() if self.tiers is not None else None
+
+    def before_forward(self) -> int:
+        """Called as a forward is about to be issued: the newest store batch it must wait for (it
+        overwrites a block, or reads a slot, that batch copies), 0 for none."""
+        return self.tiers.before_forward() if self.tiers is not None else 0
+
+    def before_write(self) -> None:
+        """Called before another thread (a KV receiver) writes blocks just allocated, with no
+        forward to follow: their loads done now, and the store batch reading the cached blocks
+        they evicted landed."""
+        if self.tiers is None:
+            return
+        loads = self.tiers.take_loads()
+        if loads is not None:
+            loads.wait_all()
+        self.tiers.before_write()
+
+    def save_cached(self) -> None:
+        """Called after each step's forward is queued: the blocks cached since (completed by it,
+        or landed) are copied to host memory behind it."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` prompt tokens in ``seconds``: the recompute rate a lower-tier
+        load competes with."""
+        if self.tiers is not None:
+            self.tiers.observe_prefill(tokens, seconds)
+
+    def take_moves(self) -> list[Move]:
+        """The moves between the tiers since the last call (a simulated node prices them)."""
+        return self.tiers.take_moves() if self.tiers is not None else []
+
+    def tier_stats(self, block_bytes: int) -> list[TierStats]:
+        """Each tier of the prefix cache, device first, in blocks of ``block_bytes`` (a device
+        block over every rank). The device tier's load rate is the recompute rate (prefill
+        tokens/s in bytes of blocks), measured with lower tiers only."""
+        recompute = self.tiers.prefill_rate.value * block_bytes / self.block_size if self.tiers is not None else 0.0
+        device = TierStats(tier=Tier.DEVICE, capacity_blocks=self.pool.num_blocks, used_blocks=len(self.pool.cached),
+                           block_bytes=block_bytes, load_bytes_per_s=recompute)
+        return [device] + (self.tiers.stats() if self.tiers is not None else [])
+
+    def close(self) -> None:
+        """Let the disk tier's writer finish its queue (idempotent)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None

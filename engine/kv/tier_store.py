@@ -1,21 +1,22 @@
-"""The lower tiers of one engine's prefix cache: a host-memory pool below the KV cache and
-an optional disk tier below that (engine/kv/disk_tier.py).
+"""The tier store: the lower tiers of one engine's prefix cache, a host-memory pool below the
+KV cache and an optional disk tier below that (engine/kv/disk_tier.py). The KV cache manager
+builds it over its block pool and is the only one that calls it (cache_manager.py).
 
 Owns the host pool (slots shaped like the KV cache's blocks, slot-major so each is one
 contiguous, pinned on CUDA, range), its LRU map (block hash -> slot, tokens, salt), the moves
 between the tiers and their measured rates, the tier events (common/kv_events.py
-``Tier``) and the tier stats a heartbeat reports. Engine thread only (the disk tier's
-writer has its own thread). Must not: choose or allocate device blocks, or know about
-requests (cache_manager.py asks it).
+``Tier``, recorded in the block pool's event log) and the tier stats a heartbeat reports.
+Engine thread only (the disk tier's writer has its own thread). Must not: choose or allocate
+device blocks, or know about requests.
 
 ::
 
-    a block is cached on the device (BlockPool.on_cache -> cached): queued for the host
+    a block is cached on the device (BlockPool.cache_block -> cached): queued for the host
     flush() (the engine, after each step's forward is queued): every queued block (those
       the forward completes, a prefilled request's that landed since) is copied to a host
       slot in the background: on CUDA on a copy stream that waits for the work issued so
       far (write-through)
-    device KV cache --(a cached block is evicted: BlockPool.on_evict -> store)--> host
+    device KV cache --(a cached block is evicted: BlockPool.get_new_blocks -> store)--> host
       already holds it (the usual case): nothing is copied; the next forward waits for the
       store batch that copied it (``before_forward``: a no-op once it landed)
       does not (dropped from the host meanwhile): copied now, a batch the forward waits for
@@ -67,6 +68,7 @@ from ...common.config import EngineConfig
 from ...common.kv_events import BlockRemoved, BlockStored, Tier
 from ...common.kv_tier_stats import TierStats
 from ...common.outcomes import TierFault
+from .block_pool import BlockPool
 from .disk_tier import DiskLayout, DiskTier
 from .disk_trust import disk_key, private_dir
 from ..upload import upload
@@ -100,7 +102,8 @@ class LowerHit(NamedTuple):
 
 
 class TierObserver(Protocol):
-    """The node's metrics of the tiers (called on the engine thread)."""
+    """What watches the tiers: the node's metrics (node/metrics.py), handed to the engine at
+    construction and on to its tier store. Called on the engine thread."""
 
     def moved(self, move: Move) -> None: ...
 
@@ -138,10 +141,42 @@ class _Rate:
         self.value = rate if self.value == 0 else (1 - RATE_EWMA) * self.value + RATE_EWMA * rate
 
 
-class KVOffload:
+class TierSpec(NamedTuple):
+    """What a tier store is built over: the KV cache, how many blocks host memory holds, and
+    the disk tier below it, if any."""
+    kv_caches: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    host_blocks: int
+    disk: DiskTier | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, kv_caches: torch.Tensor) -> TierSpec | None:
+        """The tiers ``config`` asks for over ``kv_caches``, or None (no host tier)."""
+        if not config.kv_offload_memory:
+            return None
+        block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
+        host_blocks = config.kv_offload_memory // block_bytes
+        if host_blocks < 1:
+            raise ValueError(f"kv_offload_memory: {config.kv_offload_memory} bytes hold no block of "
+                             f"{block_bytes} bytes")
+        disk = None
+        if config.kv_offload_dir is not None:
+            block = list(kv_caches[:, :, 0].shape)
+            layout = DiskLayout(config.model_id, str(kv_caches.dtype).removeprefix("torch."), tuple(block))
+            root = Path(config.kv_offload_dir)
+            private_dir(root)  # before its key file is read or made there
+            disk = DiskTier(root, layout, block_bytes, config.kv_offload_disk_bytes, disk_key(root))
+        log.info("KV tiers: host %d blocks (%.0f MiB)%s", host_blocks, host_blocks * block_bytes / 2**20,
+                 f", disk up to {config.kv_offload_disk_bytes / 2**20:.0f} MiB in {disk.dir}" if disk else "")
+        return cls(kv_caches, host_blocks, disk)
+
+
+class TierStore:
     """The host and disk tiers of one engine (see the module docstring)."""
 
-    def __init__(self, kv_caches: torch.Tensor, block_size: int, host_blocks: int, disk: DiskTier | None = None):
+    def __init__(self, spec: TierSpec, block_size: int, device: BlockPool, observer: TierObserver | None = None):
+        """``device``: the block pool above, whose prefix cache tells which blocks the device
+        holds and whose event log records the tiers' events too (one ordered stream)."""
+        kv_caches, host_blocks, disk = spec
         assert host_blocks > 0, "a host tier of no blocks"
         self.kv = kv_caches  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
@@ -162,11 +197,9 @@ class KVOffload:
         self._protected: set[int] = set()  # hashes of the lookup being allocated: not evicted meanwhile
         self.disk = disk
         self._on_disk_pending: set[int] = set()  # hashes queued to the writer, not yet indexed
-        # the prefix cache's event log (KVCacheManager sets it): one ordered stream for every tier
-        self.record: Callable[[BlockRemoved | BlockStored], None] = lambda event: None
+        self.device = device
         self._moves: list[Move] = []
-        self.observer: TierObserver | None = None
-        self.on_device: Callable[[int], bool] = lambda h: False  # the prefix cache's (KVCacheManager sets it)
+        self.observer = observer
         self.rates = {Tier.HOST: _Rate(), Tier.DISK: _Rate()}  # loads towards the device, bytes/s
         self.store_rate = _Rate()  # device -> host, bytes/s
         self.prefill_rate = _Rate()  # the engine's, tokens/s
@@ -184,28 +217,7 @@ class KVOffload:
             load_layer(self.host, kv_caches, zero, zero, 0)  # nothing is cached yet: block 0 is free
             torch.cuda.synchronize(kv_caches.device)
 
-    @classmethod
-    def build(cls, config: EngineConfig, kv_caches: torch.Tensor) -> KVOffload | None:
-        """The tiers ``config`` asks for over ``kv_caches``, or None (no host tier)."""
-        if not config.kv_offload_memory:
-            return None
-        block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
-        host_blocks = config.kv_offload_memory // block_bytes
-        if host_blocks < 1:
-            raise ValueError(f"kv_offload_memory: {config.kv_offload_memory} bytes hold no block of "
-                             f"{block_bytes} bytes")
-        disk = None
-        if config.kv_offload_dir is not None:
-            block = list(kv_caches[:, :, 0].shape)
-            layout = DiskLayout(config.model_id, str(kv_caches.dtype).removeprefix("torch."), tuple(block))
-            root = Path(config.kv_offload_dir)
-            private_dir(root)  # before its key file is read or made there
-            disk = DiskTier(root, layout, block_bytes, config.kv_offload_disk_bytes, disk_key(root))
-        log.info("KV tiers: host %d blocks (%.0f MiB)%s", host_blocks, host_blocks * block_bytes / 2**20,
-                 f", disk up to {config.kv_offload_disk_bytes / 2**20:.0f} MiB in {disk.dir}" if disk else "")
-        return cls(kv_caches, config.block_size, host_blocks, disk)
-
-    # ---- stores (BlockPool.on_cache, flush, BlockPool.on_evict) ----------------------------
+    # ---- stores (BlockPool.cache_block -> cached, flush, BlockPool.get_new_blocks -> store) --
     def cached(self, block_id: int, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> None:
         """Device block ``block_id`` now holds ``block_hash`` (its KV written, or queued to be
         by a forward or a load already issued): queue its copy to host memory unless the host
@@ -333,15 +345,15 @@ class KVOffload:
                 if self.disk.put(h, entry.tokens, entry.salt, payload):
                     self._on_disk_pending.add(h)
                     self._record_move(Move(Tier.DISK, False, 1, self.block_bytes, 0.0))
-            if not self.on_device(h):
+            if h not in self.device.cached:
                 (on_disk if self._on_disk(h) else removed).append(h)
             slots.append(entry.slot)
         if hashes:
             self._count_evicted(Tier.HOST, len(hashes))
         if on_disk:
-            self.record(BlockStored(on_disk, Tier.DISK))
+            self.device.record_event(BlockStored(on_disk, Tier.DISK))
         if removed:
-            self.record(BlockRemoved(removed))
+            self.device.record_event(BlockRemoved(removed))
         return slots
 
     def _on_disk(self, block_hash: int) -> bool:
@@ -530,8 +542,8 @@ class KVOffload:
         self._on_disk_pending = {h for h in self._on_disk_pending if not self.disk.contains(h)}
         for h in dropped:
             self._on_disk_pending.discard(h)
-            if h not in self._lru and not self.on_device(h):
-                self.record(BlockRemoved([h]))
+            if h not in self._lru and h not in self.device.cached:
+                self.device.record_event(BlockRemoved([h]))
         if dropped:
             self._count_evicted(Tier.DISK, len(dropped))
         if self.observer is not None:
@@ -581,7 +593,7 @@ class KVOffload:
 
 
 class LayerLoads:
-    """The lower-tier loads one forward reads (``KVOffload.take_loads``), in place layer by
+    """The lower-tier loads one forward reads (``TierStore.take_loads``), in place layer by
     layer, so the forward's first layers compute while later layers still cross the bus:
 
     - ``wait(layer)``: before the forward's layer ``layer`` reads the cache. CUDA: the
@@ -594,11 +606,11 @@ class LayerLoads:
       stream, behind the copies; CPU: after every layer is copied.
     """
 
-    def __init__(self, offload: KVOffload, host: list[tuple[int, int]], disk: list[tuple[torch.Tensor, int]],
+    def __init__(self, tiers: TierStore, host: list[tuple[int, int]], disk: list[tuple[torch.Tensor, int]],
                  layers: list[torch.cuda.Event] | None, nbytes: int):
-        self._offload = offload
+        self._tiers = tiers
         self._layers = layers  # CUDA: recorded after each layer's copies
-        self._num_layers = offload.kv.shape[0]
+        self._num_layers = tiers.kv.shape[0]
         self._next = 0  # CPU: the first layer not copied yet
         self._blocks, self._nbytes, self._seconds = len(host) + len(disk), nbytes, 0.0
         if layers is None:  # CPU: the host hits' copies wait for the forward's layers
@@ -606,24 +618,24 @@ class LayerLoads:
             self._ids = torch.tensor([b for _, b in host], dtype=torch.long)
             t0 = time.perf_counter()
             for data, block_id in disk:
-                offload.kv[:, :, block_id].copy_(data)
+                tiers.kv[:, :, block_id].copy_(data)
             self._seconds = time.perf_counter() - t0
 
     def wait(self, layer: int) -> None:
         if self._layers is not None:
-            torch.cuda.current_stream(self._offload.kv.device).wait_event(self._layers[layer])
+            torch.cuda.current_stream(self._tiers.kv.device).wait_event(self._layers[layer])
             return
         if self._next > layer:
             return
         t0 = time.perf_counter()
-        kv, host = self._offload.kv, self._offload.host
+        kv, host = self._tiers.kv, self._tiers.host
         for at in range(self._next, layer + 1):
             if len(self._ids):
                 kv[at].index_copy_(1, self._ids, host[self._slots, at].transpose(0, 1))
         self._next = layer + 1
         self._seconds += time.perf_counter() - t0
         if self._next == self._num_layers:
-            self._offload._loaded_on_cpu(self._blocks, self._nbytes, self._seconds)
+            self._tiers._loaded_on_cpu(self._blocks, self._nbytes, self._seconds)
 
     def wait_all(self) -> None:
         self.wait(self._num_layers - 1)
@@ -633,5 +645,5 @@ class LayerLoads:
             self.wait_all()
             fn()
             return
-        with torch.cuda.stream(self._offload.load_stream):
+        with torch.cuda.stream(self._tiers.load_stream):
             fn()
