@@ -30,7 +30,7 @@ to read a Python list of token ids into an array). All arithmetic is on u64, mod
 
 The extra keys of a request's blocks are ``hash_keys(model id, cache salt)``: the served
 model id, and the request's cache salt when it has one (vLLM's ``cache_salt``; the router
-combines an API key's salt with the request's, router/http/api_keys.py). The salt enters every
+combines an API key's salt with the request's, router/api_keys.py). The salt enters every
 block's ``g_j`` through ``salt`` above, at no cost (one XXH3 call per sequence), so two
 requests with different salts share no block hash: block 0's states differ, and since
 ``S_j = MULT**j * S_0 + (terms of blocks 1..j)`` with MULT odd, so does every later one.

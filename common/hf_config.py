@@ -1,6 +1,6 @@
 """A model folder's Hugging Face ``config.json`` as any process reads it, without torch:
 the file itself, the architecture it names, and the usable context. The router checks
-prompts against that context (router/openai/tokenizer.py) and every node caps its own at
+prompts against that context (router/tokenizer.py) and every node caps its own at
 it (the families' config adapters, engine/models/), so both read it here, the same way.
 
 Sliding-window attention is not implemented in the attention backends. Instead, a

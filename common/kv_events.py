@@ -31,6 +31,9 @@ class Tier(IntEnum):
     DISK = 2  # files under --kv-offload-dir
 
 
+TIER_NAMES = tuple(t.name.lower() for t in Tier)  # the label values of a tier in metrics and JSON
+
+
 @dataclass(slots=True)
 class BlockStored:
     """Full blocks registered in the prefix cache (the engine appends to the last event

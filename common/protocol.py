@@ -93,7 +93,7 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
     prefill_addr: str | None = None  # http://host:port of the chosen prefill node
     transfer_id: str = ""
     prompt_hashes: PromptHashes | None = None  # the router's, forwarded to the prefill node
-    cache_salt: CacheSalt | None = None  # the effective salt (router/http/api_keys.py), forwarded
+    cache_salt: CacheSalt | None = None  # the effective salt (router/api_keys.py), forwarded
 
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

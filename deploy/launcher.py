@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token, redis_url_from
 from ..common.config import parse_size
-from ..router.http.api_keys import ApiKey, api_keys_from_args
+from ..router.api_keys import ApiKey, api_keys_from_args
 from .devices import DevicePlan, plan_devices
 from .local_redis import (MAIN_EVICTION, RESPONSES_EVICTION, RedisPolicy, free_port, responses_budget,
                           start_redis)

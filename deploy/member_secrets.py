@@ -24,7 +24,7 @@ import shutil
 import tempfile
 
 from ..common.auth import CLUSTER_TOKEN_ENV, REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV
-from ..router.http.api_keys import API_KEY_ENV, ApiKey
+from ..router.api_keys import API_KEY_ENV, ApiKey
 from .orphan import launcher_env
 
 SECRET_ENVS = (API_KEY_ENV, CLUSTER_TOKEN_ENV, REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV)

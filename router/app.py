@@ -41,9 +41,7 @@ from ..common.errors import InvalidRequest
 from ..common.http import peer_connector
 from ..common.kv_index import KVIndex
 from ..common.registry import NodeRegistry
-from .http import endpoints, extra_endpoints
-from .openai import api as openai_api
-from .responses import api as responses_api
+from .http import completions, endpoints, extra_endpoints, responses
 from .http.admission import Admission
 from .http.auth import api_key_middleware
 from .streams.background import BackgroundTasks
@@ -51,9 +49,9 @@ from .config import RouterConfig
 from .routing.decisions import DecisionLog
 from .routing.discovery import NodeDirectory
 from .streams.dispatch import Dispatcher
-from .http.errors import ApiError
+from .errors import ApiError
 from .http.listener import HEADER_TIMERS, header_timer_middleware, listen, raise_file_limit
-from .http.loop_lag import watch_loop_lag
+from .loop_lag import watch_loop_lag
 from .http.compile_budget import REJECTION_REASON, CompileBudget
 from .metrics import RouterMetrics
 from .streams.node_client import NodeClient
@@ -61,9 +59,9 @@ from .routing.policy_registry import make_policy
 from .routing.prefix_index import PrefixIndex
 from .responses.store import ResponseStore
 from .routing.shared_work import SharedWork
-from .state import (ADMISSION, COMPILE_BUDGET, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES,
+from .http.state import (ADMISSION, COMPILE_BUDGET, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES,
                     TOKENIZER, RouterServices)
-from .openai.tokenizer import RouterTokenizer
+from .tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +95,9 @@ def build_app(config: RouterConfig) -> web.Application:
     app[POLICY] = make_policy(config.policy, config.weights)
     app.cleanup_ctx.append(_services)
     app.on_response_prepare.append(_add_request_id)
-    app.router.add_post("/v1/completions", openai_api.completions)
-    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
-    responses_api.register(app)  # OpenAI's Responses API: /v1/responses[/{id}]
+    app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_post("/v1/chat/completions", completions.chat_completions)
+    responses.register(app)  # OpenAI's Responses API: /v1/responses[/{id}]
     app.router.add_get("/v1/models", endpoints.list_models)
     app.router.add_get("/v1/models/{model}", endpoints.get_model)
     app.router.add_get("/health", endpoints.health)
@@ -137,11 +135,11 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     dispatcher = Dispatcher(directory, policy, client,
                             app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
                             config.retry_after_s, config.migration_limit)
-    responses = ResponseStore(config.responses_store_url, config.responses_max_bytes,
-                              config.responses_key_max_bytes, config.responses_key_max_entries,
-                              config.prepare_thread_bytes)
+    store = ResponseStore(config.responses_store_url, config.responses_max_bytes,
+                          config.responses_key_max_bytes, config.responses_key_max_entries,
+                          config.prepare_thread_bytes)
     app[SERVICES] = RouterServices(registry, index, directory, session, background, dispatcher,
-                                   responses)
+                                   store)
     log.info("router: model %s, policy %s, block size %d, Redis %s (responses: %s), %d nodes known",
              config.model_id, config.policy, config.block_size, redact_url(config.redis_url),
              redact_url(config.responses_store_url), len(directory.nodes))
@@ -157,7 +155,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         await session.close()
         await _within(index.close(), "the prefix index's Redis client")
         await _within(registry.close(), "the registry's Redis client")
-        await _within(responses.close(), "the response store's Redis client")
+        await _within(store.close(), "the response store's Redis client")
 
 
 async def _within(step, what: str) -> None:

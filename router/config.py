@@ -10,7 +10,7 @@ from ..common.auth import (REDIS_URL_ENV, RESPONSES_REDIS_URL_ENV, add_cluster_t
                            cluster_token_from_args, redis_url_from)
 from ..common.bundled import BUNDLED_MODEL_ID, converted_dir as bundled_model_dir
 from ..common.config import parse_size
-from .http.api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, resolve_salts, unique_keys
+from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, resolve_salts, unique_keys
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 # --policy's names, the default first; router/routing/policy_registry.py maps each to its policy.
@@ -120,7 +120,7 @@ class RouterConfig:
     node_read_timeout_s: float = 300.0
     node_connect_timeout_s: float = 2.0
     # Clients must send "Authorization: Bearer <one of these>" on /v1/* and /debug/*; a key's
-    # cache salt isolates its requests' prefix caches (router/http/api_keys.py). Plain strings are
+    # cache salt isolates its requests' prefix caches (router/api_keys.py). Plain strings are
     # read as keys without a salt, and resolved to keys with one derived from the key unless
     # shared_prefix_cache. Empty: no authentication (fine on loopback; warned about anywhere else).
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)

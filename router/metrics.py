@@ -14,8 +14,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from ..common.model_metrics import BoundLabels, ModelMetrics
 from ..common.outcomes import FailureReason, IndexLookupResult, PredictionOutcome, StoreResult
-from .http.loop_lag import LAG_BUCKETS, LAG_PERIOD_S
-from .routing.tier_cost import TIER_NAMES
+from .loop_lag import LAG_BUCKETS, LAG_PERIOD_S
+from ..common.kv_events import TIER_NAMES
 
 # Seconds. TTFT includes routing, the prefill node's queue and the KV transfer. (vLLM's buckets,
 # cut below 10 ms.)

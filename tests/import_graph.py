@@ -66,3 +66,26 @@ def graph() -> dict[str, set[str]]:
 
 def top(name: str) -> str:
     return name.split(".")[0]
+
+
+# Inside a top-level package, its parts in the same one-way order. A part is a subfolder, or one of
+# the package's own modules named here; "" is every other module directly in the package (its base),
+# the package's __init__ sits above them all. A module imports only its own part or a lower one.
+SUBLAYER = {
+    "router": {"": 0, "routing": 1, "streams": 2, "openai": 3, "responses": 4, "http": 5, "app": 6},
+    "kvtransfer": {"": 0, "backends": 1, "factory": 2},
+}
+
+
+def part(name: str) -> str:
+    """``routing`` for router.routing.prefix_index, ``app`` for router.app, ``""`` for router.errors,
+    ``__init__`` for router itself."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1] if parts[1] in SUBLAYER.get(parts[0], {}) else ""
+
+
+def sublayer(name: str) -> int:
+    order = SUBLAYER[top(name)]
+    return max(order.values()) + 1 if part(name) == "__init__" else order[part(name)]

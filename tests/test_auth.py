@@ -79,7 +79,7 @@ def test_secret_flags_warn_and_files_readable_by_others_warn(tmp_path, monkeypat
 
 
 def _keys(argv: list[str]):
-    from splitserve.router.http.api_keys import api_keys_from_args
+    from splitserve.router.api_keys import api_keys_from_args
     p = argparse.ArgumentParser()
     p.add_argument("--api-key", action="append")
     p.add_argument("--api-key-file")
@@ -87,7 +87,7 @@ def _keys(argv: list[str]):
 
 
 def test_api_key_specs_carry_cache_salts_from_flags_files_and_env(tmp_path, monkeypatch):
-    from splitserve.router.http.api_keys import API_KEY_ENV, ApiKey, parse_key_spec
+    from splitserve.router.api_keys import API_KEY_ENV, ApiKey, parse_key_spec
     a, b = "key-a-0123456789", "key-b-0123456789"
     f = tmp_path / "keys"
     f.write_text(f"# tenants\n{a} cache_salt=tenant-a\n\n  {b}\n")
@@ -115,7 +115,7 @@ def test_api_key_specs_carry_cache_salts_from_flags_files_and_env(tmp_path, monk
 def test_effective_cache_salt_keeps_tenants_apart():
     """The key's salt and the request's never mix: whatever a request sends as cache_salt,
     its effective salt differs from that of every request of another key's salt."""
-    from splitserve.router.http.api_keys import ApiKey, effective_cache_salt, matched_key
+    from splitserve.router.api_keys import ApiKey, effective_cache_salt, matched_key
     assert effective_cache_salt(None, None) is None
     tenant_a = {effective_cache_salt("A", r) for r in (None, "x", "A", '["A",null]')}
     tenant_b = {effective_cache_salt("B", r) for r in (None, "x", "A", '["A",null]')}
@@ -147,7 +147,7 @@ def test_a_comma_in_the_api_key_variable_is_refused_never_split(monkeypatch):
     saying so (split on it, a key containing one became two keys, each half
     authenticating alone); the message holds no key material. Files and flags keep a
     comma inside a key: nothing splits there."""
-    from splitserve.router.http.api_keys import API_KEY_ENV, ApiKey
+    from splitserve.router.api_keys import API_KEY_ENV, ApiKey
     a, b = "key-a-0123456789", "key-b-0123456789"
     for value in (f"{a},{b}", f"{a} cache_salt=x, {b}", f"{a},"):
         monkeypatch.setenv(API_KEY_ENV, value)
@@ -160,7 +160,7 @@ def test_a_comma_in_the_api_key_variable_is_refused_never_split(monkeypatch):
 def test_key_spec_errors_hold_no_key_material(tmp_path):
     """Whatever is wrong with a key spec, the error names where it came from and what to
     write, never a part of the spec (a key with a space in it reads as a key and an option)."""
-    from splitserve.router.http.api_keys import parse_key_spec
+    from splitserve.router.api_keys import parse_key_spec
     secret = "SeCrEt"
     for spec in (f"key-{secret}-part one{secret}two", f"key-{secret}-part {secret}=x",
                  f"key-{secret}-0123 cache_salt=a cache_salt={secret}", f"key-{secret}-0123 cache_salt=",
@@ -174,7 +174,7 @@ def test_key_spec_errors_hold_no_key_material(tmp_path):
 def test_an_api_key_file_without_a_key_is_refused(tmp_path, monkeypatch):
     """A key file holding only comments and blank lines is an error, not 'no keys' (which
     would leave the router open to anyone)."""
-    from splitserve.router.http.api_keys import API_KEY_ENV
+    from splitserve.router.api_keys import API_KEY_ENV
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     f = tmp_path / "keys"
     f.write_text("# nobody yet\n\n")
@@ -191,7 +191,7 @@ def test_keys_without_a_salt_each_get_their_own_derived_from_the_key():
     import argparse
     import hashlib
 
-    from splitserve.router.http.api_keys import ApiKey, derived_salt
+    from splitserve.router.api_keys import ApiKey, derived_salt
     from splitserve.router.config import RouterConfig, add_router_args, router_config
     a, b, c, d = (f"key-{n}-0123456789" for n in "abcd")
     keys = (ApiKey(a), ApiKey(b), ApiKey(c, "team"), ApiKey(d, "team"))

@@ -23,7 +23,7 @@ from splitserve.common import metric_names as names
 from splitserve.common.hashing import hash_blocks, hash_keys
 from splitserve.common.kv_index import blocks_key
 from splitserve.deploy.launcher import Cluster
-from splitserve.router.http.api_keys import ApiKey, derived_salt, effective_cache_salt
+from splitserve.router.api_keys import ApiKey, derived_salt, effective_cache_salt
 from splitserve.tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow

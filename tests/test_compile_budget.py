@@ -13,7 +13,7 @@ from splitserve.common.structured_outputs import StructuredOutputsParams
 from splitserve.router.app import start_router
 from splitserve.router.http.compile_budget import CompileAdmit, CompileBudget
 from splitserve.router.config import RouterConfig
-from splitserve.router.http.errors import ApiError
+from splitserve.router.errors import ApiError
 
 
 class Clock:

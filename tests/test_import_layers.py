@@ -17,7 +17,7 @@ shared harness and the load tools); nothing in the product imports tests/."""
 
 import pytest
 
-from splitserve.tests.import_graph import LAYER, graph, imports, product_modules, top
+from splitserve.tests.import_graph import LAYER, SUBLAYER, graph, imports, part, product_modules, sublayer, top
 
 BENCHMARKS_SHARED = ("benchmarks.harness", "benchmarks.loadgen")  # what every benchmark may import
 # package -> lower packages it must not import all the same: the router reads config.json itself
@@ -29,6 +29,14 @@ def test_arrows_run_down_the_layers():
     upward = sorted((a, b) for a, deps in graph().items() for b in deps
                     if top(a) != top(b) and LAYER[top(b)] >= LAYER[top(a)])
     assert upward == [], "imports that do not go down a layer: " + ", ".join(f"{a} -> {b}" for a, b in upward)
+
+
+def test_arrows_run_down_the_parts_inside_a_package():
+    """router: routing < streams < openai < responses < http < app, its base modules below all;
+    kvtransfer: its base < backends < factory (see SUBLAYER)."""
+    upward = sorted((a, b) for a, deps in graph().items() for b in deps
+                    if top(a) == top(b) in SUBLAYER and part(a) != part(b) and sublayer(b) >= sublayer(a))
+    assert upward == [], "imports that do not go down a part: " + ", ".join(f"{a} -> {b}" for a, b in upward)
 
 
 def test_packages_kept_apart_import_nothing_of_each_other():
@@ -75,3 +83,14 @@ def test_benchmarks_import_no_other_subject_and_nothing_imports_tests():
 def test_the_check_sees_the_arrows(module, imported):
     """The parser finds the arrows it polices (a check that could not fail is none)."""
     assert imported in graph()[module]
+
+
+@pytest.mark.parametrize("low, high", [
+    ("router.errors", "router.routing.prefix_index"),  # the base below every part
+    ("router.streams.dispatch", "router.openai.bodies"),
+    ("router.http.state", "router.app"),
+    ("router.app", "router"),  # the package's __init__ above all
+    ("kvtransfer.backends.tcp", "kvtransfer.factory"),
+])
+def test_the_parts_are_ordered(low, high):
+    assert sublayer(low) < sublayer(high)

@@ -4,7 +4,7 @@ exactly what the item-by-item walk finds."""
 import pytest
 
 from splitserve.common.errors import InvalidRequest
-from splitserve.router.http.json_shape import FAST_LIST, MAX_JSON_DEPTH, check_shape
+from splitserve.router.openai.json_shape import FAST_LIST, MAX_JSON_DEPTH, check_shape
 
 IDS = list(range(100, 100 + 4 * FAST_LIST))
 

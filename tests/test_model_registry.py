@@ -19,7 +19,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster
 from splitserve.engine.llm import LLM
 from splitserve.engine.models.registry import FAMILIES_ENV, family_of, read_model_config
-from splitserve.router.openai.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.tests.metrics_text import sample_sum
 from splitserve.tests.toy_family import ARCHITECTURE, save_toy_checkpoint
 

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.common.outcomes import StoreResult
 from splitserve.router.config import RouterConfig
-from splitserve.router.http.errors import ApiError
+from splitserve.router.errors import ApiError
 from splitserve.router.responses.store import ENTRY_OVERHEAD_BYTES, MAX_ENTRY_BYTES, ResponseStore, refusal
 
 pytestmark = pytest.mark.anyio

@@ -10,7 +10,7 @@ import pytest
 import splitserve
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
-from splitserve.router.openai.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import RouterTokenizer
 
 pytestmark = pytest.mark.anyio
 CONTEXT = 8192  # the bundled model's context

@@ -18,13 +18,13 @@ from splitserve.router.streams.background import BackgroundTasks
 from splitserve.router.routing.decisions import DecisionLog
 from splitserve.router.routing.discovery import NodeDirectory
 from splitserve.router.streams.dispatch import Dispatcher
-from splitserve.router.http.errors import ApiError
+from splitserve.router.errors import ApiError
 from splitserve.router.routing.load_policies import LeastLoad
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.streams.node_client import NodeUnavailable
 from splitserve.router.routing.prefix_index import PrefixIndex
-from splitserve.router.openai.prompt import Prompt
-from splitserve.router.openai.tokenizer import RouterTokenizer
+from splitserve.router.prompt import Prompt
+from splitserve.router.tokenizer import RouterTokenizer
 
 pytestmark = pytest.mark.anyio
 

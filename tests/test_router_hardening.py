@@ -21,7 +21,7 @@ import pytest
 from splitserve.common.auth import CLUSTER_TOKEN_ENV, redact_url
 from splitserve.common.kv_index import IndexDelta, KVIndex
 from splitserve.deploy.launcher import free_port
-from splitserve.router.http.api_keys import derived_salt
+from splitserve.router.api_keys import derived_salt
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig, add_router_args, router_config
 

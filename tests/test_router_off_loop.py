@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.http.request_body import off_loop
-from splitserve.router.openai.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import RouterTokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog near seven old river banks".split()
 

@@ -1,4 +1,4 @@
-"""router/openai/prompt.py: a prompt's id list is validated and read once; the array, the
+"""router/prompt.py: a prompt's id list is validated and read once; the array, the
 wire bytes and a migrated continuation all describe the same ids."""
 
 import numpy as np
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.protocol import prompt_ids
-from splitserve.router.openai.prompt import Prompt
+from splitserve.router.prompt import Prompt
 
 VOCAB = 1000
 
@@ -42,7 +42,7 @@ def test_a_salted_prompt_keeps_its_salt_through_a_migration():
     """A migrated continuation (`extended`) stays in its tenant's cache: same salt, and the
     router's hashes of it are the salted ones every node computes."""
     from splitserve.common.hashing import hash_keys
-    from splitserve.router.http.api_keys import effective_cache_salt
+    from splitserve.router.api_keys import effective_cache_salt
 
     salt = effective_cache_salt("tenant-a", "x")
     p = Prompt.of(list(range(40)), 1000).salted(salt)

@@ -7,7 +7,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from splitserve.router.http.errors import ApiError
+from splitserve.router.errors import ApiError
 from splitserve.router.responses.events import EventStream
 from splitserve.router.responses.objects import ResponseHead, output_of, usage_of
 from splitserve.router.responses.request import ResponsesRequest

@@ -14,7 +14,7 @@ from splitserve.router import app as router_app
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.config import RouterConfig
 from splitserve.router.routing.shared_work import SharedWork
-from splitserve.router.state import POLICY, SERVICES
+from splitserve.router.http.state import POLICY, SERVICES
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from splitserve.common.detokenizer import IncrementalDetokenizer
-from splitserve.router.openai.tokenizer import RouterTokenizer
+from splitserve.router.tokenizer import RouterTokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces\tand tabs\n\nnew lines", "naïve café 日本語 🤖🎨",
          "<|im_start|>user\nspecial tokens inside<|im_end|>", "", "x" * 500]

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from splitserve.router.http.errors import ApiError
+from splitserve.router.errors import ApiError
 from splitserve.router.openai.structs import ChatCompletionRequest
 from splitserve.router.openai.tool_calls import ToolCallStream, ToolMode, inline_tools, parse, plan_tools
 

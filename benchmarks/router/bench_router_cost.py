@@ -151,7 +151,7 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
 
     from splitserve.common.protocol import GenerateRequest
     from splitserve.common.sampling_params import SamplingParams
-    from splitserve.router.openai.prompt import Prompt
+    from splitserve.router.prompt import Prompt
 
     params = SamplingParams(max_tokens=16)
     prepared = [Prompt.of(p, VOCAB) for p in prompts]
@@ -213,8 +213,8 @@ def parse_cost(prompt: list[int], runs: int = 20) -> dict:
     from splitserve.engine.models.convert import bundled_model_dir
     from splitserve.router.openai.structs import CompletionRequest
     from splitserve.router.openai.prepare import decode_body, prepare_completion
-    from splitserve.router.openai.prompt import Prompt
-    from splitserve.router.openai.tokenizer import RouterTokenizer
+    from splitserve.router.prompt import Prompt
+    from splitserve.router.tokenizer import RouterTokenizer
 
     tok = RouterTokenizer(bundled_model_dir(), max_model_len=len(prompt) + 64, allow_long=True)
     assert tok.vocab_size >= VOCAB, tok.vocab_size

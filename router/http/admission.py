@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .errors import ApiError
+from ..errors import ApiError
 from ..metrics import RouterMetrics
 
 GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")

@@ -15,7 +15,7 @@ A missing or wrong key gets a 401 with an OpenAI-style body (code ``invalid_api_
 and ``WWW-Authenticate: Bearer``, before the body is read. Keys are compared in
 constant time, every configured key each time. The matched key's cache salt, when it
 has one, is left on the request (``KEY_SALT``) for the generating endpoints, which
-combine it with the request's own (router/http/api_keys.py); so is the key's owner id
+combine it with the request's own (router/api_keys.py); so is the key's owner id
 (``KEY_OWNER``), which owns the responses stored for it (router/responses/store.py).
 
 The owner id is an HMAC of the key, never a plain hash (Redis would then hold values
@@ -33,10 +33,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from ...common.auth import CLUSTER_TOKEN_HEADER, bearer_token, keyed_digest, token_matches
-from .api_keys import matched_key
+from ..api_keys import matched_key
 from ..config import RouterConfig
-from .errors import ApiError
-from ..state import CONFIG
+from ..errors import ApiError
+from .state import CONFIG
 
 KEY_SALT = web.RequestKey("key_cache_salt", str)  # the matched API key's cache salt, when it has one
 KEY_OWNER = web.RequestKey("key_owner", str)  # who presented the request: its API key's owner id

@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable
 
 from ...common.grammar_limits import MAX_CACHED_GRAMMARS
 from ...common.sampling_params import SamplingParams
-from .errors import ApiError
+from ..errors import ApiError
 
 WINDOW_S = 60.0
 RETRY_AFTER_S = 1  # a key at its concurrency limit: one of its compiles ends within seconds

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from .auth import has_cluster_token, require_cluster_token
 from ..routing.decisions import KEEP
-from .errors import ApiError
-from ..state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
+from ..errors import ApiError
+from .state import ADMISSION, CONFIG, DECISIONS, METRICS, SERVICES, TOKENIZER
 
 DEFAULT_DECISIONS = 50
 

@@ -21,12 +21,12 @@ from aiohttp import web
 
 from ... import __version__
 from . import endpoints
-from .errors import ApiError
+from ..errors import ApiError
 from ..openai.structs import ChatMessage
 from ..openai.prepare import chat_messages, check_model, decode_body
 from .request_body import off_loop, read_body
-from ..openai.tokenizer import RouterTokenizer
-from ..state import CONFIG, TOKENIZER
+from ..tokenizer import RouterTokenizer
+from .state import CONFIG, TOKENIZER
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True):

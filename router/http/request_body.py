@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from .errors import ApiError
+from ..errors import ApiError
 
 T = TypeVar("T")
 

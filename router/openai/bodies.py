@@ -22,7 +22,7 @@ from typing import Any
 from ...common.sampling_params import PromptLogprob, TokenLogprobs
 from ..streams.generation import Generation, Piece
 from .prepare import PreparedRequest
-from .tokenizer import RouterTokenizer
+from ..tokenizer import RouterTokenizer
 from .tool_calls import ToolCallStream, ToolMode, message_calls, parse
 
 # JSON has no -inf: a token the model ruled out gets this logprob (as vLLM does).

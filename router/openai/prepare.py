@@ -19,14 +19,14 @@ import msgspec
 from ...common.chat import CHAT_ROLES
 from ...common.errors import InvalidRequest
 from ...common.sampling_params import SEED_MAX, SamplingParams
-from ..http.api_keys import effective_cache_salt
-from ..http.errors import ApiError
-from ..http.json_shape import MAX_JSON_DEPTH, check_shape
+from ..api_keys import effective_cache_salt
+from ..errors import ApiError
+from .json_shape import MAX_JSON_DEPTH, check_shape
 from .structs import ChatCompletionRequest, ChatMessage, CompletionRequest
-from .prompt import Prompt
+from ..prompt import Prompt
 from .request_fields import field_error, read_fields
 from .structured import Constraint, request_constraint
-from .tokenizer import RouterTokenizer
+from ..tokenizer import RouterTokenizer
 from .tool_calls import ToolPlan, inline_tools, plan_tools
 
 MAX_PROMPTS = 128  # prompts in one batched /v1/completions request
@@ -55,7 +55,7 @@ class PreparedRequest:
     score_only: bool = False  # max_tokens 0: the one token generated is dropped
     prompt_logprobs: bool = False  # return vLLM's prompt_logprobs (the user asked for them)
     # the request's own cache_salt; its prompts are hashed with this combined with the API
-    # key's salt (`salted_prompts`, router/http/api_keys.py)
+    # key's salt (`salted_prompts`, router/api_keys.py)
     cache_salt: str | None = None
 
     def salted_prompts(self, key_salt: str | None) -> list[Prompt]:

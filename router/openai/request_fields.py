@@ -30,8 +30,8 @@ from typing import Any, NamedTuple
 import msgspec
 
 from ...common.errors import InvalidRequest
-from ..http.errors import ApiError
-from ..http.json_shape import MAX_KEY_SHOWN
+from ..errors import ApiError
+from .json_shape import MAX_KEY_SHOWN
 
 _AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)
 _MISSING = re.compile(r"missing required field `([^`]+)`")
@@ -68,7 +68,7 @@ _PLATFORM = frozenset({
 # vLLM's extensions that are read are declared by the structs (openai/structs.py,
 # responses/request.py): top_k, min_p, repetition_penalty, structured_outputs, guided_*,
 # chat_template_kwargs, add_special_tokens, ..., and cache_salt on all three endpoints (the
-# prefix-cache isolation of router/http/api_keys.py; a non-string or empty one is a 400 naming it).
+# prefix-cache isolation of router/api_keys.py; a non-string or empty one is a 400 naming it).
 
 # vLLM's sampling and rendering extensions that would change the output, with the value
 # that changes nothing (vLLM's default).

@@ -66,7 +66,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None  # extension (vLLM, older)
     guided_choice: list[str] | None = None  # extension (vLLM, older)
     guided_grammar: str | None = None  # extension (vLLM, older)
-    # extension (vLLM): prefix-cache isolation; combined with the API key's salt (router/http/api_keys.py)
+    # extension (vLLM): prefix-cache isolation; combined with the API key's salt (router/api_keys.py)
     cache_salt: CacheSaltField | None = None
 
 

@@ -24,7 +24,7 @@ import msgspec
 
 from ...common.errors import InvalidRequest
 from ...common.structured_outputs import FIELD, StructuredOutputsParams
-from ..http.errors import ApiError
+from ..errors import ApiError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

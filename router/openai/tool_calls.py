@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 
 from ...common.errors import InvalidRequest
 from ...common.structured_outputs import StructuredOutputsParams
-from ..http.errors import ApiError
+from ..errors import ApiError
 from .structs import ChatCompletionRequest
 from .structured import rename
 

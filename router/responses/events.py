@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..http.errors import ApiError
+from ..errors import ApiError
 from .objects import (ResponseHead, function_call_item, item_status, message_item, new_id,
                                 text_part)
 

@@ -36,13 +36,13 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from ..http.errors import ApiError
+from ..errors import ApiError
 from ..openai.structs import ChatCompletionRequest
 from ..openai.prepare import PreparedRequest, decode_body, prepare_chat_request
 from ..openai.request_fields import field_error
 from .request import (LOGPROBS_INCLUDE, SAMPLING_EXTRAS, ResponsesRequest, parse_items,
                                 parse_tools)
-from ..openai.tokenizer import RouterTokenizer
+from ..tokenizer import RouterTokenizer
 
 MAX_TOP_LOGPROBS = 20
 

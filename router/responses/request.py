@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from ..http.errors import ApiError
+from ..errors import ApiError
 from ..openai.structs import MAX_MESSAGES, MAX_NAME_CHARS, MAX_TOOLS, CacheSaltField, Name
 from ..openai.request_fields import field_error
 

@@ -50,7 +50,7 @@ from redis.exceptions import RedisError
 
 from ...common.outcomes import StoreResult
 from ...common.registry import make_redis
-from ..http.errors import ApiError
+from ..errors import ApiError
 
 log = logging.getLogger(__name__)
 

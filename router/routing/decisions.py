@@ -27,7 +27,8 @@ from ...common.outcomes import PredictionOutcome
 from ..metrics import RouterMetrics
 from .policy import Decision
 from .prefix_index import PrefixHits
-from .tier_cost import TIER_NAMES, TierBlocks
+from ...common.kv_events import TIER_NAMES
+from .tier_cost import TierBlocks
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ...common.kv_events import Tier
+from ...common.kv_events import TIER_NAMES, Tier
 from ...common.kv_tier_stats import TierStats
 from ...common.registry import NodeInfo
 
@@ -74,8 +74,8 @@ class TierBlocks(NamedTuple):
         return dict(zip(self._fields, self))
 
 
-assert TierBlocks._fields == tuple(t.name.lower() for t in Tier), "TierBlocks must name every Tier"
-TIER_NAMES = TierBlocks._fields  # the metrics' tier label values
+assert TierBlocks._fields == TIER_NAMES, "TierBlocks must name every Tier"
+
 
 
 class TierCost(NamedTuple):

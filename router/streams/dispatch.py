@@ -31,15 +31,15 @@ from ...common.sampling_params import SamplingParams
 from .background import BackgroundTasks
 from ..routing.decisions import DecisionLog
 from ..routing.discovery import NodeDirectory
-from ..http.errors import ApiError
+from ..errors import ApiError
 from .generation import Generation
 from .leg import InflightSlot, Leg
 from ..metrics import RouterMetrics
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
 from ..routing.policy import NO_CACHED, NO_TIERS, Decision, RoutingPolicy
 from ..routing.prefix_index import PrefixHits, PrefixIndex
-from ..openai.prompt import Prompt
-from ..openai.tokenizer import RouterTokenizer
+from ..prompt import Prompt
+from ..tokenizer import RouterTokenizer
 
 log = logging.getLogger(__name__)
 

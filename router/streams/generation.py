@@ -31,12 +31,12 @@ from typing import NamedTuple, Protocol
 from ...common.detokenizer import IncrementalDetokenizer
 from ...common.outcomes import FailureReason
 from ...common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
-from ..http.errors import ApiError
+from ..errors import ApiError
 from .leg import Leg
 from ..metrics import RouterMetrics
 from .migration import Continuation, continuation
 from .node_client import NodeUnavailable
-from ..openai.prompt import Prompt
+from ..prompt import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ from typing import NamedTuple
 import msgspec
 
 from ...common.sampling_params import SamplingParams
-from ..openai.prompt import Prompt
+from ..prompt import Prompt
 
 
 class Continuation(NamedTuple):

@@ -56,7 +56,7 @@ class RequestSpec(NamedTuple):
 
 def load_tokenizer(path: str | None) -> Tokenizer:
     """The tokenizer of the model folder ``path``; None: the bundled model's."""
-    from splitserve.router.openai.tokenizer import RouterTokenizer
+    from splitserve.router.tokenizer import RouterTokenizer
 
     return RouterTokenizer(path or bundled_tokenizer_dir())
 

@@ -12,7 +12,7 @@ echo and prompt logprobs.
                                                \\--ids----> detokenizer, echo, logprobs
 
 A prompt also carries the cache salt its blocks are hashed with (``salted``: the API
-key's and the request's, router/http/api_keys.py): the dispatcher hashes and sends it with
+key's and the request's, router/api_keys.py): the dispatcher hashes and sends it with
 the ids, and a migrated continuation (``extended``) keeps it, so every leg of a
 generation stays in its tenant's prefix cache.
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ...common.errors import InvalidRequest
-from ...common.hashing import token_array
+from ..common.errors import InvalidRequest
+from ..common.hashing import token_array
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ import json
 import os
 from typing import NamedTuple
 
-from ...common.auth import check_secret, keyed_digest, read_secret_file, token_matches, warn_secret_flag
+from ..common.auth import check_secret, keyed_digest, read_secret_file, token_matches, warn_secret_flag
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"  # key specs, one per line
 SALT_OPTION = "cache_salt"

@@ -30,15 +30,15 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-from ..http.auth import key_owner, key_salt
+from .auth import key_owner, key_salt
 from ..streams.dispatch import Dispatcher
-from ..http.errors import ApiError, sse_error
+from ..errors import ApiError, sse_error
 from ..streams.generation import Generation, merge_pieces
-from .prepare import PreparedRequest, prepare_chat, prepare_completion
-from ..http.request_body import off_loop, read_body
-from .bodies import BodyBuilder
-from .structured import renamed_constraint_error
-from ..state import COMPILE_BUDGET, CONFIG, SERVICES, TOKENIZER
+from ..openai.prepare import PreparedRequest, prepare_chat, prepare_completion
+from .request_body import off_loop, read_body
+from ..openai.bodies import BodyBuilder
+from ..openai.structured import renamed_constraint_error
+from .state import COMPILE_BUDGET, CONFIG, SERVICES, TOKENIZER
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ async def start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: 
     """Start every choice of the request; all started or none (the started ones are
     closed, which aborts them, before the first error is raised). ``key_salt``: the
     cache salt of the caller's API key; with the request's own ``cache_salt`` it makes
-    the salt every prompt is hashed under (router/http/api_keys.py).
+    the salt every prompt is hashed under (router/api_keys.py).
 
     With n > 1, the first choice of each prompt is routed and started first; the other
     n - 1 are then pinned to its nodes, so the prompt's prefix is one prefill node's."""

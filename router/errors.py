@@ -15,7 +15,7 @@ import json
 
 from aiohttp import web
 
-from ...common.errors import InvalidRequest
+from ..common.errors import InvalidRequest
 
 # HTTP status -> OpenAI error type
 _TYPES = {

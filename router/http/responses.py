@@ -32,18 +32,18 @@ from typing import Any
 
 from aiohttp import web
 
-from ..http.auth import key_owner, key_salt
+from .auth import key_owner, key_salt
 from ..openai.bodies import BodyBuilder, usage
-from ..http.errors import ApiError
+from ..errors import ApiError
 from ..streams.generation import Generation, merge_pieces
-from ..openai.api import client_gone_away, start_all
-from ..http.request_body import off_loop, read_body
-from .events import EventStream
-from .objects import ResponseHead, new_id, output_of, usage_of
-from .prepare import ResponsesPrepared, decode_responses, prepare_responses
-from .request import parse_items
-from .store import refusal
-from ..state import COMPILE_BUDGET, CONFIG, METRICS, SERVICES, TOKENIZER
+from .completions import client_gone_away, start_all
+from .request_body import off_loop, read_body
+from ..responses.events import EventStream
+from ..responses.objects import ResponseHead, new_id, output_of, usage_of
+from ..responses.prepare import ResponsesPrepared, decode_responses, prepare_responses
+from ..responses.request import parse_items
+from ..responses.store import refusal
+from .state import COMPILE_BUDGET, CONFIG, METRICS, SERVICES, TOKENIZER
 from ..openai.structured import renamed_constraint_error
 
 log = logging.getLogger(__name__)

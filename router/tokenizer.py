@@ -22,8 +22,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from ...common.errors import InvalidRequest
-from ...common.hf_config import read_config_json, usable_context
+from ..common.errors import InvalidRequest
+from ..common.hf_config import read_config_json, usable_context
 
 log = logging.getLogger(__name__)
 

@@ -8,19 +8,19 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from ..common.kv_index import KVIndex
-from ..common.registry import NodeRegistry
-from .http.admission import Admission
-from .streams.background import BackgroundTasks
-from .http.compile_budget import CompileBudget
-from .config import RouterConfig
-from .routing.decisions import DecisionLog
-from .routing.discovery import NodeDirectory
-from .streams.dispatch import Dispatcher
-from .metrics import RouterMetrics
-from .routing.policy import RoutingPolicy
-from .responses.store import ResponseStore
-from .openai.tokenizer import RouterTokenizer
+from ...common.kv_index import KVIndex
+from ...common.registry import NodeRegistry
+from .admission import Admission
+from ..streams.background import BackgroundTasks
+from .compile_budget import CompileBudget
+from ..config import RouterConfig
+from ..routing.decisions import DecisionLog
+from ..routing.discovery import NodeDirectory
+from ..streams.dispatch import Dispatcher
+from ..metrics import RouterMetrics
+from ..routing.policy import RoutingPolicy
+from ..responses.store import ResponseStore
+from ..tokenizer import RouterTokenizer
 
 
 @dataclass(slots=True)
