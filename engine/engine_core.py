@@ -15,9 +15,11 @@ that stops on a sampled token (EOS, a stop id) computes one more token, which is
 dropped; a length stop is foreseen and costs nothing. A request whose sampling reads
 its earlier tokens on the host (grammar, penalties, min_tokens) cannot be sampled
 with one pending, so when the step in flight sampled for such a request, that step
-lands before the next is scheduled. Without async scheduling every step lands before
-``step()`` returns (on the CPU the forward runs inside ``launch`` anyway, so there is
-nothing to overlap and the deltas would only come one step later).
+lands before the next is scheduled; so does a step that verified proposed tokens (how
+many it keeps decides where the next step starts: scheduler.py ``Row``). Without async
+scheduling every step lands before ``step()`` returns (on the CPU the forward runs inside
+``launch`` anyway, so there is nothing to overlap and the deltas would only come one step
+later).
 
 Token-level stops (EOS, stop_token_ids, max_tokens, context length) are decided
 here; stop *strings* need text, so the caller that detokenizes finishes those
@@ -50,15 +52,15 @@ from .kv.tier_store import TierObserver
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
 from .models.registry import read_model_config
-from .model_runner import KVCacheFactory, LaunchedStep, ModelRunner
+from .model_runner import KVCacheFactory, ModelRunner
 from .parallel.group import TPFailure, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request
+from .runner import LaunchedStep, Runner
 from .sampling.sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sampling.structured import GrammarCache
 
 if TYPE_CHECKING:
-    from .sim_runner import SimRunner  # imported when a simulated engine is built
     from .parallel.launch import TPLeader
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,7 @@ class EngineCore:
             torch.set_num_threads(threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.runner: ModelRunner | SimRunner
+        self.runner: Runner
         self.tp: TPLeader | None = None
         self._unpinned: set[int] | None = None  # the cores this process had before rank 0 was pinned
         if config.sim is None and size > 1:  # a simulated node stands for TP in its timing alone
@@ -254,7 +256,7 @@ class EngineCore:
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
         self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens, req.salt)
-        req.append_token(first_token, logprobs)  # advances its grammar past the first token
+        req.append_tokens([first_token], [logprobs])  # advances its grammar past the first token
         self.scheduler.add_running(req)
         reason = req.check_stop(self.max_model_len)
         if reason is not None:
@@ -281,7 +283,7 @@ class EngineCore:
         scheduling the previous step's (the one launched now lands on the next call)."""
         prev, self._in_flight = self._in_flight, None
         deltas: list[RequestDelta] = []
-        if prev is not None and any(r.samples_from_history for r in prev.requests):
+        if prev is not None and any(r.request.samples_from_history or r.num_proposed for r in prev.rows):
             deltas, prev = self._land(prev), None
         out = self.scheduler.schedule()
         launched = self._launch(out) if out.scheduled else None
@@ -307,8 +309,8 @@ class EngineCore:
             prompt = sum(n for req, n in out.scheduled if req.num_computed_tokens < len(req.prompt_token_ids))
             if prompt >= self.config.block_size:  # the recompute rate a lower-tier load competes with
                 self.kv.observe_prefill(prompt, elapsed)
-        for req in launched.requests:
-            req.pending_tokens += 1
+        for row in launched.rows:
+            row.request.pending_tokens += row.num_verify
         self.scheduler.update_after_step(out)
         self.kv.save_cached()  # blocks completed by this forward or landed since: to the host behind it
         self.num_computed_tokens_total += launched.num_tokens
@@ -324,16 +326,21 @@ class EngineCore:
         for req, start, values in result.prompt_logprobs:
             prompt_logprobs.record(req, start, values)
         deltas = []
-        for req, token, logprobs in result.sampled:
-            req.pending_tokens -= 1
+        for row, tokens, logprobs in result.sampled:
+            req = row.request
+            req.pending_tokens -= row.num_verify
             if self.scheduler.requests.get(req.request_id) is not req:
                 continue  # finished (a stop sampled one step earlier) or aborted while on the device
-            req.append_token(token, logprobs)
+            # it keeps the token sampled after its own last one; of its drafts, none yet (keeping
+            # none is always right, only slower), and rolls them back
+            req.rollback(row.num_proposed)
+            tokens, logprobs = tokens[:1], logprobs[:1]
+            req.append_tokens(tokens, logprobs)
             self.scheduler.cache_computed(req)
             reason = req.check_stop(self.max_model_len)
             if reason is not None:
                 self.scheduler.finish(req.request_id, reason)
-            first = len(req.output_token_ids) == 1 and req.sampling_params.prompt_logprobs is not None
-            deltas.append(RequestDelta(req.request_id, [token], [logprobs], reason, req.num_cached_tokens,
+            first = len(req.output_token_ids) == len(tokens) and req.sampling_params.prompt_logprobs is not None
+            deltas.append(RequestDelta(req.request_id, tokens, logprobs, reason, req.num_cached_tokens,
                                        req.prompt_logprobs if first else None))
         return deltas

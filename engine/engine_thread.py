@@ -246,7 +246,7 @@ class EngineThread:
         e = self._engine
         return EngineStats(e.load(), self._steps, e.kv.num_blocks, e.kv.num_free_blocks, e.busy_s,
                            e.num_computed_tokens_total, e.num_preemptions_total,
-                           getattr(e.runner, "overrun_s", 0.0), tuple(e.tier_stats()))
+                           e.runner.overrun_s, tuple(e.tier_stats()))
 
     def _handle(self, cmd: Command) -> Any:
         e = self._engine

@@ -17,7 +17,7 @@ chunk, and decode batches larger than the largest bucket, run eagerly at their e
 ``launch`` queues a step and returns without waiting for the device: input copies are
 non-blocking from pinned memory (engine/upload.py), the forward (a graph replay) and
 the sampler are queued, and so is the one device-to-host copy of the sampled ids. The
-returned ``LaunchedStep.result()`` waits for that copy. The engine schedules and
+returned ``LaunchedStep.result()`` (runner.py) waits for that copy. The engine schedules and
 launches step N+1 before it waits for step N (async scheduling): a decode row whose
 input token step N sampled (``Request.pending_tokens``) reads that id from step N's
 device tensor, so the host never needs it to build step N+1.
@@ -35,12 +35,12 @@ step's rows that read the ids on the device (``from_last``) then find them on ev
 """
 
 import logging
-from typing import Callable, NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from ..common.config import EngineConfig
-from ..common.sampling_params import PromptLogprob, TokenLogprobs
+from ..common.sampling_params import PromptLogprob
 from .sampling import prompt_logprobs
 from .attention.base import AttentionMetadata
 from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
@@ -54,8 +54,9 @@ from .models.config import ModelConfig
 from .parallel.group import TPGroup
 from .sampling.prompt_logprobs import PromptRows
 from .request import Request
+from .runner import LaunchedStep, Runner, split
 from .sampling.sampler import SampledTokens, Sampler
-from .scheduler import SchedulerOutput
+from .scheduler import Row, SchedulerOutput
 from .step_inputs import ForwardInputs, PrefillChunk
 from .sampling.structured import GrammarMasker
 from .upload import upload
@@ -63,28 +64,6 @@ from .upload import upload
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class StepResult(NamedTuple):
-    sampled: list[tuple[Request, int, TokenLogprobs | None]]  # requests that reached their end
-    num_tokens: int  # tokens computed this step
-    # (request, first position, values) of the chunks whose requests asked for prompt logprobs
-    prompt_logprobs: Sequence[tuple[Request, int, list[PromptLogprob]]] = ()
-
-
-class LaunchedStep(NamedTuple):
-    """A step queued on the device; ``result()`` waits for its sampled tokens."""
-    requests: list[Request]  # those that sample, in the order of ``tokens``
-    tokens: SampledTokens | None  # None when no request samples
-    num_tokens: int
-    prompt_logprobs: Sequence[tuple[Request, int, list[PromptLogprob]]] = ()
-
-    def result(self) -> StepResult:
-        if self.tokens is None:
-            return StepResult([], self.num_tokens, self.prompt_logprobs)
-        out = self.tokens.to_host()
-        return StepResult(list(zip(self.requests, out.token_ids, out.logprobs)), self.num_tokens,
-                          self.prompt_logprobs)
 
 
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
@@ -100,13 +79,14 @@ class StepLink(Protocol):
 class _Plan(NamedTuple):
     """Rank 0's host-side view of a step: what to send, and what to do with its logits."""
     inputs: ForwardInputs
-    sampling_reqs: list[Request]
+    verifying: list[Row]  # rows that sample, in order
+    sampling_reqs: list[Request]  # each logits row's that samples: a row's request num_verify times
     sample_rows: list[int] | None  # rows of the logits that sample; None: the first len(sampling_reqs)
     prompt: list[tuple[PromptRows, int]]  # (chunk, its first row in the logits)
     num_tokens: int
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     def __init__(self, config: EngineConfig, model_dir, kv_cache_factory: KVCacheFactory | None = None,
                  group: TPGroup | None = None, link: StepLink | None = None):
         """``kv_cache_factory`` lets a node place the cache (e.g. in shared memory for
@@ -125,6 +105,7 @@ class ModelRunner:
         self.backend = select_backend(config, self.device, cfg.head_dim)
         self.kv_size = size_kv_cache(config, self.model, self.backend, self.dtype, self.device, self.group)
         self.num_blocks = self.kv_size.num_blocks
+        self.overrun_s = 0.0  # a real forward takes what it takes: there is no modelled time to overrun
         self.scratch_block = self.num_blocks  # padding rows of static decode write here
         # [num_layers, 2, num_blocks + 1, block_size, kv_heads (this rank's), head_dim]
         self.kv_caches = new_kv_cache(cfg, self.kv_size._replace(num_blocks=self.num_blocks + 1), config,
@@ -152,19 +133,18 @@ class ModelRunner:
     # ---- rank 0 ----------------------------------------------------------------------------
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                ready: Callable[[], None] | None = None) -> LaunchedStep:
-        """Queue one forward pass over ``out.scheduled`` and sampling for every request
-        whose scheduled tokens reach the end of its sequence (``seq_len``). With TP, the
+        """Queue one forward pass over ``out.rows`` and sampling at every row's last
+        ``num_verify`` tokens (runner.py ``Runner.launch``). With TP, the
         workers get the step's inputs first and run the same forward. The step's lower-tier
         loads are issued first, one layer after another, and the forward waits for each
         layer's just before it (kv/tier_store.py ``LayerLoads``). ``ready`` is called just
         before the forward is queued: what it queues reads the blocks in place, loaded ones
         included (with loads, it is queued behind them, beside the forward)."""
-        decodes = [(r, n) for r, n in out.scheduled if n == 1]
-        prefills = [(r, n) for r, n in out.scheduled if n > 1]
-        if not prefills and self.static_decode is not None and self.static_decode.bucket(len(decodes)):
-            plan = self._plan_static(decodes, kv)
+        rows = split(out)
+        if not rows.chunks and self.static_decode is not None and self.static_decode.bucket(len(rows.decodes)):
+            plan = self._plan_static(rows.decodes, kv)
         else:
-            plan = self._plan_eager(decodes, prefills, kv)
+            plan = self._plan_eager(rows.decodes, rows.chunks, kv)
         if self.link is not None:
             self.link.send_step(plan.inputs)
         loads = kv.take_loads()  # this step's lower-tier loads, layer by layer
@@ -187,7 +167,7 @@ class ModelRunner:
             self.group.broadcast(tokens.token_ids, src=0)  # queued on the stream: the host does not wait
         self._last = {r.request_id: (r, i) for i, r in enumerate(reqs)}
         self._last_tokens = None if tokens is None else tokens.token_ids
-        return LaunchedStep(reqs, tokens, plan.num_tokens, prompt)
+        return LaunchedStep(plan.verifying, tokens, plan.num_tokens, prompt)
 
     def _from_last(self, req: Request, pos: int) -> int:
         """-1 if ``req``'s input id at ``pos`` is on the host, else its row in the last launch's tokens."""
@@ -197,30 +177,34 @@ class ModelRunner:
         assert last is req and pos == req.num_tokens, (req.request_id, pos, req.num_tokens)
         return row
 
-    def _plan_eager(self, decodes, prefills, kv: KVCacheManager) -> _Plan:
+    def _plan_eager(self, decodes: list[Row], chunk_rows: list[Row], kv: KVCacheManager) -> _Plan:
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
-        sampling_reqs = []
+        verifying: list[Row] = []
+        sampling_reqs: list[Request] = []
         prompt_rows: list[PromptRows] = []  # chunks whose logits give prompt logprobs (rows: flat batch)
 
         from_last: list[int] = []  # per decode row: row of the last launch's tokens, or -1
-        tables = [kv.block_ids(r.request_id) for r, _ in decodes]
-        for req, _ in decodes:
+        tables = [kv.block_ids(r.request.request_id) for r in decodes]
+        for row in decodes:
+            req = row.request
             pos = req.num_computed_tokens
             src = self._from_last(req, pos)
             from_last.append(src)
             ids.append(req.all_token_ids[pos] if src < 0 else 0)
             positions.append(pos)
-            if pos + 1 == req.seq_len:  # else: the last 1-token chunk of a prompt mid-way
+            if row.num_verify:  # else: a 1-token chunk of a prompt mid-way
                 logits_rows.append(len(ids) - 1)
+                verifying.append(row)
                 sampling_reqs.append(req)
             elif _wants_prompt_logprobs(req, pos, 1):
                 prompt_rows.append(PromptRows(req, pos, [len(ids) - 1]))
 
         chunks = []
-        for req, n in prefills:
+        for row in chunk_rows:
+            req, n = row.request, row.num_tokens
             start = req.num_computed_tokens
             table = kv.block_ids(req.request_id)[:-(-(start + n) // bs)]  # the blocks of [0, start + n)
             chunks.append(PrefillChunk(len(ids), n, start, table))
@@ -228,9 +212,10 @@ class ModelRunner:
                 prompt_rows.append(PromptRows(req, start, list(range(len(ids), len(ids) + m))))
             ids.extend(req.all_token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            if start + n == req.seq_len:
-                logits_rows.append(len(ids) - 1)
-                sampling_reqs.append(req)
+            if row.num_verify:
+                logits_rows.extend(range(len(ids) - row.num_verify, len(ids)))
+                verifying.append(row)
+                sampling_reqs.extend([req] * row.num_verify)
 
         prompt, at = [], len(logits_rows)
         for c in prompt_rows:  # their logits come after the sampling rows, in order
@@ -239,22 +224,23 @@ class ModelRunner:
         extra = [row for c in prompt_rows for row in c.rows]
         inputs = ForwardInputs(False, ids, positions, tables, chunks, logits_rows + extra,
                                from_last if max(from_last, default=-1) >= 0 else [], len(sampling_reqs))
-        return _Plan(inputs, sampling_reqs, None, prompt, len(ids))
+        return _Plan(inputs, verifying, sampling_reqs, None, prompt, len(ids))
 
-    def _plan_static(self, decodes, kv: KVCacheManager) -> _Plan:
+    def _plan_static(self, decodes: list[Row], kv: KVCacheManager) -> _Plan:
         """A decode-only step through the padded fixed-shape forward (logits of every row)."""
-        reqs = [r for r, _ in decodes]
+        reqs = [r.request for r in decodes]
         positions = [r.num_computed_tokens for r in reqs]
         src = [self._from_last(r, p) for r, p in zip(reqs, positions)]
         ids = [r.all_token_ids[p] if s < 0 else 0 for r, p, s in zip(reqs, positions, src)]
         # a 1-token chunk in the middle of a prompt computes KV but samples nothing
-        rows = [i for i, (r, p) in enumerate(zip(reqs, positions)) if p + 1 == r.seq_len]
+        rows = [i for i, r in enumerate(decodes) if r.num_verify]
         prompt = [(PromptRows(r, p, [i]), i) for i, (r, p) in enumerate(zip(reqs, positions))
-                  if p + 1 < r.seq_len and _wants_prompt_logprobs(r, p, 1)]
+                  if not decodes[i].num_verify and _wants_prompt_logprobs(r, p, 1)]
         sampling_reqs = [reqs[i] for i in rows]
         inputs = ForwardInputs(True, ids, positions, [kv.block_ids(r.request_id) for r in reqs], [], [],
                                src if max(src) >= 0 else [], len(sampling_reqs))
-        return _Plan(inputs, sampling_reqs, None if len(rows) == len(reqs) else rows, prompt, len(reqs))
+        return _Plan(inputs, [decodes[i] for i in rows], sampling_reqs, None if len(rows) == len(reqs) else rows,
+                     prompt, len(reqs))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SampledTokens | None:
         """logits [S, vocab], row i for reqs[i]; None when nothing samples."""

@@ -86,13 +86,24 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        self.all_token_ids.append(token_id)
-        self.output_token_ids.append(token_id)
-        self.logprobs.append(logprobs)
+    def append_tokens(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> None:
+        """Append what a step landed for it, in order: one token per verifying row today (with
+        speculative decoding, its accepted drafts and the token sampled after them)."""
+        assert len(token_ids) == len(logprobs), (len(token_ids), len(logprobs))
+        self.all_token_ids += token_ids
+        self.output_token_ids += token_ids
+        self.logprobs += logprobs
         if self.grammar is not None:
-            self.grammar.accept(token_id)
+            for token_id in token_ids:
+                self.grammar.accept(token_id)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_keys)
+
+    def rollback(self, n: int) -> None:
+        """Forget the KV of its last ``n`` computed tokens: the drafts a verifying step computed
+        and rejected (scheduler.py ``Row``). Their ids were never appended; the next step
+        computes over their slots."""
+        assert 0 <= n <= self.num_computed_tokens, (n, self.num_computed_tokens, self.request_id)
+        self.num_computed_tokens -= n
 
     def check_stop(self, max_model_len: int) -> str | None:
         """Finish reason after the last appended token, or None to go on."""

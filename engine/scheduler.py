@@ -39,13 +39,27 @@ from .kv.cache_manager import KVCacheManager
 from .request import Request, Status
 
 
+class Row(NamedTuple):
+    """One request's part of a step: the tokens it computes, and how many of them, the last
+    ones, the step samples at. A row that reaches the end of its sequence (a decode, a
+    prompt's last chunk) verifies 1: the token after it is sampled there. With speculative
+    decoding a row would carry ``num_proposed`` drafts after its last token and verify
+    ``1 + num_proposed``; the engine keeps the drafts its verification accepts and rolls
+    back the others (``Request.rollback``)."""
+    request: Request
+    num_tokens: int  # tokens computed this step, its proposed ones included
+    num_verify: int  # its last tokens whose logits are sampled: 0 (a chunk mid-prompt), 1, or 1 + num_proposed
+    num_proposed: int  # drafts placed after its last token for this step to verify (0: nothing proposes yet)
+
+
 class SchedulerOutput(NamedTuple):
-    scheduled: list[tuple[Request, int]]  # (request, tokens to compute this step), running order
+    rows: list[Row]  # running order
     preempted: list[Request]
 
     @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """(request, tokens to compute this step) of each row, for readers that need no more."""
+        return [(r.request, r.num_tokens) for r in self.rows]
 
 
 class Scheduler:
@@ -78,7 +92,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
+        rows: list[Row] = []
         preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
@@ -95,7 +109,7 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
-            scheduled.append((req, n))
+            rows.append(self._row(req, n))
             budget -= n
             i += 1
 
@@ -117,9 +131,14 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
-            scheduled.append((req, n))
+            rows.append(self._row(req, n))
             budget -= n
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(rows, preempted)
+
+    @staticmethod
+    def _row(req: Request, n: int) -> Row:
+        """``req``'s row computing its next ``n`` tokens: it verifies one if they reach the end."""
+        return Row(req, n, int(req.num_computed_tokens + n == req.seq_len), 0)
 
     def _prefix_in_flight(self, req: Request, hashes: list[int], num_cached: int) -> bool:
         """Whether the block after ``req``'s cached prefix is one a running request is
@@ -144,9 +163,9 @@ class Scheduler:
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed counts and register newly full blocks in the prefix cache."""
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            self.cache_computed(req)
+        for row in out.rows:
+            row.request.num_computed_tokens += row.num_tokens
+            self.cache_computed(row.request)
 
     def cache_computed(self, req: Request) -> None:
         """Register the request's blocks that are full of computed tokens whose ids are on

@@ -62,7 +62,8 @@ from .kv.tier_store import Move
 from .models.loader import resolve_model_dir
 from .models.config import ModelConfig
 from .models.registry import read_model_config
-from .model_runner import KVCacheFactory, LaunchedStep, kv_block_bytes
+from .model_runner import KVCacheFactory, kv_block_bytes
+from .runner import LaunchedStep, Runner, split
 from .sampling.sampler import SampledTokens
 from .scheduler import SchedulerOutput
 
@@ -97,7 +98,7 @@ def standin_tiers(config: EngineConfig) -> EngineConfig:
                                kv_offload_disk_bytes=config.kv_offload_disk_bytes // real * standin)
 
 
-class SimRunner:
+class SimRunner(Runner):
     def __init__(self, config: EngineConfig, model_dir, kv_cache_factory: KVCacheFactory | None = None):
         assert config.sim is not None
         self.config = config
@@ -125,17 +126,17 @@ class SimRunner:
 
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                ready: Callable[[], None] | None = None) -> LaunchedStep:
-        """Sleep the step's simulated time (divided by the speed-up), then sample one
-        token for every request whose scheduled tokens reach the end of its sequence
-        (the returned step is complete: a simulated node gains nothing from async scheduling).
+        """Sleep the step's simulated time (divided by the speed-up), then sample a token
+        at each of every row's last ``num_verify`` tokens (the returned step is complete: a simulated node gains nothing from async scheduling).
         The step's wait for a store batch comes first, then its loads beside its forward
         (module docstring); ``ready`` is called once the loads are done (the blocks it reads
         are in place)."""
         start = time.monotonic()
         # this step's work waited as the last one ended: the host's time since is part of its period
         carry = start - self._last_end if any(r.arrival_time <= self._last_end for r, _ in out.scheduled) else 0.0
-        decodes = [r.num_computed_tokens for r, n in out.scheduled if n == 1]
-        chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
+        rows = split(out)
+        decodes = [r.request.num_computed_tokens for r in rows.decodes]
+        chunks = [(r.num_tokens, r.request.num_computed_tokens) for r in rows.chunks]
         if (layer_loads := kv.take_loads()) is not None:
             layer_loads.wait_all()  # the stand-in blocks move for real; the time is the profile's
         wait, loads = self._tier_seconds(kv, start)
@@ -148,22 +149,24 @@ class SimRunner:
             if left > 0:
                 time.sleep(left)
             ready()
-        reqs, tokens = [], []
-        for req, n in out.scheduled:
-            if req.num_computed_tokens + n == req.seq_len:
-                token = _TOKEN_BASE + (req.seq_len * 7919) % _TOKEN_SPAN
+        verifying = [r for r in out.rows if r.num_verify]
+        tokens, params = [], []
+        for row in verifying:
+            req = row.request
+            for i in range(row.num_verify):
+                token = _TOKEN_BASE + ((req.seq_len + i) * 7919) % _TOKEN_SPAN
                 while token in req.stop_ids:
                     token += 1
-                reqs.append(req)
                 tokens.append(token)
+                params.append(req.sampling_params)
         left = start - carry + seconds / self.sim.speedup - time.monotonic()
         if left > 0:
             time.sleep(left)
         else:
             self.overrun_s += -left
         self._last_end = time.monotonic()
-        sampled = SampledTokens(torch.tensor(tokens), None, [r.sampling_params for r in reqs], []) if reqs else None
-        return LaunchedStep(reqs, sampled, sum(n for _, n in out.scheduled))
+        sampled = SampledTokens(torch.tensor(tokens), None, params, []) if tokens else None
+        return LaunchedStep(verifying, sampled, sum(r.num_tokens for r in out.rows))
 
     def _tier_seconds(self, kv: KVCacheManager, start: float) -> tuple[float, float]:
         """Simulated seconds of the step launched at ``start`` (wall) spent on its tiers: its

@@ -28,7 +28,8 @@ from splitserve.common.config import EngineConfig, SimConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv.cache_manager import KVCacheManager
-from splitserve.engine.model_runner import LaunchedStep, ModelRunner
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.runner import LaunchedStep, split
 from splitserve.engine.scheduler import SchedulerOutput
 
 
@@ -47,8 +48,9 @@ def timed_engine(threads: int) -> tuple[EngineCore, list[StepTime]]:
     launch = runner.launch
 
     def timed(out: SchedulerOutput, kv: KVCacheManager) -> LaunchedStep:
-        chunks = [(n, r.num_computed_tokens) for r, n in out.scheduled if n > 1]
-        decodes = sum(1 for _, n in out.scheduled if n == 1)
+        rows = split(out)
+        chunks = [(r.num_tokens, r.request.num_computed_tokens) for r in rows.chunks]
+        decodes = len(rows.decodes)
         t0 = time.perf_counter()
         launched = launch(out, kv)
         samples.append(StepTime(decodes, chunks, time.perf_counter() - t0))

@@ -8,7 +8,7 @@ Owns, per engine:
   - an offline engine's compiled grammars, cached by `GrammarSpec` (LRU,
     `MAX_CACHED_GRAMMARS`), so a schema is compiled once however many requests use it;
   - `GrammarState`: a request's matcher, advanced by every token appended to the
-    request (``Request.append_token``), the first token sampled on another node included;
+    request (``Request.append_tokens``), the first token sampled on another node included;
   - `GrammarMasker`: for the rows of a sampling step that have a grammar, one batched
     xgrammar call fills a `[S, ceil(V / 32)]` int32 bitmask on the host, copied to the
     logits' device, where xgrammar's kernel sets every refused token to -inf. It runs
