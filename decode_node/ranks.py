@@ -56,7 +56,7 @@ class DecodeRank:
             return None
         return lambda shape, dtype: allocate_kv_cache(KVLayout.of_cache(shape, dtype), shape[2], name)
 
-    def on_ready(self, runner: ModelRunner) -> None:
+    def on_runner_built(self, runner: ModelRunner) -> None:
         if not self.receives:
             self.link.call(self.link.send, RankReady(rank=self.rank))
             return

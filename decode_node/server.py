@@ -55,9 +55,9 @@ from ..common.errors import InvalidRequest
 from ..common.http import error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd, TransferStage
 from ..common.protocol import GenerateRequest, PrefillRequest, TokenDelta, encode_frame, prompt_ids
+from ..engine.block_export import BlockExporter
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, BlockExporter, EngineThread, Release, \
-    Reserve
+from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
 from ..engine.parallel.group import TPFailure
 from ..kvtransfer import KVReceiver, TransferError, make_receiver
 from ..kvtransfer.block_store import KVBlockStore

@@ -128,7 +128,7 @@ class EngineCore:
         # behind the blocks the step reads (its lower-tier loads: beside the forward): the
         # EngineThread packs the blocks a request had complete before the step (its cached
         # prefix) here, so they leave while the step computes.
-        self.on_ready: Callable[[SchedulerOutput], None] | None = None
+        self.on_kv_in_place: Callable[[SchedulerOutput], None] | None = None
         # Called on every step once it is launched (the computed counts advanced) and before
         # finished requests free their blocks: the EngineThread packs completed blocks here.
         self.on_launch: Callable[[SchedulerOutput], None] | None = None
@@ -299,7 +299,8 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
         try:
-            launched = self.runner.launch(out, self.kv, None if self.on_ready is None else partial(self.on_ready, out))
+            in_place = None if self.on_kv_in_place is None else partial(self.on_kv_in_place, out)
+            launched = self.runner.launch(out, self.kv, in_place)
         except TPFailure as e:
             assert self.tp is not None, "only a TP engine's runner raises TPFailure"
             raise self.tp.explain(e) from e

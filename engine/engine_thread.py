@@ -12,7 +12,7 @@ else crosses:
     on_deltas([RequestDelta])       <--------------  after each step
     on_kv_events(events, None)      <--------------  prefix-cache events, after each pass
     request_kv_snapshot() --flag--> on_kv_events([], every held hash -> tier)
-    on_blocks(BlocksReady)          <--------------  prompt blocks packed for an ExportKV
+    exporter.on_blocks(BlocksReady) <--------------  prompt blocks packed for an ExportKV
     et.stats (EngineStats)          <--publishes---  a fresh immutable snapshot per pass
                                                      step_observer(SchedulerOutput, deltas, live)
                                                      runs ON the engine thread (step metrics)
@@ -30,12 +30,12 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
     Release(id)                            -> None     give back a reservation never admitted
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
-    ExportKV(id, start_block)              -> None     pack the request's prompt blocks
-                                                       [start_block, ...): its cached prefix
-                                                       before its first forward, then what each
-                                                       step completes -> BlocksReady events
+    ExportKV(id, transfer, addrs, skip, dest_ids) -> None   pack the request's prompt blocks
+                                                       [skip, ...) for those receivers: its cached
+                                                       prefix before its first forward, then what
+                                                       each step completes -> BlocksReady events
                                                        (send it before the AddRequest; it ends
-                                                       with the request)
+                                                       with the request; engine/block_export.py)
     ResetPrefixCache()                     -> bool
     CachedHashes()                         -> list[int]
 
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import queue
 import threading
 from typing import Any, Callable, NamedTuple
@@ -69,6 +68,7 @@ from ..common.kv_tier_stats import TierStats
 from ..common.kv_events import KVEvent, Tier
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
+from .block_export import BlockExporter, BlockExports, ExportKV
 from .engine_core import EngineCore, RequestDelta
 from .parallel.group import TPFailure
 from .scheduler import SchedulerOutput
@@ -125,11 +125,6 @@ class AbortRequest(NamedTuple):
     reason: str = "abort"
 
 
-class ExportKV(NamedTuple):
-    request_id: str
-    start_block: int  # prompt blocks before it are not packed (the receiver has them)
-
-
 class ResetPrefixCache(NamedTuple):
     pass
 
@@ -143,15 +138,6 @@ Command = (AddRequest | Reserve | AddPrefilled | Release | AbortRequest | Export
 
 
 # ---- events (engine thread -> event loop) ------------------------------------------------
-class BlocksReady(NamedTuple):
-    """Prompt blocks [start, end) of ``request_id``, packed (``end`` is the last block,
-    partial, once the prompt is computed)."""
-    request_id: str
-    start: int
-    end: int
-    packed: Any  # what the exporter's pack function returned for those blocks
-
-
 class EngineStats(NamedTuple):
     """What the event loop may know about the engine, published after every pass."""
     load: NodeLoad
@@ -165,15 +151,6 @@ class EngineStats(NamedTuple):
     tiers: tuple[TierStats, ...] = ()  # each tier of the prefix cache, device first (EngineCore.tier_stats)
 
 
-class BlockExporter(NamedTuple):
-    """How ExportKV packs blocks (engine thread) and where the BlocksReady go (event loop).
-    ``pack(request_id, start, block_ids)``: prompt blocks ``[start, start + len(block_ids))``
-    of the request, by engine block id -> a fresh buffer (not a view of the cache), or
-    whatever the node makes of them (a tensor-parallel node also tells its workers here)."""
-    pack: Callable[[str, int, list[int]], Any]
-    on_ready: Callable[[BlocksReady], None]
-
-
 class EngineThread:
     def __init__(self, engine: EngineCore, aio_loop: asyncio.AbstractEventLoop,
                  on_deltas: Callable[[list[RequestDelta]], None],
@@ -184,8 +161,9 @@ class EngineThread:
         self._aio = aio_loop
         self._on_deltas = on_deltas
         self._on_kv_events = on_kv_events  # None: events are drained and dropped
-        self._exporter = exporter
-        self._exports: dict[str, int] = {}  # engine thread: req_id -> prompt blocks packed so far
+        # engine thread: the exports of an exporting node (None: it exports nothing)
+        self._exports = None if exporter is None else BlockExports(exporter, engine.kv, engine.config.block_size,
+                                                                   aio_loop)
         self._snapshot_wanted = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (Command, future) | None
         self._stop = threading.Event()
@@ -197,8 +175,8 @@ class EngineThread:
         self._on_fatal = on_fatal
         self.fatal: TPFailure | None = None  # set once by the engine thread: it stopped for good
         self._fatal_lock = threading.Lock()
-        if exporter is not None:  # only an exporting node packs a cached prefix ahead of the forward
-            engine.on_ready = self._on_ready
+        if self._exports is not None:  # only an exporting node packs a cached prefix ahead of the forward
+            engine.on_kv_in_place = self._exports.pack
         engine.on_launch = self._on_launch
 
     @property
@@ -267,14 +245,15 @@ class EngineThread:
             case Release(rid):
                 return e.release(rid)
             case AbortRequest(rid, reason):
-                self._exports.pop(rid, None)
+                if self._exports is not None:
+                    self._exports.end(rid)
                 found = e.abort(rid, reason)
                 held = rid in e.kv
                 e.release(rid)  # a reservation never admitted (no-op once aborted above)
                 return found or held
-            case ExportKV(rid, start):
-                assert self._exporter is not None, "ExportKV needs an EngineThread built with an exporter"
-                self._exports[rid] = start
+            case ExportKV():
+                assert self._exports is not None, "ExportKV needs an EngineThread built with an exporter"
+                self._exports.start(cmd)
                 return None
             case ResetPrefixCache():
                 return e.kv.reset_prefix_cache()
@@ -282,33 +261,10 @@ class EngineThread:
                 return list(e.kv.cached_hashes())
         raise TypeError(f"not an engine command: {cmd!r}")
 
-    def _on_ready(self, sched: SchedulerOutput) -> None:
-        assert self._exporter is not None, "on_ready is set only with an exporter"
-        if self._exports:
-            self._export_step(sched, self._exporter)
-
     def _on_launch(self, sched: SchedulerOutput) -> None:
         self._scheduled = sched
-        if self._exporter is not None and self._exports:
-            self._export_step(sched, self._exporter)
-
-    def _export_step(self, sched: SchedulerOutput, exporter: BlockExporter) -> None:
-        """Pack the prompt blocks of exported requests that are complete and not packed yet
-        (called by the engine inside step(): before a step's forward, a newly admitted
-        request's cached prefix, which then leaves while the step computes; after it, and
-        before finished requests free their blocks, what the step completed)."""
-        bs = self._engine.config.block_size
-        for req, _ in sched.scheduled:
-            done = self._exports.get(req.request_id)
-            if done is None:
-                continue
-            n_prompt = len(req.prompt_token_ids)
-            upto = math.ceil(n_prompt / bs) if req.num_computed_tokens >= n_prompt else req.num_computed_tokens // bs
-            if upto <= done:
-                continue
-            packed = exporter.pack(req.request_id, done, self._engine.kv.block_ids(req.request_id)[done:upto])
-            self._exports[req.request_id] = upto
-            self._aio.call_soon_threadsafe(exporter.on_ready, BlocksReady(req.request_id, done, upto, packed))
+        if self._exports is not None:
+            self._exports.pack(sched)
 
     def _die(self, error: TPFailure) -> None:
         """Fail every request and every command, now and later, with ``error``; stop."""
@@ -388,8 +344,8 @@ class EngineThread:
                         self._engine.abort(d.request_id, "error")
                 self._steps += 1
                 for d in deltas:  # finished requests export nothing more
-                    if d.finish_reason is not None:
-                        self._exports.pop(d.request_id, None)
+                    if d.finish_reason is not None and self._exports is not None:
+                        self._exports.end(d.request_id)
                 if self._step_observer is not None and self._scheduled is not None:
                     self._step_observer(self._scheduled, deltas, len(self._engine.scheduler.requests))
                 self._scheduled = None

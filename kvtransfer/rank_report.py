@@ -14,10 +14,10 @@ with its receiver's address: rank 0 names every rank's in ``PrefillRequest.kv_ad
 A prefill node (rank 0 decides what every rank sends, in the step order)::
 
     rank 0 (engine thread, the step that completed blocks)   worker rank r
-    Control("kv_export", KVExport(transfer, decode addrs,   after that step's forward, before the
-            src ids, dest ids))  -- step channel -------->   next: pack its slices (ShardSender.pack),
+    Control("kv_export", KVExport(request, transfer,        after that step's forward, before the
+            decode addrs, src ids, dest ids))  -- step -->   next: pack its slices (ShardSender.pack),
                                                              then send them (its event loop)
-                                 <-- RankSent(r, transfer, blocks, error) -- once sent (or failed)
+                        <-- RankSent(r, request, transfer, blocks, error) -- once sent (or failed)
     rank 0 answers PrefillResult once its own sends are done and every worker's RankSent
     counted every block (a worker's error fails the request: 502, the decode node falls back)
 
@@ -65,6 +65,7 @@ class RankSent(msgspec.Struct, tag="rank_sent", omit_defaults=True, kw_only=True
     block count (an idle replica sends nothing and still reports them)."""
 
     rank: int
+    request_id: str
     transfer_id: str
     blocks: int
     nbytes: int = 0
@@ -74,8 +75,10 @@ class RankSent(msgspec.Struct, tag="rank_sent", omit_defaults=True, kw_only=True
 class KVExport(msgspec.Struct, tag="kv_export", omit_defaults=True, kw_only=True):
     """prefill rank 0 -> worker ranks (a Control, ordered with the steps): pack your heads of
     ``src_ids`` now (this step completed them) and send them into ``dest_ids`` of the decode
-    ranks at ``addrs`` (one per decode rank, in rank order) for ``transfer_id``."""
+    ranks at ``addrs`` (one per decode rank, in rank order) for ``transfer_id`` (the
+    export of ``request_id``)."""
 
+    request_id: str
     transfer_id: str
     addrs: list[str]
     src_ids: list[int]

@@ -35,8 +35,9 @@ from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, read_msgpack
 from ..common.protocol import Abort
+from ..engine.block_export import BlockExporter
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_thread import AbortRequest, BlockExporter
+from ..engine.engine_thread import AbortRequest
 from ..engine.parallel.group import TPFailure
 from .runtime import NodeRuntime
 

@@ -18,7 +18,7 @@ decode_node/ranks.py) runs on each worker, built there by the factory rank 0 han
                                                           RankLink: event loop thread + pipe end
                                                           role = factory(config, r, link)
     EngineCore(config, tp=leader)  <--- joins ------>   run_worker(config, r, rendezvous, device,
-                                                          role.kv_cache_factory(), role.on_ready,
+                                                          role.kv_cache_factory(), role.on_runner_built,
                                                           role.controls())  (the steps: main thread)
     attach(loop, on_message, on_exit)   <-- pipe ----   RankReady, RankSent, RankBlocks, ClosedApplied
     send(rank, msg) / broadcast(msg)    --- pipe --->   role.on_message(msg) (its loop)
@@ -77,7 +77,7 @@ class RankRole(Protocol):
 
     def kv_cache_factory(self) -> KVCacheFactory | None: ...  # where this rank's KV cache lives
 
-    def on_ready(self, runner: ModelRunner) -> None: ...  # main thread, once loaded: its KV sender/receiver
+    def on_runner_built(self, runner: ModelRunner) -> None: ...  # main thread, once loaded: its KV sender/receiver
 
     def controls(self) -> Mapping[str, ControlHandler]: ...  # rank 0's Controls, between steps (main thread)
 
@@ -157,7 +157,7 @@ def worker_main(factory: RoleFactory, config: NodeConfig, rank: int, rendezvous:
     code = 0
     try:
         run_worker(config.engine, rank, rendezvous, device=device, kv_cache_factory=role.kv_cache_factory(),
-                   on_ready=role.on_ready, controls=role.controls())
+                   on_runner_built=role.on_runner_built, controls=role.controls())
     except TPFailure as e:  # rank 0 stopped or broke: one line, not a traceback
         log.error("%s", e)
         code = 3

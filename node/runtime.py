@@ -52,8 +52,9 @@ from ..common.kv_events import KVEvent, Tier
 from ..common.kv_index import KVIndex
 from ..common.sampling_params import SamplingParams
 from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
+from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
-from ..engine.engine_thread import BlockExporter, EngineThread
+from ..engine.engine_thread import EngineThread
 from ..engine.limits import RequestLimits
 from ..engine.models.loader import resolve_model_dir
 from ..engine.models.registry import read_model_config

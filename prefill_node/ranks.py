@@ -55,7 +55,7 @@ class PrefillRank:
     def kv_cache_factory(self) -> KVCacheFactory | None:
         return None
 
-    def on_ready(self, runner: ModelRunner) -> None:
+    def on_runner_built(self, runner: ModelRunner) -> None:
         kv = runner.kv_caches
         key = node_kv_key(self.config.engine, runner.model_config, kv.dtype, self.config.engine.tensor_parallel_size)
         self.shard = KVShard(key, self.rank)
@@ -102,8 +102,8 @@ class PrefillRank:
         self._report(job, nbytes, error)
 
     def _report(self, job: KVExport, nbytes: int, error: str | None) -> None:
-        self.link.send(RankSent(rank=self.rank, transfer_id=job.transfer_id, blocks=len(job.src_ids),
-                                nbytes=nbytes, error=error))
+        self.link.send(RankSent(rank=self.rank, request_id=job.request_id, transfer_id=job.transfer_id,
+                                blocks=len(job.src_ids), nbytes=nbytes, error=error))
 
     def on_message(self, msg: RankMessage) -> None:
         pass  # rank 0 tells a prefill worker everything through the step channel

@@ -12,13 +12,15 @@ its handshake)
 
 Block streaming, per request (engine thread -> event loop -> transport):
 
-  ExportKV(req, skip_blocks), then AddRequest (engine/engine_thread.py):
+  ExportKV(req, transfer, addrs, skip_blocks, dest ids), then AddRequest (engine/block_export.py:
+  the engine thread owns the export from then on; this loop learns of it from events):
   admitted with a cached prefix:  its blocks [skip, cached // bs) -> pack before the
                                   first forward (after any lower-tier loads): they leave
                                   while the rest of the prompt computes
   step k computes tokens .. n_k:  blocks [sent, n_k // bs) are complete -> pack
   last step (prompt done):        also the partial last block            -> pack
-  BlocksReady events -> per-transfer queue -> ShardSender.send_packed (in order)
+  pack (prefill_node/block_packer.py) -> BlocksReady events -> per-transfer queue
+                                  -> ShardSender.send_packed (in order)
 
 Each decode rank gets its KV heads of every block (``PrefillRequest.kv_addrs``: one
 receiver per decode rank; kvtransfer/tp_plan.py says which prefill rank sends which heads
@@ -42,7 +44,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -53,43 +54,32 @@ from ..common.http import error_response, msgpack_response, read_msgpack
 from ..common.outcomes import PrefillOutcome
 from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
+from ..engine.block_export import BlockExporter, BlocksReady, ExportKV
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_thread import AbortRequest, AddRequest, BlockExporter, BlocksReady, ExportKV
+from ..engine.engine_thread import AbortRequest, AddRequest
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import PackedSend, ShardSender, TransferError, make_sender, pack_sends
+from ..kvtransfer import ShardSender, TransferError, make_sender
 from ..kvtransfer.block_store import KVBlockStore
-from ..kvtransfer.rank_report import KVExport, RankMessage, RankSent, encode_export
+from ..kvtransfer.rank_report import RankMessage, RankSent
 from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
 from ..node.grammar_service import CompileUnavailable, unavailable_response
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
+from .block_packer import BlockPacker
 from .ranks import PrefillRank, rank_sender_options
 
 log = logging.getLogger(__name__)
 
 
-class ExportJob(NamedTuple):
-    """What the engine thread's pack needs to know of a request (set before its ExportKV)."""
-    transfer_id: str
-    addrs: list[str]  # every decode rank's receiver, in rank order
-    skip: int  # prompt blocks the decode node holds: dest_ids[0] is prompt block ``skip``
-    dest_ids: list[int]
-
-
-class PackedChunk(NamedTuple):
-    """Rank 0's slices of prompt blocks one step completed, packed on the engine thread."""
-    dest_ids: list[int]
-    sends: list[PackedSend]
-
-
 @dataclass(slots=True)
 class Outgoing:
-    """One request's outgoing transfer (event loop only)."""
+    """One request's outgoing transfer (event loop only; its export is the engine thread's,
+    learned from BlocksReady events)."""
     task: PrefillRequest
     addrs: list[str]  # every decode rank's receiver, in rank order
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # PackedChunk | None (the prompt is done)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # block_packer.PackedChunk | None (prompt done)
     first: RequestDelta | None = None  # the sampled first token, once the prompt is done
     exported: int = 0  # blocks packed so far (each also announced to the worker ranks)
     worker_blocks: dict[int, int] = field(default_factory=dict)  # worker rank -> blocks it reported sent
@@ -106,8 +96,6 @@ class PrefillNode:
         self.config = config
         self.rt = runtime
         self.out: dict[str, Outgoing] = {}  # req_id -> transfer state
-        self.by_transfer: dict[str, Outgoing] = {}  # transfer_id -> the same, for the workers' reports
-        self._jobs: dict[str, ExportJob] = {}  # req_id -> its export (written here, read by the engine thread)
         self._exporter: BlockExporter | None = None  # from start() on
         self.senders: dict[str, ShardSender] = {}  # backend -> rank 0's sender (one connection pool each)
         sim = config.engine.sim
@@ -140,7 +128,7 @@ class PrefillNode:
         self.store = KVBlockStore(self.rt.kv_caches, self.rt.layout)
         # the engine thread packs completed prompt blocks (fresh buffers, not views of the cache:
         # safe once the blocks are freed) and hands them to _on_blocks here
-        self._exporter = BlockExporter(self._pack, self._on_blocks)
+        self._exporter = BlockExporter(BlockPacker(self.store, self.rt.shard, self.rt.leader), self._on_blocks)
         self.rt.on_failure.append(self._on_failure)
         if self.rt.tp > 1:
             self.rt.set_rank_handler(self._on_rank)
@@ -152,24 +140,10 @@ class PrefillNode:
     def inflight(self) -> int:
         return len(self.out)
 
-    # ---- engine thread ---------------------------------------------------------------------
-    def _pack(self, request_id: str, start: int, block_ids: list[int]) -> PackedChunk | None:
-        """The exporter's pack, on the engine thread right after the step that completed prompt
-        blocks ``[start, start + len(block_ids))``: tell the worker ranks (a Control, run
-        before the next step), pack rank 0's slices. None once the request is gone."""
-        job = self._jobs.get(request_id)
-        if job is None:
-            return None
-        dests = job.dest_ids[start - job.skip:start - job.skip + len(block_ids)]
-        if self.rt.leader is not None:
-            self.rt.leader.send_control("kv_export", encode_export(KVExport(
-                transfer_id=job.transfer_id, addrs=job.addrs, src_ids=block_ids, dest_ids=dests)))
-        return PackedChunk(dests, pack_sends(self.store, self.rt.shard, len(job.addrs), block_ids))
-
     # ---- engine events (on this event loop) -----------------------------------------------
     def _on_blocks(self, ev: BlocksReady) -> None:
         o = self.out.get(ev.request_id)
-        if o is None or ev.packed is None:
+        if o is None:
             return  # aborted meanwhile
         o.exported += ev.end - ev.start
         if self.link is not None:
@@ -180,9 +154,9 @@ class PrefillNode:
         """A worker rank's report (rank 0's event loop)."""
         if not isinstance(msg, RankSent):
             return  # RankReady: its sender is made; nothing to wait for
-        o = self.by_transfer.get(msg.transfer_id)
-        if o is None:
-            return  # the request ended meanwhile
+        o = self.out.get(msg.request_id)
+        if o is None or o.task.transfer_id != msg.transfer_id:
+            return  # the request ended meanwhile (this report may be of an earlier try of it)
         if msg.error is not None and o.worker_error is None:
             o.worker_error = f"prefill rank {rank}: {msg.error}"
         o.worker_blocks[rank] = o.worker_blocks.get(rank, 0) + msg.blocks
@@ -241,12 +215,12 @@ class PrefillNode:
             return resp
         params = _first_token_params(task.sampling_params)
         o = Outgoing(task, task.decode_addrs())
-        self.out[rid] = self.by_transfer[task.transfer_id] = o
-        self._jobs[rid] = ExportJob(task.transfer_id, o.addrs, task.skip_blocks, task.dest_block_ids)
+        self.out[rid] = o
         sender_task = None
         engine = self.rt.engine_thread
         try:
-            export = engine.submit(ExportKV(rid, task.skip_blocks))  # queued before the request runs
+            export = engine.submit(ExportKV(rid, task.transfer_id, o.addrs, task.skip_blocks,
+                                            task.dest_block_ids))  # queued before the request runs
             hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
                                          self.metrics.prompt_hashes, task.cache_salt)
             await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt, grammar))
@@ -282,8 +256,6 @@ class PrefillNode:
             return error_response(503, f"this prefill node failed: {e}")
         finally:  # success, failure or the decode node hung up: nothing stays behind
             self.out.pop(rid, None)
-            self.by_transfer.pop(task.transfer_id, None)
-            self._jobs.pop(rid, None)
             if sender_task is not None and not sender_task.done():
                 sender_task.cancel()
             try:

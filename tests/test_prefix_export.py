@@ -1,4 +1,4 @@
-"""A prefill node's export of a cached prefix (engine/engine_thread.py ``ExportKV``): the
+"""A prefill node's export of a cached prefix (engine/block_export.py ``ExportKV``): the
 blocks a request finds cached are packed before its first forward, once they are in place
 on the device (after their load, when a lower tier held them), so they cross the network
 while the rest of the prompt computes; what the forward computes is packed after it. A load
@@ -17,7 +17,8 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.engine_thread import AddRequest, BlockExporter, BlocksReady, EngineThread, ExportKV
+from splitserve.engine.block_export import BlockExporter, BlocksReady, ExportKV
+from splitserve.engine.engine_thread import AddRequest, EngineThread
 from splitserve.engine.sim_runner import standin_tiers
 
 P = get_profile("llama3-8b-h100")
@@ -50,15 +51,15 @@ def test_a_cached_prefix_is_packed_before_the_forward_that_computes_the_rest(bun
                 if d.finish_reason is not None:
                     done[d.request_id].set()
 
-        exporter = BlockExporter(pack=lambda rid, start, ids: list(ids),
-                                 on_ready=lambda ev: ready.append((ev, time.monotonic())))
+        exporter = BlockExporter(pack=lambda export, ids, dest_ids: list(ids),
+                                 on_blocks=lambda ev: ready.append((ev, time.monotonic())))
         et = EngineThread(e, loop, on_deltas, exporter=exporter)
         et.start()
         try:
             async def serve(rid: str, prompt: list[int], export: bool) -> None:
                 done[rid] = asyncio.Event()
                 if export:
-                    await et.submit(ExportKV(rid, 0))
+                    await et.submit(ExportKV(rid, f"t-{rid}", [], 0, list(range(len(prompt) // 16))))
                 await et.submit(AddRequest(rid, prompt, SamplingParams(max_tokens=1)))
                 await asyncio.wait_for(done[rid].wait(), 60)
 

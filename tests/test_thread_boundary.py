@@ -1,8 +1,10 @@
 """The thread boundary of engine/engine_thread.py: only the engine thread touches the
-engine. One check watches every attribute read of every EngineCore while a real
-prefill node and a real decode node serve disaggregated requests (one of them ending
-on its first token, whose transfer must still count as owned), scrape and abort;
-one check reads the source for code that could reach the engine."""
+engine, and the engine thread touches no node. One check watches every attribute read of
+every EngineCore while a real prefill node and a real decode node serve disaggregated
+requests (one of them ending on its first token, whose transfer must still count as
+owned), scrape and abort; one watches the prefill node's the same way (its block exports
+are the engine thread's own, engine/block_export.py); one reads the source for code that
+could reach the engine."""
 
 import ast
 import asyncio
@@ -19,29 +21,36 @@ from splitserve.common.protocol import Abort, FrameReader, GenerateRequest, Toke
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.decode_node.server import build_app as build_decode_app
-from splitserve.prefill_node.server import build_app as build_prefill_app
+from splitserve.prefill_node.server import PrefillNode, build_app as build_prefill_app
 from splitserve.tests.metrics_text import sample_sum
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENGINE_THREAD = "engine"  # EngineThread's thread name
 
 
-def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
-    path, _ = tiny_llama_dir()
-    engine = EngineConfig(model=str(path), kv_cache_memory=1 << 20, num_threads=1)
-    prefill_cfg = NodeConfig(role="prefill", engine=engine)
-    decode_cfg = NodeConfig(role="decode", engine=engine)
-
+def _watch_reads(cls: type, monkeypatch) -> tuple[threading.Event, list[tuple[str, str]]]:
+    """Record (thread, attribute) of every attribute read of a ``cls`` while the event is set."""
     watching = threading.Event()
-    seen: list[tuple[str, str]] = []  # (thread, attribute) of every read while watching
-    original = EngineCore.__getattribute__
+    seen: list[tuple[str, str]] = []
+    original = cls.__getattribute__
 
     def watched(self, name):
         if watching.is_set():
             seen.append((threading.current_thread().name, name))
         return original(self, name)
 
-    monkeypatch.setattr(EngineCore, "__getattribute__", watched)
+    monkeypatch.setattr(cls, "__getattribute__", watched)
+    return watching, seen
+
+
+def _serve(tiny_llama_dir, watching: threading.Event) -> tuple[list[TokenDelta], str]:
+    """Two disaggregated requests, scrapes and aborts on a real prefill and decode node
+    (``watching`` set while both engine threads run): the first request's frames, the
+    decode node's metrics."""
+    path, _ = tiny_llama_dir()
+    engine = EngineConfig(model=str(path), kv_cache_memory=1 << 20, num_threads=1)
+    prefill_cfg = NodeConfig(role="prefill", engine=engine)
+    decode_cfg = NodeConfig(role="decode", engine=engine)
 
     async def body():
         prefill, decode = TestServer(build_prefill_app(prefill_cfg)), TestServer(build_decode_app(decode_cfg))
@@ -84,7 +93,12 @@ def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
             await prefill.close()
         return frames, metrics
 
-    frames, metrics = asyncio.run(body())
+    return asyncio.run(body())
+
+
+def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
+    watching, seen = _watch_reads(EngineCore, monkeypatch)
+    frames, metrics = _serve(tiny_llama_dir, watching)
     assert sample_sum(metrics, names.KV_TRANSFERS, state="owned") == 2
     assert sample_sum(metrics, names.KV_TRANSFERS, state="aborted") == 0
     assert frames[-1].finish_reason == "length"
@@ -93,6 +107,16 @@ def test_event_loop_never_touches_a_running_engine(tiny_llama_dir, monkeypatch):
     assert engine_reads, "the watch saw nothing: the test does not test"
     elsewhere = sorted({(thread, name) for thread, name in seen if thread != ENGINE_THREAD})
     assert elsewhere == [], f"engine read off the engine thread: {elsewhere}"
+
+
+def test_the_engine_thread_never_reads_the_prefill_node(tiny_llama_dir, monkeypatch):
+    """Everything an export needs rides its ExportKV; the prefill node learns of it from events."""
+    watching, seen = _watch_reads(PrefillNode, monkeypatch)
+    _, metrics = _serve(tiny_llama_dir, watching)
+    assert sample_sum(metrics, names.KV_TRANSFERS, state="owned") == 2  # both prompts' blocks were exported
+    assert seen, "the watch saw nothing: the test does not test"
+    on_engine = sorted({name for thread, name in seen if thread == ENGINE_THREAD})
+    assert on_engine == [], f"the engine thread read the prefill node: {on_engine}"
 
 
 def _attribute_names(tree: ast.AST) -> set[str]:

@@ -78,7 +78,7 @@ def dump_worker(config: EngineConfig, rank: int, rendezvous: TPRendezvous, out_d
         torch.save({"kv": runner.kv_caches[:, :, ids].clone(), "heads": tuple(runner.shard.kv_heads)},
                    Path(out_dir) / f"rank{rank}.pt")
 
-    run_worker(config, rank, rendezvous, on_ready=ready, controls={"dump": dump})
+    run_worker(config, rank, rendezvous, on_runner_built=ready, controls={"dump": dump})
 
 
 def start_dump_workers(config: EngineConfig, rendezvous: TPRendezvous, out_dir: Path) -> list:

@@ -37,16 +37,16 @@ KV transfer per rank is the node's code; the engine's seams for it:
   its KV heads, head_dim]``: its heads of every block, under rank 0's block ids) and
   ``shard.kv_heads`` (which global heads: ``common.kv_heads.rank_heads``). Rank 0's is
   ``engine.runner`` (read before the engine goes to its thread, as NodeRuntime does);
-  a worker's is handed to ``run_worker(on_ready=...)``, where the node builds that rank's
+  a worker's is handed to ``run_worker(on_runner_built=...)``, where the node builds that rank's
   block store, sender and receiver.
 - Import (decode node): each rank's receiver lands its heads into blocks rank 0 reserved
   (``Reserve`` on rank 0); no step is involved. Workers report landed blocks to rank 0
   over the node's own channel (kvtransfer/rank_report.py), not this one: a step channel's
   socket belongs to its worker's main thread.
-- Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(request, start, block_ids)``
-  right after launching the step that completed those blocks (``on_launch``), and a newly
-  admitted request's cached prefix just before its first forward is queued (``on_ready``,
-  after that step's inputs went out); the node's
+- Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(export, src_ids,
+  dest_ids)`` (engine/block_export.py) right after launching the step that completed those
+  blocks (``on_launch``), and a newly admitted request's cached prefix just before its first
+  forward is queued (``on_kv_in_place``, after that step's inputs went out); the node's
   pack also calls ``leader.send_control("kv_export", payload)`` naming the blocks. Each
   worker runs ``controls["kv_export"](payload)`` after that step's forward and before the
   next one, so the blocks are still intact there (a block freed by rank 0 is written

@@ -3,7 +3,7 @@ run every step rank 0 sends until it says stop or goes away.
 
 Owns ``run_worker`` (the loop) and ``TPRendezvous`` (where a node's ranks find each
 other). Must not: schedule, sample, own block ids or know about HTTP and transfers;
-the node's code reaches a worker through ``on_ready`` (this rank's runner: its KV
+the node's code reaches a worker through ``on_runner_built`` (this rank's runner: its KV
 cache, its heads) and ``controls`` (instructions rank 0 sends between steps).
 
 A worker's life (rank 0's side of each step: parallel/launch.py, model_runner.py)::
@@ -14,7 +14,7 @@ A worker's life (rank 0's side of each step: parallel/launch.py, model_runner.py
     ModelRunner over its shard                 load its slices; KV cache sized with the
                                                group (same block count); static decode
                                                buckets (CUDA graphs captured together)
-    on_ready(runner)                           node: its KV store / receiver over runner.kv_caches
+    on_runner_built(runner)                    node: its KV store / receiver over runner.kv_caches
     loop: ForwardInputs -> runner.follow       the same forward as rank 0, in lockstep
           Control(kind, payload) -> controls[kind](payload)
           Stop -> return
@@ -60,13 +60,13 @@ ControlHandler = Callable[[bytes], None]
 
 def run_worker(config: EngineConfig, rank: int, rendezvous: TPRendezvous, *,
                device: torch.device | str | None = None, kv_cache_factory: KVCacheFactory | None = None,
-               on_ready: Callable[[ModelRunner], None] | None = None,
+               on_runner_built: Callable[[ModelRunner], None] | None = None,
                controls: Mapping[str, ControlHandler] | None = None) -> None:
     """Serve as rank ``rank`` (>= 1) of the node at ``rendezvous`` until rank 0 sends Stop
     (returns) or fails (raises a ``TPFailure``). ``config``: the node's config, the same
     as rank 0's. ``device``: this rank's (default ``parallel.rank_device``).
     ``kv_cache_factory`` places this rank's KV cache (shared memory for a same-host
-    transport), ``on_ready`` gets the runner once built (its ``kv_caches`` and ``shard``),
+    transport), ``on_runner_built`` gets the runner once built (its ``kv_caches`` and ``shard``),
     ``controls`` handle rank 0's ``Control`` messages by kind."""
     assert 1 <= rank < rendezvous.size, f"worker rank {rank} of {rendezvous.size}"
     dev = torch.device(device) if device is not None else rank_device(config.device, rank)
@@ -87,8 +87,8 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: TPRendezvous, *,
             if cpus is not None:
                 pin_process(cpus)  # the group's threads exist now: they move too
             runner = ModelRunner(config, resolve_model_dir(config.model), kv_cache_factory, group)
-            if on_ready is not None:
-                on_ready(runner)
+            if on_runner_built is not None:
+                on_runner_built(runner)
         except Exception as e:
             channel.report_failure(f"{type(e).__name__}: {e}")
             raise
