@@ -46,7 +46,6 @@ from ..common.hashing import hash_blocks, hash_keys, salt_id
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
-from .sampling import prompt_logprobs
 from .kv.cache_manager import KVCacheManager
 from .kv.tier_store import TierObserver
 from .limits import RequestLimits
@@ -325,7 +324,7 @@ class EngineCore:
         result = launched.result()
         self.busy_s += time.perf_counter() - t0
         for req, start, values in result.prompt_logprobs:
-            prompt_logprobs.record(req, start, values)
+            req.record_prompt_logprobs(start, values)
         deltas = []
         for row, tokens, logprobs in result.sampled:
             req = row.request

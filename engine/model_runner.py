@@ -52,7 +52,6 @@ from .kv.sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401
 from .models.loader import load_model
 from .models.config import ModelConfig
 from .parallel.group import TPGroup
-from .sampling.prompt_logprobs import PromptRows
 from .request import Request
 from .runner import LaunchedStep, Runner, split
 from .sampling.sampler import SampledTokens, Sampler
@@ -67,6 +66,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 KVCacheFactory = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> zeroed tensor
+
+
+class PromptRows(NamedTuple):
+    """Logits rows of one chunk whose positions predict prompt tokens (sampling/prompt_logprobs.py)."""
+
+    request: Request
+    start: int  # position of the first row
+    rows: list[int]  # indices into the step's flat token batch, consecutive positions
 
 
 class StepLink(Protocol):

@@ -98,6 +98,16 @@ class Request:
                 self.grammar.accept(token_id)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_keys)
 
+    def record_prompt_logprobs(self, start: int, values: list[PromptLogprob]) -> None:
+        """Store a chunk's prompt logprobs, of positions [start, start + len(values)), into
+        ``prompt_logprobs`` (entry 0 is None; sampling/prompt_logprobs.py)."""
+        lps = self.prompt_logprobs
+        del lps[start + 1:]
+        if not lps:
+            lps.append(None)
+        assert len(lps) == start + 1, (len(lps), start)  # chunks of a request run in order
+        lps.extend(values)
+
     def rollback(self, n: int) -> None:
         """Forget the KV of its last ``n`` computed tokens: the drafts a verifying step computed
         and rejected (scheduler.py ``Row``). Their ids were never appended; the next step

@@ -23,22 +23,9 @@ with one device-to-host copy per chunk.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 
 from ...common.sampling_params import PromptLogprob
-
-if TYPE_CHECKING:
-    from ..request import Request
-
-
-class PromptRows(NamedTuple):
-    """Logits rows of one chunk whose positions predict prompt tokens."""
-
-    request: Request
-    start: int  # position of the first row
-    rows: list[int]  # indices into the step's flat token batch, consecutive positions
 
 
 def wanted_positions(prompt_len: int, start: int, n: int) -> int:
@@ -59,12 +46,3 @@ def compute(logits: torch.Tensor, targets: list[int], k: int) -> list[PromptLogp
     return [PromptLogprob(row[0], int(row[1]), [(int(t), v) for t, v in zip(row[2 + k:], row[2:2 + k])])
             for row in packed]
 
-
-def record(request: Request, start: int, values: list[PromptLogprob]) -> None:
-    """Store a chunk's values into ``request.prompt_logprobs`` (entry 0 is None)."""
-    lps = request.prompt_logprobs
-    del lps[start + 1:]
-    if not lps:
-        lps.append(None)
-    assert len(lps) == start + 1, (len(lps), start)  # chunks of a request run in order
-    lps.extend(values)
