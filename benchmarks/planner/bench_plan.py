@@ -12,7 +12,7 @@ standing for an H100 each, the real router, Redis and KV transport). The replay 
 slower than real time where it must: an H100 decode node streams ~10k tokens/s and its
 prompts move ~2k KV blocks/s, far more than this 2-core machine's router and nodes carry
 in real time, so each run's pace keeps the output tokens under 1500 and the blocks under
-600 per wall second (check.py ``pick_speedup``); the host's own time then weighs
+600 per wall second (plan_check.py ``pick_speedup``); the host's own time then weighs
 little in the trace's time. Each run is checked for keeping its pace (sends on
 schedule, no node overrunning its steps); one that does not is reported as not
 sustained, not as a result.

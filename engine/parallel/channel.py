@@ -4,7 +4,7 @@
 ``RankHello`` when it connects and ``Failed`` when it cannot start.
 
 Owns the messages and both ends (``StepSender`` on rank 0, ``StepReceiver`` on a worker).
-Must not: run the model, or carry tensors (collectives do, parallel.py). Not
+Must not: run the model, or carry tensors (collectives do, group.py). Not
 torch.distributed's object broadcast (a pickle and two collectives per step) and not
 HTTP: one msgpack encode and one zmq send per worker per step.
 

@@ -11,7 +11,7 @@ A create runs on the chat path end to end::
       -> unless "store": false, room for it in the key's quota (429 / 503 before any work)
       -> prepare (responses/prepare.py -> prepare.py; on a worker thread when the whole
          conversation, stored history and new body, is large)
-      -> start the generation (openai/api.py start_all -> streams/dispatch.py)
+      -> start the generation (completions.py start_all -> streams/dispatch.py)
       -> the chat bodies (bodies.py) -> the response (responses/objects.py) or its
          events (responses/events.py)
       -> store it (unless "store": false), then answer / send response.completed; a store

@@ -12,7 +12,7 @@
 
 so a misspelt ``guided_regex`` or ``max_completion_token`` is an error, never a silent
 no-op, while the official client libraries (which send only spec fields) always pass.
-`tests/test_request_fields.py` checks that every field of the openai client's request
+`tests/test_router_request_fields.py` checks that every field of the openai client's request
 types of each endpoint is read, ignored or refused here.
 
 Also owns the one reading of msgspec's validation messages (`field_error`), which every
