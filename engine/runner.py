@@ -84,7 +84,7 @@ class Runner(Protocol):
         """Queue one forward over ``out.rows`` and the sampling of every row's last
         ``num_verify`` tokens; return without waiting for them unless the runner cannot
         overlap (``LaunchedStep.result()`` waits). The step's lower-tier loads
-        (``kv.offload``) are its own to issue before the forward reads them. ``ready`` is
+        (``kv.take_loads()``) are its own to issue before the forward reads them. ``ready`` is
         called before the forward, where what it queues finds the blocks the step reads in
         place, loaded ones included."""
         ...

@@ -474,7 +474,7 @@ def test_up_never_says_it_serves_before_its_own_nodes_registered():
         env.pop(name, None)
     up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port),
                            "--prefill-nodes", "1", "--decode-nodes", "1", "--kv-cache-memory", "32MiB",
-                           "--kv-backend", "tcp", "--startup-timeout", "45"],
+                           "--kv-backend", "tcp", "--startup-timeout", "15"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     reader = _read_lines(up, lines)
