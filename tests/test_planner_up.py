@@ -93,8 +93,13 @@ def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
         def scaled_up() -> bool:
             return prefill_nodes() >= 2
 
-        # the load step: 300-token prompts at 1.5/s, about twice what one CPU prefill node computes
-        step = asyncio.run(open_loop(url, 1.5, 60, 300, 4, until=scaled_up))
+        # the load step: 300-token prompts at 1.5/s, about twice what one CPU prefill node computes,
+        # until the router routes to a second prefill node (a started node loads and registers in
+        # seconds, more while another test file shares the cores: up to 120 s, then 30 s more)
+        step = asyncio.run(open_loop(url, 1.5, 120, 300, 4, until=scaled_up))
+        settle = time.monotonic() + 30
+        while not scaled_up() and time.monotonic() < settle:
+            time.sleep(0.5)
         assert scaled_up(), "\n".join(lines[-40:])
         # the new node takes requests too
         step += asyncio.run(open_loop(url, 1.5, 6, 300, 4))
@@ -115,6 +120,9 @@ def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
         assert stopped and stopped[0]["role"] == "prefill" and stopped[0]["exit_code"] == 0, state["actuator"]
         downs = [d for d in state["decisions"] if d.get("change", {}).get("prefill", 0) < 0]
         assert downs and any("draining" in r for r in downs[0]["reasons"]), downs
+        settle = time.monotonic() + 15  # the router drops the drained node at its next registry read
+        while prefill_nodes() != 1 and time.monotonic() < settle:
+            time.sleep(0.5)
         assert prefill_nodes() == 1
 
         failed = [e for e in step + quiet if e is not None]
