@@ -190,13 +190,23 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+# (cfg, shard, group, layer index) -> that layer's feed-forward block, [T, hidden] -> [T, hidden]
+# (the whole sum on every rank): a family's choice, the dense MLP by default
+FeedForward = Callable[[ModelConfig, TPShard, TPGroup, int], nn.Module]
+
+
+def dense_mlp(cfg: ModelConfig, shard: TPShard, group: TPGroup, layer: int) -> nn.Module:
+    """The dense family's feed-forward block, the same on every layer."""
+    return MLP(cfg, shard, group)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup):
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard, group)
+        self.mlp = mlp
 
     def forward(self, x, rope, kv_cache, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
@@ -204,8 +214,9 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None):
-        """The whole model, or with a ``group`` of size t > 1 rank ``group.rank``'s shard."""
+    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None, feed_forward: FeedForward = dense_mlp):
+        """The whole model, or with a ``group`` of size t > 1 rank ``group.rank``'s shard;
+        ``feed_forward`` builds each layer's feed-forward block."""
         super().__init__()
         self.cfg = cfg
         group = group if group is not None else TPGroup.single("cpu")
@@ -215,7 +226,8 @@ class CausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(self.shard, cfg.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, group) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, group, feed_forward(cfg, self.shard, group, i))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg)
         if group.size == 1:
