@@ -45,9 +45,11 @@ def sliding_window(cfg: dict) -> int | None:
     window, arch = cfg.get("sliding_window"), architecture(cfg)
     if window is None:
         return None
-    if arch == "MistralForCausalLM":  # every layer, whenever the config names a window
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # every layer, whenever the config names a window
         return int(window)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch == "Qwen3MoeForCausalLM":  # every layer, when use_sliding_window
+        return int(window) if cfg.get("use_sliding_window", False) else None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
         types = cfg.get("layer_types")
         if types is not None:
             return int(window) if "sliding_attention" in types else None

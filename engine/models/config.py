@@ -1,4 +1,4 @@
-"""ModelConfig: the architecture of a dense decoder checkpoint, read from its Hugging
+"""ModelConfig: the architecture of a decoder checkpoint (dense, or MoE with ``moe``), read from its Hugging
 Face ``config.json`` and frozen, and the reading of the fields every dense family shares
 (``ModelConfig.from_hf``). Which family reads which config.json, with which flags, is
 the model registry's (registry.py; the flags of the built-in families: llama.py).
@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from ...common.hf_config import architecture, sliding_window, usable_context
+from .moe_config import MoEConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over head_dim on each q and k head, before RoPE
     sliding_window: int | None  # the checkpoint's window, when some layer uses one
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # a Mixture-of-Experts model's experts (moe_family.py); None: dense
 
     @property
     def rope_scaling_dict(self) -> dict | None:

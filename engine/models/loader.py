@@ -4,8 +4,9 @@ family's module, or builds it with random weights from ``config.json`` alone.
 
 Owns the name mapping from checkpoint weights to ours: the family's weight map gives each
 tensor its Hugging Face-style name (``model.layers.<i>.<part>.<kind>``, ``model.embed_tokens``,
-``model.norm``, ``lm_head``), and its sharding plan's fused parts are concatenated
-(q/k/v and gate/up in the dense family). Also the load formats (``LOAD_FORMATS``: auto
+``model.norm``, ``lm_head``), its sharding plan's fused parts are concatenated
+(q/k/v and gate/up in the dense family) and its stacked parts stacked (a MoE's
+per-expert tensors into one [experts, ...] parameter: sharding.StackSlot). Also the load formats (``LOAD_FORMATS``: auto
 and safetensors read the checkpoint, dummy draws seeded random weights on the target
 device so that real shapes can be benchmarked without downloading them) and the
 resolution of the model argument: ``None`` means the bundled model.
@@ -125,12 +126,17 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
     against the parameters of ``model`` (on the meta device): nothing missing, nothing
     left over, every shape as config.json implies."""
     cfg = model.cfg
-    fused_parts = family_of(cfg.architecture).sharding.fused
+    plan = family_of(cfg.architecture).sharding
+    fused_parts = plan.fused
     hf = read_safetensors(model_dir, model.shard)
     ours: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # our stacked name -> (row, piece) -> tensor
     for key in list(hf):
         m = _LAYER.match(key)
-        if key == "model.embed_tokens.weight":
+        slot = plan.stacked(f"{m.group(2)}.{m.group(3)}") if m else None
+        if m and slot is not None:
+            stacks.setdefault(f"layers.{m.group(1)}.{slot.name}", {})[slot.row, slot.piece] = hf.pop(key)
+        elif key == "model.embed_tokens.weight":
             ours["embed_tokens.weight"] = hf.pop(key)
         elif key == "model.norm.weight":
             ours["norm.weight"] = hf.pop(key)
@@ -144,6 +150,12 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
                 names = [f"model.layers.{i}.{p}.{kind}" for p in parts]
                 if all(n in hf for n in names):
                     ours[f"layers.{i}.{fused}.{kind}"] = torch.cat([hf.pop(n) for n in names])
+    for name, pieces in stacks.items():
+        rows, per_row = 1 + max(r for r, _ in pieces), 1 + max(p for _, p in pieces)
+        if len(pieces) != rows * per_row:
+            raise ValueError(f"model: {name} in {model_dir}: {rows * per_row - len(pieces)} of its "
+                             f"{rows} x {per_row} stacked tensors (experts x parts) are missing")
+        ours[name] = torch.stack([torch.cat([pieces[r, p] for p in range(per_row)]) for r in range(rows)])
     hf.pop("lm_head.weight", None)  # tied: the embedding serves as the head
     expected = dict(model.named_parameters())  # a tied head is listed once, as embed_tokens
     unexpected = sorted(hf) + sorted(ours.keys() - expected.keys())

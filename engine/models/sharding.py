@@ -4,7 +4,7 @@ dummy weights are drawn whole and sliced, so TP=t equals the TP=1 dummy model).
 
 Owns ``TPShard`` (a rank's query heads, KV heads, MLP columns and vocabulary rows),
 ``check_model_tp`` (the model-dependent checks of ``tensor_parallel_size``), the
-``ShardingPlan`` a model family names (family.py) and the dense module's plan
+``ShardingPlan`` a model family names (with ``StackSlot``: per-expert tensors stacked at load) (family.py) and the dense module's plan
 (``DENSE_SHARDING``: the slicing of each weight below). Must not: run collectives
 (llama.py places them) or read files.
 
@@ -81,9 +81,14 @@ def model_tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
     if kv is not None:
         problems.append(kv.replace("tensor_parallel_size ", "tensor_parallel_size: ", 1)
                         + " (num_key_value_heads)")
-    if cfg.intermediate_size % tp:
-        problems.append(f"tensor_parallel_size: {tp} does not divide the model's intermediate_size "
-                        f"{cfg.intermediate_size}; use a divisor of it")
+    widths = {"intermediate_size": cfg.intermediate_size}
+    if cfg.moe is not None:  # each expert (and the shared one) is cut like the dense MLP
+        widths.update(moe_intermediate_size=cfg.moe.intermediate_size,
+                      shared_expert_intermediate_size=cfg.moe.shared_expert_size)
+    for field, width in widths.items():
+        if width % tp:
+            problems.append(f"tensor_parallel_size: {tp} does not divide the model's {field} "
+                            f"{width}; use a divisor of it")
     return problems
 
 
@@ -102,6 +107,12 @@ def shard_of(cfg: ModelConfig, rank: int, size: int) -> TPShard:
     return TPShard(rank, size, HeadRange(rank * hq, (rank + 1) * hq), rank_heads(rank, size, cfg.num_kv_heads),
                    HeadRange(rank * inter, (rank + 1) * inter), HeadRange(rank * rows, (rank + 1) * rows),
                    cfg.vocab_size)
+
+
+def split_range(width: int, shard: TPShard) -> HeadRange:
+    """Rank ``shard``'s columns [start, stop) of a feed-forward ``width`` split evenly (checked by check_model_tp)."""
+    part = width // shard.size
+    return HeadRange(shard.rank * part, (shard.rank + 1) * part)
 
 
 class Cut(NamedTuple):
@@ -174,6 +185,20 @@ def shard_full(name: str, full: torch.Tensor, shard: TPShard, cfg: ModelConfig) 
     return cut(full, hf_cut(part, kind, shard, cfg)).contiguous()
 
 
+class StackSlot(NamedTuple):
+    """Where one checkpoint tensor goes in a stacked parameter (a MoE's experts, [E, ...]):
+    each row of the stack is its pieces concatenated on dim 0, in piece order."""
+
+    name: str  # the stacked parameter's name inside a layer (mlp.w13)
+    row: int  # its row of the stack (the expert)
+    piece: int  # its place among the row's pieces (gate 0, up 1)
+
+
+def unstacked(name: str) -> StackSlot | None:
+    """The dense family stacks nothing."""
+    return None
+
+
 class ShardingPlan(NamedTuple):
     """How a family's module is cut over tensor-parallel ranks (its checkpoint names:
     Hugging Face-style, after the family's weight map)."""
@@ -181,6 +206,9 @@ class ShardingPlan(NamedTuple):
     fused: dict[str, tuple[str, ...]]  # the module's fused name -> its checkpoint parts, in order
     cut: Callable[[str, str, TPShard, ModelConfig], Cut | None]  # (part, kind, shard, cfg): as hf_cut
     full: Callable[[str, torch.Tensor, TPShard, ModelConfig], torch.Tensor]  # as shard_full
+    # a checkpoint tensor's name inside a layer (after the weight map: mlp.experts.3.gate_proj.weight)
+    # -> its slot in a stacked parameter, or None
+    stacked: Callable[[str], StackSlot | None] = unstacked
 
 
 DENSE_SHARDING = ShardingPlan(FUSED, hf_cut, shard_full)
