@@ -4,9 +4,9 @@ dummy weights are drawn whole and sliced, so TP=t equals the TP=1 dummy model).
 
 Owns ``TPShard`` (a rank's query heads, KV heads, MLP columns and vocabulary rows),
 ``check_model_tp`` (the model-dependent checks of ``tensor_parallel_size``), the
-``ShardingPlan`` a model family names (with ``StackSlot``: per-expert tensors stacked at load) (family.py) and the dense module's plan
-(``DENSE_SHARDING``: the slicing of each weight below). Must not: run collectives
-(llama.py places them) or read files.
+``ShardingPlan`` a model family names (family.py; ``StackSlot``: per-expert tensors stacked
+at load) and the dense module's plan (``DENSE_SHARDING``: the slicing of each weight
+below). Must not: run collectives (llama.py places them) or read files.
 
 With ``t`` ranks, ``Hq`` query heads, ``H`` KV heads, intermediate size ``I``,
 vocabulary ``V`` padded to ``t * ceil(V / t)`` rows, rank ``r`` holds::
