@@ -5,7 +5,8 @@ shared expert and any expert-parallel dispatch belong to the MoE block (moe.py).
     x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u),  [g; u] = w13[e] @ x[t],  e = topk_ids[t, j]
 
-``fused_moe_torch`` is the CPU path and the correctness reference for a grouped-GEMM kernel.
+``fused_moe`` runs the Triton grouped GEMM (fused_moe_triton.py) on CUDA tensors and
+``fused_moe_torch`` otherwise; the torch path is also the kernel's correctness reference.
 """
 
 import torch
@@ -56,4 +57,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
               topk_weights: torch.Tensor) -> torch.Tensor:
     """[T, H]: each token through its top-k experts, weighted by topk_weights, in x's dtype.
     x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k] int64, topk_weights [T, k]."""
+    if x.is_cuda:
+        from .fused_moe_triton import fused_moe_triton  # imports triton, which CPU installs may lack
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights)
     return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
