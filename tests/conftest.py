@@ -118,7 +118,10 @@ def run_engine():
 
 # family -> (transformers config class name, model class name)
 TINY_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                 "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+                 "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
 
 
 def _save_tiny_model(tmp_path_factory, family, **overrides):

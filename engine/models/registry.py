@@ -3,9 +3,9 @@ config adapter, module, weight map, sharding plan, parameter counts), and the re
 a model folder's config through it (``read_model_config``).
 
 A family is one file defining ``FAMILY``. The built-in ones are listed in ``BUILTIN``
-(the dense family, llama.py: Llama, Qwen2, Qwen3, Mistral). A family from outside the
-package is named in the environment variable ``SPLITSERVE_MODEL_FAMILIES``: a
-comma-separated list of importable module names (``my_pkg.my_family``) or paths of
+(the dense family, llama.py: Llama, Qwen2, Qwen3, Mistral; the MoE families, moe_family.py:
+Qwen3-MoE, Mixtral, Qwen2-MoE). A family from outside the package is named in the
+environment variable ``SPLITSERVE_MODEL_FAMILIES``: a comma-separated list of importable module names (``my_pkg.my_family``) or paths of
 ``.py`` files, each defining ``FAMILY``. Every process that reads a config (each node,
 its worker ranks, ``splitserve up``'s members, the offline ``LLM``) loads them on its
 first lookup; processes inherit the variable, so setting it where ``splitserve up``
@@ -23,12 +23,12 @@ from functools import cache
 from pathlib import Path
 
 from ...common.hf_config import architecture, read_config_json
-from . import llama
+from . import llama, moe_family
 from .config import ModelConfig
 from .family import ModelFamily
 
 FAMILIES_ENV = "SPLITSERVE_MODEL_FAMILIES"
-BUILTIN = (llama.FAMILY,)
+BUILTIN = (llama.FAMILY, moe_family.FAMILY)
 
 
 def family_of(arch: str) -> ModelFamily:

@@ -1,0 +1,78 @@
+"""The Mixture-of-Experts feed-forward block (``MoEBlock``) and the family's choice of it per
+layer (``moe_feed_forward``, a llama.FeedForward): a router gate scores the experts, each
+token goes to its top k (softmax, top-k, renormalised when ``norm_topk_prob``: the three
+families' routing as transformers computes it; Mixtral always renormalises), the experts'
+SwiGLUs run in one ``fused_moe`` call (fused_moe.py) and Qwen2-MoE adds a shared expert
+gated by ``sigmoid(shared_expert_gate(x))``.
+
+Experts are stacked: ``w13`` [E, 2 * I, H] (each expert's gate rows, then its up rows) and
+``w2`` [E, H, I]; the loader stacks the checkpoint's per-expert tensors into them
+(sharding.StackSlot). With TP = t each rank holds every expert's columns
+[r * I / t, (r + 1) * I / t) (moe_family.py's plan) and the partial sums are all-reduced,
+as in the dense MLP. Each forward counts the tokens routed to each expert
+(``expert_tokens``); ``expert_load_imbalance`` reads them as max / mean per layer, for the
+load-imbalance metric. Must not: read weights or configs.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .fused_moe import fused_moe
+from .llama import MLP, dense_mlp
+from ..parallel.group import TPGroup
+from .sharding import TPShard, split_range
+
+
+class MoEBlock(nn.Module):
+    expert_tokens: torch.Tensor  # [E] int64: tokens routed to each expert by the last forward
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup):
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None, "MoEBlock needs a MoE config"
+        E, H, inter = moe.num_experts, cfg.hidden_size, moe.intermediate_size // shard.size
+        self.top_k, self.norm_topk_prob, self.group = moe.top_k, moe.norm_topk_prob, group
+        self.gate = nn.Linear(H, E, bias=False)  # router: replicated on every rank
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))  # [E, 2 * I / t, H]: gate rows, then up rows
+        self.w2 = nn.Parameter(torch.empty(E, H, inter))  # [E, H, I / t]
+        if moe.shared_expert_size:
+            shared = shard._replace(inter=split_range(moe.shared_expert_size, shard))
+            self.shared_expert = MLP(cfg, shared, group)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+        self.has_shared = bool(moe.shared_expert_size)
+        # filled in place by every forward, captured CUDA graphs' replays included; on the CPU even
+        # when the loader builds the module on "meta" (it moves with the module, like rope's tables)
+        self.register_buffer("expert_tokens", torch.zeros(E, dtype=torch.int64, device="cpu"), persistent=False)
+
+    def forward(self, x):  # x [T, H] -> [T, H]
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # each [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = ids.flatten()  # index_add_ rather than bincount: no host sync, so a CUDA graph captures it
+        self.expert_tokens.zero_().index_add_(0, flat, torch.ones_like(flat))
+        y = fused_moe(x, self.w13, self.w2, ids, weights)  # [T, H]: this rank's columns' partial sums
+        if self.group.size > 1:
+            y = self.group.all_reduce(y)
+        if self.has_shared:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+def moe_feed_forward(cfg: ModelConfig, shard: TPShard, group: TPGroup, layer: int) -> nn.Module:
+    """A MoE family's feed-forward block of ``layer``: the MoE block, or the dense MLP on its dense layers."""
+    assert cfg.moe is not None
+    return MoEBlock(cfg, shard, group) if cfg.moe.is_sparse(layer) else dense_mlp(cfg, shard, group, layer)
+
+
+def expert_load_imbalance(model: nn.Module) -> dict[int, float]:
+    """layer index -> max / mean of the tokens its experts got in the last forward (1.0: even;
+    E: all on one expert), for each MoE layer that routed any token; one copy to the host."""
+    blocks = {int(name.split(".")[1]): m for name, m in model.named_modules() if isinstance(m, MoEBlock)}
+    if not blocks:
+        return {}
+    counts = torch.stack([b.expert_tokens for b in blocks.values()]).float()  # [MoE layers, E]
+    ratio = (counts.amax(dim=1) / counts.mean(dim=1)).tolist()
+    return {layer: r for layer, r in zip(blocks, ratio) if r == r}  # NaN: no token routed
