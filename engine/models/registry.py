@@ -5,8 +5,9 @@ a model folder's config through it (``read_model_config``).
 A family is one file defining ``FAMILY``. The built-in ones are listed in ``BUILTIN``
 (the dense family, llama.py: Llama, Qwen2, Qwen3, Mistral; the MoE families, moe_family.py:
 Qwen3-MoE, Mixtral, Qwen2-MoE). A family from outside the package is named in the
-environment variable ``SPLITSERVE_MODEL_FAMILIES``: a comma-separated list of importable module names (``my_pkg.my_family``) or paths of
-``.py`` files, each defining ``FAMILY``. Every process that reads a config (each node,
+environment variable ``SPLITSERVE_MODEL_FAMILIES``: a comma-separated list of importable
+module names (``my_pkg.my_family``) or paths of ``.py`` files, each defining ``FAMILY``.
+Every process that reads a config (each node,
 its worker ranks, ``splitserve up``'s members, the offline ``LLM``) loads them on its
 first lookup; processes inherit the variable, so setting it where ``splitserve up``
 starts covers the whole cluster. The router never reads it: it needs only the
