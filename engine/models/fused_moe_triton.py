@@ -37,11 +37,12 @@ class Alignment(NamedTuple):
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the pairs by expert and pad each expert's run to ``block_m`` rows, on the ids'
-    device with static sizes (no host read)."""
+    device with static sizes and no host read (a CUDA graph can capture it)."""
     flat = topk_ids.reshape(-1)  # [P]
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)  # [P]
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E]; not bincount, which reads its max on the host (no CUDA graph)
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     run_start = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
