@@ -65,6 +65,8 @@ KV_POOL_TOKENS = PREFIX + "kv_pool_tokens"  # gauge
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"  # counter, prompt tokens looked up
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"  # counter, prompt tokens found cached
 NUM_PREEMPTIONS = PREFIX + "num_preemptions_total"  # counter
+# gauge, label layer: a MoE model's max / mean tokens per expert in a recent forward (1: even; experts: all on one)
+EXPERT_LOAD_IMBALANCE = PREFIX + "expert_load_imbalance"
 # Lower tiers of the prefix cache (engine/kv/tier_store.py), label tier (host, disk), in blocks
 # (vLLM's offloading connector and LMCache count the same things):
 KV_OFFLOAD_QUERIES = PREFIX + "kv_offload_queries_total"  # counter: prompt blocks looked up below the device

@@ -62,6 +62,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, NamedTuple
 
 from ..common.kv_tier_stats import TierStats
@@ -149,6 +150,13 @@ class EngineStats(NamedTuple):
     preemptions: int
     sim_overrun_s: float = 0.0  # a simulated node's wall seconds beyond its steps' time (sim_runner.py)
     tiers: tuple[TierStats, ...] = ()  # each tier of the prefix cache, device first (EngineCore.tier_stats)
+    # (MoE layer, max / mean tokens per expert) of a forward at most EXPERT_LOAD_EVERY_S old; () when dense
+    expert_load: tuple[tuple[int, float], ...] = ()
+
+
+# Seconds between reads of a MoE model's expert counts: each read copies from the device and waits
+# for the step queued behind it (one lost overlap a second)
+EXPERT_LOAD_EVERY_S = 1.0
 
 
 class EngineThread:
@@ -169,6 +177,8 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._steps = 0
+        self._expert_load: tuple[tuple[int, float], ...] = ()
+        self._expert_load_at = -EXPERT_LOAD_EVERY_S  # monotonic time of the last read
         self.stats = self._stats()  # replaced (never mutated) by the engine thread; read anywhere
         self._step_observer = step_observer
         self._scheduled: SchedulerOutput | None = None  # engine thread: the step being computed
@@ -222,9 +232,12 @@ class EngineThread:
     # ---- engine thread ---------------------------------------------------------------------
     def _stats(self) -> EngineStats:
         e = self._engine
+        now = time.monotonic()
+        if self._steps and now - self._expert_load_at >= EXPERT_LOAD_EVERY_S:  # the first after the first step
+            self._expert_load, self._expert_load_at = tuple(e.runner.expert_load().items()), now
         return EngineStats(e.load(), self._steps, e.kv.num_blocks, e.kv.num_free_blocks, e.busy_s,
                            e.num_computed_tokens_total, e.num_preemptions_total,
-                           e.runner.overrun_s, tuple(e.tier_stats()))
+                           e.runner.overrun_s, tuple(e.tier_stats()), self._expert_load)
 
     def _handle(self, cmd: Command) -> Any:
         e = self._engine

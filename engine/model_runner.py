@@ -50,6 +50,7 @@ from .decode_graphs import StaticDecode, default_graph_sizes
 from .kv.cache_manager import KVCacheManager
 from .kv.sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401 (kv_block_bytes: re-export)
 from .models.loader import load_model
+from .models.moe import expert_load_imbalance
 from .models.config import ModelConfig
 from .parallel.group import TPGroup
 from .request import Request
@@ -138,6 +139,9 @@ class ModelRunner(Runner):
                             self.scratch_block, use_graphs)
 
     # ---- rank 0 ----------------------------------------------------------------------------
+    def expert_load(self) -> dict[int, float]:
+        return expert_load_imbalance(self.model)  # every rank routes alike: rank 0's counts are the node's
+
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                ready: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one forward pass over ``out.rows`` and sampling at every row's last

@@ -79,6 +79,11 @@ class Runner(Protocol):
     kv_caches: torch.Tensor
     overrun_s: float  # wall seconds its steps ran beyond their modelled time (a simulated node; 0 else)
 
+    def expert_load(self) -> dict[int, float]:
+        """MoE layer -> max / mean tokens per expert in its latest forward (models/moe.py); {} for a
+        dense or simulated model. Copies from the device, waiting for the queued step: call it seldom."""
+        ...
+
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                ready: Callable[[], None] | None = None) -> LaunchedStep:
         """Queue one forward over ``out.rows`` and the sampling of every row's last

@@ -124,6 +124,9 @@ class SimRunner(Runner):
         self._copies_until = 0.0  # when the copy engine is done with the stores queued so far (monotonic)
         self._batch_landed: dict[int, float] = {}  # store batch -> when it lands (monotonic), until then
 
+    def expert_load(self) -> dict[int, float]:
+        return {}  # a timing model routes no token
+
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                ready: Callable[[], None] | None = None) -> LaunchedStep:
         """Sleep the step's simulated time (divided by the speed-up), then sample a token

@@ -133,6 +133,8 @@ class NodeMetrics:
                                            ["tier"])
         self.tier_faults = c.counter(n.KV_OFFLOAD_FAULTS, "Blocks lost to a fault: a bad file "
                                         "(a miss), a failed write, a writer behind", ["tier", "fault"])
+        self.expert_load = c.gauge(n.EXPERT_LOAD_IMBALANCE, "A MoE layer's max / mean tokens per expert in a "
+                                   "recent forward (1: even)", ["layer"])
         self.tier_blocks = c.gauge(n.KV_OFFLOAD_BLOCKS, "Blocks a lower tier holds", ["tier"])
         self.tier_capacity = c.gauge(n.KV_OFFLOAD_CAPACITY, "Blocks a lower tier holds when full",
                                         ["tier"])
@@ -170,6 +172,11 @@ class NodeMetrics:
 
     def fault(self, tier: Tier, fault: TierFault) -> None:
         self.tier_faults.labels(tier.name.lower(), fault).inc()
+
+    def set_expert_load(self, per_layer: Sequence[tuple[int, float]]) -> None:
+        """A MoE model's expert load imbalance per layer (the engine's published stats)."""
+        for layer, ratio in per_layer:
+            self.expert_load.labels(str(layer)).set(ratio)
 
     def set_tiers(self, tiers: Sequence[TierStats]) -> None:
         """The lower tiers' sizes and use (the engine's published stats)."""

@@ -333,6 +333,7 @@ class NodeRuntime:
         self.metrics.set_load(self.engine_thread.load, self.engine_thread.stats.preemptions,
                               self.redis.heartbeat.failures if self.redis is not None else 0)
         self.metrics.set_tiers(self.engine_thread.stats.tiers)
+        self.metrics.set_expert_load(self.engine_thread.stats.expert_load)
 
     def state(self) -> dict:
         """The runtime's part of ``GET /debug/state`` (the role's server adds its own)."""

@@ -4,7 +4,8 @@ decode greedily token for token like transformers ``generate``; their parameter 
 total and active; TP=2 (two real ranks) generates TP=1's tokens; each rank's TP=2 slices
 are its cut of the whole model and the ranks' partial MoE outputs sum to the whole
 block's; Qwen2-MoE serves like transformers through real processes (redis-server,
-router -> prefill -> decode); bad configs raise ValueError naming the field."""
+router -> prefill -> decode), both nodes exporting its expert load imbalance; bad configs
+raise ValueError naming the field."""
 
 import os
 import urllib.request
@@ -164,6 +165,8 @@ def test_qwen2_moe_served_through_router_prefill_decode(served_tiny_model, hf_gr
         # the prompts' KV travelled from the prefill node: the decode node computed none of them
         assert _metric(c, "prefill-0", names.KV_BLOCKS_SENT) > 0
         assert _metric(c, "decode-0", names.FALLBACK_PREFILLS) == 0
+        for node in ("prefill-0", "decode-0"):  # summed over the layers: each at least 1 (even)
+            assert _metric(c, node, names.EXPERT_LOAD_IMBALANCE) >= 2
     finally:
         c.stop()
 
