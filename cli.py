@@ -66,6 +66,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="shard the model over N ranks, one process and one device each (Megatron-style; "
                         "N must split the model's heads); on cpu the ranks share this process's cores")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="a MoE model's experts split whole over the --tensor-parallel-size ranks (each holds "
+                        "E/N experts) instead of every expert cut by columns; attention stays tensor-parallel")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and KV cache (auto: float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--attention-backend", choices=("auto", "cuda", "triton", "torch"), default="auto",
@@ -98,7 +101,8 @@ def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> Eng
                         device=args.device.split(",")[0], dtype=args.dtype, attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
-                        tensor_parallel_size=args.tensor_parallel_size, sim=sim,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_expert_parallel=args.enable_expert_parallel, sim=sim,
                         kv_offload_memory=parse_size(args.kv_offload_memory or "0", "kv_offload_memory"),
                         kv_offload_dir=args.kv_offload_dir,
                         kv_offload_disk_bytes=parse_size(args.kv_offload_disk_bytes or "0", "kv_offload_disk_bytes"))
@@ -388,6 +392,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="ranks per decode (or colocated) node; any TP that splits the model's KV heads "
                         "pairs with any prefill TP")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="every node's --enable-expert-parallel (a MoE model): each pool's EP size is its "
+                        "--prefill-tp / --decode-tp, so prefill and decode may differ")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="CUDA: fraction of each GPU its nodes may use, split evenly among them (default 0.9)")

@@ -193,6 +193,11 @@ class EngineConfig:
     # kv_cache_memory and gpu_memory_utilization are per rank: each rank's KV cache holds
     # its KV heads of every block, so more ranks hold more blocks.
     tensor_parallel_size: int = 1
+    # A MoE model's experts split whole over the tensor-parallel ranks (each holds E / N of
+    # them; engine/models/moe.py) instead of every expert cut by columns; attention stays
+    # tensor-parallel. Refused for a dense model; a no-op at tensor_parallel_size 1. The KV
+    # layout is the attention's, so a node's EP never has to match its KV peers'.
+    enable_expert_parallel: bool = False
     # Lower tiers of the prefix cache (engine/kv/tier_store.py): bytes of host memory that hold
     # blocks evicted from the KV cache (0: none; pinned on CUDA), and a folder whose files
     # hold blocks evicted from host memory, at most kv_offload_disk_bytes of them (None: no

@@ -42,7 +42,8 @@ Tensor parallelism (``tp``, ``splitserve up --prefill-tp 2 --decode-tp 4``): a n
 ranks is one member whose process starts the other N - 1 itself (node/ranks.py), all in
 the member's own process group. A rank's death is the node's: it exits non-zero, the
 supervisor kills whatever is left of that process group (no stray rank outlives its
-node) and restarts the node whole.
+node) and restarts the node whole. With ``expert_parallel`` (``up --enable-expert-parallel``)
+a MoE model's experts split over each node's ranks: each pool's EP size is its TP.
 """
 
 import os
@@ -83,7 +84,7 @@ class Cluster:
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
                  served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
                  enforce_eager=False, tp=None, kv_offload=None, redis_maxmemory=None,
-                 responses_maxmemory=None):
+                 responses_maxmemory=None, expert_parallel=False):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -93,6 +94,7 @@ class Cluster:
                         router_args=list(router_args), served=list(served_model_names),
                         load_format=load_format, enforce_eager=enforce_eager,
                         tp={r: n for r, n in (tp or {}).items() if n != 1},  # role -> ranks per node
+                        expert_parallel=expert_parallel,  # each node's EP size: its tp
                         kv_offload=kv_offload)
         self.router_port = router_port or free_port()
         if router_replicas < 1:
@@ -252,6 +254,7 @@ class Cluster:
         # no --redis-url: the URL holds the Redis password, so it travels in $SPLITSERVE_REDIS_URL
         tp = c["tp"].get("decode" if role == "colocated" else role, 1)
         engine += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        engine += ["--enable-expert-parallel"] if c["expert_parallel"] else []
         engine += c["kv_offload"].node_args(f"{role}-{index}") if c["kv_offload"] else []
         args = ["decode" if role == "colocated" else role, "--host", c["host"],
                 "--kv-backend", c["kv_backend"], *memory, *device, *engine,
@@ -513,6 +516,8 @@ def launch(args) -> int:
                       router_replicas=getattr(args, "router_replicas", None) or 1,
                       load_format=getattr(args, "load_format", None) or defaults.get("load_format"),
                       enforce_eager=enforce_eager, tp=tp,
+                      expert_parallel=bool(getattr(args, "enable_expert_parallel", None)
+                                           or defaults.get("enable_expert_parallel", False)),
                       kv_offload=TierFlags(getattr(args, "kv_offload_memory", None),
                                            getattr(args, "kv_offload_dir", None),
                                            getattr(args, "kv_offload_disk_bytes", None)),

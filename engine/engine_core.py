@@ -141,7 +141,8 @@ class EngineCore:
         from .parallel.launch import TPLeader
 
         size = config.tensor_parallel_size
-        check_model_tp(read_model_config(self.model_dir), size)  # before any process starts
+        # before any process starts
+        check_model_tp(read_model_config(self.model_dir), size, config.enable_expert_parallel)
         if tp is None:
             tp = TPLeader(size)
             tp.spawn_workers(config)
@@ -149,7 +150,7 @@ class EngineCore:
         self.tp = tp
         try:
             device = rank_device(config.device, 0)
-            group = tp.join(device)
+            group = tp.join(device, config.enable_expert_parallel)
             cpus = rank_cpus(0, size, device)
             if cpus is not None:  # CPU ranks of one host: each on its own cores (undone by close())
                 self._unpinned = pin_process(cpus)

@@ -103,7 +103,7 @@ class ModelRunner(Runner):
         its workers, which run ``follow`` for every step rank 0 ``launch``es."""
         self.config = config
         self.dtype = _DTYPES[config.dtype]
-        self.group = group if group is not None else TPGroup.single(config.device)
+        self.group = group if group is not None else TPGroup.single(config.device, config.enable_expert_parallel)
         self.device = torch.device(config.device) if self.group.size == 1 else self.group.device
         self.link = link
         self.model = load_model(model_dir, self.dtype, self.device, config.load_format, self.group)

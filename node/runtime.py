@@ -187,7 +187,7 @@ class NodeRuntime:
         """Check the model splits over the ranks (a clear error before any process starts),
         then bind rank 0's end and start ranks 1..N-1; they join while the engine loads."""
         cfg = self.config.engine
-        check_model_tp(read_model_config(resolve_model_dir(cfg.model)), self.tp)
+        check_model_tp(read_model_config(resolve_model_dir(cfg.model)), self.tp, cfg.enable_expert_parallel)
         assert self._rank_role is not None, "a tensor-parallel node needs its role's rank code"
         self.leader = TPLeader(self.tp, dead=lambda: self.ranks.dead() if self.ranks is not None else None)
         self.ranks = RankProcs(self.config, self._rank_role, self.leader.rendezvous)
@@ -344,6 +344,7 @@ class NodeRuntime:
                 "shm_name": self.shm_name, "kv_addr": self.kv_addr, "draining": self.draining, "kv_index": index,
                 "device": self.config.engine.device, "dtype": self.config.engine.dtype,
                 "tensor_parallel_size": self.tp, "worker_pids": self.ranks.pids if self.ranks is not None else {},
+                "expert_parallel": self.config.engine.enable_expert_parallel and self.tp > 1,
                 "failure": self.failure, "kv": msgspec.structs.asdict(self.kv_key),
                 "kv_pool": self.kv_pool_info._asdict(),
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,

@@ -6,6 +6,9 @@ Triton grouped GEMM (engine/models/fused_moe_triton.py) against the reference, t
 - compiled to sm_80 and sm_90 cubins by triton's compiler and ptxas (no GPU needed);
 - on CUDA (``gpu``-marked, skipped here).
 
+The cases include experts with no token, a token routed to the last expert, and pairs marked
+skipped (id E: another rank's expert under expert parallelism), which add nothing.
+
 Tolerances against the reference: fp32 1e-5 (atol = rtol), not bit-exact: the kernel sums
 each dot in BLOCK_K chunks and each token's k slots in slot order, the reference in the CPU
 BLAS's order and expert order, so the last bits differ (~1e-7 seen). bf16 2e-2: the
@@ -33,12 +36,16 @@ CASES = {
     "fp32-T3-k8": dict(T=3, H=64, I=32, E=8, k=8, dtype=torch.float32),
     "bf16-T1-k2": dict(T=1, H=64, I=96, E=6, k=2, dtype=torch.bfloat16),
     "bf16-T40-k8": dict(T=40, H=48, I=40, E=16, k=8, dtype=torch.bfloat16),
+    # expert parallelism: a third of the pairs belong to another rank's experts (id E: skipped)
+    "fp32-T40-k2-skip": dict(T=40, H=40, I=24, E=5, k=2, dtype=torch.float32, skip=True),
+    "bf16-T40-k8-skip": dict(T=40, H=48, I=40, E=16, k=8, dtype=torch.bfloat16, skip=True),
 }
 
 
-def make_case(T: int, H: int, I: int, E: int, k: int, dtype: torch.dtype, seed: int = 0) -> dict:
+def make_case(T: int, H: int, I: int, E: int, k: int, dtype: torch.dtype, seed: int = 0, skip: bool = False) -> dict:
     """Random weights scaled to unit outputs; expert 1 gets no token (k < E - 1 cases) and the
-    last token's first slot is the last expert."""
+    last token's first slot is the last expert; with ``skip`` every third pair but the last
+    token's first is marked skipped (id E), the first token's all of them."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=gen).to(dtype)  # [T, H]
     w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(dtype)  # [E, 2I, H]
@@ -47,6 +54,11 @@ def make_case(T: int, H: int, I: int, E: int, k: int, dtype: torch.dtype, seed: 
     ids = torch.stack([torch.tensor(others)[torch.randperm(len(others), generator=gen)[:k]] for _ in range(T)])
     if E - 1 not in ids[-1]:
         ids[-1, 0] = E - 1  # [T, k]
+    if skip:
+        flat = ids.view(-1)
+        flat[::3] = E
+        ids[0] = E
+        ids[-1, 0] = E - 1
     weights = torch.softmax(torch.randn(T, k, generator=gen), -1)  # [T, k]
     return dict(x=x, w13=w13, w2=w2, topk_ids=ids, topk_weights=weights)
 
@@ -58,6 +70,8 @@ def loop_reference(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
     for t in range(x.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
+            if e == w13.shape[0]:  # skipped: another rank's expert
+                continue
             gu = w13[e].double() @ x[t].double()
             out[t] += float(topk_weights[t, j]) * (w2[e].double() @ (F.silu(gu[:inter]) * gu[inter:]))
     return out
@@ -66,11 +80,13 @@ def loop_reference(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
 def test_cases_cover_zero_token_experts_and_the_last_expert():
     for name, spec in CASES.items():
         c = make_case(**spec)
-        counts = torch.bincount(c["topk_ids"].reshape(-1), minlength=spec["E"])
+        counts = torch.bincount(c["topk_ids"].reshape(-1), minlength=spec["E"] + 1)[:spec["E"]]
         assert counts[-1] > 0, name
         assert (counts == 0).any() or spec["k"] >= spec["E"] - 1, name
-    assert sum((torch.bincount(make_case(**s)["topk_ids"].reshape(-1), minlength=s["E"]) == 0).any().item()
-               for s in CASES.values()) >= 3
+    assert sum((torch.bincount(make_case(**s)["topk_ids"].reshape(-1), minlength=s["E"] + 1)[:s["E"]] == 0)
+               .any().item() for s in CASES.values()) >= 3
+    skipping = [make_case(**s) for s in CASES.values() if s.get("skip")]
+    assert skipping and all((c["topk_ids"] == c["w13"].shape[0]).all(dim=1)[0] for c in skipping)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -127,8 +143,14 @@ def test_alignment_pads_each_expert_to_whole_blocks():
     sorted_ids, expert_ids = align_block_size(ids, num_experts=4, block_m=4)
     pad = 6
     assert sorted_ids.tolist()[:12] == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]
-    assert sorted_ids.numel() == 6 + 4 * 3 and (sorted_ids[12:] == pad).all()
-    assert expert_ids.tolist() == [0, 1, 3, 4, 4]  # 4: padding blocks past the last expert
+    assert sorted_ids.numel() == 6 + 5 * 3 and (sorted_ids[12:] == pad).all()
+    assert expert_ids.tolist() == [0, 1, 3, 4, 4, 4]  # 4: padding blocks past the last expert
+
+    skipped = torch.tensor([[3, 4], [4, 1]])  # pairs 1 and 2 skipped (id 4 = E): they sort last, into block E
+    sorted_ids, expert_ids = align_block_size(skipped, num_experts=4, block_m=4)
+    pad = 4
+    assert sorted_ids.tolist()[:12] == [3, pad, pad, pad, 0, pad, pad, pad, 1, 2, pad, pad]
+    assert expert_ids.tolist()[:3] == [1, 3, 4] and (expert_ids[2:] == 4).all()
 
 
 def _signature(kernel, dtype: str, constexprs: dict) -> dict[str, str]:
@@ -172,7 +194,7 @@ def test_kernels_compile_for_sm80_and_sm90(cc, tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["fp32-T40-k2", "bf16-T40-k8"])
+@pytest.mark.parametrize("name", ["fp32-T40-k2", "bf16-T40-k8", "bf16-T40-k8-skip"])
 def test_triton_fused_moe_on_cuda_matches_the_reference(name):
     c = make_case(**CASES[name])
     ref = fused_moe_torch(**c)

@@ -3,20 +3,15 @@ expert) load from a transformers safetensors folder (per-expert tensors stacked)
 decode greedily token for token like transformers ``generate``; their parameter counts,
 total and active; TP=2 (two real ranks) generates TP=1's tokens; each rank's TP=2 slices
 are its cut of the whole model and the ranks' partial MoE outputs sum to the whole
-block's; Qwen2-MoE serves like transformers through real processes (redis-server,
-router -> prefill -> decode), both nodes exporting its expert load imbalance; bad configs
-raise ValueError naming the field."""
+block's; bad configs raise ValueError naming the field. Expert parallelism, and the three
+families served through router -> prefill -> decode: tests/test_expert_parallel.py."""
 
 import os
-import urllib.request
 
-import openai
 import pytest
 import torch
 
-from splitserve.common import metric_names as names
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.deploy.launcher import Cluster
 from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.moe import MoEBlock, expert_load_imbalance
@@ -24,8 +19,6 @@ from splitserve.engine.models.moe_family import moe_full
 from splitserve.engine.models.registry import family_of, model_config, read_model_config
 from splitserve.engine.models.sharding import shard_of
 from splitserve.engine.parallel.group import TPGroup
-from splitserve.router.tokenizer import RouterTokenizer
-from splitserve.tests.metrics_text import sample_sum
 from splitserve.tests.tp_ranks import fake_group
 
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
@@ -141,36 +134,3 @@ def test_unsupported_moe_config_names_the_field(change, field):
                num_attention_heads=4, num_key_value_heads=2)
     with pytest.raises(ValueError, match=field):
         model_config({**cfg, **change})
-
-
-@pytest.mark.slow
-def test_qwen2_moe_served_through_router_prefill_decode(served_tiny_model, hf_greedy):
-    from transformers import Qwen2MoeForCausalLM
-
-    family, overrides, _, _ = FAMILIES["qwen2_moe-shared"]
-    path = served_tiny_model(family, **overrides)
-    hf = Qwen2MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = [PROMPTS[0] * 3, PROMPTS[1] * 3]
-    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert all(len(r) > 4 for r in refs), "the prompts should decode for a while before any EOS"
-    tok = RouterTokenizer(path)
-    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_cache_memory="8MiB", model=str(path))
-    try:
-        c.start()
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        for prompt, ref in zip(prompts, refs):
-            r = client.completions.create(model=str(path), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                          logprobs=0)
-            assert r.choices[0].logprobs.tokens == [tok.token_text(t) for t in ref]
-        # the prompts' KV travelled from the prefill node: the decode node computed none of them
-        assert _metric(c, "prefill-0", names.KV_BLOCKS_SENT) > 0
-        assert _metric(c, "decode-0", names.FALLBACK_PREFILLS) == 0
-        for node in ("prefill-0", "decode-0"):  # summed over the layers: each at least 1 (even)
-            assert _metric(c, node, names.EXPERT_LOAD_IMBALANCE) >= 2
-    finally:
-        c.stop()
-
-
-def _metric(cluster: Cluster, name: str, metric_name: str) -> float:
-    with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
-        return sample_sum(r.read().decode(), metric_name)

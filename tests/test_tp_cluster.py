@@ -232,9 +232,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_worker_under_load(c: Cluster, name: str) -> float:
+def kill_worker_under_load(c: Cluster, name: str, nodes=("prefill-0", "decode-0", "decode-1")) -> float:
     """SIGKILL worker rank 1 of node ``name`` while requests stream; what the router counted
-    (migrations) meanwhile. Every request succeeds, the node exits by itself and comes back."""
+    (migrations) meanwhile. Every request succeeds, the node exits by itself and comes back,
+    and every node of ``nodes`` (the cluster's) is registered again with its pool free."""
     st = get_json(f"{c.node(name).addr}/debug/state", c.auth_headers())
     rank0, worker = st["pid"], st["worker_pids"]["1"]
     old = c.node(name).popen.pid
@@ -268,19 +269,19 @@ def _kill_worker_under_load(c: Cluster, name: str) -> float:
     while not (c.node(name).popen.pid != old and c.node(name).ready.is_set()):
         assert time.monotonic() - t0 < 90, f"{name} did not come back:\n" + "\n".join(c.node(name).log[-20:])
         time.sleep(0.2)
-    c.wait_for_nodes(3, 60)
-    addrs = [c.node(n).addr for n in ("prefill-0", "decode-0", "decode-1")]
+    c.wait_for_nodes(len(nodes), 60)
+    addrs = [c.node(n).addr for n in nodes]
     asyncio.run(wait_pools_free(addrs, c.auth_headers(), 20))
     assert get_json(f"{c.node(name).addr}/debug/state", c.auth_headers())["failure"] is None
     return metric(c.url, "splitserve:request_migrations_total") - migrations
 
 
 def test_killed_decode_worker_rank_fails_no_request_and_the_node_comes_back(fault_cluster):
-    assert _kill_worker_under_load(fault_cluster, "decode-0") >= 1  # its streams moved to decode-1
+    assert kill_worker_under_load(fault_cluster, "decode-0") >= 1  # its streams moved to decode-1
 
 
 def test_killed_prefill_worker_rank_fails_no_request_and_the_node_comes_back(fault_cluster):
-    _kill_worker_under_load(fault_cluster, "prefill-0")
+    kill_worker_under_load(fault_cluster, "prefill-0")
 
 
 def test_worker_rank_exits_when_its_rank0_is_killed(served_model):

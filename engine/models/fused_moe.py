@@ -5,6 +5,9 @@ shared expert and any expert-parallel dispatch belong to the MoE block (moe.py).
     x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]
     out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u),  [g; u] = w13[e] @ x[t],  e = topk_ids[t, j]
 
+A pair whose id is E (one past the last expert) is skipped: it adds nothing to its token's
+row. Under expert parallelism the MoE block marks so the pairs of experts another rank holds.
+
 ``fused_moe`` runs the Triton grouped GEMM (fused_moe_triton.py) on CUDA tensors and
 ``fused_moe_torch`` otherwise; the torch path is also the kernel's correctness reference.
 """
@@ -34,7 +37,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     inter = w2.shape[2]
     flat = topk_ids.reshape(-1)  # [T*k]: pair p = token p // k, slot p % k
     order = torch.argsort(flat, stable=True)  # [T*k] pairs in expert order
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # expert -> pairs
+    counts = torch.bincount(flat, minlength=w13.shape[0] + 1).tolist()[:-1]  # expert -> pairs; E: skipped
     tokens = order // k  # [T*k] each sorted pair's token
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.promote_types(x.dtype, torch.float32),
                       device=x.device)  # [T, H]
@@ -56,7 +59,8 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor) -> torch.Tensor:
     """[T, H]: each token through its top-k experts, weighted by topk_weights, in x's dtype.
-    x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k] int64, topk_weights [T, k]."""
+    x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k] int64 in [0, E] (E: skip the
+    pair), topk_weights [T, k]."""
     if x.is_cuda:
         from .fused_moe_triton import fused_moe_triton  # imports triton, which CPU installs may lack
         return fused_moe_triton(x, w13, w2, topk_ids, topk_weights)

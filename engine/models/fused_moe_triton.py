@@ -5,9 +5,10 @@ and the tests import this; it must not route, dispatch across ranks or hold weig
 
 Alignment (vLLM's moe_align_block_size): the T*k (token, slot) pairs, p = t*k + j, sorted
 by expert, each expert's run padded to a multiple of BLOCK_M with the sentinel P = T*k;
-every BLOCK_M rows belong to one expert (E: a padding block past the last expert's run):
+every BLOCK_M rows belong to one expert (E: the skipped pairs' run, or a padding block past
+the last expert's run; the kernels skip both, and a skipped pair's y row stays zero):
 
-    sorted_ids [P + E*(BLOCK_M-1)]   | e0 e0 e0 P | e2 e2 e2 e2 | e2 P P P | P P P P ... |
+    sorted_ids [P + (E+1)*(BLOCK_M-1)] | e0 e0 e0 P | e2 e2 e2 e2 | e2 P P P | P P P P ... |
     expert_ids [sorted_ids / BLOCK_M] |     0      |      2      |    2     |     E  ...  |
 
     _gate_up: h[p]   = silu(x[t] @ w13[e, :I]^T) * (x[t] @ w13[e, I:]^T)   # h [P, I]
@@ -31,27 +32,29 @@ BLOCK_K = 32
 
 
 class Alignment(NamedTuple):
-    sorted_ids: torch.Tensor  # [P + E*(BLOCK_M-1)] int64 pair ids in expert order, P = padding
+    sorted_ids: torch.Tensor  # [P + (E+1)*(BLOCK_M-1)] int64 pair ids in expert order, P = padding
     expert_ids: torch.Tensor  # [len(sorted_ids) // BLOCK_M] int64 each block's expert, E = unused block
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the pairs by expert and pad each expert's run to ``block_m`` rows, on the ids'
-    device with static sizes and no host read (a CUDA graph can capture it)."""
+    device with static sizes and no host read (a CUDA graph can capture it). Pairs of id
+    ``num_experts`` (skipped) sort last, into blocks of expert E, which the kernels skip."""
     flat = topk_ids.reshape(-1)  # [P]
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)  # [P]
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat))  # [E]; not bincount, which reads its max on the host (no CUDA graph)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [E + 1]; not bincount, which reads its max on the host (no CUDA graph)
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     run_start = torch.cumsum(counts, 0) - counts  # [E] first sorted pair of each expert
     expert = flat[order]  # [P] each sorted pair's expert
     rank = torch.arange(pairs, device=flat.device) - run_start[expert]  # [P] place in its expert's run
-    sorted_ids = torch.full((pairs + num_experts * (block_m - 1),), pairs, dtype=torch.int64, device=flat.device)
+    sorted_ids = torch.full((pairs + (num_experts + 1) * (block_m - 1),), pairs, dtype=torch.int64,
+                            device=flat.device)
     sorted_ids[padded_end[expert] - padded[expert] + rank] = order
     block_start = torch.arange(0, sorted_ids.numel(), block_m, device=flat.device)  # [blocks]
-    expert_ids = torch.searchsorted(padded_end, block_start, right=True)  # [blocks], E past the end
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True).clamp_(max=num_experts)  # [blocks]
     return Alignment(sorted_ids, expert_ids)
 
 
@@ -148,7 +151,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     sorted_ids, expert_ids = align_block_size(topk_ids, num_experts, BLOCK_M)
     weights = topk_weights.reshape(-1).float().contiguous()  # [P]
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)  # [P, I]
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)  # [P, H]
+    y = torch.zeros((pairs, hidden), dtype=torch.float32, device=x.device)  # [P, H]; a skipped pair's row stays 0
     dot = dict(DOT_FP32=x.dtype != torch.float16, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     blocks = expert_ids.numel()
     _gate_up[(blocks, triton.cdiv(inter, BLOCK_N))](

@@ -220,7 +220,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         group = group if group is not None else TPGroup.single("cpu")
-        self.shard = shard_of(cfg, group.rank, group.size)
+        self.shard = shard_of(cfg, group.rank, group.size, group.expert_parallel)
         self.group = group
         if group.size == 1:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

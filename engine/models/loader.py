@@ -13,7 +13,8 @@ resolution of the model argument: ``None`` means the bundled model.
 
 Tensor parallelism: given a ``TPGroup`` of size t > 1, the loader builds rank
 ``group.rank``'s shard (the family's sharding plan) and reads only its slices of the checkpoint
-(``safe_open(...).get_slice``: the other ranks' bytes are never read). Dummy weights are
+(``safe_open(...).get_slice``: the other ranks' bytes are never read; under expert
+parallelism another rank's experts are skipped whole). Dummy weights are
 drawn whole, in the TP=1 model's order from the same seed, and cut, so the TP=t dummy
 model is exactly the TP=1 dummy model, sharded (the draw costs each rank the whole
 model's random numbers, once, one tensor at a time).
@@ -75,6 +76,9 @@ def read_safetensors(model_dir: Path, shard: TPShard | None = None) -> dict[str,
         with safe_open(model_dir / name, framework="pt") as f:
             for key in f.keys():
                 hf = family.weight_map(key)
+                m = _LAYER.match(hf)
+                if shard is not None and m and not family.sharding.held(f"{m.group(2)}.{m.group(3)}", shard):
+                    continue  # another rank's expert: not a byte of it is read
                 c = None if shard is None or shard.size == 1 else _hf_key_cut(hf, shard, cfg, family)
                 tensors[hf] = f.get_tensor(key) if c is None else _read_cut(f, key, c, model_dir)
     return tensors
@@ -133,7 +137,7 @@ def hf_to_ours(model: CausalLM, model_dir: Path) -> dict[str, torch.Tensor]:
     stacks: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # our stacked name -> (row, piece) -> tensor
     for key in list(hf):
         m = _LAYER.match(key)
-        slot = plan.stacked(f"{m.group(2)}.{m.group(3)}") if m else None
+        slot = plan.stacked(f"{m.group(2)}.{m.group(3)}", model.shard) if m else None
         if m and slot is not None:
             stacks.setdefault(f"layers.{m.group(1)}.{slot.name}", {})[slot.row, slot.piece] = hf.pop(key)
         elif key == "model.embed_tokens.weight":

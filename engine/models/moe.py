@@ -7,9 +7,19 @@ gated by ``sigmoid(shared_expert_gate(x))``.
 
 Experts are stacked: ``w13`` [E, 2 * I, H] (each expert's gate rows, then its up rows) and
 ``w2`` [E, H, I]; the loader stacks the checkpoint's per-expert tensors into them
-(sharding.StackSlot). With TP = t each rank holds every expert's columns
-[r * I / t, (r + 1) * I / t) (moe_family.py's plan) and the partial sums are all-reduced,
-as in the dense MLP. Each forward counts the tokens routed to each expert
+(sharding.StackSlot). Over t ranks (moe_family.py's plan) either
+
+    tensor parallel   each rank holds every expert's columns [r*I/t, (r+1)*I/t) and runs
+                      every (token, expert) pair on them: partial sums, all-reduced
+    expert parallel   rank r holds experts [r*E/t, (r+1)*E/t) whole. Attention is tensor
+                      parallel, so every rank has every token's activations after it:
+                      dispatch is local (a rank keeps the pairs of its experts, the rest
+                      are marked skipped, id E_local, for fused_moe) and the combine is
+                      the all-reduce of the ranks' partial sums, one [T, H] collective as
+                      in the dense MLP. A rank runs T*k/t pairs on average, not T*k, and
+                      reads only its experts' weights.
+
+Each forward counts the tokens routed to each expert
 (``expert_tokens``); ``expert_load_imbalance`` reads them as max / mean per layer, for the
 load-imbalance metric. Must not: read weights or configs.
 """
@@ -32,11 +42,15 @@ class MoEBlock(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None, "MoEBlock needs a MoE config"
-        E, H, inter = moe.num_experts, cfg.hidden_size, moe.intermediate_size // shard.size
+        E, H = moe.num_experts, cfg.hidden_size
+        inter = moe.intermediate_size if shard.expert_parallel else moe.intermediate_size // shard.size
         self.top_k, self.norm_topk_prob, self.group = moe.top_k, moe.norm_topk_prob, group
+        self.experts = shard.experts  # held: [first, first + local)
+        local = shard.experts.size
+        self.expert_parallel = shard.expert_parallel
         self.gate = nn.Linear(H, E, bias=False)  # router: replicated on every rank
-        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, H))  # [E, 2 * I / t, H]: gate rows, then up rows
-        self.w2 = nn.Parameter(torch.empty(E, H, inter))  # [E, H, I / t]
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, H))  # [E_local, 2 * I_rank, H]: gate rows, then up rows
+        self.w2 = nn.Parameter(torch.empty(local, H, inter))  # [E_local, H, I_rank]
         if moe.shared_expert_size:
             shared = shard._replace(inter=split_range(moe.shared_expert_size, shard))
             self.shared_expert = MLP(cfg, shared, group)
@@ -53,7 +67,10 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = ids.flatten()  # index_add_ rather than bincount: no host sync, so a CUDA graph captures it
         self.expert_tokens.zero_().index_add_(0, flat, torch.ones_like(flat))
-        y = fused_moe(x, self.w13, self.w2, ids, weights)  # [T, H]: this rank's columns' partial sums
+        if self.expert_parallel:  # dispatch: this rank's experts' pairs; the others' skipped (id E_local)
+            local = ids - self.experts.start
+            ids = torch.where((local >= 0) & (local < self.experts.size), local, self.experts.size)
+        y = fused_moe(x, self.w13, self.w2, ids, weights)  # [T, H]: this rank's partial sums
         if self.group.size > 1:
             y = self.group.all_reduce(y)
         if self.has_shared:

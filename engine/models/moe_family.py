@@ -15,7 +15,8 @@ Owns the config adapter (``moe_config``: refuses what is not supported, naming t
 field), the weight map (Mixtral's ``block_sparse_moe.experts.<e>.w1/w3/w2`` onto
 ``mlp.experts.<e>.gate_proj/up_proj/down_proj``), the sharding plan (per-expert tensors
 stacked into ``mlp.w13`` [E, 2 * I, H] and ``mlp.w2`` [E, H, I]; with TP = t every expert
-cut like the dense MLP: rows of gate and up, columns of down) and the parameter counts
+cut like the dense MLP: rows of gate and up, columns of down; with expert parallelism
+each rank's E / t experts whole, the others' never read) and the parameter counts
 (active: the router, k experts and the shared one). Must not read files.
 """
 
@@ -109,17 +110,28 @@ _PIECES = {"gate_proj": ("mlp.w13", 0), "up_proj": ("mlp.w13", 1), "down_proj": 
 _SHARED = "mlp.shared_expert."
 
 
-def moe_stacked(name: str) -> StackSlot | None:
-    """``mlp.experts.<e>.{gate,up}_proj.weight`` -> expert e's rows of ``mlp.w13``; ``down_proj`` -> of ``mlp.w2``."""
+def moe_stacked(name: str, shard: TPShard) -> StackSlot | None:
+    """``mlp.experts.<e>.{gate,up}_proj.weight`` -> expert e's rows of ``mlp.w13``; ``down_proj`` -> of
+    ``mlp.w2`` (rows counted from the rank's first expert)."""
     m = _EXPERT.match(name.removesuffix(".weight"))
-    return None if m is None else StackSlot(_PIECES[m.group(2)][0], int(m.group(1)), _PIECES[m.group(2)][1])
+    if m is None:
+        return None
+    return StackSlot(_PIECES[m.group(2)][0], int(m.group(1)) - shard.experts.start, _PIECES[m.group(2)][1])
+
+
+def moe_held(name: str, shard: TPShard) -> bool:
+    """False for another rank's expert under expert parallelism: its bytes are never read."""
+    m = _EXPERT.match(name.removesuffix(".weight"))
+    return m is None or shard.experts.start <= int(m.group(1)) < shard.experts.stop
 
 
 def moe_cut(part: str, kind: str, shard: TPShard, cfg: ModelConfig) -> Cut | None:
-    """As sharding.hf_cut, with each expert and the shared expert cut like the dense MLP
-    (the router and the shared expert's gate whole)."""
+    """As sharding.hf_cut, with each expert (whole under expert parallelism) and the shared
+    expert cut like the dense MLP (the router and the shared expert's gate whole)."""
     assert cfg.moe is not None
     m = _EXPERT.match(part)
+    if m and shard.expert_parallel:
+        return None
     if shard.size == 1 or not (m or part.startswith(_SHARED)):
         return hf_cut(part, kind, shard, cfg)
     r = split_range(cfg.moe.intermediate_size if m else cfg.moe.shared_expert_size, shard)
@@ -132,6 +144,8 @@ def moe_full(name: str, full: torch.Tensor, shard: TPShard, cfg: ModelConfig) ->
     part = name.split(".", 2)[2] if name.startswith("layers.") else ""  # layers.<i>.<part>
     if shard.size == 1 or (part not in ("mlp.w13", "mlp.w2") and not part.startswith(_SHARED)):
         return shard_full(name, full, shard, cfg)
+    if shard.expert_parallel and part in ("mlp.w13", "mlp.w2"):
+        return full[shard.experts.start:shard.experts.stop].contiguous()
     width = cfg.moe.intermediate_size if part in ("mlp.w13", "mlp.w2") else cfg.moe.shared_expert_size
     r = split_range(width, shard)
     dim = full.ndim - 2  # the output rows: dim 1 of a stack, dim 0 of the shared expert
@@ -142,7 +156,7 @@ def moe_full(name: str, full: torch.Tensor, shard: TPShard, cfg: ModelConfig) ->
 
 MOE_SHARDING = ShardingPlan({**FUSED, "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj",
                                                                           "mlp.shared_expert.up_proj")},
-                            moe_cut, moe_full, moe_stacked)
+                            moe_cut, moe_full, moe_stacked, moe_held)
 FAMILY = ModelFamily(architectures=tuple(MOE_FLAGS), config=moe_config,
                      module=partial(CausalLM, feed_forward=moe_feed_forward),
                      weight_map=moe_names, sharding=MOE_SHARDING, parameters=moe_parameters)

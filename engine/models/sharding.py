@@ -21,6 +21,10 @@ vocabulary ``V`` padded to ``t * ceil(V / t)`` rows, rank ``r`` holds::
     mlp.down_proj                  input columns      the same columns; bias whole, added after the sum
     norms (q_norm, k_norm too)     -                  replicated (they act per row or per head)
 
+A MoE family's plan (moe_family.py) adds its experts: cut like the dense MLP, or under
+expert parallelism (``TPShard.expert_parallel``) rank r holds experts [r*E/t, (r+1)*E/t)
+whole and reads no byte of the others (``ShardingPlan.held``).
+
 Query head h uses KV head ``h // (Hq/H)``; a rank's query heads all use KV heads it holds
 (in both cases of rank_heads), so grouped-query attention stays local to the rank.
 """
@@ -46,6 +50,10 @@ class TPShard(NamedTuple):
     inter: HeadRange  # intermediate (MLP) columns [start, stop)
     vocab: HeadRange  # vocabulary rows [start, start + rows); rows at or past vocab_size are padding
     vocab_size: int  # the model's, unpadded
+    # a MoE model's experts this rank holds whole [start, stop) under expert parallelism; else
+    # every expert (cut by columns like the dense MLP, ``inter``-style, at TP > 1)
+    experts: HeadRange
+    expert_parallel: bool  # the MoE layers are expert-parallel over the ranks (size > 1 and a MoE model)
 
     @property
     def num_heads(self) -> int:
@@ -69,11 +77,15 @@ class TPShard(NamedTuple):
         return max(0, min(self.vocab.stop, self.vocab_size) - self.vocab.start)
 
 
-def model_tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
-    """Why ``cfg`` cannot be split over ``tp`` ranks, each naming the field and the numbers."""
+def model_tp_problems(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> list[str]:
+    """Why ``cfg`` cannot be split over ``tp`` ranks (``expert_parallel``: its experts
+    split whole over them), each naming the field and the numbers."""
     if tp < 1:
         return [f"tensor_parallel_size: must be >= 1, got {tp}"]
     problems = []
+    if expert_parallel and cfg.moe is None:
+        problems.append(f"enable_expert_parallel: {cfg.architecture} is a dense model (no experts to split); "
+                        "drop --enable-expert-parallel")
     if cfg.num_heads % tp:
         problems.append(f"tensor_parallel_size: {tp} does not divide the model's {cfg.num_heads} attention "
                         f"heads (num_attention_heads); use a divisor of {cfg.num_heads}")
@@ -82,9 +94,13 @@ def model_tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
         problems.append(kv.replace("tensor_parallel_size ", "tensor_parallel_size: ", 1)
                         + " (num_key_value_heads)")
     widths = {"intermediate_size": cfg.intermediate_size}
-    if cfg.moe is not None:  # each expert (and the shared one) is cut like the dense MLP
-        widths.update(moe_intermediate_size=cfg.moe.intermediate_size,
-                      shared_expert_intermediate_size=cfg.moe.shared_expert_size)
+    if cfg.moe is not None:  # the shared expert is cut like the dense MLP; so is each expert without EP
+        widths.update(shared_expert_intermediate_size=cfg.moe.shared_expert_size)
+        if not expert_parallel:
+            widths.update(moe_intermediate_size=cfg.moe.intermediate_size)
+        elif cfg.moe.num_experts % tp:
+            problems.append(f"tensor_parallel_size: {tp} ranks of expert parallelism do not divide the model's "
+                            f"{cfg.moe.num_experts} experts; use a divisor of it")
     for field, width in widths.items():
         if width % tp:
             problems.append(f"tensor_parallel_size: {tp} does not divide the model's {field} "
@@ -92,21 +108,25 @@ def model_tp_problems(cfg: ModelConfig, tp: int) -> list[str]:
     return problems
 
 
-def check_model_tp(cfg: ModelConfig, tp: int) -> None:
+def check_model_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """Raise ``ValueError`` (every problem, what to change) unless ``cfg`` splits over ``tp`` ranks."""
-    problems = model_tp_problems(cfg, tp)
+    problems = model_tp_problems(cfg, tp, expert_parallel)
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def shard_of(cfg: ModelConfig, rank: int, size: int) -> TPShard:
+def shard_of(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPShard:
     """Rank ``rank``'s part of ``cfg`` (checked: raises ``ValueError`` when it does not split)."""
-    check_model_tp(cfg, size)
+    check_model_tp(cfg, size, expert_parallel)
     hq, inter = cfg.num_heads // size, cfg.intermediate_size // size
     rows = -(-cfg.vocab_size // size)  # ceil: the vocabulary is padded to size * rows
+    num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
+    ep = expert_parallel and size > 1 and num_experts > 0
+    per = num_experts // size if ep else num_experts
+    experts = HeadRange(rank * per, (rank + 1) * per) if ep else HeadRange(0, num_experts)
     return TPShard(rank, size, HeadRange(rank * hq, (rank + 1) * hq), rank_heads(rank, size, cfg.num_kv_heads),
                    HeadRange(rank * inter, (rank + 1) * inter), HeadRange(rank * rows, (rank + 1) * rows),
-                   cfg.vocab_size)
+                   cfg.vocab_size, experts, ep)
 
 
 def split_range(width: int, shard: TPShard) -> HeadRange:
@@ -190,13 +210,18 @@ class StackSlot(NamedTuple):
     each row of the stack is its pieces concatenated on dim 0, in piece order."""
 
     name: str  # the stacked parameter's name inside a layer (mlp.w13)
-    row: int  # its row of the stack (the expert)
+    row: int  # its row of the rank's stack (the expert, counted from the rank's first)
     piece: int  # its place among the row's pieces (gate 0, up 1)
 
 
-def unstacked(name: str) -> StackSlot | None:
+def unstacked(name: str, shard: TPShard) -> StackSlot | None:
     """The dense family stacks nothing."""
     return None
+
+
+def everything(name: str, shard: TPShard) -> bool:
+    """The dense family's ranks each hold a part of every tensor."""
+    return True
 
 
 class ShardingPlan(NamedTuple):
@@ -207,8 +232,10 @@ class ShardingPlan(NamedTuple):
     cut: Callable[[str, str, TPShard, ModelConfig], Cut | None]  # (part, kind, shard, cfg): as hf_cut
     full: Callable[[str, torch.Tensor, TPShard, ModelConfig], torch.Tensor]  # as shard_full
     # a checkpoint tensor's name inside a layer (after the weight map: mlp.experts.3.gate_proj.weight)
-    # -> its slot in a stacked parameter, or None
-    stacked: Callable[[str], StackSlot | None] = unstacked
+    # and the rank's shard -> its slot in the rank's stacked parameter, or None; only for held tensors
+    stacked: Callable[[str, TPShard], StackSlot | None] = unstacked
+    # (name inside a layer, shard) -> whether the rank holds any of it (False: never read)
+    held: Callable[[str, TPShard], bool] = everything
 
 
 DENSE_SHARDING = ShardingPlan(FUSED, hf_cut, shard_full)

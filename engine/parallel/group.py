@@ -99,14 +99,18 @@ def rank_threads(num_threads: int | None, size: int, device: torch.device) -> in
 
 class TPGroup:
     """One rank's view of its node's TP group. Collectives act in place where they can and
-    raise ``CollectiveError`` on failure; ``timeout_s`` bounds each (an op may pass its own)."""
+    raise ``CollectiveError`` on failure; ``timeout_s`` bounds each (an op may pass its own).
+    ``expert_parallel``: the node's MoE layers split their experts over these ranks (each
+    rank holds E / size whole experts) instead of cutting every expert's columns; attention
+    and dense layers are tensor-parallel either way (models/moe.py)."""
 
-    __slots__ = ("rank", "size", "device", "timeout_s", "_pg", "_timeout", "_host_waits")
+    __slots__ = ("rank", "size", "device", "timeout_s", "expert_parallel", "_pg", "_timeout", "_host_waits")
 
     def __init__(self, rank: int, size: int, device: torch.device, pg: Any = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False):
         assert 0 <= rank < size and (pg is not None or size == 1), (rank, size)
         self.rank, self.size, self.device = rank, size, device
+        self.expert_parallel = expert_parallel
         self.timeout_s = timeout_s
         self._pg = pg  # ProcessGroupGloo | ProcessGroupNCCL | None (size 1)
         self._timeout = timedelta(seconds=timeout_s)
@@ -117,9 +121,10 @@ class TPGroup:
         self._host_waits = backend_for(device) == "gloo"
 
     @classmethod
-    def single(cls, device: torch.device | str) -> TPGroup:
-        """The group of a TP=1 engine: every collective is the identity."""
-        return cls(0, 1, torch.device(device))
+    def single(cls, device: torch.device | str, expert_parallel: bool = False) -> TPGroup:
+        """The group of a TP=1 engine: every collective is the identity (expert parallelism
+        over one rank is the plain MoE layer; the flag is kept for the model's checks)."""
+        return cls(0, 1, torch.device(device), expert_parallel=expert_parallel)
 
     @property
     def is_first(self) -> bool:
@@ -189,12 +194,13 @@ class TPGroup:
 
 
 def init_tp_group(rank: int, size: int, device: torch.device, store: Any, *, host: str = "127.0.0.1",
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False) -> TPGroup:
     """Join the TP group as ``rank`` through ``store`` (a torch ``TCPStore``: rank 0's master
     or a client of it). Blocks until every rank joined (bounded by the store's timeout).
-    ``host``: the address this rank's gloo listens on (ranks of a node share a host)."""
+    ``host``: the address this rank's gloo listens on (ranks of a node share a host);
+    ``expert_parallel``: as ``TPGroup``'s, the same on every rank."""
     if size == 1:
-        return TPGroup.single(device)
+        return TPGroup.single(device, expert_parallel)
     import torch.distributed as dist
 
     options: Any  # gloo's _Options or NCCL's Options; torch's stubs name neither's fields
@@ -213,7 +219,7 @@ def init_tp_group(rank: int, size: int, device: torch.device, store: Any, *, hos
         options._timeout = timedelta(seconds=timeout_s)
         options.group_name = "tp"
         pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    group = TPGroup(rank, size, device, pg, timeout_s)
+    group = TPGroup(rank, size, device, pg, timeout_s, expert_parallel)
     # gloo connects in its constructor; NCCL builds its communicator in the first collective
     group.all_reduce(torch.zeros(1, device=device), timeout_s=INIT_TIMEOUT_S)
     return group

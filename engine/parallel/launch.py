@@ -111,12 +111,14 @@ class TPLeader:
             proc.start()
             self.procs[rank] = proc
 
-    def join(self, device: torch.device) -> TPGroup:
+    def join(self, device: torch.device, expert_parallel: bool = False) -> TPGroup:
         """Wait for every worker's RankHello (failing fast when one exits: spawned here, or named by
-        the node's ``dead``), then join the group as rank 0. Every worker must be starting."""
+        the node's ``dead``), then join the group as rank 0. Every worker must be starting.
+        ``expert_parallel``: the engine config's, as every worker's."""
         rdzv = self.rendezvous
         self.channel.wait_workers(rdzv.init_timeout_s, self._dead_worker)
-        self.group = init_tp_group(0, self.size, device, self.store, host=rdzv.host, timeout_s=rdzv.timeout_s)
+        self.group = init_tp_group(0, self.size, device, self.store, host=rdzv.host, timeout_s=rdzv.timeout_s,
+                                   expert_parallel=expert_parallel)
         return self.group
 
     def _dead_worker(self) -> str | None:

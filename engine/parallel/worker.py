@@ -82,7 +82,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: TPRendezvous, *,
             store = dist.TCPStore(rendezvous.host, rendezvous.store_port, rendezvous.size, False,
                                   timedelta(seconds=rendezvous.init_timeout_s))
             group = init_tp_group(rank, rendezvous.size, dev, store, host=rendezvous.host,
-                                  timeout_s=rendezvous.timeout_s)
+                                  timeout_s=rendezvous.timeout_s, expert_parallel=config.enable_expert_parallel)
             cpus = rank_cpus(rank, rendezvous.size, dev)
             if cpus is not None:
                 pin_process(cpus)  # the group's threads exist now: they move too
