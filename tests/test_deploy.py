@@ -1,6 +1,6 @@
 """The deployment files, validated offline with the real tools:
 
-- Kubernetes: every kustomize overlay (cpu, gpu, cpu-planner, gpu-tp) rendered by kubectl's kustomize, every object
+- Kubernetes: every kustomize overlay (cpu, gpu, cpu-planner, gpu-tp, gpu-moe-ep) rendered by kubectl's kustomize, every object
   checked against the Kubernetes OpenAPI schemas (kubernetes-validate, strict), the
   production shape checked (probes, preStop, PDBs, HPAs whose metrics the Prometheus
   adapter rules define, NetworkPolicies, Secrets, GPU resources), and every container's
@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest minor still supported upstream when this was written
-OVERLAYS = ("cpu", "gpu", "cpu-planner", "gpu-tp")  # cpu-planner: cpu + components/planner; gpu-tp: gpu, TP4/TP8 pods
+OVERLAYS = ("cpu", "gpu", "cpu-planner", "gpu-tp", "gpu-moe-ep")  # cpu-planner: cpu + components/planner;
+# gpu-tp: gpu, TP4/TP8 pods; gpu-moe-ep: gpu, TP8/EP8 pods for both roles
+TP_PODS = {"gpu-tp": {"prefill": 4, "decode": 8}, "gpu-moe-ep": {"prefill": 8, "decode": 8}}  # else 1
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 BIN = Path(sys.executable).parent  # the venv running the tests
 SYSTEM_TOOLS = {"promtool": "apt: prometheus"}  # tool -> where deploy/setup.sh gets it; the rest are in BIN
@@ -349,7 +351,8 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
         assert port == cfg.port
         if overlay.startswith("gpu"):  # one pod is one node: a GPU per rank
             tp = cfg.engine.tensor_parallel_size
-            assert tp == ({"prefill": 4, "decode": 8}[role] if overlay == "gpu-tp" else 1)
+            assert tp == TP_PODS.get(overlay, {}).get(role, 1)
+            assert cfg.engine.enable_expert_parallel == (overlay == "gpu-moe-ep")
             assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == tp
             assert pod["tolerations"] and pod["nodeSelector"]
             assert cfg.engine.model == "/models/model"
