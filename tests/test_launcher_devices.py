@@ -136,3 +136,24 @@ def test_up_on_one_gpu_serves_through_ipc():
                    if line and not line.startswith("#")}
         assert samples.get('splitserve_kv_transfers_total{state="owned"}', 0) >= 1, metrics
         assert not any(v for k, v in samples.items() if k.startswith("splitserve_decode_fallback_prefills_total"))
+
+
+def test_the_readme_moe_recipe_gives_every_node_expert_parallelism():
+    """README's Qwen3-30B-A3B on 2 GPUs: both TP2 nodes span cuda:0,cuda:1 with
+    --enable-expert-parallel (each pool's EP size is its TP), parsed by the node's CLI."""
+    from splitserve.cli import build_parser, node_config
+
+    tp = {"prefill": 2, "decode": 2}
+    plan = plan_devices(None, ["cuda:0,cuda:1"], ["cuda:0,cuda:1"], None, "shm", tp=tp)
+    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend=plan.kv_backend, devices=plan, tp=tp,
+                kv_cache_memory="4GiB", expert_parallel=True)
+    c.redis_url = "redis://127.0.0.1:1/0"
+    for role in ("prefill", "decode"):
+        args = c.node_args(role, 0)
+        assert "--enable-expert-parallel" in args and flag(args, "--tensor-parallel-size") == "2"
+        cfg = node_config(build_parser().parse_args(args), role)
+        assert cfg.engine.enable_expert_parallel and cfg.engine.tensor_parallel_size == 2
+        assert cfg.rank_devices == ("cuda:0", "cuda:1")
+    plain = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="shm", tp={"decode": 2})
+    plain.redis_url = "redis://127.0.0.1:1/0"
+    assert "--enable-expert-parallel" not in plain.node_args("decode", 0)
