@@ -31,7 +31,8 @@ class ModelFamily:
     config: Callable[[dict], ModelConfig]  # config adapter: config.json -> the frozen config
     # The whole model, or with a TPGroup of size t > 1 that rank's shard, built on the current
     # device (the loader builds it on "meta"). A CausalLM (llama.py), whose forward the engine
-    # runs: a family with another feed-forward block passes CausalLM its factory (llama.FeedForward).
+    # runs: a family with another feed-forward or attention block passes CausalLM its factory
+    # (llama.FeedForward, llama.AttentionBlock) and, with other rotary tables, their class.
     module: Callable[[ModelConfig, TPGroup | None], nn.Module]
     # a checkpoint tensor's name -> the module's Hugging Face-style name
     # (model.layers.<i>.self_attn.q_proj.weight, ...: loader.py)

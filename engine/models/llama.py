@@ -200,11 +200,17 @@ def dense_mlp(cfg: ModelConfig, shard: TPShard, group: TPGroup, layer: int) -> n
     return MLP(cfg, shard, group)
 
 
+# (cfg, shard, group) -> a layer's attention block: forward(x [T, hidden], rope tables,
+# kv_cache of the layer, AttentionMetadata, AttentionBackend) -> [T, hidden], the whole sum on
+# every rank: a family's choice, grouped-query attention (``Attention``) by default
+AttentionBlock = Callable[[ModelConfig, TPShard, TPGroup], nn.Module]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: TPShard, group: TPGroup, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, attention: nn.Module, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, shard, group)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
@@ -214,9 +220,12 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None, feed_forward: FeedForward = dense_mlp):
+    def __init__(self, cfg: ModelConfig, group: TPGroup | None = None, feed_forward: FeedForward = dense_mlp,
+                 attention: AttentionBlock = Attention, rope: Callable[[ModelConfig], nn.Module] = RotaryEmbedding):
         """The whole model, or with a ``group`` of size t > 1 rank ``group.rank``'s shard;
-        ``feed_forward`` builds each layer's feed-forward block."""
+        ``feed_forward`` builds each layer's feed-forward block, ``attention`` its attention
+        block, ``rope`` the rotary tables every layer's attention gets (``tables(positions,
+        dtype)``; the loader rebuilds it as ``type(model.rope)(cfg)``)."""
         super().__init__()
         self.cfg = cfg
         group = group if group is not None else TPGroup.single("cpu")
@@ -226,10 +235,11 @@ class CausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(self.shard, cfg.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, group, feed_forward(cfg, self.shard, group, i))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention(cfg, self.shard, group),
+                                                 feed_forward(cfg, self.shard, group, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg)
+        self.rope = rope(cfg)
         if group.size == 1:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         else:
