@@ -1,7 +1,7 @@
 """What two nodes must share to exchange KV: the compatibility key.
 
 Owns ``KVCompat``: a node's model, KV dtype, block size and head layout (layers, KV
-heads, head dim) and its tensor parallelism, and the one judgement of whether a prefill
+heads, head dim, or MLA's latent width) and its tensor parallelism, and the one judgement of whether a prefill
 node's KV can land in a decode node's cache (``exchange_problem``). A node puts its key
 in its registry record (``common/registry.py NodeInfo.kv``) and, with its rank, in every
 KV handshake (``kvtransfer/wire.py``); the router pairs only nodes whose keys agree
@@ -20,7 +20,7 @@ import msgspec
 from .kv_heads import tp_problem
 
 # The fields that must be equal, in the order a mismatch names them.
-EQUAL_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+EQUAL_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "latent_dim")
 
 
 class KVCompat(msgspec.Struct, frozen=True, tag="kv_compat", omit_defaults=True, kw_only=True):
@@ -33,6 +33,9 @@ class KVCompat(msgspec.Struct, frozen=True, tag="kv_compat", omit_defaults=True,
     num_kv_heads: int  # the model's KV heads, all ranks together (not one rank's)
     head_dim: int
     tp: int = 1  # tensor-parallel ranks of the node
+    # Multi-head Latent Attention: values of the one latent per token and layer (its halves are the
+    # cache's K and V of one head of head_dim = latent_dim / 2); 0: K and V heads
+    latent_dim: int = 0
 
     def differences(self, other: KVCompat) -> list[str]:
         """``"field: mine != theirs"`` for each field that must be equal and is not."""

@@ -45,7 +45,7 @@ from .sampling import prompt_logprobs
 from .attention.base import AttentionMetadata
 from .attention.prefill_batch import ChunkSpec, build_prefill_groups, varlen_available
 from .attention.selector import select_backend
-from .attention.torch_backend import build_decode_mask
+from .attention.torch_backend import TorchAttention, build_decode_mask
 from .decode_graphs import StaticDecode, default_graph_sizes
 from .kv.cache_manager import KVCacheManager
 from .kv.sizing import kv_block_bytes, new_kv_cache, size_kv_cache  # noqa: F401 (kv_block_bytes: re-export)
@@ -110,7 +110,8 @@ class ModelRunner(Runner):
         self.model_config: ModelConfig = self.model.cfg
         self.shard = self.model.shard  # this rank's heads (shard.kv_heads: the KV heads its cache holds)
         cfg = self.model_config
-        self.backend = select_backend(config, self.device, cfg.head_dim)
+        # MLA (models/mla.py) attends itself: the torch backend's metadata (decode masks, masked groups)
+        self.backend = TorchAttention() if cfg.mla is not None else select_backend(config, self.device, cfg.head_dim)
         self.kv_size = size_kv_cache(config, self.model, self.backend, self.dtype, self.device, self.group)
         self.num_blocks = self.kv_size.num_blocks
         self.overrun_s = 0.0  # a real forward takes what it takes: there is no modelled time to overrun
@@ -120,7 +121,8 @@ class ModelRunner(Runner):
                                        self.dtype, self.device, kv_cache_factory, self.shard.num_kv_heads)
         self.sampler = Sampler(seed=config.seed)
         self.grammar_masker: GrammarMasker | None = None  # made for the first structured request
-        self.prefill_varlen = varlen_available(self.device, self.dtype)  # one attention call for all chunks
+        # one attention call for all chunks
+        self.prefill_varlen = cfg.mla is None and varlen_available(self.device, self.dtype)
         self.static_decode = None if config.enforce_eager else self._static_decode()
         # async scheduling over several ranks: the ids rank 0 samples reach every rank's device
         self.share_sampled = bool(config.async_scheduling) and self.group.size > 1

@@ -66,9 +66,11 @@ EXIT_RANK0_GONE = 4  # a worker's exit status when rank 0 went away without stop
 def node_kv_key(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype, tp: int) -> KVCompat:
     """The node's KV compatibility key (common/kv_compat.py), the same on every rank: the
     served model id, the KV dtype, the block size, the model's layers, KV heads (all
-    ranks') and head dim, and the node's TP."""
+    ranks') and head dim or MLA's latent width, and the node's TP (never its EP: the KV
+    layout is the attention's)."""
     return KVCompat(model=config.model_id, dtype=str(kv_dtype).removeprefix("torch."), block_size=config.block_size,
-                    num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, tp=tp)
+                    num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, tp=tp,
+                    latent_dim=model.mla.latent_dim if model.mla is not None else 0)
 
 
 class RankRole(Protocol):

@@ -121,7 +121,8 @@ TINY_FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2C
                  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                  "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
                  "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-                 "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+                 "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+                 "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
 
 def _save_tiny_model(tmp_path_factory, family, **overrides):
@@ -140,6 +141,9 @@ def _save_tiny_model(tmp_path_factory, family, **overrides):
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.2)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router score bias: steers the choice
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     path = tmp_path_factory.mktemp(f"tiny_{family}")
     model.save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
     return path, model

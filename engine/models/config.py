@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from ...common.hf_config import architecture, sliding_window, usable_context
+from .mla_config import MLAConfig
 from .moe_config import MoEConfig
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class ModelConfig:
     sliding_window: int | None  # the checkpoint's window, when some layer uses one
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # a Mixture-of-Experts model's experts (moe_family.py); None: dense
+    # Multi-head Latent Attention (deepseek.py): the cache holds one latent per token, as 1 KV head
+    # of head_dim = latent_dim / 2 (mla_config.py); None: grouped-query attention
+    mla: MLAConfig | None = None
 
     @property
     def rope_scaling_dict(self) -> dict | None:

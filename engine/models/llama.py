@@ -32,6 +32,7 @@ Only rank 0 samples from them. With ``t = 1`` the layers are the plain ones.
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -200,6 +201,12 @@ def dense_mlp(cfg: ModelConfig, shard: TPShard, group: TPGroup, layer: int) -> n
     return MLP(cfg, shard, group)
 
 
+class Rotary(Protocol):
+    """The rotary tables a model's attention blocks read (``RotaryEmbedding``, mla.MLARotary)."""
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 # (cfg, shard, group) -> a layer's attention block: forward(x [T, hidden], rope tables,
 # kv_cache of the layer, AttentionMetadata, AttentionBackend) -> [T, hidden], the whole sum on
 # every rank: a family's choice, grouped-query attention (``Attention``) by default
@@ -221,11 +228,11 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, group: TPGroup | None = None, feed_forward: FeedForward = dense_mlp,
-                 attention: AttentionBlock = Attention, rope: Callable[[ModelConfig], nn.Module] = RotaryEmbedding):
+                 attention: AttentionBlock = Attention, rope: Callable[[ModelConfig], Rotary] = RotaryEmbedding):
         """The whole model, or with a ``group`` of size t > 1 rank ``group.rank``'s shard;
         ``feed_forward`` builds each layer's feed-forward block, ``attention`` its attention
         block, ``rope`` the rotary tables every layer's attention gets (``tables(positions,
-        dtype)``; the loader rebuilds it as ``type(model.rope)(cfg)``)."""
+        dtype)``)."""
         super().__init__()
         self.cfg = cfg
         group = group if group is not None else TPGroup.single("cpu")
@@ -239,6 +246,7 @@ class CausalLM(nn.Module):
                                                  feed_forward(cfg, self.shard, group, i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.make_rope = rope  # the loader rebuilds the tables off the meta device
         self.rope = rope(cfg)
         if group.size == 1:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -40,7 +40,8 @@ from .sharding import Cut, TPShard, cut
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# model.layers.<i>.<part>.<kind>: kind weight, bias, or a named tensor (e_score_correction_bias)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(\w+)$")
 
 
 def resolve_model_dir(model: str | Path | None) -> Path:
@@ -77,6 +78,8 @@ def read_safetensors(model_dir: Path, shard: TPShard | None = None) -> dict[str,
             for key in f.keys():
                 hf = family.weight_map(key)
                 m = _LAYER.match(hf)
+                if m and int(m.group(1)) >= cfg.num_layers:
+                    continue  # not a layer of the served model (DeepSeek's multi-token-prediction layer)
                 if shard is not None and m and not family.sharding.held(f"{m.group(2)}.{m.group(3)}", shard):
                     continue  # another rank's expert: not a byte of it is read
                 c = None if shard is None or shard.size == 1 else _hf_key_cut(hf, shard, cfg, family)
@@ -121,7 +124,7 @@ def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str 
     model.load_state_dict(weights, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope = type(model.rope)(cfg)  # rebuild the RoPE tables off the meta device
+    model.rope = model.make_rope(cfg)  # rebuild the RoPE tables off the meta device
     return model.to(device).eval()
 
 

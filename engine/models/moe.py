@@ -1,9 +1,10 @@
 """The Mixture-of-Experts feed-forward block (``MoEBlock``) and the family's choice of it per
 layer (``moe_feed_forward``, a llama.FeedForward): a router gate scores the experts, each
-token goes to its top k (softmax, top-k, renormalised when ``norm_topk_prob``: the three
-families' routing as transformers computes it; Mixtral always renormalises), the experts'
-SwiGLUs run in one ``fused_moe`` call (fused_moe.py) and Qwen2-MoE adds a shared expert
-gated by ``sigmoid(shared_expert_gate(x))``.
+token goes to its top k (``route``: softmax, top-k, renormalised when ``norm_topk_prob``, as
+the Qwen-MoE families and Mixtral route; or DeepSeek-V3's sigmoid scores with a score bias,
+expert groups and a routed scaling: moe_config.Scoring), the experts' SwiGLUs run in one
+``fused_moe`` call (fused_moe.py), and a shared expert, if any, adds its SwiGLU of every
+token (Qwen2-MoE gates it by ``sigmoid(shared_expert_gate(x))``, DeepSeek-V3 does not).
 
 Experts are stacked: ``w13`` [E, 2 * I, H] (each expert's gate rows, then its up rows) and
 ``w2`` [E, H, I]; the loader stacks the checkpoint's per-expert tensors into them
@@ -29,10 +30,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .moe_config import MoEConfig, Scoring
 from .fused_moe import fused_moe
 from .llama import MLP, dense_mlp
 from ..parallel.group import TPGroup
 from .sharding import TPShard, split_range
+
+
+class BiasedGate(nn.Module):
+    """The sigmoid router's gate: ``weight`` [E, H] and the score bias ``e_score_correction_bias``
+    [E] that only steers the choice of experts (transformers' names)."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+
+def route(moe: MoEConfig, gate: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k] int64) of the tokens x [T, H] (moe_config.py's table)."""
+    if moe.scoring is Scoring.SOFTMAX:
+        probs = F.softmax(gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+    assert isinstance(gate, BiasedGate), "the sigmoid router's gate"
+    scores = F.linear(x.float(), gate.weight.float()).sigmoid()  # [T, E]
+    choice = scores + gate.e_score_correction_bias.float()
+    per_group = moe.num_experts // moe.num_groups
+    groups = choice.view(-1, moe.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    best = torch.topk(groups, moe.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
+    keep = torch.zeros_like(groups).scatter_(1, best, 1.0).bool()  # [T, G]
+    choice = choice.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling, ids
 
 
 class MoEBlock(nn.Module):
@@ -44,27 +79,27 @@ class MoEBlock(nn.Module):
         assert moe is not None, "MoEBlock needs a MoE config"
         E, H = moe.num_experts, cfg.hidden_size
         inter = moe.intermediate_size if shard.expert_parallel else moe.intermediate_size // shard.size
-        self.top_k, self.norm_topk_prob, self.group = moe.top_k, moe.norm_topk_prob, group
+        self.moe, self.group = moe, group
         self.experts = shard.experts  # held: [first, first + local)
         local = shard.experts.size
         self.expert_parallel = shard.expert_parallel
-        self.gate = nn.Linear(H, E, bias=False)  # router: replicated on every rank
+        # router: replicated on every rank
+        self.gate = nn.Linear(H, E, bias=False) if moe.scoring is Scoring.SOFTMAX else BiasedGate(H, E)
         self.w13 = nn.Parameter(torch.empty(local, 2 * inter, H))  # [E_local, 2 * I_rank, H]: gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(local, H, inter))  # [E_local, H, I_rank]
         if moe.shared_expert_size:
             shared = shard._replace(inter=split_range(moe.shared_expert_size, shard))
             self.shared_expert = MLP(cfg, shared, group)
-            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(H, 1, bias=False)
         self.has_shared = bool(moe.shared_expert_size)
+        self.shared_gated = self.has_shared and moe.shared_expert_gated
         # filled in place by every forward, captured CUDA graphs' replays included; on the CPU even
         # when the loader builds the module on "meta" (it moves with the module, like rope's tables)
         self.register_buffer("expert_tokens", torch.zeros(E, dtype=torch.int64, device="cpu"), persistent=False)
 
     def forward(self, x):  # x [T, H] -> [T, H]
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # each [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = route(self.moe, self.gate, x)  # each [T, k]
         flat = ids.flatten()  # index_add_ rather than bincount: no host sync, so a CUDA graph captures it
         self.expert_tokens.zero_().index_add_(0, flat, torch.ones_like(flat))
         if self.expert_parallel:  # dispatch: this rank's experts' pairs; the others' skipped (id E_local)
@@ -73,8 +108,10 @@ class MoEBlock(nn.Module):
         y = fused_moe(x, self.w13, self.w2, ids, weights)  # [T, H]: this rank's partial sums
         if self.group.size > 1:
             y = self.group.all_reduce(y)
-        if self.has_shared:
+        if self.shared_gated:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.has_shared:
+            y = y + self.shared_expert(x)
         return y
 
 

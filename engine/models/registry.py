@@ -24,12 +24,12 @@ from functools import cache
 from pathlib import Path
 
 from ...common.hf_config import architecture, read_config_json
-from . import llama, moe_family
+from . import deepseek, llama, moe_family
 from .config import ModelConfig
 from .family import ModelFamily
 
 FAMILIES_ENV = "SPLITSERVE_MODEL_FAMILIES"
-BUILTIN = (llama.FAMILY, moe_family.FAMILY)
+BUILTIN = (llama.FAMILY, moe_family.FAMILY, deepseek.FAMILY)
 
 
 def family_of(arch: str) -> ModelFamily:

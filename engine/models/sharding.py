@@ -83,6 +83,9 @@ def model_tp_problems(cfg: ModelConfig, tp: int, expert_parallel: bool = False) 
     if tp < 1:
         return [f"tensor_parallel_size: must be >= 1, got {tp}"]
     problems = []
+    if cfg.mla is not None and tp > 1:
+        return [f"tensor_parallel_size: {tp}: {cfg.architecture}'s latent KV cache has no heads to split over "
+                "ranks; serve it on tensor_parallel_size 1 (data-parallel attention is not built yet)"]
     if expert_parallel and cfg.moe is None:
         problems.append(f"enable_expert_parallel: {cfg.architecture} is a dense model (no experts to split); "
                         "drop --enable-expert-parallel")
