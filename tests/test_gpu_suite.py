@@ -170,7 +170,8 @@ def test_a_run_brought_back_is_taken_in_and_tabled(tmp_path):
     assert "| `llama3_8b_decode_step_over_floor` | - | <= 1.2 | not measured yet |" in text  # no stage reported it
 
 
-@pytest.mark.parametrize("script", ["bench_kernels.py", "bench_gpu_engine.py", "bench_gpu_serving.py"])
+@pytest.mark.parametrize("script", ["bench_kernels.py", "bench_gpu_engine.py", "bench_gpu_moe.py",
+                                    "bench_gpu_serving.py"])
 def test_a_gpu_script_without_cuda_says_so_and_writes_nothing(tmp_path, script):
     import torch
 
@@ -180,3 +181,26 @@ def test_a_gpu_script_without_cuda_says_so_and_writes_nothing(tmp_path, script):
     proc = subprocess.run([sys.executable, str(GPU / script), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout and not out.exists()
+
+
+def test_a_stage_of_several_steps_reports_each_result_and_all_targets(tmp_path):
+    """Stage 4: the Llama-3-8B step and the MoE step, each result under its label."""
+    ctx = suite.Context(python=sys.executable, bundle=tmp_path, work=tmp_path, rehearse=False)
+    stage = next(s for s in suite.STAGES if s.number == 4)
+    steps = stage.steps(ctx)
+    assert [s.label for s in steps] == ["engine_big", "moe"]
+    assert "splitserve.benchmarks.gpu.bench_gpu_moe" in steps[1].argv
+    row = {"name": "moe_decode_step_over_floor_qwen3-30b-a3b_b1", "value": 1.1, "target": 1.5, "op": "<=",
+           "met": True}
+    (tmp_path / "moe.json").write_text(json.dumps({"targets": [row]}))  # engine_big wrote nothing: cut short
+    runs = [suite.StepRun(s.label, "x", suite.StageStatus.OK, 0, 1.0, s.budget_s) for s in steps]
+    record = suite.stage_record(stage, steps, runs, ctx, {}, "suite.sh")
+    assert record["stage"] == "4_big_models" and record["result"] == {"engine_big": None, "moe": {"targets": [row]}}
+    assert record["targets"] == [row]
+
+
+def test_the_budgets_add_up_to_the_deadline():
+    labels = [s.label for stage in suite.STAGES for s in stage.steps(suite.Context("python", Path("."), Path("."),
+                                                                                   False))]
+    assert sorted(labels) == sorted(suite.BUDGET_S)
+    assert sum(suite.BUDGET_S[label][0] for label in labels) <= suite.DEADLINE_S[False] < 600

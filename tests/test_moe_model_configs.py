@@ -64,6 +64,7 @@ def test_a_shrunk_copy_loads_with_dummy_weights(tmp_path, name):
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = load_model(tmp_path, torch.float32, "cpu", load_format="dummy")
     cfg = model.cfg
+    assert cfg.moe is not None
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     assert len(blocks) == 2 and blocks[0].w13.shape == (min(experts, 8), 2 * cfg.moe.intermediate_size, 64)
     assert sum(p.numel() for p in model.parameters()) == family_of(cfg.architecture).parameters(cfg).total

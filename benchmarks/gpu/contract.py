@@ -1,5 +1,5 @@
 """What every GPU benchmark's JSON holds at its top level (bench_kernels, bench_gpu_engine,
-bench_gpu_transfer, bench_gpu_serving), and the issue's targets, in this one place:
+bench_gpu_moe, bench_gpu_transfer, bench_gpu_serving), and the issue's targets, in this one place:
 
     "environment": {"device", "device_name", "driver", "torch", "cuda", "triton", "python",
                     "host", "command"}
@@ -43,6 +43,9 @@ TARGETS = {
                                     "batches (1x2048, 4x512, 16x128)"),
     "llama3_8b_decode_step_over_floor": Target("<=", 1.2, "Llama-3-8B shape (dummy weights), static decode step at "
                                                "batch 1 / weight bytes over the measured copy bandwidth"),
+    "moe_decode_step_over_floor": Target("<=", 1.5, "MoE shapes (Qwen3-30B-A3B, Mixtral-8x7B; dummy weights), "
+                                         "static decode step at batch 1 and 64 / the bytes of the dense weights and "
+                                         "of the experts the step's routing read, over the measured copy bandwidth"),
     "ttft_p50_disagg_over_colocated": Target("<=", 1.10, "TTFT p50, 1 prefill + 1 decode node (ipc) / one colocated "
                                              "node, per prompt length (2048, 8000)"),
     "short_tpot_p99_disagg_over_colocated": Target("<=", 0.5, "TPOT p99 of short requests while long prompts "

@@ -3,18 +3,23 @@ budget, each writing its JSON as soon as it ends. Run it through suite.sh, which
 environment (the carried wheels, redis-server, the package) and says how to call it.
 
     stage                GPU budget  what
-    1 environment_tests  90 + 140 s  the probe (versions, the bundle, redis, the csrc build),
+    1 environment_tests  90 + 110 s  the probe (versions, the bundle, redis, the csrc build),
                                      then the gpu tests listed in gpu_tests.txt
-    2 kernels                 40 s   paged decode attention bandwidth, 512..32k context, vs SDPA
+    2 kernels                 35 s   paged decode attention bandwidth, 512..32k context, vs SDPA
     3 engine                  90 s   the bundled shape in bf16 on random weights: batch-1 step
                                      (static async, static_sync, eager), tok/s at batch 64/256,
                                      prefill tok/s, each beside transformers
-    4 llama3_8b               60 s   the Llama-3-8B shape, dummy weights, vs the weight-read floor
+    4 big_models         60 + 60 s   the Llama-3-8B shape, dummy weights, vs the weight-read floor;
+                                     then the MoE shapes (Qwen3-30B-A3B, Mixtral-8x7B if it fits)
+                                     at batch 1 and 64 vs the floor of the experts read
     5 transfer                30 s   KV transfer from device memory (ipc, tcp staged) vs a copy
-    6 serving                120 s   1 prefill + 1 decode (ipc) vs decode --colocated, one GPU
+    6 serving                100 s   1 prefill + 1 decode (ipc) vs decode --colocated, one GPU
 
 The budgets add up to the deadline (575 s), inside a device command's 600 s; most steps
-should end well before theirs (estimates: the whole suite 7.5 to 9 minutes on an H100).
+should end well before theirs (estimates before the MoE step: the whole suite 7.5 to 9
+minutes on an H100; its 60 s were taken from the tests, kernels and serving budgets, none
+of them measured yet). A stage of several steps with results reports {label: result} and
+all their targets.
 
 A step that outlives its budget, or the suite's deadline (``--deadline-s``, counted from
 suite.sh's start), is stopped with every process it started (found by a marker in their
@@ -52,8 +57,8 @@ from splitserve.benchmarks.gpu.manifest import gpu_test_ids
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = {False: 575, True: 1500}  # rehearse -> seconds from suite.sh's start; a device command gets 600
 # step label -> (GPU budget, rehearsal budget), seconds
-BUDGET_S = {"probe": (90, 60), "tests": (140, 150), "kernels": (40, 120), "engine_bundled": (90, 120),
-            "engine_big": (60, 120), "transfer": (30, 120), "serving": (120, 300)}
+BUDGET_S = {"probe": (90, 60), "tests": (110, 150), "kernels": (35, 120), "engine_bundled": (90, 120),
+            "engine_big": (60, 120), "moe": (60, 120), "transfer": (30, 120), "serving": (100, 300)}
 TEST_TIMEOUT_S = 60  # per gpu test (pytest-timeout): a hang fails that test, not the stage
 MIN_STEP_S = 15  # a step given less than this is skipped rather than started
 STOP_GRACE_S = 5  # SIGTERM, then SIGKILL
@@ -134,6 +139,13 @@ def _engine(part: str) -> Callable[[Context], list[Step]]:
     return steps
 
 
+def _big_models(ctx: Context) -> list[Step]:
+    """The Llama-3-8B shape (bench_gpu_engine --part big), then the MoE shapes (bench_gpu_moe)."""
+    out = ctx.work / "moe.json"
+    argv = _script(ctx, "gpu.bench_gpu_moe", *(["--smoke"] if ctx.rehearse else []), "--out", str(out))
+    return _engine("big")(ctx) + [Step("moe", argv, budget("moe", ctx), out)]
+
+
 def _transfer(ctx: Context) -> list[Step]:
     out = ctx.work / "transfer.json"
     size = ["--smoke"] if ctx.rehearse else ["--runs", "5"]
@@ -150,7 +162,7 @@ def _serving(ctx: Context) -> list[Step]:
 
 
 STAGES = (Stage(1, "environment_tests", _tests), Stage(2, "kernels", _kernels),
-          Stage(3, "engine", _engine("bundled")), Stage(4, "llama3_8b", _engine("big")),
+          Stage(3, "engine", _engine("bundled")), Stage(4, "big_models", _big_models),
           Stage(5, "transfer", _transfer), Stage(6, "serving", _serving))
 
 
@@ -292,8 +304,8 @@ def stage_record(stage: Stage, steps: list[Step], runs: list[StepRun], ctx: Cont
             {"name": "gpu_tests_pass", "value": tests["passed"], "target": len(tests["tests"]) - tests["skipped"],
              "op": ">=", "met": tests["failed"] == 0 and tests["passed"] > 0}]
     else:
-        result = next(iter(results.values()), None)
-        targets = (result or {}).get("targets", [])
+        result = next(iter(results.values()), None) if len(results) == 1 else results
+        targets = [t for r in results.values() for t in (r or {}).get("targets", [])]
     return {"stage": f"{stage.number}_{stage.name}", "status": stage_status(runs).value,
             "seconds": round(sum(r.seconds for r in runs), 1), "budget_s": sum(r.budget_s for r in runs),
             "steps": [r._asdict() | {"status": r.status.value} for r in runs], "environment": environment,
@@ -373,7 +385,8 @@ def main(argv=None) -> int:
         summary.append(summary_line(record))
         write_artifacts(out, work, summary)
     if fatal:
-        record = {"stage": "1_environment_tests", "status": StageStatus.FAILED.value, "environment": environment,
+        record = {"stage": "1_environment_tests", "status": StageStatus.FAILED.value, "seconds": probe.seconds,
+                  "environment": environment,
                   "command": command, "result": {"probe": found}, "fatal": fatal, "targets": [],
                   "log_tail": tail(ctx.work / "probe.log")}
         (out / "1_environment_tests.json").write_text(json.dumps(record, indent=2) + "\n")
