@@ -344,7 +344,7 @@ def print_summary(summary: list[dict]) -> None:
         print(f"  {s['stage']:<20} {s['status']:<10} {s['seconds']:>6.0f} s", flush=True)
         for t in s["targets"]:
             verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-            print(f"      {t['name']:<40} {t['value']!s:>12} {t['op']} {t['target']!s:<10} {verdict}", flush=True)
+            print(f"      {t['name']:<48} {t['value']!s:>12} {t['op']} {t['target']!s:<10} {verdict}", flush=True)
 
 
 # ---- the suite ---------------------------------------------------------------------------
