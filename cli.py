@@ -69,6 +69,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="a MoE model's experts split whole over the --tensor-parallel-size ranks (each holds "
                         "E/N experts) instead of every expert cut by columns; attention stays tensor-parallel")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="this process is one of N data-parallel ranks of a MoE node: its own requests, "
+                        "scheduler and KV pool, the experts split over the N (needs --data-parallel-rank "
+                        "and --data-parallel-address)")
+    g.add_argument("--data-parallel-rank", type=int, default=0, metavar="R")
+    g.add_argument("--data-parallel-address", default=None, metavar="HOST:PORT",
+                   help="where rank 0 hosts the data-parallel ranks' rendezvous (the ranks share a host)")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and KV cache (auto: float32 on cpu, bfloat16 on cuda)")
     g.add_argument("--attention-backend", choices=("auto", "cuda", "triton", "torch"), default="auto",
@@ -103,6 +110,8 @@ def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> Eng
                         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, sim=sim,
+                        data_parallel_size=args.data_parallel_size, data_parallel_rank=args.data_parallel_rank,
+                        data_parallel_address=args.data_parallel_address,
                         kv_offload_memory=parse_size(args.kv_offload_memory or "0", "kv_offload_memory"),
                         kv_offload_dir=args.kv_offload_dir,
                         kv_offload_disk_bytes=parse_size(args.kv_offload_disk_bytes or "0", "kv_offload_disk_bytes"))
@@ -392,6 +401,11 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="ranks per decode (or colocated) node; any TP that splits the model's KV heads "
                         "pairs with any prefill TP")
+    p.add_argument("--prefill-dp", type=int, default=None, metavar="N",
+                   help="data-parallel ranks per prefill node (a MoE model): each rank its own requests and "
+                        "KV pool, a node of the pool, the experts split over the N (default 1)")
+    p.add_argument("--decode-dp", type=int, default=None, metavar="N",
+                   help="data-parallel ranks per decode node, as --prefill-dp")
     p.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="every node's --enable-expert-parallel (a MoE model): each pool's EP size is its "
                         "--prefill-tp / --decode-tp, so prefill and decode may differ")

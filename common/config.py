@@ -198,6 +198,14 @@ class EngineConfig:
     # tensor-parallel. Refused for a dense model; a no-op at tensor_parallel_size 1. The KV
     # layout is the attention's, so a node's EP never has to match its KV peers'.
     enable_expert_parallel: bool = False
+    # Data-parallel attention (engine/parallel/data_parallel.py): this engine is rank
+    # data_parallel_rank of data_parallel_size ranks of one MoE node; each rank has its own
+    # requests, scheduler and KV pool, and the ranks share the MoE layers (each holds E / N
+    # experts). Rank 0 hosts their rendezvous at data_parallel_address (host:port; the ranks
+    # share a host). The ranks step in lockstep: no async scheduling, no static decode buckets.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_address: str | None = None
     # Lower tiers of the prefix cache (engine/kv/tier_store.py): bytes of host memory that hold
     # blocks evicted from the KV cache (0: none; pinned on CUDA), and a folder whose files
     # hold blocks evicted from host memory, at most kv_offload_disk_bytes of them (None: no
@@ -220,8 +228,21 @@ class EngineConfig:
         if self.kv_offload_memory and self.tensor_parallel_size > 1:
             raise ValueError("kv_offload_memory: KV tiers are not built for tensor-parallel nodes yet "
                              "(each rank would offload its own heads); use tensor_parallel_size 1")
+        if self.data_parallel_size > 1:
+            if self.tensor_parallel_size > 1:
+                raise ValueError("data_parallel_size: a data-parallel rank runs tensor_parallel_size 1 "
+                                 "(attention data-parallel, experts split over the DP ranks)")
+            if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+                raise ValueError(f"data_parallel_rank: must be in [0, {self.data_parallel_size}), "
+                                 f"got {self.data_parallel_rank}")
+            if not self.data_parallel_address or ":" not in self.data_parallel_address:
+                raise ValueError("data_parallel_address: give host:port of rank 0's rendezvous")
+            if self.sim is not None:
+                raise ValueError("data_parallel_size: a simulated node stands for its parallelism in its timing")
+            object.__setattr__(self, "async_scheduling", False)  # lockstep: one forward per turn
+            object.__setattr__(self, "enforce_eager", True)  # each rank's exact shape; no captured sizes
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
-                     "prefill_chunk_size", "tensor_parallel_size"):
+                     "prefill_chunk_size", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.cuda_graph_sizes is not None:

@@ -44,6 +44,12 @@ the member's own process group. A rank's death is the node's: it exits non-zero,
 supervisor kills whatever is left of that process group (no stray rank outlives its
 node) and restarts the node whole. With ``expert_parallel`` (``up --enable-expert-parallel``)
 a MoE model's experts split over each node's ranks: each pool's EP size is its TP.
+
+Data parallelism (``dp``, ``splitserve up --prefill-dp 2 --decode-dp 2``, a MoE model): a
+data-parallel node of N ranks is N members, each a node of the pool with its own requests
+and KV pool (``<role>-<i>``, i = node * N + rank), sharing the MoE layers; rank 0 hosts their
+rendezvous on a port chosen once. A rank's death fails its peers' collectives: they exit too
+and the supervisor restarts each, and they meet again at the same port.
 """
 
 import os
@@ -84,7 +90,7 @@ class Cluster:
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
                  served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
                  enforce_eager=False, tp=None, kv_offload=None, redis_maxmemory=None,
-                 responses_maxmemory=None, expert_parallel=False):
+                 responses_maxmemory=None, expert_parallel=False, dp=None):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -95,7 +101,9 @@ class Cluster:
                         load_format=load_format, enforce_eager=enforce_eager,
                         tp={r: n for r, n in (tp or {}).items() if n != 1},  # role -> ranks per node
                         expert_parallel=expert_parallel,  # each node's EP size: its tp
+                        dp={r: n for r, n in (dp or {}).items() if n != 1},  # role -> data-parallel ranks per node
                         kv_offload=kv_offload)
+        self._dp_ports: dict[tuple[str, int], int] = {}  # (role, data-parallel node) -> its rendezvous port
         self.router_port = router_port or free_port()
         if router_replicas < 1:
             raise ValueError(f"router_replicas: must be >= 1, got {router_replicas}")
@@ -241,12 +249,29 @@ class Cluster:
     def start_node(self, role: str, index: int, extra=()) -> Proc:
         return self._spawn(f"{role}-{index}", self.node_args(role, index, extra), role)
 
+    def members(self, role: str) -> int:
+        """Node processes of ``role``: its nodes times their data-parallel ranks (each rank is
+        a node of the pool, ``<role>-<i>``: rank r of data-parallel node n is i = n * dp + r)."""
+        c = self.cfg
+        nodes = c["decode_nodes"] if role in ("decode", "colocated") else c["prefill_nodes"]
+        return nodes * c["dp"].get("decode" if role == "colocated" else role, 1)
+
+    def _dp_args(self, role: str, index: int) -> list[str]:
+        """A data-parallel rank's flags: its node's rendezvous port, chosen once (restarts reuse it)."""
+        size = self.cfg["dp"].get("decode" if role == "colocated" else role, 1)
+        if size == 1:
+            return []
+        node, rank = divmod(index, size)
+        port = self._dp_ports.setdefault((role, node), free_port())
+        return ["--data-parallel-size", str(size), "--data-parallel-rank", str(rank),
+                "--data-parallel-address", f"{self.cfg['host']}:{port}"]
+
     def node_args(self, role: str, index: int, extra=()) -> list[str]:
         """The command line of node ``index`` of ``role`` (after ``splitserve``)."""
         c = self.cfg
         threads = len(self.cpus[role]) if role in self.cpus else c["threads"]
         decode_role = "colocated" if c["colocated"] else "decode"
-        counts = {"prefill": c["prefill_nodes"], decode_role: c["decode_nodes"]}
+        counts = {"prefill": self.members("prefill"), decode_role: self.members(decode_role)}
         device = self.devices.node_args(role, index, counts) if self.devices else []
         memory = [] if "--gpu-memory-utilization" in device else ["--kv-cache-memory", c["kv_cache_memory"]]
         engine = ((["--load-format", c["load_format"]] if c["load_format"] else [])
@@ -255,6 +280,7 @@ class Cluster:
         tp = c["tp"].get("decode" if role == "colocated" else role, 1)
         engine += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
         engine += ["--enable-expert-parallel"] if c["expert_parallel"] else []
+        engine += self._dp_args(role, index)
         engine += c["kv_offload"].node_args(f"{role}-{index}") if c["kv_offload"] else []
         args = ["decode" if role == "colocated" else role, "--host", c["host"],
                 "--kv-backend", c["kv_backend"], *memory, *device, *engine,
@@ -274,12 +300,11 @@ class Cluster:
         (deploy/readiness.py) or stop everything and raise ``NotServing`` after ``timeout``."""
         self._start_redises()
         c = self.cfg
-        nodes = [self.start_node("prefill", i) for i in range(c["prefill_nodes"])]
         decode_role = "colocated" if c["colocated"] else "decode"
-        nodes += [self.start_node(decode_role, i) for i in range(c["decode_nodes"])]
+        counts = {"prefill": self.members("prefill"), decode_role: self.members(decode_role)}
+        nodes = [self.start_node(role, i) for role, n in counts.items() for i in range(n)]
         routers = self.start_routers()
-        self.wait_serving([*nodes, *routers], {self.node_id_of(p.name): p for p in nodes},
-                          {"prefill": c["prefill_nodes"], decode_role: c["decode_nodes"]}, timeout)
+        self.wait_serving([*nodes, *routers], {self.node_id_of(p.name): p for p in nodes}, counts, timeout)
         return self
 
     def _start_redises(self) -> None:
@@ -518,6 +543,8 @@ def launch(args) -> int:
                       enforce_eager=enforce_eager, tp=tp,
                       expert_parallel=bool(getattr(args, "enable_expert_parallel", None)
                                            or defaults.get("enable_expert_parallel", False)),
+                      dp={role: getattr(args, f"{role}_dp", None) or defaults.get(f"{role}_dp", 1)
+                          for role in ("prefill", "decode")},
                       kv_offload=TierFlags(getattr(args, "kv_offload_memory", None),
                                            getattr(args, "kv_offload_dir", None),
                                            getattr(args, "kv_offload_disk_bytes", None)),

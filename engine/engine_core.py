@@ -52,7 +52,7 @@ from .limits import RequestLimits
 from .models.loader import resolve_model_dir
 from .models.registry import read_model_config
 from .model_runner import KVCacheFactory, ModelRunner
-from .parallel.group import TPFailure, pin_process, rank_cpus, rank_device, rank_threads
+from .parallel.group import TPFailure, TPGroup, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request
 from .runner import LaunchedStep, Runner
 from .sampling.sampler import Sampler
@@ -60,6 +60,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sampling.structured import GrammarCache
 
 if TYPE_CHECKING:
+    from .parallel.group import DataParallel
     from .parallel.launch import TPLeader
 
 log = logging.getLogger(__name__)
@@ -97,12 +98,15 @@ class EngineCore:
         self.model_dir = resolve_model_dir(config.model)
         self.runner: Runner
         self.tp: TPLeader | None = None
+        self.dp: DataParallel | None = None  # this engine is a data-parallel rank (parallel/data_parallel.py)
         self._unpinned: set[int] | None = None  # the cores this process had before rank 0 was pinned
         if config.sim is None and size > 1:  # a simulated node stands for TP in its timing alone
             self.runner = self._start_ranks(config, kv_cache_factory, tp)
         elif config.sim is None:
             assert tp is None, "a TP leader for an engine with tensor_parallel_size 1"
-            self.runner = ModelRunner(config, self.model_dir, kv_cache_factory)
+            self.dp = self._join_data_parallel(config)
+            group = None if self.dp is None else TPGroup.single(config.device, data_parallel=self.dp)
+            self.runner = ModelRunner(config, self.model_dir, kv_cache_factory, group)
         else:  # a simulated node: same engine, timing model in place of the forward pass
             from .sim_runner import SimRunner
             self.runner = SimRunner(config, self.model_dir, kv_cache_factory)
@@ -133,6 +137,19 @@ class EngineCore:
         self.on_launch: Callable[[SchedulerOutput], None] | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
                  config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)
+
+    def _join_data_parallel(self, config: EngineConfig) -> "DataParallel | None":
+        """The data-parallel group of a rank of a DP node, joined once the model is known to split
+        (a clear error before any rendezvous); None at data_parallel_size 1."""
+        if config.data_parallel_size == 1:
+            return None
+        from .models.sharding import check_model_tp
+        from .parallel.data_parallel import join_data_parallel
+
+        check_model_tp(read_model_config(self.model_dir), 1, dp=config.data_parallel_size)
+        assert config.data_parallel_address is not None, "EngineConfig checks it"
+        return join_data_parallel(config.data_parallel_rank, config.data_parallel_size, torch.device(config.device),
+                                  config.data_parallel_address)
 
     def _start_ranks(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None,
                      tp: "TPLeader | None") -> ModelRunner:
@@ -172,6 +189,8 @@ class EngineCore:
             kv.close()
         if self.tp is not None:
             self.tp.close()
+        if self.dp is not None:
+            self.dp.close()
         if self._unpinned is not None:
             pin_process(self._unpinned)
             self._unpinned = None
@@ -287,6 +306,9 @@ class EngineCore:
             deltas, prev = self._land(prev), None
         out = self.scheduler.schedule()
         launched = self._launch(out) if out.scheduled else None
+        if launched is None and self.dp is not None:  # a peer steps: join its MoE layers with no tokens
+            assert isinstance(self.runner, ModelRunner)
+            self.runner.idle_forward()
         if prev is not None:
             deltas = self._land(prev)
         if launched is not None:
@@ -302,7 +324,9 @@ class EngineCore:
             in_place = None if self.on_kv_in_place is None else partial(self.on_kv_in_place, out)
             launched = self.runner.launch(out, self.kv, in_place)
         except TPFailure as e:
-            assert self.tp is not None, "only a TP engine's runner raises TPFailure"
+            assert self.tp is not None or self.dp is not None, "only a TP or DP engine's runner raises TPFailure"
+            if self.tp is None:
+                raise  # a data-parallel peer: the collective's own words name the rank
             raise self.tp.explain(e) from e
         elapsed = time.perf_counter() - t0
         self.busy_s += elapsed

@@ -71,6 +71,7 @@ from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprob
 from ..common.load import NodeLoad
 from .block_export import BlockExporter, BlockExports, ExportKV
 from .engine_core import EngineCore, RequestDelta
+from .parallel.data_parallel import IDLE_POLL_S
 from .parallel.group import TPFailure
 from .scheduler import SchedulerOutput
 
@@ -329,10 +330,12 @@ class EngineThread:
         self._aio.call_soon_threadsafe(self._resolve, fut, result, exc)
 
     def _run(self) -> None:
+        dp = self._engine.dp  # a data-parallel rank: every turn agrees with its peers whether anyone steps
         while not self._stop.is_set():
             idle = not self._engine.has_unfinished()
-            try:  # block only when there is nothing to compute
-                item = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+            try:  # block only when there is nothing to compute (a DP rank polls: a peer may need it)
+                item = (self._commands.get(timeout=IDLE_POLL_S if dp is not None else 0.5) if idle
+                        else self._commands.get_nowait())
             except queue.Empty:
                 item = None
             while item is not None:
@@ -344,7 +347,13 @@ class EngineThread:
             if self._stop.is_set():
                 break
             deltas = []
-            if self._engine.has_unfinished():
+            try:
+                busy = self._engine.has_unfinished()
+                steps = busy if dp is None else dp.step_agreed(busy)
+            except TPFailure as e:  # a data-parallel peer is gone
+                self._die(e)
+                return
+            if steps:
                 try:
                     deltas = self._engine.step()
                 except TPFailure as e:  # a rank is gone: this engine cannot step again

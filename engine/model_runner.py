@@ -104,6 +104,8 @@ class ModelRunner(Runner):
         self.config = config
         self.dtype = _DTYPES[config.dtype]
         self.group = group if group is not None else TPGroup.single(config.device, config.enable_expert_parallel)
+        if self.group.data_parallel is not None and self.group.size > 1:
+            raise ValueError("data_parallel_size: a data-parallel rank runs tensor_parallel_size 1")
         self.device = torch.device(config.device) if self.group.size == 1 else self.group.device
         self.link = link
         self.model = load_model(model_dir, self.dtype, self.device, config.load_format, self.group)
@@ -277,6 +279,16 @@ class ModelRunner(Runner):
             self._last_tokens = self.group.broadcast(ids, src=0)
         else:
             self._last_tokens = None
+
+    def idle_forward(self) -> None:
+        """A data-parallel rank with nothing scheduled while a peer steps: a forward of no
+        tokens, which joins the MoE layers' collectives (parallel/data_parallel.py)."""
+        assert self.group.data_parallel is not None, "only a data-parallel rank runs idle forwards"
+        dev, none = self.device, torch.empty(0, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(slot_mapping=none, num_decodes=0,
+                                 decode_block_tables=torch.empty(0, 1, dtype=torch.long, device=dev),
+                                 decode_seq_lens=none, decode_mask=None, prefills=[])
+        self.model(none, none, self.kv_caches, meta, self.backend, none)
 
     def execute(self, inputs: ForwardInputs, before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """The forward of one step on this rank's shard; logits [rows, vocab] float32 (every

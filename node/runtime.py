@@ -345,6 +345,8 @@ class NodeRuntime:
                 "device": self.config.engine.device, "dtype": self.config.engine.dtype,
                 "tensor_parallel_size": self.tp, "worker_pids": self.ranks.pids if self.ranks is not None else {},
                 "expert_parallel": self.config.engine.enable_expert_parallel and self.tp > 1,
+                "data_parallel": {"rank": self.config.engine.data_parallel_rank,
+                                  "size": self.config.engine.data_parallel_size},
                 "failure": self.failure, "kv": msgspec.structs.asdict(self.kv_key),
                 "kv_pool": self.kv_pool_info._asdict(),
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,

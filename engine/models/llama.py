@@ -236,7 +236,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         group = group if group is not None else TPGroup.single("cpu")
-        self.shard = shard_of(cfg, group.rank, group.size, group.expert_parallel)
+        dp = group.data_parallel
+        self.shard = shard_of(cfg, group.rank, group.size, group.expert_parallel,
+                              *((dp.rank, dp.size) if dp is not None else (0, 1)))
         self.group = group
         if group.size == 1:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -264,6 +266,8 @@ class CausalLM(nn.Module):
         ``before_layer(i)``: called before layer i touches ``kv_caches[i]`` (the step's
         lower-tier loads of that layer land there). Returns [S, vocab] float32 (the whole
         vocabulary on every rank)."""
+        if self.group.data_parallel is not None:  # the MoE layers gather every rank's tokens
+            self.group.data_parallel.begin_forward(input_ids.shape[0])
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):

@@ -184,7 +184,8 @@ def dummy_weights(model: CausalLM, dtype: torch.dtype, device: torch.device) -> 
     rank's shard gets its cut of the whole model's weights (drawn whole, in order)."""
     gen = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     shard = model.shard
-    full = _build(model.cfg, None) if shard.size > 1 else model  # the names, order and shapes of the TP=1 draw
+    # the names, order and shapes of the TP=1 draw (a data-parallel rank holds only some experts)
+    full = _build(model.cfg, None) if shard.size > 1 or shard.expert_parallel else model
     shard_full = family_of(model.cfg.architecture).sharding.full
     out = {}
     for name, param in full.named_parameters():  # a tied head is listed once, as embed_tokens

@@ -19,6 +19,12 @@ Experts are stacked: ``w13`` [E, 2 * I, H] (each expert's gate rows, then its up
                       the all-reduce of the ranks' partial sums, one [T, H] collective as
                       in the dense MLP. A rank runs T*k/t pairs on average, not T*k, and
                       reads only its experts' weights.
+    data parallel     (parallel/data_parallel.py) rank r of a data-parallel node holds experts
+                      [r*E/N, (r+1)*E/N) whole and its own tokens only: each rank's T_r
+                      rows, padded to P = max T_r, are all-gathered ([N*P, H]: dispatch), every
+                      rank runs its experts' pairs of all of them, and the partial sums are
+                      all-reduced; each rank keeps its own rows (combine). Padding rows route
+                      nowhere (skipped). A rank with no tokens still joins with P zero rows.
 
 Each forward counts the tokens routed to each expert
 (``expert_tokens``); ``expert_load_imbalance`` reads them as max / mean per layer, for the
@@ -83,6 +89,7 @@ class MoEBlock(nn.Module):
         self.experts = shard.experts  # held: [first, first + local)
         local = shard.experts.size
         self.expert_parallel = shard.expert_parallel
+        self.data_parallel = group.data_parallel
         # router: replicated on every rank
         self.gate = nn.Linear(H, E, bias=False) if moe.scoring is Scoring.SOFTMAX else BiasedGate(H, E)
         self.w13 = nn.Parameter(torch.empty(local, 2 * inter, H))  # [E_local, 2 * I_rank, H]: gate rows, then up rows
@@ -99,20 +106,44 @@ class MoEBlock(nn.Module):
         self.register_buffer("expert_tokens", torch.zeros(E, dtype=torch.int64, device="cpu"), persistent=False)
 
     def forward(self, x):  # x [T, H] -> [T, H]
-        weights, ids = route(self.moe, self.gate, x)  # each [T, k]
-        flat = ids.flatten()  # index_add_ rather than bincount: no host sync, so a CUDA graph captures it
-        self.expert_tokens.zero_().index_add_(0, flat, torch.ones_like(flat))
-        if self.expert_parallel:  # dispatch: this rank's experts' pairs; the others' skipped (id E_local)
-            local = ids - self.experts.start
-            ids = torch.where((local >= 0) & (local < self.experts.size), local, self.experts.size)
-        y = fused_moe(x, self.w13, self.w2, ids, weights)  # [T, H]: this rank's partial sums
-        if self.group.size > 1:
-            y = self.group.all_reduce(y)
+        if self.data_parallel is not None:
+            y = self._data_parallel_experts(x)
+        else:
+            y = self._routed(x, None)  # [T, H]: this rank's partial sums
+            if self.group.size > 1:
+                y = self.group.all_reduce(y)
         if self.shared_gated:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.has_shared:
             y = y + self.shared_expert(x)
         return y
+
+    def _routed(self, x: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """[T, H]: x's tokens through this rank's experts (all of them without expert parallelism),
+        counted in ``expert_tokens``; ``real`` [T] bool: the rows that are tokens (None: all)."""
+        weights, ids = route(self.moe, self.gate, x)  # each [T, k]
+        if real is not None:  # padding rows: skipped, and not counted
+            ids = ids.masked_fill(~real[:, None], self.moe.num_experts)
+        flat = ids.flatten()  # index_add_ rather than bincount: no host sync, so a CUDA graph captures it
+        counts = torch.zeros(self.moe.num_experts + 1, dtype=torch.int64, device=flat.device)
+        self.expert_tokens.copy_(counts.index_add_(0, flat, torch.ones_like(flat))[:-1])
+        if self.expert_parallel:  # dispatch: this rank's experts' pairs; the others' skipped (id E_local)
+            local = ids - self.experts.start
+            ids = torch.where((local >= 0) & (local < self.experts.size), local, self.experts.size)
+        return fused_moe(x, self.w13, self.w2, ids, weights)
+
+    def _data_parallel_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, H]: this rank's tokens through every rank's experts (the data-parallel path above)."""
+        dp = self.data_parallel
+        assert dp is not None and len(dp.counts) == dp.size, "CausalLM.forward calls dp.begin_forward first"
+        rows, T = dp.padded, x.shape[0]
+        padded = x.new_zeros(rows, x.shape[1])
+        padded[:T] = x
+        everyone = dp.group.all_gather(padded, dim=0)  # [N * P, H]
+        real = (torch.arange(rows, device=x.device)[None, :]
+                < torch.tensor(dp.counts, device=x.device)[:, None]).flatten()  # [N * P]
+        y = dp.group.all_reduce(self._routed(everyone, real))  # every rank's experts' sums
+        return y[dp.rank * rows:dp.rank * rows + T]
 
 
 def moe_feed_forward(cfg: ModelConfig, shard: TPShard, group: TPGroup, layer: int) -> nn.Module:

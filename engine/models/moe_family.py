@@ -142,10 +142,10 @@ def moe_full(name: str, full: torch.Tensor, shard: TPShard, cfg: ModelConfig) ->
     """As sharding.shard_full, for the stacked experts [E, ...] and the shared expert too."""
     assert cfg.moe is not None
     part = name.split(".", 2)[2] if name.startswith("layers.") else ""  # layers.<i>.<part>
-    if shard.size == 1 or (part not in ("mlp.w13", "mlp.w2") and not part.startswith(_SHARED)):
-        return shard_full(name, full, shard, cfg)
     if shard.expert_parallel and part in ("mlp.w13", "mlp.w2"):
         return full[shard.experts.start:shard.experts.stop].contiguous()
+    if shard.size == 1 or (part not in ("mlp.w13", "mlp.w2") and not part.startswith(_SHARED)):
+        return shard_full(name, full, shard, cfg)
     width = cfg.moe.intermediate_size if part in ("mlp.w13", "mlp.w2") else cfg.moe.shared_expert_size
     r = split_range(width, shard)
     dim = full.ndim - 2  # the output rows: dim 1 of a stack, dim 0 of the shared expert

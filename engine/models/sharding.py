@@ -50,10 +50,10 @@ class TPShard(NamedTuple):
     inter: HeadRange  # intermediate (MLP) columns [start, stop)
     vocab: HeadRange  # vocabulary rows [start, start + rows); rows at or past vocab_size are padding
     vocab_size: int  # the model's, unpadded
-    # a MoE model's experts this rank holds whole [start, stop) under expert parallelism; else
-    # every expert (cut by columns like the dense MLP, ``inter``-style, at TP > 1)
+    # a MoE model's experts this rank holds whole [start, stop) under expert parallelism (over the
+    # TP ranks, or a data-parallel node's ranks); else every expert (cut by columns at TP > 1)
     experts: HeadRange
-    expert_parallel: bool  # the MoE layers are expert-parallel over the ranks (size > 1 and a MoE model)
+    expert_parallel: bool  # the MoE layers are expert-parallel over the TP or DP ranks (a MoE model)
 
     @property
     def num_heads(self) -> int:
@@ -77,12 +77,19 @@ class TPShard(NamedTuple):
         return max(0, min(self.vocab.stop, self.vocab_size) - self.vocab.start)
 
 
-def model_tp_problems(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> list[str]:
+def model_tp_problems(cfg: ModelConfig, tp: int, expert_parallel: bool = False, dp: int = 1) -> list[str]:
     """Why ``cfg`` cannot be split over ``tp`` ranks (``expert_parallel``: its experts
-    split whole over them), each naming the field and the numbers."""
+    split whole over them) or its experts over ``dp`` data-parallel ranks, each naming the
+    field and the numbers."""
     if tp < 1:
         return [f"tensor_parallel_size: must be >= 1, got {tp}"]
     problems = []
+    if dp > 1 and cfg.moe is None:
+        problems.append(f"data_parallel_size: {cfg.architecture} is a dense model: its data-parallel ranks "
+                        f"would share nothing; start {dp} nodes instead")
+    elif dp > 1 and cfg.moe is not None and cfg.moe.num_experts % dp:
+        problems.append(f"data_parallel_size: {dp} ranks do not divide the model's {cfg.moe.num_experts} "
+                        "experts; use a divisor of it")
     if cfg.mla is not None and tp > 1:
         return [f"tensor_parallel_size: {tp}: {cfg.architecture}'s latent KV cache has no heads to split over "
                 "ranks; serve it on tensor_parallel_size 1 (data-parallel attention is not built yet)"]
@@ -111,22 +118,26 @@ def model_tp_problems(cfg: ModelConfig, tp: int, expert_parallel: bool = False) 
     return problems
 
 
-def check_model_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
-    """Raise ``ValueError`` (every problem, what to change) unless ``cfg`` splits over ``tp`` ranks."""
-    problems = model_tp_problems(cfg, tp, expert_parallel)
+def check_model_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False, dp: int = 1) -> None:
+    """Raise ``ValueError`` (every problem, what to change) unless ``cfg`` splits over ``tp`` ranks
+    (and its experts over ``dp`` data-parallel ranks)."""
+    problems = model_tp_problems(cfg, tp, expert_parallel, dp)
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def shard_of(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPShard:
-    """Rank ``rank``'s part of ``cfg`` (checked: raises ``ValueError`` when it does not split)."""
-    check_model_tp(cfg, size, expert_parallel)
+def shard_of(cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False, dp_rank: int = 0,
+             dp_size: int = 1) -> TPShard:
+    """Rank ``rank``'s part of ``cfg`` (checked: raises ``ValueError`` when it does not split);
+    a data-parallel rank ``dp_rank`` of ``dp_size`` (TP 1) holds its share of the experts."""
+    check_model_tp(cfg, size, expert_parallel, dp_size)
     hq, inter = cfg.num_heads // size, cfg.intermediate_size // size
     rows = -(-cfg.vocab_size // size)  # ceil: the vocabulary is padded to size * rows
     num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
-    ep = expert_parallel and size > 1 and num_experts > 0
-    per = num_experts // size if ep else num_experts
-    experts = HeadRange(rank * per, (rank + 1) * per) if ep else HeadRange(0, num_experts)
+    split, part = (dp_size, dp_rank) if dp_size > 1 else (size, rank)  # the ranks the experts split over
+    ep = num_experts > 0 and (dp_size > 1 or (expert_parallel and size > 1))
+    per = num_experts // split if ep else num_experts
+    experts = HeadRange(part * per, (part + 1) * per) if ep else HeadRange(0, num_experts)
     return TPShard(rank, size, HeadRange(rank * hq, (rank + 1) * hq), rank_heads(rank, size, cfg.num_kv_heads),
                    HeadRange(rank * inter, (rank + 1) * inter), HeadRange(rank * rows, (rank + 1) * rows),
                    cfg.vocab_size, experts, ep)

@@ -1,7 +1,8 @@
 """The tensor-parallel group of one node's ranks: who this rank is (``rank``, ``size``,
 ``device``) and the collectives the sharded model runs, every one bounded by a timeout.
 
-Owns ``TPGroup`` (all_reduce, all_gather, broadcast, min_int), ``init_tp_group`` (a
+Owns ``TPGroup`` (all_reduce, all_gather, broadcast, min_int), ``DataParallel`` (a
+data-parallel node's ranks over such a group: its step clock), ``init_tp_group`` (a
 ``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA, built with their
 constructors over a ``TCPStore`` rendezvous, never ``init_process_group``: a node's
 KV transports make groups of their own, kvtransfer/backends/pair_group.py) and the per-rank
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,15 +104,20 @@ class TPGroup:
     raise ``CollectiveError`` on failure; ``timeout_s`` bounds each (an op may pass its own).
     ``expert_parallel``: the node's MoE layers split their experts over these ranks (each
     rank holds E / size whole experts) instead of cutting every expert's columns; attention
-    and dense layers are tensor-parallel either way (models/moe.py)."""
+    and dense layers are tensor-parallel either way (models/moe.py). ``data_parallel``: this
+    rank is a data-parallel rank (TP 1) whose MoE layers it shares with its peers
+    (parallel/data_parallel.py), or None."""
 
-    __slots__ = ("rank", "size", "device", "timeout_s", "expert_parallel", "_pg", "_timeout", "_host_waits")
+    __slots__ = ("rank", "size", "device", "timeout_s", "expert_parallel", "data_parallel", "_pg", "_timeout",
+                 "_host_waits")
 
     def __init__(self, rank: int, size: int, device: torch.device, pg: Any = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, expert_parallel: bool = False,
+                 data_parallel: DataParallel | None = None):
         assert 0 <= rank < size and (pg is not None or size == 1), (rank, size)
         self.rank, self.size, self.device = rank, size, device
         self.expert_parallel = expert_parallel
+        self.data_parallel = data_parallel
         self.timeout_s = timeout_s
         self._pg = pg  # ProcessGroupGloo | ProcessGroupNCCL | None (size 1)
         self._timeout = timedelta(seconds=timeout_s)
@@ -121,18 +128,21 @@ class TPGroup:
         self._host_waits = backend_for(device) == "gloo"
 
     @classmethod
-    def single(cls, device: torch.device | str, expert_parallel: bool = False) -> TPGroup:
+    def single(cls, device: torch.device | str, expert_parallel: bool = False,
+               data_parallel: DataParallel | None = None) -> TPGroup:
         """The group of a TP=1 engine: every collective is the identity (expert parallelism
         over one rank is the plain MoE layer; the flag is kept for the model's checks)."""
-        return cls(0, 1, torch.device(device), expert_parallel=expert_parallel)
+        return cls(0, 1, torch.device(device), expert_parallel=expert_parallel, data_parallel=data_parallel)
 
     @property
     def is_first(self) -> bool:
         return self.rank == 0
 
-    def _wait(self, op: str, work: Any, timeout_s: float | None) -> None:
+    def _wait(self, op: str, submit: Callable[[], Any], timeout_s: float | None) -> None:
+        """Issue the op (``submit``) and wait for it; a peer's death may fail either."""
         timeout = self._timeout if timeout_s is None else timedelta(seconds=timeout_s)
         try:
+            work = submit()
             if self._host_waits:
                 work.wait(timeout)
             else:
@@ -157,7 +167,7 @@ class TPGroup:
 
         opts = self._opts("AllreduceOptions", timeout_s)
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
-        self._wait("all_reduce", self._pg.allreduce([t], opts), timeout_s)
+        self._wait("all_reduce", lambda: self._pg.allreduce([t], opts), timeout_s)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1, timeout_s: float | None = None) -> torch.Tensor:
@@ -166,8 +176,8 @@ class TPGroup:
             return t
         t = t.contiguous()
         out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        self._wait("all_gather", self._pg._allgather_base(out, t, self._opts("AllgatherOptions", timeout_s)),
-                   timeout_s)
+        opts = self._opts("AllgatherOptions", timeout_s)
+        self._wait("all_gather", lambda: self._pg._allgather_base(out, t, opts), timeout_s)
         return torch.cat(out.view(self.size, *t.shape).unbind(0), dim=dim)  # ranks' slices, side by side
 
     def broadcast(self, t: torch.Tensor, src: int = 0, timeout_s: float | None = None) -> torch.Tensor:
@@ -176,7 +186,7 @@ class TPGroup:
             return t
         opts = self._opts("BroadcastOptions", timeout_s)
         opts.rootRank, opts.rootTensor = src, 0
-        self._wait("broadcast", self._pg.broadcast([t], opts), timeout_s)
+        self._wait("broadcast", lambda: self._pg.broadcast([t], opts), timeout_s)
         return t
 
     def min_int(self, value: int, timeout_s: float | None = None) -> int:
@@ -191,6 +201,42 @@ class TPGroup:
         pg, self._pg = self._pg, None
         if pg is not None and backend_for(self.device) == "nccl":
             pg.abort()
+
+
+class DataParallel:
+    """Rank ``group.rank`` of ``group.size`` data-parallel ranks of one MoE node (parallel/data_parallel.py:
+    the lockstep these calls keep)."""
+
+    def __init__(self, group: TPGroup, store=None):
+        self.group = group
+        self._store = store  # rank 0's: the rendezvous server lives as long as the rank
+        self.counts: tuple[int, ...] = ()  # each rank's tokens in the current forward (begin_forward)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def step_agreed(self, busy: bool) -> bool:
+        """Whether any rank has a step to run this turn (every rank calls it every turn)."""
+        flag = torch.tensor([int(busy)], dtype=torch.int64, device=self.group.device)
+        return bool(self.group.all_reduce(flag, "max").item())
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """Learn every rank's token count of this forward (each rank calls it once per forward)."""
+        t = torch.tensor([num_tokens], dtype=torch.int64, device=self.group.device)
+        self.counts = tuple(int(c) for c in self.group.all_gather(t, dim=0).tolist())
+
+    @property
+    def padded(self) -> int:
+        """Rows per rank in the MoE layers' gathered batch: the most tokens any rank has (>= 1)."""
+        return max(1, *self.counts)
+
+    def close(self) -> None:
+        self.group.close()
 
 
 def init_tp_group(rank: int, size: int, device: torch.device, store: Any, *, host: str = "127.0.0.1",
