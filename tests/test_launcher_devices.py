@@ -157,3 +157,27 @@ def test_the_readme_moe_recipe_gives_every_node_expert_parallelism():
     plain = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="shm", tp={"decode": 2})
     plain.redis_url = "redis://127.0.0.1:1/0"
     assert "--enable-expert-parallel" not in plain.node_args("decode", 0)
+
+
+def test_data_parallel_nodes_are_one_member_per_rank_on_their_own_gpu():
+    """README's DeepSeek-V3-class recipe: --prefill-dp 2 --decode-dp 2 makes 2 members per role,
+    rank r of node n at index n * 2 + r, one GPU each, the ranks of a node meeting at one port
+    (kept for restarts); the node CLI parses them into data-parallel configs."""
+    from splitserve.cli import build_parser, node_config
+
+    dp = {"prefill": 2, "decode": 2}
+    plan = plan_devices(None, ["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"], None, "shm")
+    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_backend=plan.kv_backend, devices=plan, dp=dp)
+    c.redis_url = "redis://127.0.0.1:1/0"
+    assert c.members("prefill") == c.members("decode") == 2
+    for role, devices in (("prefill", ("cuda:0", "cuda:1")), ("decode", ("cuda:2", "cuda:3"))):
+        args = [c.node_args(role, i) for i in range(2)]
+        assert [flag(a, "--device") for a in args] == list(devices)
+        assert [flag(a, "--data-parallel-rank") for a in args] == ["0", "1"]
+        assert flag(args[0], "--data-parallel-address") == flag(args[1], "--data-parallel-address")
+        assert c.node_args(role, 1) == args[1]  # a restart gets the same rendezvous
+        cfg = node_config(build_parser().parse_args(args[1]), role)
+        assert (cfg.engine.data_parallel_size, cfg.engine.data_parallel_rank) == (2, 1)
+        assert not cfg.engine.async_scheduling and cfg.engine.enforce_eager
+    assert flag(c.node_args("prefill", 0), "--data-parallel-address") != flag(c.node_args("decode", 0),
+                                                                             "--data-parallel-address")
