@@ -19,20 +19,16 @@ import json
 import os
 import urllib.request
 
-import openai
 import pytest
 import torch
 
-from splitserve.common import metric_names as names
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.deploy.launcher import Cluster
 from splitserve.engine.attention.base import PrefillGroup
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.mla import MLAttention
 from splitserve.engine.models.registry import family_of, model_config, read_model_config
 from splitserve.engine.models.sharding import check_model_tp
-from splitserve.router.tokenizer import RouterTokenizer
-from splitserve.tests.metrics_text import sample_sum
+from splitserve.tests.served_cluster import assert_serves_greedy
 
 os.environ.setdefault("SPLITSERVE_QUIET", "1")
 
@@ -137,26 +133,10 @@ def test_served_through_router_prefill_decode(served_tiny_model, hf_greedy):
     path = served_tiny_model("deepseek_v3", **DS)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [PROMPTS[0] * 3, PROMPTS[2]]
-    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    tok = RouterTokenizer(path)
-    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_cache_memory="8MiB", model=str(path))
-    try:
-        c.start()
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        for prompt, ref in zip(prompts, refs):
-            r = client.completions.create(model=str(path), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                          logprobs=0)
-            assert r.choices[0].logprobs.tokens == [tok.token_text(t) for t in ref]
-        assert _metric(c, "prefill-0", names.KV_BLOCKS_SENT) > 0  # the latents travelled
-        assert _metric(c, "decode-0", names.FALLBACK_PREFILLS) == 0
+
+    def latent_key(c):
         for node in ("prefill-0", "decode-0"):
             with urllib.request.urlopen(f"{c.node(node).addr}/debug/state", timeout=10) as resp:
                 kv = json.loads(resp.read())["kv"]
             assert kv["latent_dim"] == 48 and kv["num_kv_heads"] == 1 and kv["head_dim"] == 24, kv
-    finally:
-        c.stop()
-
-
-def _metric(cluster: Cluster, name: str, metric_name: str) -> float:
-    with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
-        return sample_sum(r.read().decode(), metric_name)
+    assert_serves_greedy(path, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts], NEW_TOKENS, latent_key)

@@ -7,20 +7,16 @@ the variable the architecture is refused naming it; the router, which never impo
 engine, starts on the folder either way."""
 
 import os
-import urllib.request
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
-from splitserve.common import metric_names as names
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.deploy.launcher import Cluster
 from splitserve.engine.llm import LLM
 from splitserve.engine.models.registry import FAMILIES_ENV, family_of, read_model_config
 from splitserve.router.tokenizer import RouterTokenizer
-from splitserve.tests.metrics_text import sample_sum
+from splitserve.tests.served_cluster import assert_serves_greedy
 from splitserve.tests.toy_family import ARCHITECTURE, save_toy_checkpoint
 
 TOY_FILE = str(Path(__file__).with_name("toy_family.py"))
@@ -66,23 +62,4 @@ def test_toy_family_matches_transformers_offline(toy, monkeypatch):
 def test_toy_family_served_through_router_prefill_decode(toy, monkeypatch):
     monkeypatch.setenv(FAMILIES_ENV, TOY_FILE)  # every member inherits it
     path, refs = toy
-    tok = RouterTokenizer(path)
-    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_cache_memory="8MiB", model=str(path))
-    try:
-        c.start()
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        for prompt, ref in zip(PROMPTS, refs):
-            r = client.completions.create(model=str(path), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                          logprobs=0)
-            assert r.choices[0].logprobs.tokens == [tok.token_text(t) for t in ref]
-            assert r.usage.completion_tokens == len(ref)
-        # the prompts' KV travelled from the prefill node: the decode node computed none of them
-        assert metric(c, "prefill-0", names.KV_BLOCKS_SENT) > 0
-        assert metric(c, "decode-0", names.FALLBACK_PREFILLS) == 0
-    finally:
-        c.stop()
-
-
-def metric(cluster: Cluster, name: str, metric_name: str) -> float:
-    with urllib.request.urlopen(f"{cluster.node(name).addr}/metrics", timeout=10) as r:
-        return sample_sum(r.read().decode(), metric_name)
+    assert_serves_greedy(path, PROMPTS, refs, NEW_TOKENS)
