@@ -20,7 +20,10 @@ Two ways to attend, equal up to rounding (tests/test_deepseek.py checks it):
   mapped by W_UV afterwards. No per-head keys are built: a decode step reads only the
   latents, one vector per token, the reason MLA's decode reads ~1/H of GQA's KV bytes.
   It is multi-query attention with one "KV head" of width kv_lora + rope whose values are
-  the latents themselves (their first kv_lora values are the output).
+  the latents themselves (their first kv_lora values are the output). On CUDA the decode
+  rows' attention over the latents runs in a Triton kernel that reads them straight from the
+  paged cache (``absorbed_paged``, attention/mla_decode_triton.py); on CPU ``absorbed``
+  gathers them first (``decode_latents``) and is the kernel's reference.
 """
 
 import torch
@@ -100,7 +103,10 @@ class MLAttention(nn.Module):
         out = x.new_empty(T, H, m.v_head_dim)
         if meta.num_decodes:
             d = meta.num_decodes
-            out[:d] = self.absorbed(q_nope[:d], q_rope[:d], decode_latents(kv_cache, meta), meta.decode_mask)
+            if kv_cache.is_cuda:  # the Triton kernel reads the latents from the paged cache
+                out[:d] = self.absorbed_paged(q_nope[:d], q_rope[:d], kv_cache, meta)
+            else:
+                out[:d] = self.absorbed(q_nope[:d], q_rope[:d], decode_latents(kv_cache, meta), meta.decode_mask)
         for g in meta.prefills:
             rows = slice(g.q_start, g.q_start + g.q_len)
             ctx = latent[rows] if g.key_slots is None else read_latents(kv_cache, g.key_slots)  # [K, latent]
@@ -117,13 +123,28 @@ class MLAttention(nn.Module):
                  mask: torch.Tensor | None) -> torch.Tensor:
         """[D, H, v] for decode rows q [D, H, *] over their contexts' latents ctx [D, L, latent]
         (mask: [D, 1, 1, L] additive for padded contexts, or None)."""
-        w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("dhn,hnc->dhc", q_nope, w_uk)  # [D, H, kv_lora]
-        q_abs = torch.cat((q_lat, q_rope), dim=-1).unsqueeze(1)  # [D, 1, H, latent]: heads as query rows
+        q_abs = self._absorb_query(q_nope, q_rope).unsqueeze(1)  # [D, 1, H, latent]: heads as query rows
         kv = ctx.unsqueeze(1)  # [D, 1, L, latent]: one "KV head", values = the latents
         o = F.scaled_dot_product_attention(q_abs, kv, kv, attn_mask=mask, scale=self.m.softmax_scale)
         o_lat = o[:, 0, :, :self.m.kv_lora_rank]  # [D, H, kv_lora]
-        return torch.einsum("dhc,hvc->dhv", o_lat, w_uv)  # [D, H, v]
+        return torch.einsum("dhc,hvc->dhv", o_lat, self._w_uk_uv()[1])  # [D, H, v]
+
+    def absorbed_paged(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """``absorbed`` for the decode rows of ``meta`` with the attention over the latents done
+        by the Triton kernel (attention/mla_decode_triton.py) straight from the paged cache
+        kv_cache [2, blocks, block_size, 1, latent / 2] through meta's block tables and
+        seq_lens (no mask): CUDA tensors, or CPU ones under TRITON_INTERPRET=1 (the tests)."""
+        from ..attention.mla_decode_triton import mla_decode  # imports triton, which CPU installs may lack
+        o_lat = mla_decode(self._absorb_query(q_nope, q_rope), kv_cache[0], kv_cache[1], meta.decode_block_tables,
+                           meta.decode_seq_lens, kv_lora_rank=self.m.kv_lora_rank,
+                           scale=self.m.softmax_scale)  # [D, H, kv_lora]
+        return torch.einsum("dhc,hvc->dhv", o_lat, self._w_uk_uv()[1])  # [D, H, v]
+
+    def _absorb_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """[D, H, latent]: W_UK folded into the query, [W_UK_h^T q_nope_h | q_rope_h] per head."""
+        q_lat = torch.einsum("dhn,hnc->dhc", q_nope, self._w_uk_uv()[0])  # [D, H, kv_lora]
+        return torch.cat((q_lat, q_rope), dim=-1)
 
     def plain(self, q_nope: torch.Tensor, q_rope: torch.Tensor, ctx: torch.Tensor, g: PrefillGroup) -> torch.Tensor:
         """[Q, H, v] for a prefill group's rows over its keys' latents ctx [K, latent], the
