@@ -1,6 +1,6 @@
 """The deployment files, validated offline with the real tools:
 
-- Kubernetes: every kustomize overlay (cpu, gpu, cpu-planner, gpu-tp, gpu-moe-ep) rendered by kubectl's kustomize, every object
+- Kubernetes: every kustomize overlay (cpu, gpu, cpu-planner, gpu-tp, gpu-moe-ep, gpu-dp) rendered by kubectl's kustomize, every object
   checked against the Kubernetes OpenAPI schemas (kubernetes-validate, strict), the
   production shape checked (probes, preStop, PDBs, HPAs whose metrics the Prometheus
   adapter rules define, NetworkPolicies, Secrets, GPU resources), and every container's
@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.30.0"  # the oldest minor still supported upstream when this was written
-OVERLAYS = ("cpu", "gpu", "cpu-planner", "gpu-tp", "gpu-moe-ep")  # cpu-planner: cpu + components/planner;
-# gpu-tp: gpu, TP4/TP8 pods; gpu-moe-ep: gpu, TP8/EP8 pods for both roles
+OVERLAYS = ("cpu", "gpu", "cpu-planner", "gpu-tp", "gpu-moe-ep", "gpu-dp")  # cpu-planner: cpu + components/planner;
+# gpu-tp: gpu, TP4/TP8 pods; gpu-moe-ep: gpu, TP8/EP8 pods for both roles; gpu-dp: pods of 8 data-parallel ranks
 TP_PODS = {"gpu-tp": {"prefill": 4, "decode": 8}, "gpu-moe-ep": {"prefill": 8, "decode": 8}}  # else 1
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 BIN = Path(sys.executable).parent  # the venv running the tests
@@ -353,11 +353,33 @@ def test_container_command_lines_parse_with_the_real_cli(rendered, monkeypatch):
             tp = cfg.engine.tensor_parallel_size
             assert tp == TP_PODS.get(overlay, {}).get(role, 1)
             assert cfg.engine.enable_expert_parallel == (overlay == "gpu-moe-ep")
+            assert cfg.engine.data_parallel_size == (8 if overlay == "gpu-dp" else 1)
             assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == tp
             assert pod["tolerations"] and pod["nodeSelector"]
             assert cfg.engine.model == "/models/model"
         else:
             assert cfg.engine.model is None  # the bundled model, baked into the CPU image
+
+
+def test_data_parallel_pods_run_one_rank_per_container(rendered, monkeypatch):
+    """gpu-dp: a pod is one data-parallel node: container r is rank r of 8 on its own GPU and
+    port (8100 + r), every rank meeting at the pod's 127.0.0.1:29600; each parses into its config."""
+    overlay, objs = rendered
+    if overlay != "gpu-dp":
+        pytest.skip("the data-parallel overlay only")
+    values = {"POD_IP": "10.1.2.3", "REDIS_PASSWORD": "pw"}
+    for role in ("prefill", "decode"):
+        pod = by_kind(objs, "Deployment")[f"splitserve-{role}"]["spec"]["template"]["spec"]
+        assert len(pod["containers"]) == 8
+        for r, c in enumerate(pod["containers"]):
+            env = {e["name"]: expand(e["value"], values) for e in c["env"] if "value" in e}
+            monkeypatch.setenv("SPLITSERVE_REDIS_URL", env["SPLITSERVE_REDIS_URL"])
+            cfg = parse_command([expand(a, values) for a in c["args"]], monkeypatch)
+            e = cfg.engine
+            assert (cfg.role, e.data_parallel_size, e.data_parallel_rank) == (role, 8, r)
+            assert e.data_parallel_address == "127.0.0.1:29600" and cfg.port == 8100 + r
+            assert c["ports"][0]["containerPort"] == cfg.port == c["readinessProbe"]["httpGet"]["port"]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
 # ---- compose ---------------------------------------------------------------------------------
