@@ -18,11 +18,80 @@ One step = the decode rows (``decode_batch`` requests whose contexts sum to
 heads x head dim (QK^T and PV, per new token per context token). The weights are
 read once per step, whatever the batch: decode is bandwidth-bound, prefill of a
 long chunk compute-bound.
+
+A Mixture-of-Experts model (``moe`` set) counts only its active parameters in
+``flops_per_token``; ``weight_bytes`` is then its dense part (attention, embeddings,
+norms, routers, shared experts), read every step, and a step of T new tokens
+(T = decode_batch + sum n) also reads the routed experts its tokens touch, and pays
+the expert-parallel all-to-all (``MoeCost``)::
+
+    bytes += MoeCost.expert_bytes x expected_experts(E, k, T)
+    t     += MoeCost.all_to_all_seconds(T)      (not overlapped with the forward)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def expected_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts of one layer that ``tokens`` tokens touch when each picks
+    ``top_k`` of ``experts`` uniformly: E x (1 - (1 - k/E)^T). T = 1 gives k, a large
+    T approaches E."""
+    return experts * (1.0 - (1.0 - top_k / experts) ** tokens) if tokens > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoeCost:
+    """What routed experts add to a step of a node (common/sim_profiles.py derives it).
+
+    ``expert_bytes``: one routed expert's weights summed over the MoE layers (an expert
+    touched in a layer is read once that step; the node's GPUs share the reads, EP or TP
+    alike). ``ep``: expert-parallel ranks; with ep > 1 every MoE layer dispatches each
+    token's k activations to the ranks holding its experts and combines them back:
+    2 x T x k x hidden x dtype_bytes x (ep - 1) / ep bytes per layer, spread over the
+    ep ranks' links (``link_bytes_per_s`` each), plus ``link_latency_s`` per dispatch and
+    per combine. Routing is taken as uniform: load imbalance is not modelled. The
+    all-to-all is that of a token-sharded (DeepEP-style) dispatch; this engine's EP after
+    tensor-parallel attention dispatches locally and combines with the all-reduce a dense
+    layer already pays (tp_efficiency), so for it the all-to-all term is an upper bound."""
+
+    experts: int
+    top_k: int
+    moe_layers: int
+    expert_bytes: float
+    ep: int = 1
+    hidden: int = 0
+    dtype_bytes: int = 2
+    link_bytes_per_s: float = 0.0
+    link_latency_s: float = 0.0
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"moe top_k: must be in [1, experts={self.experts}], got {self.top_k}")
+        if self.ep < 1 or self.experts % self.ep:
+            raise ValueError(f"moe ep: must be >= 1 and divide experts={self.experts}, got {self.ep}")
+        if self.ep > 1 and self.link_bytes_per_s <= 0:
+            raise ValueError("moe link_bytes_per_s: ep > 1 needs the interconnect's rate (> 0)")
+        if self.moe_layers < 1 or self.expert_bytes < 0:
+            raise ValueError("moe moe_layers and expert_bytes: must be >= 1 and >= 0")
+
+    def expert_read_bytes(self, tokens: int) -> float:
+        """Routed-expert bytes a step of ``tokens`` new tokens reads (all layers, the node)."""
+        return self.expert_bytes * expected_experts(self.experts, self.top_k, tokens)
+
+    def all_to_all_bytes(self, tokens: int) -> float:
+        """Dispatch + combine bytes crossing between the ep ranks, all MoE layers."""
+        if self.ep == 1 or tokens <= 0:
+            return 0.0
+        per_layer = 2 * tokens * self.top_k * self.hidden * self.dtype_bytes * (self.ep - 1) / self.ep
+        return per_layer * self.moe_layers
+
+    def all_to_all_seconds(self, tokens: int) -> float:
+        if self.ep == 1 or tokens <= 0:
+            return 0.0
+        return (self.all_to_all_bytes(tokens) / (self.ep * self.link_bytes_per_s)
+                + 2 * self.moe_layers * self.link_latency_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +103,7 @@ class Roofline:
     flops_per_s: float  # effective: peak x efficiency x GPUs
     bytes_per_s: float  # effective: bandwidth x efficiency x GPUs
     step_overhead_s: float
+    moe: MoeCost | None = None  # routed experts (module docstring); None: a dense model
 
     def __post_init__(self):
         for name in ("flops_per_s", "bytes_per_s"):
@@ -51,5 +121,15 @@ class Roofline:
         attn = decode_context + sum(n * (ctx + n / 2) for n, ctx in chunks)
         touched = decode_context + sum(ctx + n for n, ctx in chunks)
         flops = self.flops_per_token * new + self.attn_flops * attn
-        nbytes = self.weight_bytes + self.kv_bytes_per_token * touched
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.step_overhead_s
+        nbytes = self.step_weight_bytes(new) + self.kv_bytes_per_token * touched
+        return (max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.all_to_all_seconds(new)
+                + self.step_overhead_s)
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` new tokens reads: all of a dense model's;
+        a MoE model's dense part plus the experts its tokens touch."""
+        return self.weight_bytes + (self.moe.expert_read_bytes(tokens) if self.moe else 0.0)
+
+    def all_to_all_seconds(self, tokens: int) -> float:
+        """The expert-parallel all-to-all of a step of ``tokens`` new tokens (0: none)."""
+        return self.moe.all_to_all_seconds(tokens) if self.moe else 0.0

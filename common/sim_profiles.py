@@ -23,8 +23,30 @@ and their calibration state live there) and deriving from it, for a node of
                          hardware's host_bytes_per_s / disk_read_bytes_per_s /
                          disk_write_bytes_per_s x gpus
 
+A Mixture-of-Experts model (``num_experts``, ``experts_per_token`` = k,
+``moe_intermediate``; ``dense_layers`` leading layers without experts, default 0;
+``active_parameters`` from the model card, checked against the derived figure within
+ACTIVE_TOLERANCE) splits its parameters into routed experts and the dense rest
+(attention, embeddings, norms, routers, any shared experts)::
+
+    expert_params      = 3 x hidden x moe_intermediate           (gate, up, down: one expert, one layer)
+    routed             = (layers - dense_layers) x num_experts x expert_params
+    active_parameters  = parameters - routed + (layers - dense_layers) x k x expert_params
+    flops              = 2 x (active_parameters - vocab x hidden) per token (+ attention)
+    bytes read a step  = (parameters - routed) x dtype_bytes
+                         + E x (1 - (1 - k/E)^T) x (layers - dense_layers) x expert_params x dtype_bytes
+                         (T new tokens of the step; roofline.expected_experts)
+
+and a profile's ``ep`` (expert-parallel groups, dividing ``gpus``; the engine's
+--enable-expert-parallel makes it ``gpus``) gives each GPU E/ep whole experts (each cut
+over gpus/ep ranks; ep = 1: a 1/gpus slice of every expert, like a dense MLP) and
+adds an all-to-all per MoE layer over the hardware's ``interconnect`` (a
+[network.NAME]): 2 x T x k x hidden x dtype_bytes x (ep - 1)/ep bytes spread over the ep
+ranks' links, plus its latency per dispatch and combine (roofline.MoeCost). Attention
+stays tensor-parallel over the node's GPUs either way, so the KV is the same.
+
 A deployment's two profiles must hold the same KV (model, dtype, block size); their
-TP degrees and hardware may differ.
+TP degrees, EP sizes and hardware may differ.
 
 Must not import torch or node code; a bad profile or deployment raises ValueError
 naming it.
@@ -35,12 +57,17 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .config import SimConfig
-from .roofline import Roofline
+from .roofline import MoeCost, Roofline
 
 PROFILES_FILE = Path(__file__).with_name("sim_profiles.toml")
 GIB = 1 << 30
+DENSE_FIELDS = ("parameters", "layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "context")
+MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate")  # all or none
+MOE_OPTIONAL = ("dense_layers", "active_parameters")
+ACTIVE_TOLERANCE = 0.03  # a stated active_parameters within 3% of the derived one
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +96,22 @@ class SimProfile:
     disk_read_bytes_per_s: float = 0.0  # disk -> host memory
     disk_write_bytes_per_s: float = 0.0  # host memory -> disk
     layers: int = 0  # the model's decoder layers (a lower-tier load overlaps a forward layer by layer); 0: the folder's
+    ep: int = 1  # expert-parallel ranks (a MoE model; 1: experts tensor-parallel like a dense MLP)
+    num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
+    experts_per_token: int = 0  # k of them per token
+    active_parameters: float = 0.0  # a MoE's per token (derived); a dense model's: all
+    expert_weight_bytes: int = 0  # the routed experts' weights, the node's whole (part of weight_bytes)
+
+    @property
+    def experts_per_gpu(self) -> int:
+        """Routed experts each GPU holds weights of: E / ep (whole ones when ep = gpus, a
+        1/gpus slice of each of the E under ep = 1)."""
+        return self.num_experts // self.ep
+
+    @property
+    def expert_bytes_per_gpu(self) -> int:
+        """Routed-expert weight bytes on each GPU (EP or TP alike: the node's / gpus)."""
+        return self.expert_weight_bytes // max(self.gpus, 1)
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -111,6 +154,8 @@ class SimProfile:
         sim = self.sim_config()
         return {
             "profile": self.name, "model": self.model, "hardware": self.hardware, "gpus": self.gpus,
+            "ep": self.ep, "num_experts": self.num_experts, "experts_per_token": self.experts_per_token,
+            "active_parameters": self.active_parameters,
             "context": self.context, "block_size": self.block_size,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "weight_gib": round(self.weight_bytes / GIB, 2),
@@ -157,9 +202,13 @@ class SimDeployment:
 
     def describe(self) -> str:
         if self.prefill is self.decode:
-            return f"{self.name}: prefill and decode nodes {self.prefill.name} (TP{self.prefill.gpus})"
-        return (f"{self.name}: prefill nodes {self.prefill.name} (TP{self.prefill.gpus}), "
-                f"decode nodes {self.decode.name} (TP{self.decode.gpus})")
+            return f"{self.name}: prefill and decode nodes {self.prefill.name} ({_layout(self.prefill)})"
+        return (f"{self.name}: prefill nodes {self.prefill.name} ({_layout(self.prefill)}), "
+                f"decode nodes {self.decode.name} ({_layout(self.decode)})")
+
+
+def _layout(p: SimProfile) -> str:
+    return f"TP{p.gpus}" + (f"/EP{p.ep}" if p.ep > 1 else "")
 
 
 def pair(name: str, prefill: SimProfile, decode: SimProfile) -> SimDeployment:
@@ -212,17 +261,17 @@ def get_deployment(name: str, path: str | Path = PROFILES_FILE) -> SimDeployment
 
 def format_profiles(profiles: dict[str, SimProfile], deployments: dict[str, SimDeployment] | None = None) -> str:
     """The table of ``profiles``, then the deployments (None: those of PROFILES_FILE)."""
-    head = (f"{'profile':22} {'TP':>2} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
+    head = (f"{'profile':24} {'TP':>2} {'EP':>2} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
             f"{'pool tokens':>12} {'prefill 8k':>10} {'32k':>8} {'decode b32':>10}  calibrated")
     lines = [head]
     for p in profiles.values():
         s = p.summary()
-        lines.append(f"{p.name:22} {p.gpus:>2} {p.context:>7} {p.kv_bytes_per_token:>9} "
+        lines.append(f"{p.name:24} {p.gpus:>2} {p.ep:>2} {p.context:>7} {p.kv_bytes_per_token:>9} "
                      f"{s['weight_gib']:>6.1f}GiB {s['kv_pool_gib']:>6.1f}GiB {p.kv_pool_tokens:>12} "
                      f"{s['prefill_8k_s']:>9.3f}s {s['prefill_32k_s']:>7.3f}s "
                      f"{s['decode_step_b32_ctx8k_ms']:>8.2f}ms  {'yes' if p.calibrated else 'no (stated)'}")
     lines.append("decode b32: one step of 32 requests with 8k tokens of context each.")
-    lines.append(f"{'profile':22} {'KV network':>11} {'GB/s':>6} {'move 16k':>9} {'host tier':>10} {'GB/s':>6} "
+    lines.append(f"{'profile':24} {'KV network':>11} {'GB/s':>6} {'move 16k':>9} {'host tier':>10} {'GB/s':>6} "
                  f"{'disk tier':>10} {'read/write GB/s':>16}")
     for p in profiles.values():
         s = p.summary()
@@ -231,7 +280,7 @@ def format_profiles(profiles: dict[str, SimProfile], deployments: dict[str, SimD
         tiers = (f"{s['host_tier_gib']:>7.0f}GiB {s['host_gb_per_s']:>6g} {s['disk_tier_gib']:>7.0f}GiB "
                  f"{s['disk_read_gb_per_s']:>7g} / {s['disk_write_gb_per_s']:<6g}" if p.host_tier_bytes else
                  f"{'-':>10} {'-':>6} {'-':>10} {'-':>16}")
-        lines.append(f"{p.name:22} {net} {tiers}")
+        lines.append(f"{p.name:24} {net} {tiers}")
     lines.append("move 16k: a prefill node's transfer of 16k tokens' KV to a decode node that holds none "
                  "of it (host: what this machine's transport takes); tiers: the prefix cache's host "
                  f"memory and disk, sized in KV pools. Numbers and their sources: {PROFILES_FILE}")
@@ -245,6 +294,8 @@ def _load(path: str | Path) -> tuple[dict[str, SimProfile], dict[str, SimDeploym
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"sim profiles: cannot read {path}: {e}") from None
+    for name, m in data.get("model", {}).items():
+        _check_model(name, m)
     profiles = {name: _derive(name, p, data) for name, p in data.get("profile", {}).items()}
     deployments: dict[str, SimDeployment] = {}
     for name, d in data.get("deployment", {}).items():
@@ -273,17 +324,22 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
         kv_heads = max(m["kv_heads"], gpus)  # TP > KV heads: every rank holds one head's replica
         kv_tok = 2 * m["layers"] * kv_heads * m["head_dim"] * dtype
         weights = int(m["parameters"] * dtype)
+        ep = p.get("ep", 1)
+        shape = _moe_shape(m)
+        _check_ep(where, ep, gpus, shape)
+        active, routed = (shape.active, shape.routed) if shape else (m["parameters"], 0)
         if gpus:
             pool = int(gpus * hw["memory_gib"] * GIB * p["gpu_memory_utilization"]
                        - weights - gpus * p["activation_gib"] * GIB)
             scale = gpus * (hw["tp_efficiency"] if gpus > 1 else 1.0)
             roofline = Roofline(
-                flops_per_token=2 * (m["parameters"] - m["vocab"] * m["hidden"]),
+                flops_per_token=2 * (active - m["vocab"] * m["hidden"]),
                 attn_flops=4 * m["layers"] * m["heads"] * m["head_dim"],
-                weight_bytes=weights, kv_bytes_per_token=kv_tok,
+                weight_bytes=(m["parameters"] - routed) * dtype if shape else weights, kv_bytes_per_token=kv_tok,
                 flops_per_s=hw["peak_bf16_flops"] * hw["flops_efficiency"] * scale,
                 bytes_per_s=hw["hbm_bytes_per_s"] * hw["bandwidth_efficiency"] * scale,
-                step_overhead_s=hw["step_overhead_s"])
+                step_overhead_s=hw["step_overhead_s"],
+                moe=_moe_cost(where, shape, ep, m["hidden"], dtype, hw, data) if shape else None)
         else:
             pool, roofline = int(p["kv_cache_gib"] * GIB), None
         links = max(gpus, 1)  # one network link, PCIe link and drive per GPU
@@ -307,10 +363,98 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
                           roofline=roofline, kv_network=net_name,
                           kv_network_bytes_per_s=net["bytes_per_s"] * links, kv_network_latency_s=net["latency_s"],
                           host_tier_bytes=int(pool * host_pools), disk_tier_bytes=int(pool * disk_pools),
-                          layers=m["layers"], **tier_rates)
+                          layers=m["layers"], ep=ep, num_experts=shape.experts if shape else 0,
+                          experts_per_token=shape.top_k if shape else 0, active_parameters=active,
+                          expert_weight_bytes=int(routed * dtype), **tier_rates)
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     if prof.kv_pool_tokens < prof.context:
         raise ValueError(f"{where}: its KV pool holds {prof.kv_pool_tokens} tokens, less than one "
                          f"context of {prof.context}; lower the weights or raise the memory")
     return prof
+
+
+class MoeShape(NamedTuple):
+    """A MoE model's routed experts, from its [model.NAME] (module docstring)."""
+    experts: int
+    top_k: int
+    moe_layers: int
+    expert_params: int  # one expert in one layer
+    routed: float  # parameters of all routed experts
+    active: float  # parameters a token runs through
+
+
+def _check_model(name: str, m: dict) -> None:
+    """ValueError naming the field of [model.NAME] that is unknown or invalid."""
+    where = f"model {name}"
+    known = DENSE_FIELDS + MOE_FIELDS + MOE_OPTIONAL
+    for key in m:
+        if key not in known:
+            raise ValueError(f"{where}: unknown field {key!r}; the fields are {', '.join(known)}")
+    given = [k for k in MOE_FIELDS if k in m]
+    if given and len(given) < len(MOE_FIELDS) or not given and any(k in m for k in MOE_OPTIONAL):
+        missing = [k for k in MOE_FIELDS if k not in m]
+        raise ValueError(f"{where}: missing field {missing[0]!r}; a MoE model states all of "
+                         f"{', '.join(MOE_FIELDS)}")
+    for key in given + [k for k in MOE_OPTIONAL if k in m]:
+        v, low = m[key], 0 if key == "dense_layers" else 1
+        if key == "active_parameters":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{where}: {key} = {v!r} must be a number > 0")
+        elif isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{where}: {key} = {v!r} must be a whole number >= {low}")
+    if not given:
+        return
+    for key in ("parameters", "layers", "hidden"):
+        if key not in m:
+            raise ValueError(f"{where}: missing field {key!r}")
+    if m["experts_per_token"] > m["num_experts"]:
+        raise ValueError(f"{where}: experts_per_token = {m['experts_per_token']} exceeds num_experts = "
+                         f"{m['num_experts']}")
+    if m.get("dense_layers", 0) >= m["layers"]:
+        raise ValueError(f"{where}: dense_layers = {m['dense_layers']} leaves no MoE layer of {m['layers']}")
+    shape = _moe_shape(m)
+    if shape.active <= 0 or shape.routed >= m["parameters"]:
+        raise ValueError(f"{where}: moe_intermediate = {m['moe_intermediate']} gives routed experts of "
+                         f"{shape.routed:.4g} parameters, not fewer than parameters = {m['parameters']:.4g}")
+    stated = m.get("active_parameters")
+    if stated and abs(shape.active - stated) > ACTIVE_TOLERANCE * stated:
+        raise ValueError(f"{where}: active_parameters = {stated:.4g} but the shapes give {shape.active:.4g} "
+                         f"(parameters - routed experts + k experts a layer); fix the shapes or the figure")
+
+
+def _moe_shape(m: dict) -> MoeShape | None:
+    """The routed experts of model ``m`` (checked by _check_model); None: a dense model."""
+    if "num_experts" not in m:
+        return None
+    layers = m["layers"] - m.get("dense_layers", 0)
+    one = 3 * m["hidden"] * m["moe_intermediate"]
+    routed = layers * m["num_experts"] * one
+    return MoeShape(m["num_experts"], m["experts_per_token"], layers, one, routed,
+                    m["parameters"] - routed + layers * m["experts_per_token"] * one)
+
+
+def _check_ep(where: str, ep, gpus: int, shape: MoeShape | None) -> None:
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"{where}: ep = {ep!r} must be a whole number >= 1")
+    if ep > 1 and shape is None:
+        raise ValueError(f"{where}: ep = {ep} on a dense model (no num_experts); expert parallelism "
+                         f"needs a MoE model")
+    if ep > 1 and (gpus < ep or gpus % ep):
+        raise ValueError(f"{where}: ep = {ep} must divide the node's gpus = {gpus} (the engine's "
+                         f"--enable-expert-parallel makes it gpus)")
+    if shape is not None and shape.experts % ep:
+        raise ValueError(f"{where}: ep = {ep} does not divide num_experts = {shape.experts}")
+
+
+def _moe_cost(where: str, shape: MoeShape, ep: int, hidden: int, dtype: int, hw: dict, data: dict) -> MoeCost:
+    link = {"bytes_per_s": 0.0, "latency_s": 0.0}
+    if ep > 1:
+        name = hw.get("interconnect", "")
+        if name not in data.get("network", {}):
+            raise ValueError(f"{where}: ep = {ep} needs its hardware's interconnect = a [network.NAME] of the "
+                             f"file for the all-to-all, got {name!r}")
+        link = data["network"][name]
+    return MoeCost(experts=shape.experts, top_k=shape.top_k, moe_layers=shape.moe_layers,
+                   expert_bytes=shape.moe_layers * shape.expert_params * dtype, ep=ep, hidden=hidden,
+                   dtype_bytes=dtype, link_bytes_per_s=link["bytes_per_s"], link_latency_s=link["latency_s"])

@@ -50,7 +50,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--max-nodes", type=int, default=32, help="per pool")
     s.add_argument("--no-explore-tp", action="store_true",
-                   help="only the profile as named (default: every TP profile of its model, per pool)")
+                   help="only the profile as named (default: every TP or EP profile of its model, per pool)")
     s.add_argument("--alternatives", type=int, default=4)
     p.add_argument("--result-json", default=None, help="also writes the cost/attainment plot beside it (.png)")
     p.add_argument("--write-trace", default=None, help="write the generated workload as a trace")

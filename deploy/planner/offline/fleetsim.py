@@ -73,7 +73,8 @@ class StepSum:
             return n * self.one(b, c0)
         # step(c) = max(p0 + p1 c, m0 + m1 c) + overhead, c = c0 + i b for i < n
         p0, p1 = r.flops_per_token * b / r.flops_per_s, r.attn_flops / r.flops_per_s
-        m0, m1 = r.weight_bytes / r.bytes_per_s, r.kv_bytes_per_token / r.bytes_per_s
+        m0, m1 = r.step_weight_bytes(b) / r.bytes_per_s, r.kv_bytes_per_token / r.bytes_per_s
+        fixed = n * (r.step_overhead_s + r.all_to_all_seconds(b))  # a MoE's all-to-all depends on b alone
 
         def lin(a: float, s: float, i0: int, i1: int) -> float:  # sum of a + s (c0 + i b), i0 <= i < i1
             k = i1 - i0
@@ -82,11 +83,11 @@ class StepSum:
         d0, d1 = p0 - m0 + (p1 - m1) * c0, (p1 - m1) * b  # compute minus memory at step i: d0 + d1 i
         if d1 == 0:
             split = n if d0 >= 0 else 0  # steps [0, split) compute-bound
-            return lin(p0, p1, 0, split) + lin(m0, m1, split, n) + n * r.step_overhead_s
+            return lin(p0, p1, 0, split) + lin(m0, m1, split, n) + fixed
         cross = min(n, max(0, math.ceil(-d0 / d1)))  # first i where the sign of d0 + d1 i has turned
         if d1 > 0:  # memory-bound first, then compute-bound
-            return lin(m0, m1, 0, cross) + lin(p0, p1, cross, n) + n * r.step_overhead_s
-        return lin(p0, p1, 0, cross) + lin(m0, m1, cross, n) + n * r.step_overhead_s
+            return lin(m0, m1, 0, cross) + lin(p0, p1, cross, n) + fixed
+        return lin(p0, p1, 0, cross) + lin(m0, m1, cross, n) + fixed
 
 
 @dataclass(slots=True)

@@ -18,12 +18,13 @@ def format_plan(result: PlanResult, slo: Slo, workload: dict) -> str:
     head = (f"workload: {workload['requests']} requests over {workload['span_s']} s, "
             f"{workload['rate_per_s']} req/s, input {workload['mean_input_tokens']} / output "
             f"{workload['mean_output_tokens']} tokens on average\nSLO: {slo.describe()}")
-    rows = [head, f"{'':2}{'fleet':40} {'devices':>7} {'TTFT ok':>8} {'ITL ok':>7} {'TTFT q':>8} "
-                  f"{'ITL q':>8} {'P util':>7} {'D util':>7}"]
     shown = ([result.best] if result.best else []) + result.alternatives
+    w = max([40] + [len(c.label()) for c in shown])
+    rows = [head, f"{'':2}{'fleet':{w}} {'devices':>7} {'TTFT ok':>8} {'ITL ok':>7} {'TTFT q':>8} "
+                  f"{'ITL q':>8} {'P util':>7} {'D util':>7}"]
     for i, c in enumerate(shown):
         mark = "* " if result.best is not None and i == 0 else "  "
-        rows.append(f"{mark}{c.label():40} {c.devices:>7} {c.ttft_ok:>8.1%} {c.itl_ok:>7.1%} "
+        rows.append(f"{mark}{c.label():{w}} {c.devices:>7} {c.ttft_ok:>8.1%} {c.itl_ok:>7.1%} "
                     f"{c.ttft_q_s:>7.3f}s {c.itl_q_s * 1000:>6.1f}ms {c.prefill_util:>7.1%} {c.decode_util:>7.1%}")
     if result.best is None:
         rows.append("no configuration tried meets the SLO: the best near misses are listed; raise --max-nodes "

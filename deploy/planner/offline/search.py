@@ -3,7 +3,8 @@ TTFT and ITL attainment (fleetsim.py) both reach the SLO's, for one workload.
 
     pairings      the deployment as named, or with ``explore_tp`` every pair of profiles
                   of its model, dtype and block size (e.g. prefill TP4 or TP8, decode TP4
-                  or TP8): the "TP per pool" choice
+                  or TP8; a MoE model's 1-GPU EP1 or 2-GPU EP2 profile): the "TP and EP
+                  per pool" choice, reported as each pool's profile, gpus and EP size
     per pairing   P* = the fewest prefill nodes whose TTFT attainment reaches the SLO with
                   plenty of decode nodes; D* = the fewest decode nodes whose ITL attainment
                   reaches it with plenty of prefill nodes (each pool barely touches the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ....common.sim_profiles import SimDeployment, load_profiles, pair
+from ....common.sim_profiles import SimDeployment, SimProfile, load_profiles, pair
 from ..perf import PoolModel
 from ..slo import Slo
 from .fleetsim import Req, simulate
@@ -41,6 +42,8 @@ class Candidate(NamedTuple):
     prefill_util: float  # mean busy share of the prefill nodes over the run
     decode_util: float
     meets: bool
+    prefill_ep: int = 0  # the prefill profile's expert-parallel size; 0: a dense model
+    decode_ep: int = 0
 
     @property
     def worst(self) -> float:
@@ -49,7 +52,8 @@ class Candidate(NamedTuple):
     def label(self) -> str:
         tp = (f" (prefill {self.prefill_profile}, decode {self.decode_profile})"
               if self.prefill_profile != self.decode_profile else "")
-        return f"{self.prefill_nodes}P:{self.decode_nodes}D{tp}"
+        ep = f" EP{self.prefill_ep}:EP{self.decode_ep}" if self.prefill_ep else ""
+        return f"{self.prefill_nodes}P:{self.decode_nodes}D{ep}{tp}"
 
 
 class PlanResult(NamedTuple):
@@ -82,7 +86,11 @@ def evaluate(reqs: list[Req], dep: SimDeployment, p: int, d: int, slo: Slo) -> C
                      round(ttft_ok, 4), round(itl_ok, 4), round(quantile(r.ttft, slo.attainment), 4),
                      round(quantile(r.itl, slo.attainment), 5),
                      round(sum(r.prefill_busy) / (p * span), 4), round(sum(r.decode_busy) / (d * span), 4),
-                     ttft_ok >= slo.attainment and itl_ok >= slo.attainment)
+                     ttft_ok >= slo.attainment and itl_ok >= slo.attainment, _ep(dep.prefill), _ep(dep.decode))
+
+
+def _ep(profile: SimProfile) -> int:
+    return profile.ep if profile.num_experts else 0
 
 
 def pairings(deployment: SimDeployment, explore_tp: bool) -> list[SimDeployment]:
