@@ -11,15 +11,16 @@ import sys
 import pytest
 
 from splitserve.benchmarks.gpu import bench_gpu_moe as moe
+from splitserve.common.roofline import expected_experts
 from splitserve.engine.models.registry import family_of, model_config
 
 
-def test_expected_experts_read():
-    assert moe.expected_experts_read(8, 2, 1) == pytest.approx(2)  # one token: its k experts
-    assert moe.expected_experts_read(128, 8, 1) == pytest.approx(8)
-    assert moe.expected_experts_read(8, 2, 64) == pytest.approx(8, abs=1e-6)  # a big batch hits every expert
-    assert 8 < moe.expected_experts_read(128, 8, 64) < 128
-    assert moe.expected_experts_read(8, 8, 3) == pytest.approx(8)  # k = E: all of them
+def test_expected_experts():
+    assert expected_experts(8, 2, 1) == pytest.approx(2)  # one token: its k experts
+    assert expected_experts(128, 8, 1) == pytest.approx(8)
+    assert expected_experts(8, 2, 64) == pytest.approx(8, abs=1e-6)  # a big batch hits every expert
+    assert 8 < expected_experts(128, 8, 64) < 128
+    assert expected_experts(8, 8, 3) == pytest.approx(8)  # k = E: all of them
 
 
 def test_floor_counts_dense_and_read_experts():

@@ -36,6 +36,7 @@ import torch
 
 from splitserve.benchmarks.gpu.contract import environment, target_row, write_json
 from splitserve.benchmarks.harness import RESULTS, copy_bandwidth, engine_decode, token_prompts
+from splitserve.common.roofline import expected_experts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")
@@ -44,11 +45,6 @@ HEADROOM = 6 << 30  # bytes beyond weights and KV: activations, CUDA graphs, the
 SMOKE_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    intermediate_size=96, moe_intermediate_size=32, vocab_size=300, max_position_embeddings=256)
 SMOKE_EXPERTS = 16
-
-
-def expected_experts_read(experts: int, top_k: int, tokens: int) -> float:
-    """Distinct experts B tokens hit when each picks k of E uniformly: E * (1 - (1 - k/E)^B)."""
-    return experts * (1 - (1 - top_k / experts) ** tokens)
 
 
 def floor_seconds(dense_bytes: int, expert_bytes: list[int], experts_read: list[float], bandwidth: float) -> float:
@@ -140,12 +136,12 @@ def bench_shape(args, name: str, bandwidth: float, out: dict, save) -> None:
             read: list[float] = [float(r) for r in routed(model)]
             counted = "routing" if any(read) else "expected"
             if not any(read):
-                read = [expected_experts_read(experts, top_k, n)] * len(per_expert)
+                read = [expected_experts(experts, top_k, n)] * len(per_expert)
             step_ms = statistics.median(times) * 1e3
             floor_ms = floor_seconds(dense, per_expert, read, bandwidth) * 1e3
             out[f"b{n}"] = dict(step_ms=round(step_ms, 3), tok_s=round(n / statistics.median(times), 1),
                                 experts_read_per_layer=round(statistics.mean(read), 2), counted=counted,
-                                experts_read_expected=round(expected_experts_read(experts, top_k, n), 2),
+                                experts_read_expected=round(expected_experts(experts, top_k, n), 2),
                                 floor_ms=round(floor_ms, 3), step_over_floor=round(step_ms / floor_ms, 3))
             print(f"{name} b{n}: {out[f'b{n}']}", flush=True)
             save()
