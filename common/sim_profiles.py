@@ -45,6 +45,38 @@ adds an all-to-all per MoE layer over the hardware's ``interconnect`` (a
 ranks' links, plus its latency per dispatch and combine (roofline.MoeCost). Attention
 stays tensor-parallel over the node's GPUs either way, so the KV is the same.
 
+A Multi-head Latent Attention model (DeepSeek-V3's: ``kv_lora_rank``, ``qk_rope_head_dim``,
+``qk_nope_head_dim``, ``v_head_dim``; optional ``q_lora_rank``; no ``kv_heads`` or
+``head_dim``) caches one latent per token and layer, shared by every head::
+
+    kv_bytes_per_token = layers x (kv_lora_rank + qk_rope_head_dim) x dtype_bytes x tp
+                         (61 x 576 x 2 = 70,272 B for DeepSeek-V3 in bf16; tp > 1: a latent has
+                         no heads to split, so every tensor-parallel rank holds a replica)
+    attn_flops         = 2 x layers x heads x (qk_nope + qk_rope + v_head_dim)
+                         (per new token per context token: keys and values expanded per
+                         head, as a prefill chunk computes them)
+
+A profile's ``dp`` (data-parallel attention, the engine's --data-parallel-size; a MoE
+model, dp = gpus = ep) makes the node ``gpus`` ranks of one GPU each, every rank with its
+own requests, scheduler and KV pool and E/dp experts whole. The engine registers each rank
+as a node of its pool, so a simulated node of a DP profile is ONE RANK (``node_gpus`` =
+gpus / dp = 1): its KV pool is one GPU's memory less the rank's weights
+(``weight_bytes`` = dense part + routed / dp), and its step is one GPU's roofline of its
+own T tokens reading the dense part and its share of the experts touched by all dp ranks'
+tokens, plus the engine's all_gather + all_reduce over the dp ranks (roofline.MoeCost,
+``dp``). The other ranks are taken as evenly loaded (T tokens each): the simulation runs
+each rank's scheduler alone. The engine pads every rank's rows to the busiest rank's, so
+the collective's bytes are exact for the busiest rank and under-priced for the others;
+an idle rank's empty turns in the collective are not priced. The collective's link is the hardware's
+``interconnect`` while dp <= its ``gpus_per_host`` (default 8), else its ``scale_out``
+network (a DP node spanning hosts: the ring's slowest hop). A pool of DP nodes grows by
+whole nodes (``splitserve plan`` counts nodes of dp ranks).
+
+``weight_bytes_per_param`` (default dtype_bytes) prices weights in another dtype than the
+KV and activations: 1 for FP8 weights (DeepSeek-V3's published checkpoint). A profile
+whose weights alone exceed its GPUs' memory x utilization is refused, saying how much each
+GPU would hold.
+
 A deployment's two profiles must hold the same KV (model, dtype, block size); their
 TP degrees, EP sizes and hardware may differ.
 
@@ -65,6 +97,8 @@ from .roofline import MoeCost, Roofline
 PROFILES_FILE = Path(__file__).with_name("sim_profiles.toml")
 GIB = 1 << 30
 DENSE_FIELDS = ("parameters", "layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "context")
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # all or none
+MLA_OPTIONAL = ("q_lora_rank",)
 MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate")  # all or none
 MOE_OPTIONAL = ("dense_layers", "active_parameters")
 ACTIVE_TOLERANCE = 0.03  # a stated active_parameters within 3% of the derived one
@@ -75,7 +109,7 @@ class SimProfile:
     name: str
     model: str
     hardware: str
-    gpus: int  # tensor-parallel ranks of one node; 0: the CPU
+    gpus: int  # GPUs of one node (tensor-parallel ranks, or data-parallel ranks with dp); 0: the CPU
     dtype_bytes: int  # of weights and KV
     context: int  # max model length, tokens
     block_size: int
@@ -100,7 +134,19 @@ class SimProfile:
     num_experts: int = 0  # routed experts per MoE layer; 0: a dense model
     experts_per_token: int = 0  # k of them per token
     active_parameters: float = 0.0  # a MoE's per token (derived); a dense model's: all
-    expert_weight_bytes: int = 0  # the routed experts' weights, the node's whole (part of weight_bytes)
+    expert_weight_bytes: int = 0  # the routed experts' weights on a simulated node (part of weight_bytes)
+    dp: int = 1  # data-parallel ranks of the node; > 1: a simulated node is one of them (one GPU)
+    weight_bytes_per_param: float = 0.0  # the weights' dtype (0: dtype_bytes)
+    mla: bool = False  # the model caches a latent per token (Multi-head Latent Attention)
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs one simulated node stands for: the node's (TP), one (a DP rank), 0 on the CPU."""
+        return self.gpus // self.dp
+
+    @property
+    def weight_bytes_per_gpu(self) -> int:
+        return self.weight_bytes // max(self.node_gpus, 1)
 
     @property
     def experts_per_gpu(self) -> int:
@@ -110,8 +156,8 @@ class SimProfile:
 
     @property
     def expert_bytes_per_gpu(self) -> int:
-        """Routed-expert weight bytes on each GPU (EP or TP alike: the node's / gpus)."""
-        return self.expert_weight_bytes // max(self.gpus, 1)
+        """Routed-expert weight bytes on each GPU (EP, TP or a DP rank alike)."""
+        return self.expert_weight_bytes // max(self.node_gpus, 1)
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -154,7 +200,10 @@ class SimProfile:
         sim = self.sim_config()
         return {
             "profile": self.name, "model": self.model, "hardware": self.hardware, "gpus": self.gpus,
-            "ep": self.ep, "num_experts": self.num_experts, "experts_per_token": self.experts_per_token,
+            "ep": self.ep, "dp": self.dp, "node_gpus": self.node_gpus, "mla": self.mla,
+            "weight_bytes_per_param": self.weight_bytes_per_param or self.dtype_bytes,
+            "weight_gib_per_gpu": round(self.weight_bytes_per_gpu / GIB, 2),
+            "num_experts": self.num_experts, "experts_per_token": self.experts_per_token,
             "active_parameters": self.active_parameters,
             "context": self.context, "block_size": self.block_size,
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -208,6 +257,8 @@ class SimDeployment:
 
 
 def _layout(p: SimProfile) -> str:
+    if p.dp > 1:
+        return f"DP{p.dp}/EP{p.ep}"
     return f"TP{p.gpus}" + (f"/EP{p.ep}" if p.ep > 1 else "")
 
 
@@ -261,17 +312,18 @@ def get_deployment(name: str, path: str | Path = PROFILES_FILE) -> SimDeployment
 
 def format_profiles(profiles: dict[str, SimProfile], deployments: dict[str, SimDeployment] | None = None) -> str:
     """The table of ``profiles``, then the deployments (None: those of PROFILES_FILE)."""
-    head = (f"{'profile':24} {'TP':>2} {'EP':>2} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
+    head = (f"{'profile':26} {'TP':>2} {'DP':>2} {'EP':>2} {'ctx':>7} {'KV B/tok':>9} {'weights':>9} {'KV pool':>9} "
             f"{'pool tokens':>12} {'prefill 8k':>10} {'32k':>8} {'decode b32':>10}  calibrated")
     lines = [head]
     for p in profiles.values():
         s = p.summary()
-        lines.append(f"{p.name:24} {p.gpus:>2} {p.ep:>2} {p.context:>7} {p.kv_bytes_per_token:>9} "
+        lines.append(f"{p.name:26} {p.node_gpus:>2} {p.dp:>2} {p.ep:>2} {p.context:>7} {p.kv_bytes_per_token:>9} "
                      f"{s['weight_gib']:>6.1f}GiB {s['kv_pool_gib']:>6.1f}GiB {p.kv_pool_tokens:>12} "
                      f"{s['prefill_8k_s']:>9.3f}s {s['prefill_32k_s']:>7.3f}s "
                      f"{s['decode_step_b32_ctx8k_ms']:>8.2f}ms  {'yes' if p.calibrated else 'no (stated)'}")
-    lines.append("decode b32: one step of 32 requests with 8k tokens of context each.")
-    lines.append(f"{'profile':24} {'KV network':>11} {'GB/s':>6} {'move 16k':>9} {'host tier':>10} {'GB/s':>6} "
+    lines.append("decode b32: one step of 32 requests with 8k tokens of context each. A DP profile's row is "
+                 "one rank (one GPU: its weights, its KV pool, its step with the collective over dp ranks).")
+    lines.append(f"{'profile':26} {'KV network':>11} {'GB/s':>6} {'move 16k':>9} {'host tier':>10} {'GB/s':>6} "
                  f"{'disk tier':>10} {'read/write GB/s':>16}")
     for p in profiles.values():
         s = p.summary()
@@ -280,7 +332,7 @@ def format_profiles(profiles: dict[str, SimProfile], deployments: dict[str, SimD
         tiers = (f"{s['host_tier_gib']:>7.0f}GiB {s['host_gb_per_s']:>6g} {s['disk_tier_gib']:>7.0f}GiB "
                  f"{s['disk_read_gb_per_s']:>7g} / {s['disk_write_gb_per_s']:<6g}" if p.host_tier_bytes else
                  f"{'-':>10} {'-':>6} {'-':>10} {'-':>16}")
-        lines.append(f"{p.name:24} {net} {tiers}")
+        lines.append(f"{p.name:26} {net} {tiers}")
     lines.append("move 16k: a prefill node's transfer of 16k tokens' KV to a decode node that holds none "
                  "of it (host: what this machine's transport takes); tiers: the prefix cache's host "
                  f"memory and disk, sized in KV pools. Numbers and their sources: {PROFILES_FILE}")
@@ -317,32 +369,50 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
         hw = data["hardware"][p["hardware"]]
         dtype = p["dtype_bytes"]
         gpus = p["gpus"]
-        if gpus and (m["heads"] % gpus or (m["kv_heads"] % gpus and gpus % m["kv_heads"])):
-            raise ValueError(f"{where}: {m['heads']} query and {m['kv_heads']} KV heads do not split over "
-                             f"{gpus} ranks; use a TP degree that divides the query heads and divides "
-                             f"or is a multiple of the KV heads")
-        kv_heads = max(m["kv_heads"], gpus)  # TP > KV heads: every rank holds one head's replica
-        kv_tok = 2 * m["layers"] * kv_heads * m["head_dim"] * dtype
-        weights = int(m["parameters"] * dtype)
-        ep = p.get("ep", 1)
+        ep, dp = p.get("ep", 1), p.get("dp", 1)
+        wbytes = p.get("weight_bytes_per_param", dtype)
+        if isinstance(wbytes, bool) or not isinstance(wbytes, (int, float)) or wbytes <= 0:
+            raise ValueError(f"{where}: weight_bytes_per_param = {wbytes!r} must be a number > 0 (1: FP8)")
         shape = _moe_shape(m)
         _check_ep(where, ep, gpus, shape)
+        _check_dp(where, dp, gpus, ep, shape)
+        ranks = gpus // dp  # GPUs of one simulated node: the node's (TP), 1 (a DP rank)
+        mla = "kv_lora_rank" in m
+        if mla:
+            if ranks and m["heads"] % ranks:
+                raise ValueError(f"{where}: {m['heads']} query heads do not split over {ranks} ranks")
+            kv_tok = m["layers"] * (m["kv_lora_rank"] + m["qk_rope_head_dim"]) * dtype * max(ranks, 1)
+            attn = 2 * m["layers"] * m["heads"] * (m["qk_nope_head_dim"] + m["qk_rope_head_dim"] + m["v_head_dim"])
+        else:
+            if ranks and (m["heads"] % ranks or (m["kv_heads"] % ranks and ranks % m["kv_heads"])):
+                raise ValueError(f"{where}: {m['heads']} query and {m['kv_heads']} KV heads do not split over "
+                                 f"{ranks} ranks; use a TP degree that divides the query heads and divides "
+                                 f"or is a multiple of the KV heads")
+            kv_heads = max(m["kv_heads"], ranks)  # TP > KV heads: every rank holds one head's replica
+            kv_tok = 2 * m["layers"] * kv_heads * m["head_dim"] * dtype
+            attn = 4 * m["layers"] * m["heads"] * m["head_dim"]
         active, routed = (shape.active, shape.routed) if shape else (m["parameters"], 0)
+        weights = int((m["parameters"] - routed + routed / dp) * wbytes)  # a DP rank: dense + its experts
         if gpus:
-            pool = int(gpus * hw["memory_gib"] * GIB * p["gpu_memory_utilization"]
-                       - weights - gpus * p["activation_gib"] * GIB)
-            scale = gpus * (hw["tp_efficiency"] if gpus > 1 else 1.0)
+            pool = int(ranks * hw["memory_gib"] * GIB * p["gpu_memory_utilization"]
+                       - weights - ranks * p["activation_gib"] * GIB)
+            if weights >= ranks * hw["memory_gib"] * GIB * p["gpu_memory_utilization"]:
+                raise ValueError(f"{where}: its weights do not fit: {weights / ranks / 1e9:.0f} GB per GPU "
+                                 f"({wbytes:g} bytes a parameter) against {hw['memory_gib']:g} GiB x "
+                                 f"{p['gpu_memory_utilization']:g}; spread them over more GPUs (ep, dp) or "
+                                 f"price smaller weights (weight_bytes_per_param = 1 for FP8)")
+            scale = ranks * (hw["tp_efficiency"] if ranks > 1 else 1.0)
             roofline = Roofline(
                 flops_per_token=2 * (active - m["vocab"] * m["hidden"]),
-                attn_flops=4 * m["layers"] * m["heads"] * m["head_dim"],
-                weight_bytes=(m["parameters"] - routed) * dtype if shape else weights, kv_bytes_per_token=kv_tok,
+                attn_flops=attn,
+                weight_bytes=(m["parameters"] - routed) * wbytes if shape else weights, kv_bytes_per_token=kv_tok,
                 flops_per_s=hw["peak_bf16_flops"] * hw["flops_efficiency"] * scale,
                 bytes_per_s=hw["hbm_bytes_per_s"] * hw["bandwidth_efficiency"] * scale,
                 step_overhead_s=hw["step_overhead_s"],
-                moe=_moe_cost(where, shape, ep, m["hidden"], dtype, hw, data) if shape else None)
+                moe=_moe_cost(where, shape, ep, dp, m["hidden"], dtype, wbytes, hw, data) if shape else None)
         else:
             pool, roofline = int(p["kv_cache_gib"] * GIB), None
-        links = max(gpus, 1)  # one network link, PCIe link and drive per GPU
+        links = max(ranks, 1)  # one network link, PCIe link and drive per GPU
         net_name = p.get("kv_network", "")
         if net_name and net_name not in data.get("network", {}):
             raise ValueError(f"{where}: kv_network = {net_name!r} is no [network.NAME] of the file; one of "
@@ -365,7 +435,8 @@ def _derive(name: str, p: dict, data: dict) -> SimProfile:
                           host_tier_bytes=int(pool * host_pools), disk_tier_bytes=int(pool * disk_pools),
                           layers=m["layers"], ep=ep, num_experts=shape.experts if shape else 0,
                           experts_per_token=shape.top_k if shape else 0, active_parameters=active,
-                          expert_weight_bytes=int(routed * dtype), **tier_rates)
+                          expert_weight_bytes=int(routed / dp * wbytes), dp=dp,
+                          weight_bytes_per_param=wbytes, mla=mla, **tier_rates)
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e}") from None
     if prof.kv_pool_tokens < prof.context:
@@ -387,10 +458,11 @@ class MoeShape(NamedTuple):
 def _check_model(name: str, m: dict) -> None:
     """ValueError naming the field of [model.NAME] that is unknown or invalid."""
     where = f"model {name}"
-    known = DENSE_FIELDS + MOE_FIELDS + MOE_OPTIONAL
+    known = DENSE_FIELDS + MOE_FIELDS + MOE_OPTIONAL + MLA_FIELDS + MLA_OPTIONAL
     for key in m:
         if key not in known:
             raise ValueError(f"{where}: unknown field {key!r}; the fields are {', '.join(known)}")
+    _check_mla(where, m)
     given = [k for k in MOE_FIELDS if k in m]
     if given and len(given) < len(MOE_FIELDS) or not given and any(k in m for k in MOE_OPTIONAL):
         missing = [k for k in MOE_FIELDS if k not in m]
@@ -423,6 +495,26 @@ def _check_model(name: str, m: dict) -> None:
                          f"(parameters - routed experts + k experts a layer); fix the shapes or the figure")
 
 
+def _check_mla(where: str, m: dict) -> None:
+    """ValueError naming the MLA field of [model.NAME] that is missing or invalid."""
+    given = [k for k in MLA_FIELDS if k in m]
+    if not given:
+        if "q_lora_rank" in m:
+            raise ValueError(f"{where}: q_lora_rank without the latent: state all of {', '.join(MLA_FIELDS)}")
+        return
+    if len(given) < len(MLA_FIELDS):
+        missing = [k for k in MLA_FIELDS if k not in m]
+        raise ValueError(f"{where}: missing field {missing[0]!r}; an MLA model states all of {', '.join(MLA_FIELDS)}")
+    for key in ("kv_heads", "head_dim"):
+        if key in m:
+            raise ValueError(f"{where}: {key} on an MLA model (kv_lora_rank): its KV is one latent shared by "
+                             f"every head; drop {key} (the latent's width and the head dims price it)")
+    for key in given + [k for k in MLA_OPTIONAL if k in m]:
+        v = m[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {key} = {v!r} must be a whole number >= 1")
+
+
 def _moe_shape(m: dict) -> MoeShape | None:
     """The routed experts of model ``m`` (checked by _check_model); None: a dense model."""
     if "num_experts" not in m:
@@ -447,14 +539,42 @@ def _check_ep(where: str, ep, gpus: int, shape: MoeShape | None) -> None:
         raise ValueError(f"{where}: ep = {ep} does not divide num_experts = {shape.experts}")
 
 
-def _moe_cost(where: str, shape: MoeShape, ep: int, hidden: int, dtype: int, hw: dict, data: dict) -> MoeCost:
+def _check_dp(where: str, dp, gpus: int, ep: int, shape: MoeShape | None) -> None:
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"{where}: dp = {dp!r} must be a whole number >= 1")
+    if dp == 1:
+        return
+    if shape is None:
+        raise ValueError(f"{where}: dp = {dp} on a dense model (no num_experts); data-parallel ranks share a "
+                         f"MoE's experts (a dense model's ranks would be separate nodes: gpus = 1 profiles)")
+    if gpus != dp:
+        raise ValueError(f"{where}: dp = {dp} must equal gpus = {gpus} (one GPU per data-parallel rank, as "
+                         f"the engine's --data-parallel-size)")
+    if ep != dp:
+        raise ValueError(f"{where}: dp = {dp} needs ep = {dp} (each rank holds E/dp experts whole), got ep = {ep}")
+
+
+def _collective_link(where: str, ranks: int, what: str, purpose: str, hw: dict, data: dict) -> dict:
+    """The [network.NAME] between ``ranks`` GPUs of one node: the hardware's interconnect
+    within a host (gpus_per_host, default 8), its scale_out network across hosts."""
+    per_host = hw.get("gpus_per_host", 8)
+    field = "interconnect" if ranks <= per_host else "scale_out"
+    name = hw.get(field, "")
+    if name not in data.get("network", {}):
+        span = f" ({ranks} ranks span hosts of {per_host} GPUs)" if field == "scale_out" else ""
+        raise ValueError(f"{where}: {what} needs its hardware's {field} = a [network.NAME] of the file for "
+                         f"the {purpose}{span}, got {name!r}")
+    return data["network"][name]
+
+
+def _moe_cost(where: str, shape: MoeShape, ep: int, dp: int, hidden: int, dtype: int, wbytes: float,
+              hw: dict, data: dict) -> MoeCost:
     link = {"bytes_per_s": 0.0, "latency_s": 0.0}
-    if ep > 1:
-        name = hw.get("interconnect", "")
-        if name not in data.get("network", {}):
-            raise ValueError(f"{where}: ep = {ep} needs its hardware's interconnect = a [network.NAME] of the "
-                             f"file for the all-to-all, got {name!r}")
-        link = data["network"][name]
+    if dp > 1:
+        link = _collective_link(where, dp, f"dp = {dp}", "gather + reduce", hw, data)
+    elif ep > 1:
+        link = _collective_link(where, ep, f"ep = {ep}", "all-to-all", hw, data)
     return MoeCost(experts=shape.experts, top_k=shape.top_k, moe_layers=shape.moe_layers,
-                   expert_bytes=shape.moe_layers * shape.expert_params * dtype, ep=ep, hidden=hidden,
-                   dtype_bytes=dtype, link_bytes_per_s=link["bytes_per_s"], link_latency_s=link["latency_s"])
+                   expert_bytes=shape.moe_layers * shape.expert_params * wbytes, ep=ep, hidden=hidden,
+                   dtype_bytes=dtype, link_bytes_per_s=link["bytes_per_s"], link_latency_s=link["latency_s"],
+                   dp=dp)

@@ -146,13 +146,13 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them_and_a_tp_that_does_not_spl
     base = PROFILES_FILE.read_text()
     path = tmp_path / "p.toml"
     tp16 = base.replace("[profile.llama3-70b-tp8-h100]", "[profile.llama3-70b-tp16-h100]").replace(
-        "gpus = 8", "gpus = 16").replace('prefill = "llama3-70b-tp4-h100"\ndecode = "llama3-70b-tp8-h100"',
+        "gpus = 8", "gpus = 16", 1).replace('prefill = "llama3-70b-tp4-h100"\ndecode = "llama3-70b-tp8-h100"',
                                          'prefill = "llama3-70b-tp4-h100"\ndecode = "llama3-70b-tp16-h100"')
     path.write_text(tp16)
     p = load_profiles(path)["llama3-70b-tp16-h100"]
     assert p.kv_bytes_per_token == 2 * 80 * 16 * 128 * 2  # 8 KV heads over 16 ranks: each held twice
     assert load_deployments(path)["llama3-70b-p-tp4-d-tp8-h100"].decode.gpus == 16
-    path.write_text(base.replace("gpus = 8", "gpus = 6"))
+    path.write_text(base.replace("gpus = 8", "gpus = 6", 1))
     with pytest.raises(ValueError, match="profile llama3-70b-tp8-h100: 64 query and 8 KV heads do not split over 6"):
         load_profiles(path)
 

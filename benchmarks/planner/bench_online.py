@@ -81,7 +81,7 @@ async def run_with_planner(trace, dep: SimDeployment, start: tuple[int, int], sl
     timeline: list[dict] = []
     over: dict[str, float] = {}
     try:
-        pools = LocalPools(cluster, {"prefill": dep.prefill.gpus, "decode": dep.decode.gpus})
+        pools = LocalPools(cluster, {"prefill": dep.prefill.node_gpus, "decode": dep.decode.node_gpus})
         wall = interval_s / speedup
         cfg = PlannerConfig(profile=dep.name, slo=slo, interval_s=wall, time_scale=speedup, policy=policy,
                             router_urls=tuple(cluster.urls), redis_url=cluster.redis_url)

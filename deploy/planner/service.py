@@ -261,7 +261,7 @@ def start_local_planner(args, cluster, model: str) -> PlannerThread:
     config = planner_config(args, "planner-", router_urls=tuple(cluster.urls), redis_url=cluster.redis_url,
                             model=model, cluster_token=cluster.cluster_token)
     dep = config.deployment
-    pools = LocalPools(cluster, {"prefill": dep.prefill.gpus, "decode": dep.decode.gpus})
+    pools = LocalPools(cluster, {"prefill": dep.prefill.node_gpus, "decode": dep.decode.node_gpus})
     thread = PlannerThread(Planner(config, pools))
     thread.start()
     return thread

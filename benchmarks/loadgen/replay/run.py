@@ -422,6 +422,7 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
                              if lower is not None and states else None),
         "lower_tier_blocks": lower,
         "kv_offload_memory": cfg.kv_offload_memory, "kv_offload_disk_bytes": cfg.kv_offload_disk_bytes,
+        "output_tokens": sum(o.output_tokens for o in ok),  # of the requests that finished
         "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
         "ttft_p99": round(percentile(ttft, 0.99), 3), "ttft_mean": round(statistics.fmean(ttft), 3) if ttft else None,
         # where the mean TTFT went (trace seconds): the prefill nodes' queue and prompt, and the

@@ -91,7 +91,9 @@ def main(args: argparse.Namespace, check: PlanCheck) -> int:
         fleet = pair(b.label(), get_profile(b.prefill_profile), get_profile(b.decode_profile))
         speedup = args.check_speedup or check.pick_speedup(trace)
         print(f"checking {b.label()} on simulated nodes at {speedup}x ...", file=sys.stderr, flush=True)
-        summary["check"] = checked = check.check_plan(trace, fleet, b.prefill_nodes, b.decode_nodes, slo, speedup)
+        # a DP node is dp simulated ranks
+        summary["check"] = checked = check.check_plan(trace, fleet, b.prefill_nodes * b.prefill_dp,
+                                                      b.decode_nodes * b.decode_dp, slo, speedup)
         m, sustain = checked["measured"], checked["sustain"]
         print(f"check: TTFT within SLO {m['ttft_ok']:.1%} (predicted {b.ttft_ok:.1%}), ITL {m['itl_ok']:.1%} "
               f"(predicted {b.itl_ok:.1%}); {m['failed']} failed"

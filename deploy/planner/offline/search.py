@@ -3,14 +3,17 @@ TTFT and ITL attainment (fleetsim.py) both reach the SLO's, for one workload.
 
     pairings      the deployment as named, or with ``explore_tp`` every pair of profiles
                   of its model, dtype and block size (e.g. prefill TP4 or TP8, decode TP4
-                  or TP8; a MoE model's 1-GPU EP1 or 2-GPU EP2 profile): the "TP and EP
-                  per pool" choice, reported as each pool's profile, gpus and EP size
+                  or TP8; a MoE model's 1-GPU EP1 or 2-GPU EP2 profile; DeepSeek-V3's DP8,
+                  DP16, DP32 or TP8 nodes): the "TP, EP and DP per pool" choice, reported
+                  as each pool's profile, EP and DP size
+    DP nodes      a pool of a data-parallel profile grows by whole nodes of dp ranks: P and D
+                  count nodes, the model runs P x dp (D x dp) simulated ranks, each one GPU
     per pairing   P* = the fewest prefill nodes whose TTFT attainment reaches the SLO with
                   plenty of decode nodes; D* = the fewest decode nodes whose ITL attainment
                   reaches it with plenty of prefill nodes (each pool barely touches the
                   other's latency); then (P*, D*) and its neighbours together, growing
                   the pool that misses until both reach it
-    cost          P x devices per prefill node + D x devices per decode node
+    cost          P x devices per prefill node + D x devices per decode node (a DP node: its gpus)
     best          the cheapest configuration that meets both (ties: the higher worst
                   attainment); alternatives: the next cheapest that meet, then the best
                   near misses
@@ -44,6 +47,8 @@ class Candidate(NamedTuple):
     meets: bool
     prefill_ep: int = 0  # the prefill profile's expert-parallel size; 0: a dense model
     decode_ep: int = 0
+    prefill_dp: int = 1  # data-parallel ranks per prefill node (nodes x dp simulated ranks)
+    decode_dp: int = 1
 
     @property
     def worst(self) -> float:
@@ -52,7 +57,9 @@ class Candidate(NamedTuple):
     def label(self) -> str:
         tp = (f" (prefill {self.prefill_profile}, decode {self.decode_profile})"
               if self.prefill_profile != self.decode_profile else "")
-        ep = f" EP{self.prefill_ep}:EP{self.decode_ep}" if self.prefill_ep else ""
+        def one(ep: int, dp: int) -> str:
+            return f"DP{dp}/EP{ep}" if dp > 1 else f"EP{ep}"
+        ep = f" {one(self.prefill_ep, self.prefill_dp)}:{one(self.decode_ep, self.decode_dp)}" if self.prefill_ep else ""
         return f"{self.prefill_nodes}P:{self.decode_nodes}D{ep}{tp}"
 
 
@@ -76,7 +83,9 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def evaluate(reqs: list[Req], dep: SimDeployment, p: int, d: int, slo: Slo) -> Candidate:
-    r = simulate(reqs, dep, p, d)
+    """``p`` prefill and ``d`` decode nodes (a DP node: dp simulated ranks)."""
+    pr, dr = p * dep.prefill.dp, d * dep.decode.dp
+    r = simulate(reqs, dep, pr, dr)
     n = len(reqs)
     ttft_ok = sum(t <= slo.ttft_s for t in r.ttft) / n
     itl_ok = sum(math.isnan(x) or x <= slo.itl_s for x in r.itl) / n
@@ -85,8 +94,9 @@ def evaluate(reqs: list[Req], dep: SimDeployment, p: int, d: int, slo: Slo) -> C
                      p * devices(dep.prefill.gpus) + d * devices(dep.decode.gpus),
                      round(ttft_ok, 4), round(itl_ok, 4), round(quantile(r.ttft, slo.attainment), 4),
                      round(quantile(r.itl, slo.attainment), 5),
-                     round(sum(r.prefill_busy) / (p * span), 4), round(sum(r.decode_busy) / (d * span), 4),
-                     ttft_ok >= slo.attainment and itl_ok >= slo.attainment, _ep(dep.prefill), _ep(dep.decode))
+                     round(sum(r.prefill_busy) / (pr * span), 4), round(sum(r.decode_busy) / (dr * span), 4),
+                     ttft_ok >= slo.attainment and itl_ok >= slo.attainment, _ep(dep.prefill), _ep(dep.decode),
+                     dep.prefill.dp, dep.decode.dp)
 
 
 def _ep(profile: SimProfile) -> int:
@@ -121,11 +131,12 @@ def search(reqs: list[Req], deployment: SimDeployment, slo: Slo, max_nodes: int 
                 tried[key] = evaluate(reqs, dep, p, d, slo)
             return tried[key]
 
-        model = PoolModel(dep, slo)
-        p0 = model.size_prefill(rate, isl, max_nodes).nodes
-        d0 = model.size_decode(rate, isl, osl, max_nodes).nodes
+        model = PoolModel(dep, slo)  # sizes in simulated nodes: a DP pool's in ranks
+        dp_p, dp_d = dep.prefill.dp, dep.decode.dp
+        p0 = -(-model.size_prefill(rate, isl, max_nodes * dp_p).nodes // dp_p)
+        d0 = -(-model.size_decode(rate, isl, osl, max_nodes * dp_d).nodes // dp_d)
         plenty_p, plenty_d = min(max_nodes, 2 * p0 + 2), min(max_nodes, 2 * d0 + 2)
-        start_p = max(1, math.ceil(rate * model.prefill_seconds(isl) * 0.8))
+        start_p = max(1, math.ceil(rate * model.prefill_seconds(isl) * 0.8 / dp_p))
         p_star = next((p for p in range(min(start_p, max_nodes), max_nodes + 1)
                        if ev(p, plenty_d).ttft_ok >= slo.attainment), max_nodes)
         d_star = next((d for d in range(1, max_nodes + 1) if ev(plenty_p, d).itl_ok >= slo.attainment), max_nodes)
