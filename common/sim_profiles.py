@@ -486,6 +486,7 @@ def _check_model(name: str, m: dict) -> None:
     if m.get("dense_layers", 0) >= m["layers"]:
         raise ValueError(f"{where}: dense_layers = {m['dense_layers']} leaves no MoE layer of {m['layers']}")
     shape = _moe_shape(m)
+    assert shape is not None, "the MoE fields are given"
     if shape.active <= 0 or shape.routed >= m["parameters"]:
         raise ValueError(f"{where}: moe_intermediate = {m['moe_intermediate']} gives routed experts of "
                          f"{shape.routed:.4g} parameters, not fewer than parameters = {m['parameters']:.4g}")

@@ -36,7 +36,7 @@ import json
 import statistics
 import time
 import urllib.request
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import openai
 
@@ -61,7 +61,7 @@ class Turn(NamedTuple):
     cached_tokens: int  # as the response's usage reports them
 
 
-async def one_turn(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int) -> tuple[str, float, float | None,
+async def one_turn(client: openai.AsyncOpenAI, messages: list[Any], max_tokens: int) -> tuple[str, float, float | None,
                                                                                                  int, int]:
     """(answer text, TTFT s, TPOT s or None, prompt tokens, cached prompt tokens) of one streamed turn."""
     start = time.perf_counter()
@@ -82,7 +82,7 @@ async def one_turn(client: openai.AsyncOpenAI, messages: list[dict], max_tokens:
 
 
 async def conversation(client: openai.AsyncOpenAI, index: int, turns: int, max_tokens: int) -> list[Turn]:
-    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}]
     out = []
     for t in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[(index + t) % len(QUESTIONS)]})
