@@ -17,14 +17,13 @@ gate/up and then the product, and each slot's output before the sum: a few bf16 
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from splitserve.engine.models.fused_moe import fused_moe, fused_moe_torch
+from splitserve.tests.triton_interpret import run_interpreted
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # atol = rtol, vs the torch reference
 
@@ -116,14 +115,7 @@ def interpreted(tmp_path_factory):
     pytest.importorskip("triton", reason="triton is not installed (deploy/requirements.txt pins it)")
     cases = {name: make_case(**spec) for name, spec in CASES.items()}
     folder = tmp_path_factory.mktemp("fused_moe_interpret")
-    inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
-    torch.save(cases, inputs)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(inputs), str(outputs)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    got = torch.load(outputs)
-    return {name: (cases[name], got[name]) for name in cases}
+    return run_interpreted(CHILD, cases, folder)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -17,8 +17,6 @@ the layer's random W_UK and W_UV around it, what forward calls on CUDA) against 
 """
 
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +24,7 @@ import torch
 
 from splitserve.engine.models.mla import MLAttention, decode_latents
 from splitserve.engine.models.mla_config import MLAConfig
+from splitserve.tests.triton_interpret import run_interpreted
 
 # name -> kernel case: decode rows of different lengths (1, 17 and 100 tokens: one partial
 # tile, several tiles, several blocks), latent 48 (kv_lora 32 + rope 16: the compressed part
@@ -136,15 +135,7 @@ def interpreted(tmp_path_factory, make_paged_decode):
         q_rope = torch.randn((len(spec["seq_lens"]), spec["heads"], spec["rope"]), generator=g).to(dtype)
         cases[name] = dict(layer=layer, q_nope=q_nope, q_rope=q_rope, kv_cache=kv_cache, meta=meta)
     folder = tmp_path_factory.mktemp("mla_interpret")
-    inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
-    torch.save(cases, inputs)
-    # the child imports the splitserve this process imported (an installed copy or a checkout)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(inputs), str(outputs)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    got = torch.load(outputs)
-    return {name: (cases[name], got[name]) for name in cases}
+    return run_interpreted(CHILD, cases, folder, 600)
 
 
 def reference(q: torch.Tensor, kv_cache: torch.Tensor, meta, kv_lora: int) -> torch.Tensor:

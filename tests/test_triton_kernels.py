@@ -9,10 +9,11 @@
 """
 
 import os
-import subprocess
-import sys
+
 import pytest
 import torch
+
+from splitserve.tests.triton_interpret import run_interpreted
 
 triton = pytest.importorskip("triton", reason="triton is not installed (deploy/requirements.txt pins it)")
 
@@ -93,15 +94,7 @@ def interpreted(tmp_path_factory, make_paged_decode, make_kv_write):
         cases[name] = dict(kind="host_load", host=host, kv=kv, slots=slots, blocks=blocks)
     assert len(cases) == len(DECODE) + len(WRITE) + len(HOST_LOAD), "case names must differ across kinds"
     folder = tmp_path_factory.mktemp("triton_interpret")
-    inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
-    torch.save(cases, inputs)
-    # the child imports the splitserve this process imported (an installed copy or a checkout)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, sys.path)))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(inputs), str(outputs)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"interpreter run failed:\n{proc.stderr[-4000:]}"
-    got = torch.load(outputs)
-    return {name: (cases[name], got[name]) for name in cases}
+    return run_interpreted(CHILD, cases, folder)
 
 
 @pytest.mark.parametrize("name", list(DECODE))

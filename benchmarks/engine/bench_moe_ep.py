@@ -55,19 +55,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from splitserve.benchmarks.engine.bench_tp import all_reduce_floor
 from splitserve.benchmarks.harness import RESULTS, engine_decode, token_prompts
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
@@ -76,7 +74,7 @@ from splitserve.engine.models.convert import bundled_model_dir
 from splitserve.engine.models.fused_moe import fused_moe
 from splitserve.engine.models.llama import DecoderLayer
 from splitserve.engine.models.moe import MoEBlock, expert_load_imbalance, route
-from splitserve.engine.parallel.group import init_tp_group, pin_process, rank_cpus
+from splitserve.engine.parallel.group import pin_process, rank_cpus
 
 SHAPE: dict[str, Any] = dict(
     hidden_size=512, num_hidden_layers=4, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
@@ -193,54 +191,6 @@ def install(clock: Clock) -> Callable[[], None]:
     def uninstall() -> None:
         MoEBlock.forward, DecoderLayer.forward = moe_forward, layer_forward  # type: ignore[method-assign]
     return uninstall
-
-
-def collective_peer(port: int, hidden: int, batches: list[int], reps: int) -> None:
-    """Rank 1 of the all-reduce floor: the same all-reduces as rank 0, nothing else."""
-    torch.set_num_threads(1)
-    cpus = rank_cpus(1, 2, torch.device("cpu"))
-    if cpus:
-        pin_process(cpus)
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
-    group = init_tp_group(1, 2, torch.device("cpu"), store)
-    for b in batches:
-        x = torch.ones(b, hidden)
-        for _ in range(reps + 10):
-            group.all_reduce(x)
-    group.close()
-
-
-def all_reduce_floor(hidden: int, batches: list[int], reps: int = 200) -> dict[int, float]:
-    """Microseconds of one gloo all-reduce of [batch, hidden] fp32 between two pinned processes
-    that do nothing else (median): the combine without waiting for the other rank's experts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    peer = mp.get_context("spawn").Process(target=collective_peer, args=(port, hidden, batches, reps), daemon=True)
-    peer.start()
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=60))
-    group = init_tp_group(0, 2, torch.device("cpu"), store)
-    cpus = rank_cpus(0, 2, torch.device("cpu"))
-    before = pin_process(cpus) if cpus else None
-    out = {}
-    for b in batches:
-        x = torch.ones(b, hidden)
-        times = []
-        for i in range(reps + 10):
-            t0 = time.perf_counter()
-            group.all_reduce(x)
-            if i >= 10:
-                times.append(time.perf_counter() - t0)
-        out[b] = round(statistics.median(times) * 1e6, 1)
-    if before:
-        pin_process(before)
-    group.close()
-    peer.join(timeout=30)
-    return out
 
 
 def max_over_mean(counts: torch.Tensor) -> float:
@@ -456,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
           " for uniform random routing (random weights: not a trained router)", flush=True)
     floor: dict[int, float] = {}
     if any(CONFIGS[n][0] > 1 for n in args.configs):
-        floor = all_reduce_floor(shape["hidden_size"], args.batches)
+        floor = {b: round(us, 1) for b, us in all_reduce_floor(shape["hidden_size"], args.batches, 200).items()}
         for b in args.batches:
             print(f"batch {b}: gloo all-reduce of [{b}, {shape['hidden_size']}] between two processes doing "
                   f"nothing else: {floor[b]} us", flush=True)
