@@ -88,7 +88,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode batch-size buckets (default: 1 2 4 8, then multiples of 8 up to --max-num-seqs)")
 
 
-def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> EngineConfig:
+def engine_config(args: argparse.Namespace, sim: SimConfig | None = None,
+                  prefill_step_budget: int | None = None) -> EngineConfig:
     from .common.bundled import BUNDLED_MODEL_ID
     from .common.config import parse_size
 
@@ -103,7 +104,7 @@ def engine_config(args: argparse.Namespace, sim: SimConfig | None = None) -> Eng
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_chunk_size=args.prefill_chunk_size,
+                        prefill_chunk_size=args.prefill_chunk_size, prefill_step_budget=prefill_step_budget,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
                         device=args.device.split(",")[0], dtype=args.dtype, attention_backend=args.attention_backend,
                         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
@@ -175,6 +176,11 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-id", default="")
     g.add_argument("--kv-backend", choices=tuple(KVBackend), default="tcp")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
+    g.add_argument("--local-prefill-budget", type=int, default=512, metavar="N",
+                   help="decode nodes: the most prompt tokens one step computes for the prompts this node "
+                        "prefills itself (no prefill node chosen, a fallback), chunked so no step of the "
+                        "running batch grows past its decodes plus N; 0: no limit (default 512; prefill "
+                        "and colocated nodes ignore it)")
     g.add_argument("--fault", choices=("corrupt_block",), default=None, help=argparse.SUPPRESS)
     add_cluster_token_args(g)
     g.add_argument("--drain-grace", type=float, default=30.0,
@@ -191,7 +197,10 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
     from .common.auth import cluster_token_from_args, redis_url_from
 
     devices = tuple(args.device.split(",")) if "," in args.device else ()  # one per rank
-    return NodeConfig(role=role, engine=engine_config(args, sim), host=args.host, port=args.port,
+    if args.local_prefill_budget < 0:
+        raise ValueError(f"--local-prefill-budget: must be >= 0 (0: no limit), got {args.local_prefill_budget}")
+    engine = engine_config(args, sim, prefill_step_budget=args.local_prefill_budget or None)
+    return NodeConfig(role=role, engine=engine, host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
                       cluster_token=cluster_token_from_args(args),
@@ -401,6 +410,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="ranks per decode (or colocated) node; any TP that splits the model's KV heads "
                         "pairs with any prefill TP")
+    p.add_argument("--local-prefill-budget", type=int, default=None, metavar="N",
+                   help="the decode nodes' --local-prefill-budget: prompt tokens per step for the prompts "
+                        "they prefill themselves; 0: no limit (default: deploy/local.toml's, 512)")
     p.add_argument("--prefill-dp", type=int, default=None, metavar="N",
                    help="data-parallel ranks per prefill node (a MoE model): each rank its own requests and "
                         "KV pool, a node of the pool, the experts split over the N (default 1)")

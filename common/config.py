@@ -3,7 +3,7 @@ line, before it starts, and passes it down; nothing writes back to it."""
 
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Literal
 from pathlib import Path
@@ -168,6 +168,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 2048  # token budget per step (decodes + prefill chunks)
     prefill_chunk_size: int = 512  # most prompt tokens one request computes per step
+    # Most prompt tokens one step computes over all its prefill rows (prompt chunks, recomputes;
+    # engine/scheduler.py), so a running decode batch's step never grows past its decodes plus
+    # this; >= 1, None: max_num_batched_tokens alone. A decode node's --local-prefill-budget.
+    prefill_step_budget: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # "auto": float32 on CPU (bf16 is ~6x slower there without AVX-512), bfloat16 on a GPU
@@ -245,6 +249,8 @@ class EngineConfig:
                      "prefill_chunk_size", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.prefill_step_budget is not None and self.prefill_step_budget < 1:
+            raise ValueError(f"prefill_step_budget: must be >= 1 (None: no limit), got {self.prefill_step_budget}")
         if self.cuda_graph_sizes is not None:
             sizes = tuple(sorted(set(self.cuda_graph_sizes)))
             if not sizes or sizes[0] < 1:
@@ -274,7 +280,9 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
-    """A prefill, decode or colocated node process."""
+    """A prefill, decode or colocated node process. Only a decode node bounds its engine's
+    prompt tokens per step (``engine.prefill_step_budget``, the prompts it prefills beside its
+    running batch); a prefill or colocated node's engine runs without that bound."""
 
     role: NodeRole  # colocated: a decode node that never asks a prefill node
     engine: EngineConfig
@@ -309,6 +317,8 @@ class NodeConfig:
                              f"{self.grammar_compile_timeout_s} and {self.grammar_compile_workers}")
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
+        if self.role != "decode" and self.engine.prefill_step_budget is not None:
+            object.__setattr__(self, "engine", replace(self.engine, prefill_step_budget=None))
         if self.kv_backend not in tuple(KVBackend):
             raise ValueError(f"kv_backend: must be one of {', '.join(KVBackend)}, got {self.kv_backend!r}")
         on_cpu = self.engine.device.split(":")[0] == "cpu"

@@ -2,6 +2,7 @@
 
 One rule for everything (see ``request.py``): a scheduled request computes
 ``min(num_tokens - num_computed_tokens, budget left, prefill_chunk_size)`` tokens.
+A prefill row (more than its sequence's last token) also draws from ``prefill_step_budget``; a decode does not.
 
     step budget (max_num_batched_tokens)
     |-- running requests first, in admission order (decodes take 1, unfinished
@@ -9,6 +10,11 @@ One rule for everything (see ``request.py``): a scheduled request computes
     '-- then waiting requests, FIFO, while budget, blocks and max_num_seqs last
         and nothing was preempted this step: prefix-cache hit first (those
         tokens are never computed), then a chunk
+
+A running prefill row whose prefill budget is spent is skipped this step (the decodes
+after it still run); a waiting request that would get none stays at the head of the
+queue. Running rows come first, in admission order, so the oldest prefill always gets
+its chunk: the prefill budget bounds every step's prompt tokens without starving any.
 
 A waiting request whose next uncached prompt block is being computed right now by a
 running request (the n choices of one prompt, or prompts sharing a system prompt,
@@ -64,12 +70,15 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_chunk_size: int, max_model_len: int):
+                 prefill_chunk_size: int, max_model_len: int, prefill_step_budget: int | None = None):
+        """``prefill_step_budget``: the most tokens one step's prefill rows compute together
+        (None: only ``max_num_batched_tokens`` bounds them)."""
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk = prefill_chunk_size
+        self.prefill_step_budget = prefill_step_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # req_id -> request, until finished
@@ -92,6 +101,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        # None: never below ``budget``, which every row draws from, so it binds nothing
+        prefill_left = self.prefill_step_budget or budget
         rows: list[Row] = []
         preempted: list[Request] = []
         i = 0
@@ -100,7 +111,11 @@ class Scheduler:
             if req.pending_tokens and req.ends_by_length(self.max_model_len):
                 i += 1  # the token on the device is its last: nothing more to compute
                 continue
-            n = min(req.seq_len - req.num_computed_tokens, budget, self.chunk)
+            remaining = req.seq_len - req.num_computed_tokens
+            n = self._num_tokens(remaining, budget, prefill_left)
+            if n == 0:
+                i += 1  # a prefill row, and this step's prefill budget is spent
+                continue
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -109,6 +124,7 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
+            prefill_left -= n if remaining > 1 else 0
             rows.append(self._row(req, n))
             budget -= n
             i += 1
@@ -122,8 +138,9 @@ class Scheduler:
             hit = self.kv.get_computed_blocks(hashes, req.all_token_ids, req.salt)
             if self._prefix_in_flight(req, hashes, hit.num_tokens):
                 break
-            n = min(req.num_tokens - hit.num_tokens, budget, self.chunk)
-            if self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks, hit.lower) is None:
+            remaining = req.num_tokens - hit.num_tokens
+            n = self._num_tokens(remaining, budget, prefill_left)
+            if n == 0 or self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks, hit.lower) is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -131,9 +148,17 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
+            prefill_left -= n if remaining > 1 else 0
             rows.append(self._row(req, n))
             budget -= n
         return SchedulerOutput(rows, preempted)
+
+    def _num_tokens(self, remaining: int, budget: int, prefill_left: int) -> int:
+        """Tokens a row with ``remaining`` uncomputed ones computes this step: a prefill row
+        (``remaining`` > 1; it draws them from the prefill budget) is capped by the prefill
+        budget left too, so it may get 0."""
+        n = min(remaining, budget, self.chunk)
+        return n if remaining == 1 else min(n, prefill_left)
 
     @staticmethod
     def _row(req: Request, n: int) -> Row:
