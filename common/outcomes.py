@@ -49,6 +49,28 @@ class FallbackReason(StrEnum):
     TRANSFER_FAILED = "transfer_failed"  # refused, failed or timed out (the detail is logged)
 
 
+class PrefixReuse(StrEnum):
+    """Where a routing decision expects the prompt's cached prefix to come from."""
+    NONE = "none"  # computed in full
+    OWN = "own"  # the computing node's own prefix cache (a decode node prefilling itself included)
+    PULL = "pull"  # pulled from another node first (node/kv_pull.py)
+
+
+class PullOutcome(StrEnum):
+    """How one prefix pull ended on the node that asked for it (node/kv_pull.py)."""
+    PULLED = "pulled"  # every block the holder sent landed; they are this node's cached prefix now
+    HELD_NONE = "held_none"  # the holder no longer holds the prefix's next block (evicted): nothing moved
+    NO_BLOCKS = "no_blocks"  # this node's pool could not hold the prefix now
+    FAILED = "failed"  # the holder was unreachable, refused, died, a block failed its checksum, or the lease expired
+    ABORTED = "aborted"  # the request was cancelled mid-pull
+
+
+class PullServed(StrEnum):
+    """How one pull asked of this node (the holder) ended."""
+    SENT = "sent"  # its leading held blocks were sent and acknowledged (possibly none)
+    FAILED = "failed"  # the send failed (the puller recomputes)
+
+
 class PromptHashResult(StrEnum):
     """What a node did with the block hashes the router carried (common/protocol.py
     PromptHashes)."""

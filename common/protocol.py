@@ -10,6 +10,15 @@ local fallback):
                                    |  <===== KV blocks (kvtransfer backend) ====|
                                    |  <--PrefillResult (first token)-------------|
 
+Prefix pull (node/kv_pull.py): the node that will compute a prompt (the prefill node, or the
+decode node prefilling locally) first fetches the leading blocks another node holds::
+
+    router --GenerateRequest(pull)--> decode node [--PrefillRequest(pull)--> prefill node]
+    computing node --PullRequest--> holder:  reserves dest blocks | packs its cached blocks, sends each
+                   <===== KV blocks (kvtransfer backend) =======|
+                   <--PullResult (blocks sent)------------------|
+    then computes only the rest (the pulled blocks are in its prefix cache)
+
 A prompt's token ids travel as bytes, u32 little-endian (``common.hashing.token_bytes``;
 the router sends its validated array's bytes, the decode node forwards them as they
 came): a 100k-token prompt is a 400 KB copy to encode, not 100k msgpack ints. A node
@@ -85,6 +94,14 @@ def hash_array(raw: bytes):
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1)]
 
 
+class PullSource(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw_only=True):
+    """Where the router predicts a prompt's longest cached prefix is: the node that computes
+    the prompt pulls its first ``tokens`` (whole blocks) from ``addr`` before computing."""
+    node_id: str
+    addr: str  # http://host:port of the holder
+    tokens: Annotated[int, msgspec.Meta(ge=1)]
+
+
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """router -> decode node. ``prefill_addr`` None: the decode node prefills locally."""
     request_id: str
@@ -94,6 +111,7 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
     transfer_id: str = ""
     prompt_hashes: PromptHashes | None = None  # the router's, forwarded to the prefill node
     cache_salt: CacheSalt | None = None  # the effective salt (router/api_keys.py), forwarded
+    pull: PullSource | None = None  # fetch this prefix first (whoever computes the prompt), forwarded
 
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -114,10 +132,33 @@ class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True)
     # one receiver per decode rank, in rank order (its length is the decode node's TP);
     # empty: [kv_addr], a TP=1 decode node
     kv_addrs: list[str] = []
+    pull: PullSource | None = None  # the GenerateRequest's: this node pulls that prefix first
 
     def decode_addrs(self) -> list[str]:
         """Every decode rank's receiver, in rank order."""
         return self.kv_addrs or [self.kv_addr]
+
+
+class PullRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """puller -> holder: push the KV of blocks ``skip_blocks ..`` of the prefix ``token_ids``
+    (whole blocks, hashed with ``cache_salt``) that the holder caches, in order, into
+    ``dest_block_ids`` at ``kv_addrs`` (one receiver per rank of the puller). The holder sends
+    the leading run of those blocks it holds (any tier) and says how many in ``PullResult``."""
+    request_id: str  # the request the pull serves (logs)
+    transfer_id: str
+    token_ids: bytes  # u32 little-endian
+    kv_backend: str
+    kv_addrs: Annotated[list[str], msgspec.Meta(min_length=1)]
+    skip_blocks: Annotated[int, msgspec.Meta(ge=0)]
+    dest_block_ids: list[int]
+    cache_salt: CacheSalt | None = None
+
+
+class PullResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    """holder -> puller, once every block sent was acknowledged: the first ``num_blocks`` of
+    ``dest_block_ids`` hold blocks ``skip_blocks ..`` (0: it holds none of them now)."""
+    transfer_id: str
+    num_blocks: int
 
 
 class PrefillResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

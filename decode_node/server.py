@@ -54,7 +54,7 @@ from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd, TransferStage
-from ..common.protocol import GenerateRequest, PrefillRequest, TokenDelta, encode_frame, prompt_ids
+from ..common.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame, prompt_ids
 from ..engine.block_export import BlockExporter
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
@@ -65,6 +65,7 @@ from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, Ran
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.grammar_service import CompileUnavailable, unavailable_response
+from ..node.kv_pull import PullHolder, Puller
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed
@@ -109,9 +110,15 @@ class DecodeNode:
         m = runtime.metrics
         self.metrics = m
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
+        self.holder = PullHolder(config, runtime)  # other nodes pull prefixes this node caches
+        # this node pulls the prefix the router names before prefilling a request itself; pulls
+        # land like transfers, through its receivers into the same table
+        self.puller = Puller(config, runtime, self.transfers, lambda: self.kv_addrs, config.kv_backend,
+                             settle=self._closed_everywhere)
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/generate", self.generate), web.get("/debug/transfers", self.debug_transfers)]
+        return [web.post("/generate", self.generate), web.get("/debug/transfers", self.debug_transfers),
+                *self.holder.routes()]
 
     @property
     def engine_thread(self) -> EngineThread:
@@ -133,6 +140,7 @@ class DecodeNode:
                                               timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
                                               headers=auth_headers(self.config.cluster_token))
         self.prefill_client = PrefillClient(self._session)
+        self.puller.session = self._session
         self.rt.on_failure.append(self._on_failure)
         if self.config.role == "decode":
             store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
@@ -165,6 +173,7 @@ class DecodeNode:
         self._lease_task.cancel()
         if self.receiver is not None:
             await self.receiver.stop()
+        await self.holder.stop()
         await self._session.close()
 
     def inflight(self) -> int:
@@ -320,6 +329,8 @@ class DecodeNode:
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
+        elif req.pull is not None and self.receiver is not None:  # prefilled here: fetch the held prefix first
+            await self.puller.pull(rid, prompt, hashes, req.cache_salt, req.pull)
         try:
             await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes, req.cache_salt,
                                                        grammar))
@@ -344,7 +355,8 @@ class DecodeNode:
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
                               kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
                               prompt_hashes=req.prompt_hashes if hashes is not None else None,
-                              cache_salt=req.cache_salt, kv_addrs=self.kv_addrs if self.rt.tp > 1 else [])
+                              cache_salt=req.cache_salt, kv_addrs=self.kv_addrs if self.rt.tp > 1 else [],
+                              pull=req.pull)
         call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
         try:
@@ -353,6 +365,7 @@ class DecodeNode:
             outcome = await asyncio.shield(transfer.done)
             if isinstance(outcome, TransferFailure):
                 raise TransferError(outcome.reason)
+            assert isinstance(outcome, PrefillResult), "a prefill node's transfer is answered by a PrefillResult"
             t2 = time.monotonic()
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
@@ -404,7 +417,7 @@ class DecodeNode:
 
     def debug_state(self) -> dict:
         return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
-                "streams": len(self.streams)}
+                "streams": len(self.streams), **self.holder.state()}
 
     async def debug_transfers(self, request: web.Request) -> web.Response:
         """GET /debug/transfers: every transfer in the table (oldest first), the count per

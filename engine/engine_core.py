@@ -36,7 +36,7 @@ that dies or hangs makes ``step()`` raise ``TPFailure``; ``close()`` stops the w
 import logging
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -46,7 +46,7 @@ from ..common.hashing import hash_blocks, hash_keys, salt_id
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
-from .kv.cache_manager import KVCacheManager
+from .kv.cache_manager import ComputedBlocks, KVCacheManager
 from .kv.tier_store import TierObserver
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from .parallel.group import DataParallel
     from .parallel.launch import TPLeader
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -256,6 +257,43 @@ class EngineCore:
             return None
         self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first
         return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
+
+    def export_cached(self, export_id: str, token_ids: list[int], block_hashes: list[int] | None,
+                      cache_salt: str | None, start_block: int, max_blocks: int,
+                      pack: Callable[[list[int]], T]) -> tuple[int, T | None]:
+        """Blocks ``start_block ..`` of the prefix ``token_ids`` (whole blocks) that this engine
+        caches, at most ``max_blocks`` of the leading run: (how many, ``pack`` of their block
+        ids), (0, None) for none. Blocks in a lower tier are loaded first (when the pool has
+        room for them; else only the device's run counts). The blocks are held only while
+        ``pack`` runs (it copies them out), so the running batch keeps its pool."""
+        keys = hash_keys(self.config.model_id, cache_salt)
+        hashes = block_hashes if block_hashes is not None else hash_blocks(
+            token_ids, self.config.block_size, keys)
+        bs = self.config.block_size
+        end = (start_block + max_blocks) * bs
+        hit = self.kv.get_computed_blocks(hashes, token_ids[:end], salt_id(keys), whole=True)
+        if self.kv.allocate_slots(export_id, hit.num_tokens, hit.blocks, hit.lower) is None:
+            hit = ComputedBlocks(hit.blocks, len(hit.blocks) * bs)
+            self.kv.allocate_slots(export_id, hit.num_tokens, hit.blocks)  # pinning cached blocks never fails
+        try:
+            self.kv.before_write()  # the lower-tier loads land before the copy reads them
+            ids = self.kv.block_ids(export_id)[start_block:] if export_id in self.kv else []
+            return (len(ids), pack(ids)) if ids else (0, None)
+        finally:
+            self.kv.free(export_id)
+
+    def commit_pulled(self, request_id: str, token_ids: list[int], block_hashes: list[int] | None,
+                      cache_salt: str | None, num_tokens: int) -> None:
+        """The reservation ``request_id`` (a `reserve` of the prefix ``token_ids``) now holds
+        another node's KV of its first ``num_tokens`` (whole blocks): register them in the
+        prefix cache, then give the reservation back, so the request that follows finds them
+        as a hit."""
+        keys = hash_keys(self.config.model_id, cache_salt)
+        hashes = block_hashes if block_hashes is not None else hash_blocks(
+            token_ids, self.config.block_size, keys)
+        if request_id in self.kv and num_tokens:
+            self.kv.cache_blocks(request_id, hashes, token_ids, num_tokens, salt_id(keys))
+        self.kv.free(request_id)
 
     def release(self, request_id: str) -> None:
         """Give back a reservation that will not be admitted (failed transfer). Idempotent."""

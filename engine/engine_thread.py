@@ -122,6 +122,29 @@ class Release(NamedTuple):
     request_id: str
 
 
+class ExportCached(NamedTuple):
+    """Copy out cached blocks of a prefix for another node (``EngineCore.export_cached``):
+    answers (blocks, ``pack``'s result). ``pack`` runs here, on the engine thread, between
+    two steps."""
+    export_id: str
+    token_ids: list[int]
+    block_hashes: list[int] | None
+    cache_salt: str | None
+    start_block: int
+    max_blocks: int
+    pack: Callable[[list[int]], Any]
+
+
+class CommitPulled(NamedTuple):
+    """A reservation's first ``num_tokens`` hold a pulled prefix: cache them and give the
+    reservation back (``EngineCore.commit_pulled``)."""
+    request_id: str
+    token_ids: list[int]
+    block_hashes: list[int] | None
+    cache_salt: str | None
+    num_tokens: int
+
+
 class AbortRequest(NamedTuple):
     request_id: str
     reason: str = "abort"
@@ -135,8 +158,8 @@ class CachedHashes(NamedTuple):
     pass
 
 
-Command = (AddRequest | Reserve | AddPrefilled | Release | AbortRequest | ExportKV | ResetPrefixCache
-           | CachedHashes)
+Command = (AddRequest | Reserve | AddPrefilled | Release | ExportCached | CommitPulled | AbortRequest | ExportKV
+           | ResetPrefixCache | CachedHashes)
 
 
 # ---- events (engine thread -> event loop) ------------------------------------------------
@@ -258,6 +281,10 @@ class EngineThread:
                 return delta
             case Release(rid):
                 return e.release(rid)
+            case ExportCached(xid, ids, hashes, salt, start, most, pack):
+                return e.export_cached(xid, ids, hashes, salt, start, most, pack)
+            case CommitPulled(rid, ids, hashes, salt, tokens):
+                return e.commit_pulled(rid, ids, hashes, salt, tokens)
             case AbortRequest(rid, reason):
                 if self._exports is not None:
                     self._exports.end(rid)

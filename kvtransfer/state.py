@@ -25,6 +25,11 @@ transition out of RESERVED / TRANSFERRING, whichever path takes it there:
                                                     -> done = TransferFailure(FAILED, reason)
     abort(): the request was cancelled              -> done = TransferFailure(ABORTED, reason)
 
+A prefix pull (node/kv_pull.py) is a transfer too, into the puller's blocks, answered by the
+holder's ``PullResult`` instead of a ``PrefillResult``: the holder sends the leading run of the
+blocks it still holds, so the answer cuts the transfer's destination to its first
+``num_blocks`` (the rest will not come) before the same rule completes it.
+
 Later changes (COMPLETE -> FAILED when admission fails, OWNED) do not touch it. The
 driver of the request awaits ``done`` (shielded: its own cancellation must not cancel
 the future) and reads nothing else. ``resolutions`` counts every resolution: it
@@ -59,7 +64,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..common.protocol import PrefillResult
+from ..common.protocol import PrefillResult, PullResult
 from .rank_report import RankBlocks
 
 
@@ -82,7 +87,8 @@ class TransferFailure(NamedTuple):
     reason: str
 
 
-TransferOutcome = PrefillResult | TransferFailure
+TransferAnswer = PrefillResult | PullResult  # the sending node's answer
+TransferOutcome = TransferAnswer | TransferFailure
 
 
 @dataclass(slots=True)
@@ -98,7 +104,7 @@ class Transfer:
     landed: set[int] = field(default_factory=set)  # dest ids reported ok by every decode rank
     # dest id -> bitmask of the decode ranks that reported it ok, while some have not (TP > 1)
     ranks_landed: dict[int, int] = field(default_factory=dict)
-    result: PrefillResult | None = None  # the prefill node's answer (first token), once it came
+    result: TransferAnswer | None = None  # the sender's answer (a prefill node's: the first token), once it came
     reason: str | None = None  # why it failed or was aborted
 
     @property
@@ -200,12 +206,19 @@ class TransferTable:
             transfer = self.on_block(report.transfer_id, dest, True, None, report.rank)
         return transfer
 
-    def prefilled(self, transfer_id: str, result: PrefillResult) -> Transfer | None:
-        """Record the prefill node's answer; completes the transfer when every block
-        landed. Ignored (None) unless the transfer is live."""
+    def prefilled(self, transfer_id: str, result: TransferAnswer) -> Transfer | None:
+        """Record the sender's answer; completes the transfer when every block landed (a
+        ``PullResult`` first cuts the destination to the blocks it says were sent). Ignored
+        (None) unless the transfer is live."""
         transfer = self._live(transfer_id)
         if transfer is None:
             return None
+        if isinstance(result, PullResult):
+            if not 0 <= result.num_blocks <= len(transfer.dest_block_ids):
+                self.fail(transfer_id, f"the holder says it sent {result.num_blocks} of "
+                                       f"{len(transfer.dest_block_ids)} blocks")
+                return transfer
+            transfer.dest_block_ids = transfer.dest_block_ids[:result.num_blocks]
         transfer.result = result
         self._complete_if_ready(transfer)
         return transfer

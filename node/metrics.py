@@ -27,7 +27,7 @@ from ..common.kv_events import Tier
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.model_metrics import ModelMetrics
-from ..common.outcomes import (FallbackReason, GrammarCompileOutcome, IndexBatchResult, PrefillOutcome,
+from ..common.outcomes import (FallbackReason, PullOutcome, PullServed, GrammarCompileOutcome, IndexBatchResult, PrefillOutcome,
                                PromptHashResult, TierFault, TransferEnd, TransferStage)
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
@@ -105,6 +105,13 @@ class NodeMetrics:
             self.transfer_stages.labels(stage)
         self.fallbacks = c.counter(n.FALLBACK_PREFILLS, "requests prefilled locally after a "
                                    "failed or impossible transfer", ["reason"])
+        self.pulls = c.counter(n.KV_PULLS, "prefix pulls this node asked for, by outcome", ["outcome"])
+        self.pull_tokens = c.counter(n.KV_PULL_TOKENS, "prompt tokens whose KV this node pulled from "
+                                     "another node instead of computing them")
+        self.pulls_served = c.counter(n.KV_PULLS_SERVED, "prefix pulls other nodes asked of this node, by "
+                                      "outcome", ["outcome"])
+        self.pull_blocks_served = c.counter(n.KV_PULL_BLOCKS_SERVED, "cached KV blocks this node sent "
+                                            "to nodes that pulled them")
         self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
                                        "the router carried (adopted; rehashed: they did not check "
                                        "out; absent: none carried)", ["result"])
@@ -116,7 +123,8 @@ class NodeMetrics:
                                 (self.index_batches, IndexBatchResult),
                                 (self.prefill_requests, PrefillOutcome),
                                 (self.blocks_received, n.BLOCK_OK), (self.transfers, TransferEnd),
-                                (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult)):
+                                (self.fallbacks, FallbackReason), (self.prompt_hashes, PromptHashResult),
+                                (self.pulls, PullOutcome), (self.pulls_served, PullServed)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
         # Lower tiers of the prefix cache: observed on the engine thread (tier_store.TierObserver)

@@ -33,6 +33,12 @@ A prompt that cannot start now (too many waiting, KV pool full, node draining) i
 refused with 503 and Retry-After, so the decode node prefills it itself at once
 instead of waiting out its lease.
 
+Prefix pull (node/kv_pull.py): a task that names a ``pull`` source (the router predicts a
+longer cached prefix there, on any node) first fetches those blocks into this node's prefix
+cache through a receiver of its own (tcp, ucx or nccl), then computes the rest; they leave
+for the decode node like any cached prefix. Other nodes pull from this one at ``POST /kv/pull``.
+Single-rank prefill nodes only (with worker ranks the task's pull is skipped).
+
 A simulated node whose profile names a KV network (``SimConfig.kv_network_bytes_per_s``)
 books each step's blocks on its modelled link and answers once the last of them would
 have crossed it (node/sim_link.py), not when this machine's transport is done with the
@@ -45,12 +51,14 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
-from ..common.config import NodeConfig
+from ..common.auth import auth_headers
+from ..common.config import KVBackend, NodeConfig
 from ..common.errors import InvalidRequest
-from ..common.http import error_response, msgpack_response, read_msgpack
+from ..common.http import error_response, msgpack_response, peer_connector, read_msgpack
 from ..common.outcomes import PrefillOutcome
 from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
@@ -58,12 +66,13 @@ from ..engine.block_export import BlockExporter, BlocksReady, ExportKV
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddRequest
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import ShardSender, TransferError, make_sender
+from ..kvtransfer import KVReceiver, ShardSender, TransferError, TransferTable, make_receiver, make_sender
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import RankMessage, RankSent
 from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
 from ..node.grammar_service import CompileUnavailable, unavailable_response
+from ..node.kv_pull import PullHolder, Puller
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
@@ -71,6 +80,7 @@ from .block_packer import BlockPacker
 from .ranks import PrefillRank, rank_sender_options
 
 log = logging.getLogger(__name__)
+LEASE_CHECK_S = 0.5  # how often pulls whose lease expired are failed
 
 
 @dataclass(slots=True)
@@ -104,9 +114,15 @@ class PrefillNode:
         self.metrics = m
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
         self.m_bytes, self.m_send_seconds = m.bytes_sent, m.send_seconds
+        self.holder = PullHolder(config, runtime)  # other nodes pull prefixes this node caches
+        self.pulls = TransferTable()  # this node's pulls (its receiver's reports)
+        self.receiver: KVReceiver | None = None  # the pulls' receiver, from start() on (single-rank nodes)
+        self.puller: Puller | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._lease_task: asyncio.Task[None] | None = None
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post("/prefill", self.prefill)]
+        return [web.post("/prefill", self.prefill), *self.holder.routes()]
 
     @property
     def exporter(self) -> BlockExporter | None:
@@ -132,10 +148,45 @@ class PrefillNode:
         self.rt.on_failure.append(self._on_failure)
         if self.rt.tp > 1:
             self.rt.set_rank_handler(self._on_rank)
+        else:
+            await self._start_puller()
+
+    async def _start_puller(self) -> None:
+        """The receiver and client this node pulls prefixes with (its own KV backend, or tcp
+        for shm and ipc, which need the other node's cache mapped here)."""
+        backend = self.config.kv_backend if self.config.kv_backend not in (KVBackend.SHM, KVBackend.IPC) \
+            else KVBackend.TCP
+        receiver = make_receiver(backend, self.rt.layout, self.store, self.config.host, self._on_pull_block,
+                                 device=self.config.engine.device, shard=self.rt.shard)
+        receiver.accepts = self.pulls.is_live
+        receiver.cluster_token = self.config.cluster_token
+        await receiver.start()
+        self.receiver = receiver
+        self._session = aiohttp.ClientSession(connector=peer_connector(),
+                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                              headers=auth_headers(self.config.cluster_token))
+        self.puller = Puller(self.config, self.rt, self.pulls, lambda: [receiver.address], backend)
+        self.puller.session = self._session
+        self._lease_task = asyncio.create_task(self._expire_leases())
+
+    def _on_pull_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
+        self.pulls.on_block(transfer_id, dest_block_id, ok, reason)
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_CHECK_S)
+            self.pulls.expire_leases()
 
     async def stop(self) -> None:
         for s in self.senders.values():
             await s.sender.close()
+        await self.holder.stop()
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        if self.receiver is not None:
+            await self.receiver.stop()
+        if self._session is not None:
+            await self._session.close()
 
     def inflight(self) -> int:
         return len(self.out)
@@ -219,10 +270,12 @@ class PrefillNode:
         sender_task = None
         engine = self.rt.engine_thread
         try:
-            export = engine.submit(ExportKV(rid, task.transfer_id, o.addrs, task.skip_blocks,
-                                            task.dest_block_ids))  # queued before the request runs
             hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
                                          self.metrics.prompt_hashes, task.cache_salt)
+            if task.pull is not None and self.puller is not None:  # the prefix another node holds, first
+                await self.puller.pull(rid, prompt, hashes, task.cache_salt, task.pull)
+            export = engine.submit(ExportKV(rid, task.transfer_id, o.addrs, task.skip_blocks,
+                                            task.dest_block_ids))  # queued before the request runs
             await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt, grammar))
             await export
             sender = self._sender(task.kv_backend)
@@ -321,7 +374,8 @@ class PrefillNode:
         return o is not None
 
     def debug_state(self) -> dict:
-        return {"outgoing": len(self.out), **({"sim_link": self.link.state()} if self.link is not None else {})}
+        return {"outgoing": len(self.out), "pulls": self.pulls.counts(), **self.holder.state(),
+                **({"sim_link": self.link.state()} if self.link is not None else {})}
 
 
 def _first_token_params(params: SamplingParams) -> SamplingParams:

@@ -2,6 +2,7 @@
 starts. Must not be written back to, and must not import torch or node code."""
 
 import argparse
+import dataclasses
 import ipaddress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,14 +43,21 @@ class CacheAwareWeights:
     # counts once this old: every replica has heard it by then (the pub/sub delay is
     # milliseconds), so replicas deciding at the same moment weigh the same work and agree.
     balance_settle_s: float = 0.1
-    # The decode node prefills itself (no remote prefill) when at most this many prompt
-    # tokens are not in its cache (a short prompt, or one it mostly holds) and that is
-    # cheaper than the remote pair plus ``remote_prefill``, the fixed cost of the extra hop
-    # (task to the prefill node, KV handshake, last block's transfer). Off by default: it
-    # trades the prefill nodes' balance for TTFT, and its cost to the decode node's running
-    # batch (TPOT) is not measured yet.
-    local_prefill_tokens: float = 0.0
+    # Decode-side reuse: a decode node that holds part of the prompt (a conversation's earlier
+    # turns, its own answers included) prefills the rest itself, with no remote prefill, when
+    # at most this many prompt tokens are not in its cache and that is cheaper than the remote
+    # pair plus ``remote_prefill``, the fixed cost of the extra hop (task to the prefill node,
+    # KV handshake, last block's transfer). The decode node computes them in chunks of its
+    # --local-prefill-budget per step, which bounds the cost to its running batch (TPOT).
+    # 0: off. benchmarks/serving/bench_multiturn.py measures it.
+    local_prefill_tokens: float = 512.0
     remote_prefill: float = 128.0
+    # Prefix pull (node/kv_pull.py): the node that computes a prompt first fetches the longest
+    # cached prefix another node holds, paying ``transfer`` per pulled token plus
+    # ``pull_request`` (the round trip to the holder and its handshake), when that is cheaper
+    # than computing those tokens. 0 (--no-prefix-pull): never.
+    prefix_pull: float = 1.0
+    pull_request: float = 64.0
     # Seconds per token-equivalent, to report predicted TTFT in seconds in
     # /debug/decisions (0: reported in token-equivalents only). A profile's prefill
     # time per token (sim-nodes --list-profiles) is a fair value.
@@ -260,6 +268,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware weights as name=value,... (names: "
                         + ", ".join(f"{f.name} default {getattr(d.weights, f.name)}"
                                     for f in fields(CacheAwareWeights)) + ")")
+    g.add_argument("--no-prefix-pull", action="store_true",
+                   help="never have a node fetch a cached prefix from another node (cache_aware: "
+                        "score weight prefix_pull=0)")
     g.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV block, as the nodes use (default %(default)s)")
     g.add_argument("--index-timeout", type=float, default=d.index_timeout_s,
@@ -330,6 +341,11 @@ def add_model_args(g) -> None:
                         "(default: --model as given)")
 
 
+def _weights(args: argparse.Namespace) -> CacheAwareWeights:
+    weights = CacheAwareWeights.parse(args.score_weights)
+    return dataclasses.replace(weights, prefix_pull=0.0) if args.no_prefix_pull else weights
+
+
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, port=args.port,
                         redis_url=redis_url_from(args.redis_url, DEFAULT_REDIS_URL) or DEFAULT_REDIS_URL,
@@ -337,7 +353,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         max_model_len=args.max_model_len, max_body_bytes=args.max_body_bytes,
                         prepare_thread_bytes=args.prepare_thread_bytes,
                         allow_long_max_model_len=args.allow_long_max_model_len,
-                        policy=args.policy, weights=CacheAwareWeights.parse(args.score_weights),
+                        policy=args.policy, weights=_weights(args),
                         block_size=args.block_size, poll_interval_s=args.poll_interval,
                         node_read_timeout_s=args.node_read_timeout,
                         index_timeout_s=args.index_timeout, api_keys=api_keys_from_args(args),

@@ -38,14 +38,17 @@ def test_default_policy_is_cache_aware():
 
 def test_repeated_prefix_goes_to_the_nodes_that_hold_it():
     nodes = [node("p0"), node("p1"), node("p2"), node("d0", "decode"), node("d1", "decode")]
-    policy = CacheAware()
+    policy = CacheAware(CacheAwareWeights(local_prefill_tokens=0))  # d1 would prefill the 40 tokens itself
     for _ in range(4):  # not a tie: no rotation away from the holders
         assert pick(policy, nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")
     # a longer run beats a shorter one
     assert pick(policy, nodes, {"p0": 320, "p2": 640}) [0] == "p2"
-    # a lightly loaded holder still wins: the prefix saves more than its queue costs
+    # a lightly loaded holder still wins (the prefix saves more than its queue costs) unless
+    # an idle node can pull the prefix from it for less
     nodes[1] = node("p1", queued_prefill_tokens=300, running=1)
-    assert pick(policy, nodes, {"p1": 960})[0] == "p1"
+    assert pick(CacheAware(CacheAwareWeights(local_prefill_tokens=0, prefix_pull=0)), nodes, {"p1": 960})[0] == "p1"
+    d = policy.choose(PROMPT, nodes, cached={"p1": 960})
+    assert d.prefill.node_id != "p1" and d.pull.holder.node_id == "p1"
 
 
 @pytest.mark.parametrize("load", [dict(queued_prefill_tokens=2 * L), dict(running=45),
@@ -68,7 +71,7 @@ def test_overloaded_decode_holder_loses_to_an_idle_node():
 def test_a_burst_between_heartbeats_spreads_once_the_holder_queue_outweighs_the_hit():
     """Heartbeats are stale (all idle); this router's in-flight counts keep it honest."""
     nodes = [node("p0"), node("p1"), node("p2"), node("d0", "decode")]
-    policy, inflight, tokens = CacheAware(), Counter(), Counter()
+    policy, inflight, tokens = CacheAware(CacheAwareWeights(prefix_pull=0)), Counter(), Counter()
     cached = {"p0": 960}
     picks = []
     for _ in range(60):
@@ -95,24 +98,75 @@ def test_local_prefill_weighs_the_hit_against_the_decode_node_queue():
     assert pick(CacheAware(), nodes, {"c0": 960}) == (None, "c1")
 
 
-def test_remote_prefill_is_skipped_for_a_prompt_the_decode_node_mostly_holds_or_a_short_one():
+def test_a_decode_node_holding_most_of_the_prompt_prefills_the_rest_itself_by_default():
+    """Decode-side reuse: the next turn of a conversation the decode node served."""
     nodes = [node("p0"), node("p1"), node("d0", "decode"), node("d1", "decode")]
-    assert pick(CacheAware(), nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")  # off by default
-    policy = CacheAware(CacheAwareWeights(local_prefill_tokens=512))
+    policy = CacheAware()
     d = policy.choose(PROMPT, nodes, cached={"p1": 960, "d1": 960})
-    assert (d.prefill, d.decode.node_id) == (None, "d1")  # 40 tokens to compute: no hop
+    assert (d.prefill, d.decode.node_id, d.pull) == (None, "d1", None)  # 40 tokens to compute: no hop
     assert d.predicted_ttft == pytest.approx(policy.work(L, 960))
-    short = policy.choose(PROMPT[:200], nodes)
-    assert short.prefill is None  # 200 tokens: cheaper than the remote hop
+    # a short prompt nobody holds still goes to a prefill node: reuse needs a hit on the decode node
+    assert policy.choose(PROMPT[:200], nodes).prefill is not None
     # a decode node busy prefilling its own queue does not take it: remote prefill wins
     busy = [node("p0"), node("d1", "decode", queued_prefill_tokens=4 * L)]
-    assert pick(policy, busy, {"d1": 960}) == ("p0", "d1")
+    assert pick(policy, busy, {"d1": 960})[0] == "p0"
     # above local_prefill_tokens uncached, the remote pair is always used
     far = policy.choose(PROMPT, nodes, cached={"d1": 400})
     assert far.prefill is not None
-    assert far.predicted_ttft == pytest.approx(policy.work(L, 0) + policy.w.remote_prefill)
     never = CacheAware(CacheAwareWeights(local_prefill_tokens=0))
-    assert never.choose(PROMPT[:200], nodes).prefill is not None
+    assert pick(never, nodes, {"p1": 960, "d1": 960}) == ("p1", "d1")
+
+
+def test_the_node_that_computes_pulls_a_prefix_another_node_holds():
+    nodes = [node("p0"), node("d0", "decode"), node("d1", "decode", running=40, kv_usage=0.9)]
+    policy = CacheAware()
+    # only the busy decode node holds the prompt: the prefill node pulls it from there
+    d = policy.choose(PROMPT, nodes, cached={"d1": 960})
+    assert (d.prefill.node_id, d.decode.node_id) == ("p0", "d0")
+    assert d.pull is not None and (d.pull.holder.node_id, d.pull.tokens) == ("d1", 960)
+    assert d.prefill_work == pytest.approx(policy.pull_work(L, 0, 960))
+    assert d.predicted_ttft < policy.work(L, 0)  # cheaper than computing it
+    # a node that holds part of it pulls only the difference
+    part = policy.choose(PROMPT, nodes, cached={"d1": 960, "p0": 480})
+    assert part.pull.tokens == 960 and part.prefill_work == pytest.approx(policy.pull_work(L, 480, 960))
+    # off: nothing is pulled
+    assert CacheAware(CacheAwareWeights(prefix_pull=0)).choose(PROMPT, nodes, cached={"d1": 960}).pull is None
+    # a short prefix is not worth the round trip
+    assert policy.choose(PROMPT, nodes, cached={"d1": 32}).pull is None
+    # a holder with tensor-parallel ranks serves no pulls
+    from splitserve.common.kv_compat import KVCompat
+    kv2 = KVCompat(model="m", dtype="float32", block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, tp=2)
+    ranked = [nodes[0], nodes[1], node("d1", "decode", running=40, kv_usage=0.9)._replace(kv=kv2)
+              if hasattr(NodeInfo, "_replace") else None]
+    ranked[2] = NodeInfo(node_id="d1", role="decode", http_addr="http://d1:1", model="m", epoch="e", kv=kv2,
+                         load=NodeLoad(running=40, kv_usage=0.9))
+    assert policy.choose(PROMPT, ranked, cached={"d1": 960}).pull is None
+
+
+def test_a_hot_prefix_spreads_by_pulls_instead_of_recompute():
+    """A burst of one prefix held by p0: once p0's queue outweighs the hit, the idle nodes
+    pull the prefix from p0 instead of computing it, so each request costs them ~40 tokens
+    of work plus the pull, not 1000."""
+    nodes = [node("p0"), node("p1"), node("p2"), node("d0", "decode")]
+    policy, inflight, tokens = CacheAware(), Counter(), Counter()
+    cached = {"p0": 960}
+    picks, pulls = [], Counter()
+    for _ in range(60):
+        d = policy.choose(PROMPT, nodes, inflight, cached=cached, inflight_tokens=tokens)
+        p = d.prefill.node_id
+        picks.append(p)
+        inflight[p] += 1
+        tokens[p] += round(d.prefill_work)
+        if d.pull is not None:
+            assert (d.pull.holder.node_id, p) != ("p0", "p0")
+            pulls[p] += 1
+    count = Counter(picks)
+    assert picks[:2] == ["p0"] * 2  # affinity first
+    assert pulls["p1"] == count["p1"] > 0 and pulls["p2"] == count["p2"] > 0  # every one of theirs pulled
+    # no hot spot: the load on each node (work queued, requests) stays within one pulled request
+    # of the others; the holder takes more requests because each costs it less
+    loads = [tokens[n] + policy.w.prefill_request * inflight[n] for n in ("p0", "p1", "p2")]
+    assert max(loads) - min(loads) <= policy.pull_work(L, 0, 960) + policy.w.prefill_request
 
 
 def test_equal_nodes_take_turns_and_no_decode_node_is_none():

@@ -45,15 +45,35 @@ class NodeByNode:
         cost = per_request * reqs + self.w.kv_usage * n.load.kv_usage
         return cost + max(n.load.queued_prefill_tokens, tokens.get(n.node_id, 0)) if queue else cost
 
-    def prefill(self, p, L, cached, inflight, tokens, r, mean):
-        hit = cached.get(p.node_id, 0)
-        return (self.load(p, inflight, tokens, self.w.prefill_request, True) + self.work(L, hit)
-                + self.w.balance * max(0.0, r - mean) * (L - hit) / L)
+    def holder(self, nodes, cached):
+        """The node caching the longest prefix (the first such in ``cached``), with it."""
+        ids = {n.node_id: n for n in nodes}
+        best = (None, 0)
+        for nid, hit in cached.items():
+            if self.w.prefix_pull and nid in ids and hit > best[1]:
+                best = (ids[nid], hit)
+        return best
 
-    def decode(self, d, L, cached, inflight, tokens, local):
+    def pull(self, n, L, cached, held):
+        h, H = held
+        hit = cached.get(n.node_id, 0)
+        if h is None or h is n or hit >= H:
+            return math.inf
+        return self.work(L, H) + self.w.transfer * (H - hit) + self.w.pull_request
+
+    def prefill(self, p, L, cached, inflight, tokens, r, mean, held):
+        hit, H = cached.get(p.node_id, 0), held[1]
+        excess = self.w.balance * max(0.0, r - mean)
+        return (self.load(p, inflight, tokens, self.w.prefill_request, True)
+                + min(self.work(L, hit) + excess * (L - hit) / L,
+                      self.pull(p, L, cached, held) + excess * (L - H) / L))
+
+    def decode(self, d, L, cached, inflight, tokens, local, held):
         cost = self.load(d, inflight, tokens, self.w.decode_request, local)
         hit = cached.get(d.node_id, 0)
-        return cost + (self.work(L, hit) if local else self.w.transfer * (L - hit))
+        if local:
+            return cost + min(self.work(L, hit), self.pull(d, L, cached, held))
+        return cost + self.w.transfer * (L - hit)
 
     def choose(self, L, nodes, inflight, cached, tokens, tie_key, now):
         prefills = [n for n in nodes if n.role == "prefill"]
@@ -61,21 +81,24 @@ class NodeByNode:
         if not decodes:
             return None
         turn = next(self.tie) if tie_key is None else tie_key
+        held = self.holder(nodes, cached)
         recent = [self.get(p.node_id, now) for p in prefills]
         mean = sum(recent) / len(recent) if recent else 0.0
-        prefill, p_cost = cheapest(prefills, [self.prefill(p, L, cached, inflight, tokens, r, mean)
+        prefill, p_cost = cheapest(prefills, [self.prefill(p, L, cached, inflight, tokens, r, mean, held)
                                               for p, r in zip(prefills, recent)], turn)
         local = not prefills
-        decode, d_cost = cheapest(decodes, [self.decode(d, L, cached, inflight, tokens, local)
+        decode, d_cost = cheapest(decodes, [self.decode(d, L, cached, inflight, tokens, local, held)
                                             for d in decodes], turn)
         if prefill is not None and self.w.local_prefill_tokens > 0:
-            near = [d for d in decodes if L - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens]
-            alone, a_cost = cheapest(near, [self.decode(d, L, cached, inflight, tokens, True)
+            near = [d for d in decodes
+                    if 0 < cached.get(d.node_id, 0) and L - cached[d.node_id] <= self.w.local_prefill_tokens]
+            alone, a_cost = cheapest(near, [self.decode(d, L, cached, inflight, tokens, True, held)
                                             for d in near], turn)
             if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
                 prefill, decode = None, alone
         if prefill is not None:
-            self.merge(prefill.node_id, self.work(L, cached.get(prefill.node_id, 0)), now)
+            self.merge(prefill.node_id, min(self.work(L, cached.get(prefill.node_id, 0)),
+                                            self.pull(prefill, L, cached, held)), now)
         return (prefill.node_id if prefill else None, decode.node_id)
 
 
@@ -108,7 +131,7 @@ def test_vectorised_cost_decides_as_node_by_node(seed, monkeypatch):
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # both sides at the same instants
     decisions = 0
     for _ in range(40):
-        w = CacheAwareWeights(local_prefill_tokens=rng.choice([0.0, 0.0, 512.0]),
+        w = CacheAwareWeights(local_prefill_tokens=rng.choice([0.0, 0.0, 512.0]), prefix_pull=rng.choice([0.0, 1.0]),
                               balance=rng.choice([0.0, 2.0, 4.0]), balance_half_life_s=rng.choice([30.0, 300.0]))
         new, ref = CacheAware(w), NodeByNode(w)
         nodes = fleet(rng)

@@ -96,7 +96,8 @@ class KVCacheManager:
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._req_blocks
 
-    def get_computed_blocks(self, block_hashes: list[int], token_ids: Sequence[int], salt: bytes) -> ComputedBlocks:
+    def get_computed_blocks(self, block_hashes: list[int], token_ids: Sequence[int], salt: bytes,
+                            whole: bool = False) -> ComputedBlocks:
         """The longest run of leading prompt blocks held in the prefix cache.
 
         ``block_hashes`` are the prompt's chained full-block hashes, ``token_ids``
@@ -114,11 +115,14 @@ class KVCacheManager:
 
             8 tokens, block_size 4, both blocks cached -> 1 block (t4..t7 recomputed)
             9 tokens, block_size 4, both blocks cached -> 2 blocks (t8 computed)
+
+        ``whole``: every full block may hit (nothing will be computed: a prefix exported
+        to another node).
         """
         if not self.enable_prefix_caching or not token_ids:
             return ComputedBlocks([], 0)
         bs = self.block_size
-        max_blocks = min(len(block_hashes), (len(token_ids) - 1) // bs)
+        max_blocks = min(len(block_hashes), (len(token_ids) if whole else len(token_ids) - 1) // bs)
         hits: list[KVBlock] = []
         for i in range(max_blocks):
             block = self.pool.get_cached_block(block_hashes[i], token_ids[i * bs : (i + 1) * bs], salt)

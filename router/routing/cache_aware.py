@@ -43,10 +43,21 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
       with no prefill node (d prefills itself), the transfer term is replaced by
                W(d) + max(queued_prefill_tokens(d), in-flight work on d)
 
+    H, h    the longest predicted hit on any node that serves pulls (single-rank), and
+            that node (among equals, the one with least of it below its device): with
+            w.prefix_pull, a node n computing the prompt may first pull h's prefix
+            (node/kv_pull.py) instead of computing it, for
+              pull(n) = work(H) + w.transfer * (H - C(n)) + w.pull_request + X(h)
+            so W(n) above is min(W(n), pull(n)) for every n but h (balance scaled by H),
+            and for the nodes that can take h's blocks (a compatible KV layout; a prefill
+            node of one rank)
+
     pick (p, d) minimizing prefill(p) + decode(d) + w.remote_prefill
-    or, when some decode node d has at most w.local_prefill_tokens of the prompt
-    uncached (a short prompt, or one d mostly holds), d alone (it prefills itself,
-    no remote hop) if its local cost W(d) + queued(d) + decode load is lower
+    or, when some decode node d holds part of the prompt and has at most
+    w.local_prefill_tokens of it uncached (the next turn of a conversation it served:
+    decode-side reuse), d alone (it prefills itself, no remote hop) if its local cost
+    W(d) + queued(d) + decode load is lower. The node that computes then pulls
+    h's prefix when pull(n) was its cheaper W (``Decision.pull``)
 
     predicted TTFT (token-equivalents; x w.token_s = seconds, /debug/decisions):
       remote: W(p) + max(queued(p), in-flight work) + w.prefill_request * reqs(p)
@@ -88,11 +99,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ...common.kv_compat import can_exchange
 from ...common.registry import NodeInfo
 from ..config import CacheAwareWeights
 from .kv_pairing import cheapest_pair
 from .node_terms import FleetTerms, RoleTerms
-from .policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision
+from .policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision, PullPlan
 from .recent_work import RecentWork
 from .tier_cost import TierBlocks, tier_cost
 
@@ -127,8 +139,10 @@ class CacheAware:
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
         now = time.monotonic() if now is None else now
-        p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now, tiers)
-        d_costs = self.decode_costs(decodes, n, cached, inflight, local, inflight_tokens, tiers)
+        held = self.holder(terms, n, cached, tiers)
+        mixed = terms.pairs is not None
+        p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now, tiers, held, mixed)
+        d_costs = self.decode_costs(decodes, n, cached, inflight, local, inflight_tokens, tiers, held, mixed)
         prefill, p_cost = _cheapest(prefills, p_costs, turn)
         decode, d_cost = _cheapest(decodes, d_costs, turn)
         if prefill is not None and terms.pairs is not None:  # a mixed fleet: only pairs that can exchange KV
@@ -136,22 +150,28 @@ class CacheAware:
             if pair is None:  # no prefill node can send to any decode node: they prefill themselves
                 prefill, p_cost = None, 0.0
                 decode, d_cost = _cheapest(decodes, self.decode_costs(decodes, n, cached, inflight, True,
-                                                                      inflight_tokens, tiers), turn)
+                                                                      inflight_tokens, tiers, held, mixed), turn)
             else:
                 prefill, decode = prefills.nodes[pair[0]], decodes.nodes[pair[1]]
                 p_cost, d_cost = float(p_costs[pair[0]]), float(d_costs[pair[1]])
         assert decode is not None  # decodes is not empty
         if prefill is not None and self.w.local_prefill_tokens > 0:
-            # Skip the remote prefill when a decode node holds most of the prompt or it is short.
+            # Skip the remote prefill when a decode node holds most of the prompt (decode-side reuse).
             near = RoleTerms.of([d for d in decodes.nodes
-                                 if n - cached.get(d.node_id, 0) <= self.w.local_prefill_tokens])
+                                 if 0 < cached.get(d.node_id, 0) and n - cached[d.node_id] <= self.w.local_prefill_tokens])
             alone, a_cost = _cheapest(near, self.decode_costs(near, n, cached, inflight, True,
-                                                              inflight_tokens, tiers), turn)
+                                                              inflight_tokens, tiers, held, mixed), turn)
             if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
                 prefill, decode = None, alone
         computes = prefill or decode
         hit = cached.get(computes.node_id, 0)
         work = self.work(n, hit) + self.lower_load(n, hit, computes, tiers.get(computes.node_id))
+        pull = None
+        if (held is not None and held.holder.node_id != computes.node_id and held.tokens > hit
+                and math.isfinite(self._pull_costs(RoleTerms.of([computes]), n, cached, held, mixed)[0])):
+            pulled = self.pull_work(n, hit, held.tokens, held.holder_load)
+            if pulled < work:
+                pull, work = held, pulled
         if prefill is not None:
             self.recent.add(prefill.node_id, work, now)
             ahead = max(prefill.load.queued_prefill_tokens, inflight_tokens.get(prefill.node_id, 0))
@@ -159,13 +179,55 @@ class CacheAware:
                     + self.w.remote_prefill)
         else:
             ttft = work + max(decode.load.queued_prefill_tokens, inflight_tokens.get(decode.node_id, 0))
-        return Decision(prefill, decode, work, ttft, ttft * self.w.token_s if self.w.token_s else None)
+        return Decision(prefill, decode, work, ttft, ttft * self.w.token_s if self.w.token_s else None, pull)
 
     def work(self, prompt_len: int, hit: float) -> float:
         """Prefill work of a prompt with ``hit`` tokens cached on the device, in
         token-equivalents: every new token, plus its attention over the context before it."""
         new, ctx = prompt_len - self.w.cached_token * hit, self.w.cached_token * hit
         return new + self.w.attention * new * (ctx + new / 2)
+
+    def pull_work(self, prompt_len: int, hit: int, held: int, holder_load: float = 0.0) -> float:
+        """pull(n) of the module docstring: work left after pulling a ``held``-token prefix
+        to a node that caches ``hit`` of it, plus moving the difference and the round trip
+        (and ``holder_load``: the holder's loads of the blocks it keeps below its device)."""
+        return self.work(prompt_len, held) + self.w.transfer * (held - hit) + self.w.pull_request + holder_load
+
+    def holder(self, terms: FleetTerms, prompt_len: int, cached: Mapping[str, int],
+               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> PullPlan | None:
+        """(h, H) of the module docstring: the node predicted to hold the longest prefix among
+        those that serve pulls (one rank: a node's worker ranks hold the other heads), the one
+        with the least of it below its device among equals; None without w.prefix_pull or any hit."""
+        if not self.w.prefix_pull:
+            return None
+        best: PullPlan | None = None
+        for nid, tokens in cached.items():
+            if tokens and (best is None or tokens >= best.tokens):
+                node = terms.node(nid)
+                if node is None or (node.kv is not None and node.kv.tp != 1):
+                    continue
+                load = self.lower_load(prompt_len, tokens, node, tiers.get(nid))
+                if best is None or tokens > best.tokens or load < best.holder_load:
+                    best = PullPlan(node, tokens, load)
+        return best
+
+    def _pull_costs(self, terms: RoleTerms, prompt_len: int, cached: Mapping[str, int],
+                    held: PullPlan, mixed: bool) -> np.ndarray:
+        """[nodes] pull(n) for each node of ``terms``; inf for the holder itself, nodes caching
+        at least as much, and nodes that cannot take its blocks (``mixed``: a fleet of several
+        KV layouts, where only compatible nodes exchange; a prefill node with worker ranks)."""
+        costs = np.full(len(terms.ids), self.pull_work(prompt_len, 0, held.tokens, held.holder_load))
+        for nid, hit in cached.items():
+            i = terms.index.get(nid)
+            if i is not None and hit:
+                costs[i] = (self.pull_work(prompt_len, hit, held.tokens, held.holder_load) if hit < held.tokens
+                            else math.inf)
+        for i, node in enumerate(terms.nodes):
+            kv = node.kv
+            if node is held.holder or (kv is not None and (
+                    (node.role == "prefill" and kv.tp > 1) or (mixed and not can_exchange(kv, held.holder.kv)))):
+                costs[i] = math.inf
+        return costs
 
     def lower_load(self, prompt_len: int, hit: int, node: NodeInfo, split: TierBlocks | None) -> float:
         """X(n) of the module docstring: loading the blocks of ``node``'s ``hit`` that
@@ -177,16 +239,20 @@ class CacheAware:
 
     def prefill_costs(self, prefills: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                       inflight: Mapping[str, int], inflight_tokens: Mapping[str, int],
-                      now: float, tiers: Mapping[str, TierBlocks] = NO_TIERS) -> np.ndarray:
+                      now: float, tiers: Mapping[str, TierBlocks] = NO_TIERS,
+                      held: PullPlan | None = None, mixed: bool = False) -> np.ndarray:
         """[prefill nodes] prefill(p) of the module docstring: load and balance as array
         operations, every node charged the uncached prompt's work, then the work and
-        balance terms corrected for the handful of nodes with a hit."""
+        balance terms corrected for the handful of nodes with a hit; with ``held`` (the
+        holder), each node's work is the cheaper of its own and a pull (``mixed``: as
+        ``_pull_costs``)."""
         w = self.w
         recent = self.recent.values(prefills, now)  # [nodes]
         mean = float(recent.sum()) / len(recent) if len(recent) else 0.0
         full = self.work(prompt_len, 0)
-        costs = (_loads(prefills, inflight, inflight_tokens, w.prefill_request, w.kv_usage, True)
-                 + full + w.balance * np.maximum(recent - mean, 0.0))
+        loads = _loads(prefills, inflight, inflight_tokens, w.prefill_request, w.kv_usage, True)
+        excess = np.maximum(recent - mean, 0.0)
+        costs = loads + full + w.balance * excess
         index = prefills.index
         for nid, hit in cached.items():
             i = index.get(nid)
@@ -196,6 +262,10 @@ class CacheAware:
                              + self.lower_load(prompt_len, hit, prefills.nodes[i], tiers.get(nid))
                              + self.balance_cost(r - mean, prompt_len, hit)
                              - self.balance_cost(r - mean, prompt_len, 0))
+        if held is not None:
+            pulled = (loads + self._pull_costs(prefills, prompt_len, cached, held, mixed)
+                      + w.balance * excess * (prompt_len - held.tokens) / prompt_len)
+            costs = np.minimum(costs, pulled)
         return costs
 
     def prefill_cost(self, p: NodeInfo, prompt_len: int, cached: Mapping[str, int],
@@ -215,23 +285,27 @@ class CacheAware:
     def decode_costs(self, decodes: RoleTerms, prompt_len: int, cached: Mapping[str, int],
                      inflight: Mapping[str, int], local_prefill: bool,
                      inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
-                     tiers: Mapping[str, TierBlocks] = NO_TIERS) -> np.ndarray:
+                     tiers: Mapping[str, TierBlocks] = NO_TIERS, held: PullPlan | None = None,
+                     mixed: bool = False) -> np.ndarray:
         """[decode nodes] decode(d) of the module docstring; with ``local_prefill`` d
-        prefills itself: its own prefill work and queue, fresh from this router's
-        in-flight work, replace the transfer."""
+        prefills itself: its own prefill work (or, with ``held``, a pull's, when cheaper)
+        and queue, fresh from this router's in-flight work, replace the transfer."""
         w = self.w
         costs = _loads(decodes, inflight, inflight_tokens, w.decode_request, w.kv_usage, local_prefill)
         index = decodes.index
         if local_prefill:
-            costs += np.fromiter((self.work(prompt_len, cached.get(nid, 0)) for nid in decodes.ids),
-                                 np.float64, len(decodes.ids))
-        else:
-            loads, tr = costs, w.transfer
-            costs = loads + tr * prompt_len
-            for nid, hit in cached.items():  # the nodes holding part of the prompt: fewer blocks to send
-                i = index.get(nid)
-                if i is not None and hit:
-                    costs[i] = loads[i] + tr * (prompt_len - hit)
+            own = np.fromiter((self.work(prompt_len, cached.get(nid, 0))
+                               + self.lower_load(prompt_len, cached.get(nid, 0), node, tiers.get(nid))
+                               for nid, node in zip(decodes.ids, decodes.nodes)), np.float64, len(decodes.ids))
+            if held is not None:
+                own = np.minimum(own, self._pull_costs(decodes, prompt_len, cached, held, mixed))
+            return costs + own
+        loads, tr = costs, w.transfer
+        costs = loads + tr * prompt_len
+        for nid, hit in cached.items():  # the nodes holding part of the prompt: fewer blocks to send
+            i = index.get(nid)
+            if i is not None and hit:
+                costs[i] = loads[i] + tr * (prompt_len - hit)
         for nid, split in tiers.items():  # and the part of it below the device: loaded there
             i = index.get(nid)
             if i is not None and split.lower:

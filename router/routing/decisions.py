@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ...common.outcomes import PredictionOutcome
+from ...common.outcomes import PredictionOutcome, PrefixReuse
 from ..metrics import RouterMetrics
 from .policy import Decision
 from .prefix_index import PrefixHits
@@ -51,6 +51,10 @@ class DecisionRecord:
     predicted_hit_blocks_by_tier: dict[str, int] | None
     node_cached_tokens: dict[str, int]  # node_id -> predicted cached tokens (hits only)
     decision_s: float
+    # Where the prompt's predicted hit comes from: none, the computing node's own cache, or a
+    # pull from ``pull_from`` (its predicted ``predicted_cached_tokens``; node/kv_pull.py).
+    reuse: PrefixReuse = PrefixReuse.NONE
+    pull_from: str | None = None
     # The policy's TTFT prediction: token-equivalents, and seconds when it knows the rate.
     predicted_ttft: float | None = None
     predicted_ttft_s: float | None = None
@@ -65,6 +69,8 @@ def predicted_cached(decision: Decision, hits: PrefixHits | None) -> int | None:
     A decode node's own hit only saves sending blocks."""
     if hits is None or not hits.looked_up:
         return None
+    if decision.pull is not None:
+        return decision.pull.tokens
     return hits.cached.get((decision.prefill or decision.decode).node_id, 0)
 
 
@@ -72,7 +78,8 @@ def predicted_split(decision: Decision, hits: PrefixHits | None) -> TierBlocks |
     """``predicted_cached``'s blocks by the tier holding each; None: no prediction."""
     if hits is None or not hits.looked_up:
         return None
-    return hits.tiers.get((decision.prefill or decision.decode).node_id, TierBlocks())
+    return hits.tiers.get((decision.pull.holder if decision.pull is not None else
+                           decision.prefill or decision.decode).node_id, TierBlocks())
 
 
 @dataclass(slots=True)
@@ -95,7 +102,10 @@ class DecisionLog:
             node_cached_tokens=dict(hits.cached) if hits is not None else {},
             decision_s=decision_s,
             predicted_ttft=None if decision.predicted_ttft is None else round(decision.predicted_ttft, 1),
-            predicted_ttft_s=decision.predicted_ttft_s)
+            predicted_ttft_s=decision.predicted_ttft_s,
+            reuse=(PrefixReuse.PULL if decision.pull is not None else PrefixReuse.OWN if predicted
+                   else PrefixReuse.NONE),
+            pull_from=decision.pull.holder.node_id if decision.pull is not None else None)
         self.records.append(rec)
         if predicted:
             for tier, tokens in zip(TIER_NAMES, _tokens_by_tier(predicted, split)):

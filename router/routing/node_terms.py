@@ -78,3 +78,11 @@ class FleetTerms:
         first: a C loop for the same records, a field compare otherwise)."""
         return (len(nodes) == len(self.nodes) and self.nodes == list(nodes)
                 and self.loads == [n.load for n in nodes])
+
+    def node(self, node_id: str) -> NodeInfo | None:
+        """The prefill or decode-capable node of that id; None when it is neither."""
+        for terms in (self.prefill, self.decode):
+            i = terms.index.get(node_id)
+            if i is not None:
+                return terms.nodes[i]
+        return None

@@ -1,7 +1,7 @@
 """The routing policy interface: what a policy is given and what it answers.
 
     Decision        the nodes chosen for one request (a prefill node or none, a decode
-                    node) and the policy's prediction
+                    node, a prefix to pull first or none) and the policy's prediction
     RoutingPolicy   ``choose`` over the live nodes; ``uses_prefix_index`` and ``recent``
                     tell the dispatcher and the app what the policy needs from them
 
@@ -30,6 +30,13 @@ NO_CACHED: Mapping[str, int] = MappingProxyType({})
 NO_TIERS: Mapping[str, TierBlocks] = MappingProxyType({})
 
 
+class PullPlan(NamedTuple):
+    """A prefix the node computing the prompt pulls first (node/kv_pull.py)."""
+    holder: NodeInfo  # the node predicted to cache it
+    tokens: int  # its predicted cached prefix of the prompt (whole blocks)
+    holder_load: float = 0.0  # token-equivalents of the holder's loads of the part it keeps below its device
+
+
 class Decision(NamedTuple):
     prefill: NodeInfo | None  # None: the decode node prefills locally
     decode: NodeInfo
@@ -40,6 +47,7 @@ class Decision(NamedTuple):
     # request's work + the hop); None: the policy does not predict (load-only ones).
     predicted_ttft: float | None = None
     predicted_ttft_s: float | None = None  # the same in seconds, when the policy knows the rate
+    pull: PullPlan | None = None  # the prefix the computing node pulls first; None: it pulls nothing
 
 
 class RoutingPolicy(Protocol):

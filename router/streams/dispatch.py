@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ...common.detokenizer import IncrementalDetokenizer
 from ...common.outcomes import FailureReason
-from ...common.protocol import GenerateRequest
+from ...common.protocol import GenerateRequest, PullSource
 from ...common.sampling_params import SamplingParams
 from .background import BackgroundTasks
 from ..routing.decisions import DecisionLog
@@ -118,7 +118,10 @@ class Dispatcher:
             req = GenerateRequest(
                 request_id=request_id, token_ids=wire, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
-                transfer_id=uuid.uuid4().hex, prompt_hashes=carried, cache_salt=prompt.cache_salt)
+                transfer_id=uuid.uuid4().hex, prompt_hashes=carried, cache_salt=prompt.cache_salt,
+                pull=None if decision.pull is None else PullSource(
+                    node_id=decision.pull.holder.node_id, addr=decision.pull.holder.http_addr,
+                    tokens=decision.pull.tokens))
             try:
                 stream, prefill_slot, decode_slot = await self._open(decision, req)
             except NodeRejected as e:
@@ -216,4 +219,4 @@ def _pinned(pin: Decision | None, nodes: list) -> Decision | None:
     ids = {n.node_id for n in nodes}
     if pin.decode.node_id not in ids or (pin.prefill is not None and pin.prefill.node_id not in ids):
         return None
-    return pin._replace(prefill_work=0.0)
+    return pin._replace(prefill_work=0.0, pull=None)

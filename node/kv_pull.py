@@ -1,0 +1,279 @@
+"""Prefix pull: a node fetches the KV of a prompt's leading blocks from another node that
+caches them (any role, any tier), then computes only the rest.
+
+Owns both ends, which every role has: ``PullHolder`` serves ``POST /kv/pull`` (the holder)
+and ``Puller`` runs one pull into this node's blocks (the node about to compute a prompt:
+a prefill node, or a decode node prefilling locally). The router decides who pulls what
+from whom (``GenerateRequest.pull``, router/routing/cache_aware.py); must not decide that
+here, or touch the engine but through its commands.
+
+One pull (common/protocol.py)::
+
+    puller: Reserve(prefix) -- its own cached blocks are kept, the rest reserved
+            TransferTable.reserve(dest blocks) -- the lease, as any transfer
+            POST holder/kv/pull PullRequest ------> holder: ExportCached(next chunk)  on its engine
+                                                    thread, between two steps: the leading held
+                                                    blocks copied out (lower tiers loaded first)
+            <==== KV blocks (checksummed) ======    send them; again until done or a miss
+            <---- PullResult(num_blocks) -------
+            CommitPulled: the landed blocks join the prefix cache, the reservation is freed
+    then the request is added as usual and finds them as its hit
+
+The holder copies at most ``PULL_CHUNK_BLOCKS`` blocks per engine pass, so a pull from a busy
+decode node delays its running batch by at most one such copy per step (a memcpy on the host;
+a gather on the device). Each chunk looks its blocks up again by hash and verifies their
+tokens, so a block evicted mid-pull ends the run there: the holder sends the blocks it still
+had and says how many, and the puller computes the rest. It never sends a block under another
+block's hash.
+
+Every failure (the holder unreachable or dead, a block failing its checksum, the lease
+running out) frees the reserved blocks and the puller computes the prompt itself: a pull
+never fails a request. ``splitserve:kv_pulls_total{outcome}`` counts each pull, and
+``kv_pull_tokens_total`` the prompt tokens it saved.
+
+A holder or puller with several tensor-parallel ranks is not supported yet: the holder answers
+409 (its worker ranks hold the other heads); the router pulls only from single-rank nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from ..common.config import KVBackend, NodeConfig
+from ..common.errors import InvalidRequest
+from ..common.hashing import hash_blocks, hash_keys, token_bytes
+from ..common.http import MSGPACK, decode_error_body, error_response, msgpack_response, read_msgpack
+from ..common.outcomes import PullOutcome, PullServed
+from ..common.protocol import PullRequest, PullResult, PullSource, prompt_ids
+from ..engine.engine_thread import CommitPulled, ExportCached, Release, Reserve
+from ..engine.parallel.group import TPFailure
+from ..kvtransfer import ShardSender, TransferError, make_sender, sender_options
+from ..kvtransfer.block_store import KVBlockStore
+from ..kvtransfer.state import TransferFailure, TransferTable
+from .runtime import NodeRuntime
+from .sim_link import SimLink
+
+log = logging.getLogger(__name__)
+PULL_CHUNK_BLOCKS = 64  # the most blocks a holder copies out of its cache per engine pass
+STALL_FAULT = "stall_pull"  # --fault: the holder holds every pull back (tests kill it meanwhile)
+RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blocks are reused
+
+
+class PullHolder:
+    """``POST /kv/pull``: send the leading blocks of a prefix this node caches."""
+
+    def __init__(self, config: NodeConfig, rt: NodeRuntime):
+        self.config = config
+        self.rt = rt
+        self.senders: dict[str, ShardSender] = {}  # backend -> sender (one connection pool each)
+        sim = config.engine.sim
+        self.link = SimLink(sim, config.engine.block_size) if sim is not None and sim.kv_network_bytes_per_s else None
+        self.m_served, self.m_blocks = rt.metrics.pulls_served, rt.metrics.pull_blocks_served
+        self.stalled = 0  # pulls held back by the stall fault
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/kv/pull", self.serve)]
+
+    async def stop(self) -> None:
+        for s in self.senders.values():
+            await s.sender.close()
+
+    def _sender(self, backend: str) -> ShardSender:
+        if backend not in self.senders:
+            opts = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0,
+                                  cluster_token=self.config.cluster_token, timeout_s=self.config.transfer_lease_s)
+            sender = make_sender(backend, self.rt.layout, opts, device=self.config.engine.device, shard=self.rt.shard)
+            self.senders[backend] = ShardSender(sender, KVBlockStore(self.rt.kv_caches, self.rt.layout),
+                                                self.rt.shard)
+        return self.senders[backend]
+
+    async def serve(self, request: web.Request) -> web.Response:
+        try:
+            task = await read_msgpack(request, PullRequest)
+            prefix = prompt_ids(task.token_ids)
+            self._check(task, prefix)
+        except InvalidRequest as e:
+            return error_response(400, str(e), e.field)
+        if self.rt.tp > 1:
+            return error_response(409, f"this node has {self.rt.tp} tensor-parallel ranks: pulls from it "
+                                  "are not supported")
+        if self.config.fault == STALL_FAULT:
+            self.stalled += 1
+            await asyncio.Event().wait()  # until the test kills this node
+        bs = self.config.engine.block_size
+        hashes = hash_blocks(prefix, bs, hash_keys(self.config.engine.model_id, task.cache_salt))
+        sender = self._sender(task.kv_backend)
+        n_addrs, want, sent, due = len(task.kv_addrs), len(task.dest_block_ids), 0, 0.0
+        engine = self.rt.engine_thread
+        export_id = f"pull:{task.transfer_id}"
+        try:
+            while sent < want:
+                most = min(PULL_CHUNK_BLOCKS, want - sent)
+                k, packed = await engine.submit(ExportCached(
+                    export_id, prefix, hashes, task.cache_salt, task.skip_blocks + sent, most,
+                    lambda ids: sender.pack(n_addrs, ids)))
+                if k:
+                    await sender.send_packed(task.kv_addrs, task.transfer_id, packed,
+                                             task.dest_block_ids[sent:sent + k])
+                    self.m_blocks.inc(k)
+                    if self.link is not None:
+                        due = self.link.book(k)
+                sent += k
+                if k < most:
+                    break  # the run of held blocks ends here
+            if self.link is not None and sent:
+                await self.link.arrive(due)
+        except TransferError as e:
+            self.m_served.labels(PullServed.FAILED).inc()
+            log.warning("pull %s for request %s failed after %d blocks: %s", task.transfer_id, task.request_id,
+                        sent, e)
+            return error_response(502, f"KV transfer failed: {e}")
+        except TPFailure as e:
+            self.m_served.labels(PullServed.FAILED).inc()
+            return error_response(503, f"this node failed: {e}")
+        self.m_served.labels(PullServed.SENT).inc()
+        return msgpack_response(PullResult(transfer_id=task.transfer_id, num_blocks=sent))
+
+    def state(self) -> dict:
+        """Its part of ``/debug/state``."""
+        return {"pulls_stalled": self.stalled} if self.config.fault == STALL_FAULT else {}
+
+    def _check(self, task: PullRequest, prefix: list[int]) -> None:
+        """400s for ``task`` (``prefix``: its token ids, read)."""
+        bs = self.config.engine.block_size
+        if not prefix or len(prefix) % bs:
+            raise InvalidRequest("token_ids", f"{len(prefix)} tokens: a pulled prefix is whole blocks of {bs}")
+        blocks = len(prefix) // bs
+        if not 0 <= task.skip_blocks < blocks:
+            raise InvalidRequest("skip_blocks", f"must be in [0, {blocks})")
+        if not 0 < len(task.dest_block_ids) <= blocks - task.skip_blocks:
+            raise InvalidRequest("dest_block_ids", f"expected 1 to {blocks - task.skip_blocks} ids")
+        if task.kv_backend not in tuple(KVBackend):
+            raise InvalidRequest("kv_backend", f"must be one of {', '.join(KVBackend)}")
+
+
+class Puller:
+    """Runs pulls into this node's KV blocks. ``table``, ``kv_addrs`` and ``kv_backend``: the
+    transfer table its receivers report to, their addresses (one per rank, in rank order) and
+    their backend; ``settle``: awaited with a failed pull's transfer id before its blocks are
+    reused (a tensor-parallel decode node: every rank stopped landing it)."""
+
+    def __init__(self, config: NodeConfig, rt: NodeRuntime, table: TransferTable,
+                 kv_addrs: Callable[[], list[str]], kv_backend: str,
+                 settle: Callable[[str], Awaitable[None]] | None = None):
+        self.config = config
+        self.rt = rt
+        self.table = table
+        self.kv_addrs = kv_addrs
+        self.kv_backend = kv_backend
+        self.settle = settle
+        self.session: aiohttp.ClientSession | None = None  # set by the owner's start()
+        self.m_pulls, self.m_tokens = rt.metrics.pulls, rt.metrics.pull_tokens
+
+    async def pull(self, request_id: str, prompt: Sequence[int], hashes: list[int] | None, salt: str | None,
+                   source: PullSource) -> int:
+        """Fetch ``source``'s cached prefix of ``prompt`` into this node's prefix cache; the
+        prompt tokens now cached here thanks to it (0 when nothing moved: the request then
+        computes them). Never raises but ``CancelledError``."""
+        bs = self.config.engine.block_size
+        blocks = min(source.tokens, len(prompt) - 1) // bs  # one prompt token is always computed
+        if blocks <= 0:
+            return 0
+        prefix = list(prompt[:blocks * bs])
+        phashes = hashes[:blocks] if hashes is not None and len(hashes) >= blocks else None
+        rid = f"{request_id}:pull"
+        engine = self.rt.engine_thread
+        try:  # one token more, so that every block of the prefix this node caches counts (and is kept)
+            res = await engine.submit(Reserve(rid, list(prompt[:blocks * bs + 1]), phashes, salt))
+        except (InvalidRequest, TPFailure) as e:
+            log.warning("request %s: no pull (%s)", request_id, e)
+            self.m_pulls.labels(PullOutcome.NO_BLOCKS).inc()
+            return 0
+        if res is None:
+            self.m_pulls.labels(PullOutcome.NO_BLOCKS).inc()
+            return 0
+        skip = res.num_cached_tokens // bs
+        dest = res.block_ids[skip:blocks]
+        if not dest:  # this node caches it all already
+            await asyncio.shield(self._give_back(None, rid))
+            return 0
+        tid = uuid.uuid4().hex
+        transfer = self.table.reserve(tid, rid, dest, self.config.transfer_lease_s)
+        task = PullRequest(request_id=request_id, transfer_id=tid, token_ids=token_bytes(prefix),
+                           kv_backend=self.kv_backend, kv_addrs=self.kv_addrs(), skip_blocks=skip,
+                           dest_block_ids=dest, cache_salt=salt)
+        call = asyncio.create_task(self._ask(source.addr, task))
+        committed = False
+        t0 = time.monotonic()
+        try:
+            outcome = await asyncio.shield(transfer.done)
+            if isinstance(outcome, TransferFailure):
+                self.m_pulls.labels(PullOutcome.FAILED).inc()
+                log.warning("request %s: pull of %d blocks from %s failed (%s); computing them", request_id,
+                            len(dest), source.node_id, outcome.reason)
+                return 0
+            self.table.own(tid)
+            landed = len(transfer.dest_block_ids)
+            if not landed:
+                self.m_pulls.labels(PullOutcome.HELD_NONE).inc()
+                return 0
+            await engine.submit(CommitPulled(rid, prefix, phashes, salt, (skip + landed) * bs))
+            committed = True
+            self.m_pulls.labels(PullOutcome.PULLED).inc()
+            self.m_tokens.inc(landed * bs)
+            log.debug("request %s: pulled %d blocks from %s in %.3f s", request_id, landed, source.node_id,
+                      time.monotonic() - t0)
+            return landed * bs
+        except asyncio.CancelledError:
+            self.table.abort(tid, "request cancelled")
+            self.m_pulls.labels(PullOutcome.ABORTED).inc()
+            raise
+        except TPFailure:
+            self.m_pulls.labels(PullOutcome.FAILED).inc()
+            return 0
+        finally:
+            if not call.done():
+                call.cancel()
+            if not committed:
+                self.table.abort(tid, "not committed")  # a no-op once failed, aborted or owned
+                await asyncio.shield(self._give_back(tid, rid))
+            self.table.remove(tid)
+
+    async def _give_back(self, tid: str | None, rid: str) -> None:
+        """Free a pull's reservation once nothing can land in it any more (``tid``: its
+        transfer, None before it had one)."""
+        if tid is not None and self.kv_backend in ("shm", "ipc"):
+            await asyncio.sleep(RELEASE_GRACE_S)
+        if tid is not None and self.settle is not None:
+            await self.settle(tid)
+        try:
+            await self.rt.engine_thread.submit(Release(rid))
+        except TPFailure:
+            pass  # the engine stopped for good: it holds nothing any more
+
+    async def _ask(self, addr: str, task: PullRequest) -> None:
+        """Ask the holder; its answer (or failure) goes to the transfer's table."""
+        assert self.session is not None, "Puller.session is set when its node starts"
+        try:
+            async with self.session.post(f"{addr}/kv/pull", data=msgspec.msgpack.encode(task),
+                                         headers={"Content-Type": MSGPACK}) as r:
+                body = await r.read()
+                if r.status != 200:
+                    self.table.fail(task.transfer_id, f"holder answered {r.status}: {decode_error_body(body)}")
+                    return
+            result = msgspec.msgpack.decode(body, type=PullResult)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            self.table.fail(task.transfer_id, f"holder {addr}: {type(e).__name__}: {e}")
+            return
+        except msgspec.DecodeError as e:
+            self.table.fail(task.transfer_id, f"holder {addr} sent a bad answer: {e}")
+            return
+        self.table.prefilled(task.transfer_id, result)

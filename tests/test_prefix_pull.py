@@ -1,0 +1,244 @@
+"""Reuse of a prefix wherever the fleet holds it, on real processes (redis-server, the
+router, prefill and decode nodes over tcp, a tiny random Llama): a conversation's next turn
+is prefilled by the decode node that generated the previous answer (decode-side reuse), or
+a prefill node pulls that prefix from it (prefix pull, node/kv_pull.py); tokens equal
+transformers' greedy ones either way, /debug/decisions says which, and nothing leaks. The
+faults: a holder killed mid-pull, a pulled block failing its checksum (the puller computes
+the prompt itself, 0 failed)."""
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from splitserve.common import metric_names as names
+from splitserve.deploy.launcher import Cluster
+from splitserve.router.tokenizer import RouterTokenizer
+from splitserve.tests.metrics_text import node_metric
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("SPLITSERVE_QUIET", "1")
+TURN1, ANSWER, TURN2 = 160, 240, 100  # tokens: the first prompt, its answer, the next user message
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def model(served_tiny_model):
+    from transformers import AutoModelForCausalLM
+    path = served_tiny_model("llama", max_position_embeddings=2048)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), RouterTokenizer(path)
+
+
+def greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of exactly ``n`` tokens (EOS ignored, as the requests ask)."""
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def turns(hf) -> tuple[list[int], list[int], list[int]]:
+    """(turn 1's prompt, its greedy answer, turn 2's prompt: the conversation so far + a new message)."""
+    first = [(37 * j + 11) % 30000 + 200 for j in range(TURN1)]
+    answer = greedy(hf, first, ANSWER)
+    return first, answer, first + answer + [(53 * j + 5) % 30000 + 200 for j in range(TURN2)]
+
+
+def ask(client, path, tok, hf, prompt: list[int], n: int):
+    r = client.completions.create(model=str(path), prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [tok.token_text(t) for t in greedy(hf, prompt, n)]
+    return r
+
+
+def last_decision(c: Cluster) -> dict:
+    return get_json(f"{c.url}/debug/decisions?limit=1")["decisions"][-1]
+
+
+def pools_idle(c: Cluster, members, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = {m: get_json(f"{c.node(m).addr}/debug/state") for m in members}
+        if all(s["kv_blocks_free"] == s["kv_blocks_total"] for s in states.values()):
+            return
+        assert time.monotonic() < deadline, f"blocks leaked: {states}"
+        time.sleep(0.2)
+
+
+def test_the_next_turn_reuses_the_answer_the_decode_node_generated(model):
+    """Default weights: turn 2 (turn 1 + its answer + 100 new tokens) goes to the decode node
+    that served turn 1, which holds all but the new message (its answer's blocks included)
+    and prefills the rest itself."""
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
+                 model=str(path)) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask(client, path, tok, hf, first, ANSWER)
+        assert last_decision(c)["prefill"] == "prefill-0"
+        time.sleep(1.0)  # the decode node's events reach the router's index
+        r = ask(client, path, tok, hf, second, 8)
+        d = last_decision(c)
+        held = (TURN1 + ANSWER - 1) // 16 * 16  # the answer's last token has no KV yet
+        assert (d["prefill"], d["decode"], d["reuse"]) == (None, "decode-0", "own"), d
+        assert d["node_cached_tokens"]["decode-0"] >= held
+        assert r.usage.prompt_tokens_details.cached_tokens >= held
+        pools_idle(c, ["prefill-0", "decode-0"])
+
+
+def test_a_prefill_node_pulls_the_conversation_from_the_decode_node(model):
+    """Decode-side reuse off: turn 2 goes to the prefill node, which holds turn 1's prompt only;
+    it pulls the longer prefix (the answer too) from the decode node and computes the rest."""
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path),
+                 router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask(client, path, tok, hf, first, ANSWER)
+        time.sleep(1.0)
+        r = ask(client, path, tok, hf, second, 8)
+        d = last_decision(c)
+        assert (d["prefill"], d["reuse"], d["pull_from"]) == ("prefill-0", "pull", "decode-0"), d
+        pulled = node_metric(c, "prefill-0", names.KV_PULL_TOKENS)
+        assert pulled >= ANSWER - 16  # the answer's blocks; turn 1's prompt was its own already
+        assert node_metric(c, "prefill-0", names.KV_PULLS, outcome="pulled") == 1
+        assert node_metric(c, "decode-0", names.KV_PULLS_SERVED, outcome="sent") == 1
+        assert r.usage.prompt_tokens_details.cached_tokens >= (TURN1 + ANSWER - 1) // 16 * 16
+        pools_idle(c, ["prefill-0", "decode-0"])
+
+
+class _HolderFault(Cluster):
+    """A cluster whose decode node (the holder of turn 2's prefix) runs with ``--fault``."""
+
+    def __init__(self, fault: str, **kw):
+        super().__init__(**kw)
+        self.fault = fault
+
+    def node_args(self, role, index, extra=()):
+        return super().node_args(role, index, (*extra, "--fault", self.fault) if role == "decode" else extra)
+
+
+def test_a_pulled_block_that_fails_its_checksum_is_computed_instead(model):
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with _HolderFault("corrupt_block", prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
+                      model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask(client, path, tok, hf, first, ANSWER)
+        time.sleep(1.0)
+        ask(client, path, tok, hf, second, 8)  # the right tokens
+        assert last_decision(c)["reuse"] == "pull"
+        assert node_metric(c, "prefill-0", names.KV_PULLS, outcome="failed") == 1
+        assert node_metric(c, "prefill-0", names.KV_PULL_TOKENS) == 0
+        pools_idle(c, ["prefill-0", "decode-0"])
+
+
+def test_the_holder_killed_mid_pull_costs_a_recompute_not_a_request(model):
+    """Turn 2 goes to the idle decode node, its prefill node pulling the conversation from the
+    decode node that served turn 1 (busy with another stream now); that holder stalls its pulls
+    (``--fault stall_pull``) and is killed meanwhile: the pull fails, the prefill node computes
+    the prompt itself and turn 2 gets its tokens."""
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with _HolderFault("stall_pull", prefill_nodes=1, decode_nodes=2, kv_backend="tcp", kv_cache_memory="8MiB",
+                      model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask(client, path, tok, hf, first, ANSWER)
+        holder = last_decision(c)["decode"]
+        other = "decode-1" if holder == "decode-0" else "decode-0"
+        time.sleep(1.0)
+        # a long stream sharing turn 1's prompt keeps the holder busy (it goes there: it holds the prompt)
+        busy = client.completions.create(model=str(path), prompt=first + [7, 8, 9], max_tokens=1500,
+                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(busy))
+        assert last_decision(c)["decode"] == holder
+        result: dict = {}
+
+        def second_turn():
+            try:
+                result["r"] = ask(client, path, tok, hf, second, 8)
+            except Exception as e:  # noqa: BLE001 - reported below
+                result["error"] = e
+
+        t = threading.Thread(target=second_turn)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not _stalling(c, holder):
+            assert time.monotonic() < deadline, "the pull never reached the holder"
+            time.sleep(0.05)
+        d = last_decision(c)
+        assert (d["reuse"], d["pull_from"], d["decode"]) == ("pull", holder, other), d
+        os.killpg(c.node(holder).popen.pid, signal.SIGKILL)
+        t.join(120)
+        assert "error" not in result, result
+        assert node_metric(c, "prefill-0", names.KV_PULLS, outcome="failed") == 1
+        busy.close()
+        pools_idle(c, ["prefill-0", other])
+
+
+def _stalling(c: Cluster, member: str) -> bool:
+    """Whether ``member`` holds a pull back (its /debug/state's ``pulls_stalled``)."""
+    try:
+        return get_json(f"{c.node(member).addr}/debug/state").get("pulls_stalled", 0) > 0
+    except OSError:
+        return False
+
+
+def test_a_decode_node_pulls_from_either_role_before_prefilling_itself(model):
+    """A GenerateRequest without a prefill node naming a pull source (what the router sends when
+    a decode node prefills a prompt another node holds more of): the decode node pulls from the
+    other decode node, or from the prefill node, then computes the rest."""
+    import asyncio
+
+    import aiohttp
+
+    from splitserve.common.protocol import GenerateRequest, PullSource
+    from splitserve.common.hashing import token_bytes
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.router.streams.node_client import NodeClient
+
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with Cluster(prefill_nodes=1, decode_nodes=2, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path),
+                 router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask(client, path, tok, hf, first, ANSWER)
+        holder = last_decision(c)["decode"]
+        puller = "decode-1" if holder == "decode-0" else "decode-0"
+
+        async def generate(rid: str, prompt: list[int], source: str, tokens: int) -> list[int]:
+            async with aiohttp.ClientSession() as session:
+                req = GenerateRequest(request_id=rid, token_ids=token_bytes(prompt),
+                                      sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                                      pull=PullSource(node_id=source, addr=c.node(source).addr, tokens=tokens))
+                stream = await NodeClient(session).generate(c.node(puller).addr, req)
+                out: list[int] = []
+                async for delta in stream.deltas():
+                    out += delta.token_ids
+                return out
+
+        held = (TURN1 + ANSWER - 1) // 16 * 16
+        assert asyncio.run(generate("from-decode", second, holder, held)) == greedy(hf, second, 8)
+        assert node_metric(c, puller, names.KV_PULL_TOKENS) == held
+        assert node_metric(c, holder, names.KV_PULLS_SERVED, outcome="sent") == 1
+        # the prefill node holds turn 1's prompt: another conversation starting with it pulls that
+        other = first + [(61 * j + 3) % 30000 + 200 for j in range(40)]
+        assert asyncio.run(generate("from-prefill", other, "prefill-0", (TURN1 - 1) // 16 * 16)) == greedy(hf, other, 8)
+        # the puller already had those blocks (pulled with the conversation): nothing moved
+        assert node_metric(c, "prefill-0", names.KV_PULLS_SERVED) == 0
+        c2 = first[:16] + [(71 * j + 9) % 30000 + 200 for j in range(200)]  # unseen after one block
+        assert asyncio.run(generate("from-prefill-2", c2, "prefill-0", 144)) == greedy(hf, c2, 8)
+        assert node_metric(c, puller, names.KV_PULLS, outcome="held_none") + \
+            node_metric(c, puller, names.KV_PULLS, outcome="pulled") >= 1
+        pools_idle(c, ["prefill-0", "decode-0", "decode-1"])
