@@ -1,6 +1,7 @@
 """The routing trace: one JSON object per line,
 
     {"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [...]}
+    optional: "conversation": id, "think_ms": ms  (turns of one conversation: TraceRequest)
 
 Each hash id stands for one block of ``hash_block`` prompt tokens (the trace's
 block size, ``--trace-block-size``, default ``HASH_BLOCK`` = 512 as in the published
@@ -39,11 +40,17 @@ _TOKEN_LOW, _TOKEN_HIGH = 100, 49000  # clear of the bundled vocabulary's specia
 BUNDLED_VOCAB = 49152
 
 
-class TraceRequest(msgspec.Struct, frozen=True):
+class TraceRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     timestamp: float  # ms since the trace began
     input_length: int
     output_length: int
     hash_ids: list[int]
+    # Optional (written only when set): the conversation this line is a turn of, and for a
+    # later turn the user's pause after the previous turn's answer. A replay then sends the
+    # turn that long after the answer ended, its prompt holding the answer's real tokens
+    # (benchmarks/loadgen/replay/conversation.py); lines without them are sent at timestamp.
+    conversation: int | None = None
+    think_ms: float = 0.0
 
 
 def load_trace(path: str | Path, hash_block: int = HASH_BLOCK) -> list[TraceRequest]:
@@ -67,6 +74,8 @@ def _check(req: TraceRequest, number: int, hash_block: int) -> None:
         raise ValueError(f"{where}: timestamp must be >= 0, got {req.timestamp}")
     if req.input_length < 1 or req.output_length < 1:
         raise ValueError(f"{where}: input_length and output_length must be >= 1")
+    if req.think_ms < 0:
+        raise ValueError(f"{where}: think_ms must be >= 0, got {req.think_ms}")
     need = -(-req.input_length // hash_block)
     if len(req.hash_ids) != need:
         raise ValueError(f"{where}: hash_ids has {len(req.hash_ids)} ids; input_length "

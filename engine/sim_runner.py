@@ -1,7 +1,8 @@
 """SimRunner: the ModelRunner of a simulated node. The block pool, prefix cache,
 scheduler and every server around the engine run for real; only the forward pass
 is replaced by a sleep as long as the timing model (``common.config.SimConfig``)
-says the real model would take, and a deterministic token.
+says the real model would take, and a deterministic token (common/sim_tokens.py: a
+function of the position a client can reproduce).
 
 Owns: the KV cache size (the real model's block bytes, or the profile's
 ``SimConfig.kv_bytes_per_token``, so a simulated node holds as many tokens as a
@@ -57,6 +58,7 @@ import torch
 
 from ..common.config import EngineConfig
 from ..common.kv_events import Tier
+from ..common.sim_tokens import sim_token
 from .kv.cache_manager import KVCacheManager
 from .kv.tier_store import Move
 from .models.loader import resolve_model_dir
@@ -67,7 +69,6 @@ from .runner import LaunchedStep, Runner, split
 from .sampling.sampler import SampledTokens
 from .scheduler import SchedulerOutput
 
-_TOKEN_BASE, _TOKEN_SPAN = 1000, 20000  # sampled ids cycle through [1000, 21000)
 _STANDIN_DTYPE = torch.float32  # one value per token slot, K and V, of the stand-in blocks
 
 
@@ -157,10 +158,7 @@ class SimRunner(Runner):
         for row in verifying:
             req = row.request
             for i in range(row.num_verify):
-                token = _TOKEN_BASE + ((req.seq_len + i) * 7919) % _TOKEN_SPAN
-                while token in req.stop_ids:
-                    token += 1
-                tokens.append(token)
+                tokens.append(sim_token(req.seq_len + i, req.stop_ids))
                 params.append(req.sampling_params)
         left = start - carry + seconds / self.sim.speedup - time.monotonic()
         if left > 0:

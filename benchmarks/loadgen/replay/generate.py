@@ -24,7 +24,11 @@
 
 Conversations start as a Poisson process (``rate`` per second) for ``duration_s``;
 one whose next turn would not fit ``max_context`` tokens ends. Deterministic in
-``seed``. Message lengths are lognormal around their means.
+``seed``. Message lengths are lognormal around their means. With ``closed_loop`` each
+line also names its conversation and (later turns) the think time before it
+(TraceRequest.conversation, think_ms): the replay then sends a turn that long after the
+previous answer ended, with the answer's real tokens in its prompt (conversation.py);
+the lines are the same either way.
 
 ``PRESETS`` names the specs of ``make-trace --preset``, this generator's and the
 prefix-group generator's (groups.py), and ``generate`` runs either.
@@ -64,6 +68,7 @@ class TraceSpec:
     mean_tool_tokens: int = 2000
     length_sigma: float = 0.5  # lognormal sigma of message lengths (documents: twice this)
     seed: int = 0
+    closed_loop: bool = False  # write conversation ids and think times (module docstring)
 
     def __post_init__(self):
         if self.answer_tpot_s < 0:
@@ -108,7 +113,9 @@ def generate(spec: TraceSpec | GroupSpec) -> list[TraceRequest]:
 
     out: list[TraceRequest] = []
     t = float(rng.exponential(1.0 / spec.rate))
+    conversations = itertools.count()
     while t < spec.duration_s:
+        conversation = next(conversations)
         tenant = int(rng.choice(spec.tenants, p=weights))
         user = (tenant, int(rng.integers(spec.users_per_tenant)))
         if user not in profiles:
@@ -118,7 +125,7 @@ def generate(spec: TraceSpec | GroupSpec) -> list[TraceRequest]:
             blocks = blocks + docs[int(rng.integers(len(docs)))]
         length = len(blocks) * HASH_BLOCK  # tokens so far (system prompt, profile, document, history)
         turns = int(rng.geometric(1.0 / spec.mean_turns))
-        at = t
+        at, think = t, 0.0
         for _ in range(turns):
             message, answer = lognormal(spec.mean_user_tokens), lognormal(spec.mean_output_tokens)
             if spec.tool_share and rng.random() < spec.tool_share:
@@ -129,9 +136,12 @@ def generate(spec: TraceSpec | GroupSpec) -> list[TraceRequest]:
             while len(blocks) * HASH_BLOCK < prompt:
                 blocks.append(next(ids))
             out.append(TraceRequest(timestamp=round(at * 1000, 3), input_length=prompt,
-                                    output_length=answer, hash_ids=blocks[:-(-prompt // HASH_BLOCK)]))
+                                    output_length=answer, hash_ids=blocks[:-(-prompt // HASH_BLOCK)],
+                                    conversation=conversation if spec.closed_loop else None,
+                                    think_ms=round(think * 1000, 3) if spec.closed_loop else 0.0))
             length = prompt + answer
-            at += answer * spec.answer_tpot_s + float(rng.exponential(spec.mean_think_s))
+            think = float(rng.exponential(spec.mean_think_s))
+            at += answer * spec.answer_tpot_s + think
         t += float(rng.exponential(1.0 / spec.rate))
     out.sort(key=lambda r: r.timestamp)
     return out
@@ -142,6 +152,7 @@ def generate(spec: TraceSpec | GroupSpec) -> list[TraceRequest]:
 # multi-turn conversations whose prompts grow, shared system prompts, shared
 # documents and tool results. prefix-groups: ~15k-token prompts in groups sharing 97%
 # of them, reused minutes apart, a working set ~3x 16 H100s' KV pools (groups.py).
+# chat: below.
 PRESETS: dict[str, TraceSpec | GroupSpec] = {
     "default": TraceSpec(),
     # seeds 0 / 1: input p50 10.6k / 9.6k, p90 34.7k / 31.7k, max 92k / 127k tokens
@@ -151,5 +162,11 @@ PRESETS: dict[str, TraceSpec | GroupSpec] = {
                               docs=200, doc_share=0.55, mean_doc_tokens=9000, tool_share=0.2,
                               mean_tool_tokens=8000, length_sigma=0.6),
     "prefix-groups": GroupSpec(),
+    # chat: multi-turn conversations replayed closed-loop (each turn after the previous answer,
+    # whose generated tokens its prompt holds): long chats over short system prompts, some
+    # tool results; what a decode node that keeps a conversation's turns can reuse
+    "chat": TraceSpec(tenants=16, max_system_blocks=4, users_per_tenant=50, rate=1.0, duration_s=600.0,
+                      mean_turns=6.0, mean_user_tokens=200, mean_output_tokens=200, mean_think_s=15.0,
+                      max_context=16384, tool_share=0.2, mean_tool_tokens=800, closed_loop=True),
 }
 

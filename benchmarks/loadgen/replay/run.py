@@ -5,12 +5,23 @@ simulated nodes, and report how well the policy used the prefix caches.
     block pools, schedulers, KV transport; a timing model in place of the model)
        ^ one streamed /v1/completions per trace line, sent at timestamp / speedup,
          prompt = the line's hash ids expanded to tokens (trace.py), max_tokens =
-         min(output_length, max_output_tokens)
+         min(output_length, max_output_tokens); a later turn of a conversation (lines
+         naming one) instead think_ms / speedup after the turn before it was answered, its
+         prompt holding that turn's prompt and generated tokens (conversation.py)
 
 Reported (JSON with ``--result-json``):
   hit_rate         cached prompt tokens (``usage.prompt_tokens_details``) / prompt tokens
-  oracle_hit_rate  the same for one shared prefix cache that never evicts (trace.oracle_hits)
+  oracle_hit_rate  the same for one shared prefix cache that never evicts (trace.oracle_hits;
+                   with conversations, over the prompts sent, generated tokens included:
+                   Conversations.pooled_hits), and ``conversations``: how many, and answers
+                   whose streamed text was not the ids the replay put in the next prompt
+  prompt_tokens_by_source  shares of the prompt tokens the nodes were given (their
+                   prefix_cache_queries): cached on the decode node that prefilled alone
+                   (decode_node_hits), on the prefill node (prefill_node_hits), pulled from
+                   another node (kv_pull_tokens_total, out of the pulling node's hits), computed
   ttft_p50/p90/p99 seconds of trace time (wall clock x speedup), failed requests excluded
+  tpot_p50/p99     the same for each request's time per output token after the first
+                   (Outcome.itl_s; requests of 2 tokens or more)
   max_mean_load    the busiest prefill node's forward-pass time / the mean over prefill
                    nodes (each node's ``busy_s``): how far a hot spot stands out
   max_mean_requests  the same for requests routed (the router's routing_decisions_total);
@@ -35,8 +46,8 @@ is divided by the speed-up so the policy remembers the same stretch of trace tim
 (its settle time applies only between router replicas; the replay runs one router);
 with ``--profile`` the policy's attention ratio and seconds per token are the
 profile's (``SimProfile.policy_weights``: the defaults are this CPU's fit, 16x the
-H100 profile's attention ratio). A later ``--router-arg=--score-weights=...``
-replaces all of that. ``--profile`` also takes a deployment (prefill nodes of one
+H100 profile's attention ratio). ``ReplayConfig.score_weights`` sets weights over
+these; a later ``--router-arg=--score-weights=...`` replaces all of that. ``--profile`` also takes a deployment (prefill nodes of one
 profile, decode nodes of another, e.g. TP4 / TP8): each fleet process then serves
 one role (cluster.py), and the policy's weights are the prefill profile's
 (``SimDeployment.policy_weights`` says why the decode side needs none).
@@ -57,7 +68,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,6 +79,11 @@ from splitserve.common.kv_events import Tier
 from splitserve.common.outcomes import TransferStage
 from splitserve.common.trace import HASH_BLOCK, TraceRequest, load_trace, oracle_hits, prompt_tokens
 from splitserve.common.trace import summarize as trace_summary
+
+from .conversation import Conversations
+
+if TYPE_CHECKING:
+    from splitserve.deploy.launcher import SimCluster
 
 PROGRESS_S = 5.0  # wall seconds between progress lines
 # A server closes a connection idle for its keep-alive time; a request sent on it as it
@@ -88,6 +105,8 @@ class ReplayConfig:
     sim_timing: str | None = None  # None: the built-in fit
     limit: int | None = None  # replay the first N requests only
     router_args: tuple[str, ...] = field(default=())
+    # cache_aware weights set over the replay's own (sim_router_args), e.g. (("local_prefill_tokens", 0.0),)
+    score_weights: tuple[tuple[str, float], ...] = field(default=())
     result_json: str | None = None
     profile: str | None = None  # simulated nodes stand for this profile or deployment (sim_profiles.toml)
     trace_block_size: int = 512  # tokens per hash id in the trace
@@ -133,11 +152,13 @@ class Outcome(NamedTuple):
     output_tokens: int = 0
     itl_s: float = float("nan")  # wall: (e2e - ttft) / (output tokens - 1), the request's mean ITL
     late_s: float = 0.0  # wall: how long after its due time the request was sent
+    text: str = ""  # the streamed answer
 
 
 # A replay is behind its schedule when its sends come later than this (wall seconds, p99):
 # its latencies are then those of a slower trace, and its figures are not the trace's.
 LATE_P99_S = 0.1
+KV_PULL_TOKENS = names.PREFIX + "kv_pull_tokens_total"  # node/kv_pull.py's counter, on the pulling node
 # A replay's TTFT is the modelled network's only while this machine moves the stand-in blocks
 # within the modelled time: past this share of the TTFT summed over requests spent beyond
 # it, the figures are this machine's transport's.
@@ -149,7 +170,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    ttft, usage, error = float("nan"), None, None
+    ttft, usage, error, text = float("nan"), None, None, []
     try:
         async with session.post(f"{url}/v1/completions", json=body) as r:
             if r.status != 200:
@@ -161,6 +182,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                 chunk = json.loads(line[6:])
                 if chunk.get("choices") and ttft != ttft:
                     ttft = time.perf_counter() - start
+                text += [c.get("text") or "" for c in chunk.get("choices") or ()]
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                 if chunk.get("error"):  # the router's in-stream error event
@@ -173,7 +195,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     e2e, n = time.perf_counter() - start, usage.get("completion_tokens", 0)
     itl = (e2e - ttft) / (n - 1) if n > 1 else float("nan")
-    return Outcome(True, ttft, e2e, usage["prompt_tokens"], cached, "", n, itl)
+    return Outcome(True, ttft, e2e, usage["prompt_tokens"], cached, "", n, itl, text="".join(text))
 
 
 def client_session(url: str, keepalive_s: float = KEEPALIVE_S) -> aiohttp.ClientSession:
@@ -184,36 +206,50 @@ def client_session(url: str, keepalive_s: float = KEEPALIVE_S) -> aiohttp.Client
 
 
 async def replay(requests: list[TraceRequest], url: str, model: str, speedup: float,
-                 max_output_tokens: int, hash_block: int = HASH_BLOCK) -> list[Outcome]:
-    """Send every request at its timestamp / speedup; the outcomes in trace order."""
+                 max_output_tokens: int, hash_block: int = HASH_BLOCK,
+                 conversations: Conversations | None = None) -> list[Outcome]:
+    """Send every request at its timestamp / speedup, a later turn of one of
+    ``conversations`` think_ms / speedup after the turn before it was answered (its
+    conversation's task sends it); the outcomes in trace order."""
     t0_trace = requests[0].timestamp
-    done = 0
+    sent = done = 0
     outcomes: list[Outcome | None] = [None] * len(requests)
     async with client_session(url) as session:
-        async def one(i: int, req: TraceRequest, due: float):
-            nonlocal done
-            late = time.perf_counter() - due
-            o = await send(session, "", model, prompt_tokens(req, hash_block=hash_block),
-                           min(req.output_length, max_output_tokens))
-            outcomes[i] = o._replace(late_s=late)
-            done += 1
+        async def one(i: int, due: float):
+            nonlocal sent, done
+            while True:
+                late = time.perf_counter() - due
+                sent += 1
+                req = requests[i]
+                prompt = (conversations.prompt(i) if conversations is not None
+                          else prompt_tokens(req, hash_block=hash_block))
+                o = await send(session, "", model, prompt, min(req.output_length, max_output_tokens))
+                outcomes[i] = o._replace(late_s=late)
+                done += 1
+                if conversations is None or (nxt := conversations.next_turn.get(i)) is None:
+                    return
+                conversations.answered(i, prompt, o.output_tokens, o.text)
+                i, due = nxt, time.perf_counter() + requests[nxt].think_ms / 1000 / speedup
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
 
         tasks = []
         start = time.perf_counter()
         next_report = start + PROGRESS_S
         for i, req in enumerate(requests):
+            if conversations is not None and i in conversations.previous:
+                continue  # sent by its conversation's task
             due = start + (req.timestamp - t0_trace) / 1000 / speedup
             while (now := time.perf_counter()) < due:
                 await asyncio.sleep(min(due - now, max(0.0, next_report - now)) or 0.001)
                 if time.perf_counter() >= next_report:
                     next_report += PROGRESS_S
-                    _progress(start, i, done, len(requests), outcomes)
-            tasks.append(asyncio.create_task(one(i, req, due)))
-        while done < len(requests):
+                    _progress(start, sent, done, len(requests), outcomes)
+            tasks.append(asyncio.create_task(one(i, due)))
+        while done < len(requests) and not any(t.done() and t.exception() for t in tasks):
             await asyncio.sleep(0.2)
             if time.perf_counter() >= next_report:
                 next_report += PROGRESS_S
-                _progress(start, len(requests), done, len(requests), outcomes)
+                _progress(start, sent, done, len(requests), outcomes)
         await asyncio.gather(*tasks)
     answered = [o for o in outcomes if o is not None]
     assert len(answered) == len(requests)  # every task has run
@@ -396,15 +432,19 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Outcome],
               per_node: dict[str, float], states: dict[str, dict], wall_s: float,
               lower: dict[str, dict[str, float]] | None = None, overrun_s: dict[str, float] | None = None,
-              at_nodes: dict[str, dict] | None = None) -> dict:
+              at_nodes: dict[str, dict] | None = None, conversations: Conversations | None = None,
+              sources: dict[str, float] | None = None) -> dict:
     """The replay's figures (module docstring); ``states``: the prefill nodes' /debug/state,
     ``lower``: their lower tiers' ``hits`` and ``evictions`` (``tier_counts``), ``overrun_s``:
-    every node's sim_overrun_s, ``at_nodes``: ``node_side``'s split of the nodes' time."""
+    every node's sim_overrun_s, ``at_nodes``: ``node_side``'s split of the nodes' time,
+    ``conversations``: the trace's, as replayed, ``sources``: ``prompt_token_sources``."""
     ok = [o for o in outcomes if o.ok]
     prompt = sum(o.prompt_tokens for o in ok)
-    oracle = sum(oracle_hits(requests, cfg.trace_block_size)) / sum(r.input_length for r in requests)
+    oracle = (conversations.pooled_hit_rate() if conversations is not None else
+              sum(oracle_hits(requests, cfg.trace_block_size)) / sum(r.input_length for r in requests))
     hit = sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0
     ttft = [o.ttft_s * cfg.speedup for o in ok]
+    tpot = [o.itl_s * cfg.speedup for o in ok if o.output_tokens > 1]
     busy = {nid: st["busy_s"] * cfg.speedup for nid, st in states.items()}  # trace seconds
     errors = sorted({o.error for o in outcomes if not o.ok})
     failed_by_error: dict[str, int] = {}  # first 80 characters of the error -> requests
@@ -417,6 +457,8 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "failed_by_error": failed_by_error, "profile": cfg.profile, **_role_profiles(cfg.profile),
         "hit_rate": round(hit, 4), "oracle_hit_rate": round(oracle, 4),
         "hit_rate_vs_oracle": round(hit / oracle, 4) if oracle else None,
+        "conversations": conversations.summary() if conversations is not None else None,
+        "prompt_tokens_by_source": sources,
         "hit_rate_by_tier": (hits_by_tier(sum(o.cached_tokens for o in ok), prompt, lower["hits"],
                                           next(iter(states.values()))["kv"]["block_size"])
                              if lower is not None and states else None),
@@ -425,6 +467,7 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
         "output_tokens": sum(o.output_tokens for o in ok),  # of the requests that finished
         "ttft_p50": round(percentile(ttft, 0.5), 3), "ttft_p90": round(percentile(ttft, 0.9), 3),
         "ttft_p99": round(percentile(ttft, 0.99), 3), "ttft_mean": round(statistics.fmean(ttft), 3) if ttft else None,
+        "tpot_p50": round(percentile(tpot, 0.5), 5), "tpot_p99": round(percentile(tpot, 0.99), 5),
         # where the mean TTFT went (trace seconds): the prefill nodes' queue and prompt, and the
         # rest of the path (router, decode reservation, KV transfer, the first token's hop)
         "at_nodes": at_nodes,
@@ -447,10 +490,38 @@ def summarize(cfg: ReplayConfig, requests: list[TraceRequest], outcomes: list[Ou
     }
 
 
-def sim_router_args(profile: str | None, speedup: float) -> tuple[str, ...]:
+def prompt_token_sources(metrics: dict[str, dict[str, str]]) -> dict[str, float] | None:
+    """Shares of the prompt tokens the nodes were given (module docstring) from ``metrics``
+    (role -> node_metrics); None when no node was given any."""
+    def total(role: str, name: str) -> float:
+        return tier_counts(metrics.get(role, {}), name, ()).get("", 0.0)
+
+    given = sum(total(role, names.PREFIX_CACHE_QUERIES) for role in metrics)
+    if not given:
+        return None
+    pulled = {role: total(role, KV_PULL_TOKENS) for role in metrics}  # counted in the puller's hits too
+    shares = {"decode_node_hits": total("decode", names.PREFIX_CACHE_HITS) - pulled.get("decode", 0.0),
+              "prefill_node_hits": total("prefill", names.PREFIX_CACHE_HITS) - pulled.get("prefill", 0.0),
+              "pulled": sum(pulled.values())}
+    shares["computed"] = given - sum(shares.values())
+    return {k: round(v / given, 4) for k, v in shares.items()}
+
+
+def node_block_size(profile: str | None) -> int:
+    """Tokens per KV block of the simulated nodes: the profile's, else the engine's default."""
+    if profile is None:
+        from splitserve.common.config import EngineConfig
+        return EngineConfig().block_size
+    from splitserve.common.sim_profiles import get_deployment
+    return get_deployment(profile).prefill.block_size
+
+
+def sim_router_args(profile: str | None, speedup: float,
+                    score_weights: tuple[tuple[str, float], ...] = ()) -> tuple[str, ...]:
     """The router's flags in front of simulated nodes sped up ``speedup`` times, standing
     for ``profile`` (a profile or deployment; None: this CPU's fit): the balance half-life
-    in trace time, and the profile's context and cost ratios (module docstring)."""
+    in trace time, and the profile's context and cost ratios (module docstring), then
+    ``score_weights`` over them."""
     from splitserve.router.config import CacheAwareWeights
 
     weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / speedup}
@@ -460,16 +531,20 @@ def sim_router_args(profile: str | None, speedup: float) -> tuple[str, ...]:
         deployment = get_deployment(profile)
         profile_args = ("--max-model-len", str(deployment.context), "--allow-long-max-model-len")
         weights.update(deployment.policy_weights())
+    weights.update(score_weights)
     return (*profile_args, "--score-weights=" + ",".join(f"{k}={v:g}" for k, v in weights.items()))
 
 
-def run_replay(cfg: ReplayConfig) -> dict:
-    """Start the cluster, replay, stop it; the summary (also written to ``cfg.result_json``)."""
+def run_replay(cfg: ReplayConfig, at_end: Callable[[SimCluster], dict] | None = None) -> dict:
+    """Start the cluster, replay, stop it; the summary (also written to ``cfg.result_json``).
+    ``at_end``: called with the cluster once every request was answered, before it stops
+    (e.g. to read the prefix index); what it returns is the summary's ``at_end``."""
     from splitserve.common.bundled import BUNDLED_MODEL_ID
     from splitserve.deploy.launcher import SimCluster
 
     requests = load_trace(cfg.trace, cfg.trace_block_size)[:cfg.limit]
     print(f"[replay] {cfg.trace}: {trace_summary(requests)}", file=sys.stderr, flush=True)
+    conversations = Conversations.of(requests, node_block_size(cfg.profile), BUNDLED_MODEL_ID, cfg.trace_block_size)
     sim_args = ["--sim-speedup", str(cfg.speedup)]
     if cfg.sim_timing:
         sim_args += ["--sim-timing", cfg.sim_timing]
@@ -482,7 +557,7 @@ def run_replay(cfg: ReplayConfig) -> dict:
     if cfg.profile:
         from splitserve.common.sim_profiles import get_deployment
         deployment = get_deployment(cfg.profile)
-    router_args = (*sim_router_args(cfg.profile, cfg.speedup), *cfg.router_args)
+    router_args = (*sim_router_args(cfg.profile, cfg.speedup, cfg.score_weights), *cfg.router_args)
     cluster: SimCluster
     if deployment is not None and deployment.prefill is not deployment.decode:
         from .cluster import DeploymentSimCluster
@@ -499,7 +574,7 @@ def run_replay(cfg: ReplayConfig) -> dict:
     with cluster, disk or contextlib.nullcontext():
         start = time.perf_counter()
         outcomes = asyncio.run(replay(requests, cluster.url, BUNDLED_MODEL_ID, cfg.speedup,
-                                      cfg.max_output_tokens, cfg.trace_block_size))
+                                      cfg.max_output_tokens, cfg.trace_block_size, conversations))
         wall_s = time.perf_counter() - start
         import urllib.request
         with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
@@ -514,9 +589,14 @@ def run_replay(cfg: ReplayConfig) -> dict:
         if cfg.kv_offload_memory:
             lower = {"hits": tier_counts(metrics["prefill"], names.KV_OFFLOAD_HITS),
                      "evictions": tier_counts(metrics["prefill"], names.KV_OFFLOAD_EVICTIONS)}
+        looked = at_end(cluster) if at_end is not None else None
     overrun = {nid: float(st.get("sim_overrun_s", 0.0)) for nid, st in every.items()}
+    if conversations is not None and {st["kv"]["block_size"] for st in states.values()} - {conversations.block_size}:
+        raise RuntimeError("replay: the nodes' block size is not the one the pooled bound was computed in")
     result = summarize(cfg, requests, outcomes, per_node, states, wall_s, lower, overrun,
-                       node_side(metrics, cfg.speedup))
+                       node_side(metrics, cfg.speedup), conversations, prompt_token_sources(metrics))
+    if looked is not None:
+        result["at_end"] = looked
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.result_json).write_text(json.dumps(result, indent=1))
@@ -542,6 +622,15 @@ def print_summary(r: dict) -> None:
           f"requests {r['max_mean_requests']}")
     if r.get("profile"):
         print(f"  profile {r['profile']}: prefill nodes {r['prefill_profile']}, decode nodes {r['decode_profile']}")
+    if r.get("conversations"):
+        c = r["conversations"]
+        print(f"  {c['conversations']} conversations: {c['later_turns']} later turns sent after the answer before "
+              f"them, its generated tokens in their prompts")
+        if c["answers_not_reproduced"]:
+            print(f"  ANSWERS NOT REPRODUCED: {c['answers_not_reproduced']} streamed answers were not the tokens "
+                  f"put in the next turn's prompt (common/sim_tokens.py): the later turns are not the conversation")
+    if r.get("prompt_tokens_by_source"):
+        print("  prompt tokens by source: " + ", ".join(f"{k} {v:.1%}" for k, v in r["prompt_tokens_by_source"].items()))
     if r.get("hit_rate_by_tier"):
         print("  prompt tokens served by tier: " + ", ".join(f"{t} {v:.1%}" for t, v in r["hit_rate_by_tier"].items()))
     if r.get("schedule", {}).get("behind_schedule"):
