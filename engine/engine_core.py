@@ -124,7 +124,8 @@ class EngineCore:
         # with the lower tiers of the prefix cache (host memory, disk), if configured (kv/tier_store.py)
         self.kv = KVCacheManager.build(config, self.num_blocks, self.runner.kv_caches, tier_observer)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.prefill_chunk_size, self.max_model_len)
+                                   config.prefill_chunk_size, self.max_model_len,
+                                   prefill_step_budget=config.prefill_step_budget)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not landed
         self.num_computed_tokens_total = 0  # tokens that went through the model (a metric)
         self.busy_s = 0.0  # wall seconds spent in forward passes (a metric)

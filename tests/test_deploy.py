@@ -620,4 +620,6 @@ def test_running_cluster_exports_every_referenced_metric_with_model_name(redis_w
     assert value[names.INTER_TOKEN_LATENCY + "_count"] == value[names.GENERATION_TOKENS] - 2
     assert value[names.REQUEST_QUEUE_TIME + "_count"] >= 2  # on the prefill node
     assert value[names.PREFIX_CACHE_HITS] > 0  # the second request reused the system prompt
-    assert value[names.KV_TRANSFERS] == 2 and value[names.FALLBACK_PREFILLS] == 0
+    # each request either moved its KV or was prefilled by the decode node holding most of it
+    assert value[names.KV_TRANSFERS] + value[names.LOCAL_PREFILL_DECISIONS] == 2
+    assert value[names.KV_TRANSFERS] >= 1 and value[names.FALLBACK_PREFILLS] == 0

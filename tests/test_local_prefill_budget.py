@@ -129,9 +129,7 @@ def test_greedy_tokens_do_not_change_with_a_budget(make_engine, run_engine):
     for budget in (None, 16):
         engine = make_engine(dtype="float32", kv_cache_memory=16 << 20, prefill_chunk_size=64,
                              max_num_batched_tokens=128, prefill_step_budget=budget)
-        # EngineCore does not hand its config's budget to its Scheduler yet (a one-line change
-        # to engine_core.py, outside this commit); until it does, the test does
-        engine.scheduler.prefill_step_budget = engine.config.prefill_step_budget
+        assert engine.scheduler.prefill_step_budget == budget
         steps: list[int] = []
         engine.on_launch = lambda out: steps.append(sum(prompt_tokens(r) for r in out.rows))
         outputs.append(run_engine(engine, prompts, join_at={"p3": 3}))

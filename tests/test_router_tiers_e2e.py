@@ -36,8 +36,11 @@ def get(url: str) -> str:
 def test_a_prompt_back_from_host_memory_is_predicted_there(served_tiny_model):
     model = served_tiny_model("llama", max_position_embeddings=512)
     tiers = TierFlags(memory=str(16 * BLOCK), dir=None, disk_bytes=None)
+    # the prefill node's tiers are the subject: the decode node (which holds the prompts too)
+    # neither prefills them itself nor is pulled from
     with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory=str(12 * BLOCK),
-                 model=str(model), kv_offload=tiers) as c:
+                 model=str(model), kv_offload=tiers,
+                 router_args=["--score-weights", "local_prefill_tokens=0", "--no-prefix-pull"]) as c:
         client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=60)
 
         def ask(i: int) -> dict:

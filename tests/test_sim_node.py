@@ -87,7 +87,9 @@ def test_fleet_serves_the_router_with_transfers_and_prefix_hits():
         assert again.usage.prompt_tokens_details.cached_tokens == 592
         with urllib.request.urlopen(f"{c.url}/debug/decisions?limit=2", timeout=10) as r:
             d = json.loads(r.read())["decisions"]
-        assert d[-1]["prefill"] == d[-2]["prefill"] and d[-1]["outcome"] == "hit"
+        # decode-side reuse: the decode node that holds the prompt computes the 3 new tokens itself
+        assert (d[-1]["prefill"], d[-1]["decode"], d[-1]["reuse"]) == (None, d[-2]["decode"], "own")
+        assert d[-1]["outcome"] == "hit"
         with urllib.request.urlopen(f"{c.url}/health", timeout=10) as r:
             health = json.loads(r.read())
         assert (health["prefill_nodes"], health["decode_nodes"]) == (2, 1)
