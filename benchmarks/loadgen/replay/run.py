@@ -158,7 +158,6 @@ class Outcome(NamedTuple):
 # A replay is behind its schedule when its sends come later than this (wall seconds, p99):
 # its latencies are then those of a slower trace, and its figures are not the trace's.
 LATE_P99_S = 0.1
-KV_PULL_TOKENS = names.PREFIX + "kv_pull_tokens_total"  # node/kv_pull.py's counter, on the pulling node
 # A replay's TTFT is the modelled network's only while this machine moves the stand-in blocks
 # within the modelled time: past this share of the TTFT summed over requests spent beyond
 # it, the figures are this machine's transport's.
@@ -499,7 +498,7 @@ def prompt_token_sources(metrics: dict[str, dict[str, str]]) -> dict[str, float]
     given = sum(total(role, names.PREFIX_CACHE_QUERIES) for role in metrics)
     if not given:
         return None
-    pulled = {role: total(role, KV_PULL_TOKENS) for role in metrics}  # counted in the puller's hits too
+    pulled = {role: total(role, names.KV_PULL_TOKENS) for role in metrics}  # counted in the puller's hits too
     shares = {"decode_node_hits": total("decode", names.PREFIX_CACHE_HITS) - pulled.get("decode", 0.0),
               "prefill_node_hits": total("prefill", names.PREFIX_CACHE_HITS) - pulled.get("prefill", 0.0),
               "pulled": sum(pulled.values())}
