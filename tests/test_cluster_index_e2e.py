@@ -87,8 +87,11 @@ class Env:
 def env(tokenizer):
     port = free_port()
     procs = [start_redis(port)[0]]
+    # the prefill nodes' entries of the index are the subject: the decode node, which holds every
+    # prompt too, neither prefills a repeated one itself nor is pulled from
     cluster = Cluster(prefill_nodes=2, decode_nodes=1, kv_backend="tcp", kv_cache_memory="128MiB",
-                      redis_url=f"redis://127.0.0.1:{port}/0")
+                      redis_url=f"redis://127.0.0.1:{port}/0",
+                      router_args=["--score-weights", "local_prefill_tokens=0", "--no-prefix-pull"])
     cluster.start()
     e = Env(cluster, procs, port, tokenizer)
     yield e

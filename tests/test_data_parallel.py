@@ -102,7 +102,10 @@ def dp_cluster(model_path):
     streams of a broken node migrate), the router's default policy."""
     c = Cluster(prefill_nodes=0, decode_nodes=0, kv_backend="shm", kv_cache_memory="8MiB", model=str(model_path),
                 served_model_names=[MODEL], cluster_token=new_cluster_token(), redis_password=new_cluster_token(),
-                extra_node_args=["--transfer-lease", "8"], router_args=["--migration-limit", "2"])
+                extra_node_args=["--transfer-lease", "8"],
+                # placement over the ranks by load is the subject: decode-side reuse keeps a repeated
+                # prompt on the rank that holds it
+                router_args=["--migration-limit", "2", "--score-weights", "local_prefill_tokens=0"])
     port = free_port()
     try:
         c.start_redis()

@@ -32,6 +32,10 @@ os.environ.setdefault("SPLITSERVE_QUIET", "1")
 BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # a tiny Llama block: 2 layers, K and V, 16 tokens, 2 KV heads of 16, fp32
 MAX_TOKENS = 8
 
+# the prefill node's tiers are the subject: the decode node holds the prompts too, and would
+# prefill them itself or be pulled from
+PREFILL_NODE_ONLY = ["--score-weights", "local_prefill_tokens=0", "--no-prefix-pull"]
+
 
 def prompts() -> list[list[int]]:
     return [[(31 * i + 7 * j + 3) % 40000 + 100 for j in range(120)] for i in range(4)]
@@ -54,7 +58,7 @@ def test_blocks_from_host_and_disk_give_the_recomputed_tokens(served_tiny_model,
     want = reference(model)
     tiers = TierFlags(memory=str(4 * BLOCK), dir=str(tmp_path / "kv"), disk_bytes="4MiB")
     with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory=str(12 * BLOCK),
-                 model=str(model), kv_offload=tiers) as c:
+                 model=str(model), kv_offload=tiers, router_args=PREFILL_NODE_ONLY) as c:
         client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=60)
         order = [0, 1, 2, 3, 3, 2, 1, 0]  # back in reverse: the device, then host memory, then disk
         got = []
@@ -99,7 +103,7 @@ def test_a_node_killed_while_storing_comes_back_with_its_disk_tier(served_tiny_m
     folder = tmp_path / "kv"
     tiers = TierFlags(memory=str(2 * BLOCK), dir=str(folder), disk_bytes="4MiB")
     with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory=str(12 * BLOCK),
-                 model=str(model), kv_offload=tiers) as c:
+                 model=str(model), kv_offload=tiers, router_args=PREFILL_NODE_ONLY) as c:
         c.supervise()
         client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=2, timeout=60)
 

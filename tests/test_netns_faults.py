@@ -137,7 +137,11 @@ class NetCluster:
             [node("decode", ns, f"decode-{i}") for i, ns in enumerate(self.decodes)]
         self.router_port = free_port()
         self.router = lab.spawn(None, "router", ["router", "--host", "127.0.0.1", "--port", str(self.router_port),
-                                                 "--redis-url", redis_url("127.0.0.1"), *model], self.env)
+                                                 "--redis-url", redis_url("127.0.0.1"), *model,
+                                                 # the transfers between the namespaces are the subject:
+                                                 # every prompt goes through the prefill node
+                                                 "--no-prefix-pull", "--score-weights", "local_prefill_tokens=0"],
+                                self.env)
         self.url = f"http://127.0.0.1:{self.router_port}"
 
     def wait_ready(self, timeout: float = 240.0) -> None:

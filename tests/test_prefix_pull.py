@@ -115,6 +115,12 @@ def test_a_prefill_node_pulls_the_conversation_from_the_decode_node(model):
         assert node_metric(c, "prefill-0", names.KV_PULLS, outcome="pulled") == 1
         assert node_metric(c, "decode-0", names.KV_PULLS_SERVED, outcome="sent") == 1
         assert r.usage.prompt_tokens_details.cached_tokens >= (TURN1 + ANSWER - 1) // 16 * 16
+        # the pulled blocks are the prefill node's own now, and the index says so
+        time.sleep(1.0)
+        ask(client, path, tok, hf, second, 8)
+        d = last_decision(c)
+        assert d["node_cached_tokens"]["prefill-0"] >= (TURN1 + ANSWER - 1) // 16 * 16, d
+        assert (d["prefill"], d["reuse"]) == ("prefill-0", "own"), d
         pools_idle(c, ["prefill-0", "decode-0"])
 
 

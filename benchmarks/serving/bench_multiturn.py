@@ -14,17 +14,22 @@ cached as they fill); a prefill node holds at most the prompts it computed. Setu
 fresh cluster of ``--prefill`` prefill nodes and one decode node with small device pools,
 alternated ``--rounds`` times:
 
-    remote prefill     today's default: every prompt goes to a prefill node
-    decode-side reuse  the router lets the decode node prefill a prompt itself when at most
-                       ``--local-tokens`` of it are not in its cache and that is cheaper than
-                       the remote pair (router --score-weights local_prefill_tokens=N)
+    remote prefill     the defaults before issue 38: every prompt goes to a prefill node, which
+                       uses its own cache only (router --no-prefix-pull
+                       --score-weights local_prefill_tokens=0)
+    pull only          every prompt goes to a prefill node, which pulls a longer cached prefix
+                       from another node first when that pays (--score-weights local_prefill_tokens=0)
+    defaults           today's: the decode node prefills a prompt itself when it holds part of it
+                       and at most 512 tokens are not cached there (decode-side reuse, chunked by
+                       its --local-prefill-budget), and the node that computes pulls when that pays
 
 Reported per setup: TTFT p50 and p99 (turns 2.., where reuse is possible, and all turns), TPOT
 p99 (per request: (last token - first token) / (tokens - 1): the other streams' cost of
 the prefills the decode node ran), and the prompt tokens by where they came from: computed,
-cached on the node that prefilled (a prefill node's hit, or the decode node's own when it
-prefilled: decode-side reuse), from the router's decisions. The spread of a setup's TTFT p50
-over its rounds says whether the machine sustained the run (> 1.5x: flagged, not a figure).
+the decode node's own cache when it prefilled (decode-side reuse), pulled from another node
+(the nodes' kv_pull_tokens_total), and the prefilling node's own cache otherwise (from the
+router's decisions and the responses' cached tokens). The spread of a setup's TTFT p50 over its
+rounds says whether the machine sustained the run (> 1.5x: flagged, not a figure).
 Writes benchmarks/results/multiturn_cpu.json and .png.
 """
 
@@ -40,10 +45,14 @@ from typing import Any, NamedTuple
 
 import openai
 
-from splitserve.benchmarks.harness import MODEL, RESULTS, check_alive
+from splitserve.benchmarks.harness import MODEL, RESULTS, check_alive, node_counters
+from splitserve.common import metric_names as names
 from splitserve.deploy.launcher import Cluster
 
-SETUPS = ("remote prefill", "decode-side reuse")
+# setup -> its router flags
+SETUPS = {"remote prefill": ["--no-prefix-pull", "--score-weights", "local_prefill_tokens=0"],
+          "pull only": ["--score-weights", "local_prefill_tokens=0"],
+          "defaults": []}
 SPREAD_LIMIT = 1.5  # a setup's TTFT p50 over its rounds, max / min, beyond which the run is not sustained
 SYSTEM = ("You are a patient assistant who explains the weather, the sea and the sky to curious people. "
           "Answer in plain words, in two or three sentences, and never use lists. ") * 6
@@ -98,10 +107,8 @@ def decisions(url: str, limit: int) -> list[dict]:
 
 
 def run_setup(name: str, args) -> dict:
-    router_args = (["--score-weights", f"local_prefill_tokens={args.local_tokens}"]
-                   if name == "decode-side reuse" else [])
     cluster = Cluster(prefill_nodes=args.prefill, decode_nodes=1, kv_backend="shm",
-                      kv_cache_memory=args.kv_cache_memory, router_args=router_args)
+                      kv_cache_memory=args.kv_cache_memory, router_args=SETUPS[name])
     with cluster:
         async def all_conversations():
             async with openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="none", max_retries=0,
@@ -113,7 +120,8 @@ def run_setup(name: str, args) -> dict:
         turns = asyncio.run(all_conversations())
         check_alive(cluster)
         made = decisions(cluster.url, args.conversations * args.turns)
-    return {"turns": [t._asdict() for t in turns], "decisions": made}
+        pulled = sum(node_counters(cluster, (names.KV_PULL_TOKENS,)).values())
+    return {"turns": [t._asdict() for t in turns], "decisions": made, "pulled_tokens": pulled}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -130,6 +138,8 @@ def summarize(rounds: list[dict]) -> dict:
     local = [d for d in made if d["prefill"] is None]
     remote = [d for d in made if d["prefill"] is not None]
     cached = lambda ds: sum(d.get("delivered_cached_tokens") or 0 for d in ds)
+    pulled = sum(r["pulled_tokens"] for r in rounds)
+    share = lambda tokens: round(tokens / prompt, 3) if prompt else 0.0
     p50s = [statistics.median(t["ttft_s"] for t in r["turns"] if t["turn"] > 1) for r in rounds]
     return {
         "requests": len(turns),
@@ -140,10 +150,12 @@ def summarize(rounds: list[dict]) -> dict:
         "tpot_p50_ms": round(statistics.median(tpots) * 1000, 1),
         "tpot_p99_ms": round(pct(tpots, 0.99) * 1000, 1),
         "prompt_tokens": prompt,
-        "share_decode_side_reuse": round(cached(local) / prompt, 3) if prompt else 0.0,
-        "share_prefill_node_hits": round(cached(remote) / prompt, 3) if prompt else 0.0,
-        "share_computed": round(1 - (cached(local) + cached(remote)) / prompt, 3) if prompt else 0.0,
+        "share_decode_side_reuse": share(cached(local)),
+        "share_pulled": share(pulled),
+        "share_local_hits": share(cached(remote) - pulled),
+        "share_computed": share(prompt - cached(local) - cached(remote)),
         "requests_prefilled_by_decode_node": len(local),
+        "requests_that_pulled": sum(1 for d in made if d.get("reuse") == "pull"),
         "round_ttft_p50_spread": round(max(p50s) / min(p50s), 2) if len(p50s) > 1 else 1.0,
     }
 
@@ -179,8 +191,6 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prefill", type=int, default=2, help="prefill nodes (one decode node)")
     ap.add_argument("--kv-cache-memory", default="256MiB", help="each node's device pool")
-    ap.add_argument("--local-tokens", type=int, default=256,
-                    help="decode-side reuse: the uncached prompt tokens a decode node may prefill itself")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 conversations x 2 turns, one round")
     ap.add_argument("--out", default=str(RESULTS / "multiturn_cpu.json"))
@@ -189,7 +199,7 @@ def main(argv=None) -> int:
         args.conversations, args.turns, args.rounds, args.max_tokens = 2, 2, 1, 8
     results: dict[str, list[dict]] = {s: [] for s in SETUPS}
     for r in range(args.rounds):
-        for name in (SETUPS if r % 2 == 0 else SETUPS[::-1]):
+        for name in (list(SETUPS) if r % 2 == 0 else list(SETUPS)[::-1]):
             t0 = time.perf_counter()
             results[name].append(run_setup(name, args))
             print(f"round {r + 1}/{args.rounds} {name}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -203,8 +213,8 @@ def main(argv=None) -> int:
     for name, s in summary.items():
         print(f"{name:>18}: TTFT p50 {s['later_turns_ttft_p50_ms']:.0f} ms p99 {s['later_turns_ttft_p99_ms']:.0f} ms "
               f"(turns 2..), TPOT p99 {s['tpot_p99_ms']:.0f} ms; prompt tokens: decode-side reuse "
-              f"{s['share_decode_side_reuse']:.0%}, prefill-node hits {s['share_prefill_node_hits']:.0%}, computed "
-              f"{s['share_computed']:.0%}")
+              f"{s['share_decode_side_reuse']:.0%}, pulled {s['share_pulled']:.0%}, local hits "
+              f"{s['share_local_hits']:.0%}, computed {s['share_computed']:.0%}")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")

@@ -407,6 +407,13 @@ def max_over_mean(values: list[float], n: int) -> float | None:
     return round(max(values) / mean, 3) if mean else None
 
 
+def local_prefills(metrics_text: str) -> float:
+    """Requests the router sent to a decode node with no prefill node (the router's metrics)."""
+    return sum(s.value for family in text_string_to_metric_families(metrics_text)
+               if family.name == names.LOCAL_PREFILL_DECISIONS.removesuffix("_total")
+               for s in family.samples if s.name.endswith("_total"))
+
+
 def prefill_requests_per_node(metrics_text: str) -> dict[str, float]:
     """node_id -> requests the router sent to that prefill node."""
     counts = {}
@@ -577,7 +584,9 @@ def run_replay(cfg: ReplayConfig, at_end: Callable[[SimCluster], dict] | None = 
         wall_s = time.perf_counter() - start
         import urllib.request
         with urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10) as r:
-            per_node = prefill_requests_per_node(r.read().decode())
+            router_text = r.read().decode()
+        per_node = prefill_requests_per_node(router_text)
+        local = local_prefills(router_text)
         states = asyncio.run(prefill_node_states(cluster.redis_url))
         if any(map(not_idle, states.values())):  # a transfer may still be closing: look again
             time.sleep(IDLE_RECHECK_S)
@@ -594,6 +603,7 @@ def run_replay(cfg: ReplayConfig, at_end: Callable[[SimCluster], dict] | None = 
         raise RuntimeError("replay: the nodes' block size is not the one the pooled bound was computed in")
     result = summarize(cfg, requests, outcomes, per_node, states, wall_s, lower, overrun,
                        node_side(metrics, cfg.speedup), conversations, prompt_token_sources(metrics))
+    result["local_prefills"] = local  # requests the router had a decode node prefill itself (decode-side reuse)
     if looked is not None:
         result["at_end"] = looked
     if cfg.result_json:
