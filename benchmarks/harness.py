@@ -24,8 +24,6 @@ from here and never from another script.
                        that may hang up at a chosen point
       run_load         open-loop load at a fixed rate
       node_state, wait_pools_free   the aftermath: every KV pool free, no stream left
-    routing (router/bench_multiturn_sim, bench_hot_prefix)
-      router_has       whether this checkout's router takes a flag (a feature being landed)
 
 Must not start or stop clusters or processes (the scripts do, through
 deploy/launcher.py), judge a figure, or import a script or the tests.
@@ -210,17 +208,6 @@ def check_alive(c: Cluster) -> None:
         raise RuntimeError("; ".join(
             f"{p.name} exited with status {p.popen.returncode} during the run (negative: killed "
             "by that signal), its last lines:\n  " + "\n  ".join(p.log[-15:]) for p in dead))
-
-
-def router_has(flag: str) -> bool:
-    """Whether this checkout's router takes ``flag`` (``splitserve router --help``'s flags)."""
-    import argparse
-
-    from splitserve.router.config import add_router_args
-
-    p = argparse.ArgumentParser(add_help=False)
-    add_router_args(p)
-    return not p.parse_known_args([flag])[1]
 
 
 def pool(rounds: list[dict]) -> dict:

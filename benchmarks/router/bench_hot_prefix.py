@@ -15,8 +15,7 @@ twice in one run, only the router's prefix pull told apart:
 
     .venv/bin/python benchmarks/router/bench_hot_prefix.py          # ~6 min here
 
-Until this checkout's router has ``--no-prefix-pull``, both setups run the same router and the
-pull setup is reported as pending (``PULL_FLAG`` is the one switch). Reported per setup: TTFT
+Reported per setup: TTFT
 p50/p99 (trace seconds), the prefill nodes' busy time max / mean (the replay's
 ``max_mean_load``), the prompt tokens by source (replay/run.py ``prompt_token_sources``), and
 how many nodes hold the whole prefix in the Redis prefix index at the end (common/kv_index.py:
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitserve.benchmarks.harness import RESULTS, router_has
+from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, node_block_size, print_summary, run_replay
 from splitserve.common.bundled import BUNDLED_MODEL_ID
@@ -124,8 +123,7 @@ def plot(result: dict, path: Path) -> None:
     axes[2].set_title("nodes holding the hot prefix at the end")
     axes[2].legend(fontsize=8)
     for ax in axes:
-        ax.set_xticks(xs, [n + ("\n(pending: no pull in router)" if n == "pull" and not result["prefix_pull_in_router"]
-                                else "") for n in names])
+        ax.set_xticks(xs, names)
     fig.suptitle(f"{result['prefill']}P:{result['decode']}D x {result['profile']}, {HOT_SHARE:.0%} of requests on one "
                  f"{result['prefix_tokens']}-token prefix, speed-up {result['speedup']}"
                  + ("" if result["sustained"] else ": NOT SUSTAINED"), fontsize=10)
@@ -147,8 +145,6 @@ def report(result: dict) -> None:
         print(f"{name:>8s} {r['ttft_p50']:9.3f} {r['ttft_p99']:7.3f} {r['max_mean_load']:14} "
               f"{held['prefill']:>6}/{held['decode']:<5}  "
               + ", ".join(f"{k} {v:.1%}" for k, v in (r["prompt_tokens_by_source"] or {}).items()))
-    if not result["prefix_pull_in_router"]:
-        print(f"pull: pending (this router has no {PULL_FLAG}): both setups ran the same router")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,14 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     prefix = prompt_tokens(next(r for r in trace if r.input_length > args.prefix_tokens
                                 and r.hash_ids[0] == 0))[:args.prefix_tokens]
     block_size = node_block_size(args.profile)
-    pull = router_has(PULL_FLAG)
     result: dict = {"command": " ".join(["benchmarks/router/bench_hot_prefix.py",
                                           *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),
                     "profile": args.profile, "prefill": args.prefill, "decode": args.decode, "seed": args.seed,
                     "speedup": args.speedup, "prefix_tokens": args.prefix_tokens, "hot_share": HOT_SHARE,
                     "trace": {"rate": args.rate, "duration_s": args.duration, "suffix_tokens": args.suffix_tokens,
                               **trace_summary(trace)},
-                    "prefix_pull_in_router": pull, "runs": {}}
+                    "runs": {}}
     print(f"== trace: {result['trace']}", file=sys.stderr, flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{args.out}.json"
@@ -185,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(tmp) / "hot.jsonl"
         dump_trace(trace, path)
         for name in args.setups:
-            router_args = (PULL_FLAG,) if name == "no-pull" and pull else ()
+            router_args = (PULL_FLAG,) if name == "no-pull" else ()
             print(f"== {name}: router {list(router_args)}", file=sys.stderr, flush=True)
             r = run_replay(ReplayConfig(trace=str(path), prefill_nodes=args.prefill, decode_nodes=args.decode,
                                         profile=args.profile, speedup=args.speedup, max_output_tokens=4,
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 "requests", "failed", "ttft_p50", "ttft_p90", "ttft_p99", "hit_rate", "oracle_hit_rate",
                 "max_mean_load", "max_mean_requests", "prefill_busy_s_per_node", "prompt_tokens_by_source",
                 "at_end", "at_nodes", "transfers", "schedule", "sim_overrun_s", "wall_s", "errors")},
-                "router_args": list(router_args), "pending": name == "pull" and not pull, "sustain": sustain(r)}
+                "router_args": list(router_args), "sustain": sustain(r)}
             out.write_text(json.dumps(result, indent=1))  # after each setup: a late crash keeps what ran
     result["sustained"] = all(r["sustain"]["sustained"] for r in result["runs"].values())
     out.write_text(json.dumps(result, indent=1))

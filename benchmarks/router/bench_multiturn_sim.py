@@ -7,10 +7,9 @@ previous answer ended, its prompt holding that answer's generated tokens
 Through the real router, Redis and KV transport (``splitserve replay``), twice in one run:
 
     today   cache-aware routing as it was: every prompt to a prefill node
-            (--score-weights local_prefill_tokens=0, and --no-prefix-pull where the router has it)
+            (--score-weights local_prefill_tokens=0 --no-prefix-pull)
     reuse   the router's defaults: a decode node holding most of the prompt prefills the rest
-            itself (local_prefill_tokens=LOCAL_TOKENS where the default is still 0), and a
-            node lacking a prefix another holds pulls it (where the router has prefix pull)
+            itself, and a node lacking a prefix another holds pulls it
 
     .venv/bin/python benchmarks/router/bench_multiturn_sim.py        # ~8 min here
 
@@ -39,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from splitserve.benchmarks.harness import RESULTS, router_has
+from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.generate import PRESETS, TraceSpec, generate
 from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, percentile, print_summary, run_replay
@@ -47,23 +46,15 @@ from splitserve.common.trace import TraceRequest, dump_trace, load_trace
 from splitserve.common.trace import summarize as trace_summary
 
 SETUPS = ("today", "reuse")
-LOCAL_TOKENS = 512.0  # decode-side reuse's local_prefill_tokens where the router's default is still 0
 TARGET_TTFT = 1.5  # TTFT p50 today / reuse, at least
 TARGET_HIT = 0.95  # hit rate / pooled bound (reuse), at least
 TARGET_TPOT = 1.10  # TPOT p99 reuse / today, at most
 
 
-def setups() -> tuple[dict[str, dict], bool]:
-    """Each setup's replay settings (module docstring), as this checkout's router allows, and
-    whether that router has prefix pull."""
-    from splitserve.router.config import CacheAwareWeights
-
-    pull = router_has("--no-prefix-pull")
-    reuse_weights = (() if CacheAwareWeights().local_prefill_tokens > 0
-                     else (("local_prefill_tokens", LOCAL_TOKENS),))
-    return {"today": {"score_weights": (("local_prefill_tokens", 0.0),),
-                      "router_args": ("--no-prefix-pull",) if pull else ()},
-            "reuse": {"score_weights": reuse_weights, "router_args": ()}}, pull
+def setups() -> dict[str, dict]:
+    """Each setup's replay settings (module docstring)."""
+    return {"today": {"score_weights": (("local_prefill_tokens", 0.0),), "router_args": ("--no-prefix-pull",)},
+            "reuse": {"score_weights": (), "router_args": ()}}
 
 
 def sustain(r: dict) -> dict:
@@ -167,8 +158,6 @@ def report(result: dict) -> None:
     print(f"TTFT p50 today / reuse {t['ttft_p50_today_over_reuse']} (>= {TARGET_TTFT}), hit / bound (reuse) "
           f"{t['hit_over_bound_reuse']} (>= {TARGET_HIT}), TPOT p99 reuse / today "
           f"{t['tpot_p99_reuse_over_today']} (<= {TARGET_TPOT})")
-    if not result["prefix_pull_in_router"]:
-        print("prefix pull: not in this router yet; 'reuse' is decode-side reuse alone")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,14 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(spec, TraceSpec)
     trace = generate(dataclasses.replace(spec, rate=args.rate, duration_s=args.duration, mean_think_s=args.think,
                                          seed=args.seed))
-    settings, pull = setups()
+    settings = setups()
     result: dict = {"command": " ".join(["benchmarks/router/bench_multiturn_sim.py",
                                           *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),
                     "profile": args.profile, "prefill": args.prefill, "decode": args.decode, "seed": args.seed,
                     "speedup": args.speedup, "max_output_tokens": args.max_output_tokens,
                     "trace": {"preset": "chat", "rate": args.rate, "duration_s": args.duration, "think_s": args.think,
                               **trace_summary(trace)},
-                    "prefix_pull_in_router": pull,
                     "setups": {n: {k: list(v) for k, v in settings[n].items()} for n in args.setups}, "runs": {}}
     print(f"== trace: {result['trace']}", file=sys.stderr, flush=True)
     RESULTS.mkdir(exist_ok=True)
