@@ -1,6 +1,6 @@
 """Multi-turn chat on real nodes: does decode-side prefix reuse pay on this CPU? (issue 38)
 
-    .venv/bin/python benchmarks/serving/bench_multiturn.py              # ~10 min here (2 rounds)
+    .venv/bin/python benchmarks/serving/bench_multiturn.py              # ~11 min here (3 rounds)
     .venv/bin/python benchmarks/serving/bench_multiturn.py --quick      # one short round
 
 Workload: ``--conversations`` chats of ``--turns`` turns through the OpenAI chat API (the
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prefill", type=int, default=2, help="prefill nodes (one decode node)")
     ap.add_argument("--kv-cache-memory", default="256MiB", help="each node's device pool")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 conversations x 2 turns, one round")
     ap.add_argument("--out", default=str(RESULTS / "multiturn_cpu.json"))
     args = ap.parse_args(argv)
