@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 PULL_CHUNK_BLOCKS = 64  # the most blocks a holder copies out of its cache per engine pass
 STALL_FAULT = "stall_pull"  # --fault: the holder holds every pull back (tests kill it meanwhile)
 RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blocks are reused
+# A pull whose holder lands no block for this long fails and the puller computes the prefix: a
+# pull is worth less than the prompt's compute, so a stuck or partitioned holder costs at most this
+# (a prefill transfer's lease, --transfer-lease, guards a whole prompt's compute and is longer).
+PULL_LEASE_S = 5.0
 
 
 class PullHolder:
@@ -109,7 +113,9 @@ class PullHolder:
             self.stalled += 1
             await asyncio.Event().wait()  # until the test kills this node
         bs = self.config.engine.block_size
-        hashes = hash_blocks(prefix, bs, hash_keys(self.config.engine.model_id, task.cache_salt))
+        # off the loop: a 100k-token prefix is tens of milliseconds of hashing
+        hashes = await asyncio.to_thread(hash_blocks, prefix, bs, hash_keys(self.config.engine.model_id,
+                                                                            task.cache_salt))
         sender = self._sender(task.kv_backend)
         n_addrs, want, sent, due = len(task.kv_addrs), len(task.dest_block_ids), 0, 0.0
         engine = self.rt.engine_thread
@@ -206,7 +212,7 @@ class Puller:
             await asyncio.shield(self._give_back(None, rid))
             return 0
         tid = uuid.uuid4().hex
-        transfer = self.table.reserve(tid, rid, dest, self.config.transfer_lease_s)
+        transfer = self.table.reserve(tid, rid, dest, min(PULL_LEASE_S, self.config.transfer_lease_s))
         task = PullRequest(request_id=request_id, transfer_id=tid, token_ids=token_bytes(prefix),
                            kv_backend=self.kv_backend, kv_addrs=self.kv_addrs(), skip_blocks=skip,
                            dest_block_ids=dest, cache_salt=salt)

@@ -143,6 +143,23 @@ def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
     assert raw["observed"]["rate"] == 0 and raw["sizing"]["prefill"]["nodes"] >= 0
 
 
+def test_a_backlog_on_the_prefill_nodes_keeps_them_through_an_interval_without_arrivals():
+    """A burst ends but its prompts still queue on the prefill nodes: an interval with no new
+    requests does not drain them (that backlog would wait on fewer nodes, and the planner would
+    start one again once the late first tokens show the miss); once it is computed they go."""
+    cfg = PolicyConfig(Bounds(1, 4, 1, 3), cooldown_up_s=0, cooldown_down_s=0, down_after=1)
+    pol = Policy(PoolModel(H100, SLO), cfg)
+    prompts = round(2.9 * SLO.ttft_s / pol.model.prefill_seconds(6000))  # three nodes start them within the bound
+    quiet = obs(0, prefill=4)
+    busy = quiet._replace(pools={**quiet.pools, "prefill": PoolState(4, 4, prompts - 4, 6000 * prompts, 0.5)})
+    d = pol.decide(busy, {"prefill": 4, "decode": 1}, now=0)
+    assert d.target["prefill"] == 3 and d.change["prefill"] == -1  # shrinks only to what the backlog needs
+    assert any("queued on the prefill nodes" in r for r in d.reasons)
+    d = pol.decide(quiet._replace(pools={**quiet.pools, "prefill": PoolState(3, 0, 0, 0, 0.0)}),
+                   {"prefill": 3, "decode": 1}, now=10)
+    assert d.target["prefill"] == 1 and d.change["prefill"] < 0  # computed: the quiet pool shrinks
+
+
 def test_corrections_follow_what_the_pools_deliver():
     pol = Policy(PoolModel(H100, SLO), PolicyConfig(Bounds(1, 16, 1, 16), min_samples=3, corr_window=1))
     model_ttft = pol.model.ttft(4, 6000, 2)

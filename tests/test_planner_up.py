@@ -69,10 +69,12 @@ def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
     env.pop("SPLITSERVE_CLUSTER_TOKEN", None)
+    # --planner-down-after 6 (12 s of wanting fewer): the load step's last requests take ~10 s to
+    # answer on this CPU, an interval without arrivals that must not drain the node just started
     up = subprocess.Popen(
         [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--kv-cache-memory", "64MiB",
          "--planner", "--planner-interval", "2", "--planner-cooldown-up", "0", "--planner-cooldown-down", "4",
-         "--planner-down-after", "2", "--planner-min-samples", "2", "--planner-max-prefill", "2",
+         "--planner-down-after", "6", "--planner-min-samples", "2", "--planner-max-prefill", "2",
          "--planner-max-decode", "1", "--planner-ttft-p90", "3000", "--planner-itl-p90", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []

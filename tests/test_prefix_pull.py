@@ -150,6 +150,27 @@ def test_a_pulled_block_that_fails_its_checksum_is_computed_instead(model):
         pools_idle(c, ["prefill-0", "decode-0"])
 
 
+def test_a_stuck_holder_costs_at_most_the_pull_lease(model):
+    """The decode node holds every pull back and stays up: the prefill node's pull lands nothing,
+    fails when its lease (PULL_LEASE_S) runs out, and the prompt is computed instead."""
+    from splitserve.node.kv_pull import PULL_LEASE_S
+
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with _HolderFault("stall_pull", prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
+                      model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask(client, path, tok, hf, first, ANSWER)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        ask(client, path, tok, hf, second, 8)
+        took = time.monotonic() - t0
+        assert last_decision(c)["reuse"] == "pull"
+        assert node_metric(c, "prefill-0", names.KV_PULLS, outcome="failed") == 1
+        assert PULL_LEASE_S <= took < PULL_LEASE_S + 10, took
+        pools_idle(c, ["prefill-0", "decode-0"])  # the held-back pull pinned nothing
+
+
 def test_the_holder_killed_mid_pull_costs_a_recompute_not_a_request(model):
     """Turn 2 goes to the idle decode node, its prefill node pulling the conversation from the
     decode node that served turn 1 (busy with another stream now); that holder stalls its pulls

@@ -21,7 +21,10 @@
     3. size      perf.PoolModel at the predicted load with the corrections; decode at least
                  what the requests the decode nodes hold now need (output lengths show only
                  when requests finish: a shift to longer answers shows first as requests
-                 piling up); clamped to [min, max] per role
+                 piling up), prefill at least what its queued prompt tokens need to start
+                 within the TTFT bound (a burst's backlog outlives the burst's arrivals); these
+                 floors hold in an interval with no new requests too; clamped to [min, max]
+                 per role
     4. change    up to the target after ``up_after`` decisions in a row wanted more (at once
                  when the last interval missed the role's bound for more than the SLO
                  allows and more than chance explains: the one-sided 95% upper bound of
@@ -172,6 +175,15 @@ class Policy:
             d = d._replace(nodes=floor, batch=held / floor,
                            step_s=self.model.decode_step(held / floor, isl, self.corr["decode"], osl))
         slo = self.model.slo
+        # the prompt tokens already queued on the prefill nodes must start within the TTFT bound
+        # too: a backlog left by a burst keeps its nodes even in an interval with no new requests
+        pool = obs.pools["prefill"]
+        queued, prompts = pool.queued_prefill_tokens, max(1, pool.running + pool.waiting)
+        backlog = min(b.max_prefill, math.ceil(
+            prompts * self.model.prefill_seconds(queued / prompts, self.corr["prefill"]) / slo.ttft_s)) if queued else 0
+        if backlog > (p.nodes if rate > 0 else 0):
+            reasons.append(f"prefill: the {queued} prompt tokens queued on the prefill nodes need {backlog} "
+                           f"nodes to start within the TTFT bound (the rate says {p.nodes if rate > 0 else 0})")
         sizing = {
             "prefill": Sizing(nodes=p.nodes, feasible=p.feasible, predicted_latency_s=_finite(p.ttft_q_s),
                               slo_margin=_margin(slo.ttft_s, p.ttft_q_s), load=round(p.offered, 4)),
@@ -181,7 +193,8 @@ class Policy:
         for role, s in sizing.items():
             if not s.feasible:
                 reasons.append(f"{role}: the SLO is out of reach within {s.nodes} nodes at this load")
-        target = {role: b.clamp(role, sizing[role].nodes if rate > 0 else 0) for role in ROLES}
+        floors = {"prefill": backlog, "decode": floor}  # what the work already on the nodes needs
+        target = {role: b.clamp(role, max(sizing[role].nodes if rate > 0 else 0, floors[role])) for role in ROLES}
         change = {}
         missed = {"prefill": obs.ttft_n >= c.min_samples and significantly_below(obs.ttft_ok, obs.ttft_n, slo.attainment),
                   "decode": obs.itl_n >= c.min_samples and significantly_below(obs.itl_ok, obs.itl_n, slo.attainment)}
