@@ -62,6 +62,14 @@ def ask(client, path, tok, hf, prompt: list[int], n: int):
     return r
 
 
+def first_turn(c: Cluster, model, first: list[int]) -> openai.OpenAI:
+    """A client of ``c`` once turn 1 (``first`` and its ANSWER-token answer) was served."""
+    path, hf, tok = model
+    client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
+    ask(client, path, tok, hf, first, ANSWER)
+    return client
+
+
 def last_decision(c: Cluster) -> dict:
     return get_json(f"{c.url}/debug/decisions?limit=1")["decisions"][-1]
 
@@ -84,8 +92,7 @@ def test_the_next_turn_reuses_the_answer_the_decode_node_generated(model):
     first, answer, second = turns(hf)
     with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
                  model=str(path)) as c:
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask(client, path, tok, hf, first, ANSWER)
+        client = first_turn(c, model, first)
         assert last_decision(c)["prefill"] == "prefill-0"
         time.sleep(1.0)  # the decode node's events reach the router's index
         r = ask(client, path, tok, hf, second, 8)
@@ -104,8 +111,7 @@ def test_a_prefill_node_pulls_the_conversation_from_the_decode_node(model):
     first, answer, second = turns(hf)
     with Cluster(prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path),
                  router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask(client, path, tok, hf, first, ANSWER)
+        client = first_turn(c, model, first)
         time.sleep(1.0)
         r = ask(client, path, tok, hf, second, 8)
         d = last_decision(c)
@@ -140,8 +146,7 @@ def test_a_pulled_block_that_fails_its_checksum_is_computed_instead(model):
     first, answer, second = turns(hf)
     with _HolderFault("corrupt_block", prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
                       model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask(client, path, tok, hf, first, ANSWER)
+        client = first_turn(c, model, first)
         time.sleep(1.0)
         ask(client, path, tok, hf, second, 8)  # the right tokens
         assert last_decision(c)["reuse"] == "pull"
@@ -159,8 +164,7 @@ def test_a_stuck_holder_costs_at_most_the_pull_lease(model):
     first, answer, second = turns(hf)
     with _HolderFault("stall_pull", prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
                       model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask(client, path, tok, hf, first, ANSWER)
+        client = first_turn(c, model, first)
         time.sleep(1.0)
         t0 = time.monotonic()
         ask(client, path, tok, hf, second, 8)
@@ -180,8 +184,7 @@ def test_the_holder_killed_mid_pull_costs_a_recompute_not_a_request(model):
     first, answer, second = turns(hf)
     with _HolderFault("stall_pull", prefill_nodes=1, decode_nodes=2, kv_backend="tcp", kv_cache_memory="8MiB",
                       model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask(client, path, tok, hf, first, ANSWER)
+        client = first_turn(c, model, first)
         holder = last_decision(c)["decode"]
         other = "decode-1" if holder == "decode-0" else "decode-0"
         time.sleep(1.0)
@@ -239,8 +242,7 @@ def test_a_decode_node_pulls_from_either_role_before_prefilling_itself(model):
     first, answer, second = turns(hf)
     with Cluster(prefill_nodes=1, decode_nodes=2, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path),
                  router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
-        client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask(client, path, tok, hf, first, ANSWER)
+        first_turn(c, model, first)
         holder = last_decision(c)["decode"]
         puller = "decode-1" if holder == "decode-0" else "decode-0"
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.benchmarks.harness import RESULTS
-from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
+from splitserve.benchmarks.loadgen.replay.plan_check import judge_replay
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, node_block_size, print_summary, run_replay
 from splitserve.common.bundled import BUNDLED_MODEL_ID
 from splitserve.common.hashing import hash_blocks, hash_keys
@@ -93,12 +93,6 @@ def prefix_holders(redis_url: str, prefix: list[int], block_size: int) -> dict:
                 "any": sum(bool(h) for h in held.values()), "nodes": whole}
 
     return asyncio.run(read())
-
-
-def sustain(r: dict) -> dict:
-    pace = judge_pace(r["schedule"], r["sim_overrun_s"], r["wall_s"], r["transfers"])
-    why = pace["why"] + ([f"{r['failed']} requests failed"] if r["failed"] else [])
-    return {**pace, "sustained": not why, "why": why}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 "requests", "failed", "ttft_p50", "ttft_p90", "ttft_p99", "hit_rate", "oracle_hit_rate",
                 "max_mean_load", "max_mean_requests", "prefill_busy_s_per_node", "prompt_tokens_by_source",
                 "at_end", "at_nodes", "transfers", "schedule", "sim_overrun_s", "wall_s", "errors")},
-                "router_args": list(router_args), "sustain": sustain(r)}
+                "router_args": list(router_args), "sustain": judge_replay(r)}
             out.write_text(json.dumps(result, indent=1))  # after each setup: a late crash keeps what ran
     result["sustained"] = all(r["sustain"]["sustained"] for r in result["runs"].values())
     out.write_text(json.dumps(result, indent=1))

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.generate import PRESETS, TraceSpec, generate
-from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
+from splitserve.benchmarks.loadgen.replay.plan_check import judge_replay
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, percentile, print_summary, run_replay
 from splitserve.common.trace import TraceRequest, dump_trace, load_trace
 from splitserve.common.trace import summarize as trace_summary
@@ -58,15 +58,9 @@ def setups() -> dict[str, dict]:
 
 
 def sustain(r: dict) -> dict:
-    """judge_pace's verdict, also refusing failed requests and answers not reproduced."""
-    pace = judge_pace(r["schedule"], r["sim_overrun_s"], r["wall_s"], r["transfers"])
-    why = list(pace["why"])
-    if r["failed"]:
-        why.append(f"{r['failed']} requests failed")
-    if r["conversations"]["answers_not_reproduced"]:
-        why.append(f"{r['conversations']['answers_not_reproduced']} answers were not the tokens the next turn "
-                   f"held")
-    return {**pace, "sustained": not why, "why": why}
+    """judge_replay's verdict, also refusing answers not reproduced."""
+    lost = r["conversations"]["answers_not_reproduced"]
+    return judge_replay(r, [f"{lost} answers were not the tokens the next turn held"] if lost else [])
 
 
 def later_turns(trace: list[TraceRequest]) -> list[bool]:

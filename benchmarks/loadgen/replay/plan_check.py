@@ -142,3 +142,11 @@ def check_plan(trace: list[TraceRequest], deployment: SimDeployment, prefill_nod
             "ttft_mean_s": round(ttft_mean, 4), "ttft_at_prefill_nodes_s": round(at_nodes, 4),
             "ttft_path_s": round(ttft_mean - at_nodes, 4),
             "sustain": sustain_check(outcomes, over, wall, speedup)}
+
+
+def judge_replay(r: dict, more: list[str] | None = None) -> dict:
+    """``judge_pace`` of a ``run_replay`` result, also refusing failed requests and the
+    caller's ``more`` reasons: {..., "sustained", "why"}."""
+    pace = judge_pace(r["schedule"], r["sim_overrun_s"], r["wall_s"], r["transfers"])
+    why = pace["why"] + ([f"{r['failed']} requests failed"] if r["failed"] else []) + (more or [])
+    return {**pace, "sustained": not why, "why": why}
