@@ -12,3 +12,4 @@ class NodeLoad(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True, froze
     queued_prefill_tokens: int = 0  # prompt tokens admitted and not yet computed
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     kv_free_blocks: int = 0
+    generated_tokens: int = 0  # output tokens the running requests have produced so far

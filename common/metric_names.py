@@ -58,6 +58,7 @@ NUM_REQUESTS_WAITING = PREFIX + "num_requests_waiting"  # gauge
 NUM_QUEUED_PREFILL_TOKENS = PREFIX + "num_queued_prefill_tokens"  # gauge: prompt tokens still to compute
 KV_CACHE_USAGE = PREFIX + "kv_cache_usage_perc"  # gauge, 0..1 (vLLM's name and range)
 KV_FREE_BLOCKS = PREFIX + "kv_cache_free_blocks"  # gauge
+NUM_RUNNING_GENERATED_TOKENS = PREFIX + "num_running_generated_tokens"  # gauge: output tokens of the running batch so far
 NODE_DEVICE_INFO = PREFIX + "node_device_info"  # gauge = 1, labels device, dtype
 KV_POOL_BLOCKS = PREFIX + "kv_pool_blocks"  # gauge: the KV cache's size (the metric keeps the older word "pool")
 KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge

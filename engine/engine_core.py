@@ -334,7 +334,8 @@ class EngineCore:
         queued = sum(max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
                      for r in (*sched.running, *sched.waiting))
         return NodeLoad(running=len(sched.running), waiting=len(sched.waiting), queued_prefill_tokens=queued,
-                        kv_usage=self.kv.usage, kv_free_blocks=self.kv.num_free_blocks)
+                        kv_usage=self.kv.usage, kv_free_blocks=self.kv.num_free_blocks,
+                        generated_tokens=sum(len(r.output_token_ids) for r in sched.running))
 
     def step(self) -> list[RequestDelta]:
         """Run one step and return what landed: this step's deltas, or with async

@@ -64,6 +64,8 @@ class NodeMetrics:
                                              "Prompt tokens admitted and not yet computed"),
             "kv_usage": c.gauge(n.KV_CACHE_USAGE, "Fraction of KV blocks in use (0..1)"),
             "kv_free_blocks": c.gauge(n.KV_FREE_BLOCKS, "Free KV blocks"),
+            "generated_tokens": c.gauge(n.NUM_RUNNING_GENERATED_TOKENS,
+                                        "Output tokens the running requests have produced so far"),
         }
         assert set(self.load) == set(NodeLoad.__struct_fields__), "a load field has no gauge"
         self.device_info = c.gauge(n.NODE_DEVICE_INFO, "The engine's device and KV dtype (value 1)",

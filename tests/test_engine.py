@@ -148,3 +148,19 @@ def test_prefilled_request_continues_like_a_local_one(make_engine, run_engine, l
             got += d.new_token_ids
     assert got == want
     assert_pool_idle(decode)
+
+
+def test_load_counts_the_tokens_the_running_requests_generated(make_engine, long_prefix):
+    """NodeLoad.generated_tokens: what the planner reads the mix of answers from."""
+    engine = make_engine(block_size=BS)
+    engine.add_request("a", long_prefix, greedy(30))
+    engine.add_request("b", long_prefix[:20], greedy(30))
+    out = {"a": 0, "b": 0}
+    assert engine.load().generated_tokens == 0
+    for _ in range(6):
+        for d in engine.step():
+            out[d.request_id] += len(d.new_token_ids)
+    assert engine.load().running == 2 and engine.load().generated_tokens == sum(out.values()) > 2
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load().generated_tokens == 0

@@ -129,7 +129,7 @@ def obs(rate: float, isl: float = 6000, osl: float = 40, prefill: int = 1, decod
 
 
 def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
-    cfg = PolicyConfig(Bounds(1, 4, 1, 3), cooldown_up_s=0, cooldown_down_s=30, down_after=2)
+    cfg = PolicyConfig(Bounds(1, 4, 1, 3), cooldown_up_s=0, cooldown_down_s=30, down_after=2, rate_window=1)
     pol = Policy(PoolModel(H100, SLO), cfg)
     d = pol.decide(obs(12), {"prefill": 1, "decode": 1}, now=0)
     assert d.target["prefill"] == d.sizing["prefill"].nodes == 3 and d.change["prefill"] == 2
@@ -137,8 +137,8 @@ def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
     assert d.target["prefill"] == 4 and not d.sizing["prefill"].feasible  # bounded; said why
     assert any("out of reach" in r for r in d.reasons)
     quiet = [pol.decide(obs(0, prefill=4), {"prefill": 4, "decode": 1}, now=t) for t in (20, 30, 40, 50)]
-    assert [q.change["prefill"] for q in quiet] == [0, 0, -2, 0]  # cooldown from t=10, then 2 in a row
-    assert quiet[2].target["prefill"] == 1 and quiet[2].current["prefill"] == 4  # half the excess of 3
+    assert [q.change["prefill"] for q in quiet] == [0, 0, -3, 0]  # cooldown from t=10, then 2 in a row
+    assert quiet[2].target["prefill"] == 1 and quiet[2].current["prefill"] == 4  # to the target at once
     raw = msgspec.json.decode(msgspec.json.encode(quiet[2]))
     assert raw["observed"]["rate"] == 0 and raw["sizing"]["prefill"]["nodes"] >= 0
 

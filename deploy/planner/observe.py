@@ -104,6 +104,7 @@ class PoolState(NamedTuple):
     queued_prefill_tokens: int
     kv_usage: float  # mean over the role's nodes
     running_by_node: tuple[int, ...] = ()  # each node's running requests (how evenly they spread)
+    generated_tokens: int = 0  # output tokens the running requests have produced so far
 
 
 class Observation(NamedTuple):
@@ -177,7 +178,7 @@ def pool_states(nodes: list[NodeInfo], model: str | None = None) -> dict[str, Po
         out[role] = PoolState(len(mine), sum(n.load.running for n in mine), sum(n.load.waiting for n in mine),
                               sum(n.load.queued_prefill_tokens for n in mine),
                               sum(n.load.kv_usage for n in mine) / len(mine) if mine else 0.0,
-                              tuple(n.load.running for n in mine))
+                              tuple(n.load.running for n in mine), sum(n.load.generated_tokens for n in mine))
     return out
 
 

@@ -115,12 +115,14 @@ class PoolModel:
         return s + wait + self.decode_step(1, isl, corr_d) / 2
 
     def size_prefill(self, rate: float, isl: float, max_nodes: int, corr_p: float = 1.0,
-                     corr_d: float = 1.0) -> PrefillSizing:
+                     corr_d: float = 1.0, margin: float = 0.0) -> PrefillSizing:
+        """The fewest nodes whose TTFT at the SLO's quantile is within (1 - ``margin``) x
+        the bound."""
         s = self.prefill_seconds(isl, corr_p)
         a = rate * s
         for nodes in range(max(1, math.floor(a) + 1), max_nodes + 1):
             t = self.ttft(rate, isl, nodes, corr_p, corr_d, self.slo.attainment)
-            if t <= self.slo.ttft_s:
+            if t <= (1 - margin) * self.slo.ttft_s:
                 return PrefillSizing(nodes, s, a, t, True)
         t = self.ttft(rate, isl, max_nodes, corr_p, corr_d, self.slo.attainment)
         return PrefillSizing(max_nodes, s, a, t, False)
@@ -157,11 +159,11 @@ class PoolModel:
             b = nxt
         return b
 
-    def decode_nodes_for(self, running: float, isl: float, osl: float, max_nodes: int, corr_d: float = 1.0) -> int:
-        """The fewest decode nodes that run ``running`` requests at once within the ITL bound
-        (a floor from what the decode nodes hold now: output lengths are only known once
-        requests finish, their number in flight at once)."""
-        bound = self.itl_headroom * self.slo.itl_s
+    def decode_nodes_for(self, running: float, isl: float, osl: float, max_nodes: int, corr_d: float = 1.0,
+                         margin: float = 0.0) -> int:
+        """The fewest decode nodes that run ``running`` requests at once within (1 -
+        ``margin``) x the ITL bound (a floor from what the decode nodes hold now)."""
+        bound = (1 - margin) * self.itl_headroom * self.slo.itl_s
         cap = self.max_batch(isl, osl)
         for nodes in range(1, max_nodes + 1):
             b = running / nodes
@@ -170,8 +172,10 @@ class PoolModel:
         return max_nodes
 
     def size_decode(self, rate: float, isl: float, osl: float, max_nodes: int,
-                    corr_d: float = 1.0) -> DecodeSizing:
-        bound = self.itl_headroom * self.slo.itl_s
+                    corr_d: float = 1.0, margin: float = 0.0) -> DecodeSizing:
+        """The fewest nodes whose step at their batch is within (1 - ``margin``) x the
+        ITL bound's headroom (feasible: some size within ``max_nodes`` is)."""
+        bound = (1 - margin) * self.itl_headroom * self.slo.itl_s
         sizing = None
         for nodes in range(1, max_nodes + 1):
             b = self.decode_batch(rate, isl, osl, nodes, corr_d)

@@ -1,10 +1,13 @@
 """One planning decision per interval: observation -> prediction -> correction -> targets
 -> what to change, within bounds and cooldowns, written down as a ``PlanningDecision``.
 
-    1. predict   rate, input and output length of the next interval(s) (predictor.py);
-                 the rate asked of the pools is the larger of the forecast and the mean of
-                 the last ``rate_window`` observations: a forecast may lag a step up, never
-                 hide it, and one noisy interval alone moves nothing
+    1. predict   input and output length of the next interval(s) (predictor.py); the
+                 rate asked of the pools is the mean of the last ``rate_window``
+                 observations (a few requests an interval: one interval's count is mostly
+                 noise, and a forecast of it more so). The mix: the answers the decode
+                 nodes are generating now (RUNNING_ANSWER_FACTOR x their mean length so
+                 far) raise the output length when they outgrow the finished ones, so a
+                 shift to longer answers moves decode before any of them ends
     2. correct   from the last ``corr_window`` measured intervals of each role together,
                  each weighted by its requests (a handful of requests a interval says
                  little alone; pooled, one odd interval moves little):
@@ -18,21 +21,27 @@
                  counts registered, no change during the interval: a backlog left by a
                  pool still growing is not the profile's error); clamped to [corr_min,
                  corr_max]
-    3. size      perf.PoolModel at the predicted load with the corrections; decode at least
-                 what the requests the decode nodes hold now need (output lengths show only
-                 when requests finish: a shift to longer answers shows first as requests
-                 piling up), prefill at least what its queued prompt tokens need to start
-                 within the TTFT bound (a burst's backlog outlives the burst's arrivals); these
-                 floors hold in an interval with no new requests too; clamped to [min, max]
-                 per role
-    4. change    up to the target after ``up_after`` decisions in a row wanted more (at once
-                 when the last interval missed the role's bound for more than the SLO
-                 allows and more than chance explains: the one-sided 95% upper bound of
-                 its attainment (Wilson score, over its requests) under the SLO's; one
-                 slow request of five is not a miss), cooldown_up_s after the role's last
-                 change; down by half the excess rounded up (at most ``down_step``),
-                 only after ``down_after`` decisions in a row wanted fewer and
-                 cooldown_down_s after the role's last change
+    3. size      perf.PoolModel at the predicted load with the corrections, and floors from
+                 the work already on the nodes: decode at least what the requests it will
+                 hold an interval on need (those held now plus the arrivals the finishes
+                 do not balance: a shift to longer answers piles requests up before any
+                 ends), prefill at least what its queued prompt tokens need to start
+                 within the TTFT bound (a burst's backlog outlives the burst's arrivals);
+                 the floors hold in an interval with no new requests too. Two sizes per
+                 pool, clamped to [min, max]: ``grow`` meets the bound, ``keep`` meets it
+                 with the ``hysteresis`` margin ((1 - hysteresis) x the TTFT bound; x the
+                 ITL headroom). The target is ``grow`` below it, ``keep`` above it and the
+                 current size in between: the hysteresis band, where noise in the load
+                 moves nothing
+    4. change    up to the target (the whole predicted deficit at once) after ``up_after``
+                 decisions in a row wanted more; at once when a floor needs it (the work
+                 on the nodes is no forecast) or the last interval missed the role's bound
+                 for more than the SLO allows and more than chance explains (the
+                 one-sided 95% upper bound of its attainment, Wilson score over its
+                 requests, under the SLO's: one slow request of five is not a miss);
+                 cooldown_up_s after the role's last change. Down to the target (at most
+                 ``down_step`` nodes) only after ``down_after`` decisions in a row wanted
+                 fewer and cooldown_down_s after the role's last change
 
 The ``PlanningDecision`` keeps everything it was based on (observed and predicted load, the
 corrections, each pool's sizing and SLO margin, why it changed or held); service.py logs,
@@ -50,10 +59,15 @@ from typing import NamedTuple
 import msgspec
 
 from .observe import Observation, PoolState
-from .perf import PoolModel
+from .perf import DecodeSizing, PoolModel, PrefillSizing
 from .predictor import Ensemble
 
 ROLES = ("prefill", "decode")
+# A running request's answer so far, times this, is what the mix says about answer lengths:
+# 2 would be the mean of equal answers halfway through, but long answers run longer and so
+# are over-represented among the running ones (by 1 + their squared coefficient of
+# variation), and 2 overstates a varied mix; the finished answers say the steady state.
+RUNNING_ANSWER_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +93,21 @@ class PolicyConfig:
     cooldown_up_s: float = 30.0  # wall seconds after a role's change before it grows again
     cooldown_down_s: float = 120.0  # ... before it shrinks
     down_after: int = 2  # decisions in a row that want fewer nodes before one goes
-    down_step: int = 4  # nodes one decision may remove from a role, at most (it removes half the excess, rounded up)
+    down_step: int = 4  # nodes one decision may remove from a role, at most
     up_after: int = 1  # decisions in a row that want more nodes before they start (SLO missed: at once)
+    hysteresis: float = 0.2  # a pool shrinks only to a size predicted within (1 - this) x the bound
     min_samples: int = 5  # requests an interval needs to move a correction
     corr_min: float = 0.5
     corr_max: float = 3.0
     corr_window: int = 5  # the correction pools this many of the last measured intervals
-    rate_window: int = 2  # observations the rate floor averages
+    rate_window: int = 4  # observations the rate the pools are sized for averages
 
     def __post_init__(self):
         if min(self.cooldown_up_s, self.cooldown_down_s) < 0 or min(self.down_after, self.down_step,
                                                                      self.up_after, self.rate_window) < 1:
             raise ValueError("planner: cooldowns must be >= 0; down_after, down_step, up_after and rate_window >= 1")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"planner: hysteresis must be in [0, 1), got {self.hysteresis}")
         if not 0 < self.corr_min <= 1 <= self.corr_max or self.corr_window < 1:
             raise ValueError("planner: need 0 < corr_min <= 1 <= corr_max and corr_window >= 1")
 
@@ -102,6 +119,7 @@ class Sizing(msgspec.Struct, omit_defaults=True, kw_only=True):
     predicted_latency_s: float | None  # prefill: TTFT at the SLO's quantile; decode: the step (ITL)
     slo_margin: float | None  # (bound - predicted) / bound: > 0 inside the SLO
     load: float  # prefill: busy nodes (rate x service); decode: requests per node
+    keep: int  # the fewest nodes that meet the bound with the hysteresis margin: more than this shrink
 
 
 class PlanningDecision(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -157,7 +175,7 @@ class Policy:
         self.rates.append(obs.rate)
         while len(self.rates) > self.config.rate_window:
             self.rates.popleft()
-        rate = max(predicted["rate"] or 0.0, sum(self.rates) / len(self.rates))
+        rate = sum(self.rates) / len(self.rates)
         isl = predicted["isl"] or self.last.get("isl") or 1.0
         osl = predicted["osl"] or self.last.get("osl") or 1.0
         settled = {role: obs.pools[role].nodes == current[role]
@@ -165,15 +183,20 @@ class Policy:
         self._correct(obs, isl, osl, settled)
 
         c, b = self.config, self.config.bounds
-        p = self.model.size_prefill(rate, isl, b.max_prefill, self.corr["prefill"], self.corr["decode"])
-        d = self.model.size_decode(rate, isl, osl, b.max_decode, self.corr["decode"])
-        held = obs.pools["decode"].running + obs.pools["decode"].waiting  # in flight now, whatever their length
-        floor = self.model.decode_nodes_for(held, isl, osl, b.max_decode, self.corr["decode"]) if held else 0
-        if floor > d.nodes:
-            reasons.append(f"decode: the {held} requests on the decode nodes now need {floor} nodes "
-                           f"(the rate and output length say {d.nodes})")
-            d = d._replace(nodes=floor, batch=held / floor,
-                           step_s=self.model.decode_step(held / floor, isl, self.corr["decode"], osl))
+        dpool = obs.pools["decode"]
+        # the mix: a running request is on average halfway through its answer, so the answers
+        # the decode nodes are generating now say how long they are before any of them ends
+        osl_running = RUNNING_ANSWER_FACTOR * dpool.generated_tokens / dpool.running if dpool.running else 0.0
+        if osl_running > osl:
+            reasons.append(f"decode: the running requests' answers point to {osl_running:.0f} output tokens "
+                           f"(the finished ones say {osl:.0f})")
+            osl = osl_running
+        # the requests the decode nodes will hold one interval on: those held now plus the
+        # arrivals the finishes do not balance (a shift to longer answers piles them up
+        # before any of them ends)
+        held = dpool.running + dpool.waiting
+        finish_rate = obs.finished / obs.interval_s if obs.interval_s > 0 else 0.0
+        held_next = held + max(0.0, obs.rate - finish_rate) * obs.interval_s * self.ahead
         slo = self.model.slo
         # the prompt tokens already queued on the prefill nodes must start within the TTFT bound
         # too: a backlog left by a burst keeps its nodes even in an interval with no new requests
@@ -181,20 +204,42 @@ class Policy:
         queued, prompts = pool.queued_prefill_tokens, max(1, pool.running + pool.waiting)
         backlog = min(b.max_prefill, math.ceil(
             prompts * self.model.prefill_seconds(queued / prompts, self.corr["prefill"]) / slo.ttft_s)) if queued else 0
+
+        def size(margin: float) -> tuple[PrefillSizing, DecodeSizing, dict[str, int]]:
+            """Each pool's size at the predicted load within (1 - margin) x its bound, and
+            what the work already on the nodes needs (floors)."""
+            p = self.model.size_prefill(rate, isl, b.max_prefill, self.corr["prefill"], self.corr["decode"], margin)
+            d = self.model.size_decode(rate, isl, osl, b.max_decode, self.corr["decode"], margin)
+            floor = self.model.decode_nodes_for(held_next, isl, osl, b.max_decode, self.corr["decode"],
+                                                margin) if held_next else 0
+            return p, d, {"prefill": backlog, "decode": floor}
+
+        p, d, floors = size(0.0)
+        if floors["decode"] > d.nodes:
+            reasons.append(f"decode: the {held} requests on the decode nodes ({held_next:.0f} an interval on) need "
+                           f"{floors['decode']} nodes (the rate and output length say {d.nodes})")
         if backlog > (p.nodes if rate > 0 else 0):
             reasons.append(f"prefill: the {queued} prompt tokens queued on the prefill nodes need {backlog} "
                            f"nodes to start within the TTFT bound (the rate says {p.nodes if rate > 0 else 0})")
+        pk, dk, floors_k = size(c.hysteresis)
+        # grow to the size that meets the bound; shrink only to the one that meets it with margin
+        lo = {"prefill": p.nodes, "decode": d.nodes}
+        hi = {"prefill": pk.nodes, "decode": dk.nodes}
+        lo = {role: b.clamp(role, max(lo[role] if rate > 0 else 0, floors[role])) for role in ROLES}
+        hi = {role: b.clamp(role, max(hi[role] if rate > 0 else 0, floors_k[role])) for role in ROLES}
         sizing = {
             "prefill": Sizing(nodes=p.nodes, feasible=p.feasible, predicted_latency_s=_finite(p.ttft_q_s),
-                              slo_margin=_margin(slo.ttft_s, p.ttft_q_s), load=round(p.offered, 4)),
-            "decode": Sizing(nodes=d.nodes, feasible=d.feasible, predicted_latency_s=_finite(d.step_s),
-                             slo_margin=_margin(slo.itl_s, d.step_s), load=round(d.batch, 3)),
+                              slo_margin=_margin(slo.ttft_s, p.ttft_q_s), load=round(p.offered, 4), keep=hi["prefill"]),
+            "decode": Sizing(nodes=max(d.nodes, floors["decode"]), feasible=d.feasible,
+                             predicted_latency_s=_finite(d.step_s), slo_margin=_margin(slo.itl_s, d.step_s),
+                             load=round(d.batch, 3), keep=hi["decode"]),
         }
-        for role, s in sizing.items():
-            if not s.feasible:
-                reasons.append(f"{role}: the SLO is out of reach within {s.nodes} nodes at this load")
-        floors = {"prefill": backlog, "decode": floor}  # what the work already on the nodes needs
-        target = {role: b.clamp(role, max(sizing[role].nodes if rate > 0 else 0, floors[role])) for role in ROLES}
+        for role, sz in sizing.items():
+            if not sz.feasible:
+                reasons.append(f"{role}: the SLO is out of reach within {sz.nodes} nodes at this load")
+        target = {role: lo[role] if current[role] < lo[role] else min(current[role], hi[role]) for role in ROLES}
+        # the work already on the nodes is no forecast: what it needs starts at once
+        urgent = {role: b.clamp(role, floors[role]) > current[role] for role in ROLES}
         change = {}
         missed = {"prefill": obs.ttft_n >= c.min_samples and significantly_below(obs.ttft_ok, obs.ttft_n, slo.attainment),
                   "decode": obs.itl_n >= c.min_samples and significantly_below(obs.itl_ok, obs.itl_n, slo.attainment)}
@@ -207,10 +252,11 @@ class Policy:
                 if since < c.cooldown_up_s:
                     change[role] = 0
                     reasons.append(f"{role}: wants {want}, cooling down ({since:.0f} of {c.cooldown_up_s:g} s)")
-                elif self.wanted_more[role] >= c.up_after or missed[role]:
+                elif self.wanted_more[role] >= c.up_after or missed[role] or urgent[role]:
                     change[role] = want - cur
                     reasons.append(f"{role}: {cur} -> {want} nodes"
-                                   + (" (the last interval missed the SLO)" if missed[role] else ""))
+                                   + (" (the last interval missed the SLO)" if missed[role] else "")
+                                   + (" (for the work on the nodes now)" if urgent[role] and not missed[role] else ""))
                 else:
                     change[role] = 0
                     reasons.append(f"{role}: wants {want}, holding {cur} ({self.wanted_more[role]}/{c.up_after} "
@@ -219,7 +265,7 @@ class Policy:
                 self.wanted_more[role] = 0
                 self.wanted_fewer[role] += 1
                 if self.wanted_fewer[role] >= c.down_after and since >= c.cooldown_down_s:
-                    change[role] = -min(c.down_step, math.ceil((cur - want) / 2))
+                    change[role] = -min(c.down_step, cur - want)
                     reasons.append(f"{role}: {cur} -> {cur + change[role]} nodes (target {want}), draining")
                 else:
                     change[role] = 0

@@ -159,6 +159,10 @@ class DecodeSim:
     def reserve(self, isl: int) -> None:
         self.kv_used += isl
 
+    def generated(self) -> int:
+        """Output tokens the running requests have produced so far."""
+        return sum(self.step_no - end + self.reqs[i].osl for end, i in self.ends)
+
     def join(self, t: float, i: int) -> None:
         heapq.heappush(self.joins, (t, i))
 
