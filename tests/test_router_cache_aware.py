@@ -228,3 +228,29 @@ def test_tie_key_breaks_ties_the_same_way_in_every_router():
     for key in range(8):
         assert pick(a, nodes, {}, tie_key=key, now=100.0 + key) == pick(b, nodes, {}, tie_key=key, now=100.0 + key)
     assert len({pick(a, nodes, {}, tie_key=k, now=200.0 + k)[0] for k in range(8)}) == 4
+
+
+def test_a_node_joining_a_busy_pool_takes_its_share_not_every_prompt():
+    """The balance term counts work sent over minutes. A node the pool grew by starts at the
+    others' mean: counted from zero it would be the only node under the mean, and the others
+    would pay for their whole excess (it took every prompt for minutes)."""
+    pool = [node(f"p{i}") for i in range(4)] + [node("d0", "decode")]
+    policy, inflight, tokens = CacheAware(CacheAwareWeights(prefix_pull=0)), Counter(), Counter()
+
+    def route(nodes, n: int, now: float) -> Counter:
+        got: Counter = Counter()
+        for _ in range(n):
+            p = policy.choose(PROMPT, nodes, inflight, inflight_tokens=tokens, now=now).prefill.node_id
+            got[p] += 1
+            inflight[p] += 1
+            tokens[p] += L
+        return got
+
+    for k in range(10):  # busy minutes: each prompt computed before the next batch of 8
+        route(pool, 8, now=10.0 * k)
+        inflight.clear()
+        tokens.clear()
+    joined = [node("p4"), *pool]
+    got = route(joined, 10, now=100.0)  # ten prompts at once: queues build on every node
+    assert got["p4"] <= 3 and len(got) == 5, got  # its share (two), not all ten
+    assert policy.recent.get("p4", 100.0) == pytest.approx(policy.recent.get("p0", 100.0), rel=0.5)

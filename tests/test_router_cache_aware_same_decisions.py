@@ -28,13 +28,24 @@ class NodeByNode:
         self.w, self.tie = w, itertools.count()
         self.rate = math.log(2) / w.balance_half_life_s
         self.recent: dict[str, tuple[float, float]] = {}  # node_id -> (value, time of value)
+        self.seen: set[str] = set()  # sent work, or welcomed at the mean of the others
 
     def get(self, nid, now):
         value, at = self.recent.get(nid, (0.0, now))
         return value * math.exp(-self.rate * (now - at))
 
     def merge(self, nid, tokens, at):
+        self.seen.add(nid)
         self.recent[nid] = (self.get(nid, at) + tokens, at)
+
+    def welcome(self, prefills, now):
+        old = [p.node_id for p in prefills if p.node_id in self.seen]
+        new = [p.node_id for p in prefills if p.node_id not in self.seen]
+        mean = sum(self.get(nid, now) for nid in old) / len(old) if old else 0.0
+        self.seen.update(new)
+        for nid in new:
+            if mean > 0:
+                self.merge(nid, mean, now)
 
     def work(self, L, hit):
         new, ctx = L - self.w.cached_token * hit, self.w.cached_token * hit
@@ -78,6 +89,7 @@ class NodeByNode:
     def choose(self, L, nodes, inflight, cached, tokens, tie_key, now):
         prefills = [n for n in nodes if n.role == "prefill"]
         decodes = [n for n in nodes if n.decode_capable]
+        self.welcome(prefills, now)  # a node joining the pool starts at the others' mean
         if not decodes:
             return None
         turn = next(self.tie) if tie_key is None else tie_key

@@ -130,15 +130,16 @@ class CacheAware:
         """`RoutingPolicy.choose`; ``now``: the monotonic time of the decision (default:
         the clock), which decides what recent work has settled."""
         terms = self._terms
+        now = time.monotonic() if now is None else now
         if terms is None or not terms.describes(nodes):
             terms = self._terms = FleetTerms.of(nodes)
+            self.recent.welcome(terms.prefill, now)  # a node joining the pool starts at the mean
         prefills, decodes = terms.prefill, terms.decode
         if not decodes.nodes:
             return None
         n = len(request_token_ids)
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
-        now = time.monotonic() if now is None else now
         held = self.holder(terms, n, cached, tiers)
         mixed = terms.pairs is not None
         p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now, tiers, held, mixed)

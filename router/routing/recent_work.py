@@ -46,6 +46,7 @@ class RecentWork:
         self._work: dict[str, float] = {}  # node_id -> settled value at the monotonic time _base
         self._base: float | None = None
         self._pending: list[tuple[float, str, float]] = []  # heap of (time, node_id, tokens) not settled
+        self._seen: set[str] = set()  # nodes welcomed or sent work
         self.listener: Callable[[str, float, float], None] | None = None
 
     def values(self, terms: RoleTerms, now: float) -> np.ndarray:
@@ -70,12 +71,33 @@ class RecentWork:
     def merge(self, node_id: str, tokens: float, at: float) -> None:
         """Add ``tokens`` sent at monotonic time ``at`` (another router's, possibly
         earlier than the last entry: the decay runs from ``at`` either way)."""
+        self._seen.add(node_id)
         heapq.heappush(self._pending, (at, node_id, tokens))
+
+    def welcome(self, terms: RoleTerms, now: float) -> None:
+        """The nodes of ``terms`` seen for the first time start at the mean of the others'
+        recent work, as if they had had their share of it. Counted from zero, a node
+        joining a busy pool would be the only one under the mean, and every other node
+        would pay the balance term on its whole excess: the newcomer would take every
+        prompt until its queue outweighed that (at one new node among four that had
+        each been sent X, the others pay 2 x X / 5 each: ~20 prompts' work; a pool
+        grown by one node lost TTFT for minutes). Local to this router (the same rule
+        in every replica, applied when each first routes over the node)."""
+        new = [nid for nid in terms.ids if nid not in self._seen]
+        if not new:
+            return
+        old = [nid for nid in terms.ids if nid in self._seen]
+        self._seen.update(new)
+        mean = sum(self.get(nid, now) for nid in old) / len(old) if old else 0.0
+        if mean > 0:
+            for nid in new:
+                heapq.heappush(self._pending, (now, nid, mean))
 
     def copy(self) -> "RecentWork":
         """The same values, without the listener (a what-if choice that records nothing)."""
         out = RecentWork(math.log(2) / self.rate, self.settle_s)
         out._work, out._base, out._pending = dict(self._work), self._base, list(self._pending)
+        out._seen = set(self._seen)
         out.replicas = self.replicas
         return out
 
