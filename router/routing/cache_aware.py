@@ -32,7 +32,8 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
             router/routing/shared_work.py, its replicas; with replicas, those sent at least
             w.balance_settle_s ago), each decayed with a half-life of
             w.balance_half_life_s (router/routing/recent_work.py); R_mean its mean over the
-            prefill nodes
+            prefill nodes. A node the router sees for the first time starts at R_mean (a
+            pool grown by a node does not send it every prompt)
 
     prefill(p) = W(p)                                              work left for p
                + max(queued_prefill_tokens(p), in-flight work)     work ahead of it
