@@ -23,8 +23,9 @@
                  corr_max]
     3. size      perf.PoolModel at the predicted load with the corrections, and floors from
                  the work already on the nodes: decode at least what the requests it will
-                 hold an interval on need (those held now plus the arrivals the finishes
-                 do not balance: a shift to longer answers piles requests up before any
+                 hold by the time nodes started now and at the next decision serve need
+                 (``ahead`` + 1 intervals: those held now plus the arrivals the finishes
+                 do not balance; a shift to longer answers piles requests up before any
                  ends), prefill at least what its queued prompt tokens need to start
                  within the TTFT bound (a burst's backlog outlives the burst's arrivals);
                  the floors hold in an interval with no new requests too. Two sizes per
@@ -191,12 +192,14 @@ class Policy:
             reasons.append(f"decode: the running requests' answers point to {osl_running:.0f} output tokens "
                            f"(the finished ones say {osl:.0f})")
             osl = osl_running
-        # the requests the decode nodes will hold one interval on: those held now plus the
+        # the requests the decode nodes will hold by the time the nodes started now serve and
+        # the next decision's could (``ahead`` + 1 intervals): those held now plus the
         # arrivals the finishes do not balance (a shift to longer answers piles them up
-        # before any of them ends)
+        # before any of them ends; arrivals at the larger of this interval's rate and the
+        # window's, as one interval's count is noisy)
         held = dpool.running + dpool.waiting
         finish_rate = obs.finished / obs.interval_s if obs.interval_s > 0 else 0.0
-        held_next = held + max(0.0, obs.rate - finish_rate) * obs.interval_s * self.ahead
+        held_next = held + max(0.0, max(obs.rate, rate) - finish_rate) * obs.interval_s * (self.ahead + 1)
         slo = self.model.slo
         # the prompt tokens already queued on the prefill nodes must start within the TTFT bound
         # too: a backlog left by a burst keeps its nodes even in an interval with no new requests
@@ -216,7 +219,7 @@ class Policy:
 
         p, d, floors = size(0.0)
         if floors["decode"] > d.nodes:
-            reasons.append(f"decode: the {held} requests on the decode nodes ({held_next:.0f} an interval on) need "
+            reasons.append(f"decode: the {held} requests on the decode nodes ({held_next:.0f} when new nodes could serve) need "
                            f"{floors['decode']} nodes (the rate and output length say {d.nodes})")
         if backlog > (p.nodes if rate > 0 else 0):
             reasons.append(f"prefill: the {queued} prompt tokens queued on the prefill nodes need {backlog} "
