@@ -226,10 +226,10 @@ class Policy:
                            f"nodes to start within the TTFT bound (the rate says {p.nodes if rate > 0 else 0})")
         pk, dk, floors_k = size(c.hysteresis)
         # grow to the size that meets the bound; shrink only to the one that meets it with margin
-        lo = {"prefill": p.nodes, "decode": d.nodes}
-        hi = {"prefill": pk.nodes, "decode": dk.nodes}
-        lo = {role: b.clamp(role, max(lo[role] if rate > 0 else 0, floors[role])) for role in ROLES}
-        hi = {role: b.clamp(role, max(hi[role] if rate > 0 else 0, floors_k[role])) for role in ROLES}
+        def bounded(p: PrefillSizing, d: DecodeSizing, floors: dict[str, int]) -> dict[str, int]:
+            sized = {"prefill": p.nodes, "decode": d.nodes} if rate > 0 else {"prefill": 0, "decode": 0}
+            return {role: b.clamp(role, max(sized[role], floors[role])) for role in ROLES}
+        lo, hi = bounded(p, d, floors), bounded(pk, dk, floors_k)
         sizing = {
             "prefill": Sizing(nodes=p.nodes, feasible=p.feasible, predicted_latency_s=_finite(p.ttft_q_s),
                               slo_margin=_margin(slo.ttft_s, p.ttft_q_s), load=round(p.offered, 4), keep=hi["prefill"]),
