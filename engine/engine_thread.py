@@ -14,7 +14,7 @@ else crosses:
     request_kv_snapshot() --flag--> on_kv_events([], every held hash -> tier)
     exporter.on_blocks(BlocksReady) <--------------  prompt blocks packed for an ExportKV
     et.stats (EngineStats)          <--publishes---  a fresh immutable snapshot per pass
-                                                     step_observer(SchedulerOutput, deltas, live)
+                                                     step_observer(SchedulerOutput, started, deltas, live)
                                                      runs ON the engine thread (step metrics)
 
 Commands (NamedTuples; ``submit`` answers with what the engine call returns):
@@ -79,8 +79,9 @@ log = logging.getLogger(__name__)
 
 # (events since the last call, or [] with a snapshot; every cached hash, or None)
 KVEventsCallback = Callable[[list[KVEvent], "dict[int, Tier] | None"], None]
-# engine thread, after each step: (what it scheduled, what it produced, unfinished requests left)
-StepObserver = Callable[[SchedulerOutput, list[RequestDelta], int], None]
+# engine thread, after each step: (what it scheduled, when that step began (time.monotonic()),
+# what it produced, unfinished requests left)
+StepObserver = Callable[[SchedulerOutput, float, list[RequestDelta], int], None]
 
 
 def _carried(params: SamplingParams, grammar: Any) -> None:
@@ -381,6 +382,7 @@ class EngineThread:
                 self._die(e)
                 return
             if steps:
+                started = time.monotonic()  # the step observed below is scheduled from here
                 try:
                     deltas = self._engine.step()
                 except TPFailure as e:  # a rank is gone: this engine cannot step again
@@ -396,7 +398,8 @@ class EngineThread:
                     if d.finish_reason is not None and self._exports is not None:
                         self._exports.end(d.request_id)
                 if self._step_observer is not None and self._scheduled is not None:
-                    self._step_observer(self._scheduled, deltas, len(self._engine.scheduler.requests))
+                    self._step_observer(self._scheduled, started, deltas,
+                                        len(self._engine.scheduler.requests))
                 self._scheduled = None
             self.stats = self._stats()  # before the deltas: a client that saw its end sees its blocks free
             if deltas:

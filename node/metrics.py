@@ -201,19 +201,21 @@ class NodeMetrics:
         for unit, value in (("blocks", blocks), ("bytes", nbytes), ("tokens", tokens)):
             self.kv_pool[unit].set(value)
 
-    def observe_step(self, out: SchedulerOutput, deltas: list[RequestDelta], live: int) -> None:
-        """Engine thread, after a step computed ``out`` (a SchedulerOutput) and produced
-        ``deltas`` (RequestDeltas); ``live``: the engine's unfinished requests, to bound
-        the timing entries."""
+    def observe_step(self, out: SchedulerOutput, started: float, deltas: list[RequestDelta], live: int) -> None:
+        """Engine thread, after a step that began at ``started`` (time.monotonic(), before it
+        was scheduled) computed ``out`` (a SchedulerOutput) and produced ``deltas``
+        (RequestDeltas); ``live``: the engine's unfinished requests, to bound the timing
+        entries. A request's queue interval ends where its first step began, so that step's
+        compute counts as its prefill."""
         now = time.monotonic()
         for req, num in out.scheduled:
             prompt = len(req.prompt_token_ids)
             before = req.num_computed_tokens - num  # computed before this step
             t = self._times.get(req.request_id)
             if t is None:
-                t = self._times[req.request_id] = RequestTimes(req, now)
+                t = self._times[req.request_id] = RequestTimes(req, started)
                 if before < prompt:  # admitted from the queue (not a landed transfer)
-                    self.queue_time.observe(now - req.arrival_time)
+                    self.queue_time.observe(max(started - req.arrival_time, 0.0))
                     self.prefix_queries.inc(prompt)
                     self.prefix_hits.inc(max(req.num_cached_tokens, 0))
                 else:

@@ -4,6 +4,7 @@ measured on a real engine."""
 
 import ast
 import re
+import time
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,8 +83,9 @@ def step_and_observe(engine, m: NodeMetrics) -> None:
     """One engine step, then the metrics' look at it, as the EngineThread does on its thread."""
     scheduled = []
     engine.on_launch = scheduled.append
+    started = time.monotonic()
     deltas = engine.step()
-    m.observe_step(scheduled[0], deltas, len(engine.scheduler.requests))
+    m.observe_step(scheduled[0], started, deltas, len(engine.scheduler.requests))
 
 
 def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
@@ -113,6 +115,24 @@ def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
     assert value(names.PREFIX_CACHE_HITS) == 64  # b reuses a's four full blocks
     assert value(names.NUM_REQUESTS_RUNNING) == 0 and value(names.KV_CACHE_USAGE) == 0
     assert m._times == {}  # finished requests leave no timing entry behind
+
+
+def test_a_prompt_computed_in_its_first_step_counts_that_step_as_prefill_not_queue(make_engine):
+    """On an idle engine a request waits for nothing: its queue interval ends when its first
+    step is launched, and that step's compute is its prefill interval."""
+    engine = make_engine(block_size=16)
+    m = NodeMetrics("my-model", "prefill")
+    engine.add_request("a", list(range(100, 400)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        step_and_observe(engine, m)
+    found = samples(m.render()[0].decode())
+
+    def value(name):
+        return sum(s.value for s in found if s.name == name)
+
+    queued, prefill = value(names.REQUEST_QUEUE_TIME + "_sum"), value(names.REQUEST_PREFILL_TIME + "_sum")
+    assert value(names.REQUEST_PREFILL_TIME + "_count") == 1 and prefill > 0
+    assert queued < prefill, (queued, prefill)
 
 
 def test_aborted_requests_leave_no_timing_entries(make_engine, tiny_llama_dir):
