@@ -19,9 +19,13 @@ One pull (common/protocol.py)::
             CommitPulled: the landed blocks join the prefix cache, the reservation is freed
     then the request is added as usual and finds them as its hit
 
-The holder copies at most ``PULL_CHUNK_BLOCKS`` blocks per engine pass, so a pull from a busy
-decode node delays its running batch by at most one such copy per step (a memcpy on the host;
-a gather on the device). Each chunk looks its blocks up again by hash and verifies their
+The holder copies a pull's blocks out between its steps, one chunk per engine pass, each
+chunk sized by time (``pull_chunk_blocks``): while it runs requests, a chunk's copy takes at
+most ``PULL_STEP_SHARE`` of its mean step, so a pull from a busy decode node slows its running
+batch by at most that share per step (the stated budget); an idle holder copies up to a whole
+step's time per pass. The copy rate is measured on the chunks themselves (a memcpy on the
+host, a gather on the device); the first chunk, before any measurement, is
+``PULL_PROBE_BLOCKS``. Each chunk looks its blocks up again by hash and verifies their
 tokens, so a block evicted mid-pull ends the run there: the holder sends the blocks it still
 had and says how many, and the puller computes the rest. It never sends a block under another
 block's hash.
@@ -55,20 +59,34 @@ from ..common.outcomes import PullOutcome, PullServed
 from ..common.protocol import PullRequest, PullResult, PullSource, prompt_ids
 from ..engine.engine_thread import CommitPulled, ExportCached, Release, Reserve
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import ShardSender, TransferError, make_sender, sender_options
+from ..kvtransfer import PackedSend, ShardSender, TransferError, make_sender, sender_options
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.state import TransferFailure, TransferTable
 from .runtime import NodeRuntime
 from .sim_link import SimLink
 
 log = logging.getLogger(__name__)
-PULL_CHUNK_BLOCKS = 64  # the most blocks a holder copies out of its cache per engine pass
+PULL_STEP_SHARE = 0.1  # of a busy holder's mean step: the most one chunk's copy may add to a step
+PULL_PROBE_BLOCKS = 16  # a holder's first chunk, before it measured its copy rate
 STALL_FAULT = "stall_pull"  # --fault: the holder holds every pull back (tests kill it meanwhile)
 RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blocks are reused
 # A pull whose holder lands no block for this long fails and the puller computes the prefix: a
 # pull is worth less than the prompt's compute, so a stuck or partitioned holder costs at most this
 # (a prefill transfer's lease, --transfer-lease, guards a whole prompt's compute and is longer).
 PULL_LEASE_S = 5.0
+
+
+def pull_chunk_blocks(left: int, busy: bool, step_s: float, block_copy_s: float | None) -> int:
+    """Blocks of a pull to copy in the next engine pass (module docstring), of ``left`` still
+    wanted: a ``busy`` holder (running or queued requests) spends at most PULL_STEP_SHARE of its
+    mean step ``step_s`` on the copy, an idle one at most a step; ``block_copy_s``: its measured
+    seconds per block copied (None: not measured yet). At least one block, so a pull progresses."""
+    if block_copy_s is None or step_s <= 0:
+        return min(left, PULL_PROBE_BLOCKS)
+    if block_copy_s <= 0:
+        return left
+    fits = step_s * (PULL_STEP_SHARE if busy else 1.0) / block_copy_s * (1 + 1e-9)  # float rounding
+    return left if fits >= left else max(1, int(fits))
 
 
 class PullHolder:
@@ -82,6 +100,9 @@ class PullHolder:
         self.link = SimLink(sim, config.engine.block_size) if sim is not None and sim.kv_network_bytes_per_s else None
         self.m_served, self.m_blocks = rt.metrics.pulls_served, rt.metrics.pull_blocks_served
         self.stalled = 0  # pulls held back by the stall fault
+        # seconds per block of the last chunk copied (written on the engine thread inside the
+        # ExportCached that the loop awaits, read by the loop after it); None: none copied yet
+        self.block_copy_s: float | None = None
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/kv/pull", self.serve)]
@@ -122,10 +143,13 @@ class PullHolder:
         export_id = f"pull:{task.transfer_id}"
         try:
             while sent < want:
-                most = min(PULL_CHUNK_BLOCKS, want - sent)
+                stats = engine.stats
+                load = stats.load
+                most = pull_chunk_blocks(want - sent, load.running + load.waiting > 0,
+                                         stats.busy_s / stats.steps if stats.steps else 0.0, self.block_copy_s)
                 k, packed = await engine.submit(ExportCached(
                     export_id, prefix, hashes, task.cache_salt, task.skip_blocks + sent, most,
-                    lambda ids: sender.pack(n_addrs, ids)))
+                    lambda ids: self._timed_pack(sender, n_addrs, ids)))
                 if k:
                     await sender.send_packed(task.kv_addrs, task.transfer_id, packed,
                                              task.dest_block_ids[sent:sent + k])
@@ -147,6 +171,13 @@ class PullHolder:
             return error_response(503, f"this node failed: {e}")
         self.m_served.labels(PullServed.SENT).inc()
         return msgpack_response(PullResult(transfer_id=task.transfer_id, num_blocks=sent))
+
+    def _timed_pack(self, sender: ShardSender, n_addrs: int, ids: list[int]) -> list[PackedSend]:
+        """Engine thread: ``sender.pack`` of ``ids``, its seconds per block kept for the next chunk."""
+        t0 = time.perf_counter()
+        packed = sender.pack(n_addrs, ids)
+        self.block_copy_s = (time.perf_counter() - t0) / len(ids)
+        return packed
 
     def state(self) -> dict:
         """Its part of ``/debug/state``."""
