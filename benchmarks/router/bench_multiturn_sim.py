@@ -21,6 +21,12 @@ tokens by source from the nodes' metrics (replay/run.py ``prompt_token_sources``
 decode-side reuse, prefill-node hits, pulled, computed). Targets: TTFT p50 today / reuse
 >= 1.5, hit / bound (reuse) >= 0.95, TPOT p99 reuse / today <= 1.10.
 
+Beside them, from the router's ``/debug/decisions`` (its last KEEP, every request of the
+default trace), each path's requests and TTFT p50 / p90 (``ttft_by_path``): which node
+computed the prompt (the decode node itself, or a prefill node) and where its prefix came
+from (none, the node's own cache, a pull). That splits "today" (the prefill node's step, then
+the history's KV to the decode node) from decode-side reuse (one decode step).
+
 Each run is checked for keeping its pace (replay/plan_check.py ``judge_pace``: sends on
 schedule, no node's steps behind their simulated time, transfers within the modelled
 network), every answer reproduced (the next turn's prompt holds what the node generated)
@@ -36,6 +42,8 @@ import json
 import shlex
 import sys
 import tempfile
+import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
@@ -63,6 +71,27 @@ def sustain(r: dict) -> dict:
     return judge_replay(r, [f"{lost} answers were not the tokens the next turn held"] if lost else [])
 
 
+def ttft_by_path(decisions: Iterable[dict], speedup: float) -> dict:
+    """Per path ("<decode|prefill> node, <none|own|pull>": the node that computed the prompt,
+    and where its cached prefix came from), the requests and their router-measured TTFT
+    p50 / p90 in trace seconds (wall x ``speedup``), of ``decisions`` (/debug/decisions
+    records; those without a delivered TTFT left out)."""
+    paths: dict[str, list[float]] = {}
+    for d in decisions:
+        if d["delivered_ttft_s"] is not None:
+            where = "decode" if d["prefill"] is None else "prefill"
+            paths.setdefault(f"{where} node, {d['reuse']}", []).append(d["delivered_ttft_s"] * speedup)
+    return {k: {"requests": len(v), "ttft_p50": round(percentile(v, 0.5), 4), "ttft_p90": round(percentile(v, 0.9), 4)}
+            for k, v in sorted(paths.items())}
+
+
+def read_decisions(url: str) -> list[dict]:
+    """The router's last KEEP routing decisions (router/routing/decisions.py)."""
+    from splitserve.router.routing.decisions import KEEP
+    with urllib.request.urlopen(f"{url}/debug/decisions?limit={KEEP}", timeout=10) as r:
+        return json.loads(r.read())["decisions"]
+
+
 def later_turns(trace: list[TraceRequest]) -> list[bool]:
     """Per line (load_trace's order: by timestamp), whether it continues a conversation."""
     seen: set[int | None] = set()
@@ -80,7 +109,8 @@ def figures(r: dict, later: list[bool]) -> dict:
             "oracle_hit_rate", "hit_rate_vs_oracle", "prompt_tokens_by_source", "max_mean_load", "conversations",
             "at_nodes", "transfers", "schedule", "sim_overrun_s", "wall_s", "output_tokens")
     return {"later_turns_ttft_p50": round(percentile(ttft, 0.5), 3),
-            "later_turns_ttft_p99": round(percentile(ttft, 0.99), 3), **{k: r[k] for k in kept}}
+            "later_turns_ttft_p99": round(percentile(ttft, 0.99), 3), **{k: r[k] for k in kept},
+            "ttft_by_path": ttft_by_path(r["at_end"] or [], r["speedup"])}
 
 
 def targets(runs: dict) -> dict:
@@ -146,6 +176,10 @@ def report(result: dict) -> None:
               f"{r['later_turns_ttft_p99']:7.3f} {r['tpot_p99'] * 1000:7.2f}ms "
               f"{r['hit_rate']:6.1%} {r['oracle_hit_rate']:6.1%} {r['hit_rate_vs_oracle']:7.3f}  "
               + ", ".join(f"{k} {v:.1%}" for k, v in src.items()))
+    print("\nTTFT by path (the router's last decisions; trace seconds):")
+    for name, r in runs.items():
+        for path, f in r["ttft_by_path"].items():
+            print(f"{name:>6s}  {path:<20s} {f['requests']:4d} requests  p50 {f['ttft_p50']:.4f}  p90 {f['ttft_p90']:.4f}")
     if "targets" not in result:
         return
     t = result["targets"]
@@ -198,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             r = run_replay(ReplayConfig(trace=str(path), prefill_nodes=args.prefill, decode_nodes=args.decode,
                                         profile=args.profile, speedup=args.speedup,
                                         max_output_tokens=args.max_output_tokens, fleet_procs=args.fleet_procs,
-                                        score_weights=s["score_weights"], router_args=s["router_args"]))
+                                        score_weights=s["score_weights"], router_args=s["router_args"]),
+                           at_end=lambda cluster: read_decisions(cluster.url))
             print_summary(r)
             result["runs"][name] = {**figures(r, later), "sustain": sustain(r)}
             out.write_text(json.dumps(result, indent=1))  # after each setup: a late crash keeps what ran
