@@ -85,11 +85,12 @@ def ttft_by_path(decisions: Iterable[dict], speedup: float) -> dict:
             for k, v in sorted(paths.items())}
 
 
-def read_decisions(url: str) -> list[dict]:
-    """The router's last KEEP routing decisions (router/routing/decisions.py)."""
+def read_decisions(url: str) -> dict:
+    """The router's /debug/decisions with its last KEEP routing decisions
+    (router/routing/decisions.py): ``{"decisions": [...]}``."""
     from splitserve.router.routing.decisions import KEEP
     with urllib.request.urlopen(f"{url}/debug/decisions?limit={KEEP}", timeout=10) as r:
-        return json.loads(r.read())["decisions"]
+        return json.loads(r.read())
 
 
 def later_turns(trace: list[TraceRequest]) -> list[bool]:
@@ -110,7 +111,7 @@ def figures(r: dict, later: list[bool]) -> dict:
             "at_nodes", "transfers", "schedule", "sim_overrun_s", "wall_s", "output_tokens")
     return {"later_turns_ttft_p50": round(percentile(ttft, 0.5), 3),
             "later_turns_ttft_p99": round(percentile(ttft, 0.99), 3), **{k: r[k] for k in kept},
-            "ttft_by_path": ttft_by_path(r["at_end"] or [], r["speedup"])}
+            "ttft_by_path": ttft_by_path((r["at_end"] or {}).get("decisions", []), r["speedup"])}
 
 
 def targets(runs: dict) -> dict:
