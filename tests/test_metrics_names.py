@@ -118,8 +118,8 @@ def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
 
 
 def test_a_prompt_computed_in_its_first_step_counts_that_step_as_prefill_not_queue(make_engine):
-    """On an idle engine a request waits for nothing: its queue interval ends when its first
-    step is launched, and that step's compute is its prefill interval."""
+    """On an idle engine a request waits for nothing: its queue interval ends where its first
+    step begins, and that step's compute is its prefill interval."""
     engine = make_engine(block_size=16)
     m = NodeMetrics("my-model", "prefill")
     engine.add_request("a", list(range(100, 400)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
