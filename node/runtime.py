@@ -56,6 +56,7 @@ from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import EngineThread
 from ..engine.limits import RequestLimits
+from ..engine.step_fault import STEP_FAULT, arm_step_fault
 from ..engine.models.loader import resolve_model_dir
 from ..engine.models.registry import read_model_config
 from ..engine.parallel.group import TPFailure
@@ -150,6 +151,8 @@ class NodeRuntime:
             if self.ranks is not None:
                 self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
             raise
+        if self.config.fault == STEP_FAULT:
+            arm_step_fault(engine)
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
         c = self.config

@@ -1,0 +1,44 @@
+"""``--fault step_error`` (tests only): an engine whose step raises once, part-way through its
+forward, the first time it computes a prompt while another request runs: a bug in one step,
+not a rank's death (engine_thread.py fails that step's requests and goes on).
+
+The error is raised as the forward enters the model's last MoE layer (the model's forward on a
+dense model): on a data-parallel rank that is after the forward's first collectives
+(``begin_forward`` and the earlier MoE layers' exchange), where its peers wait in the next one
+(parallel/data_parallel.py: how the failing rank completes the forward). Must not: run unless
+asked (the node arms it from its ``--fault``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine_core import EngineCore
+
+STEP_FAULT = "step_error"
+
+
+class InjectedStepError(RuntimeError):
+    """What the armed step raises (an ordinary exception: not a ``TPFailure``)."""
+
+
+def arm_step_fault(engine: EngineCore) -> None:
+    """Make ``engine``'s next forward of more than one token, while two or more requests are in
+    its scheduler, raise ``InjectedStepError`` (once). Call before the engine thread owns it:
+    the hook runs on that thread, inside the forward."""
+    from .model_runner import ModelRunner
+    from .models.moe import MoEBlock
+
+    assert isinstance(engine.runner, ModelRunner), "--fault step_error: a simulated node runs no forward"
+    model = engine.runner.model
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    fired = False
+
+    def hook(module, args) -> None:
+        nonlocal fired
+        if not fired and args[0].shape[0] > 1 and len(engine.scheduler.requests) >= 2:
+            fired = True
+            raise InjectedStepError("injected step error (--fault step_error)")
+
+    (blocks[-1] if blocks else model).register_forward_pre_hook(hook)
