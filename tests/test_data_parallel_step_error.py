@@ -1,14 +1,15 @@
 """One data-parallel rank's step error (engine/engine_thread.py, parallel/data_parallel.py): a
 decode node of 2 DP ranks (a tiny random DeepSeek-V3, real processes, gloo), rank 1 started
-with ``--fault step_error`` (engine/step_fault.py: its step raises once inside the last MoE
-layer, after the forward's first collectives, as it prefills a prompt while another request
-decodes). Requests go straight to each rank's /generate (local prefill).
+with ``--fault step_error`` (engine/step_fault.py: its step raises as it prefills a prompt while
+another request decodes, the first time before the forward's collectives, the second inside
+the last MoE layer, after its first ones). Requests go straight to each rank's /generate
+(local prefill).
 
-- A long request decodes on each rank; a third prompt makes rank 1's step fail: every rank's
-  running request ends with an "error" frame within seconds (no wait for a collective's 60 s
-  timeout), on both ranks.
+- Twice (each fault): a long request decodes on each rank; a third prompt makes rank 1's step
+  fail: every rank's running request ends with an "error" frame within seconds (no wait for a
+  collective's 60 s timeout), on both ranks.
 - Neither rank exits; afterwards each rank serves again with the greedy tokens it gave before
-  the fault (the MoE exchange still matched), and every pool is free.
+  the faults (the MoE exchange still matched), and every pool is free.
 """
 
 import asyncio
@@ -83,26 +84,32 @@ def test_one_ranks_step_error_fails_the_nodes_step_on_every_rank_and_it_serves_o
         async def scenario():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
                 before = [await _stream(s, a, _request(f"before-{r}", after[r], 12)) for r, a in enumerate(addrs)]
-                started = [asyncio.Event(), asyncio.Event()]
-                long = [asyncio.create_task(_stream(s, a, _request(f"long-{r}", [101 + r] * 20, 1500), started[r]))
-                        for r, a in enumerate(addrs)]
-                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-                t0 = time.monotonic()
-                tasks = [*long, asyncio.create_task(_stream(s, addrs[1], _request("trigger", list(range(300, 340)), 8)))]
-                done, _ = await asyncio.wait(tasks, timeout=PROMPTED_S)
-                if len(done) < len(tasks):
-                    ends = [(t.result().finish_reason, len(t.result().tokens)) if t in done else "running"
-                            for t in tasks]
-                    logs = "\n".join(f"--- {p.name}\n" + "\n".join(p.log[-6:]) for p in procs)
-                    raise AssertionError(f"a running request did not end within {PROMPTED_S:g} s of rank 1's step "
-                                         f"error (long-0, long-1, trigger: {ends})\n{logs}")
-                ended = [t.result() for t in tasks]
+                ended = []
+                for fault in range(2):
+                    started = [asyncio.Event(), asyncio.Event()]
+                    tasks = [asyncio.create_task(_stream(s, a, _request(f"long-{fault}-{r}", [101 + r] * 20, 1500),
+                                                         started[r])) for r, a in enumerate(addrs)]
+                    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                    t0 = time.monotonic()
+                    tasks.append(asyncio.create_task(_stream(s, addrs[1], _request(
+                        f"trigger-{fault}", list(range(300, 340)), 8))))
+                    done, _ = await asyncio.wait(tasks, timeout=PROMPTED_S)
+                    if len(done) < len(tasks):
+                        ends = [(t.result().finish_reason, len(t.result().tokens)) if t in done else "running"
+                                for t in tasks]
+                        logs = "\n".join(f"--- {p.name}\n" + "\n".join(p.log[-6:]) for p in procs)
+                        raise AssertionError(f"a running request did not end within {PROMPTED_S:g} s of rank 1's "
+                                             f"step error {fault + 1} (long-0, long-1, trigger: {ends})\n{logs}")
+                    completed = [ln for ln in procs[1].log if "completing the failed step's forward" in ln]
+                    ended.append((t0, [t.result() for t in tasks], completed[-1] if completed else None))
                 again = [await _stream(s, a, _request(f"again-{r}", after[r], 12)) for r, a in enumerate(addrs)]
-                return t0, before, ended, again
+                return before, ended, again
 
-        t0, before, ended, again = asyncio.run(scenario())
-        assert [e.finish_reason for e in ended] == ["error"] * 3, ended
-        assert max(e.ended for e in ended) - t0 < PROMPTED_S
+        before, ended, again = asyncio.run(scenario())
+        for (t0, streams, completed), issued in zip(ended, ("(0 of", "(3 of")):  # the faults' places
+            assert [e.finish_reason for e in streams] == ["error"] * 3, streams
+            assert max(e.ended for e in streams) - t0 < PROMPTED_S
+            assert completed is not None and issued in completed, completed
         assert [p.popen.poll() for p in procs] == [None, None], "a rank exited"
         assert [get_json(f"{a}/debug/state")["pid"] for a in addrs] == pids
         for b, a in zip(before, again):
