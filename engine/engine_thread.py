@@ -229,7 +229,9 @@ class EngineThread:
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stop the thread after its current step; whether it ended within ``timeout_s``
-        (a step may hang on a collective up to its timeout)."""
+        (a step may hang on a collective up to its timeout). A data-parallel rank's thread
+        stops at the first turn every rank is stopping, joining its peers' forwards until then
+        (none is left waiting in a collective): give it its peers' drain."""
         self._stop.set()
         self._commands.put(None)
         if self._thread.ident is not None:
@@ -373,7 +375,7 @@ class EngineThread:
     def _run(self) -> None:
         dp = self._engine.dp  # a data-parallel rank: every turn agrees with its peers whether anyone steps
         failed = False  # a data-parallel rank: its last step raised (its peers learn it at the next agreement)
-        while not self._stop.is_set():
+        while dp is not None or not self._stop.is_set():  # a DP rank stops when all agree (below)
             idle = not self._engine.has_unfinished()
             try:  # block only when there is nothing to compute (a DP rank polls: a peer may need it)
                 item = (self._commands.get(timeout=IDLE_POLL_S if dp is not None else 0.5) if idle
@@ -386,17 +388,19 @@ class EngineThread:
                     item = self._commands.get_nowait()
                 except queue.Empty:
                     item = None
-            if self._stop.is_set():
+            if dp is None and self._stop.is_set():
                 break
             deltas = []
             busy = self._engine.has_unfinished()
             steps = busy
             if dp is not None:
                 try:
-                    turn = dp.agree(busy, failed)
+                    turn = dp.agree(busy, failed, leaving=self._stop.is_set())
                 except TPFailure as e:  # a data-parallel peer is gone
                     self._die(e)
                     return
+                if turn.leave:  # every rank stops at this turn: no collective follows
+                    break
                 failed, steps = False, turn.step
                 if turn.failed:  # the node's step failed on some rank: it fails on every rank
                     deltas = self._fail_all()

@@ -209,8 +209,9 @@ class TPGroup:
 
 class Turn(NamedTuple):
     """What the ranks agreed at the start of one engine-thread turn (the same on every rank)."""
-    step: bool  # every rank runs one forward (some rank has work, no step failed)
+    step: bool  # every rank runs one forward (some rank has work, no step failed, not leaving)
     failed: bool  # some rank's last step raised: every rank fails the requests it holds, none steps
+    leave: bool  # every rank is stopping: none calls a collective again
 
 
 class DataParallel:
@@ -234,13 +235,13 @@ class DataParallel:
     def size(self) -> int:
         return self.group.size
 
-    def agree(self, busy: bool, failed: bool = False) -> Turn:
-        """This turn, for every rank: whether any rank is ``busy`` and whether any rank's last step
-        ``failed`` (every rank calls it every turn)."""
-        flags = torch.tensor([int(busy), int(failed)], dtype=torch.int64, device=self.group.device)
-        anyone_busy, anyone_failed = (bool(f) for f in self.group.all_reduce(flags, "max").tolist())
+    def agree(self, busy: bool, failed: bool = False, leaving: bool = False) -> Turn:
+        """This turn, for every rank: whether any rank is ``busy``, whether any rank's last step
+        ``failed``, and whether every rank is ``leaving`` (every rank calls it every turn)."""
+        flags = torch.tensor([int(busy), int(failed), int(not leaving)], dtype=torch.int64, device=self.group.device)
+        anyone_busy, anyone_failed, anyone_stays = (bool(f) for f in self.group.all_reduce(flags, "max").tolist())
         self._began = self._open = False
-        return Turn(anyone_busy and not anyone_failed, anyone_failed)
+        return Turn(anyone_busy and not anyone_failed and anyone_stays, anyone_failed, not anyone_stays)
 
     def begin_forward(self, num_tokens: int) -> None:
         """Learn every rank's token count of this forward (each rank calls it once per forward)."""
