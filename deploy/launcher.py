@@ -586,7 +586,8 @@ def launch(args) -> int:
                                       else [])))
     if getattr(args, "planner", False):  # bad planner flags fail before anything starts
         from .planner.config import planner_config
-        planner_config(args, "planner-", router_urls=(), redis_url=None, model=None)
+        planner_config(args, "planner-", dp={role: cluster.dp_size(role) for role in ("prefill", "decode")},
+                       router_urls=(), redis_url=None, model=None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
