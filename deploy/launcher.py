@@ -49,7 +49,9 @@ Data parallelism (``dp``, ``splitserve up --prefill-dp 2 --decode-dp 2``, a MoE 
 data-parallel node of N ranks is N members, each a node of the pool with its own requests
 and KV pool (``<role>-<i>``, i = node * N + rank), sharing the MoE layers; rank 0 hosts their
 rendezvous on a port chosen once. A rank's death fails its peers' collectives: they exit too
-and the supervisor restarts each, and they meet again at the same port.
+and the supervisor restarts each, and they meet again at the same port. A node is started and
+retired whole (``start_members``, ``retire_members``: the planner's unit): its ranks drain
+together and stop at one agreed turn.
 """
 
 import os
