@@ -159,6 +159,10 @@ def test_a_data_parallel_pool_moves_by_whole_nodes():
         dp_bounds(1, 1, 2, "decode", "planner-")
     with pytest.raises(ValueError, match="whole nodes of 2"):
         PolicyConfig(Bounds(1, 4, 1, 3), prefill_dp=2)
+    # up refuses such bounds before it starts anything
+    up = subprocess.run([sys.executable, "-m", "splitserve.cli", "up", "--decode-dp", "2", "--planner",
+                         "--planner-max-decode", "1"], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "error: --planner-max-decode 1: a decode node of --decode-dp 2" in up.stderr, up
 
 
 def test_a_backlog_on_the_prefill_nodes_keeps_them_through_an_interval_without_arrivals():
