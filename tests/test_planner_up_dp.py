@@ -14,30 +14,17 @@ sizing (tests/test_planner_up.py measures that on the bundled model):
 """
 
 import asyncio
-import json
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
-import urllib.request
 
 import aiohttp
 import pytest
 
-from splitserve.deploy.launcher import free_port
 from splitserve.tests.test_data_parallel_step_error import DS
+from splitserve.tests.test_planner_up import get_json, up_with_planner
 
 pytestmark = pytest.mark.slow
 NAME = "tiny-ds"
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 async def one(session: aiohttp.ClientSession, url: str) -> str | None:
@@ -70,32 +57,13 @@ def model_path(served_tiny_model):
 
 
 def test_up_planner_scales_a_dp_pool_by_whole_nodes(model_path):
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
-    env.pop("SPLITSERVE_CLUSTER_TOKEN", None)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--model", str(model_path),
-         "--served-model-name", NAME, "--kv-cache-memory", "8MiB", "--prefill-nodes", "1", "--decode-nodes", "1",
-         "--decode-dp", "2", "--planner", "--planner-interval", "1", "--planner-cooldown-up", "0",
-         "--planner-cooldown-down", "2", "--planner-down-after", "2", "--planner-min-samples", "1",
-         "--planner-max-prefill", "1", "--planner-max-decode", "4", "--planner-ttft-p90", "60000",
-         "--planner-itl-p90", "0.01"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    try:
-        planner = status = None
-        deadline = time.monotonic() + 240
-        while planner is None:
-            assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-40:])
-            line = up.stdout.readline()
-            lines.append(line.rstrip())
-            if m := re.search(r"supervisor status: (http://\S+)/status", line):
-                status = m.group(1)
-            if m := re.search(r"planner: (http://\S+)/debug/planner", line):
-                planner = m.group(1)
-        threading.Thread(target=lambda: lines.extend(ln.rstrip() for ln in up.stdout), daemon=True).start()
-        url = f"http://127.0.0.1:{port}"
-        state = lambda: get_json(f"{planner}/debug/planner?n=200")  # noqa: E731
+    with up_with_planner("--model", str(model_path), "--served-model-name", NAME, "--kv-cache-memory", "8MiB",
+                         "--prefill-nodes", "1", "--decode-nodes", "1", "--decode-dp", "2", "--planner-interval", "1",
+                         "--planner-cooldown-up", "0", "--planner-cooldown-down", "2", "--planner-down-after", "2",
+                         "--planner-min-samples", "1", "--planner-max-prefill", "1", "--planner-max-decode", "4",
+                         "--planner-ttft-p90", "60000", "--planner-itl-p90", "0.01", stop_s=90) as up:
+        url, lines = up.url, up.lines
+        state = lambda: get_json(f"{up.planner}/debug/planner?n=200")  # noqa: E731
         decode_ranks = lambda: get_json(f"{url}/health").get("decode_nodes", 0)  # noqa: E731
 
         # load until the router routes to both ranks of a second DP node (a lone rank of a new DP
@@ -122,19 +90,11 @@ def test_up_planner_scales_a_dp_pool_by_whole_nodes(model_path):
         while decode_ranks() != 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert decode_ranks() == 2, ("decode ranks the router sees after the drain", decode_ranks(),
-                                     state()["actuator"]["recent_actions"], get_json(f"{status}/status"))
+                                     state()["actuator"]["recent_actions"], get_json(f"{up.status}/status"))
         failed += asyncio.run(load(url, 3, 3))
         assert [e for e in failed if e is not None] == []
-        sup = get_json(f"{status}/status")
+        sup = get_json(f"{up.status}/status")
         assert sup["restarts_total"] == 0, sup
         changes = [d["change"]["decode"] for d in state()["decisions"] if d.get("change", {}).get("decode")]
         assert changes and all(n % 2 == 0 for n in changes), changes  # whole DP nodes only
         assert state()["bounds"]["min_decode"] == 2, state()["bounds"]  # --planner-min-decode 1: one DP node
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            code = up.wait(90)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            raise
-    assert code == 0, "\n".join(lines[-40:])
