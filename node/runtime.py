@@ -73,7 +73,6 @@ from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
 
-ENGINE_STOP_S = 10.0  # the engine thread's current step ends within this (a collective's may take up to its timeout)
 PEERS_STOP_S = 10.0  # a data-parallel rank waits its peers' drain grace and this much for them to stop with it
 
 
@@ -327,8 +326,9 @@ class NodeRuntime:
             grammars.close()  # kills the compile workers
         if hasattr(self, "engine_thread"):
             # a data-parallel rank stops with its peers (EngineThread.stop), which drain as long as it may
-            dp = self.config.engine.data_parallel_size > 1 and self.failure is None
-            stopped = self.engine_thread.stop(self.config.drain_grace_s + PEERS_STOP_S if dp else ENGINE_STOP_S)
+            peers = self.config.engine.data_parallel_size > 1 and self.failure is None
+            stopped = (self.engine_thread.stop(self.config.drain_grace_s + PEERS_STOP_S) if peers
+                       else self.engine_thread.stop())
             if stopped and self.ranks is not None and self.failure is None:
                 self.engine_thread.close_engine()  # Stop to every worker: they exit 0
         if self.ranks is not None:

@@ -11,10 +11,11 @@ engine_thread.py call it).
 Lockstep. The MoE layers run collectives over the N ranks, so every rank must run a forward
 whenever any rank does, with no tokens if it has nothing to do::
 
-    every engine-thread turn, each rank:  agree(busy, failed)  all_reduce max [2]   (the clock)
+    every engine-thread turn, each rank:  agree(busy, failed, leaving)  all_reduce max [3]  (the clock)
       nobody busy -> no forward; idle ranks poll every IDLE_POLL_S
       anyone busy -> one forward each: its scheduled tokens, or none (an idle forward)
       a rank's last step failed -> no forward; every rank fails the requests it holds
+      every rank leaving (stopping) -> each engine thread ends: no collective follows
     each forward:                         begin_forward(T)    all_gather [N]       (each rank's T)
     each MoE layer:                       all_gather [N * P, H], all_reduce [N * P, H]  (P = max T)
                                           end_forward()
@@ -32,6 +33,8 @@ rank meets again at the next ``agree``, which carries the failure to all of them
 A rank that dies or stops answering fails its peers' next collective (``CollectiveError``,
 bounded by the group's timeout): every rank of the node exits and its supervisor restarts it;
 the ranks meet again at rank 0's rendezvous. So does a rank whose forward cannot be completed.
+A rank that stops on purpose (SIGTERM: its node drains) keeps turning, joining its peers'
+forwards with no tokens, until every rank is leaving: the node's ranks drain and stop together.
 """
 
 from __future__ import annotations
