@@ -181,7 +181,8 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                         "prefills itself (no prefill node chosen, a fallback), chunked so no step of the "
                         "running batch grows past its decodes plus N; 0: no limit (default 512; prefill "
                         "and colocated nodes ignore it)")
-    g.add_argument("--fault", choices=("corrupt_block", "stall_pull"), default=None, help=argparse.SUPPRESS)
+    g.add_argument("--fault", choices=("corrupt_block", "stall_pull", "step_error"), default=None,
+                   help=argparse.SUPPRESS)
     add_cluster_token_args(g)
     g.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")

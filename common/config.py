@@ -292,7 +292,8 @@ class NodeConfig:
     node_id: str = ""  # "" : derived from role and port
     kv_backend: str = KVBackend.TCP  # a KVBackend value: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
-    fault: str | None = None  # fault injection for tests: "corrupt_block", "stall_pull" (node/kv_pull.py)
+    # fault injection for tests: "corrupt_block", "stall_pull" (node/kv_pull.py), "step_error" (engine/step_fault.py)
+    fault: str | None = None
     # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
     cluster_token: str | None = field(default=None, repr=False)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits

@@ -49,7 +49,9 @@ Data parallelism (``dp``, ``splitserve up --prefill-dp 2 --decode-dp 2``, a MoE 
 data-parallel node of N ranks is N members, each a node of the pool with its own requests
 and KV pool (``<role>-<i>``, i = node * N + rank), sharing the MoE layers; rank 0 hosts their
 rendezvous on a port chosen once. A rank's death fails its peers' collectives: they exit too
-and the supervisor restarts each, and they meet again at the same port.
+and the supervisor restarts each, and they meet again at the same port. A node is started and
+retired whole (``start_members``, ``retire_members``: the planner's unit): its ranks drain
+together and stop at one agreed turn.
 """
 
 import os
@@ -255,11 +257,34 @@ class Cluster:
         a node of the pool, ``<role>-<i>``: rank r of data-parallel node n is i = n * dp + r)."""
         c = self.cfg
         nodes = c["decode_nodes"] if role in ("decode", "colocated") else c["prefill_nodes"]
-        return nodes * c["dp"].get("decode" if role == "colocated" else role, 1)
+        return nodes * self.dp_size(role)
+
+    def dp_size(self, role: str) -> int:
+        """Members of one node of ``role``: its data-parallel ranks (1: the node is one member)."""
+        return self.cfg["dp"].get("decode" if role == "colocated" else role, 1)
+
+    def node_members(self, role: str, node: int) -> list[str]:
+        """The member names of node ``node`` of ``role``: its data-parallel ranks in rank order."""
+        size = self.dp_size(role)
+        return [f"{role}-{node * size + rank}" for rank in range(size)]
+
+    def start_members(self, role: str, node: int) -> list[Proc]:
+        """Start node ``node`` of ``role`` whole: every data-parallel rank at once (they meet at
+        the node's own rendezvous port), or its one member."""
+        size = self.dp_size(role)
+        return [self.start_node(role, node * size + rank) for rank in range(size)]
+
+    def retire_members(self, role: str, node: int) -> list[str]:
+        """Retire node ``node`` of ``role`` whole (``retire`` each of its members at once): the
+        ranks of a data-parallel node drain together and stop at one agreed turn; the names."""
+        names = self.node_members(role, node)
+        for name in names:
+            self.retire(name)
+        return names
 
     def _dp_args(self, role: str, index: int) -> list[str]:
         """A data-parallel rank's flags: its node's rendezvous port, chosen once (restarts reuse it)."""
-        size = self.cfg["dp"].get("decode" if role == "colocated" else role, 1)
+        size = self.dp_size(role)
         if size == 1:
             return []
         node, rank = divmod(index, size)
@@ -563,7 +588,8 @@ def launch(args) -> int:
                                       else [])))
     if getattr(args, "planner", False):  # bad planner flags fail before anything starts
         from .planner.config import planner_config
-        planner_config(args, "planner-", router_urls=(), redis_url=None, model=None)
+        planner_config(args, "planner-", dp={role: cluster.dp_size(role) for role in ("prefill", "decode")},
+                       router_urls=(), redis_url=None, model=None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -358,6 +358,12 @@ class EngineCore:
                 deltas += self._land(launched)
         return deltas
 
+    def complete_failed_step(self) -> None:
+        """A data-parallel rank whose ``step()`` raised (not a ``TPFailure``): issue what is left of
+        the step's forward, with no tokens, so its peers' forward completes (parallel/data_parallel.py)."""
+        assert self.dp is not None and isinstance(self.runner, ModelRunner), "a data-parallel rank's engine"
+        self.dp.complete_forward(self.runner.idle_forward)
+
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
         try:

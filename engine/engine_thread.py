@@ -43,6 +43,12 @@ A rank of a tensor-parallel engine that dies or hangs (``TPFailure`` from a step
 fatal, not one step's error: the running requests end with "error", every command
 then waiting or sent later fails with that ``TPFailure``, the thread stops, and
 ``on_fatal(error)`` runs on the event loop (the node exits; its supervisor restarts it).
+Any other exception from a step is that step's error: the engine's requests end with
+"error" and the thread goes on. On a data-parallel rank the step fails on every rank of the
+node: the failing rank completes its forward's collectives with no tokens (so its peers'
+forward completes), and at the next turn's agreement every rank ends the requests it holds
+with "error" and none steps (parallel/data_parallel.py); a rank that cannot complete the
+forward stops as if a rank died.
 
 A command runs even when its awaiting coroutine was cancelled meanwhile, so a
 request's owner ends it with ``AbortRequest`` (queued after anything it sent
@@ -223,7 +229,9 @@ class EngineThread:
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stop the thread after its current step; whether it ended within ``timeout_s``
-        (a step may hang on a collective up to its timeout)."""
+        (a step may hang on a collective up to its timeout). A data-parallel rank's thread
+        stops at the first turn every rank is stopping, joining its peers' forwards until then
+        (none is left waiting in a collective): give it its peers' drain."""
         self._stop.set()
         self._commands.put(None)
         if self._thread.ident is not None:
@@ -357,9 +365,17 @@ class EngineThread:
         self.stats = self._stats()  # an awaiter of AbortRequest sees the blocks it freed
         self._aio.call_soon_threadsafe(self._resolve, fut, result, exc)
 
+    def _fail_all(self) -> list[RequestDelta]:
+        """End every request the engine holds with an "error" outcome (their blocks freed)."""
+        deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self._engine.scheduler.requests)]
+        for d in deltas:
+            self._engine.abort(d.request_id, "error")
+        return deltas
+
     def _run(self) -> None:
         dp = self._engine.dp  # a data-parallel rank: every turn agrees with its peers whether anyone steps
-        while not self._stop.is_set():
+        failed = False  # a data-parallel rank: its last step raised (its peers learn it at the next agreement)
+        while dp is not None or not self._stop.is_set():  # a DP rank stops when all agree (below)
             idle = not self._engine.has_unfinished()
             try:  # block only when there is nothing to compute (a DP rank polls: a peer may need it)
                 item = (self._commands.get(timeout=IDLE_POLL_S if dp is not None else 0.5) if idle
@@ -372,15 +388,23 @@ class EngineThread:
                     item = self._commands.get_nowait()
                 except queue.Empty:
                     item = None
-            if self._stop.is_set():
+            if dp is None and self._stop.is_set():
                 break
             deltas = []
-            try:
-                busy = self._engine.has_unfinished()
-                steps = busy if dp is None else dp.step_agreed(busy)
-            except TPFailure as e:  # a data-parallel peer is gone
-                self._die(e)
-                return
+            busy = self._engine.has_unfinished()
+            steps = busy
+            if dp is not None:
+                try:
+                    turn = dp.agree(busy, failed, leaving=self._stop.is_set())
+                except TPFailure as e:  # a data-parallel peer is gone
+                    self._die(e)
+                    return
+                if turn.leave:  # every rank stops at this turn: no collective follows
+                    break
+                failed, steps = False, turn.step
+                if turn.failed:  # the node's step failed on some rank: it fails on every rank
+                    deltas = self._fail_all()
+                    log.error("a data-parallel rank's step failed; failing %d requests", len(deltas))
             if steps:
                 started = time.monotonic()  # the step observed below is scheduled from here
                 try:
@@ -388,19 +412,28 @@ class EngineThread:
                 except TPFailure as e:  # a rank is gone: this engine cannot step again
                     self._die(e)
                     return
-                except Exception:  # a bug must not hang every client: fail what was running
-                    log.exception("engine step failed; failing %d requests", len(self._engine.scheduler.requests))
-                    deltas = [RequestDelta(rid, [], [], "error", 0) for rid in list(self._engine.scheduler.requests)]
-                    for d in deltas:
-                        self._engine.abort(d.request_id, "error")
+                except Exception as e:  # a bug must not hang every client: fail what was running
+                    if dp is None:
+                        log.exception("engine step failed; failing %d requests", len(self._engine.scheduler.requests))
+                        deltas = self._fail_all()
+                    else:  # the peers' forward completes; the next agreement fails every rank's requests
+                        log.exception("engine step failed on data-parallel rank %d", dp.rank)
+                        try:
+                            self._engine.complete_failed_step()
+                        except Exception as again:
+                            self._die(again if isinstance(again, TPFailure) else TPFailure(
+                                f"data-parallel rank {dp.rank}: its failed step ({e!r}) could not be completed "
+                                f"({again!r}); the node must restart"))
+                            return
+                        failed = True
                 self._steps += 1
-                for d in deltas:  # finished requests export nothing more
-                    if d.finish_reason is not None and self._exports is not None:
-                        self._exports.end(d.request_id)
                 if self._step_observer is not None and self._scheduled is not None:
                     self._step_observer(self._scheduled, started, deltas,
                                         len(self._engine.scheduler.requests))
                 self._scheduled = None
+            for d in deltas:  # finished requests export nothing more
+                if d.finish_reason is not None and self._exports is not None:
+                    self._exports.end(d.request_id)
             self.stats = self._stats()  # before the deltas: a client that saw its end sees its blocks free
             if deltas:
                 self._aio.call_soon_threadsafe(self._on_deltas, deltas)

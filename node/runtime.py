@@ -56,6 +56,7 @@ from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import EngineThread
 from ..engine.limits import RequestLimits
+from ..engine.step_fault import STEP_FAULT, arm_step_fault
 from ..engine.models.loader import resolve_model_dir
 from ..engine.models.registry import read_model_config
 from ..engine.parallel.group import TPFailure
@@ -71,6 +72,8 @@ from .ranks import RankProcs, RoleFactory, node_kv_key
 from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
+
+PEERS_STOP_S = 10.0  # a data-parallel rank waits its peers' drain grace and this much for them to stop with it
 
 
 class KVPoolInfo(NamedTuple):
@@ -150,6 +153,8 @@ class NodeRuntime:
             if self.ranks is not None:
                 self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
             raise
+        if self.config.fault == STEP_FAULT:
+            arm_step_fault(engine)
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
         c = self.config
@@ -320,7 +325,10 @@ class NodeRuntime:
         if grammars is not None:
             grammars.close()  # kills the compile workers
         if hasattr(self, "engine_thread"):
-            stopped = self.engine_thread.stop()
+            # a data-parallel rank stops with its peers (EngineThread.stop), which drain as long as it may
+            peers = self.config.engine.data_parallel_size > 1 and self.failure is None
+            stopped = (self.engine_thread.stop(self.config.drain_grace_s + PEERS_STOP_S) if peers
+                       else self.engine_thread.stop())
             if stopped and self.ranks is not None and self.failure is None:
                 self.engine_thread.close_engine()  # Stop to every worker: they exit 0
         if self.ranks is not None:

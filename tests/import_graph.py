@@ -78,7 +78,7 @@ SUBLAYER = {
     # engine: what a step is made of, then the runners and scheduler (""), then what drives them
     "engine": {"upload": 0, "step_inputs": 0, "limits": 0, "parallel": 1, "attention": 2, "models": 3, "kv": 4,
                "sampling": 5, "": 6, "parallel.worker": 7, "parallel.launch": 8, "engine_core": 9,
-               "engine_thread": 10, "llm": 11},
+               "engine_thread": 10, "step_fault": 10, "llm": 11},
 }
 
 

@@ -17,6 +17,7 @@ from splitserve.common.registry import NodeInfo
 from splitserve.common.load import NodeLoad
 from splitserve.common.sim_profiles import get_deployment
 from splitserve.deploy.planner.actuator import LocalPools
+from splitserve.deploy.planner.config import dp_bounds
 from splitserve.deploy.planner.offline.fleetsim import Req, StepSum, simulate
 from splitserve.deploy.planner.offline.search import search
 from splitserve.deploy.planner.offline.workload import PRESETS, Phase, as_reqs, generate, parse_phase
@@ -143,6 +144,27 @@ def test_policy_scales_up_at_once_and_down_slowly_within_bounds():
     assert raw["observed"]["rate"] == 0 and raw["sizing"]["prefill"]["nodes"] >= 0
 
 
+def test_a_data_parallel_pool_moves_by_whole_nodes():
+    """Nodes of 2 DP ranks: the pool counts ranks (each a node of the pool, as the profiles' are)
+    and grows and shrinks by whole nodes; the flags' bounds are rounded to them, or refused."""
+    cfg = PolicyConfig(Bounds(2, 4, 1, 3), cooldown_up_s=0, cooldown_down_s=0, down_after=1, down_step=1,
+                       rate_window=1, prefill_dp=2)
+    pol = Policy(PoolModel(H100, SLO), cfg)
+    d = pol.decide(obs(12, prefill=2), {"prefill": 2, "decode": 1}, now=0)
+    assert d.sizing["prefill"].nodes == 3 and d.target["prefill"] == 4 and d.change["prefill"] == 2
+    d = pol.decide(obs(0, prefill=4), {"prefill": 4, "decode": 1}, now=10)
+    assert d.target["prefill"] == 2 and d.change["prefill"] == -2  # a down step of 1 is one node of 2
+    assert dp_bounds(1, 5, 2, "decode", "planner-") == (2, 4)
+    with pytest.raises(ValueError, match="--planner-max-decode 1: a decode node of --decode-dp 2 is 2 ranks"):
+        dp_bounds(1, 1, 2, "decode", "planner-")
+    with pytest.raises(ValueError, match="whole nodes of 2"):
+        PolicyConfig(Bounds(1, 4, 1, 3), prefill_dp=2)
+    # up refuses such bounds before it starts anything
+    up = subprocess.run([sys.executable, "-m", "splitserve.cli", "up", "--decode-dp", "2", "--planner",
+                         "--planner-max-decode", "1"], capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2 and "error: --planner-max-decode 1: a decode node of --decode-dp 2" in up.stderr, up
+
+
 def test_a_backlog_on_the_prefill_nodes_keeps_them_through_an_interval_without_arrivals():
     """A burst ends but its prompts still queue on the prefill nodes: an interval with no new
     requests does not drain them (that backlog would wait on fewer nodes, and the planner would
@@ -223,20 +245,30 @@ class FakeProc:
 
 
 class FakeCluster:
-    def __init__(self):
-        self.procs = [FakeProc("prefill-0"), FakeProc("decode-0"), FakeProc("router")]
+    """deploy/launcher.py Cluster's members and names, without processes; ``dp``: role -> ranks
+    of one node (its data-parallel size)."""
+    def __init__(self, dp=None):
+        self.dp = dp or {}
+        self.procs = [FakeProc(n) for role in ("prefill", "decode") for n in self.node_members(role, 0)]
+        self.procs.append(FakeProc("router"))
         self.retired: set[str] = set()
 
     def node(self, name):
         return next(p for p in reversed(self.procs) if p.name == name)
 
-    def start_node(self, role, index):
-        self.procs.append(FakeProc(f"{role}-{index}"))
-        return self.procs[-1]
+    def dp_size(self, role):
+        return self.dp.get(role, 1)
 
-    def retire(self, name):
-        self.retired.add(name)
-        return self.node(name)
+    def node_members(self, role, node):
+        return [f"{role}-{node * self.dp_size(role) + r}" for r in range(self.dp_size(role))]
+
+    def start_members(self, role, node):
+        self.procs += [FakeProc(n) for n in self.node_members(role, node)]
+        return self.procs[-self.dp_size(role):]
+
+    def retire_members(self, role, node):
+        self.retired.update(self.node_members(role, node))
+        return self.node_members(role, node)
 
     def node_id_of(self, name):
         return name
@@ -268,6 +300,22 @@ def test_local_pools_start_fresh_names_drain_the_least_loaded_and_count_device_s
     assert cluster.procs[-1].name == "prefill-3"  # a name is never reused
     # prefill: 0 and 2 for 15 s, 1 for 15 s, 3 from t=15: x 2 devices; decode: 15 s
     assert pools.device_seconds(until=15.0) == {"prefill": 2 * (15 + 15 + 15 + 0), "decode": 15.0}
+
+
+def test_local_pools_start_and_drain_a_data_parallel_node_whole():
+    import asyncio
+
+    cluster = FakeCluster(dp={"decode": 2})
+    pools = LocalPools(cluster)
+    assert pools.counts([]) == {"prefill": 1, "decode": 2}  # ranks: each a node of the pool
+    assert asyncio.run(pools.apply({"decode": 2}, [])) == ["started decode-2, decode-3"]
+    busy = [node("decode-0", "decode", 3), node("decode-1", "decode", 0), node("decode-2", "decode", 1),
+            node("decode-3", "decode", 1)]
+    did = asyncio.run(pools.apply({"decode": -2}, busy))  # decode-1 is the idlest rank, but never goes alone
+    assert did == ["draining decode-2, decode-3 (load 2)"] and cluster.retired == {"decode-2", "decode-3"}
+    assert pools.counts(busy) == {"prefill": 1, "decode": 2}
+    assert asyncio.run(pools.apply({"decode": -2}, busy)) == []  # the last decode node stays
+    assert asyncio.run(pools.apply({"decode": 2}, [])) == ["started decode-4, decode-5"]  # numbers never reused
 
 
 # ---- the fleet model and the plan ---------------------------------------------------------------

@@ -16,6 +16,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import aiohttp
 import pytest
@@ -65,30 +68,54 @@ def planner_state(url: str) -> dict:
     return get_json(f"{url}/debug/planner?n=200")
 
 
-def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
+class Up(NamedTuple):
+    url: str  # the router's
+    planner: str  # the planner's base URL
+    status: str  # the supervisor's base URL
+    lines: list[str]  # what up printed so far (a thread appends)
+
+
+@contextmanager
+def up_with_planner(*flags: str, start_s: float = 240, stop_s: float = 60) -> Iterator[Up]:
+    """``splitserve up --planner *flags`` on a free port, once it serves; Ctrl-C after, and it must
+    exit 0 within ``stop_s``."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_QUIET="1")
     env.pop("SPLITSERVE_CLUSTER_TOKEN", None)
-    # --planner-down-after 6 (12 s of wanting fewer): the load step's last requests take ~10 s to
-    # answer on this CPU, an interval without arrivals that must not drain the node just started
-    up = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--kv-cache-memory", "64MiB",
-         "--planner", "--planner-interval", "2", "--planner-cooldown-up", "0", "--planner-cooldown-down", "4",
-         "--planner-down-after", "6", "--planner-min-samples", "2", "--planner-max-prefill", "2",
-         "--planner-max-decode", "1", "--planner-ttft-p90", "3000", "--planner-itl-p90", "1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "up", "--port", str(port), "--planner", *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     try:
-        planner = None
-        deadline = time.monotonic() + 240
+        planner = status = None
+        deadline = time.monotonic() + start_s
         while planner is None:
             assert time.monotonic() < deadline and up.poll() is None, "\n".join(lines[-40:])
             line = up.stdout.readline()
             lines.append(line.rstrip())
-            m = re.search(r"planner: (http://\S+)/debug/planner", line)
-            planner = m and m.group(1)
+            if m := re.search(r"supervisor status: (http://\S+)/status", line):
+                status = m.group(1)
+            if m := re.search(r"planner: (http://\S+)/debug/planner", line):
+                planner = m.group(1)
+        assert status is not None, "\n".join(lines)
         threading.Thread(target=lambda: lines.extend(ln.rstrip() for ln in up.stdout), daemon=True).start()
-        url = f"http://127.0.0.1:{port}"
+        yield Up(f"http://127.0.0.1:{port}", planner, status, lines)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            code = up.wait(stop_s)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            raise
+    assert code == 0, "\n".join(lines[-40:])
+
+
+def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
+    # --planner-down-after 6 (12 s of wanting fewer): the load step's last requests take ~10 s to
+    # answer on this CPU, an interval without arrivals that must not drain the node just started
+    with up_with_planner("--kv-cache-memory", "64MiB", "--planner-interval", "2", "--planner-cooldown-up", "0",
+                         "--planner-cooldown-down", "4", "--planner-down-after", "6", "--planner-min-samples", "2",
+                         "--planner-max-prefill", "2", "--planner-max-decode", "1", "--planner-ttft-p90", "3000",
+                         "--planner-itl-p90", "1000") as (url, planner, _, lines):
         assert planner_state(planner)["actuator"]["kind"] == "local"
 
         def prefill_nodes() -> int:
@@ -147,11 +174,3 @@ def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
         assert names.PLANNER_PREDICTION_ERROR in text and names.PLANNER_TARGET_REPLICAS in text
         errors = state["prediction_errors"]["rate"]
         assert errors["moving_average"]["scored"] > 0 and errors["holt"]["scored"] > 0
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            code = up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            raise
-    assert code == 0, "\n".join(lines[-40:])

@@ -1,16 +1,24 @@
 """How a planning decision reaches the pools.
 
     LocalPools   ``splitserve up --planner`` (and the simulated clusters of the planner
-                 benchmarks): starts node members of the launcher's Cluster
-                 (``start_node``, a fresh index each, never reused: a draining node keeps
-                 its id until it is gone) and scales down by ``Cluster.retire``: the
-                 least loaded node of the role (its heartbeat: running + waiting +
-                 queued tokens; a node not yet registered counts as idle) gets SIGTERM
-                 and drains (503 to new work, deregistered, index entries withdrawn,
-                 in-flight requests finish within its --drain-grace; the router retries a
-                 refused request on another node and migrates what outlives the grace)
+                 benchmarks): starts nodes of the launcher's Cluster whole
+                 (``start_members``: a fresh node number each, never reused: a draining
+                 node keeps its ids until it is gone) and scales down by
+                 ``Cluster.retire_members``: the least loaded node of the role (its
+                 heartbeat: running + waiting + queued tokens; a node not yet registered
+                 counts as idle) gets SIGTERM and drains (503 to new work, deregistered,
+                 index entries withdrawn, in-flight requests finish within its
+                 --drain-grace; the router retries a refused request on another node and
+                 migrates what outlives the grace)
     ExportOnly   Kubernetes: changes nothing; the planner's targets leave as metrics
                  (``splitserve:planner_target_replicas{role}``) that the HPAs follow
+
+A data-parallel node (``up --prefill-dp / --decode-dp N``) is N members, each rank a node of
+the pool (the registry's and the profiles' unit): the policy counts ranks and changes a pool
+by whole nodes of N (scaling.py), and LocalPools starts the N ranks of a node together (they
+meet at the node's own rendezvous) and retires them together (they drain together and stop
+at one agreed turn: engine/engine_thread.py); the least loaded node is the one whose ranks
+carry the least load together. A lone rank is never started or retired.
 
 Both count a role's nodes as those serving or starting, never those draining. LocalPools
 also keeps each node's life (start to exit, draining included) for the device-seconds a
@@ -47,8 +55,9 @@ class Cluster(Protocol):
     @property
     def retired(self) -> set[str]: ...
     def node(self, name: str) -> Member: ...
-    def start_node(self, role: str, index: int) -> Member: ...
-    def retire(self, name: str) -> Member: ...
+    def dp_size(self, role: str) -> int: ...
+    def start_members(self, role: str, node: int) -> Sequence[Member]: ...
+    def retire_members(self, role: str, node: int) -> list[str]: ...
     def node_id_of(self, name: str) -> str: ...
 
 
@@ -79,6 +88,7 @@ class NodeLife:
     name: str  # the launcher's member name, <role>-<index>
     role: str
     node_id: str
+    node: int  # the node it is a rank of (index // the role's data-parallel size; its index at DP 1)
     started: float  # monotonic
     drain_started: float | None = None
     stopped: float | None = None
@@ -99,11 +109,22 @@ class LocalPools:
         for p in cluster.procs:
             role = _role(p.name)
             if role is not None and p.name not in cluster.retired:
-                self.lives[p.name] = NodeLife(p.name, role, cluster.node_id_of(p.name), now)
+                self.lives[p.name] = self._life(p.name, role, now)
         self.actions: list[dict] = []  # what apply did, oldest first (kept whole for the benchmarks)
+
+    def _life(self, name: str, role: str, now: float) -> NodeLife:
+        node = int(name.rsplit("-", 1)[1]) // self.cluster.dp_size(role)
+        return NodeLife(name, role, self.cluster.node_id_of(name), node, now)
 
     def _serving(self, role: str) -> list[NodeLife]:
         return [n for n in self.lives.values() if n.role == role and n.drain_started is None]
+
+    def _serving_nodes(self, role: str) -> dict[int, list[NodeLife]]:
+        """node -> its serving ranks (every rank of a node serves or drains with the others)."""
+        nodes: dict[int, list[NodeLife]] = {}
+        for n in self._serving(role):
+            nodes.setdefault(n.node, []).append(n)
+        return nodes
 
     def counts(self, nodes: list[NodeInfo]) -> dict[str, int]:
         self.poll()
@@ -120,26 +141,35 @@ class LocalPools:
                         n.stopped, n.exit_code = now, code
 
     async def apply(self, change: dict[str, int], nodes: list[NodeInfo]) -> list[str]:
+        """``change``: role -> ranks to start (> 0) or drain (< 0), whole nodes of the role's
+        data-parallel size (scaling.py rounds them)."""
         done = []
         load = {n.node_id: n.load.running + n.load.waiting + n.load.queued_prefill_tokens / 1000 for n in nodes}
         for role, n in change.items():
-            for _ in range(max(0, n)):
-                index = 1 + max((int(x.name.rsplit("-", 1)[1]) for x in self.lives.values() if x.role == role),
-                                default=-1)
-                proc = await asyncio.to_thread(self.cluster.start_node, role, index)
+            size = self.cluster.dp_size(role)
+            assert n % size == 0, f"{role}: a change of {n} ranks is not whole nodes of {size}"
+            for _ in range(max(0, n) // size):
+                node = 1 + max((x.node for x in self.lives.values() if x.role == role), default=-1)
+                procs = await asyncio.to_thread(self.cluster.start_members, role, node)
+                now = self.clock()
                 with self._lock:
-                    self.lives[proc.name] = NodeLife(proc.name, role, self.cluster.node_id_of(proc.name), self.clock())
-                done.append(f"started {proc.name}")
-            for _ in range(max(0, -n)):
-                serving = self._serving(role)
+                    for proc in procs:
+                        self.lives[proc.name] = self._life(proc.name, role, now)
+                done.append(f"started {', '.join(p.name for p in procs)}")
+            for _ in range(max(0, -n) // size):
+                serving = self._serving_nodes(role)
                 if len(serving) <= 1 and role == "decode":
                     break  # the last decode node never goes: nothing could serve
-                # least loaded first; among equals the newest (a node not registered yet is idle)
-                victim = min(serving, key=lambda x: (load.get(x.node_id, 0.0), -int(x.name.rsplit("-", 1)[1])))
-                await asyncio.to_thread(self.cluster.retire, victim.name)
+                # least loaded first (its ranks together); among equals the newest (a node not registered yet is idle)
+                victim = min(serving, key=lambda node: (sum(load.get(x.node_id, 0.0) for x in serving[node]), -node))
+                ranks = serving[victim]
+                await asyncio.to_thread(self.cluster.retire_members, role, victim)
+                now = self.clock()
                 with self._lock:
-                    victim.drain_started = self.clock()
-                done.append(f"draining {victim.name} (load {load.get(victim.node_id, 0.0):g})")
+                    for x in ranks:
+                        x.drain_started = now
+                carried = sum(load.get(x.node_id, 0.0) for x in ranks)
+                done.append(f"draining {', '.join(x.name for x in ranks)} (load {carried:g})")
         if done:
             self.actions.append({"at": self.clock(), "did": done})
         return done
@@ -158,7 +188,8 @@ class LocalPools:
         self.poll()
         now = self.clock()
         with self._lock:
-            nodes = [{"name": n.name, "role": n.role, "node_id": n.node_id, "age_s": round(now - n.started, 1),
+            nodes = [{"name": n.name, "role": n.role, "node_id": n.node_id, "node": n.node,
+                      "age_s": round(now - n.started, 1),
                       "state": "stopped" if n.stopped is not None else
                       "draining" if n.drain_started is not None else "serving", "exit_code": n.exit_code}
                      for n in self.lives.values()]

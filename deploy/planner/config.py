@@ -66,10 +66,12 @@ def add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: b
     g.add_argument(f("up-after"), type=int, default=1,
                    help="decisions in a row that want more nodes before they start (at once when the last "
                         "interval missed the SLO)")
-    g.add_argument(f("min-prefill"), type=int, default=1)
-    g.add_argument(f("max-prefill"), type=int, default=8)
-    g.add_argument(f("min-decode"), type=int, default=1)
-    g.add_argument(f("max-decode"), type=int, default=8)
+    bounds = ("" if standalone else " (a node of --prefill-dp / --decode-dp N counts N: the planner "
+              "starts and drains its ranks together, so the bounds are rounded to whole nodes)")
+    g.add_argument(f("min-prefill"), type=int, default=1, help="the fewest prefill nodes" + bounds)
+    g.add_argument(f("max-prefill"), type=int, default=8, help="the most prefill nodes")
+    g.add_argument(f("min-decode"), type=int, default=1, help="the fewest decode nodes")
+    g.add_argument(f("max-decode"), type=int, default=8, help="the most decode nodes")
     g.add_argument(f("min-samples"), type=int, default=5,
                    help="requests an interval needs before it moves the observed/predicted correction")
     g.add_argument(f("predict-window"), type=int, default=6, help="moving-average window, in intervals")
@@ -91,15 +93,34 @@ def add_planner_args(p: argparse.ArgumentParser, prefix: str = "", standalone: b
     add_slo_args(p, prefix, None if standalone else UP_SLO_MS)
 
 
-def planner_config(args: argparse.Namespace, prefix: str = "", **given) -> PlannerConfig:
+def dp_bounds(lo: int, hi: int, ranks: int, role: str, prefix: str = "") -> tuple[int, int]:
+    """A pool's bounds (``--<prefix>min-<role>`` and ``max-``, in ranks: each rank is a node of the
+    pool) for nodes of ``ranks`` data-parallel ranks: whole nodes, the least rounded up and the
+    most down. Raises ValueError naming the flags when not even one node fits."""
+    if ranks == 1:
+        return lo, hi
+    if hi < ranks:
+        raise ValueError(f"--{prefix}max-{role} {hi}: a {role} node of --{role}-dp {ranks} is {ranks} ranks "
+                         f"and the planner starts and drains it whole; the bounds count ranks: give "
+                         f"--{prefix}max-{role} {ranks} or a larger multiple of {ranks}")
+    return -(-lo // ranks) * ranks, hi // ranks * ranks
+
+
+def planner_config(args: argparse.Namespace, prefix: str = "", dp: dict[str, int] | None = None,
+                   **given) -> PlannerConfig:
     """The config of ``add_planner_args``'s flags; ``given`` fills what the caller knows
-    (``up``: router_urls, redis_url, model, cluster_token)."""
+    (``up``: router_urls, redis_url, model, cluster_token); ``dp``: role -> data-parallel ranks
+    of one node (``up --prefill-dp / --decode-dp``; default 1), the bounds rounded to whole nodes."""
     key = prefix.replace("-", "_")
     a = lambda name: getattr(args, key + name)  # noqa: E731
     get_deployment(a("profile"))  # an unknown name fails here, naming the choices
-    policy = PolicyConfig(bounds=Bounds(a("min_prefill"), a("max_prefill"), a("min_decode"), a("max_decode")),
+    ranks = {"prefill": 1, "decode": 1, **(dp or {})}
+    (min_p, max_p), (min_d, max_d) = (dp_bounds(a(f"min_{role}"), a(f"max_{role}"), ranks[role], role, prefix)
+                                      for role in ("prefill", "decode"))
+    policy = PolicyConfig(bounds=Bounds(min_p, max_p, min_d, max_d),
                           cooldown_up_s=a("cooldown_up"), cooldown_down_s=a("cooldown_down"),
-                          down_after=a("down_after"), up_after=a("up_after"), min_samples=a("min_samples"))
+                          down_after=a("down_after"), up_after=a("up_after"), min_samples=a("min_samples"),
+                          prefill_dp=ranks["prefill"], decode_dp=ranks["decode"])
     if "router_urls" not in given:
         from ...common.auth import redis_url_from
         if not args.router_url:

@@ -42,7 +42,11 @@
                  requests, under the SLO's: one slow request of five is not a miss);
                  cooldown_up_s after the role's last change. Down to the target (at most
                  ``down_step`` nodes) only after ``down_after`` decisions in a row wanted
-                 fewer and cooldown_down_s after the role's last change
+                 fewer and cooldown_down_s after the role's last change. A pool of
+                 data-parallel nodes (``PolicyConfig.prefill_dp`` / ``decode_dp`` ranks each)
+                 counts ranks, as the registry and the profiles do (each rank is a node of
+                 the pool), and moves by whole DP nodes: its target is rounded up to one
+                 (its bounds are whole nodes: config.py), its down step too
 
 The ``PlanningDecision`` keeps everything it was based on (observed and predicted load, the
 corrections, each pool's sizing and SLO margin, why it changed or held); service.py logs,
@@ -102,8 +106,20 @@ class PolicyConfig:
     corr_max: float = 3.0
     corr_window: int = 5  # the correction pools this many of the last measured intervals
     rate_window: int = 4  # observations the rate the pools are sized for averages
+    prefill_dp: int = 1  # ranks of one prefill node: the pool starts and drains this many at once
+    decode_dp: int = 1  # ... of one decode node
+
+    def ranks(self, role: str) -> int:
+        """Ranks of one node of ``role`` (its data-parallel size): the pool's unit of change."""
+        return self.prefill_dp if role == "prefill" else self.decode_dp
 
     def __post_init__(self):
+        b = self.bounds
+        for role, lo, hi in (("prefill", b.min_prefill, b.max_prefill), ("decode", b.min_decode, b.max_decode)):
+            k = self.ranks(role)
+            if k < 1 or lo % k or hi % k or hi < k:
+                raise ValueError(f"planner: the {role} bounds {lo}..{hi} must be whole nodes of {k} "
+                                 f"data-parallel ranks (config.py rounds the flags)")
         if min(self.cooldown_up_s, self.cooldown_down_s) < 0 or min(self.down_after, self.down_step,
                                                                      self.up_after, self.rate_window) < 1:
             raise ValueError("planner: cooldowns must be >= 0; down_after, down_step, up_after and rate_window >= 1")
@@ -240,7 +256,8 @@ class Policy:
         for role, sz in sizing.items():
             if not sz.feasible:
                 reasons.append(f"{role}: the SLO is out of reach within {sz.nodes} nodes at this load")
-        target = {role: lo[role] if current[role] < lo[role] else min(current[role], hi[role]) for role in ROLES}
+        target = {role: whole(lo[role] if current[role] < lo[role] else min(current[role], hi[role]), c.ranks(role))
+                  for role in ROLES}  # a data-parallel pool moves by whole nodes (within bounds of whole nodes)
         # the work already on the nodes is no forecast: what it needs starts at once
         urgent = {role: b.clamp(role, floors[role]) > current[role] for role in ROLES}
         change = {}
@@ -268,7 +285,7 @@ class Policy:
                 self.wanted_more[role] = 0
                 self.wanted_fewer[role] += 1
                 if self.wanted_fewer[role] >= c.down_after and since >= c.cooldown_down_s:
-                    change[role] = -min(c.down_step, cur - want)
+                    change[role] = -min(whole(c.down_step, c.ranks(role)), cur - want)
                     reasons.append(f"{role}: {cur} -> {cur + change[role]} nodes (target {want}), draining")
                 else:
                     change[role] = 0
@@ -368,6 +385,11 @@ def interval_batches(pool: PoolState, running_before: float | None) -> list[floa
     if not by_node:
         return [max(1.0, mean_total / pool.nodes)] * pool.nodes
     return [max(1.0, r * mean_total / pool.running) for r in by_node if r]
+
+
+def whole(n: int, ranks: int) -> int:
+    """``n`` ranks rounded up to whole nodes of ``ranks`` data-parallel ranks."""
+    return -(-n // ranks) * ranks
 
 
 def significantly_below(share: float | None, n: int, target: float, z: float = 1.645) -> bool:

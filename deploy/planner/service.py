@@ -181,9 +181,9 @@ class Planner:
 
 
 def _bounds(c: PlannerConfig) -> dict[str, int]:
-    b = c.policy.bounds
+    b, p = c.policy.bounds, c.policy
     return {"min_prefill": b.min_prefill, "max_prefill": b.max_prefill, "min_decode": b.min_decode,
-            "max_decode": b.max_decode}
+            "max_decode": b.max_decode, "prefill_dp": p.prefill_dp, "decode_dp": p.decode_dp}
 
 
 async def serve(planner: Planner, stop: asyncio.Event, on_port=None) -> None:
@@ -258,8 +258,9 @@ def start_local_planner(args, cluster, model: str) -> PlannerThread:
     from .actuator import LocalPools
     from .config import planner_config
 
-    config = planner_config(args, "planner-", router_urls=tuple(cluster.urls), redis_url=cluster.redis_url,
-                            model=model, cluster_token=cluster.cluster_token)
+    config = planner_config(args, "planner-", dp={role: cluster.dp_size(role) for role in ROLES},
+                            router_urls=tuple(cluster.urls), redis_url=cluster.redis_url, model=model,
+                            cluster_token=cluster.cluster_token)
     dep = config.deployment
     pools = LocalPools(cluster, {"prefill": dep.prefill.node_gpus, "decode": dep.decode.node_gpus})
     thread = PlannerThread(Planner(config, pools))

@@ -274,6 +274,8 @@ class CausalLM(nn.Module):
             if before_layer is not None:
                 before_layer(i)
             x = layer(x, rope, kv_caches[i], meta, backend)
+        if self.group.data_parallel is not None:  # every collective of the forward issued
+            self.group.data_parallel.end_forward()
         x = self.norm(x[logits_indices])  # RMSNorm is per row: normalizing only the needed rows is exact
         return self.lm_head(x).float()
 

@@ -139,10 +139,10 @@ class MoEBlock(nn.Module):
         rows, T = dp.padded, x.shape[0]
         padded = x.new_zeros(rows, x.shape[1])
         padded[:T] = x
-        everyone = dp.group.all_gather(padded, dim=0)  # [N * P, H]
+        everyone = dp.all_gather(padded)  # [N * P, H]
         real = (torch.arange(rows, device=x.device)[None, :]
                 < torch.tensor(dp.counts, device=x.device)[:, None]).flatten()  # [N * P]
-        y = dp.group.all_reduce(self._routed(everyone, real))  # every rank's experts' sums
+        y = dp.all_reduce(self._routed(everyone, real))  # every rank's experts' sums
         return y[dp.rank * rows:dp.rank * rows + T]
 
 

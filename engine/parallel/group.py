@@ -2,7 +2,8 @@
 ``device``) and the collectives the sharded model runs, every one bounded by a timeout.
 
 Owns ``TPGroup`` (all_reduce, all_gather, broadcast, min_int), ``DataParallel`` (a
-data-parallel node's ranks over such a group: its step clock), ``init_tp_group`` (a
+data-parallel node's ranks over such a group: its step clock, the ledger of a forward's
+collectives), ``init_tp_group`` (a
 ``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA, built with their
 constructors over a ``TCPStore`` rendezvous, never ``init_process_group``: a node's
 KV transports make groups of their own, kvtransfer/backends/pair_group.py) and the per-rank
@@ -27,12 +28,15 @@ restarts it whole.
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0  # every collective of a step: far above any step's skew between ranks
 INIT_TIMEOUT_S = 600.0  # rendezvous, and the first collective after loading (ranks load at their own pace)
@@ -203,14 +207,25 @@ class TPGroup:
             pg.abort()
 
 
+class Turn(NamedTuple):
+    """What the ranks agreed at the start of one engine-thread turn (the same on every rank)."""
+    step: bool  # every rank runs one forward (some rank has work, no step failed, not leaving)
+    failed: bool  # some rank's last step raised: every rank fails the requests it holds, none steps
+    leave: bool  # every rank is stopping: none calls a collective again
+
+
 class DataParallel:
     """Rank ``group.rank`` of ``group.size`` data-parallel ranks of one MoE node (parallel/data_parallel.py:
-    the lockstep these calls keep)."""
+    the lockstep these calls keep, and how a failed step's forward is completed)."""
 
     def __init__(self, group: TPGroup, store=None):
         self.group = group
         self._store = store  # rank 0's: the rendezvous server lives as long as the rank
         self.counts: tuple[int, ...] = ()  # each rank's tokens in the current forward (begin_forward)
+        self._began = False  # this turn's forward began (begin_forward since the last agree)
+        self._open = False  # ... and has not ended (end_forward)
+        self._issued = 0  # collectives the current forward issued so far, begin_forward's the first
+        self._skip = 0  # completing a failed forward: its first _skip collectives were issued already
 
     @property
     def rank(self) -> int:
@@ -220,20 +235,59 @@ class DataParallel:
     def size(self) -> int:
         return self.group.size
 
-    def step_agreed(self, busy: bool) -> bool:
-        """Whether any rank has a step to run this turn (every rank calls it every turn)."""
-        flag = torch.tensor([int(busy)], dtype=torch.int64, device=self.group.device)
-        return bool(self.group.all_reduce(flag, "max").item())
+    def agree(self, busy: bool, failed: bool = False, leaving: bool = False) -> Turn:
+        """This turn, for every rank: whether any rank is ``busy``, whether any rank's last step
+        ``failed``, and whether every rank is ``leaving`` (every rank calls it every turn)."""
+        flags = torch.tensor([int(busy), int(failed), int(not leaving)], dtype=torch.int64, device=self.group.device)
+        anyone_busy, anyone_failed, anyone_stays = (bool(f) for f in self.group.all_reduce(flags, "max").tolist())
+        self._began = self._open = False
+        return Turn(anyone_busy and not anyone_failed and anyone_stays, anyone_failed, not anyone_stays)
 
     def begin_forward(self, num_tokens: int) -> None:
         """Learn every rank's token count of this forward (each rank calls it once per forward)."""
+        self._began = self._open = True
+        self._issued = 1
+        if self._skip:  # completing a failed forward: issued before it failed, the counts are known
+            return
         t = torch.tensor([num_tokens], dtype=torch.int64, device=self.group.device)
         self.counts = tuple(int(c) for c in self.group.all_gather(t, dim=0).tolist())
+
+    def end_forward(self) -> None:
+        self._open = False
+        self._skip = 0
 
     @property
     def padded(self) -> int:
         """Rows per rank in the MoE layers' gathered batch: the most tokens any rank has (>= 1)."""
         return max(1, *self.counts)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's dispatch: every rank's ``t`` [P, H], [N * P, H] in rank order."""
+        self._issued += 1
+        if self._issued <= self._skip:
+            return t.new_zeros((self.size * t.shape[0], *t.shape[1:]))
+        return self.group.all_gather(t, dim=0)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """A MoE layer's combine: ``t`` [N * P, H] summed over the ranks, in place."""
+        self._issued += 1
+        if self._issued <= self._skip:
+            return t
+        return self.group.all_reduce(t)
+
+    def complete_forward(self, idle_forward: Callable[[], None]) -> None:
+        """This rank's step raised: issue what is left of this turn's forward with ``idle_forward``
+        (a forward of no tokens), so the peers' forward completes. Nothing when the forward had
+        ended before the error; the whole idle forward when it had not begun."""
+        if self._began and not self._open:
+            return
+        self._skip = self._issued if self._began else 0
+        _log.warning("data-parallel rank %d: completing the failed step's forward (%d of its collectives issued)",
+                     self.rank, self._skip)
+        try:
+            idle_forward()
+        finally:
+            self._skip = 0
 
     def close(self) -> None:
         self.group.close()
