@@ -2,11 +2,13 @@
 processes under a CPU-time limit, and carried to the engine with each request.
 
     request handler (event loop)          GrammarService
-    await grammar(params) --------------> compiled before?    -> that CompiledGrammar (LRU,
+    await grammar(params, may_compile) -> compiled before?    -> that CompiledGrammar (LRU,
                                                                  MAX_CACHED_GRAMMARS and
                                                                  MAX_CACHED_BYTES)
                                           refused before?     -> the same 400 (LRU of refusals)
                                           compiling already?  -> waits for that compile
+                                          not ``may_compile`` -> `GrammarNotCompiled` (a 409:
+                                          the router's compile budget did not pay for one)
                                           else a worker slot (``workers`` of them; at most
                                           MAX_WAITING_PER_WORKER compiles wait per slot,
                                           beyond: `CompileUnavailable`, a 503 + Retry-After)
@@ -34,6 +36,8 @@ How each grammar ended is a `GrammarCompileOutcome` (the metric's label):
     TIMEOUT, TOO_LARGE       400 "too complex to compile ...": the constraint's fault, so
                              not 503 (a retry would burn the same CPU and fail the same)
     REFUSED                  one of those three again, answered from memory at once
+    UNCOMPILED               409 GRAMMAR_NOT_COMPILED: none of the above, and the request may
+                             not compile (``compile_grammar`` false); nothing compiled
     BUSY, STARVED, CRASHED   503 + Retry-After: not the constraint's fault, not remembered
     LATE                     503 + Retry-After: not compiled within ``wait_s``; the compile
                              goes on (a retry shares it, or finds it compiled)
@@ -56,8 +60,9 @@ from aiohttp import web
 
 from ..common.errors import InvalidRequest
 from ..common.grammar_limits import MAX_CACHED_GRAMMARS
-from ..common.http import error_response
+from ..common.http import error_response, msgpack_response
 from ..common.outcomes import GrammarCompileOutcome as Outcome
+from ..common.protocol import GRAMMAR_NOT_COMPILED, ErrorBody
 from ..common.structured_outputs import FIELD, GrammarSpec, StructuredOutputsParams
 from ..engine.sampling.grammar_worker import CompileWorker, LocalCompiler, WorkerResult
 from ..engine.sampling.structured import KIND_FIELDS, start_state
@@ -78,10 +83,19 @@ class CompileUnavailable(Exception):
     """No grammar now for a reason not the constraint's: answer 503 with Retry-After."""
 
 
+class GrammarNotCompiled(Exception):
+    """The request may not compile its grammar (``compile_grammar`` false) and this node
+    holds it neither compiled nor compiling: answer `not_compiled_response`."""
+
+
 def unavailable_response(message: str) -> web.Response:
     resp = error_response(503, message)
     resp.headers["Retry-After"] = str(RETRY_AFTER_S)
     return resp
+
+
+def not_compiled_response(e: GrammarNotCompiled) -> web.Response:
+    return msgpack_response(ErrorBody(message=str(e), param=FIELD, type=GRAMMAR_NOT_COMPILED), 409)
 
 
 class GrammarService:
@@ -108,10 +122,11 @@ class GrammarService:
         self.copying = 0  # the node's copies compiling now (one per slot at most)
         self.counts: dict[Outcome, int] = {o: 0 for o in Outcome}  # for tests and /debug/state
 
-    async def grammar(self, params: StructuredOutputsParams) -> Any:
+    async def grammar(self, params: StructuredOutputsParams, may_compile: bool = True) -> Any:
         """The CompiledGrammar of validated ``params``, its ``resume_token_ids`` checked.
-        Raises `InvalidRequest` naming ``structured_outputs.<field>`` (a 400) or
-        `CompileUnavailable` (a 503)."""
+        Raises `InvalidRequest` naming ``structured_outputs.<field>`` (a 400),
+        `CompileUnavailable` (a 503), or `GrammarNotCompiled` when it would have to compile
+        one and not ``may_compile``."""
         spec = params.spec()
         compiled = self._compiled.get(spec)
         if compiled is not None:
@@ -125,6 +140,10 @@ class GrammarService:
                 raise refusal
             task = self._compiling.get(spec)
             if task is None:
+                if not may_compile:
+                    self._count(Outcome.UNCOMPILED)
+                    raise GrammarNotCompiled("this node does not hold the grammar compiled, and the request may "
+                                             "not compile it")
                 if self._waiting >= MAX_WAITING_PER_WORKER * self._size:
                     self._count(Outcome.BUSY)
                     raise CompileUnavailable(f"{self._waiting} grammar compiles already wait on this node")
