@@ -200,7 +200,9 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
     devices = tuple(args.device.split(",")) if "," in args.device else ()  # one per rank
     if args.local_prefill_budget < 0:
         raise ValueError(f"--local-prefill-budget: must be >= 0 (0: no limit), got {args.local_prefill_budget}")
-    engine = engine_config(args, sim, prefill_step_budget=args.local_prefill_budget or None)
+    # the decode nodes' flag alone: a prefill or colocated node is neither bound nor checked by it
+    engine = engine_config(args, sim, prefill_step_budget=(args.local_prefill_budget or None) if role == "decode"
+                           else None)
     return NodeConfig(role=role, engine=engine, host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,

@@ -170,7 +170,8 @@ class EngineConfig:
     prefill_chunk_size: int = 512  # most prompt tokens one request computes per step
     # Most prompt tokens one step computes over all its prefill rows (prompt chunks, recomputes;
     # engine/scheduler.py), so a running decode batch's step never grows past its decodes plus
-    # this; >= 1, None: max_num_batched_tokens alone. A decode node's --local-prefill-budget.
+    # this; >= 1 and at most max_num_batched_tokens - max_num_seqs (room for every decode beside
+    # it), None: max_num_batched_tokens alone. A decode node's --local-prefill-budget.
     prefill_step_budget: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -251,6 +252,16 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.prefill_step_budget is not None and self.prefill_step_budget < 1:
             raise ValueError(f"prefill_step_budget: must be >= 1 (None: no limit), got {self.prefill_step_budget}")
+        if self.prefill_step_budget is not None and \
+                self.prefill_step_budget + self.max_num_seqs > self.max_num_batched_tokens:
+            # running rows come first: a whole budget's chunk ahead of max_num_seqs decodes
+            # would leave some decodes no token of the step (engine/scheduler.py)
+            b, s, t = self.prefill_step_budget, self.max_num_seqs, self.max_num_batched_tokens
+            raise ValueError(f"prefill_step_budget (--local-prefill-budget) {b} + max_num_seqs (--max-num-seqs) {s} "
+                             f"= {b + s} is over max_num_batched_tokens (--max-num-batched-tokens) {t}: a step "
+                             f"would have no room for every decode beside a full prefill chunk; lower "
+                             f"--local-prefill-budget to {max(t - s, 1)} or less (0: no limit), or raise "
+                             f"--max-num-batched-tokens to {b + s} or more")
         if self.cuda_graph_sizes is not None:
             sizes = tuple(sorted(set(self.cuda_graph_sizes)))
             if not sizes or sizes[0] < 1:

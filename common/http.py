@@ -40,12 +40,17 @@ async def read_msgpack(request: web.Request, type_):
         raise InvalidRequest("body", f"not valid msgpack: {e}") from None
 
 
+def read_error_body(data: bytes) -> ErrorBody:
+    """A node's ErrorBody, or one holding the raw text when it is not one."""
+    try:
+        return msgspec.msgpack.decode(data, type=ErrorBody)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ErrorBody(message=data[:200].decode(errors="replace"), type="upstream_error")
+
+
 def decode_error_body(data: bytes) -> str:
     """The message of a node's ErrorBody, or the raw text when it is not one."""
-    try:
-        return msgspec.msgpack.decode(data, type=ErrorBody).message
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return data[:200].decode(errors="replace")
+    return read_error_body(data).message
 
 
 def _peer_socket(addr_info) -> socket.socket:

@@ -90,6 +90,8 @@ class GrammarCompileOutcome(StrEnum):
     BUSY = "busy"  # too many compiles already waiting for a worker: 503
     STARVED = "starved"  # no answer in WALL_FACTOR x the limit (a CPU too busy to run it): 503
     CRASHED = "crashed"  # the worker died otherwise: 503
+    LATE = "late"  # not compiled within the node's wait (node/grammar_service.py); it compiles on: 503
+    UNCOMPILED = "uncompiled"  # not held, and the request may not compile it (compile_grammar false): 409
 
 
 class IndexBatchResult(StrEnum):

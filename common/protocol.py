@@ -102,6 +102,11 @@ class PullSource(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw_o
     tokens: Annotated[int, msgspec.Meta(ge=1)]
 
 
+# ErrorBody.type of a node's 409 to a request sent with ``compile_grammar`` false whose
+# grammar the node holds neither compiled nor compiling: it compiled nothing for it.
+GRAMMAR_NOT_COMPILED = "grammar_not_compiled"
+
+
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """router -> decode node. ``prefill_addr`` None: the decode node prefills locally."""
     request_id: str
@@ -112,6 +117,9 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
     prompt_hashes: PromptHashes | None = None  # the router's, forwarded to the prefill node
     cache_salt: CacheSalt | None = None  # the effective salt (router/api_keys.py), forwarded
     pull: PullSource | None = None  # fetch this prefix first (whoever computes the prompt), forwarded
+    # False: the structured output's grammar only if a node holds it compiled (or compiling);
+    # else a 409 GRAMMAR_NOT_COMPILED, nothing compiled (the router's compile budget), forwarded
+    compile_grammar: bool = True
 
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
@@ -133,6 +141,7 @@ class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True)
     # empty: [kv_addr], a TP=1 decode node
     kv_addrs: list[str] = []
     pull: PullSource | None = None  # the GenerateRequest's: this node pulls that prefix first
+    compile_grammar: bool = True  # the GenerateRequest's: False, a 409 rather than a compile
 
     def decode_addrs(self) -> list[str]:
         """Every decode rank's receiver, in rank order."""
@@ -181,6 +190,9 @@ class TokenDelta(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     error: str | None = None
     # on the first frame when SamplingParams.prompt_logprobs asked: one per prompt token (the first None)
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # on the first frame: the prefill node held the grammar neither compiled nor compiling
+    # (compile_grammar false), so this node prefilled the request itself
+    grammar_missed: bool = False
 
 
 class Abort(msgspec.Struct, tag=True, omit_defaults=True):

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from ..common.http import MSGPACK, decode_error_body
-from ..common.protocol import Abort, PrefillRequest, PrefillResult
+from ..common.http import MSGPACK, read_error_body
+from ..common.protocol import GRAMMAR_NOT_COMPILED, Abort, PrefillRequest, PrefillResult
 from ..kvtransfer.errors import TransferError
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,11 @@ ABORT_TIMEOUT_S = 5.0
 
 class PrefillFailed(TransferError):
     """The prefill node could not be reached, answered an error, or sent a bad answer."""
+
+
+class PrefillGrammarMissing(PrefillFailed):
+    """The prefill node holds the request's grammar neither compiled nor compiling, and the
+    request may not compile it (``compile_grammar`` false): it compiled nothing."""
 
 
 @dataclass(slots=True)
@@ -48,7 +53,10 @@ class PrefillClient:
                                          headers={"Content-Type": MSGPACK}) as r:
                 body = await r.read()
                 if r.status != 200:
-                    raise PrefillFailed(f"prefill node answered {r.status}: {decode_error_body(body)}")
+                    error = read_error_body(body)
+                    failed = (PrefillGrammarMissing if r.status == 409 and error.type == GRAMMAR_NOT_COMPILED
+                              else PrefillFailed)
+                    raise failed(f"prefill node answered {r.status}: {error.message}")
             return msgspec.msgpack.decode(body, type=PrefillResult)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             raise PrefillFailed(f"prefill node {addr}: {type(e).__name__}: {e}") from e

@@ -64,11 +64,12 @@ from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, RankReady, TransfersClosed
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
-from ..node.grammar_service import CompileUnavailable, unavailable_response
+from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
+                                    unavailable_response)
 from ..node.kv_pull import PullHolder, Puller
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
-from .prefill_client import PrefillClient, PrefillFailed
+from .prefill_client import PrefillClient, PrefillFailed, PrefillGrammarMissing
 from .ranks import DecodeRank
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class DecodeNode:
         self._applied: dict[int, int] = {r: 0 for r in range(1, tp)}  # worker rank -> highest seq it applied
         self._applied_event = asyncio.Event()  # some worker acknowledged
         self._aborts: set[asyncio.Task[bool]] = set()  # prefill aborts in flight (held: tasks are weak refs)
+        # requests whose prefill node did not hold their grammar (compile_grammar false): their
+        # first frame says so (TokenDelta.grammar_missed), for the router's compile budget
+        self._grammar_missed: set[str] = set()
         m = runtime.metrics
         self.metrics = m
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
@@ -258,6 +262,8 @@ class DecodeNode:
         try:
             result = await self.prefill_client.prefill(addr, task)
         except PrefillFailed as e:  # transport, HTTP or a bad answer: the transfer fails, we fall back
+            if isinstance(e, PrefillGrammarMissing):
+                self._grammar_missed.add(task.request_id)
             self.transfers.fail(task.transfer_id, str(e))
             return
         except Exception as e:
@@ -272,11 +278,13 @@ class DecodeNode:
             req = await read_msgpack(request, GenerateRequest)
             prompt = prompt_ids(req.token_ids)
             self.rt.limits.check(prompt, req.sampling_params)  # a 400 now, not an error frame later
-            grammar = await self.rt.grammar(req.sampling_params)  # compiled in a worker, or cached
+            grammar = await self.rt.grammar(req.sampling_params, req.compile_grammar)  # compiled, or cached
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         except CompileUnavailable as e:
             return unavailable_response(str(e))
+        except GrammarNotCompiled as e:
+            return not_compiled_response(e)
         if req.request_id in self.streams:
             return error_response(409, f"request {req.request_id} is already running", "request_id")
         queue: asyncio.Queue[TokenDelta | None] = asyncio.Queue()
@@ -284,12 +292,16 @@ class DecodeNode:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-splitserve-frames"})
         driver = asyncio.create_task(self._drive(req, prompt, queue, grammar))
         generated = False  # the engine finished it (stop, length): its driver is returning now
+        first = True
         try:
             await resp.prepare(request)
             while True:
                 delta = await queue.get()
                 if delta is None:  # the node failed: no final frame, the router sees a broken node
                     break
+                if first and req.request_id in self._grammar_missed:
+                    delta.grammar_missed = True
+                first = False
                 await resp.write(encode_frame(delta))
                 if delta.finish_reason is not None:
                     generated = delta.finish_reason not in ("abort", "error")
@@ -298,6 +310,7 @@ class DecodeNode:
             return resp
         finally:  # client gone, handler cancelled, or done: nothing may leak
             self.streams.pop(req.request_id, None)
+            self._grammar_missed.discard(req.request_id)
             # A request that ends on its first token finishes while AddPrefilled's awaiter
             # has yet to resume: let it count the transfer as owned rather than abort it.
             if not driver.done() and not generated:
@@ -356,7 +369,7 @@ class DecodeNode:
                               kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
                               prompt_hashes=req.prompt_hashes if hashes is not None else None,
                               cache_salt=req.cache_salt, kv_addrs=self.kv_addrs if self.rt.tp > 1 else [],
-                              pull=req.pull)
+                              pull=req.pull, compile_grammar=req.compile_grammar)
         call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
         try:

@@ -179,14 +179,14 @@ class NodeRuntime:
         info = self.kv_pool_info
         self.metrics.set_kv_pool(info.device, info.dtype, info.blocks, info.bytes, info.tokens)
 
-    async def grammar(self, params: SamplingParams) -> Any:
+    async def grammar(self, params: SamplingParams, may_compile: bool = True) -> Any:
         """The compiled grammar of a checked request's structured output (None without one),
-        for its AddRequest / AddPrefilled. Raises InvalidRequest (a 400) or
-        CompileUnavailable (a 503 + Retry-After)."""
+        for its AddRequest / AddPrefilled. Raises InvalidRequest (a 400), CompileUnavailable
+        (a 503 + Retry-After) or, not ``may_compile``, GrammarNotCompiled (a 409)."""
         if params.structured_outputs is None:
             return None
         assert self.grammars is not None, "limits.check refuses structured outputs on a simulated node"
-        return await self.grammars.grammar(params.structured_outputs)
+        return await self.grammars.grammar(params.structured_outputs, may_compile)
 
     def _start_ranks(self) -> None:
         """Check the model splits over the ranks (a clear error before any process starts),

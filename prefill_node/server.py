@@ -71,7 +71,8 @@ from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import RankMessage, RankSent
 from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
-from ..node.grammar_service import CompileUnavailable, unavailable_response
+from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
+                                    unavailable_response)
 from ..node.kv_pull import PullHolder, Puller
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
@@ -248,13 +249,16 @@ class PrefillNode:
             task = await read_msgpack(request, PrefillRequest)
             prompt = prompt_ids(task.token_ids)
             self._check(task, prompt)
-            grammar = await self.rt.grammar(task.sampling_params)  # compiled in a worker, or cached
+            grammar = await self.rt.grammar(task.sampling_params, task.compile_grammar)  # compiled, or cached
         except InvalidRequest as e:
             self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
             return error_response(400, str(e), e.field)
         except CompileUnavailable as e:
             self.m_requests.labels(PrefillOutcome.REFUSED).inc()
             return unavailable_response(str(e))
+        except GrammarNotCompiled as e:  # the decode node prefills it: it holds the grammar
+            self.m_requests.labels(PrefillOutcome.REFUSED).inc()
+            return not_compiled_response(e)
         rid = task.request_id
         if rid in self.out:
             return error_response(409, f"request {rid} is already being prefilled", "request_id")

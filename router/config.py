@@ -159,8 +159,9 @@ class RouterConfig:
     # SIGTERM: new requests get 503 while in-flight ones finish, for at most this long.
     drain_grace_s: float = 30.0
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
-    # Structured-output constraints no node has answered yet, per API key (router/http/compile_budget.py):
-    # at most this many compiling at once, and this many a minute; more get 429. Known ones are free.
+    # Structured-output compiles on the nodes, per API key (router/http/compile_budget.py): at most
+    # this many requests compiling at once (until their first token), and this many a minute; more
+    # get 429. A constraint the nodes it goes to hold compiled is free.
     schema_compiles_per_key: int = 1
     schema_compiles_per_key_per_minute: int = 20
     # A generation whose decode node breaks its stream moves to another decode node at most
@@ -313,11 +314,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds in-flight requests may take to finish (default "
                         "%(default)s)")
     s.add_argument("--schema-compiles-per-key", type=int, default=d.schema_compiles_per_key,
-                   help="structured-output constraints new to the nodes one API key may have compiling "
-                        "at once; more get 429 (default %(default)s)")
+                   help="requests one API key may have compiling a structured-output constraint on "
+                        "the nodes at once (until their first token); more get 429 (default %(default)s)")
     s.add_argument("--schema-compiles-per-key-per-minute", type=int, default=d.schema_compiles_per_key_per_minute,
-                   help="new structured-output constraints one API key may send a minute; more get 429 "
-                        "(default %(default)s)")
+                   help="structured-output compiles one API key may cause a minute (each on a decode "
+                        "node and its prefill node; constraints the nodes hold compiled are free); more "
+                        "get 429 (default %(default)s)")
     r = p.add_argument_group("router: stored /v1/responses")
     r.add_argument("--responses-redis-url", default=None,
                    help=f"a Redis of their own (default: ${RESPONSES_REDIS_URL_ENV}, else --redis-url's); "

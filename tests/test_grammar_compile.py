@@ -134,6 +134,68 @@ def test_service_refuses_with_503_when_too_many_compiles_wait(tokenizer_info, mo
     asyncio.run(body())
 
 
+# accepted by the limits (two distinct maxLength-128 strings: 256 positions), 3 s or more of one core
+HEAVY = {"type": "object", "required": ["a", "b"], "properties": {
+    "a": {"type": "string", "maxLength": 128}, "b": {"type": "string", "minLength": 1, "maxLength": 127}}}
+
+
+def test_a_grammar_copy_never_queues_behind_another_one(tokenizer_info):
+    """With two worker slots, a light grammar proven while a heavy one's copy compiles in
+    the node gets its own copy at once: the node's copies do not queue on one thread."""
+    async def body():
+        service = GrammarService(tokenizer_info, workers=2, timeout_s=60.0)
+        try:
+            await service.grammar(StructuredOutputsParams(regex="[0-9]{2}"))  # started; a worker is up
+            heavy = asyncio.create_task(service.grammar(StructuredOutputsParams(json=json.dumps(HEAVY))))
+            while service.copying == 0:  # its worker proved it: the node's copy compiles now (seconds)
+                assert not heavy.done()
+                await asyncio.sleep(0.02)
+            light = asyncio.create_task(service.grammar(StructuredOutputsParams(json=json.dumps(SMALL))))
+            done, _ = await asyncio.wait({heavy, light}, return_when=asyncio.FIRST_COMPLETED)
+            assert done == {light}, "the light grammar waited for the heavy one's copy"
+            await heavy
+            assert service.counts[Outcome.COMPILED] == 3
+        finally:
+            service.close()
+
+    asyncio.run(body())
+
+
+def test_a_grammar_not_ready_within_the_nodes_wait_is_a_503_and_compiles_on(tokenizer_info, monkeypatch):
+    """A request waits for its grammar at most max(MIN_WAIT_S, WAIT_FACTOR x the compile
+    limit) (wall), then gets CompileUnavailable (a 503 + Retry-After), never a hang; the
+    compile goes on and a retry gets it, compiled once."""
+    monkeypatch.setattr(grammar_service, "WAIT_FACTOR", 0.05, raising=False)  # 0.05 x 20 s: 1 s
+    monkeypatch.setattr(grammar_service, "MIN_WAIT_S", 0.0, raising=False)
+
+    async def patiently(service, params):  # a client retrying after each Retry-After
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return await service.grammar(params)
+            except grammar_service.CompileUnavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(grammar_service.RETRY_AFTER_S)
+
+    async def body():
+        service = GrammarService(tokenizer_info, workers=1, timeout_s=20.0)
+        try:
+            await patiently(service, StructuredOutputsParams(regex="[0-9]{2}"))  # the worker is up
+            late = service.counts[Outcome.LATE]  # its start may have taken longer than the wait
+            heavy = StructuredOutputsParams(json=json.dumps(HEAVY))
+            t0 = time.monotonic()
+            with pytest.raises(grammar_service.CompileUnavailable, match="still compiling"):
+                await service.grammar(heavy)
+            assert time.monotonic() - t0 < 5.0
+            assert service.counts[Outcome.LATE] == late + 1
+            await patiently(service, heavy)
+            assert service.counts[Outcome.COMPILED] == 2  # the regex and the heavy schema, once
+        finally:
+            service.close()
+
+    asyncio.run(body())
+
+
 async def generate(s, server, rid: str, so: StructuredOutputsParams | None, tokens=range(5, 20)):
     req = GenerateRequest(request_id=rid, token_ids=token_bytes(tokens),
                           sampling_params=SamplingParams(max_tokens=12, temperature=1.0, seed=len(rid),

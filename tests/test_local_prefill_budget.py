@@ -159,3 +159,38 @@ def test_only_decode_nodes_get_the_flag_default_512():
     decode_args = c.node_args("decode", 0)
     assert decode_args[decode_args.index("--local-prefill-budget") + 1] == "128"
     assert "--local-prefill-budget" not in c.node_args("prefill", 0)
+
+
+def test_a_budget_that_leaves_no_room_for_the_decodes_is_refused_at_start_up():
+    """prefill_step_budget + max_num_seqs must fit max_num_batched_tokens: running rows come
+    first in admission order, so a prefill chunk of the whole budget ahead of max_num_seqs
+    decodes would leave them no tokens, and a decode node's step would skip decodes rather
+    than stay within "its decodes plus N"."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from splitserve.cli import build_parser, node_config
+    from splitserve.common.config import EngineConfig
+
+    with pytest.raises(ValueError) as err:
+        EngineConfig(prefill_step_budget=100, max_num_seqs=64, max_num_batched_tokens=128)
+    for name in ("prefill_step_budget", "max_num_seqs", "max_num_batched_tokens", "--local-prefill-budget"):
+        assert name in str(err.value), err.value
+    EngineConfig(prefill_step_budget=64, max_num_seqs=64, max_num_batched_tokens=128)  # exactly fits
+    parse = build_parser().parse_args
+    with pytest.raises(ValueError, match="--local-prefill-budget"):  # the default 512 with a small step
+        node_config(parse(["decode", "--max-num-batched-tokens", "256"]), "decode")
+    assert node_config(parse(["decode", "--max-num-batched-tokens", "256", "--local-prefill-budget", "192"]),
+                       "decode").engine.prefill_step_budget == 192
+    # the flag is the decode nodes': a prefill or colocated node with a small step is fine
+    assert node_config(parse(["prefill", "--max-num-batched-tokens", "256"]), "prefill").engine.prefill_step_budget is None
+    assert node_config(parse(["decode", "--colocated", "--max-num-batched-tokens", "256"]),
+                       "colocated").engine.prefill_step_budget is None
+    # the process refuses to start, saying which flags to change (no traceback)
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "decode", "--max-num-batched-tokens", "256",
+                           "--max-num-seqs", "32"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--local-prefill-budget" in proc.stderr and "--max-num-batched-tokens" in proc.stderr
+    assert "Traceback" not in proc.stderr

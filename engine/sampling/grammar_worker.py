@@ -1,6 +1,6 @@
 """Grammar compiles off a node's engine, bounded: a worker process proves a grammar
 compiles within a CPU-time limit (and is killed when it does not), then the node
-compiles its own copy on one niced thread.
+compiles its own copy on a niced thread (one per worker slot).
 
     caller (a thread of the node's      worker process (python -m this module; niceness
     GrammarService)                     WORKER_NICENESS, one xgrammar thread, no cache)
@@ -11,7 +11,7 @@ compiles its own copy on one niced thread.
                                          CPU limit = CPU used + limit_s (RLIMIT_CPU: the
                                          kernel kills it with SIGXCPU past that), compile
                           <-- (COMPILED, bytes) | (INVALID, message) | (TOO_LARGE, bytes)
-    COMPILED: LocalCompiler.compile(spec) on its thread (niced, one xgrammar thread)
+    COMPILED: LocalCompiler.compile(spec) on one of its threads (niced, one xgrammar thread each)
 
 The limit is CPU time, so a compile that waits for a busy CPU (the worker runs niced,
 behind the engine) is not refused for it; a wall-clock cap of WALL_FACTOR times the
@@ -203,15 +203,16 @@ def _address_space() -> int | None:
 
 
 class LocalCompiler:
-    """A node's own copy of each grammar a worker proved: compiled on one thread of this
-    process, niced like the workers (Linux sets a thread's niceness alone), with one
-    xgrammar thread. ``compile`` blocks: submit it to ``executor``."""
+    """A node's own copy of each grammar a worker proved: compiled on ``threads`` threads of
+    this process (one per worker slot: a copy never waits for another), each niced like the
+    workers (Linux sets a thread's niceness alone), with its own compiler of one xgrammar
+    thread. ``compile`` blocks: submit it to ``executor``."""
 
-    def __init__(self, tokenizer_info: Any):
+    def __init__(self, tokenizer_info: Any, threads: int = 1):
         from concurrent.futures import ThreadPoolExecutor
         self._info = tokenizer_info
-        self._compiler: Any = None  # made on the thread (a pool xgrammar starts inherits its niceness)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile", initializer=self._init)
+        self._thread = threading.local()  # .compiler: made on each thread (xgrammar's pool inherits its niceness)
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile", initializer=self._init)
 
     def _init(self) -> None:
         import xgrammar as xgr
@@ -219,11 +220,11 @@ class LocalCompiler:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
         except (OSError, AttributeError):
             pass  # not Linux: the thread runs at the process's priority
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        self._thread.compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> Any:
         """``spec`` (one a worker compiled) -> xgrammar.CompiledGrammar. On ``executor`` only."""
-        return compile_spec(self._compiler, spec)
+        return compile_spec(self._thread.compiler, spec)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

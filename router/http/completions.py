@@ -5,8 +5,8 @@ Owns one request's life on the router::
 
     read body (415/413/408: request_body.py) -> prepare (400/404; a body over
       prepare_thread_bytes on a worker thread, so a long prompt never stalls the loop)
-      -> the key's compile budget for a new structured-output constraint (429:
-         compile_budget.py) -> start every prompt on a decode node (503/4xx/502)
+      -> start every prompt on a decode node (503/4xx/502) under the key's compile
+         budget for a structured-output constraint (429: compile_budget.py)
       -> stream: 200 text/event-stream, "data: {chunk}\\n\\n"..., "data: [DONE]\\n\\n"
       -> whole:  200 JSON once every choice finished
       -> always: close every generation (aborts it on its node unless it finished)
@@ -38,6 +38,7 @@ from ..openai.prepare import PreparedRequest, prepare_chat, prepare_completion
 from .request_body import off_loop, read_body
 from ..openai.bodies import BodyBuilder
 from ..openai.structured import renamed_constraint_error
+from .compile_budget import NO_CONSTRAINT, CompileAdmit, CompileGrant
 from .state import COMPILE_BUDGET, CONFIG, SERVICES, TOKENIZER
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,11 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
                                            config.served_model_names, max_model_len)
     response_id = id_prefix + uuid.uuid4().hex
     builder = BodyBuilder(prep, app[TOKENIZER], response_id, int(time.time()))
+    salt = key_salt(request)
     try:
-        async with app[COMPILE_BUDGET].compile_slot(key_owner(request), prep.params):  # 429: the key's budget
-            gens = await start_all(app[SERVICES].dispatcher, prep, response_id, t_start, key_salt(request))
+        gens = await app[COMPILE_BUDGET].start(  # 429: the key's budget
+            key_owner(request), prep.params,
+            lambda grant: start_all(app[SERVICES].dispatcher, prep, response_id, t_start, salt, grant))
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, prep.constraint_field) from None
     client_gone = False
@@ -91,22 +94,36 @@ async def _generate(request: web.Request, prepare, id_prefix: str) -> web.Stream
 
 
 async def start_all(dispatcher: Dispatcher, prep: PreparedRequest, response_id: str,
-                    t_start: float, key_salt: str | None = None) -> list[Generation]:
+                    t_start: float, key_salt: str | None = None,
+                    grant: CompileGrant = NO_CONSTRAINT) -> list[Generation]:
     """Start every choice of the request; all started or none (the started ones are
     closed, which aborts them, before the first error is raised). ``key_salt``: the
     cache salt of the caller's API key; with the request's own ``cache_salt`` it makes
-    the salt every prompt is hashed under (router/api_keys.py).
+    the salt every prompt is hashed under (router/api_keys.py). ``grant``: its
+    structured-output constraint's admission (compile_budget.py).
 
     With n > 1, the first choice of each prompt is routed and started first; the other
-    n - 1 are then pinned to its nodes, so the prompt's prefix is one prefill node's."""
+    n - 1 are then pinned to its nodes, so the prompt's prefix is one prefill node's.
+    A NEW constraint's request starts its first choice first and pins every other one
+    to its nodes: one decode node and one prefill node compile it."""
     prompts = prep.salted_prompts(key_salt)
+    ticket = None if grant.admit is CompileAdmit.NONE else grant.ticket
 
     def start(i: int, pin=None):
         return dispatcher.start(i, f"{response_id}-{i}", prompts[i], prep.choice_params(i),
-                                t_start, pin=pin, score_only=prep.score_only)
+                                t_start, pin=pin, score_only=prep.score_only,
+                                compile_grammar=grant.compile, ticket=ticket)
 
     if len(prep.prompts) == 1:
         return [await start(0)]
+    if grant.admit is CompileAdmit.NEW:
+        first = await start(0)
+        try:
+            rest = await _start_group([start(i, pin=first.leg.decision) for i in range(1, len(prep.prompts))])
+        except BaseException:
+            first.close(client_gone=True)
+            raise
+        return [first, *rest]
     leaders = await _start_group([start(i) for i in range(0, len(prep.prompts), prep.n)])
     if prep.n == 1:
         return leaders

@@ -82,9 +82,11 @@ async def create(request: web.Request) -> web.StreamResponse:
         lambda _: prepare_responses(req, history, tok, config.served_model_names, max_model_len), size=size)
     head = ResponseHead(new_id("resp"), int(time.time()), rp.prep.model, req)
     builder = BodyBuilder(rp.prep, tok, head.id, head.created_at)
+    salt = key_salt(request)
     try:
-        async with app[COMPILE_BUDGET].compile_slot(owner, rp.prep.params):  # 429: the key's budget
-            gens = await start_all(services.dispatcher, rp.prep, head.id, t_start, key_salt(request))
+        gens = await app[COMPILE_BUDGET].start(  # 429: the key's budget
+            owner, rp.prep.params,
+            lambda grant: start_all(services.dispatcher, rp.prep, head.id, t_start, salt, grant))
     except ApiError as e:  # a node could not compile the grammar: name the user's parameter
         raise renamed_constraint_error(e, rp.prep.constraint_field) from None
     client_gone = False

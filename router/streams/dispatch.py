@@ -2,13 +2,15 @@
 
 Owns the routing step of one prompt: look up its prefix hits (once, for a policy
 that uses them), ask the policy, record the decision, mint the transfer id, send the
-`GenerateRequest`, retry on another decode node when the chosen one surely never
-started it (unreachable, 503), the same for a migrated generation's next leg
-(`open`, called by `Generation.new_leg`). Keeps the books of every leg it opened,
-updated here when the generation reports what it saw (`first_token`, `end_leg`):
-this router's in-flight counts per node, in requests and in prompt tokens still to
-prefill (the fresh half of the load the policy sees), the decision log's
-settlement, and the abort sent to a node whose request did not finish. Answers "no
+`GenerateRequest` (with whether its nodes may compile its grammar: its request's
+compile grant, router/http/compile_budget.py), retry on another decode node when the
+chosen one surely never started it (unreachable, 503), the same for a migrated
+generation's next leg (`open`, called by `Generation.new_leg`). Keeps the books of
+every leg it opened, updated here when the generation reports what it saw
+(`first_token`, `end_leg`): this router's in-flight counts per node, in requests and
+in prompt tokens still to prefill (the fresh half of the load the policy sees), the
+decision log's settlement, the leg's compile ticket, and the abort sent to a node
+whose request did not finish. Answers "no
 decode node" with a 503 and a node's refusal with its own 4xx.
 
 Must not talk to Redis itself (discovery.py keeps the node list, prefix_index.py
@@ -22,6 +24,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...common.detokenizer import IncrementalDetokenizer
@@ -33,7 +36,7 @@ from ..routing.decisions import DecisionLog
 from ..routing.discovery import NodeDirectory
 from ..errors import ApiError
 from .generation import Generation
-from .leg import InflightSlot, Leg
+from .leg import CompileTicket, InflightSlot, Leg
 from ..metrics import RouterMetrics
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
 from ..routing.policy import NO_CACHED, NO_TIERS, Decision, RoutingPolicy
@@ -63,14 +66,19 @@ class Dispatcher:
     inflight_tokens: Counter[str] = field(default_factory=Counter)
 
     async def start(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams,
-                    t_start: float, pin: Decision | None = None,
-                    score_only: bool = False) -> Generation:
+                    t_start: float, pin: Decision | None = None, score_only: bool = False,
+                    compile_grammar: bool = True,
+                    ticket: Callable[[], CompileTicket] | None = None) -> Generation:
         """Route ``prompt`` and start it; raises `ApiError` (503 no decode node, the
         node's 4xx, 502 when every tried node failed). ``pin``: the nodes to try first
         (another choice of the same prompt went there, so the prefill node's prefix
-        cache holds it); the policy chooses when they are gone or fail."""
+        cache holds it); the policy chooses when they are gone or fail.
+        ``compile_grammar``: whether its nodes may compile its structured output's
+        grammar (on the pinned nodes only, when pinned); ``ticket``: makes the compile
+        ticket of the leg it opens (compile_budget.py)."""
         try:
-            leg = await self.open(request_id, prompt, params, t_start, pin=pin)
+            leg = await self.open(request_id, prompt, params, t_start, pin=pin,
+                                  compile_grammar=compile_grammar, ticket=ticket)
         except ApiError as e:
             if e.status == 502:
                 self.metrics.failures.labels(reason=FailureReason.NODE_UNAVAILABLE).inc()
@@ -84,10 +92,11 @@ class Dispatcher:
 
     async def open(self, request_id: str, prompt: Prompt, params: SamplingParams,
                    t_open: float, exclude: frozenset[str] = frozenset(),
-                   pin: Decision | None = None) -> Leg:
+                   pin: Decision | None = None, compile_grammar: bool = True,
+                   ticket: Callable[[], CompileTicket] | None = None) -> Leg:
         """Route ``prompt`` to a decode node not in ``exclude`` (node ids) and send it
         there; raises `ApiError` (503 no decode node, the node's 4xx, 502 when every
-        tried node failed)."""
+        tried node failed). ``compile_grammar``, ``ticket``: as `start`."""
         tried: set[str] = set(exclude)  # decode node ids
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
@@ -97,10 +106,13 @@ class Dispatcher:
         carried = self.prefix.carried(hashes)
         wire = prompt.wire()  # the prompt's bytes, for every attempt
         hash_s = time.perf_counter() - t_hash  # counted in the first decision's time
+        pinned = pin is not None
         for _ in range(MAX_ATTEMPTS):
             t_route = time.perf_counter()
             nodes = [n for n in self.directory.live() if n.node_id not in tried]
             decision = _pinned(pin, nodes)
+            # pinned: the grammar compiles on the pinned nodes only (one count, compile_budget.py)
+            may_compile = compile_grammar and (decision is not None or not pinned)
             pin = None  # only the first attempt
             if decision is None and hits is None and self.policy.uses_prefix_index:
                 hits = self.prefix.lookup(prompt.array, nodes, hashes)
@@ -121,7 +133,7 @@ class Dispatcher:
                 transfer_id=uuid.uuid4().hex, prompt_hashes=carried, cache_salt=prompt.cache_salt,
                 pull=None if decision.pull is None else PullSource(
                     node_id=decision.pull.holder.node_id, addr=decision.pull.holder.http_addr,
-                    tokens=decision.pull.tokens))
+                    tokens=decision.pull.tokens), compile_grammar=may_compile)
             try:
                 stream, prefill_slot, decode_slot = await self._open(decision, req)
             except NodeRejected as e:
@@ -139,14 +151,18 @@ class Dispatcher:
             rec = self.decisions.record(request_id, self.policy.name, decision, len(prompt), hits,
                                         decision_s)
             return Leg(request_id=request_id, decision=decision, stream=stream,
-                       prefill_slot=prefill_slot, decode_slot=decode_slot, record=rec, t_open=t_open)
+                       prefill_slot=prefill_slot, decode_slot=decode_slot, record=rec, t_open=t_open,
+                       ticket=None if ticket is None else ticket())
         if last_error is None:
             raise self._no_decode_node()
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
 
-    def first_token(self, leg: Leg) -> None:
-        """``leg`` produced its first token: its prefill work is no longer in flight."""
+    def first_token(self, leg: Leg, grammar_missed: bool = False) -> None:
+        """``leg`` produced its first token: its prefill work is no longer in flight, nor
+        its grammar's compiles (``grammar_missed``: `CompileTicket.settle`)."""
         leg.prefill_slot.release()
+        if leg.ticket is not None:
+            leg.ticket.settle(grammar_missed)
 
     def end_leg(self, leg: Leg, finished: bool) -> None:
         """Let go of ``leg`` (idempotent): close its stream, abort the request on its
@@ -161,6 +177,8 @@ class Dispatcher:
             self._schedule_abort(leg.decision.decode.http_addr, leg.request_id)
         leg.prefill_slot.release()
         leg.decode_slot.release()
+        if leg.ticket is not None:
+            leg.ticket.settle(False)
         if finished and leg.t_first is not None:
             self.decisions.settle(leg.record, leg.cached_tokens, leg.t_first - leg.t_open)
         else:

@@ -65,8 +65,8 @@ class LegDispatch(Protocol):
         raises `ApiError` when no node takes it."""
         ...
 
-    def first_token(self, leg: Leg) -> None:
-        """``leg`` produced its first token."""
+    def first_token(self, leg: Leg, grammar_missed: bool = False) -> None:
+        """``leg`` produced its first token (``grammar_missed``: its first frame's)."""
         ...
 
     def end_leg(self, leg: Leg, finished: bool) -> None:
@@ -195,7 +195,7 @@ class Generation:
                 now = loop.time()
                 if leg.t_first is None:
                     leg.t_first = now
-                    self.dispatch.first_token(leg)
+                    self.dispatch.first_token(leg, delta.grammar_missed)
                 if self._t_first is None:
                     self._t_first = now
                     self.metrics.ttft.observe(now - self.t_start)

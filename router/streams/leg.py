@@ -6,13 +6,15 @@
                   cached tokens, whether the node finished it or broke the stream)
     InflightSlot  one request counted in the dispatcher's per-node in-flight counters
                   until released
+    CompileTicket the leg's part in its request's compile grant (router/http/compile_budget.py):
+                  settled at its first token or its end
 
 A generation has one leg or, after migrations, several, one after the other
 (`Generation.legs`, generation.py). The dispatcher (dispatch.py) opens a leg and is
 told when it produces its first token (`Dispatcher.first_token`: the prefill slot is
 released) and when the generation lets go of it (`Dispatcher.end_leg`: the stream
 closed, the node's request aborted unless it finished, the slots released, the
-decision settled).
+decision settled, the compile ticket settled).
 
 Must not release, abort or settle anything itself, or read tokens.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..routing.decisions import DecisionRecord
 from .node_client import TokenStream
@@ -59,6 +62,18 @@ class InflightSlot:
                 del counter[self.node_id]
 
 
+class CompileTicket(Protocol):
+    """A leg of a request with a structured-output constraint, as its API key's compile
+    budget sees it (router/http/compile_budget.py: a leg whose nodes may compile holds the
+    key's compile slot until it settles)."""
+
+    def settle(self, grammar_missed: bool) -> None:
+        """The leg's first token came, or the leg ended (idempotent). ``grammar_missed``:
+        its prefill node held the grammar neither compiled nor compiling and compiled
+        nothing (``TokenDelta.grammar_missed``): the decode node prefilled it."""
+        ...
+
+
 @dataclass(slots=True)
 class Leg:
     """The request as one decode node runs it (with the prefill node its decision names)."""
@@ -72,6 +87,7 @@ class Leg:
     decode_slot: InflightSlot
     record: DecisionRecord  # settled at the leg's end with what it delivered (or as failed)
     t_open: float  # loop time the leg's request was sent (the first leg: the HTTP request's arrival)
+    ticket: CompileTicket | None = None  # a structured-output request's first legs only
     t_first: float | None = None  # loop time of its first delta
     cached_tokens: int = 0  # prompt tokens the nodes served from cache for this leg
     node_done: bool = False  # the node finished (or failed) the request itself: no abort needed
