@@ -65,7 +65,7 @@ from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, Ran
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.grammar_service import CompileUnavailable, unavailable_response
-from ..node.kv_pull import PullHolder, Puller
+from ..node.kv_pull import PullHolder, Puller, pull_reservation
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed
@@ -307,10 +307,12 @@ class DecodeNode:
     async def _end(self, rid: str, driver: asyncio.Task[None]) -> None:
         """The request's one terminal step, whatever stage it reached: after the driver
         is done, AbortRequest frees what any earlier command took (a reservation made by
-        a Reserve whose awaiter was cancelled included); a no-op for a finished request."""
+        a Reserve whose awaiter was cancelled included), and a Release its pull's
+        reservation; no-ops for a finished request."""
         await asyncio.gather(driver, return_exceptions=True)
         try:
-            await self.engine_thread.submit(AbortRequest(rid))
+            self.engine_thread.submit(Release(pull_reservation(rid)))  # its pull's, whatever became of it
+            await self.engine_thread.submit(AbortRequest(rid))  # queued after: done, both are
         except TPFailure:
             pass  # the engine stopped for good (a rank died): it holds nothing any more
 
@@ -417,7 +419,7 @@ class DecodeNode:
 
     def debug_state(self) -> dict:
         return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
-                "streams": len(self.streams), **self.holder.state()}
+                "streams": len(self.streams), "puller": self.puller.state(), **self.holder.state()}
 
     async def debug_transfers(self, request: web.Request) -> web.Response:
         """GET /debug/transfers: every transfer in the table (oldest first), the count per

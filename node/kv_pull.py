@@ -76,6 +76,12 @@ RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blo
 PULL_LEASE_S = 5.0
 
 
+def pull_reservation(request_id: str) -> str:
+    """The id a request's pull reserves its blocks under. The request's owner releases it in its
+    terminal step too, after the pull ended (it has always released it by then)."""
+    return f"{request_id}:pull"
+
+
 def pull_chunk_blocks(left: int, busy: bool, step_s: float, block_copy_s: float | None) -> int:
     """Blocks of a pull to copy in the next engine pass (module docstring), of ``left`` still
     wanted: a ``busy`` holder (running or queued requests) spends at most PULL_STEP_SHARE of its
@@ -214,75 +220,101 @@ class Puller:
         self.settle = settle
         self.session: aiohttp.ClientSession | None = None  # set by the owner's start()
         self.m_pulls, self.m_tokens = rt.metrics.pulls, rt.metrics.pull_tokens
+        self.reserving = 0  # pulls whose Reserve the engine thread has not answered yet
 
     async def pull(self, request_id: str, prompt: Sequence[int], hashes: list[int] | None, salt: str | None,
                    source: PullSource) -> int:
         """Fetch ``source``'s cached prefix of ``prompt`` into this node's prefix cache; the
         prompt tokens now cached here thanks to it (0 when nothing moved: the request then
-        computes them). Never raises but ``CancelledError``."""
+        computes them). Never raises but ``CancelledError``, and gives back whatever its
+        ``Reserve`` took on every path: a failure of any kind costs the pull only, and a pull
+        cancelled while its ``Reserve`` waits for the engine thread queues the ``Release``
+        behind it (commands run in order), so the blocks it takes are freed when it runs."""
         bs = self.config.engine.block_size
         blocks = min(source.tokens, len(prompt) - 1) // bs  # one prompt token is always computed
         if blocks <= 0:
             return 0
         prefix = list(prompt[:blocks * bs])
         phashes = hashes[:blocks] if hashes is not None and len(hashes) >= blocks else None
-        rid = f"{request_id}:pull"
-        engine = self.rt.engine_thread
-        try:  # one token more, so that every block of the prefix this node caches counts (and is kept)
-            res = await engine.submit(Reserve(rid, list(prompt[:blocks * bs + 1]), phashes, salt))
-        except (InvalidRequest, TPFailure) as e:
+        rid = pull_reservation(request_id)
+        tid: str | None = None  # the pull's transfer, once it has one
+        committed = False  # CommitPulled kept the landed blocks and freed the reservation
+        self.reserving += 1
+        try:
+            try:  # one token more, so that every block of the prefix this node caches counts (and is kept)
+                res = await self.rt.engine_thread.submit(Reserve(rid, list(prompt[:blocks * bs + 1]), phashes,
+                                                                 salt))
+            finally:
+                self.reserving -= 1
+            if res is None:
+                self.m_pulls.labels(PullOutcome.NO_BLOCKS).inc()
+                return 0
+            skip = res.num_cached_tokens // bs
+            dest = res.block_ids[skip:blocks]
+            if not dest:  # this node caches it all already
+                return 0
+            tid = uuid.uuid4().hex
+            landed = await self._land(request_id, prefix, salt, source, skip, dest, tid)
+            if landed:
+                await self.rt.engine_thread.submit(CommitPulled(rid, prefix, phashes, salt, (skip + landed) * bs))
+                committed = True
+                self.m_pulls.labels(PullOutcome.PULLED).inc()
+                self.m_tokens.inc(landed * bs)
+            return landed * bs
+        except asyncio.CancelledError:
+            self.m_pulls.labels(PullOutcome.ABORTED).inc()
+            raise
+        except (InvalidRequest, TPFailure) as e:  # no blocks for it here, or the engine stopped for good
             log.warning("request %s: no pull (%s)", request_id, e)
-            self.m_pulls.labels(PullOutcome.NO_BLOCKS).inc()
+            self.m_pulls.labels(PullOutcome.NO_BLOCKS if tid is None else PullOutcome.FAILED).inc()
             return 0
-        if res is None:
-            self.m_pulls.labels(PullOutcome.NO_BLOCKS).inc()
+        except Exception:  # a bug, or a lower tier failing under the Reserve: the request computes it all
+            log.exception("request %s: the pull failed; computing the prompt", request_id)
+            self.m_pulls.labels(PullOutcome.FAILED).inc()
             return 0
-        skip = res.num_cached_tokens // bs
-        dest = res.block_ids[skip:blocks]
-        if not dest:  # this node caches it all already
-            await asyncio.shield(self._give_back(None, rid))
-            return 0
-        tid = uuid.uuid4().hex
-        transfer = self.table.reserve(tid, rid, dest, min(PULL_LEASE_S, self.config.transfer_lease_s))
+        finally:
+            if tid is not None:
+                self.table.abort(tid, "not committed")  # a no-op once failed, aborted or owned
+            if not committed:
+                await asyncio.shield(self._give_back(tid, rid))
+            if tid is not None:
+                self.table.remove(tid)
+
+    async def _land(self, request_id: str, prefix: list[int], salt: str | None, source: PullSource, skip: int,
+                    dest: list[int], tid: str) -> int:
+        """Have ``source`` send blocks ``skip ..`` of ``prefix`` into ``dest`` as transfer ``tid``;
+        how many landed (0: none, or the transfer failed). The caller frees ``dest`` unless it
+        commits them."""
+        transfer = self.table.reserve(tid, pull_reservation(request_id), dest,
+                                      min(PULL_LEASE_S, self.config.transfer_lease_s))
         task = PullRequest(request_id=request_id, transfer_id=tid, token_ids=token_bytes(prefix),
                            kv_backend=self.kv_backend, kv_addrs=self.kv_addrs(), skip_blocks=skip,
                            dest_block_ids=dest, cache_salt=salt)
         call = asyncio.create_task(self._ask(source.addr, task))
-        committed = False
         t0 = time.monotonic()
         try:
             outcome = await asyncio.shield(transfer.done)
-            if isinstance(outcome, TransferFailure):
-                self.m_pulls.labels(PullOutcome.FAILED).inc()
-                log.warning("request %s: pull of %d blocks from %s failed (%s); computing them", request_id,
-                            len(dest), source.node_id, outcome.reason)
-                return 0
-            self.table.own(tid)
-            landed = len(transfer.dest_block_ids)
-            if not landed:
-                self.m_pulls.labels(PullOutcome.HELD_NONE).inc()
-                return 0
-            await engine.submit(CommitPulled(rid, prefix, phashes, salt, (skip + landed) * bs))
-            committed = True
-            self.m_pulls.labels(PullOutcome.PULLED).inc()
-            self.m_tokens.inc(landed * bs)
-            log.debug("request %s: pulled %d blocks from %s in %.3f s", request_id, landed, source.node_id,
-                      time.monotonic() - t0)
-            return landed * bs
         except asyncio.CancelledError:
             self.table.abort(tid, "request cancelled")
-            self.m_pulls.labels(PullOutcome.ABORTED).inc()
             raise
-        except TPFailure:
-            self.m_pulls.labels(PullOutcome.FAILED).inc()
-            return 0
         finally:
             if not call.done():
                 call.cancel()
-            if not committed:
-                self.table.abort(tid, "not committed")  # a no-op once failed, aborted or owned
-                await asyncio.shield(self._give_back(tid, rid))
-            self.table.remove(tid)
+        if isinstance(outcome, TransferFailure):
+            self.m_pulls.labels(PullOutcome.FAILED).inc()
+            log.warning("request %s: pull of %d blocks from %s failed (%s); computing them", request_id,
+                        len(dest), source.node_id, outcome.reason)
+            return 0
+        self.table.own(tid)
+        if not transfer.dest_block_ids:
+            self.m_pulls.labels(PullOutcome.HELD_NONE).inc()
+        log.debug("request %s: pulled %d blocks from %s in %.3f s", request_id, len(transfer.dest_block_ids),
+                  source.node_id, time.monotonic() - t0)
+        return len(transfer.dest_block_ids)
+
+    def state(self) -> dict:
+        """Its part of ``/debug/state``."""
+        return {"reserving": self.reserving}
 
     async def _give_back(self, tid: str | None, rid: str) -> None:
         """Free a pull's reservation once nothing can land in it any more (``tid``: its
