@@ -271,3 +271,45 @@ def test_a_decode_node_pulls_from_either_role_before_prefilling_itself(model):
         assert node_metric(c, puller, names.KV_PULLS, outcome="held_none") + \
             node_metric(c, puller, names.KV_PULLS, outcome="pulled") >= 1
         pools_idle(c, ["prefill-0", "decode-0", "decode-1"])
+
+
+def test_a_tensor_parallel_puller_keeps_no_record_of_its_pulls(model):
+    """A decode node of two ranks pulls prefixes from a single-rank one: each pull's transfer,
+    closed on every rank when it resolved, leaves no record behind once it ended
+    (``closed_transfers_tracked`` in /debug/state), and every pool is free."""
+    import asyncio
+
+    import aiohttp
+
+    from splitserve.benchmarks.harness import wait_pools_free
+    from splitserve.common.hashing import token_bytes
+    from splitserve.common.protocol import GenerateRequest, PullSource
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.router.streams.node_client import NodeClient
+
+    path, hf, tok = model
+    c = Cluster(prefill_nodes=0, decode_nodes=0, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path))
+    try:
+        c.start_redis()
+        procs = [c.start_node("decode", 0), c.start_node("decode", 1, ["--tensor-parallel-size", "2"])]
+        for p in procs:
+            c.wait_ready(p, 180)
+        holder, puller = (c.node(f"decode-{i}").addr for i in (0, 1))
+
+        async def generate(addr: str, rid: str, prompt: list[int], pull: PullSource | None) -> list[int]:
+            async with aiohttp.ClientSession() as session:
+                req = GenerateRequest(request_id=rid, token_ids=token_bytes(prompt), pull=pull,
+                                      sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                stream = await NodeClient(session).generate(addr, req)
+                return [t async for d in stream.deltas() for t in d.token_ids]
+
+        for i in range(3):
+            prompt = [(41 * j + 7 * i + 3) % 30000 + 200 for j in range(10 * 16 + 5)]
+            want = asyncio.run(generate(holder, f"h{i}", prompt, None))
+            source = PullSource(node_id="decode-0", addr=holder, tokens=10 * 16)
+            assert asyncio.run(generate(puller, f"p{i}", prompt, source)) == want
+        assert node_metric(c, "decode-1", names.KV_PULLS, outcome="pulled") == 3
+        assert get_json(f"{puller}/debug/state")["closed_transfers_tracked"] == 0
+        asyncio.run(wait_pools_free([holder, puller], {}, 10))
+    finally:
+        c.stop()
