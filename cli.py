@@ -181,7 +181,11 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                         "prefills itself (no prefill node chosen, a fallback), chunked so no step of the "
                         "running batch grows past its decodes plus N; 0: no limit (default 512; prefill "
                         "and colocated nodes ignore it)")
-    g.add_argument("--fault", choices=("corrupt_block", "stall_pull"), default=None, help=argparse.SUPPRESS)
+    g.add_argument("--kv-pull-memory", default="256MiB", metavar="SIZE",
+                   help="the most bytes this node holds packed for the prefix pulls other nodes ask of it, "
+                        "all of them together, e.g. 1GiB (default 256MiB; at least one KV block)")
+    g.add_argument("--fault", choices=("corrupt_block", "stall_pull", "stall_pull_midway"), default=None,
+                   help=argparse.SUPPRESS)
     add_cluster_token_args(g)
     g.add_argument("--drain-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
@@ -195,6 +199,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
 
 def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None = None) -> NodeConfig:
     from .common.auth import cluster_token_from_args, redis_url_from
+    from .common.config import parse_size
 
     devices = tuple(args.device.split(",")) if "," in args.device else ()  # one per rank
     if args.local_prefill_budget < 0:
@@ -203,6 +208,7 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
     return NodeConfig(role=role, engine=engine, host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
+                      kv_pull_memory=parse_size(args.kv_pull_memory, "--kv-pull-memory"),
                       cluster_token=cluster_token_from_args(args),
                       drain_grace_s=args.drain_grace, rank_devices=devices,
                       grammar_compile_timeout_s=args.grammar_compile_timeout,

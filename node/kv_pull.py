@@ -19,21 +19,26 @@ One pull (common/protocol.py)::
             CommitPulled: the landed blocks join the prefix cache, the reservation is freed
     then the request is added as usual and finds them as its hit
 
-The holder copies a pull's blocks out between its steps, one chunk per engine pass, each
-chunk sized by time (``pull_chunk_blocks``): while it runs requests, a chunk's copy takes at
-most ``PULL_STEP_SHARE`` of its mean step, so a pull from a busy decode node slows its running
-batch by at most that share per step (the stated budget); an idle holder copies up to a whole
-step's time per pass. The copy rate is measured on the chunks themselves (a memcpy on the
-host, a gather on the device); the first chunk, before any measurement, is
-``PULL_PROBE_BLOCKS``. Each chunk looks its blocks up again by hash and verifies their
-tokens, so a block evicted mid-pull ends the run there: the holder sends the blocks it still
-had and says how many, and the puller computes the rest. It never sends a block under another
-block's hash.
+The holder copies a pull's blocks out between its steps, in chunks, within one budget for
+every pull it serves (node/pull_budget.py): one chunk at a time for the whole node, the pulls
+taking turns; while it runs requests, the chunks of all its pulls together take at most
+``PULL_STEP_SHARE`` of its step per step (so N pullers of a hot prefix slow its running batch
+by that share, not N times it); an idle holder copies up to a step's time per chunk. A chunk
+is charged everything it cost the engine thread (the lookup, a lower tier's reads, checks and
+loads, the copy; on a GPU the device time of its copies: engine/copy_timer.py), and sized by
+that rate, measured on the chunks themselves; the first, before any measurement, is
+``PULL_PROBE_BLOCKS``. What the holder holds packed and not yet sent, all pulls together, is
+at most ``--kv-pull-memory``; it serves at most ``PULLS_SERVED_MAX`` pulls at once and answers
+503 to more (the puller computes the prefix). Each chunk looks its blocks up again by hash and
+verifies their tokens, so a block evicted mid-pull ends the run there: the holder sends the
+blocks it still had and says how many, and the puller computes the rest. It never sends a
+block under another block's hash.
 
-Every failure (the holder unreachable or dead, a block failing its checksum, the lease
-running out) frees the reserved blocks and the puller computes the prompt itself: a pull
-never fails a request. ``splitserve:kv_pulls_total{outcome}`` counts each pull, and
-``kv_pull_tokens_total`` the prompt tokens it saved.
+Every failure (the holder unreachable, dead or full, a block failing its checksum, the lease
+running out, the request cancelled at any point, its ``Reserve`` included) frees the reserved
+blocks and the puller computes the prompt itself: a pull never fails a request.
+``splitserve:kv_pulls_total{outcome}`` counts each pull, and ``kv_pull_tokens_total`` the
+prompt tokens it saved.
 
 A holder or puller with several tensor-parallel ranks is not supported yet: the holder answers
 409 (its worker ranks hold the other heads); the router pulls only from single-rank nodes.
@@ -57,18 +62,22 @@ from ..common.hashing import hash_blocks, hash_keys, token_bytes
 from ..common.http import MSGPACK, decode_error_body, error_response, msgpack_response, read_msgpack
 from ..common.outcomes import PullOutcome, PullServed
 from ..common.protocol import PullRequest, PullResult, PullSource, prompt_ids
-from ..engine.engine_thread import CommitPulled, ExportCached, Release, Reserve
+from ..engine.engine_thread import CommitPulled, ExportCached, Exported, Release, Reserve
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import PackedSend, ShardSender, TransferError, make_sender, sender_options
+from ..kvtransfer import ShardSender, TransferError, make_sender, sender_options
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.state import TransferFailure, TransferTable
+from .pull_budget import PULLS_SERVED_MAX
 from .runtime import NodeRuntime
 from .sim_link import SimLink
 
 log = logging.getLogger(__name__)
-PULL_STEP_SHARE = 0.1  # of a busy holder's mean step: the most one chunk's copy may add to a step
-PULL_PROBE_BLOCKS = 16  # a holder's first chunk, before it measured its copy rate
 STALL_FAULT = "stall_pull"  # --fault: the holder holds every pull back (tests kill it meanwhile)
+# --fault: the holder sends a pull's first chunk, then holds the rest back for STALL_MIDWAY_S (tests
+# kill the puller meanwhile), then goes on
+STALL_MIDWAY_FAULT = "stall_pull_midway"
+STALL_MIDWAY_S = 3.0
+STALL_FAULTS = (STALL_FAULT, STALL_MIDWAY_FAULT)
 RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blocks are reused
 # A pull whose holder lands no block for this long fails and the puller computes the prefix: a
 # pull is worth less than the prompt's compute, so a stuck or partitioned holder costs at most this
@@ -82,21 +91,10 @@ def pull_reservation(request_id: str) -> str:
     return f"{request_id}:pull"
 
 
-def pull_chunk_blocks(left: int, busy: bool, step_s: float, block_copy_s: float | None) -> int:
-    """Blocks of a pull to copy in the next engine pass (module docstring), of ``left`` still
-    wanted: a ``busy`` holder (running or queued requests) spends at most PULL_STEP_SHARE of its
-    mean step ``step_s`` on the copy, an idle one at most a step; ``block_copy_s``: its measured
-    seconds per block copied (None: not measured yet). At least one block, so a pull progresses."""
-    if block_copy_s is None or step_s <= 0:
-        return min(left, PULL_PROBE_BLOCKS)
-    if block_copy_s <= 0:
-        return left
-    fits = step_s * (PULL_STEP_SHARE if busy else 1.0) / block_copy_s * (1 + 1e-9)  # float rounding
-    return left if fits >= left else max(1, int(fits))
-
-
 class PullHolder:
-    """``POST /kv/pull``: send the leading blocks of a prefix this node caches."""
+    """``POST /kv/pull``: send the leading blocks of a prefix this node caches, within the node's
+    pull budget (``NodeRuntime.pull_budget``, node/pull_budget.py), which every pull it serves
+    shares."""
 
     def __init__(self, config: NodeConfig, rt: NodeRuntime):
         self.config = config
@@ -104,11 +102,9 @@ class PullHolder:
         self.senders: dict[str, ShardSender] = {}  # backend -> sender (one connection pool each)
         sim = config.engine.sim
         self.link = SimLink(sim, config.engine.block_size) if sim is not None and sim.kv_network_bytes_per_s else None
-        self.m_served, self.m_blocks = rt.metrics.pulls_served, rt.metrics.pull_blocks_served
-        self.stalled = 0  # pulls held back by the stall fault
-        # seconds per block of the last chunk copied (written on the engine thread inside the
-        # ExportCached that the loop awaits, read by the loop after it); None: none copied yet
-        self.block_copy_s: float | None = None
+        m = rt.metrics
+        self.m_served, self.m_blocks, self.m_copy_s = m.pulls_served, m.pull_blocks_served, m.pull_copy_seconds
+        self.stalled = 0  # pulls held back by a stall fault
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/kv/pull", self.serve)]
@@ -136,6 +132,19 @@ class PullHolder:
         if self.rt.tp > 1:
             return error_response(409, f"this node has {self.rt.tp} tensor-parallel ranks: pulls from it "
                                   "are not supported")
+        budget = self.rt.pull_budget
+        if not budget.admit():
+            self.m_served.labels(PullServed.REFUSED).inc()
+            resp = error_response(503, f"this node serves {PULLS_SERVED_MAX} prefix pulls already; compute the "
+                                  "prefix, or pull it later")
+            resp.headers["Retry-After"] = "1"
+            return resp
+        try:
+            return await self._serve(task, prefix)
+        finally:
+            budget.leave()
+
+    async def _serve(self, task: PullRequest, prefix: list[int]) -> web.Response:
         if self.config.fault == STALL_FAULT:
             self.stalled += 1
             await asyncio.Event().wait()  # until the test kills this node
@@ -144,27 +153,32 @@ class PullHolder:
         hashes = await asyncio.to_thread(hash_blocks, prefix, bs, hash_keys(self.config.engine.model_id,
                                                                             task.cache_salt))
         sender = self._sender(task.kv_backend)
-        n_addrs, want, sent, due = len(task.kv_addrs), len(task.dest_block_ids), 0, 0.0
-        engine = self.rt.engine_thread
-        export_id = f"pull:{task.transfer_id}"
+        want, sent, due = len(task.dest_block_ids), 0, 0.0
+        budget, block_bytes = self.rt.pull_budget, self.rt.layout.block_nbytes
         try:
             while sent < want:
-                stats = engine.stats
-                load = stats.load
-                most = pull_chunk_blocks(want - sent, load.running + load.waiting > 0,
-                                         stats.busy_s / stats.steps if stats.steps else 0.0, self.block_copy_s)
-                k, packed = await engine.submit(ExportCached(
-                    export_id, prefix, hashes, task.cache_salt, task.skip_blocks + sent, most,
-                    lambda ids: self._timed_pack(sender, n_addrs, ids)))
-                if k:
-                    await sender.send_packed(task.kv_addrs, task.transfer_id, packed,
-                                             task.dest_block_ids[sent:sent + k])
-                    self.m_blocks.inc(k)
-                    if self.link is not None:
-                        due = self.link.book(k)
+                most, out = await self._copy(task, prefix, hashes, sender, sent)
+                k = out.blocks
+                try:
+                    if k:
+                        await sender.send_packed(task.kv_addrs, task.transfer_id, out.packed,
+                                                 task.dest_block_ids[sent:sent + k])
+                        self.m_blocks.inc(k)
+                        if self.link is not None:
+                            due = self.link.book(k)
+                finally:
+                    budget.release(k * block_bytes)
+                    device_s = out.copy.device_s()  # a GPU's copies ran: their blocks were sent
+                    if device_s:
+                        budget.charge(device_s)
+                        budget.measured(k, out.copy.host_s + device_s)
+                        self.m_copy_s.inc(device_s)
                 sent += k
                 if k < most:
                     break  # the run of held blocks ends here
+                if sent == k and self.config.fault == STALL_MIDWAY_FAULT and sent < want:
+                    self.stalled += 1
+                    await asyncio.sleep(STALL_MIDWAY_S)
             if self.link is not None and sent:
                 await self.link.arrive(due)
         except TransferError as e:
@@ -178,16 +192,36 @@ class PullHolder:
         self.m_served.labels(PullServed.SENT).inc()
         return msgpack_response(PullResult(transfer_id=task.transfer_id, num_blocks=sent))
 
-    def _timed_pack(self, sender: ShardSender, n_addrs: int, ids: list[int]) -> list[PackedSend]:
-        """Engine thread: ``sender.pack`` of ``ids``, its seconds per block kept for the next chunk."""
-        t0 = time.perf_counter()
-        packed = sender.pack(n_addrs, ids)
-        self.block_copy_s = (time.perf_counter() - t0) / len(ids)
-        return packed
+    async def _copy(self, task: PullRequest, prefix: list[int], hashes: list[int], sender: ShardSender,
+                    sent: int) -> tuple[int, Exported]:
+        """The next chunk of ``task``'s blocks after the ``sent`` first, copied out on the engine
+        thread when the budget grants it: (the blocks granted, what was copied). The copied
+        blocks' packed bytes stay held in the budget until the caller releases them."""
+        budget, block_bytes, n_addrs = self.rt.pull_budget, self.rt.layout.block_nbytes, len(task.kv_addrs)
+        async with budget.turn():
+            most = await budget.grant(len(task.dest_block_ids) - sent, block_bytes)
+            try:
+                out = await self.rt.engine_thread.submit(ExportCached(
+                    f"pull:{task.transfer_id}", prefix, hashes, task.cache_salt, task.skip_blocks + sent, most,
+                    lambda ids: sender.pack(n_addrs, ids)))
+            except BaseException:
+                budget.release(most * block_bytes)
+                raise
+            budget.release((most - out.blocks) * block_bytes)
+            budget.charge(out.copy.host_s)
+            budget.measured(out.blocks, out.copy.host_s)
+            self.m_copy_s.inc(out.copy.host_s)
+        return most, out
+
+    @property
+    def block_copy_s(self) -> float | None:
+        """Seconds per block the last chunk cost (the budget's measure)."""
+        return self.rt.pull_budget.block_copy_s
 
     def state(self) -> dict:
         """Its part of ``/debug/state``."""
-        return {"pulls_stalled": self.stalled} if self.config.fault == STALL_FAULT else {}
+        return {"pulls_stalled": self.stalled} if self.config.fault in STALL_FAULTS else {}
+
 
     def _check(self, task: PullRequest, prefix: list[int]) -> None:
         """400s for ``task`` (``prefix``: its token ids, read)."""
