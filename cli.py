@@ -419,6 +419,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-budget", type=int, default=None, metavar="N",
                    help="the decode nodes' --local-prefill-budget: prompt tokens per step for the prompts "
                         "they prefill themselves; 0: no limit (default: deploy/local.toml's, 512)")
+    p.add_argument("--kv-pull-memory", default=None, metavar="SIZE",
+                   help="every node's --kv-pull-memory: the most bytes it holds packed for the prefix pulls "
+                        "other nodes ask of it, all together (default: deploy/local.toml's, 256MiB)")
     p.add_argument("--prefill-dp", type=int, default=None, metavar="N",
                    help="data-parallel ranks per prefill node (a MoE model): each rank its own requests and "
                         "KV pool, a node of the pool, the experts split over the N (default 1)")

@@ -141,6 +141,9 @@ class PullHolder:
             return resp
         try:
             return await self._serve(task, prefix)
+        except asyncio.CancelledError:
+            self.m_served.labels(PullServed.ABORTED).inc()
+            raise
         finally:
             budget.leave()
 

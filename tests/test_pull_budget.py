@@ -175,3 +175,19 @@ async def test_a_cap_that_holds_no_block_is_refused_at_start_up_naming_the_flag(
     with pytest.raises(ValueError, match="--kv-pull-memory: 4096 bytes cannot hold one KV block"):
         async with decode_node(model, kv_pull_memory=4096):
             pass
+
+
+def test_the_cap_is_a_flag_of_every_node_and_of_up():
+    from splitserve.cli import build_parser, node_config
+    from splitserve.deploy.launcher import Cluster
+
+    cap = lambda argv, role: node_config(build_parser().parse_args(argv), role).kv_pull_memory
+    assert cap(["decode"], "decode") == cap(["prefill"], "prefill") == 256 << 20
+    assert cap(["prefill", "--kv-pull-memory", "64MiB"], "prefill") == 64 << 20
+    with pytest.raises(ValueError, match="--kv-pull-memory: cannot parse size 'lots'"):
+        cap(["decode", "--kv-pull-memory", "lots"], "decode")
+    assert build_parser().parse_args(["up", "--kv-pull-memory", "1GiB"]).kv_pull_memory == "1GiB"
+    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_pull_memory=1 << 30)  # what `up` starts its nodes with
+    for role in ("prefill", "decode"):
+        args = c.node_args(role, 0)
+        assert args[args.index("--kv-pull-memory") + 1] == str(1 << 30)
