@@ -292,7 +292,7 @@ class NodeConfig:
     node_id: str = ""  # "" : derived from role and port
     kv_backend: str = KVBackend.TCP  # a KVBackend value: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
-    fault: str | None = None  # fault injection for tests: "corrupt_block", "stall_pull" (node/kv_pull.py)
+    fault: str | None = None  # fault injection for tests: "corrupt_block", "stall_pull", "stall_pull_midway" (node/pull_holder.py)
     # Bytes this node holds packed for the prefix pulls it serves, all of them together (one fresh
     # buffer per chunk until it is sent; node/pull_budget.py): a 100k-token Llama-3-8B prefix is
     # 12 GiB, so an uncapped holder could pack that once per puller. --kv-pull-memory.

@@ -65,7 +65,8 @@ from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, Ran
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.grammar_service import CompileUnavailable, unavailable_response
-from ..node.kv_pull import PullHolder, Puller, pull_reservation
+from ..node.kv_pull import Puller, pull_reservation
+from ..node.pull_holder import PullHolder
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed
@@ -317,8 +318,8 @@ class DecodeNode:
         reservation; no-ops for a finished request."""
         await asyncio.gather(driver, return_exceptions=True)
         try:
-            self.engine_thread.submit(Release(pull_reservation(rid)))  # its pull's, whatever became of it
-            await self.engine_thread.submit(AbortRequest(rid))  # queued after: done, both are
+            await asyncio.gather(self.engine_thread.submit(AbortRequest(rid)),
+                                 self.engine_thread.submit(Release(pull_reservation(rid))))  # its pull's
         except TPFailure:
             pass  # the engine stopped for good (a rank died): it holds nothing any more
 

@@ -1,4 +1,4 @@
-"""A holder's budget for the prefix pulls it serves (node/kv_pull.py ``PullHolder``): one
+"""A holder's budget for the prefix pulls it serves (node/pull_holder.py ``PullHolder``): one
 budget for all of them, so N pullers of a hot prefix cost its running batch what one does.
 
 Owns, across every pull one node serves at once:

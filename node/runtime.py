@@ -128,7 +128,7 @@ class NodeRuntime:
         self.kv_addr = ""  # where the node receives KV blocks (a decode node's receiver), if anywhere
         self.http_addr = ""  # set once listening
         self.metrics = NodeMetrics(config.engine.model_id, config.role)
-        # what serving other nodes' prefix pulls may cost this node (node/kv_pull.py PullHolder's)
+        # what serving other nodes' prefix pulls may cost this node (node/pull_holder.py PullHolder's)
         self.pull_budget = PullBudget(config.kv_pull_memory, lambda: self.engine_thread.stats)
         self.draining = False  # SIGTERM received: new work is refused with 503
         self._heartbeat_stopped = False

@@ -72,7 +72,8 @@ from ..kvtransfer.rank_report import RankMessage, RankSent
 from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
 from ..node.grammar_service import CompileUnavailable, unavailable_response
-from ..node.kv_pull import PullHolder, Puller, pull_reservation
+from ..node.kv_pull import Puller, pull_reservation
+from ..node.pull_holder import PullHolder
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
@@ -312,8 +313,8 @@ class PrefillNode:
             if sender_task is not None and not sender_task.done():
                 sender_task.cancel()
             try:
-                engine.submit(Release(pull_reservation(rid)))  # its pull's, whatever became of it
-                await asyncio.shield(engine.submit(AbortRequest(rid)))  # queued after: done, both are
+                await asyncio.shield(asyncio.gather(engine.submit(AbortRequest(rid)),
+                                                    engine.submit(Release(pull_reservation(rid)))))  # its pull's
             except TPFailure:
                 pass  # the engine stopped for good: it holds nothing any more
 
