@@ -191,3 +191,49 @@ def test_the_cap_is_a_flag_of_every_node_and_of_up():
     for role in ("prefill", "decode"):
         args = c.node_args(role, 0)
         assert args[args.index("--kv-pull-memory") + 1] == str(1 << 30)
+
+
+def test_a_copy_on_the_cpu_is_timed_whole_on_the_host():
+    """engine/copy_timer.py on the CPU: the copy ran when the host returned, so its host time is
+    all of it."""
+    import torch
+
+    from splitserve.engine.copy_timer import CopyTimer
+
+    src = torch.randn(256, 64 << 10)
+    timer = CopyTimer(src.device)
+    t0 = time.perf_counter()
+    torch.index_select(src, 0, torch.arange(0, 256, 2))
+    wall = time.perf_counter() - t0
+    copy = timer.stop()
+    assert copy.device_s() == 0.0 and copy.host_s >= wall
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_copy_on_a_gpu_is_timed_on_the_device_not_at_its_launch():
+    """On a GPU the gather returns at its launch: the device time, read from events once it ran,
+    is the copy's (a synchronized copy of the same size takes about as long), and a step queued
+    before it is not counted (the first event completes when that step does)."""
+    import torch
+
+    from splitserve.engine.copy_timer import CopyTimer
+
+    src = torch.randn(512, 1 << 20, device="cuda")  # 2 GiB
+    idx = torch.arange(0, 512, 2, device="cuda")
+    torch.index_select(src, 0, idx)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.index_select(src, 0, idx)
+    torch.cuda.synchronize()
+    synced = time.perf_counter() - t0
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):  # a "step" in flight before the copy
+        busy = busy @ busy
+        busy /= busy.norm()
+    timer = CopyTimer(src.device)
+    torch.index_select(src, 0, idx)
+    copy = timer.stop()
+    assert copy.host_s < 0.5 * synced  # the launch returned before the copy ran
+    device = copy.device_s()
+    assert 0.5 * synced <= device <= 2 * synced
