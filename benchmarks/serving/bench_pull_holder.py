@@ -55,6 +55,7 @@ from splitserve.node.pull_budget import PULL_STEP_SHARE
 from splitserve.router.streams.node_client import NodeClient
 
 SPREAD_LIMIT = 1.15  # none's step p50 over the rounds, max / min, beyond which the machine did not sustain the run
+FORWARD_NOTE = 0.05  # an arm's forward this much slower than none's: the report says the CPU is shared
 BS = 16
 
 
@@ -222,6 +223,13 @@ def report(result: dict) -> None:
               f"{r['pulls_per_s']:8.2f} {r['blocks_per_s']:9.0f}")
     print(f"(budget: the pulls' copies take at most {PULL_STEP_SHARE:.0%} of the holder's step; growth over budget "
           "1.0 = spent)")
+    base = result["arms"].get("none", {}).get("forward_ms")
+    slowed = {name: r["forward_ms"] / base - 1 for name, r in result["arms"].items()
+              if base and r["forward_ms"] / base - 1 > FORWARD_NOTE}
+    if slowed:
+        print("note: the holder's forward itself slowed with pulls (" + ", ".join(
+            f"{name}: +{g:.0%}" for name, g in slowed.items()) + "): its CPU is shared with the sends or the "
+              "pullers, which the budget does not govern (pin them apart: --holder-cpus, --bench-cpus)")
 
 
 def main(argv=None) -> int:
