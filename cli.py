@@ -181,7 +181,10 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                         "prefills itself (no prefill node chosen, a fallback), chunked so no step of the "
                         "running batch grows past its decodes plus N; 0: no limit (default 512; prefill "
                         "and colocated nodes ignore it)")
-    g.add_argument("--fault", choices=("corrupt_block", "stall_pull", "step_error"), default=None,
+    g.add_argument("--kv-pull-memory", default="256MiB", metavar="SIZE",
+                   help="the most bytes this node holds packed for the prefix pulls other nodes ask of it, "
+                        "all of them together, e.g. 1GiB (default 256MiB; at least one KV block)")
+    g.add_argument("--fault", choices=("corrupt_block", "stall_pull", "stall_pull_midway", "step_error"), default=None,
                    help=argparse.SUPPRESS)
     add_cluster_token_args(g)
     g.add_argument("--drain-grace", type=float, default=30.0,
@@ -196,6 +199,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
 
 def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None = None) -> NodeConfig:
     from .common.auth import cluster_token_from_args, redis_url_from
+    from .common.config import parse_size
 
     devices = tuple(args.device.split(",")) if "," in args.device else ()  # one per rank
     if args.local_prefill_budget < 0:
@@ -206,6 +210,7 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
     return NodeConfig(role=role, engine=engine, host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
+                      kv_pull_memory=parse_size(args.kv_pull_memory, "--kv-pull-memory"),
                       cluster_token=cluster_token_from_args(args),
                       drain_grace_s=args.drain_grace, rank_devices=devices,
                       grammar_compile_timeout_s=args.grammar_compile_timeout,
@@ -416,6 +421,9 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-budget", type=int, default=None, metavar="N",
                    help="the decode nodes' --local-prefill-budget: prompt tokens per step for the prompts "
                         "they prefill themselves; 0: no limit (default: deploy/local.toml's, 512)")
+    p.add_argument("--kv-pull-memory", default=None, metavar="SIZE",
+                   help="every node's --kv-pull-memory: the most bytes it holds packed for the prefix pulls "
+                        "other nodes ask of it, all together (default: deploy/local.toml's, 256MiB)")
     p.add_argument("--prefill-dp", type=int, default=None, metavar="N",
                    help="data-parallel ranks per prefill node (a MoE model): each rank its own requests and "
                         "KV pool, a node of the pool, the experts split over the N (default 1)")

@@ -24,6 +24,9 @@ from here and never from another script.
                        that may hang up at a chosen point
       run_load         open-loop load at a fixed rate
       node_state, wait_pools_free   the aftermath: every KV pool free, no stream left
+    prefix pulls (serving/bench_pull_holder, serving/bench_pull_memory)
+      PullSink         a puller's receiving half without an engine: pulls a holder's cached
+                       prefix into a scratch pool, as often as asked
 
 Must not start or stop clusters or processes (the scripts do, through
 deploy/launcher.py), judge a figure, or import a script or the tests.
@@ -48,6 +51,7 @@ from splitserve.benchmarks.loadgen.bench.arrivals import fixed_offsets
 from splitserve.benchmarks.loadgen.bench.datasets import Tokenizer, random_specs
 
 if TYPE_CHECKING:
+    from splitserve.common.kv_compat import KVCompat
     from splitserve.deploy.launcher import Cluster
     from splitserve.engine.engine_core import EngineCore
 
@@ -342,3 +346,67 @@ async def wait_pools_free(addrs: list[str], headers: dict, timeout_s: float) -> 
                                                   "transfers")} for a, s in states.items()}
                 raise TimeoutError(f"pools not free after {timeout_s}s: {brief}")
             await asyncio.sleep(0.2)
+
+
+class PullSink:
+    """The receiving half of a puller, without an engine: a KV receiver over a scratch pool of
+    ``num_blocks`` blocks of the holder's layout (``compat``: its KV key, /debug/state's
+    ``kv``), and the transfer table its reports go to. ``pull`` has the holder send the
+    cached blocks of a prefix into chosen blocks of the pool, as a puller's transfer does
+    (node/kv_pull.py ``Puller._land``), so a benchmark pulls one prefix again and again while
+    no engine of its own caches it. ``start`` before, ``stop`` after; on the event loop."""
+
+    def __init__(self, compat: KVCompat, num_blocks: int, backend: str = "tcp", host: str = "127.0.0.1"):
+        from splitserve.kvtransfer import make_receiver
+        from splitserve.kvtransfer.block_store import KVBlockStore, allocate_kv_cache
+        from splitserve.kvtransfer.layout import KVShard
+        from splitserve.kvtransfer.state import TransferTable
+
+        shard = KVShard(compat, 0)
+        store = KVBlockStore(allocate_kv_cache(shard.layout, num_blocks), shard.layout)
+        self.table = TransferTable()
+        self.receiver = make_receiver(backend, shard.layout, store, host, self._on_block, shard=shard)
+        self.receiver.accepts = self.table.is_live
+        self.backend = backend
+
+    def _on_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
+        self.table.on_block(transfer_id, dest_block_id, ok, reason)
+
+    async def start(self) -> None:
+        await self.receiver.start()
+
+    async def stop(self) -> None:
+        await self.receiver.stop()
+
+    async def pull(self, session: aiohttp.ClientSession, holder: str, prefix: list[int], dest: list[int],
+                   lease_s: float = 30.0) -> int:
+        """Blocks the holder at ``holder`` sent of ``prefix`` (whole blocks) into ``dest``, once
+        every one landed; raises ``RuntimeError`` naming the failure."""
+        import uuid
+
+        import msgspec
+
+        from splitserve.common.hashing import token_bytes
+        from splitserve.common.http import MSGPACK, decode_error_body
+        from splitserve.common.protocol import PullRequest, PullResult
+        from splitserve.kvtransfer.state import TransferFailure
+
+        tid = uuid.uuid4().hex
+        transfer = self.table.reserve(tid, tid, dest, lease_s)
+        task = PullRequest(request_id=tid, transfer_id=tid, token_ids=token_bytes(prefix), kv_backend=self.backend,
+                           kv_addrs=[self.receiver.address], skip_blocks=0, dest_block_ids=dest)
+        try:
+            async with session.post(f"{holder}/kv/pull", data=msgspec.msgpack.encode(task),
+                                    headers={"Content-Type": MSGPACK}) as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"holder answered {r.status}: {decode_error_body(body)}")
+            self.table.prefilled(tid, msgspec.msgpack.decode(body, type=PullResult))
+            outcome = await asyncio.wait_for(asyncio.shield(transfer.done), lease_s)
+            if isinstance(outcome, TransferFailure):
+                raise RuntimeError(f"pull failed: {outcome.reason}")
+            self.table.own(tid)
+            return len(transfer.dest_block_ids)
+        finally:
+            self.table.abort(tid, "done")  # a no-op once owned
+            self.table.remove(tid)

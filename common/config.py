@@ -303,8 +303,13 @@ class NodeConfig:
     node_id: str = ""  # "" : derived from role and port
     kv_backend: str = KVBackend.TCP  # a KVBackend value: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
-    # fault injection for tests: "corrupt_block", "stall_pull" (node/kv_pull.py), "step_error" (engine/step_fault.py)
+    # fault injection for tests: "corrupt_block", "stall_pull", "stall_pull_midway" (node/pull_holder.py),
+    # "step_error" (engine/step_fault.py)
     fault: str | None = None
+    # Bytes this node holds packed for the prefix pulls it serves, all of them together (one fresh
+    # buffer per chunk until it is sent; node/pull_budget.py): a 100k-token Llama-3-8B prefix is
+    # 12 GiB, so an uncapped holder could pack that once per puller. --kv-pull-memory.
+    kv_pull_memory: int = 256 << 20
     # Required on every internal endpoint and KV handshake (common/auth.py); None: open.
     cluster_token: str | None = field(default=None, repr=False)
     drain_grace_s: float = 30.0  # SIGTERM: in-flight work gets this long before the node exits
@@ -327,6 +332,8 @@ class NodeConfig:
         if not self.grammar_compile_timeout_s > 0 or self.grammar_compile_workers < 1:
             raise ValueError(f"grammar_compile_timeout_s must be > 0 and grammar_compile_workers >= 1, got "
                              f"{self.grammar_compile_timeout_s} and {self.grammar_compile_workers}")
+        if self.kv_pull_memory <= 0:
+            raise ValueError(f"--kv-pull-memory: must be > 0 bytes, got {self.kv_pull_memory}")
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
         if self.role != "decode" and self.engine.prefill_step_budget is not None:

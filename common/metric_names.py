@@ -98,6 +98,15 @@ KV_PULLS = PREFIX + "kv_pulls_total"  # counter, label outcome (the node that pu
 KV_PULL_TOKENS = PREFIX + "kv_pull_tokens_total"  # counter: prompt tokens landed by pulls (the node that pulled)
 KV_PULLS_SERVED = PREFIX + "kv_pulls_served_total"  # counter, label outcome (the holder)
 KV_PULL_BLOCKS_SERVED = PREFIX + "kv_pull_blocks_served_total"  # counter: blocks sent to pullers (the holder)
+# The holder's pull budget (node/pull_budget.py): the pulls it serves now (gauge), the rate it copies
+# blocks out for them, all together (gauge, bytes/s: a busy holder's share of its steps), the bytes it
+# holds packed for them (gauge, at most --kv-pull-memory), and the seconds its engine spent copying
+# blocks out for them, lower-tier loads included (counter; over a window, / the window's wall time is
+# the share of the holder's time its pulls took)
+KV_PULLS_SERVING = PREFIX + "kv_pulls_serving"
+KV_PULL_COPY_RATE = PREFIX + "kv_pull_copy_bytes_per_second"
+KV_PULL_PACKED_BYTES = PREFIX + "kv_pull_packed_bytes"
+KV_PULL_COPY_SECONDS = PREFIX + "kv_pull_copy_seconds_total"
 KV_INDEX_BATCHES = PREFIX + "kv_index_batches_total"  # counter, label result
 PROMPT_HASHES = PREFIX + "prompt_hashes_total"  # counter, label result: adopted | rehashed | absent
 GRAMMAR_COMPILES = PREFIX + "grammar_compiles_total"  # counter, label outcome (common/outcomes.py GrammarCompileOutcome)

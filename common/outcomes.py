@@ -69,6 +69,8 @@ class PullServed(StrEnum):
     """How one pull asked of this node (the holder) ended."""
     SENT = "sent"  # its leading held blocks were sent and acknowledged (possibly none)
     FAILED = "failed"  # the send failed (the puller recomputes)
+    REFUSED = "refused"  # it served PULLS_SERVED_MAX pulls already: 503 (node/pull_budget.py)
+    ABORTED = "aborted"  # the puller hung up (cancelled, or died) before it was sent
 
 
 class PromptHashResult(StrEnum):

@@ -66,7 +66,8 @@ from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
                                     unavailable_response)
-from ..node.kv_pull import PullHolder, Puller
+from ..node.kv_pull import Puller, pull_reservation
+from ..node.pull_holder import PullHolder
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed, PrefillGrammarMissing
@@ -97,14 +98,15 @@ class DecodeNode:
         self.rt = runtime
         tp = runtime.tp
         # transfer_id -> Transfer, each owned by its request's driver; every rank lands every block
-        self.transfers = TransferTable(ranks=tp, on_closed=self._closed if tp > 1 else None)
+        self.transfers = TransferTable(ranks=tp, on_closed=self._closed if tp > 1 else None,
+                                       on_removed=self._forget_close if tp > 1 else None)
         # req_id -> its HTTP stream's queue; None ends the stream without a final frame (the node failed)
         self.streams: dict[str, asyncio.Queue[TokenDelta | None]] = {}
         self.receiver: KVReceiver | None = None
         self.rank_addrs: dict[int, str] = {}  # worker rank -> its receiver's address (RankReady)
         self._ranks_ready = asyncio.Event()  # every worker said RankReady
         self._closed_seq = 0  # TransfersClosed sent to the workers so far
-        self._close_seq: dict[str, int] = {}  # transfer_id -> the seq that closed it (until released)
+        self._close_seq: dict[str, int] = {}  # transfer_id -> the seq that closed it (while in the table)
         self._applied: dict[int, int] = {r: 0 for r in range(1, tp)}  # worker rank -> highest seq it applied
         self._applied_event = asyncio.Event()  # some worker acknowledged
         self._aborts: set[asyncio.Task[bool]] = set()  # prefill aborts in flight (held: tasks are weak refs)
@@ -206,11 +208,16 @@ class DecodeNode:
         assert self.rt.ranks is not None
         self.rt.ranks.broadcast(TransfersClosed(seq=self._closed_seq, transfer_ids=[transfer_id]))
 
+    def _forget_close(self, transfer_id: str) -> None:
+        """The table let go of ``transfer_id`` (its owner removed it, whatever its end): so
+        does its close record."""
+        self._close_seq.pop(transfer_id, None)
+
     async def _closed_everywhere(self, transfer_id: str) -> None:
         """Until every worker rank applied the close of ``transfer_id``: no frame of it lands
         on any rank after this, so its blocks may hold another request's KV. Bounded: a
         worker that does not answer is broken (the node fails)."""
-        seq = self._close_seq.pop(transfer_id, None)
+        seq = self._close_seq.get(transfer_id)
         if seq is None:
             return
         try:
@@ -320,10 +327,12 @@ class DecodeNode:
     async def _end(self, rid: str, driver: asyncio.Task[None]) -> None:
         """The request's one terminal step, whatever stage it reached: after the driver
         is done, AbortRequest frees what any earlier command took (a reservation made by
-        a Reserve whose awaiter was cancelled included); a no-op for a finished request."""
+        a Reserve whose awaiter was cancelled included), and a Release its pull's
+        reservation; no-ops for a finished request."""
         await asyncio.gather(driver, return_exceptions=True)
         try:
-            await self.engine_thread.submit(AbortRequest(rid))
+            await asyncio.gather(self.engine_thread.submit(AbortRequest(rid)),
+                                 self.engine_thread.submit(Release(pull_reservation(rid))))  # its pull's
         except TPFailure:
             pass  # the engine stopped for good (a rank died): it holds nothing any more
 
@@ -417,7 +426,6 @@ class DecodeNode:
                     await asyncio.shield(self.engine_thread.submit(Release(rid)))
                 except TPFailure:
                     pass  # the engine stopped for good: it holds nothing any more
-            self._close_seq.pop(tid, None)
             self.transfers.remove(tid)
 
     def end_stream(self, request_id: str) -> bool:
@@ -430,7 +438,8 @@ class DecodeNode:
 
     def debug_state(self) -> dict:
         return {"transfers": self.transfers.snapshot(), "transfer_counts": self.transfers.counts(),
-                "streams": len(self.streams), **self.holder.state()}
+                "streams": len(self.streams), "puller": self.puller.state(),
+                "closed_transfers_tracked": len(self._close_seq), **self.holder.state()}
 
     async def debug_transfers(self, request: web.Request) -> web.Response:
         """GET /debug/transfers: every transfer in the table (oldest first), the count per

@@ -92,7 +92,8 @@ class Cluster:
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
                  served_model_names=(), api_keys=(), router_replicas=1, load_format=None,
                  enforce_eager=False, tp=None, kv_offload=None, redis_maxmemory=None,
-                 responses_maxmemory=None, expert_parallel=False, dp=None, local_prefill_budget=None):
+                 responses_maxmemory=None, expert_parallel=False, dp=None, local_prefill_budget=None,
+                 kv_pull_memory=None):
         # role ("prefill", "decode", "colocated", "router") -> CPU ids; unlisted roles float
         self.cpus: dict[str, tuple[int, ...]] = {r: tuple(c) for r, c in (cpus or {}).items()}
         self.devices: DevicePlan | None = devices  # None: every node on the CPU, its defaults
@@ -105,7 +106,8 @@ class Cluster:
                         expert_parallel=expert_parallel,  # each node's EP size: its tp
                         dp={r: n for r, n in (dp or {}).items() if n != 1},  # role -> data-parallel ranks per node
                         kv_offload=kv_offload,
-                        local_prefill_budget=local_prefill_budget)  # decode nodes' flag; None: theirs
+                        local_prefill_budget=local_prefill_budget,  # decode nodes' flag; None: theirs
+                        kv_pull_memory=kv_pull_memory)  # every node's --kv-pull-memory (a size); None: theirs
         self._dp_ports: dict[tuple[str, int], int] = {}  # (role, data-parallel node) -> its rendezvous port
         self.router_port = router_port or free_port()
         if router_replicas < 1:
@@ -310,6 +312,8 @@ class Cluster:
         engine += c["kv_offload"].node_args(f"{role}-{index}") if c["kv_offload"] else []
         if role == "decode" and c["local_prefill_budget"] is not None:
             engine += ["--local-prefill-budget", str(c["local_prefill_budget"])]
+        if c["kv_pull_memory"] is not None:
+            engine += ["--kv-pull-memory", str(c["kv_pull_memory"])]
         args = ["decode" if role == "colocated" else role, "--host", c["host"],
                 "--kv-backend", c["kv_backend"], *memory, *device, *engine,
                 "--threads", str(threads), "--node-id", f"{role}-{index}", *c["extra"], *extra]
@@ -576,6 +580,8 @@ def launch(args) -> int:
                       local_prefill_budget=(getattr(args, "local_prefill_budget", None)
                                             if getattr(args, "local_prefill_budget", None) is not None
                                             else defaults.get("local_prefill_budget")),
+                      kv_pull_memory=parse_size(getattr(args, "kv_pull_memory", None)
+                                                or defaults.get("kv_pull_memory", "256MiB"), "--kv-pull-memory"),
                       kv_offload=TierFlags(getattr(args, "kv_offload_memory", None),
                                            getattr(args, "kv_offload_dir", None),
                                            getattr(args, "kv_offload_disk_bytes", None)),

@@ -247,7 +247,7 @@ class EngineCore:
                 block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix of the same
         ``cache_salt``. None when the block pool cannot supply them now (the caller
-        prefills locally)."""
+        prefills locally). Raising (a lower tier failing to load), it holds nothing."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         keys = hash_keys(self.config.model_id, cache_salt)
@@ -256,7 +256,11 @@ class EngineCore:
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids, salt_id(keys))
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
             return None
-        self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first
+        try:
+            self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first
+        except BaseException:
+            self.kv.free(request_id)  # a reservation that raises holds nothing
+            raise
         return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
 
     def export_cached(self, export_id: str, token_ids: list[int], block_hashes: list[int] | None,

@@ -30,6 +30,11 @@ Commands (NamedTuples; ``submit`` answers with what the engine call returns):
     Release(id)                            -> None     give back a reservation never admitted
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
+    ExportCached(id, tokens, .., start, most, pack) -> Exported   copy out up to ``most``
+                                                       cached blocks of a prefix from block
+                                                       ``start`` (a prefix pull's chunk), timed
+    CommitPulled(id, tokens, .., num_tokens) -> None   a pull landed: cache its blocks, free
+                                                       the reservation
     ExportKV(id, transfer, addrs, skip, dest_ids) -> None   pack the request's prompt blocks
                                                        [skip, ...) for those receivers: its cached
                                                        prefix before its first forward, then what
@@ -76,6 +81,7 @@ from ..common.kv_events import KVEvent, Tier
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
 from .block_export import BlockExporter, BlockExports, ExportKV
+from .copy_timer import CopyTime, CopyTimer
 from .engine_core import EngineCore, RequestDelta
 from .parallel.data_parallel import IDLE_POLL_S
 from .parallel.group import TPFailure
@@ -131,8 +137,7 @@ class Release(NamedTuple):
 
 class ExportCached(NamedTuple):
     """Copy out cached blocks of a prefix for another node (``EngineCore.export_cached``):
-    answers (blocks, ``pack``'s result). ``pack`` runs here, on the engine thread, between
-    two steps."""
+    answers ``Exported``. ``pack`` runs here, on the engine thread, between two steps."""
     export_id: str
     token_ids: list[int]
     block_hashes: list[int] | None
@@ -140,6 +145,14 @@ class ExportCached(NamedTuple):
     start_block: int
     max_blocks: int
     pack: Callable[[list[int]], Any]
+
+
+class Exported(NamedTuple):
+    """What an ``ExportCached`` copied out, and what that cost the engine (all of it: lookup,
+    lower-tier reads and loads, the copy; engine/copy_timer.py)."""
+    blocks: int
+    packed: Any  # ``pack``'s result; None for no block
+    copy: CopyTime
 
 
 class CommitPulled(NamedTuple):
@@ -291,7 +304,9 @@ class EngineThread:
             case Release(rid):
                 return e.release(rid)
             case ExportCached(xid, ids, hashes, salt, start, most, pack):
-                return e.export_cached(xid, ids, hashes, salt, start, most, pack)
+                timer = CopyTimer(e.runner.kv_caches.device)
+                blocks, packed = e.export_cached(xid, ids, hashes, salt, start, most, pack)
+                return Exported(blocks, packed, timer.stop())
             case CommitPulled(rid, ids, hashes, salt, tokens):
                 return e.commit_pulled(rid, ids, hashes, salt, tokens)
             case AbortRequest(rid, reason):

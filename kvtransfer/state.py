@@ -118,17 +118,20 @@ class TransferTable:
     ``loop``: where the ``done`` futures live (default: the running loop at ``reserve``);
     ``ranks``: the node's tensor-parallel ranks, each of which must land every block;
     ``on_closed``: called with a transfer id when it stops taking blocks (rank 0 tells its
-    worker ranks, ``rank_report.TransfersClosed``)."""
+    worker ranks, ``rank_report.TransfersClosed``); ``on_removed``: with a transfer id when
+    its owner removes it (whatever it kept about the transfer goes with it)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  loop: asyncio.AbstractEventLoop | None = None, ranks: int = 1,
-                 on_closed: Callable[[str], None] | None = None):
+                 on_closed: Callable[[str], None] | None = None,
+                 on_removed: Callable[[str], None] | None = None):
         assert ranks >= 1, f"ranks must be >= 1, got {ranks}"
         self._clock = clock
         self._loop = loop
         self.ranks = ranks
         self._all_ranks = (1 << ranks) - 1
         self._on_closed = on_closed
+        self._on_removed = on_removed
         self._transfers: dict[str, Transfer] = {}  # transfer_id -> Transfer
         self.ignored_reports = 0  # on_block / prefilled for unknown / no longer live transfers
         self.stray_blocks = 0  # blocks reported for a destination the transfer never reserved
@@ -293,6 +296,8 @@ class TransferTable:
             assert transfer.state in TERMINAL, \
                 f"remove({transfer_id}) while {transfer.state.name}: its blocks would leak"
             del self._transfers[transfer_id]
+            if self._on_removed is not None:
+                self._on_removed(transfer_id)
         return transfer
 
     def counts(self) -> dict[str, int]:

@@ -66,6 +66,9 @@ class NodeMetrics:
             "kv_free_blocks": c.gauge(n.KV_FREE_BLOCKS, "Free KV blocks"),
             "generated_tokens": c.gauge(n.NUM_RUNNING_GENERATED_TOKENS,
                                         "Output tokens the running requests have produced so far"),
+            "pulls_serving": c.gauge(n.KV_PULLS_SERVING, "Prefix pulls this node serves now"),
+            "pull_bytes_per_s": c.gauge(n.KV_PULL_COPY_RATE, "Bytes per second this node copies blocks out "
+                                        "for the pulls it serves, all together (0: not measured yet)"),
         }
         assert set(self.load) == set(NodeLoad.__struct_fields__), "a load field has no gauge"
         self.device_info = c.gauge(n.NODE_DEVICE_INFO, "The engine's device and KV dtype (value 1)",
@@ -114,6 +117,10 @@ class NodeMetrics:
                                       "outcome", ["outcome"])
         self.pull_blocks_served = c.counter(n.KV_PULL_BLOCKS_SERVED, "cached KV blocks this node sent "
                                             "to nodes that pulled them")
+        self.pull_packed_bytes = c.gauge(n.KV_PULL_PACKED_BYTES, "Bytes this node holds packed for the pulls "
+                                         "it serves, not yet sent (at most --kv-pull-memory)")
+        self.pull_copy_seconds = c.counter(n.KV_PULL_COPY_SECONDS, "Seconds this node's engine spent copying "
+                                           "blocks out for pulls (lookups and lower-tier loads included)")
         self.prompt_hashes = c.counter(n.PROMPT_HASHES, "prompts by the fate of the block hashes "
                                        "the router carried (adopted; rehashed: they did not check "
                                        "out; absent: none carried)", ["result"])

@@ -50,6 +50,7 @@ from ..common.config import NodeConfig
 from ..common.kv_compat import KVCompat
 from ..common.kv_events import KVEvent, Tier
 from ..common.kv_index import KVIndex
+from ..common.load import NodeLoad
 from ..common.sampling_params import SamplingParams
 from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
 from ..engine.block_export import BlockExporter
@@ -68,6 +69,7 @@ from ..kvtransfer.rank_report import RankMessage
 from .kv_publisher import KVEventPublisher
 from .grammar_service import GrammarService
 from .metrics import NodeMetrics
+from .pull_budget import PullBudget
 from .ranks import RankProcs, RoleFactory, node_kv_key
 from .shm_segments import remove_dead_segments, segment_name
 
@@ -129,6 +131,8 @@ class NodeRuntime:
         self.kv_addr = ""  # where the node receives KV blocks (a decode node's receiver), if anywhere
         self.http_addr = ""  # set once listening
         self.metrics = NodeMetrics(config.engine.model_id, config.role)
+        # what serving other nodes' prefix pulls may cost this node (node/pull_holder.py PullHolder's)
+        self.pull_budget = PullBudget(config.kv_pull_memory, lambda: self.engine_thread.stats)
         self.draining = False  # SIGTERM received: new work is refused with 503
         self._heartbeat_stopped = False
         self.redis: RedisLink | None = None  # None: no --redis-url, the node is not discoverable
@@ -161,6 +165,10 @@ class NodeRuntime:
         self.grammars = None if engine.grammars is None else GrammarService(
             engine.grammars.tokenizer_info, c.grammar_compile_workers, c.grammar_compile_timeout_s, self.metrics)
         self.layout = KVLayout.of_cache(kv.shape, kv.dtype)
+        if c.kv_pull_memory < self.layout.block_nbytes:
+            raise ValueError(f"--kv-pull-memory: {c.kv_pull_memory} bytes cannot hold one KV block of this node "
+                             f"({self.layout.block_nbytes} bytes); give at least that, e.g. "
+                             f"{max(self.layout.block_nbytes, 64 << 20)}")
         if cfg.sim is None:
             self.kv_key = node_kv_key(cfg, engine.model_config, kv.dtype, self.tp)
         else:  # a simulated node's cache is a token-sized stand-in: its key is that cache's
@@ -264,7 +272,13 @@ class NodeRuntime:
                         model=self.config.engine.model_id, epoch=self.epoch, kv_backend=self.config.kv_backend,
                         kv_addr=self.kv_addr, capacity_tokens=self.limits.kv_capacity_tokens,
                         block_size=self.config.engine.block_size, max_model_len=self.limits.max_model_len,
-                        load=self.engine_thread.load, kv=self.kv_key, tiers=list(self.engine_thread.stats.tiers))
+                        load=self.load(), kv=self.kv_key, tiers=list(self.engine_thread.stats.tiers))
+
+    def load(self) -> NodeLoad:
+        """The engine's published load, with the prefix pulls this node serves."""
+        pulls = self.pull_budget.load(self.layout.block_nbytes)
+        return msgspec.structs.replace(self.engine_thread.load, pulls_serving=pulls.serving,
+                                       pull_bytes_per_s=pulls.bytes_per_s)
 
     async def listening(self, port: int) -> None:
         """The node serves HTTP on ``port`` (the config's, or the one port 0 picked): its
@@ -338,8 +352,9 @@ class NodeRuntime:
 
     def refresh_metrics(self) -> None:
         """Set the engine-state gauges from the latest published load (before a scrape)."""
-        self.metrics.set_load(self.engine_thread.load, self.engine_thread.stats.preemptions,
+        self.metrics.set_load(self.load(), self.engine_thread.stats.preemptions,
                               self.redis.heartbeat.failures if self.redis is not None else 0)
+        self.metrics.pull_packed_bytes.set(self.pull_budget.packed_bytes)
         self.metrics.set_tiers(self.engine_thread.stats.tiers)
         self.metrics.set_expert_load(self.engine_thread.stats.expert_load)
 
@@ -360,4 +375,4 @@ class NodeRuntime:
                 "kv_blocks_total": st.kv_blocks_total, "kv_blocks_free": st.kv_blocks_free,
                 "load": msgspec.structs.asdict(st.load), "steps": st.steps, "busy_s": st.busy_s,
                 "computed_tokens": st.computed_tokens, "preemptions": st.preemptions,
-                "sim_overrun_s": st.sim_overrun_s}
+                "sim_overrun_s": st.sim_overrun_s, "pull_budget": self.pull_budget.state()}

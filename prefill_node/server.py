@@ -64,7 +64,7 @@ from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
 from ..common.sampling_params import SamplingParams
 from ..engine.block_export import BlockExporter, BlocksReady, ExportKV
 from ..engine.engine_core import RequestDelta
-from ..engine.engine_thread import AbortRequest, AddRequest
+from ..engine.engine_thread import AbortRequest, AddRequest, Release
 from ..engine.parallel.group import TPFailure
 from ..kvtransfer import KVReceiver, ShardSender, TransferError, TransferTable, make_receiver, make_sender
 from ..kvtransfer.block_store import KVBlockStore
@@ -73,7 +73,8 @@ from ..kvtransfer.tp_plan import transfer_plan
 from ..node.app import build_node_app
 from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
                                     unavailable_response)
-from ..node.kv_pull import PullHolder, Puller
+from ..node.kv_pull import Puller, pull_reservation
+from ..node.pull_holder import PullHolder
 from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
@@ -316,7 +317,8 @@ class PrefillNode:
             if sender_task is not None and not sender_task.done():
                 sender_task.cancel()
             try:
-                await asyncio.shield(engine.submit(AbortRequest(rid)))
+                await asyncio.shield(asyncio.gather(engine.submit(AbortRequest(rid)),
+                                                    engine.submit(Release(pull_reservation(rid)))))  # its pull's
             except TPFailure:
                 pass  # the engine stopped for good: it holds nothing any more
 
@@ -378,7 +380,8 @@ class PrefillNode:
         return o is not None
 
     def debug_state(self) -> dict:
-        return {"outgoing": len(self.out), "pulls": self.pulls.counts(), **self.holder.state(),
+        return {"outgoing": len(self.out), "pulls": self.pulls.counts(),
+                **({"puller": self.puller.state()} if self.puller is not None else {}), **self.holder.state(),
                 **({"sim_link": self.link.state()} if self.link is not None else {})}
 
 

@@ -131,14 +131,17 @@ def test_a_prefill_node_pulls_the_conversation_from_the_decode_node(model):
 
 
 class _HolderFault(Cluster):
-    """A cluster whose decode node (the holder of turn 2's prefix) runs with ``--fault``."""
+    """A cluster whose decode node (the holder of turn 2's prefix) runs with ``--fault`` (and
+    ``holder_args``)."""
 
-    def __init__(self, fault: str, **kw):
+    def __init__(self, fault: str, holder_args=(), **kw):
         super().__init__(**kw)
-        self.fault = fault
+        self.fault, self.holder_args = fault, tuple(holder_args)
 
     def node_args(self, role, index, extra=()):
-        return super().node_args(role, index, (*extra, "--fault", self.fault) if role == "decode" else extra)
+        if role != "decode":
+            return super().node_args(role, index, extra)
+        return super().node_args(role, index, (*extra, "--fault", self.fault, *self.holder_args))
 
 
 def test_a_pulled_block_that_fails_its_checksum_is_computed_instead(model):
@@ -217,6 +220,85 @@ def test_the_holder_killed_mid_pull_costs_a_recompute_not_a_request(model):
         pools_idle(c, ["prefill-0", other])
 
 
+def test_a_request_cancelled_while_its_pull_is_in_flight_frees_every_pool(model):
+    """Turn 2's pull from the decode node is held back there (``--fault stall_pull``) when the
+    client gives up: the router aborts the request, the decode node its prefill call, the
+    prefill node its pull (counted aborted) and the holder its side of it; every pool is free
+    and the holder serves no pull any more."""
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with _HolderFault("stall_pull", prefill_nodes=1, decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB",
+                      model=str(path), router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        first_turn(c, model, first)
+        time.sleep(1.0)
+        impatient = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=3)
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(r=_try(impatient, path, second)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not _stalling(c, "decode-0"):
+            assert time.monotonic() < deadline, "the pull never reached the holder"
+            time.sleep(0.05)
+        t.join(30)
+        assert isinstance(result["r"], openai.APITimeoutError), result
+        pools_idle(c, ["prefill-0", "decode-0"])
+        assert node_metric(c, "prefill-0", names.KV_PULLS, outcome="aborted") == 1
+        _until(lambda: get_json(f"{c.node('decode-0').addr}/debug/state")["pull_budget"]["serving"] == 0)
+
+
+def test_a_puller_killed_mid_pull_leaves_its_holder_whole(model):
+    """The holder sends the first chunk of turn 2's prefix (chunks of at most 4 blocks: its
+    --kv-pull-memory), then holds the rest back (``--fault stall_pull_midway``), and the
+    puller, the prefill node, is killed meanwhile: the holder lets the pull go (its handler
+    cancelled as the puller's connection drops, or its next send failing), serves none and
+    holds nothing packed, its pool is free, and the request is prefilled by its decode node
+    instead."""
+    path, hf, tok = model
+    first, answer, second = turns(hf)
+    with _HolderFault("stall_pull_midway", holder_args=["--kv-pull-memory", str(4 * 8192)], prefill_nodes=1,
+                      decode_nodes=1, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path),
+                      router_args=["--score-weights", "local_prefill_tokens=0"]) as c:
+        client = first_turn(c, model, first)
+        time.sleep(1.0)
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(r=_try(client, path, second)))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not _stalling(c, "decode-0"):
+            assert time.monotonic() < deadline, "the pull never reached the holder"
+            time.sleep(0.05)
+        assert last_decision(c)["reuse"] == "pull"
+        os.killpg(c.node("prefill-0").popen.pid, signal.SIGKILL)
+        t.join(120)
+        r = result["r"]
+        assert not isinstance(r, Exception), r
+        assert r.choices[0].logprobs.tokens == [tok.token_text(t) for t in greedy(hf, second, 8)]
+        holder = c.node("decode-0").addr
+        _until(lambda: get_json(f"{holder}/debug/state")["pull_budget"]["serving"] == 0)
+        budget = get_json(f"{holder}/debug/state")["pull_budget"]
+        assert budget["packed_bytes"] == 0 and 0 < budget["packed_bytes_peak"] <= 4 * 8192
+        # the puller's hang-up cancels it (aborted), or its next send fails first (failed)
+        assert sum(node_metric(c, "decode-0", names.KV_PULLS_SERVED, outcome=o) for o in ("aborted", "failed")) == 1
+        assert node_metric(c, "decode-0", names.KV_PULLS_SERVED, outcome="sent") == 0
+        pools_idle(c, ["decode-0"])
+
+
+def _try(client, path, prompt: list[int]):
+    """The completion of ``prompt`` (8 greedy tokens), or the exception it raised."""
+    try:
+        return client.completions.create(model=str(path), prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                         extra_body={"ignore_eos": True})
+    except Exception as e:  # noqa: BLE001 - the caller checks which
+        return e
+
+
+def _until(pred, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.1)
+
+
 def _stalling(c: Cluster, member: str) -> bool:
     """Whether ``member`` holds a pull back (its /debug/state's ``pulls_stalled``)."""
     try:
@@ -271,3 +353,45 @@ def test_a_decode_node_pulls_from_either_role_before_prefilling_itself(model):
         assert node_metric(c, puller, names.KV_PULLS, outcome="held_none") + \
             node_metric(c, puller, names.KV_PULLS, outcome="pulled") >= 1
         pools_idle(c, ["prefill-0", "decode-0", "decode-1"])
+
+
+def test_a_tensor_parallel_puller_keeps_no_record_of_its_pulls(model):
+    """A decode node of two ranks pulls prefixes from a single-rank one: each pull's transfer,
+    closed on every rank when it resolved, leaves no record behind once it ended
+    (``closed_transfers_tracked`` in /debug/state), and every pool is free."""
+    import asyncio
+
+    import aiohttp
+
+    from splitserve.benchmarks.harness import wait_pools_free
+    from splitserve.common.hashing import token_bytes
+    from splitserve.common.protocol import GenerateRequest, PullSource
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.router.streams.node_client import NodeClient
+
+    path, hf, tok = model
+    c = Cluster(prefill_nodes=0, decode_nodes=0, kv_backend="tcp", kv_cache_memory="8MiB", model=str(path))
+    try:
+        c.start_redis()
+        procs = [c.start_node("decode", 0), c.start_node("decode", 1, ["--tensor-parallel-size", "2"])]
+        for p in procs:
+            c.wait_ready(p, 180)
+        holder, puller = (c.node(f"decode-{i}").addr for i in (0, 1))
+
+        async def generate(addr: str, rid: str, prompt: list[int], pull: PullSource | None) -> list[int]:
+            async with aiohttp.ClientSession() as session:
+                req = GenerateRequest(request_id=rid, token_ids=token_bytes(prompt), pull=pull,
+                                      sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+                stream = await NodeClient(session).generate(addr, req)
+                return [t async for d in stream.deltas() for t in d.token_ids]
+
+        for i in range(3):
+            prompt = [(41 * j + 7 * i + 3) % 30000 + 200 for j in range(10 * 16 + 5)]
+            want = asyncio.run(generate(holder, f"h{i}", prompt, None))
+            source = PullSource(node_id="decode-0", addr=holder, tokens=10 * 16)
+            assert asyncio.run(generate(puller, f"p{i}", prompt, source)) == want
+        assert node_metric(c, "decode-1", names.KV_PULLS, outcome="pulled") == 3
+        assert get_json(f"{puller}/debug/state")["closed_transfers_tracked"] == 0
+        asyncio.run(wait_pools_free([holder, puller], {}, 10))
+    finally:
+        c.stop()

@@ -143,6 +143,52 @@ def test_the_node_that_computes_pulls_a_prefix_another_node_holds():
     assert policy.choose(PROMPT, ranked, cached={"d1": 960}).pull is None
 
 
+def test_a_pull_is_priced_with_what_its_holder_serves_and_how_fast_it_copies():
+    """The holder's side of a pull (router/routing/pull_cost.py): the pulls it serves already
+    share its copies and link with one more, and while it runs requests it copies at a tenth
+    of its steps (the rate it reports). Past a point, computing the prefix is cheaper."""
+    from splitserve.router.routing.tier_cost import RECOMPUTE_BYTES_PER_S
+
+    def fleet(**holder) -> list[NodeInfo]:
+        return [node("p0"), node("d0", "decode"), node("d1", "decode", running=40, kv_usage=0.9, **holder)]
+
+    policy = CacheAware()
+    idle_rate = 100 * RECOMPUTE_BYTES_PER_S  # a block copied out in 1% of its recompute time
+    # serving seven pulls, its copies slowed to a share of its steps (it reports a tenth of the
+    # rate): computing the prefix wins
+    slow = policy.choose(PROMPT, fleet(pulls_serving=7, pull_bytes_per_s=idle_rate / 10), cached={"d1": 960})
+    assert slow.pull is None and slow.prefill_work == pytest.approx(policy.work(L, 0))
+    plain = policy.choose(PROMPT, fleet(), cached={"d1": 960})
+    assert plain.pull is not None and plain.pull.share == 1 and plain.pull.copy_ratio == 0.0
+    # fast copies and nobody else pulling: the copy costs ~1% of the work saved
+    fast = policy.choose(PROMPT, fleet(pull_bytes_per_s=idle_rate), cached={"d1": 960})
+    assert fast.pull is not None and fast.pull.copy_ratio == pytest.approx(0.01)
+    assert fast.prefill_work == pytest.approx(policy.pull_work(L, 0, 960, ratio=0.01))
+    # seven pulls served already: eight share its link and copies
+    crowded = policy.choose(PROMPT, fleet(pulls_serving=7, pull_bytes_per_s=idle_rate), cached={"d1": 960})
+    assert crowded.pull is not None and (crowded.pull.share, crowded.pull.copy_ratio) == (8, pytest.approx(0.08))
+    assert crowded.prefill_work > fast.prefill_work
+
+
+def test_a_burst_stops_pulling_from_a_holder_its_own_pulls_crowd():
+    """Between two heartbeats the router counts its own pulls from a holder until their first
+    token (Dispatcher.pulls), like the pulls the holder reports: a burst of one prefix pulls
+    it until one more pull would cost more than computing it, then computes it."""
+    nodes = [node("p0"), node("p1"), node("d0", "decode"), node("d1", "decode", running=40, kv_usage=0.9)]
+    policy, pulls = CacheAware(), Counter()
+    pulled = []
+    for _ in range(30):
+        d = policy.choose(PROMPT, nodes, cached={"d1": 960}, pulls=pulls)
+        pulled.append(d.pull is not None)
+        if d.pull is not None:
+            pulls[d.pull.holder.node_id] += 1
+    assert pulled[0] and not pulled[-1]
+    first_no = pulled.index(False)
+    assert all(pulled[:first_no]) and not any(pulled[first_no:])  # the holder's pulls only grow here
+    share = pulls["d1"] + 1  # what one more pull would share the holder's link with
+    assert policy.pull_work(L, 0, 960, share=share) >= policy.work(L, 0)
+
+
 def test_a_hot_prefix_spreads_by_pulls_instead_of_recompute():
     """A burst of one prefix held by p0: once p0's queue outweighs the hit, the idle nodes
     pull the prefix from p0 instead of computing it, so each request costs them ~40 tokens

@@ -19,6 +19,7 @@ from splitserve.common.load import NodeLoad
 from splitserve.common.registry import NodeInfo
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.config import CacheAwareWeights
+from splitserve.router.routing.tier_cost import RECOMPUTE_BYTES_PER_S
 
 
 class NodeByNode:
@@ -56,21 +57,33 @@ class NodeByNode:
         cost = per_request * reqs + self.w.kv_usage * n.load.kv_usage
         return cost + max(n.load.queued_prefill_tokens, tokens.get(n.node_id, 0)) if queue else cost
 
-    def holder(self, nodes, cached):
-        """The node caching the longest prefix (the first such in ``cached``), with it."""
+    def holder(self, L, nodes, cached, pulls):
+        """The node caching the longest prefix (among equals the one a pull from costs least,
+        the first such in ``cached``), with it and its pull's share and copy ratio."""
         ids = {n.node_id: n for n in nodes}
-        best = (None, 0)
+        best = (None, 0, 1, 0.0)
         for nid, hit in cached.items():
-            if self.w.prefix_pull and nid in ids and hit > best[1]:
-                best = (ids[nid], hit)
+            if not self.w.prefix_pull or nid not in ids or not hit or hit < best[1]:
+                continue
+            n = ids[nid]
+            share = 1 + max(n.load.pulls_serving, pulls.get(nid, 0))
+            ratio = share * RECOMPUTE_BYTES_PER_S / n.load.pull_bytes_per_s if n.load.pull_bytes_per_s else 0.0
+            plan = (n, hit, share, ratio)
+            if hit > best[1] or self._pull_of(L, 0, plan) < self._pull_of(L, 0, best):
+                best = plan
         return best
 
+    def _pull_of(self, L, hit, held):
+        h, H, share, ratio = held
+        return (self.work(L, H) + self.w.transfer * share * (H - hit) + self.w.pull_request
+                + ratio * (self.work(L, hit) - self.work(L, H)))
+
     def pull(self, n, L, cached, held):
-        h, H = held
+        h, H = held[:2]
         hit = cached.get(n.node_id, 0)
         if h is None or h is n or hit >= H:
             return math.inf
-        return self.work(L, H) + self.w.transfer * (H - hit) + self.w.pull_request
+        return self._pull_of(L, hit, held)
 
     def prefill(self, p, L, cached, inflight, tokens, r, mean, held):
         hit, H = cached.get(p.node_id, 0), held[1]
@@ -86,14 +99,14 @@ class NodeByNode:
             return cost + min(self.work(L, hit), self.pull(d, L, cached, held))
         return cost + self.w.transfer * (L - hit)
 
-    def choose(self, L, nodes, inflight, cached, tokens, tie_key, now):
+    def choose(self, L, nodes, inflight, cached, tokens, tie_key, now, pulls):
         prefills = [n for n in nodes if n.role == "prefill"]
         decodes = [n for n in nodes if n.decode_capable]
         self.welcome(prefills, now)  # a node joining the pool starts at the others' mean
         if not decodes:
             return None
         turn = next(self.tie) if tie_key is None else tie_key
-        held = self.holder(nodes, cached)
+        held = self.holder(L, nodes, cached, pulls)
         recent = [self.get(p.node_id, now) for p in prefills]
         mean = sum(recent) / len(recent) if recent else 0.0
         prefill, p_cost = cheapest(prefills, [self.prefill(p, L, cached, inflight, tokens, r, mean, held)
@@ -126,7 +139,9 @@ def fleet(rng: random.Random) -> list[NodeInfo]:
     def load():  # drawn from few values, so that equal nodes (exact ties) are common
         return NodeLoad(running=rng.choice([0, 0, 1, 3, 20]), waiting=rng.choice([0, 0, 2]),
                         queued_prefill_tokens=rng.choice([0, 0, 500, rng.randrange(100_000)]),
-                        kv_usage=rng.choice([0.0, 0.0, 0.5, rng.random()]))
+                        kv_usage=rng.choice([0.0, 0.0, 0.5, rng.random()]),
+                        pulls_serving=rng.choice([0, 0, 3, 8]),
+                        pull_bytes_per_s=rng.choice([0.0, 0.0, 0.5, 5.0, 100.0]) * RECOMPUTE_BYTES_PER_S)
     nodes = [NodeInfo(node_id=f"p{i}", role="prefill", http_addr="http://h:1", model="m", epoch="e",
                       load=load()) for i in range(rng.choice([0, 1, 2, 5, 16, 64]))]
     nodes += [NodeInfo(node_id=f"d{i}", role=rng.choice(["decode", "decode", "colocated"]),
@@ -162,8 +177,10 @@ def test_vectorised_cost_decides_as_node_by_node(seed, monkeypatch):
             tokens = Counter({nid: rng.randrange(0, 50_000) for nid in inflight})
             key = rng.choice([None, rng.getrandbits(64)])
             live = rng.choice([nodes, [n for n in nodes if rng.random() < 0.9]])  # a node left out
-            d = new.choose(range(L), live, inflight, cached=cached, inflight_tokens=tokens, tie_key=key)
-            want = ref.choose(L, live, inflight, cached, tokens, key, clock[0])
+            pulls = Counter({n.node_id: rng.randrange(1, 6) for n in holders if rng.random() < 0.3})
+            d = new.choose(range(L), live, inflight, cached=cached, inflight_tokens=tokens, tie_key=key,
+                           pulls=pulls)
+            want = ref.choose(L, live, inflight, cached, tokens, key, clock[0], pulls)
             if want is None:
                 assert d is None
                 continue

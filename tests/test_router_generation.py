@@ -220,3 +220,50 @@ async def test_first_token_releases_the_prefill_slot_and_close_the_rest(make_dis
     gen.close()
     gen.close()  # idempotent
     assert d.inflight == {} and d.metrics.inflight._value.get() == 0
+
+
+async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url):
+    """Cache-aware routing over a real prefix index (Redis): a prompt only d1 holds is pulled
+    from d1 (busy, so not routed there), and the pull counts on d1 in ``Dispatcher.pulls``
+    until the generation's first token, then no more; the next decision prices it."""
+    import asyncio
+    import time as clock
+
+    from splitserve.common.hashing import hash_blocks, hash_keys
+    from splitserve.common.kv_index import IndexDelta
+    from splitserve.router.routing.cache_aware import CacheAware
+
+    ids = [(37 * j + 11) % 30000 + 200 for j in range(1000)]
+    holder = NodeInfo(node_id="d1", role="decode", http_addr="http://d1:1", model=MODEL, epoch="e1",
+                      load=NodeLoad(running=40, kv_usage=0.9))
+    nodes = [node("p0", "prefill"), node("d0"), holder]
+    writer = KVIndex(redis_url)
+    metrics = RouterMetrics.create(MODEL)
+    index = PrefixIndex(KVIndex(redis_url, timeout_s=0.5), metrics, MODEL, 16, check_interval_s=0.2, retry_s=0.2)
+    index.start()
+    try:
+        await writer.apply("d1", "e1", IndexDelta.full(hash_blocks(ids, 16, hash_keys(MODEL))[:60]), seq=1)
+        deadline = clock.monotonic() + 10
+        while not (index.connected and index.nodes_mirrored()):
+            assert clock.monotonic() < deadline, "the mirror never caught up"
+            await asyncio.sleep(0.02)
+        out = tok.encode(" a b")
+        client = ScriptedNodes([[(out[0:1], None, 960), (out[1:2], "length", 960)]] * 2)
+        d = Dispatcher(NodeDirectory(NodeRegistry(NOWHERE), MODEL, metrics, nodes=nodes), CacheAware(), client, tok,
+                       metrics, BackgroundTasks(), index, DecisionLog(metrics))
+        prompt = Prompt.of(ids, tok.vocab_size)
+        first = await d.start(0, "r0", prompt, SamplingParams(max_tokens=2), t_start=0.0)
+        assert first.leg.decision.pull is not None and first.leg.decision.pull.share == 1
+        assert client.sent[0][1].pull.node_id == "d1" and d.pulls == Counter({"d1": 1})
+        second = await d.start(1, "r1", prompt, SamplingParams(max_tokens=2), t_start=0.0)
+        assert second.leg.decision.pull.share == 2  # the first pull still in flight shares d1 with it
+        pieces = first.pieces()
+        await pieces.__anext__()  # r0's first token: its pull is over
+        assert d.pulls == Counter({"d1": 1})
+        first.close()
+        second.close()
+        assert d.pulls == {}
+    finally:
+        await index.stop()
+        await index.index.close()
+        await writer.close()

@@ -48,10 +48,15 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
             that node (among equals, the one with least of it below its device): with
             w.prefix_pull, a node n computing the prompt may first pull h's prefix
             (node/kv_pull.py) instead of computing it, for
-              pull(n) = work(H) + w.transfer * (H - C(n)) + w.pull_request + X(h)
-            so W(n) above is min(W(n), pull(n)) for every n but h (balance scaled by H),
-            and for the nodes that can take h's blocks (a compatible KV layout; a prefill
-            node of one rank)
+              pull(n) = work(H) + w.transfer * share(h) * (H - C(n)) + w.pull_request + X(h)
+                        + ratio(h) * (work(C(n)) - work(H))
+            where share(h) is 1 + the pulls h serves (its heartbeat, or this router's pulls
+            from it in flight, the larger: they share its copies and its link) and ratio(h)
+            its copy of a block for one more pull over recomputing it, from the rate it
+            measured (a busy holder copies at a tenth of its steps;
+            router/routing/pull_cost.py); so W(n) above is min(W(n), pull(n)) for every n
+            but h (balance scaled by H), and for the nodes that can take h's blocks (a
+            compatible KV layout; a prefill node of one rank)
 
     pick (p, d) minimizing prefill(p) + decode(d) + w.remote_prefill
     or, when some decode node d holds part of the prompt and has at most
@@ -106,6 +111,7 @@ from ..config import CacheAwareWeights
 from .kv_pairing import cheapest_pair
 from .node_terms import FleetTerms, RoleTerms
 from .policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision, PullPlan
+from .pull_cost import pull_cost
 from .recent_work import RecentWork
 from .tier_cost import TierBlocks, tier_cost
 
@@ -127,7 +133,7 @@ class CacheAware:
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None, tiers: Mapping[str, TierBlocks] = NO_TIERS,
-               now: float | None = None) -> Decision | None:
+               pulls: Mapping[str, int] = NO_INFLIGHT, now: float | None = None) -> Decision | None:
         """`RoutingPolicy.choose`; ``now``: the monotonic time of the decision (default:
         the clock), which decides what recent work has settled."""
         terms = self._terms
@@ -141,7 +147,7 @@ class CacheAware:
         n = len(request_token_ids)
         turn = next(self._tie) if tie_key is None else tie_key
         local = not prefills.nodes
-        held = self.holder(terms, n, cached, tiers)
+        held = self.holder(terms, n, cached, tiers, pulls)
         mixed = terms.pairs is not None
         p_costs = self.prefill_costs(prefills, n, cached, inflight, inflight_tokens, now, tiers, held, mixed)
         d_costs = self.decode_costs(decodes, n, cached, inflight, local, inflight_tokens, tiers, held, mixed)
@@ -171,7 +177,7 @@ class CacheAware:
         pull = None
         if (held is not None and held.holder.node_id != computes.node_id and held.tokens > hit
                 and math.isfinite(self._pull_costs(RoleTerms.of([computes]), n, cached, held, mixed)[0])):
-            pulled = self.pull_work(n, hit, held.tokens, held.holder_load)
+            pulled = self._pull(n, hit, held)
             if pulled < work:
                 pull, work = held, pulled
         if prefill is not None:
@@ -189,17 +195,27 @@ class CacheAware:
         new, ctx = prompt_len - self.w.cached_token * hit, self.w.cached_token * hit
         return new + self.w.attention * new * (ctx + new / 2)
 
-    def pull_work(self, prompt_len: int, hit: int, held: int, holder_load: float = 0.0) -> float:
+    def pull_work(self, prompt_len: int, hit: int, held: int, holder_load: float = 0.0, share: int = 1,
+                  ratio: float = 0.0) -> float:
         """pull(n) of the module docstring: work left after pulling a ``held``-token prefix
-        to a node that caches ``hit`` of it, plus moving the difference and the round trip
-        (and ``holder_load``: the holder's loads of the blocks it keeps below its device)."""
-        return self.work(prompt_len, held) + self.w.transfer * (held - hit) + self.w.pull_request + holder_load
+        to a node that caches ``hit`` of it, plus moving the difference (over a link ``share``
+        pulls share) and the round trip, ``holder_load`` (the holder's loads of the blocks it
+        keeps below its device) and the holder's copy, ``ratio`` of the work it saves."""
+        saved = self.work(prompt_len, hit) - self.work(prompt_len, held)
+        return (self.work(prompt_len, held) + self.w.transfer * share * (held - hit) + self.w.pull_request
+                + holder_load + ratio * saved)
+
+    def _pull(self, prompt_len: int, hit: int, held: PullPlan) -> float:
+        return self.pull_work(prompt_len, hit, held.tokens, held.holder_load, held.share, held.copy_ratio)
 
     def holder(self, terms: FleetTerms, prompt_len: int, cached: Mapping[str, int],
-               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> PullPlan | None:
+               tiers: Mapping[str, TierBlocks] = NO_TIERS, pulls: Mapping[str, int] = NO_INFLIGHT
+               ) -> PullPlan | None:
         """(h, H) of the module docstring: the node predicted to hold the longest prefix among
-        those that serve pulls (one rank: a node's worker ranks hold the other heads), the one
-        with the least of it below its device among equals; None without w.prefix_pull or any hit."""
+        those that serve pulls (one rank: a node's worker ranks hold the other heads), among
+        equals the one a pull from costs least (the part it keeps below its device, the pulls
+        it serves, ``pulls``: this router's in flight per holder, its copy rate); None without
+        w.prefix_pull or any hit."""
         if not self.w.prefix_pull:
             return None
         best: PullPlan | None = None
@@ -209,8 +225,11 @@ class CacheAware:
                 if node is None or (node.kv is not None and node.kv.tp != 1):
                     continue
                 load = self.lower_load(prompt_len, tokens, node, tiers.get(nid))
-                if best is None or tokens > best.tokens or load < best.holder_load:
-                    best = PullPlan(node, tokens, load)
+                share, ratio = pull_cost(node, pulls.get(nid, 0))
+                plan = PullPlan(node, tokens, load, share, ratio)
+                if best is None or tokens > best.tokens or self._pull(prompt_len, 0, plan) < self._pull(
+                        prompt_len, 0, best):
+                    best = plan
         return best
 
     def _pull_costs(self, terms: RoleTerms, prompt_len: int, cached: Mapping[str, int],
@@ -218,12 +237,11 @@ class CacheAware:
         """[nodes] pull(n) for each node of ``terms``; inf for the holder itself, nodes caching
         at least as much, and nodes that cannot take its blocks (``mixed``: a fleet of several
         KV layouts, where only compatible nodes exchange; a prefill node with worker ranks)."""
-        costs = np.full(len(terms.ids), self.pull_work(prompt_len, 0, held.tokens, held.holder_load))
+        costs = np.full(len(terms.ids), self._pull(prompt_len, 0, held))
         for nid, hit in cached.items():
             i = terms.index.get(nid)
             if i is not None and hit:
-                costs[i] = (self.pull_work(prompt_len, hit, held.tokens, held.holder_load) if hit < held.tokens
-                            else math.inf)
+                costs[i] = self._pull(prompt_len, hit, held) if hit < held.tokens else math.inf
         for i, node in enumerate(terms.nodes):
             kv = node.kv
             if node is held.holder or (kv is not None and (

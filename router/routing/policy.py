@@ -35,6 +35,8 @@ class PullPlan(NamedTuple):
     holder: NodeInfo  # the node predicted to cache it
     tokens: int  # its predicted cached prefix of the prompt (whole blocks)
     holder_load: float = 0.0  # token-equivalents of the holder's loads of the part it keeps below its device
+    share: int = 1  # the pulls sharing the holder's copies and link with this one (router/routing/pull_cost.py)
+    copy_ratio: float = 0.0  # the holder's copy of a block for it over recomputing the block
 
 
 class Decision(NamedTuple):
@@ -68,13 +70,15 @@ class RoutingPolicy(Protocol):
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None,
-               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> Decision | None:
+               tiers: Mapping[str, TierBlocks] = NO_TIERS,
+               pulls: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
         """Pick nodes for one request; None when no decode-capable node exists.
         ``inflight``: node_id -> requests this router has in flight there (for prefill
         nodes: not yet past their first token); ``inflight_tokens``: node_id -> their
         prefill work still to do there (the ``Decision.prefill_work`` of each, in
         token-equivalents); ``cached``: node_id -> predicted cached prompt tokens
         (absent: none); ``tiers``: node_id -> those tokens' blocks by the tier holding
-        each (absent: all on the device); ``tie_key``: breaks ties among equal nodes the
+        each (absent: all on the device); ``pulls``: node_id -> this router's prefix pulls
+        from it not yet at their first token; ``tie_key``: breaks ties among equal nodes the
         same way for the same key (router replicas agree), None: ties rotate."""
         ...

@@ -64,6 +64,8 @@ class Dispatcher:
     inflight: Counter[str] = field(default_factory=Counter)  # node_id -> this router's requests there
     # node_id -> prefill work (Decision.prefill_work) of this router's requests still prefilling there
     inflight_tokens: Counter[str] = field(default_factory=Counter)
+    # node_id -> this router's requests pulling a prefix from it, until their first token
+    pulls: Counter[str] = field(default_factory=Counter)
 
     async def start(self, index: int, request_id: str, prompt: Prompt, params: SamplingParams,
                     t_start: float, pin: Decision | None = None, score_only: bool = False,
@@ -121,7 +123,7 @@ class Dispatcher:
                                               cached=hits.cached if hits else NO_CACHED,
                                               inflight_tokens=self.inflight_tokens,
                                               tie_key=int(hashes[-1]) if len(hashes) else None,
-                                              tiers=hits.tiers if hits else NO_TIERS)
+                                              tiers=hits.tiers if hits else NO_TIERS, pulls=self.pulls)
             if decision is None:
                 break
             decision_s, hash_s = time.perf_counter() - t_route + hash_s, 0.0
@@ -135,7 +137,7 @@ class Dispatcher:
                     node_id=decision.pull.holder.node_id, addr=decision.pull.holder.http_addr,
                     tokens=decision.pull.tokens), compile_grammar=may_compile)
             try:
-                stream, prefill_slot, decode_slot = await self._open(decision, req)
+                stream, prefill_slot, decode_slot, pull_slot = await self._open(decision, req)
             except NodeRejected as e:
                 raise ApiError(e.status, e.body.message, param=e.body.param,
                                type_=e.body.type) from e
@@ -151,16 +153,17 @@ class Dispatcher:
             rec = self.decisions.record(request_id, self.policy.name, decision, len(prompt), hits,
                                         decision_s)
             return Leg(request_id=request_id, decision=decision, stream=stream,
-                       prefill_slot=prefill_slot, decode_slot=decode_slot, record=rec, t_open=t_open,
-                       ticket=None if ticket is None else ticket())
+                       prefill_slot=prefill_slot, decode_slot=decode_slot, pull_slot=pull_slot, record=rec,
+                       t_open=t_open, ticket=None if ticket is None else ticket())
         if last_error is None:
             raise self._no_decode_node()
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
 
     def first_token(self, leg: Leg, grammar_missed: bool = False) -> None:
-        """``leg`` produced its first token: its prefill work is no longer in flight, nor
-        its grammar's compiles (``grammar_missed``: `CompileTicket.settle`)."""
+        """``leg`` produced its first token: its prefill work (and pull) is no longer in flight,
+        nor its grammar's compiles (``grammar_missed``: `CompileTicket.settle`)."""
         leg.prefill_slot.release()
+        leg.pull_slot.release()
         if leg.ticket is not None:
             leg.ticket.settle(grammar_missed)
 
@@ -176,6 +179,7 @@ class Dispatcher:
         if not leg.node_done:
             self._schedule_abort(leg.decision.decode.http_addr, leg.request_id)
         leg.prefill_slot.release()
+        leg.pull_slot.release()
         leg.decode_slot.release()
         if leg.ticket is not None:
             leg.ticket.settle(False)
@@ -197,21 +201,23 @@ class Dispatcher:
                         headers={"Retry-After": str(self.retry_after_s)})
 
     async def _open(self, d: Decision, req: GenerateRequest
-                    ) -> tuple[TokenStream, InflightSlot, InflightSlot]:
+                    ) -> tuple[TokenStream, InflightSlot, InflightSlot, InflightSlot]:
         """Send ``req`` to the decode node, counting it in flight on its nodes while
-        it runs (and its ``d.prefill_work`` on the prefill node until the first
-        token): (stream, prefill slot, decode slot). On any error the slots are
-        released and the error re-raised."""
+        it runs (and its ``d.prefill_work`` on the prefill node, its pull on the holder,
+        until the first token): (stream, prefill slot, decode slot, pull slot). On any
+        error the slots are released and the error re-raised."""
         # The prefill work is in flight on the node that computes it (the decode node
         # when it prefills itself) until the first token.
         prefill = InflightSlot(self.inflight, self.inflight_tokens, (d.prefill or d.decode).node_id,
                                round(d.prefill_work), count_request=d.prefill is not None)
         decode = InflightSlot(self.inflight, self.inflight_tokens, d.decode.node_id)
+        pull = InflightSlot(self.pulls, Counter(), d.pull.holder.node_id if d.pull is not None else None)
         try:
-            return await self.client.generate(d.decode.http_addr, req), prefill, decode
+            return await self.client.generate(d.decode.http_addr, req), prefill, decode, pull
         except BaseException as e:
             prefill.release()
             decode.release()
+            pull.release()
             if isinstance(e, asyncio.CancelledError):  # the node may have started it
                 self._schedule_abort(d.decode.http_addr, req.request_id)
             raise

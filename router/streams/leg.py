@@ -85,6 +85,7 @@ class Leg:
     # until the first token; the request in flight on the decode node, until the leg ends.
     prefill_slot: InflightSlot
     decode_slot: InflightSlot
+    pull_slot: InflightSlot  # its prefix pull counted on the holder (Dispatcher.pulls) until the first token
     record: DecisionRecord  # settled at the leg's end with what it delivered (or as failed)
     t_open: float  # loop time the leg's request was sent (the first leg: the HTTP request's arrival)
     ticket: CompileTicket | None = None  # a structured-output request's first legs only
