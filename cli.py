@@ -460,7 +460,7 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
                         "prefix cache (default: each key its own)")
     p.add_argument("--planner", action="store_true",
                    help="size the prefill and decode pools from the SLO and the load: start and drain "
-                        "nodes (flags --planner-*; README 'The planner')")
+                        "nodes (flags --planner-*; docs/planning.md)")
     _add_planner_args(p, "planner-", standalone=False)
 
 

@@ -146,7 +146,7 @@ def test_every_listed_gpu_test_exists():
             assert f"def {node.split('::')[1].split('[')[0]}(" in path.read_text(), node
 
 
-def test_readme_shows_the_committed_gpu_results():
+def test_the_gpu_page_shows_the_committed_gpu_results():  # docs/gpu.md, "GPU figures"
     assert report.main(["--check"]) == 0, "run: python -m splitserve.benchmarks.gpu.report"
 
 

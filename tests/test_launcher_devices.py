@@ -54,7 +54,7 @@ def test_devices_per_role_split_each_gpu_among_its_nodes():
 
 
 def test_tensor_parallel_nodes_take_one_device_per_rank():
-    """The README's 70B on 8 GPUs: a TP4 prefill node on cuda:0-3 (its first device given)
+    """docs/parallelism.md's 70B on 8 GPUs: a TP4 prefill node on cuda:0-3 (its first device given)
     and a TP8 decode node over all 8; a GPU's share of F counts every rank on it, and a node
     takes its most shared GPU's share (its ranks hold the same block count)."""
     tp = {"prefill": 4, "decode": 8}
@@ -138,8 +138,8 @@ def test_up_on_one_gpu_serves_through_ipc():
         assert not any(v for k, v in samples.items() if k.startswith("splitserve_decode_fallback_prefills_total"))
 
 
-def test_the_readme_moe_recipe_gives_every_node_expert_parallelism():
-    """README's Qwen3-30B-A3B on 2 GPUs: both TP2 nodes span cuda:0,cuda:1 with
+def test_the_docs_moe_recipe_gives_every_node_expert_parallelism():
+    """docs/parallelism.md's Qwen3-30B-A3B on 2 GPUs: both TP2 nodes span cuda:0,cuda:1 with
     --enable-expert-parallel (each pool's EP size is its TP), parsed by the node's CLI."""
     from splitserve.cli import build_parser, node_config
 
@@ -160,7 +160,7 @@ def test_the_readme_moe_recipe_gives_every_node_expert_parallelism():
 
 
 def test_data_parallel_nodes_are_one_member_per_rank_on_their_own_gpu():
-    """README's DeepSeek-V3-class recipe: --prefill-dp 2 --decode-dp 2 makes 2 members per role,
+    """docs/parallelism.md's DeepSeek-V3-class recipe: --prefill-dp 2 --decode-dp 2 makes 2 members per role,
     rank r of node n at index n * 2 + r, one GPU each, the ranks of a node meeting at one port
     (kept for restarts); the node CLI parses them into data-parallel configs."""
     from splitserve.cli import build_parser, node_config

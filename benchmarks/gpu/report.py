@@ -1,12 +1,12 @@
 """Takes in what a GPU suite run brought back and shows it: the stage JSONs land in
-benchmarks/results/gpu/ (with the plots from artifacts.tar.gz), and README's table of GPU
-figures is rewritten from them, each issue target met, missed or not measured.
+benchmarks/results/gpu/ (with the plots from artifacts.tar.gz), and the table of GPU
+figures in docs/gpu.md is rewritten from them, each issue target met, missed or not measured.
 
     python -m splitserve.benchmarks.gpu.report --take DIR   # DIR: the device call's files
-    python -m splitserve.benchmarks.gpu.report              # rewrite README's table only
-    python -m splitserve.benchmarks.gpu.report --check      # exit 1 when README is stale
+    python -m splitserve.benchmarks.gpu.report              # rewrite docs/gpu.md's table only
+    python -m splitserve.benchmarks.gpu.report --check      # exit 1 when docs/gpu.md is stale
 
-Reads only; never measures. The table sits between README_BEGIN and README_END.
+Reads only; never measures. The table sits between TABLE_BEGIN and TABLE_END.
 """
 
 import argparse
@@ -20,9 +20,9 @@ from splitserve.benchmarks.gpu.contract import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "gpu"
-README = ROOT / "README.md"
-README_BEGIN = "<!-- gpu-figures: written by python -m splitserve.benchmarks.gpu.report -->"
-README_END = "<!-- /gpu-figures -->"
+PAGE = ROOT / "docs" / "gpu.md"  # the GPU page, "GPU figures"
+TABLE_BEGIN = "<!-- gpu-figures: written by python -m splitserve.benchmarks.gpu.report -->"
+TABLE_END = "<!-- /gpu-figures -->"
 VERDICT = {True: "met", False: "**missed**", None: "not measured"}
 
 
@@ -62,10 +62,10 @@ def table(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def readme_with(text: str, body: str) -> str:
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    return f"{head}{README_BEGIN}\n{body}\n{README_END}{tail}"
+def page_with(text: str, body: str) -> str:
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_BEGIN}\n{body}\n{TABLE_END}{tail}"
 
 
 def take(src: Path, results: Path = RESULTS) -> list[str]:
@@ -90,19 +90,19 @@ def take(src: Path, results: Path = RESULTS) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--take", type=Path, default=None, help="the folder a device call's files came back in")
-    ap.add_argument("--check", action="store_true", help="exit 1 when README's table is not the results'")
+    ap.add_argument("--check", action="store_true", help="exit 1 when docs/gpu.md's table is not the results'")
     a = ap.parse_args(argv)
     if a.take:
         print("took " + ", ".join(take(a.take)))
-    text = README.read_text()
-    new = readme_with(text, table(records()))
+    text = PAGE.read_text()
+    new = page_with(text, table(records()))
     if a.check:
         if new != text:
-            print("README's GPU figures differ from benchmarks/results/gpu/: run "
+            print("docs/gpu.md's GPU figures differ from benchmarks/results/gpu/: run "
                   "python -m splitserve.benchmarks.gpu.report", file=sys.stderr)
             return 1
         return 0
-    README.write_text(new)
+    PAGE.write_text(new)
     print(table(records()))
     return 0
 

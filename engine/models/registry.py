@@ -37,7 +37,7 @@ def family_of(arch: str) -> ModelFamily:
     families = _families(os.environ.get(FAMILIES_ENV, ""))
     if arch not in families:
         raise ValueError(f"model: config.json architectures: {arch} is not supported; supported: "
-                         f"{', '.join(families)} (a family of your own: ${FAMILIES_ENV}, see README.md)")
+                         f"{', '.join(families)} (a family of your own: ${FAMILIES_ENV}, see docs/models.md)")
     return families[arch]
 
 
