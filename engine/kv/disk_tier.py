@@ -2,9 +2,10 @@
 private to the node's user, bounded in bytes, written by one background thread, read on the
 engine thread.
 
-Owns the folder's files of this engine's layout, their index (block hash -> file size,
-least recently used first) and the writer thread. Must not: touch the device cache or the
-host tier (engine/kv/tier_store.py hands it a block's bytes and takes bytes back), or raise
+Owns the folder's files of this engine's layout, their index (block hash -> its size and,
+once known, its tokens and salt identity, least recently used first: a lookup checks a hit
+by it without reading the file, ``holds``) and the writer thread. Must not: touch the device
+cache or the host tier (engine/kv/tier_store.py hands it a block's bytes and takes bytes back), or raise
 into the engine: a bad file, a full disk or a failed write is a miss and a ``TierFault``.
 
 Layout::
@@ -68,6 +69,10 @@ class _File(NamedTuple):
     """One block file in the index: a new object per write, so a read can tell whether the
     entry it read is still the one indexed (compared by identity)."""
     size: int
+    # the block's tokens and salt identity, known from its write or a read of its header; None
+    # for a file an earlier run left (``holds`` takes it as a candidate until a read says)
+    tokens: tuple[int, ...] | None = None
+    salt: bytes | None = None
 
 
 class DiskWrite(NamedTuple):
@@ -141,6 +146,13 @@ class DiskTier:
         with self._lock:
             return block_hash in self._files
 
+    def holds(self, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> bool:
+        """Whether a file of ``block_hash`` may hold these tokens of this salt identity, by the
+        index alone (no read): one written for them, or one an earlier run left."""
+        with self._lock:
+            entry = self._files.get(block_hash)
+        return entry is not None and (entry.salt is None or (entry.salt == salt and entry.tokens == tokens))
+
     def hashes(self) -> list[int]:
         with self._lock:
             return list(self._files)
@@ -186,6 +198,9 @@ class DiskTier:
                 log.warning("disk tier: block file %s is unusable (%s); dropped it", name, e)
             return None
         if header.salt != salt or tuple(header.tokens) != tokens:
+            with self._lock:  # another block's (a collision): known now, no lookup takes it again
+                if self._files.get(block_hash) is entry:
+                    self._files[block_hash] = entry._replace(tokens=tuple(header.tokens), salt=header.salt)
             return None
         try:
             os.utime(self.dir / name, follow_symlinks=False)  # recency survives a restart
@@ -283,7 +298,7 @@ class DiskTier:
             self._unlink(tmp)
             raise
         with self._lock:
-            self._files[job.block_hash] = _File(size)
+            self._files[job.block_hash] = _File(size, job.tokens, job.salt)
             self._used += size
         return size
 
