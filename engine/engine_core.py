@@ -247,16 +247,17 @@ class EngineCore:
                 block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix of the same
         ``cache_salt``: its device hits, and of the run after them in a lower tier what one
-        step may load (``Scheduler.load_allowance``, priced as the scheduler prices a run: the
-        next step of the running batch waits for these loads whole); the sender fills the
-        rest. None when the block pool cannot supply them now (the caller prefills locally)."""
+        step may load (``Scheduler.load_allowance``, priced as the scheduler prices a run; the
+        next step waits for these loads whole, so beside running decodes, none); the sender
+        fills the rest. None when the block pool cannot supply them now (the caller prefills
+        locally)."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         keys = hash_keys(self.config.model_id, cache_salt)
         hashes = block_hashes if block_hashes is not None else hash_blocks(
             prompt_token_ids, self.config.block_size, keys)
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids, salt_id(keys))
-        lower = hit.lower[:self.kv.lower_plan(hit.lower, self.scheduler.load_allowance()).blocks]
+        lower = hit.lower[:self.kv.lower_plan(hit.lower, self.scheduler.load_allowance(whole=True)).blocks]
         if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, lower) is None:
             return None
         self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first

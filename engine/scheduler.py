@@ -184,13 +184,14 @@ class Scheduler:
                 budget -= n
         return SchedulerOutput(rows, preempted)
 
-    def load_allowance(self) -> float:
+    def load_allowance(self, whole: bool = False) -> float:
         """What one step's lower-tier loads may cost, in prompt tokens, before anything else
         draws: the prefill budget, and beside running decodes no more than a step of them hides
-        (``KVCacheManager.hidden_load_tokens``). A reservation's loads take no more either."""
+        (``KVCacheManager.hidden_load_tokens``): nothing when the next step waits for them
+        ``whole`` (a reservation's), since those hide behind no forward."""
         full = float(self.prefill_step_budget or self.max_num_batched_tokens)
         if any(r.num_computed_tokens >= len(r.prompt_token_ids) for r in self.running):  # decoding
-            return min(full, self.kv.hidden_load_tokens())
+            return 0.0 if whole else min(full, self.kv.hidden_load_tokens())
         return full
 
     def _num_tokens(self, remaining: int, budget: int, prefill_left: float) -> int:

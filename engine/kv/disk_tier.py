@@ -163,6 +163,11 @@ class DiskTier:
             return len(self._files)
 
     @property
+    def backlog(self) -> int:
+        """Blocks queued for the writer (``QUEUE_BLOCKS`` at most: beyond, ``put`` drops)."""
+        return self._queue.qsize()
+
+    @property
     def capacity_blocks(self) -> int:
         return self.max_bytes // self.file_bytes
 
