@@ -49,7 +49,7 @@ from splitserve.common.registry import NodeInfo
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.sim_profiles import get_deployment, get_profile
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.sim_runner import standin_tiers
+from splitserve.engine.sim_runner import SimRunner, standin_tiers
 from splitserve.router.config import CacheAwareWeights
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.routing.tier_cost import TierBlocks
@@ -145,6 +145,7 @@ class Node:
     def run_arm(self, arm: str, args: argparse.Namespace) -> dict:
         """The ``window`` steps from the turn's arrival under ``arm``: each step's seconds."""
         e, r = self.engine, self.engine.runner
+        assert isinstance(r, SimRunner)
         if arm == "local":
             e.add_request("turn", self.turn, SamplingParams(max_tokens=1))
         res = e.reserve("turn", self.turn) if arm == "remote" else None

@@ -126,13 +126,17 @@ def main() -> int:
     ap.add_argument("--trace", default="prefix-groups", choices=TRACES, help="the preset replayed (module docstring)")
     ap.add_argument("--seed", type=int, default=0, help="of the trace")
     ap.add_argument("--speedup", type=float, default=1.0, help="trace seconds per wall second")
-    ap.add_argument("--max-output-tokens", type=int, default=4)
+    ap.add_argument("--max-output-tokens", type=int, default=None,
+                    help="cap on each answer (default: 4 for prefix-groups, the TTFT's trace; 512 for "
+                         "long-context, whose answers, ~300 tokens, make the decode nodes' TPOT)")
     ap.add_argument("--fleet-procs", type=int, default=2)
     ap.add_argument("--limit", type=int, default=None, help="replay the first N requests only (a smoke run)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", default="tiers", help="results/<out>.json and .png")
     args = ap.parse_args()
     profile = get_profile(args.profile)
+    if args.max_output_tokens is None:
+        args.max_output_tokens = 4 if args.trace == "prefix-groups" else 512
     RESULTS.mkdir(exist_ok=True)
     if args.trace == "prefix-groups":
         trace = generate_groups(GroupSpec(seed=args.seed))
