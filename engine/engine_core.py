@@ -54,7 +54,7 @@ from .models.registry import read_model_config
 from .model_runner import KVCacheFactory, ModelRunner
 from .parallel.group import TPFailure, TPGroup, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request
-from .runner import LaunchedStep, Runner
+from .runner import LaunchedStep, Runner, prompt_tokens
 from .sampling.sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
 from .sampling.structured import GrammarCache
@@ -246,22 +246,26 @@ class EngineCore:
     def reserve(self, request_id: str, prompt_token_ids: list[int],
                 block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix of the same
-        ``cache_salt``. None when the block pool cannot supply them now (the caller
-        prefills locally). Raising (a lower tier failing to load), it holds nothing."""
+        ``cache_salt``: its device hits, and of the run after them in a lower tier what one
+        step may load (``Scheduler.load_allowance``, priced as the scheduler prices a run; the
+        next step waits for these loads whole, so beside running decodes, none); the sender
+        fills the rest. None when the block pool cannot supply them now (the caller prefills
+        locally). Raising (a lower tier failing to load), it holds nothing."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         keys = hash_keys(self.config.model_id, cache_salt)
         hashes = block_hashes if block_hashes is not None else hash_blocks(
             prompt_token_ids, self.config.block_size, keys)
         hit = self.kv.get_computed_blocks(hashes, prompt_token_ids, salt_id(keys))
-        if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, hit.lower) is None:
+        lower = hit.lower[:self.kv.lower_plan(hit.lower, self.scheduler.load_allowance(whole=True)).blocks]
+        if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, lower) is None:
             return None
         try:
             self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first
         except BaseException:
             self.kv.free(request_id)  # a reservation that raises holds nothing
             raise
-        return Reservation(self.kv.block_ids(request_id), hit.num_tokens)
+        return Reservation(self.kv.block_ids(request_id), self.kv.num_cached_tokens(request_id))
 
     def export_cached(self, export_id: str, token_ids: list[int], block_hashes: list[int] | None,
                       cache_salt: str | None, start_block: int, max_blocks: int,
@@ -282,7 +286,9 @@ class EngineCore:
             self.kv.allocate_slots(export_id, hit.num_tokens, hit.blocks)  # pinning cached blocks never fails
         try:
             self.kv.before_write()  # the lower-tier loads land before the copy reads them
-            ids = self.kv.block_ids(export_id)[start_block:] if export_id in self.kv else []
+            # the cached run (a disk file that failed its read as it loaded ends it)
+            ids = self.kv.block_ids(export_id)[start_block:self.kv.num_cached_tokens(export_id) // bs] \
+                if export_id in self.kv else []
             return (len(ids), pack(ids)) if ids else (0, None)
         finally:
             self.kv.free(export_id)
@@ -349,8 +355,9 @@ class EngineCore:
         if prev is not None and any(r.request.samples_from_history or r.num_proposed for r in prev.rows):
             deltas, prev = self._land(prev), None
         out = self.scheduler.schedule()
-        launched = self._launch(out) if out.scheduled else None
-        if launched is None and self.dp is not None:  # a peer steps: join its MoE layers with no tokens
+        # a step of lower-tier loads alone (a prompt loading a long run, nothing else to run) launches too
+        launched = self._launch(out) if out.rows or self.kv.loads_queued else None
+        if not out.rows and self.dp is not None:  # a peer steps: join its MoE layers with no tokens
             assert isinstance(self.runner, ModelRunner)
             self.runner.idle_forward()
         if prev is not None:
@@ -369,6 +376,7 @@ class EngineCore:
         self.dp.complete_forward(self.runner.idle_forward)
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep:
+        loads = self.kv.loads_queued
         t0 = time.perf_counter()
         try:
             in_place = None if self.on_kv_in_place is None else partial(self.on_kv_in_place, out)
@@ -380,10 +388,13 @@ class EngineCore:
             raise self.tp.explain(e) from e
         elapsed = time.perf_counter() - t0
         self.busy_s += elapsed
-        if not self.config.async_scheduling:  # the forward ran in launch
-            prompt = sum(n for req, n in out.scheduled if req.num_computed_tokens < len(req.prompt_token_ids))
+        # the forward ran in launch, beside no load; a simulated node's runner reports its own
+        if not self.config.async_scheduling and not loads and self.config.sim is None:
+            prompt = prompt_tokens(out)
             if prompt >= self.config.block_size:  # the recompute rate a lower-tier load competes with
                 self.kv.observe_prefill(prompt, elapsed)
+            elif not prompt and out.rows:  # the running batch alone: the loads a step hides
+                self.kv.observe_batch(elapsed)
         for row in launched.rows:
             row.request.pending_tokens += row.num_verify
         self.scheduler.update_after_step(out)

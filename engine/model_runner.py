@@ -154,7 +154,16 @@ class ModelRunner(Runner):
         loads are issued first, one layer after another, and the forward waits for each
         layer's just before it (kv/tier_store.py ``LayerLoads``). ``ready`` is called just
         before the forward is queued: what it queues reads the blocks in place, loaded ones
-        included (with loads, it is queued behind them, beside the forward)."""
+        included (with loads, it is queued behind them, beside the forward). A step of no rows
+        only issues its loads (scheduler.py: a prompt loading a long run, nothing else to run)."""
+        if not out.rows:
+            loads = kv.take_loads()
+            kv.before_forward()
+            if loads is not None:
+                loads.wait_all()
+            if ready is not None:
+                ready()
+            return LaunchedStep([], None, 0)
         rows = split(out)
         if not rows.chunks and self.static_decode is not None and self.static_decode.bucket(len(rows.decodes)):
             plan = self._plan_static(rows.decodes, kv)

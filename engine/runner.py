@@ -39,6 +39,11 @@ def split(out: SchedulerOutput) -> StepRows:
     return StepRows([r for r in out.rows if r.num_tokens == 1], [r for r in out.rows if r.num_tokens > 1])
 
 
+def prompt_tokens(out: SchedulerOutput) -> int:
+    """Prompt tokens the step computes (the prefill its time measures the recompute rate by)."""
+    return sum(n for req, n in out.scheduled if req.num_computed_tokens < len(req.prompt_token_ids))
+
+
 class StepResult(NamedTuple):
     # each verifying row with its num_verify sampled tokens and their logprobs
     sampled: list[tuple[Row, list[int], list[TokenLogprobs | None]]]
@@ -89,7 +94,8 @@ class Runner(Protocol):
         """Queue one forward over ``out.rows`` and the sampling of every row's last
         ``num_verify`` tokens; return without waiting for them unless the runner cannot
         overlap (``LaunchedStep.result()`` waits). The step's lower-tier loads
-        (``kv.take_loads()``) are its own to issue before the forward reads them. ``ready`` is
-        called before the forward, where what it queues finds the blocks the step reads in
-        place, loaded ones included."""
+        (``kv.take_loads()``) are its own to issue before the forward reads them; a step of
+        no rows only issues them (a prompt loading a long run, nothing else to run:
+        scheduler.py). ``ready`` is called before the forward, where what it queues finds the
+        blocks the step reads in place, loaded ones included."""
         ...

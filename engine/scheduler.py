@@ -11,6 +11,23 @@ A prefill row (more than its sequence's last token) also draws from ``prefill_st
         and nothing was preempted this step: prefix-cache hit first (those
         tokens are never computed), then a chunk
 
+A prefix hit below the device (host memory, disk: kv/tier_store.py) is not free: loading
+its blocks takes the step time, so the step's prefill budget pays for it too, each block
+priced at what loading it costs in prompt tokens the engine computes meanwhile (the
+measured rates, ``KVCacheManager.lower_plan``). A request loads the leading blocks of its
+run that the budget left affords (its *pending run*, kept by the KV cache manager), at
+least one when no prompt work came before it this step, and computes only once the whole
+run is loaded: a long run loads over several steps, a budget's worth each, and a request
+may be running with no row in a step (loads only). Beside running decodes a step's loads
+also take no longer than a step of the batch alone (``hidden_load_tokens``, measured):
+they overlap its forward layer by layer, so the decodes' step is not lengthened. A lookup
+finds disk hits in the index without reading them; each is read once, when it loads.
+
+    prefill_step_budget (or the step budget); loads beside decodes: also what a step hides
+    |-- a running request's pending run: its next blocks' loads
+    |-- a running prompt's chunk (once its run is loaded)
+    '-- a waiting request: its run's first blocks, then (all loaded) a chunk
+
 A running prefill row whose prefill budget is spent is skipped this step (the decodes
 after it still run); a waiting request that would get none stays at the head of the
 queue. Running rows come first, in admission order, so the oldest prefill always gets
@@ -102,7 +119,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         # None: never below ``budget``, which every row draws from, so it binds nothing
-        prefill_left = self.prefill_step_budget or budget
+        full = float(self.prefill_step_budget or budget)
+        prefill_left = full  # prompt tokens, and the loads' price in them (module docstring)
+        load_left = self.load_allowance()  # the loads also draw from this
         rows: list[Row] = []
         preempted: list[Request] = []
         i = 0
@@ -111,12 +130,15 @@ class Scheduler:
             if req.pending_tokens and req.ends_by_length(self.max_model_len):
                 i += 1  # the token on the device is its last: nothing more to compute
                 continue
-            remaining = req.seq_len - req.num_computed_tokens
-            n = self._num_tokens(remaining, budget, prefill_left)
-            if n == 0:
-                i += 1  # a prefill row, and this step's prefill budget is spent
+            pending = self.kv.pending_lower(req.request_id)
+            plan = self.kv.lower_plan(pending, min(prefill_left, load_left), prefill_left >= full)
+            start = req.num_computed_tokens + plan.blocks * self.kv.block_size
+            n = self._num_tokens(req.seq_len - start, budget, prefill_left - plan.tokens) \
+                if plan.blocks == len(pending) else 0
+            if n == 0 and plan.blocks == 0:
+                i += 1  # a prefill row (or a run to load), and this step's prefill budget is spent
                 continue
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            while self.kv.allocate_slots(req.request_id, start + n, num_load=plan.blocks) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -124,9 +146,14 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 break
-            prefill_left -= n if remaining > 1 else 0
-            rows.append(self._row(req, n))
-            budget -= n
+            prefill_left -= plan.tokens
+            load_left -= plan.tokens
+            if plan.blocks:
+                req.num_computed_tokens = self.kv.num_cached_tokens(req.request_id)  # fewer: the run ended
+            if n:
+                prefill_left -= n if req.seq_len - req.num_computed_tokens > 1 else 0
+                rows.append(self._row(req, n))
+                budget -= n
             i += 1
 
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -138,31 +165,49 @@ class Scheduler:
             hit = self.kv.get_computed_blocks(hashes, req.all_token_ids, req.salt)
             if self._prefix_in_flight(req, hashes, hit.num_tokens):
                 break
-            remaining = req.num_tokens - hit.num_tokens
-            n = self._num_tokens(remaining, budget, prefill_left)
-            if n == 0 or self.kv.allocate_slots(req.request_id, hit.num_tokens + n, hit.blocks, hit.lower) is None:
+            plan = self.kv.lower_plan(hit.lower, min(prefill_left, load_left), prefill_left >= full)
+            start = (len(hit.blocks) + plan.blocks) * self.kv.block_size
+            n = self._num_tokens(req.num_tokens - start, budget, prefill_left - plan.tokens) \
+                if plan.blocks == len(hit.lower) else 0
+            if (n == 0 and plan.blocks == 0) or self.kv.allocate_slots(
+                    req.request_id, start + n, hit.blocks, hit.lower, num_load=plan.blocks) is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            req.num_computed_tokens = hit.num_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit.num_tokens
+            req.num_computed_tokens = self.kv.num_cached_tokens(req.request_id)  # hits loaded (all, or the run ended)
             self.running.append(req)
-            prefill_left -= n if remaining > 1 else 0
-            rows.append(self._row(req, n))
-            budget -= n
+            prefill_left -= plan.tokens
+            load_left -= plan.tokens
+            if n:
+                prefill_left -= n if req.seq_len - req.num_computed_tokens > 1 else 0
+                rows.append(self._row(req, n))
+                budget -= n
         return SchedulerOutput(rows, preempted)
 
-    def _num_tokens(self, remaining: int, budget: int, prefill_left: int) -> int:
+    def load_allowance(self, whole: bool = False) -> float:
+        """What one step's lower-tier loads may cost, in prompt tokens, before anything else
+        draws: the prefill budget, and beside running decodes no more than a step of them hides
+        (``KVCacheManager.hidden_load_tokens``): nothing when the next step waits for them
+        ``whole`` (a reservation's), since those hide behind no forward."""
+        full = float(self.prefill_step_budget or self.max_num_batched_tokens)
+        if any(r.num_computed_tokens >= len(r.prompt_token_ids) for r in self.running):  # decoding
+            return 0.0 if whole else min(full, self.kv.hidden_load_tokens())
+        return full
+
+    def _num_tokens(self, remaining: int, budget: int, prefill_left: float) -> int:
         """Tokens a row with ``remaining`` uncomputed ones computes this step: a prefill row
         (``remaining`` > 1; it draws them from the prefill budget) is capped by the prefill
         budget left too, so it may get 0."""
         n = min(remaining, budget, self.chunk)
-        return n if remaining == 1 else min(n, prefill_left)
+        return n if remaining == 1 else max(0, min(n, int(prefill_left)))
 
     @staticmethod
     def _row(req: Request, n: int) -> Row:
-        """``req``'s row computing its next ``n`` tokens: it verifies one if they reach the end."""
+        """``req``'s row computing its next ``n`` tokens: it verifies one if they reach the end.
+        Its first row records the prefix hits before it (device and loaded: the tokens it never
+        computes) as its cached tokens."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
         return Row(req, n, int(req.num_computed_tokens + n == req.seq_len), 0)
 
     def _prefix_in_flight(self, req: Request, hashes: list[int], num_cached: int) -> bool:

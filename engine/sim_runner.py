@@ -27,6 +27,10 @@ crosses into the KV cache as a host load too):
     a forward that overwrites a block, or reads a slot, whose store batch
                              (``KVCacheManager.before_forward``) is still copying starts when
                              that batch lands
+    disk reads, a reservation's loads
+                             before the step that follows them starts: a real engine reads a
+                             disk block on its own thread, and waits for a reservation's
+                             loads whole (kv/tier_store.py ``Move.whole``)
     loads                    on the step that follows them, one layer after another as a
                              real engine issues them (kv/tier_store.py ``LayerLoads``): the
                              forward's layer i starts when the loads' layer i and the
@@ -37,6 +41,14 @@ crosses into the KV cache as a host load too):
                              a prefill node packs a cached prefix to send) once the loads
                              and the wait above are done
     a store to disk          the disk tier's writer thread's: not priced
+    a step of no rows        its loads alone (a prompt loading a long run: scheduler.py)
+
+What it priced is what the engine measures (the stand-in blocks' own copies time nothing:
+kv/tier_store.py ``TierSpec.timed_by_runner``): each load's seconds per tier
+(``KVCacheManager.observe_load``), the forward of a step computing prompt tokens beside no
+load (``observe_prefill``) and of one of the running batch alone (``observe_batch``), in
+simulated seconds, so the scheduler prices a load in prompt tokens as the modelled node
+would, whatever the speed-up.
 
 A step's period is its simulated time / speedup, the host's own time included: when a
 step's work was already there as the previous step ended (a batch running on, a prompt
@@ -65,7 +77,7 @@ from .models.loader import resolve_model_dir
 from .models.config import ModelConfig
 from .models.registry import read_model_config
 from .model_runner import KVCacheFactory, kv_block_bytes
-from .runner import LaunchedStep, Runner, split
+from .runner import LaunchedStep, Runner, prompt_tokens, split
 from .sampling.sampler import SampledTokens
 from .scheduler import SchedulerOutput
 
@@ -144,7 +156,12 @@ class SimRunner(Runner):
         if (layer_loads := kv.take_loads()) is not None:
             layer_loads.wait_all()  # the stand-in blocks move for real; the time is the profile's
         wait, loads = self._tier_seconds(kv, start)
-        forward = self.sim.step_seconds(len(decodes), chunks, sum(decodes))
+        forward = self.sim.step_seconds(len(decodes), chunks, sum(decodes)) if out.rows else 0.0
+        prompt = prompt_tokens(out)
+        if not loads and prompt >= self.config.block_size:
+            kv.observe_prefill(prompt, forward)  # the recompute rate, as the modelled node's
+        elif not loads and not prompt and out.rows:
+            kv.observe_batch(forward)  # the running batch alone: the loads a step hides
         # the forward's layer i waits for the loads' layer i: a pipeline of `layers` stages
         seconds = wait + (max(loads, forward) + min(loads, forward) / self.num_layers if loads else forward)
         self.simulated_seconds += seconds
@@ -171,7 +188,9 @@ class SimRunner(Runner):
 
     def _tier_seconds(self, kv: KVCacheManager, start: float) -> tuple[float, float]:
         """Simulated seconds of the step launched at ``start`` (wall) spent on its tiers: its
-        wait for the copy engine before anything of it starts, and its loads (module docstring)."""
+        wait before anything of it starts (for the copy engine, and for the loads it waits for
+        whole: disk reads, a reservation's loads), and its loads beside the forward (module
+        docstring)."""
         moves = kv.take_moves()
         queued = self._last_end or start  # as the previous step ended
         for m in moves:
@@ -181,7 +200,16 @@ class SimRunner(Runner):
         landed = self._batch_landed.get(kv.before_forward(), 0.0)
         self._batch_landed = {b: t for b, t in self._batch_landed.items() if t > start}
         wait = max(0.0, landed - start) * self.sim.speedup
-        return wait, self.tier_move_seconds([m for m in moves if not m.batch])
+        loads = 0.0
+        for m in moves:
+            if m.load:
+                seconds = self.tier_move_seconds([m])
+                kv.observe_load(m.tier, m.nbytes, seconds)  # what the engine measures: the modelled time
+                if m.whole:
+                    wait += seconds
+                else:
+                    loads += seconds
+        return wait, loads
 
     def tier_move_seconds(self, moves: Sequence[Move]) -> float:
         """Simulated seconds of ``moves`` at the profile's rates (module docstring)."""

@@ -8,7 +8,9 @@ MAC (planted, or written under another node's key). The start-up scan skips fold
 removes what is not a block file of ours. The folders are private to the node's user
 (created 0700; another user's folder, or one others may access, is refused at start-up),
 block files are written 0600, and the MAC key comes from the environment, a key file, or a
-key file the tier makes once and reuses.
+key file the tier makes once and reuses. Races of the writer thread and the engine thread
+over one hash are no faults: a damaged file dropped while the writer stores the block again
+leaves the new file, and a file the writer evicts while it is read is a plain miss.
 
 And through the real engine: a prompt pushed to disk whose files are then cut short is
 served again with the tokens of a run without tiers, and no request fails.
@@ -217,6 +219,68 @@ def test_a_sound_file_of_another_salt_or_tokens_is_a_miss_that_stays(make, tmp_p
     assert t.read(1, (1, 2, 3, 5), SALT) is None
     assert t.contains(1) and t.take_dropped() == ([], [])  # not damaged: another block's (a collision)
     assert bytes(t.read(1, TOKENS, SALT)) == PAYLOAD
+
+
+def test_a_bad_file_dropped_while_the_writer_rewrites_its_hash_leaves_the_new_file(make, tmp_path):
+    """Issue 53 (9b): the engine thread drops a damaged file while the writer rewrites the same
+    hash. The drop's unlink is held back until the writer could have replaced the file (it
+    cannot while the drop holds the tier's lock): the rewritten file must survive, and reading
+    it back is no fault."""
+    t = make(tmp_path)
+    path = stored(t, 7)
+    data = bytearray(path.read_bytes())
+    data[-MAC_BYTES - 1] ^= 0xFF  # a flipped payload byte: its MAC fails
+    path.write_bytes(bytes(data))
+    old = path.stat().st_ino
+    unlink = t._unlink
+
+    def unlink_once_rewritten(name: str) -> None:
+        if name == path.name and threading.current_thread() is threading.main_thread():
+            t.put(7, TOKENS, SALT, PAYLOAD)  # the same block stored again, racing this drop
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                try:
+                    if path.stat().st_ino != old:
+                        break  # the writer replaced the file: the drop now unlinks the new one
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.005)
+        unlink(name)
+
+    t._unlink = unlink_once_rewritten  # the real unlink, held back
+    assert t.read(7, TOKENS, SALT) is None  # the damaged file: a miss
+    deadline = time.monotonic() + 10
+    while not t.contains(7):
+        assert time.monotonic() < deadline, "the writer did not store the block again"
+        time.sleep(0.005)
+    assert t.read(7, TOKENS, SALT) is not None, "the rewritten file was deleted by the drop of the old one"
+    dropped, faults = t.take_dropped()
+    assert faults == [TierFault.UNAUTHENTICATED] and dropped == [7]  # the damaged file's, no other
+
+
+def test_a_read_racing_the_writers_eviction_of_its_file_is_a_plain_miss(make, tmp_path, monkeypatch):
+    """Issue 53 (9b): a file the writer evicts (for room) while the engine thread reads it is a
+    miss, not a corrupt file: no fault, and nothing else deleted."""
+    from splitserve.engine.kv import disk_tier
+
+    header = DiskHeader(LAYOUT.model, LAYOUT.dtype, list(LAYOUT.block_shape), 7, SALT, list(TOKENS), BB)
+    head, mac = encode_block(header, PAYLOAD, KEY)
+    t = DiskTier(tmp_path, LAYOUT, BB, len(head) + BB + len(mac), KEY)  # room for one file
+    try:
+        stored(t, 7)
+        read = disk_tier.read_block_file
+
+        def read_after_eviction(path, size):
+            stored(t, 8)  # the writer evicts 7 to make room for 8
+            return read(path, size)
+
+        monkeypatch.setattr(disk_tier, "read_block_file", read_after_eviction)
+        assert t.read(7, TOKENS, SALT) is None
+        monkeypatch.setattr(disk_tier, "read_block_file", read)
+        assert t.take_dropped() == ([7], [])  # 7 evicted for room; not a corrupt file
+        assert bytes(t.read(8, TOKENS, SALT)) == PAYLOAD and t.take_dropped() == ([], [])
+    finally:
+        t.close()
 
 
 def test_the_start_up_scan_skips_folders_and_removes_what_is_no_block_file_of_ours(make, tmp_path):

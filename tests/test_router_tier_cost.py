@@ -151,3 +151,24 @@ def test_decisions_show_and_count_the_predicted_hit_by_tier():
     assert tokens == {"device": 60 * BS + 4 * BS, "host": 30 * BS, "disk": 6 * BS}
     text = metrics.render()[0].decode()
     assert 'tier="disk"' in text and 'tier="host"' in text
+
+
+def test_decode_side_reuse_prices_the_history_a_decode_node_holds_below_its_device_by_its_load():
+    """Issue 53 (5): a decode node holding a long conversation on its disk and a short new turn.
+    Prefilling that turn there loads the whole history from disk first, about as dear as
+    recomputing it, while the node's running decodes wait: a prefill node takes the turn. The
+    same history on the device stays there (decode-side reuse), and so does a shorter one in
+    host memory, whose load costs less than ``local_prefill_tokens`` of prefill."""
+    history, new = 10_000, 100  # 625 blocks held by the decode node, 100 tokens it lacks
+    prompt = list(range(history + new))
+    d = node("d", "decode", device=RECOMPUTE_BYTES_PER_S, host=HOST_LOAD_BYTES_PER_S, disk=DISK_LOAD_BYTES_PER_S)
+    nodes = [node("p"), d]
+    policy = CacheAware()
+    on_disk = policy.choose(prompt, nodes, cached={"d": history}, tiers={"d": all_in(Tier.DISK, history // BS)})
+    assert on_disk is not None and on_disk.prefill is not None and on_disk.decode is d
+    assert policy.local_work(len(prompt), history, d, all_in(Tier.DISK, history // BS)) > 8 * new
+    on_device = policy.choose(prompt, nodes, cached={"d": history}, tiers={"d": all_in(Tier.DEVICE, history // BS)})
+    assert on_device is not None and (on_device.prefill, on_device.decode) == (None, d)
+    short = list(range(2000 + new))  # 2000 tokens in host memory: ~170 tokens of prefill to load
+    in_host = policy.choose(short, nodes, cached={"d": 2000}, tiers={"d": all_in(Tier.HOST, 2000 // BS)})
+    assert in_host is not None and (in_host.prefill, in_host.decode) == (None, d)

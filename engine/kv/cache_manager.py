@@ -1,15 +1,18 @@
 """The per-request view of the KV cache, used by the schedulers: prefix-cache
 lookup, block allocation as a request grows, registering full blocks, freeing.
 
-Owns: ``req_id -> blocks`` and ``req_id -> how many of them are cached``. Must not:
-hash tokens (callers pass the chained hashes from ``common.hashing``, computed with
-the same extra keys as the router, and the salt identity of those keys, ``salt_id``,
-which every hit must match beside the tokens), decide admission or preemption (the scheduler
-does, from ``num_blocks_needed`` and ``num_free_blocks``), or touch tensors.
+Owns: ``req_id -> blocks``, ``req_id -> how many of them are cached`` and ``req_id -> the
+lower-tier hits it has still to load`` (its *pending run*: a long run loads over several
+steps, a budget's worth each, scheduler.py). Must not: hash tokens (callers pass the
+chained hashes from ``common.hashing``, computed with the same extra keys as the router,
+and the salt identity of those keys, ``salt_id``, which every hit must match beside the
+tokens), decide admission, preemption or how much of a run a step loads (the scheduler
+does, from ``num_blocks_needed``, ``num_free_blocks`` and ``lower_plan``), or touch tensors.
 
 It builds and owns the tier store below the device (kv/tier_store.py), if configured, and is
-the engine's and the runners' one way to it: lookups run inside ``get_computed_blocks``, a
-step's loads are ``take_loads`` (and ``before_forward``), its stores ``save_cached``, and
+the engine's and the runners' one way to it: lookups run inside ``get_computed_blocks``, what
+loading a run costs is ``lower_plan``, the loads are queued by ``allocate_slots`` and issued by
+the step's ``take_loads`` (and ``before_forward``), its stores ``save_cached``, and
 ``tier_stats`` reports every tier. The block pool and the tier store hold no hooks into each
 other: the manager hands the store to the pool's operations that cache or evict a block.
 
@@ -49,6 +52,14 @@ class ComputedBlocks(NamedTuple):
     lower: list[LowerHit] = []
 
 
+class LowerPlan(NamedTuple):
+    """How many leading blocks of a run of lower-tier hits a step loads, and what that costs
+    in prompt tokens (``KVCacheManager.lower_plan``)."""
+
+    blocks: int
+    tokens: float
+
+
 class KVCacheManager:
     """Maps requests to KV blocks of one ``BlockPool``.
 
@@ -72,6 +83,7 @@ class KVCacheManager:
         self.tiers = None if tiers is None else TierStore(tiers, block_size, self.pool, observer)
         self._req_blocks: dict[str, list[KVBlock]] = {}  # req_id -> blocks, in token order
         self._num_cached: dict[str, int] = {}  # req_id -> leading blocks already cached
+        self._pending: dict[str, list[LowerHit]] = {}  # req_id -> lower-tier hits still to load, in order
 
     @classmethod
     def build(cls, config: EngineConfig, num_blocks: int, kv_caches: torch.Tensor,
@@ -152,20 +164,32 @@ class KVCacheManager:
 
     def allocate_slots(
         self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = (),
-        lower: Sequence[LowerHit] = (),
+        lower: Sequence[LowerHit] = (), num_load: int | None = None,
     ) -> list[KVBlock] | None:
         """Make ``req_id`` own blocks for ``num_tokens`` tokens in total.
 
         On the first call for ``req_id``, ``computed_blocks`` (from
         ``get_computed_blocks``, unchanged since) become its leading blocks and are
-        touched, and the first new blocks take the ``lower`` hits that followed them:
-        each is registered in the prefix cache and its KV loaded from the host tier.
-        Later calls must pass neither. Returns the newly allocated blocks (possibly
-        empty), or None, changing nothing, if the pool is short.
+        touched, and ``lower``, the hits that followed them, its pending run. The first
+        ``num_load`` hits of the pending run (all when None) take the first new blocks:
+        each found again in its tier, registered in the prefix cache and its KV loaded
+        (tier_store.py ``load``); the run ends at one no tier holds any more, and the
+        blocks after it are plain new blocks (their tokens are computed). Later calls
+        pass no blocks or hits, only ``num_load`` (``num_tokens`` must cover the blocks
+        loaded). Returns the newly allocated blocks (possibly empty), or None, changing
+        nothing, if the pool is short.
         """
         if self.num_blocks_needed(req_id, num_tokens, computed_blocks) > self.pool.num_free_blocks:
             return None
         owned = self._req_blocks.get(req_id)
+        if lower:
+            assert owned is None, f"{req_id}: lower-tier hits on a later allocation"
+            self._pending[req_id] = list(lower)
+        pending = self._pending.get(req_id, [])
+        load = pending[:len(pending) if num_load is None else num_load]
+        if load:
+            assert self.tiers is not None
+            self.tiers.protect(load)  # their host entries outlive the evictions below
         if owned is None:
             assert num_tokens >= len(computed_blocks) * self.block_size, (
                 f"{req_id}: {num_tokens} tokens but {len(computed_blocks)} computed blocks"
@@ -179,16 +203,50 @@ class KVCacheManager:
             self._num_cached[req_id] = len(computed_blocks)
         total = -(-num_tokens // self.block_size)
         new = self.pool.get_new_blocks(max(0, total - len(owned)), self.tiers)
-        if lower:
-            assert self.tiers is not None and len(owned) == len(computed_blocks) and len(new) >= len(lower), (
-                f"{req_id}: lower-tier hits on a later allocation or beyond {num_tokens} tokens")
-            for hit, block in zip(lower, new):
+        if load:
+            assert self.tiers is not None and len(owned) == self._num_cached[req_id] and len(new) >= len(load), (
+                f"{req_id}: {len(load)} lower-tier hits to load into {len(new)} new blocks")
+            # a hit the device holds again (loaded or computed by another request since) ends the run
+            fresh = next((i for i, hit in enumerate(load) if hit.block_hash in self.pool.cached), len(load))
+            loaded = self.tiers.load(load[:fresh], [b.block_id for b in new[:fresh]])
+            for hit, block in zip(load[:loaded], new):
                 stored = self.pool.cache_block(block, hit.block_hash, hit.parent, hit.tokens, hit.salt, self.tiers)
                 assert stored, f"{req_id}: a lower-tier hit {hit.block_hash:x} is already on the device"
-            self.tiers.load(lower, [b.block_id for b in new[:len(lower)]])
-            self._num_cached[req_id] += len(lower)
+            self._num_cached[req_id] += loaded
+            if loaded < len(load) or loaded == len(pending):
+                del self._pending[req_id]  # loaded whole, or it ended: the rest is computed
+            else:
+                del pending[:loaded]
         owned.extend(new)
         return new
+
+    def pending_lower(self, req_id: str) -> Sequence[LowerHit]:
+        """The lower-tier hits ``req_id`` has still to load (its pending run), in order; the
+        next ``allocate_slots`` of ``req_id`` changes it."""
+        return self._pending.get(req_id, [])
+
+    def lower_plan(self, hits: Sequence[LowerHit], budget: float, at_least_one: bool = False) -> LowerPlan:
+        """How many leading ``hits`` a step loads within ``budget`` prompt tokens (at least one
+        with ``at_least_one``: the step's oldest prompt work progresses), and their cost, each
+        block priced by the tier it was found in at the measured rates (tier_store.py
+        ``load_tokens``)."""
+        if not hits:
+            return LowerPlan(0, 0.0)
+        assert self.tiers is not None
+        cost, n = 0.0, 0
+        price = {t: self.tiers.load_tokens(t) for t in (Tier.HOST, Tier.DISK)}
+        for hit in hits:
+            c = price[hit.tier]
+            if cost + c > budget and not (n == 0 and at_least_one):
+                break
+            cost += c
+            n += 1
+        return LowerPlan(n, cost)
+
+    def num_cached_tokens(self, req_id: str) -> int:
+        """Tokens of ``req_id``'s leading blocks held in the prefix cache: its device hits and
+        the lower-tier hits loaded so far."""
+        return self._num_cached.get(req_id, 0) * self.block_size
 
     def cache_blocks(
         self, req_id: str, block_hashes: list[int], token_ids: Sequence[int], num_computed_tokens: int,
@@ -227,6 +285,7 @@ class KVCacheManager:
         is evicted before its (possibly shared) prefix. Unknown ids are ignored."""
         owned = self._req_blocks.pop(req_id, None)
         self._num_cached.pop(req_id, None)
+        self._pending.pop(req_id, None)
         if owned is not None:
             self.pool.free_blocks(reversed(owned))
 
@@ -278,7 +337,7 @@ class KVCacheManager:
         they evicted landed."""
         if self.tiers is None:
             return
-        loads = self.tiers.take_loads()
+        loads = self.tiers.take_loads(whole=True)
         if loads is not None:
             loads.wait_all()
         self.tiers.before_write()
@@ -294,6 +353,28 @@ class KVCacheManager:
         load competes with."""
         if self.tiers is not None:
             self.tiers.observe_prefill(tokens, seconds)
+
+    def observe_batch(self, seconds: float) -> None:
+        """A step of the running batch alone (no prompt tokens, no loads) took ``seconds``: the
+        load time a step beside it hides (``hidden_load_tokens``)."""
+        if self.tiers is not None:
+            self.tiers.observe_batch(seconds)
+
+    def hidden_load_tokens(self) -> float:
+        """The loads a step of the running batch hides behind its forward, in prompt tokens (inf:
+        not measured, or no tiers)."""
+        return self.tiers.hidden_load_tokens() if self.tiers is not None else float("inf")
+
+    def observe_load(self, tier: Tier, nbytes: int, seconds: float) -> None:
+        """A load out of ``tier`` moved ``nbytes`` in ``seconds`` (a simulated node's runner
+        reports the time it priced; a real node's tiers time their own moves)."""
+        if self.tiers is not None:
+            self.tiers.observe_load(tier, nbytes, seconds)
+
+    @property
+    def loads_queued(self) -> bool:
+        """Whether lower-tier loads wait for the next forward."""
+        return self.tiers is not None and self.tiers.loads_queued
 
     def take_moves(self) -> list[Move]:
         """The moves between the tiers since the last call (a simulated node prices them)."""

@@ -2,9 +2,10 @@
 private to the node's user, bounded in bytes, written by one background thread, read on the
 engine thread.
 
-Owns the folder's files of this engine's layout, their index (block hash -> file size,
-least recently used first) and the writer thread. Must not: touch the device cache or the
-host tier (engine/kv/tier_store.py hands it a block's bytes and takes bytes back), or raise
+Owns the folder's files of this engine's layout, their index (block hash -> its size and,
+once known, its tokens and salt identity, least recently used first: a lookup checks a hit
+by it without reading the file, ``holds``) and the writer thread. Must not: touch the device
+cache or the host tier (engine/kv/tier_store.py hands it a block's bytes and takes bytes back), or raise
 into the engine: a bad file, a full disk or a failed write is a miss and a ``TierFault``.
 
 Layout::
@@ -30,7 +31,11 @@ other users' files and names that are no block's, and skips folders (never enter
 Threads: ``put`` queues from the engine thread; the writer thread writes, evicts the
 least recently used files to stay within ``max_bytes`` and reports what it dropped;
 ``read``, ``contains``, ``take_dropped`` run on the engine thread. The index is shared
-under one lock.
+under one lock, and a file is deleted only under it, together with the index entry it
+belongs to: a read that fails drops the file only if the index still holds the very entry
+it read (``_File``, one per write), so a file the writer evicted or stored again meanwhile
+is a plain miss, never a fault, and a file just written for the same hash is never deleted
+in place of the one that failed.
 """
 
 from __future__ import annotations
@@ -60,6 +65,16 @@ QUEUE_BLOCKS = 256  # blocks waiting for the writer; beyond it a block is droppe
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class _File(NamedTuple):
+    """One block file in the index: a new object per write, so a read can tell whether the
+    entry it read is still the one indexed (compared by identity)."""
+    size: int
+    # the block's tokens and salt identity, known from its write or a read of its header; None
+    # for a file an earlier run left (``holds`` takes it as a candidate until a read says)
+    tokens: tuple[int, ...] | None = None
+    salt: bytes | None = None
+
+
 class DiskWrite(NamedTuple):
     block_hash: int
     tokens: tuple[int, ...]
@@ -84,7 +99,7 @@ class DiskTier:
         self.dir = Path(root) / layout.digest
         private_dir(self.dir, follow=False)
         self._lock = threading.Lock()
-        self._files: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        self._files: OrderedDict[int, _File] = OrderedDict()  # hash -> its file, least recently used first
         self._used = 0
         self._dropped: list[int] = []  # hashes whose file went away (evicted, failed): for the engine's events
         self._faults: list[TierFault] = []
@@ -118,7 +133,7 @@ class DiskTier:
                     self._faults.append(TierFault.CORRUPT if regular else TierFault.UNSAFE)
                 self._unlink(entry.name)
         for _, h, size in sorted(found):
-            self._files[h] = size
+            self._files[h] = _File(size)
             self._used += size
         if found:
             log.info("disk tier %s: %d blocks (%.1f MiB) from an earlier run", self.dir, len(found),
@@ -131,6 +146,13 @@ class DiskTier:
         with self._lock:
             return block_hash in self._files
 
+    def holds(self, block_hash: int, tokens: tuple[int, ...], salt: bytes) -> bool:
+        """Whether a file of ``block_hash`` may hold these tokens of this salt identity, by the
+        index alone (no read): one written for them, or one an earlier run left."""
+        with self._lock:
+            entry = self._files.get(block_hash)
+        return entry is not None and (entry.salt is None or (entry.salt == salt and entry.tokens == tokens))
+
     def hashes(self) -> list[int]:
         with self._lock:
             return list(self._files)
@@ -139,6 +161,11 @@ class DiskTier:
     def used_blocks(self) -> int:
         with self._lock:
             return len(self._files)
+
+    @property
+    def backlog(self) -> int:
+        """Blocks queued for the writer (``QUEUE_BLOCKS`` at most: beyond, ``put`` drops)."""
+        return self._queue.qsize()
 
     @property
     def capacity_blocks(self) -> int:
@@ -163,19 +190,22 @@ class DiskTier:
         a sound file of another block under this hash (it stays), or a file that fails a check
         (dropped and counted: see the module docstring)."""
         with self._lock:
-            size = self._files.get(block_hash)
-            if size is None:
+            entry = self._files.get(block_hash)
+            if entry is None:
                 return None
             self._files.move_to_end(block_hash)
         name = block_file_name(block_hash)
         try:
-            data = read_block_file(self.dir / name, size)
+            data = read_block_file(self.dir / name, entry.size)
             header, payload = parse_block(data, self.layout, self.block_bytes, block_hash, self._key)
         except BlockFileError as e:
-            log.warning("disk tier: block file %s is unusable (%s); dropping it", name, e)
-            self._forget(block_hash, e.fault)
+            if self._forget(block_hash, entry, e.fault):
+                log.warning("disk tier: block file %s is unusable (%s); dropped it", name, e)
             return None
         if header.salt != salt or tuple(header.tokens) != tokens:
+            with self._lock:  # another block's (a collision): known now, no lookup takes it again
+                if self._files.get(block_hash) is entry:
+                    self._files[block_hash] = entry._replace(tokens=tuple(header.tokens), salt=header.salt)
             return None
         try:
             os.utime(self.dir / name, follow_symlinks=False)  # recency survives a restart
@@ -183,19 +213,24 @@ class DiskTier:
             pass
         return payload
 
-    def _forget(self, block_hash: int, fault: TierFault | None) -> None:
+    def _forget(self, block_hash: int, entry: _File, fault: TierFault) -> bool:
+        """Drop ``block_hash``'s file, which failed a check as ``entry``, and count ``fault``;
+        False (nothing done) when the index no longer holds ``entry``: the writer evicted the
+        file or stored the block again while it was read, which explains the failure."""
         with self._lock:
-            size = self._files.pop(block_hash, None)
-            if size is not None:
-                self._used -= size
-                self._dropped.append(block_hash)
-            if fault is not None:
-                self._faults.append(fault)
-        self._unlink(block_file_name(block_hash))
+            if self._files.get(block_hash) is not entry:
+                return False
+            del self._files[block_hash]
+            self._used -= entry.size
+            self._dropped.append(block_hash)
+            self._faults.append(fault)
+            self._unlink(block_file_name(block_hash))  # under the lock: the writer cannot store it meanwhile
+        return True
 
     def _unlink(self, name: str) -> None:
         """Delete ``name`` from the folder if it can (a folder put there stays; it is never
-        indexed again)."""
+        indexed again). A block file's name only under the lock, with its index entry
+        (module docstring)."""
         try:
             os.unlink(self.dir / name)
         except FileNotFoundError:
@@ -268,13 +303,13 @@ class DiskTier:
             self._unlink(tmp)
             raise
         with self._lock:
-            self._files[job.block_hash] = size
+            self._files[job.block_hash] = _File(size, job.tokens, job.salt)
             self._used += size
         return size
 
     def _remove_oldest(self) -> None:
         """Under the lock: delete the least recently used file."""
-        h, size = self._files.popitem(last=False)
-        self._used -= size
+        h, entry = self._files.popitem(last=False)
+        self._used -= entry.size
         self._dropped.append(h)
         self._unlink(block_file_name(h))

@@ -22,12 +22,18 @@ device blocks, or know about requests.
       does not (dropped from the host meanwhile): copied now, a batch the forward waits for
     host slot --(LRU evicted: spill)--> disk file (queued to the writer) or dropped
     admission: KVCacheManager.get_computed_blocks -> device hits, then lookup() here:
-      the next blocks of the prompt's hash chain found in host memory, else on disk (read
-      and checked now; a bad file ends the run: a miss)
+      the next blocks of the prompt's hash chain found in host memory, else on disk (found
+      in the index only: nothing is read, so a request waiting to be admitted reads nothing)
       -> taken only when loading them is cheaper than recomputing them, by the rates
          measured here (host->device and disk->host bytes/s, the engine's prefill tokens/s)
-    allocate_slots: each hit gets a fresh device block, registered in the prefix cache at
-      once, and load() queues its copy; the next forward's take_loads() issues the step's
+    load_tokens(): what loading a block of a tier costs, in the prompt tokens the engine
+      computes in the same time (the same rates): the scheduler draws a step's loads from its
+      prefill budget and loads a long run over several steps (scheduler.py), beside a running
+      batch no more than a step of it hides (``hidden_load_tokens``: its measured duration)
+    allocate_slots: the hits loaded this step get fresh device blocks; load() checks each
+      again (its host entry still there, else its disk file read and checked now: a bad or
+      vanished file ends the run, and the rest is computed) and queues its copy; those are
+      registered in the prefix cache at once; the next forward's take_loads() issues the step's
       copies together, one layer after another (CUDA: on the load stream, after the store
       batches they depend on, one kernel per layer reading the pinned slots:
       engine/kv/host_load_kernel.py), and the forward waits for a layer's copies only as it
@@ -45,6 +51,11 @@ under the hash is one: common/hashing.py ``salt_id``); device evictions go tail 
 its last block first), so a chain's children reach the host tier's LRU end, and leave it,
 before their parents. Before a KV receiver writes a decode node's reserved blocks, the
 store batch reading the cached blocks they evicted must land (``before_write``).
+
+On a simulated node the runner prices every move (engine/sim_runner.py) and reports what it
+priced as the measurement (``observe_load``, the engine's prefill as ``observe_prefill``, a
+step of the running batch as ``observe_batch``): the stand-in blocks' own copies time
+nothing (``TierSpec.timed_by_runner``).
 
 Events: a device eviction of a block a lower tier now holds is ``BlockStored(tier=HOST)``
 (or DISK) instead of ``BlockRemoved``; a host eviction makes it DISK, or removed, unless
@@ -87,18 +98,19 @@ class Move(NamedTuple):
     nbytes: int
     seconds: float  # measured on this host (a simulated node prices the move itself)
     batch: int = 0  # a store: its number on the copy stream, counting from 1 (0: a load)
+    # a load the next forward waits for whole before it starts (a reservation's, a disk read
+    # on the engine thread), not one that runs beside it layer by layer
+    whole: bool = False
 
 
 class LowerHit(NamedTuple):
-    """A prompt block found below the device: in host slot ``slot``, or read from disk into
-    ``data`` (one block, the host tier's layout) by the lookup."""
+    """A prompt block found below the device by a lookup; ``load`` finds it again (it may
+    have moved or gone since) and copies it in."""
     block_hash: int
     parent: int | None  # the previous block's hash in the chain
     tokens: tuple[int, ...]
     salt: bytes  # the salt identity of the request that looked it up (common/hashing.py salt_id)
-    tier: Tier  # where it was found
-    slot: int = -1  # HOST
-    data: torch.Tensor | None = None  # DISK
+    tier: Tier  # where it was found: what loading it is priced at (``load_tokens``)
 
 
 class TierObserver(Protocol):
@@ -141,12 +153,26 @@ class _Rate:
         self.value = rate if self.value == 0 else (1 - RATE_EWMA) * self.value + RATE_EWMA * rate
 
 
+class _Mean:
+    """Seconds, a moving average of measurements."""
+
+    def __init__(self) -> None:
+        self.value = 0.0  # 0: nothing measured yet
+
+    def add(self, seconds: float) -> None:
+        if seconds > 0:
+            self.value = seconds if self.value == 0 else (1 - RATE_EWMA) * self.value + RATE_EWMA * seconds
+
+
 class TierSpec(NamedTuple):
     """What a tier store is built over: the KV cache, how many blocks host memory holds, and
     the disk tier below it, if any."""
     kv_caches: torch.Tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
     host_blocks: int
     disk: DiskTier | None = None
+    # a simulated node: its runner reports the moves' (and the prefill's) modelled times as
+    # the measured rates; the stand-in blocks' real copies measure nothing
+    timed_by_runner: bool = False
 
     @classmethod
     def from_config(cls, config: EngineConfig, kv_caches: torch.Tensor) -> TierSpec | None:
@@ -167,7 +193,7 @@ class TierSpec(NamedTuple):
             disk = DiskTier(root, layout, block_bytes, config.kv_offload_disk_bytes, disk_key(root))
         log.info("KV tiers: host %d blocks (%.0f MiB)%s", host_blocks, host_blocks * block_bytes / 2**20,
                  f", disk up to {config.kv_offload_disk_bytes / 2**20:.0f} MiB in {disk.dir}" if disk else "")
-        return cls(kv_caches, host_blocks, disk)
+        return cls(kv_caches, host_blocks, disk, timed_by_runner=config.sim is not None)
 
 
 class TierStore:
@@ -176,8 +202,9 @@ class TierStore:
     def __init__(self, spec: TierSpec, block_size: int, device: BlockPool, observer: TierObserver | None = None):
         """``device``: the block pool above, whose prefix cache tells which blocks the device
         holds and whose event log records the tiers' events too (one ordered stream)."""
-        kv_caches, host_blocks, disk = spec
+        kv_caches, host_blocks, disk, timed_by_runner = spec
         assert host_blocks > 0, "a host tier of no blocks"
+        self.timed_here = not timed_by_runner  # the store measures its own moves' rates
         self.kv = kv_caches  # [layers, 2, blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.block_bytes = kv_caches[:, :, 0].numel() * kv_caches.element_size()
@@ -194,7 +221,7 @@ class TierStore:
         self.host_blocks = host_blocks
         self._free_slots = list(range(host_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, _HostEntry] = OrderedDict()  # hash -> entry, least recently used first
-        self._protected: set[int] = set()  # hashes of the lookup being allocated: not evicted meanwhile
+        self._protected: set[int] = set()  # hashes of the hits being allocated: not evicted meanwhile
         self.disk = disk
         self._on_disk_pending: set[int] = set()  # hashes queued to the writer, not yet indexed
         self.device = device
@@ -203,11 +230,12 @@ class TierStore:
         self.rates = {Tier.HOST: _Rate(), Tier.DISK: _Rate()}  # loads towards the device, bytes/s
         self.store_rate = _Rate()  # device -> host, bytes/s
         self.prefill_rate = _Rate()  # the engine's, tokens/s
+        self.batch_s = _Mean()  # a step of the running batch alone: the loads it hides (``hidden_load_tokens``)
         self._timed_loads: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []  # CUDA: (start, end, bytes)
         # loads (CUDA): on their own stream, so the forward waits for each layer's, not for them all
         self.load_stream = torch.cuda.Stream(kv_caches.device) if self.cuda else None
         self._pending: list[tuple[int, int]] = []  # host hits queued for the next forward: (slot, block id)
-        self._pending_disk: list[tuple[torch.Tensor, int]] = []  # disk hits: (data, block id)
+        self._pending_disk: list[tuple[torch.Tensor, int]] = []  # disk hits, read: (data, block id)
         self._loading: set[int] = set()  # hashes of the queued host hits: their slots are not given up
         self._load_after = 0  # the newest store batch the queued loads must wait for
         if self.cuda:  # compile the load kernel now, and fail at start-up if the GPU cannot read the slots
@@ -363,38 +391,53 @@ class TierStore:
     def lookup(self, block_hashes: Sequence[int], token_ids: Sequence[int], salt: bytes, start: int,
                max_blocks: int) -> list[LowerHit]:
         """Prompt blocks ``start ..`` (the first the device lacks) of salt identity ``salt``
-        found in host memory or on disk, as a run from ``start`` (host hits protected from
-        eviction until they are loaded or the next lookup; disk hits read now); none when
-        loading them would cost more than recomputing them."""
+        found in host memory or in the disk tier's index, as a run from ``start`` (host hits
+        protected from eviction until they are loaded or the next lookup; nothing is read:
+        ``load`` reads a disk hit when it is loaded); none when loading them would cost more
+        than recomputing them. A block the device holds again ends the run."""
         self.poll()
         bs = self.block_size
         found: list[tuple[int, tuple[int, ...], Tier]] = []
         for i in range(start, max_blocks):
             h, tokens = block_hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])
+            if h in self.device.cached:
+                break  # another request loaded or computed it meanwhile: the device's next lookup has it
             if self._entry(h, tokens, salt) is not None:
                 found.append((h, tokens, Tier.HOST))
-            elif self._on_disk(h) and h not in self._on_disk_pending:
+            elif self.disk is not None and h not in self._on_disk_pending and self.disk.holds(h, tokens, salt):
                 found.append((h, tokens, Tier.DISK))
             else:
                 break
         found = found if self._load_pays(found) else []
-        hits: list[LowerHit] = []
         self._protected = set()
+        hits: list[LowerHit] = []
         for i, (h, tokens, tier) in enumerate(found, start):
-            parent = block_hashes[i - 1] if i > 0 else None
             if tier is Tier.HOST:
                 self._lru.move_to_end(h)
                 self._protected.add(h)
-                hits.append(LowerHit(h, parent, tokens, salt, tier, slot=self._lru[h].slot))
-                continue
-            data = self._read_disk(h, tokens, salt)
-            if data is None:
-                break  # a bad file, or another block's: the run ends here
-            hits.append(LowerHit(h, parent, tokens, salt, tier, data=data))
+            hits.append(LowerHit(h, block_hashes[i - 1] if i > 0 else None, tokens, salt, tier))
         if self.observer is not None and max_blocks > start:
-            counts = {t: sum(1 for hit in hits if hit.tier is t) for t in (Tier.HOST, Tier.DISK)}
-            self.observer.looked_up(max_blocks - start, counts)
+            self.observer.looked_up(max_blocks - start, {})  # its hits count as they load (``load``)
         return hits
+
+    def protect(self, hits: Sequence[LowerHit]) -> None:
+        """Keep the host entries of ``hits`` (about to be loaded) from being given up by the
+        allocation that precedes their load (instead of the last lookup's)."""
+        self._protected = {hit.block_hash for hit in hits if hit.block_hash in self._lru}
+
+    def load_tokens(self, tier: Tier) -> float:
+        """What loading one block found in ``tier`` costs, in prompt tokens the engine computes
+        in the same time: its moves (a disk block is read, then copied on as a host block is)
+        at the measured rates times the measured prefill rate. A rate not measured yet prices
+        its move as recomputing the block (``block_size`` tokens) until it is."""
+        prefill = self.prefill_rate.value
+        if prefill == 0:
+            return float(self.block_size)
+        tokens = 0.0
+        for t in (Tier.HOST, Tier.DISK) if tier is Tier.DISK else (Tier.HOST,):
+            rate = self.rates[t].value
+            tokens += self.block_size if rate == 0 else self.block_bytes / rate * prefill
+        return tokens
 
     def _load_pays(self, found: list[tuple[int, tuple[int, ...], Tier]]) -> bool:
         """Whether loading ``found`` is expected to take less than recomputing its tokens, by
@@ -424,28 +467,51 @@ class TierStore:
         if self.cuda:
             data = data.pin_memory()
         seconds = time.perf_counter() - t0
-        self.rates[Tier.DISK].add(len(payload), seconds)
-        self._record_move(Move(Tier.DISK, True, 1, len(payload), seconds))
+        if self.timed_here:
+            self.rates[Tier.DISK].add(len(payload), seconds)
+        self._record_move(Move(Tier.DISK, True, 1, len(payload), seconds, whole=True))  # read on this thread
         return data
 
-    def load(self, hits: Sequence[LowerHit], block_ids: Sequence[int]) -> None:
-        """Queue each hit (its host slot, or what was read from disk) to be copied into its new
-        device block (``block_ids``, in order) by the next forward (``take_loads``); the
-        slots stay protected from eviction until then."""
+    def load(self, hits: Sequence[LowerHit], block_ids: Sequence[int]) -> int:
+        """Queue the leading ``hits`` to be copied into their new device blocks (``block_ids``,
+        in order) by the next forward (``take_loads``): each found again now, its host slot
+        (protected from eviction until then) or its disk file, read and checked here. The run
+        ends at the first a lower tier no longer holds (given up since the lookup; a disk file
+        gone, bad, or another block's): returns how many were queued."""
+        counts = {Tier.HOST: 0, Tier.DISK: 0}
         for hit, block_id in zip(hits, block_ids, strict=True):
-            if hit.data is None:
-                self._pending.append((hit.slot, block_id))
+            entry = self._entry(hit.block_hash, hit.tokens, hit.salt)
+            if entry is not None:
+                self._lru.move_to_end(hit.block_hash)
+                self._pending.append((entry.slot, block_id))
                 self._loading.add(hit.block_hash)
-                self._load_after = max(self._load_after, self._slot_batch.get(hit.slot, 0))  # its store
-            else:
-                self._pending_disk.append((hit.data, block_id))
-        if hits:  # and the store batches still reading the blocks this allocation evicted
+                self._load_after = max(self._load_after, self._slot_batch.get(entry.slot, 0))  # its store
+                counts[Tier.HOST] += 1
+                continue
+            data = None
+            if self._on_disk(hit.block_hash) and hit.block_hash not in self._on_disk_pending:
+                data = self._read_disk(hit.block_hash, hit.tokens, hit.salt)
+            if data is None:
+                break  # gone meanwhile, a bad file, or another block's: the rest is computed
+            self._pending_disk.append((data, block_id))
+            counts[Tier.DISK] += 1
+        loaded = counts[Tier.HOST] + counts[Tier.DISK]
+        if loaded:  # and the store batches still reading the blocks this allocation evicted
             self._load_after = max(self._load_after, self._wait_for)
+        if self.observer is not None and loaded:
+            self.observer.looked_up(0, counts)
         self._protected = set()
+        return loaded
 
-    def take_loads(self) -> LayerLoads | None:
+    @property
+    def loads_queued(self) -> bool:
+        """Whether loads wait for the next forward (``take_loads``)."""
+        return bool(self._pending or self._pending_disk)
+
+    def take_loads(self, whole: bool = False) -> LayerLoads | None:
         """The loads queued since the last call, issued for the forward about to be issued
-        (None: none). CUDA: queued now on the load stream, behind the work issued so far and
+        (None: none); ``whole``: waited for whole before it instead (``Move.whole``: a
+        reservation's). CUDA: queued now on the load stream, behind the work issued so far and
         the store batches they depend on: disk hits whole, then the host hits one layer at a
         time (engine/kv/host_load_kernel.py), each layer's end recorded for the forward to wait
         on. CPU: disk hits copied now, host hits when the forward reaches each layer."""
@@ -455,7 +521,7 @@ class TierStore:
         self._pending, self._pending_disk, self._loading, self._load_after = [], [], set(), 0
         nbytes = (len(pending) + len(disk)) * self.block_bytes
         if self.load_stream is None:
-            return LayerLoads(self, pending, disk, None, nbytes)
+            return LayerLoads(self, pending, disk, None, nbytes, whole)
         from .host_load_kernel import load_layer
 
         t0 = time.perf_counter()
@@ -476,13 +542,15 @@ class TierStore:
             end.record()
         self._measure_loads()  # a CUDA copy returns before it ran: its rate is read from the events once it did
         self._timed_loads.append((start, end, nbytes))
-        self._record_move(Move(Tier.HOST, True, len(pending) + len(disk), nbytes, time.perf_counter() - t0))
-        return LayerLoads(self, pending, disk, layers, nbytes)
+        self._record_move(Move(Tier.HOST, True, len(pending) + len(disk), nbytes, time.perf_counter() - t0,
+                               whole=whole))
+        return LayerLoads(self, pending, disk, layers, nbytes, whole)
 
-    def _loaded_on_cpu(self, blocks: int, nbytes: int, seconds: float) -> None:
+    def _loaded_on_cpu(self, blocks: int, nbytes: int, seconds: float, whole: bool) -> None:
         """A CPU load's copies are done (``LayerLoads``): its rate and its move."""
-        self.rates[Tier.HOST].add(nbytes, seconds)
-        self._record_move(Move(Tier.HOST, True, blocks, nbytes, seconds))
+        if self.timed_here:
+            self.rates[Tier.HOST].add(nbytes, seconds)
+        self._record_move(Move(Tier.HOST, True, blocks, nbytes, seconds, whole=whole))
 
     def before_forward(self) -> int:
         """Called as a forward is about to be issued: the newest store batch it must wait for
@@ -512,12 +580,30 @@ class TierStore:
         """CUDA: the host-to-device rate of the loads that ran since the last call."""
         while self._timed_loads and self._timed_loads[0][1].query():
             start, end, nbytes = self._timed_loads.pop(0)
-            self.rates[Tier.HOST].add(nbytes, start.elapsed_time(end) / 1e3)
+            if self.timed_here:
+                self.rates[Tier.HOST].add(nbytes, start.elapsed_time(end) / 1e3)
 
     # ---- the engine's other hooks ----------------------------------------------------------
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step computed ``tokens`` prompt tokens in ``seconds``: the recompute rate."""
         self.prefill_rate.add(tokens, seconds)
+
+    def observe_batch(self, seconds: float) -> None:
+        """A step of the running batch alone (no prompt tokens, no loads) took ``seconds``."""
+        self.batch_s.add(seconds)
+
+    def hidden_load_tokens(self) -> float:
+        """What a step of the running batch hides of its loads, in prompt tokens: its measured
+        duration (loads overlap the forward layer by layer, so loads that take no longer than
+        it lengthen it by a layer's share at most); inf while either is unmeasured."""
+        if self.batch_s.value == 0 or self.prefill_rate.value == 0:
+            return float("inf")
+        return self.batch_s.value * self.prefill_rate.value
+
+    def observe_load(self, tier: Tier, nbytes: int, seconds: float) -> None:
+        """A load's move out of ``tier`` took ``seconds`` (a simulated node's runner: the time
+        it priced the move at, module docstring)."""
+        self.rates[tier].add(nbytes, seconds)
 
     def clear(self) -> None:
         """Forget every block in every lower tier (the prefix cache was reset: the caller
@@ -607,8 +693,9 @@ class LayerLoads:
     """
 
     def __init__(self, tiers: TierStore, host: list[tuple[int, int]], disk: list[tuple[torch.Tensor, int]],
-                 layers: list[torch.cuda.Event] | None, nbytes: int):
+                 layers: list[torch.cuda.Event] | None, nbytes: int, whole: bool = False):
         self._tiers = tiers
+        self._whole = whole  # waited for whole before a forward (``Move.whole``)
         self._layers = layers  # CUDA: recorded after each layer's copies
         self._num_layers = tiers.kv.shape[0]
         self._next = 0  # CPU: the first layer not copied yet
@@ -635,7 +722,7 @@ class LayerLoads:
         self._next = layer + 1
         self._seconds += time.perf_counter() - t0
         if self._next == self._num_layers:
-            self._tiers._loaded_on_cpu(self._blocks, self._nbytes, self._seconds)
+            self._tiers._loaded_on_cpu(self._blocks, self._nbytes, self._seconds, self._whole)
 
     def wait_all(self) -> None:
         self.wait(self._num_layers - 1)

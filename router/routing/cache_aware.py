@@ -59,11 +59,15 @@ weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``
             compatible KV layout; a prefill node of one rank)
 
     pick (p, d) minimizing prefill(p) + decode(d) + w.remote_prefill
-    or, when some decode node d holds part of the prompt and has at most
-    w.local_prefill_tokens of it uncached (the next turn of a conversation it served:
-    decode-side reuse), d alone (it prefills itself, no remote hop) if its local cost
-    W(d) + queued(d) + decode load is lower. The node that computes then pulls
-    h's prefix when pull(n) was its cheaper W (``Decision.pull``)
+    or, when some decode node d holds part of the prompt and the work it would take on is
+    at most w.local_prefill_tokens (the next turn of a conversation it served: decode-side
+    reuse), d alone (it prefills itself, no remote hop) if its local cost W(d) + queued(d)
+    + decode load is lower. That work is the tokens d lacks plus, for the blocks of C(d) it
+    holds only below the device, what loading them costs in prompt tokens, r(d) x C_low(d)
+    (tier_cost.py: a disk-held history is about as dear as recomputing it, so a long one on
+    d's disk goes to a prefill node instead of stalling d's running decodes while it loads).
+    The node that computes then pulls h's prefix when pull(n) was its cheaper W
+    (``Decision.pull``)
 
     predicted TTFT (token-equivalents; x w.token_s = seconds, /debug/decisions):
       remote: W(p) + max(queued(p), in-flight work) + w.prefill_request * reqs(p)
@@ -165,8 +169,8 @@ class CacheAware:
         assert decode is not None  # decodes is not empty
         if prefill is not None and self.w.local_prefill_tokens > 0:
             # Skip the remote prefill when a decode node holds most of the prompt (decode-side reuse).
-            near = RoleTerms.of([d for d in decodes.nodes
-                                 if 0 < cached.get(d.node_id, 0) and n - cached[d.node_id] <= self.w.local_prefill_tokens])
+            near = RoleTerms.of([d for d in decodes.nodes if 0 < cached.get(d.node_id, 0) and self.local_work(
+                n, cached[d.node_id], d, tiers.get(d.node_id)) <= self.w.local_prefill_tokens])
             alone, a_cost = _cheapest(near, self.decode_costs(near, n, cached, inflight, True,
                                                               inflight_tokens, tiers, held, mixed), turn)
             if alone is not None and a_cost < p_cost + d_cost + self.w.remote_prefill:
@@ -248,6 +252,14 @@ class CacheAware:
                     (node.role == "prefill" and kv.tp > 1) or (mixed and not can_exchange(kv, held.holder.kv)))):
                 costs[i] = math.inf
         return costs
+
+    def local_work(self, prompt_len: int, hit: int, node: NodeInfo, split: TierBlocks | None) -> float:
+        """The work a decode node holding ``hit`` tokens of the prompt takes on by prefilling it
+        itself, in prompt tokens: those it lacks, plus the blocks ``split`` places below its
+        device priced at what loading them costs (the decode-side-reuse test of the module
+        docstring)."""
+        low = hit * split.lower / split.total if split is not None and split.lower else 0.0
+        return prompt_len - hit + (tier_cost(node).of(split) * low if split is not None and low else 0.0)
 
     def lower_load(self, prompt_len: int, hit: int, node: NodeInfo, split: TierBlocks | None) -> float:
         """X(n) of the module docstring: loading the blocks of ``node``'s ``hit`` that
