@@ -51,7 +51,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from ..common.config import KVBackend, NodeConfig
+from ..common.config import NodeConfig
+from ..common.kv_backends import backend_names, backend_spec
 from ..common.errors import InvalidRequest
 from ..common.hashing import hash_blocks, hash_keys, token_bytes
 from ..common.http import MSGPACK, decode_error_body, error_response, msgpack_response, read_msgpack
@@ -69,7 +70,6 @@ log = logging.getLogger(__name__)
 PULL_STEP_SHARE = 0.1  # of a busy holder's mean step: the most one chunk's copy may add to a step
 PULL_PROBE_BLOCKS = 16  # a holder's first chunk, before it measured its copy rate
 STALL_FAULT = "stall_pull"  # --fault: the holder holds every pull back (tests kill it meanwhile)
-RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blocks are reused
 # A pull whose holder lands no block for this long fails and the puller computes the prefix: a
 # pull is worth less than the prompt's compute, so a stuck or partitioned holder costs at most this
 # (a prefill transfer's lease, --transfer-lease, guards a whole prompt's compute and is longer).
@@ -193,8 +193,8 @@ class PullHolder:
             raise InvalidRequest("skip_blocks", f"must be in [0, {blocks})")
         if not 0 < len(task.dest_block_ids) <= blocks - task.skip_blocks:
             raise InvalidRequest("dest_block_ids", f"expected 1 to {blocks - task.skip_blocks} ids")
-        if task.kv_backend not in tuple(KVBackend):
-            raise InvalidRequest("kv_backend", f"must be one of {', '.join(KVBackend)}")
+        if task.kv_backend not in backend_names():
+            raise InvalidRequest("kv_backend", f"must be one of {', '.join(backend_names())}")
 
 
 class Puller:
@@ -287,8 +287,8 @@ class Puller:
     async def _give_back(self, tid: str | None, rid: str) -> None:
         """Free a pull's reservation once nothing can land in it any more (``tid``: its
         transfer, None before it had one)."""
-        if tid is not None and self.kv_backend in ("shm", "ipc"):
-            await asyncio.sleep(RELEASE_GRACE_S)
+        if tid is not None and (grace := backend_spec(self.kv_backend).release_grace_s):
+            await asyncio.sleep(grace)  # the sender writes in place: one mid-frame stops first
         if tid is not None and self.settle is not None:
             await self.settle(tid)
         try:

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from splitserve.common.config import KVBackend
+from splitserve.common.kv_backends import BUILTIN
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
                                    TransferError, TransferFailure, allocate_kv_cache, free_shared_kv_cache,
                                    make_receiver, make_sender, sender_options)
@@ -54,7 +54,7 @@ def nccl_unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(params=tuple(KVBackend))
+@pytest.fixture(params=[spec.name for spec in BUILTIN])
 def backend(request):
     if request.param == "ipc":  # a CUDA IPC handle cannot be opened by the process that made it
         pytest.skip("ipc needs CUDA and two processes: tests/test_kvtransfer_device.py")
