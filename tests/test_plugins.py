@@ -6,7 +6,8 @@ picks by its rule; through real processes (redis-server, router -> prefill -> de
 cluster serves greedy completions token for token like the engine offline, the KV moving
 over the toy backend and every decision the toy policy's. Without the variables both names
 are refused naming them; a name taken twice is refused; the built-in backends are imported
-only when built (ucxx is heavy and optional)."""
+only when built (ucxx is heavy and optional). The toy backend also runs the conformance
+suite every backend passes (tests/test_kvtransfer_conformance.py)."""
 
 import asyncio
 import json
