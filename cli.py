@@ -20,7 +20,9 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from .common.config import LOAD_FORMATS, EngineConfig, KVBackend, NodeConfig, NodeRole, SimConfig
+from .common.config import LOAD_FORMATS, EngineConfig, NodeConfig, NodeRole, SimConfig
+from .common.kv_backends import BACKENDS_ENV, CUDA_HOST_BACKEND, DEFAULT_BACKEND, backend_names
+from .common.plugins import Names
 from .deploy.orphan import watch_launcher
 
 if TYPE_CHECKING:
@@ -174,7 +176,9 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                         "is not discoverable); a URL with a password belongs in the environment: flags "
                         "show in `ps`")
     g.add_argument("--node-id", default="")
-    g.add_argument("--kv-backend", choices=tuple(KVBackend), default="tcp")
+    g.add_argument("--kv-backend", choices=Names(backend_names), default=DEFAULT_BACKEND, metavar="NAME",
+                   help=f"how KV blocks travel: %(choices)s (default %(default)s; a backend of your own: "
+                        f"${BACKENDS_ENV}, see README.md)")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
     g.add_argument("--local-prefill-budget", type=int, default=512, metavar="N",
                    help="decode nodes: the most prompt tokens one step computes for the prompts this node "
@@ -323,13 +327,21 @@ def cmd_make_trace(args) -> int:
     return 0
 
 
+def _policy_names() -> tuple[str, ...]:
+    """--policy's choices: the policy registry's, imported when the flag is checked."""
+    from .router.routing.policy_registry import policy_names
+
+    return policy_names()
+
+
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
-    from .router.config import POLICIES
+    from .router.config import DEFAULT_POLICY, POLICIES_ENV
 
     p.add_argument("trace", help="JSONL: {timestamp (ms), input_length, output_length, hash_ids}")
     p.add_argument("--prefill-nodes", type=int, default=16)
     p.add_argument("--decode-nodes", type=int, default=None, help="default: prefill nodes / 4")
-    p.add_argument("--policy", choices=POLICIES, default="cache_aware")
+    p.add_argument("--policy", choices=Names(_policy_names), default=DEFAULT_POLICY, metavar="NAME",
+                   help=f"the router's: %(choices)s (default %(default)s; one of your own: ${POLICIES_ENV})")
     p.add_argument("--speedup", type=float, default=10.0, help="trace seconds per wall-clock second")
     p.add_argument("--max-output-tokens", type=int, default=16, help="cap on each request's max_tokens")
     p.add_argument("--kv-cache-memory", default="1GiB", help="per simulated node")
@@ -366,7 +378,7 @@ def cmd_replay(args) -> int:
 def _add_router_args(p: argparse.ArgumentParser) -> None:
     from .router.config import add_router_args
 
-    add_router_args(p)
+    add_router_args(p, policies=Names(_policy_names))
 
 
 def cmd_router(args) -> int:
@@ -379,7 +391,7 @@ def cmd_router(args) -> int:
 
 def _add_up_args(p: argparse.ArgumentParser) -> None:
     from .deploy.local_redis import RESPONSES_SHARE
-    from .router.config import add_model_args
+    from .router.config import DEFAULT_POLICY, POLICIES_ENV, add_model_args
 
     p.add_argument("--config", default=None, help="TOML file (default: deploy/local.toml)")
     p.add_argument("--prefill-nodes", type=int)
@@ -388,7 +400,12 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-replicas", type=int, default=1,
                    help="routers behind the same Redis, each with its own prefix-index mirror "
                         "(the first on --port, the others on free ports; all URLs are printed)")
-    p.add_argument("--kv-backend", choices=tuple(KVBackend))
+    p.add_argument("--policy", choices=Names(_policy_names), metavar="NAME",
+                   help=f"every router's --policy: %(choices)s (default {DEFAULT_POLICY}; one of your own: "
+                        f"${POLICIES_ENV})")
+    p.add_argument("--kv-backend", choices=Names(backend_names), metavar="NAME",
+                   help=f"how KV blocks travel: %(choices)s (default: {CUDA_HOST_BACKEND} when every node "
+                        f"runs on CUDA, else deploy/local.toml's; a backend of your own: ${BACKENDS_ENV})")
     p.add_argument("--kv-cache-memory")
     p.add_argument("--threads-per-node", type=int)
     p.add_argument("--cpus", nargs="+", metavar="ROLE=CPUS",

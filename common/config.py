@@ -4,26 +4,15 @@ line, before it starts, and passes it down; nothing writes back to it."""
 import json
 import re
 from dataclasses import dataclass, field, fields, replace
-from enum import StrEnum
 from typing import Literal
 from pathlib import Path
 
 from .bundled import BUNDLED_MODEL_ID
+from .kv_backends import DEFAULT_BACKEND, KVBackendSpec, alternatives, backend_spec
 from .roofline import Roofline
 
 
 NodeRole = Literal["prefill", "decode", "colocated"]
-
-
-class KVBackend(StrEnum):
-    """The KV transports a node can use (kvtransfer/factory.py maps each to its classes).
-    nccl runs NCCL when the engine's device is CUDA, gloo on CPU; ipc (CUDA IPC, same
-    host) needs CUDA; shm (same host) needs the decode node's KV cache in host memory."""
-    TCP = "tcp"
-    SHM = "shm"
-    UCX = "ucx"
-    NCCL = "nccl"
-    IPC = "ipc"
 
 
 # How the engine gets its weights (engine.loader): auto and safetensors read the folder's
@@ -301,7 +290,7 @@ class NodeConfig:
     port: int = 0  # 0: pick a free port
     redis_url: str | None = field(default=None, repr=False)  # may hold a password; None: not registered
     node_id: str = ""  # "" : derived from role and port
-    kv_backend: str = KVBackend.TCP  # a KVBackend value: how KV blocks travel to decode nodes
+    kv_backend: str = DEFAULT_BACKEND  # a name of common/kv_backends.py: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
     # fault injection for tests: "corrupt_block", "stall_pull", "stall_pull_midway" (node/pull_holder.py),
     # "step_error" (engine/step_fault.py)
@@ -338,12 +327,16 @@ class NodeConfig:
             raise ValueError(f"role: must be prefill, decode or colocated, got {self.role!r}")
         if self.role != "decode" and self.engine.prefill_step_budget is not None:
             object.__setattr__(self, "engine", replace(self.engine, prefill_step_budget=None))
-        if self.kv_backend not in tuple(KVBackend):
-            raise ValueError(f"kv_backend: must be one of {', '.join(KVBackend)}, got {self.kv_backend!r}")
+        spec = self.kv_spec  # raises for an unknown name
         on_cpu = self.engine.device.split(":")[0] == "cpu"
-        if self.kv_backend == "shm" and not on_cpu and self.role == "decode":
-            raise ValueError(f"kv_backend: shm keeps the KV cache in host memory, device is "
-                             f"{self.engine.device!r}; use ipc (same host) or tcp on a GPU")
-        if self.kv_backend == "ipc" and on_cpu and self.role == "decode":
-            raise ValueError("kv_backend: ipc shares a CUDA KV cache and needs --device cuda; "
-                             "on the CPU use shm (same host) or tcp")
+        if spec.shm_cache and not on_cpu and self.role == "decode":
+            raise ValueError(f"kv_backend: {spec.name} keeps the KV cache in host memory, device is "
+                             f"{self.engine.device!r}; use {alternatives(cuda=True)} on a GPU")
+        if spec.needs_cuda and on_cpu and self.role == "decode":
+            raise ValueError(f"kv_backend: {spec.name} shares a CUDA KV cache and needs --device cuda; "
+                             f"on the CPU use {alternatives(cuda=False)}")
+
+    @property
+    def kv_spec(self) -> KVBackendSpec:
+        """The spec of ``kv_backend`` (common/kv_backends.py): its abilities."""
+        return backend_spec(self.kv_backend)

@@ -46,7 +46,7 @@ class DecodeRank:
         self.receives = config.role == "decode"
         # its own /dev/shm segment (named after this process: a node starting later removes it
         # if this rank dies without doing so)
-        self.shm_name = segment_name(os.getpid()) if self.receives and config.kv_backend == "shm" else None
+        self.shm_name = segment_name(os.getpid()) if self.receives and config.kv_spec.shm_cache else None
         self.closed = ClosedTransfers(rank)
         self.receiver: KVReceiver | None = None
 

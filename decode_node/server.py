@@ -74,7 +74,6 @@ from .prefill_client import PrefillClient, PrefillFailed, PrefillGrammarMissing
 from .ranks import DecodeRank
 
 log = logging.getLogger(__name__)
-RELEASE_GRACE_S = 0.5  # shm, ipc: wait before reusing the blocks of a failed or aborted transfer
 LEASE_CHECK_S = 0.5  # how often expired leases are failed
 RANKS_READY_S = 120.0  # start-up: every worker rank's receiver is up (they load the model first)
 CLOSED_APPLIED_S = 10.0  # a worker that has not acknowledged a closed transfer by then is broken
@@ -417,10 +416,10 @@ class DecodeNode:
                 abort = asyncio.create_task(self.prefill_client.abort(prefill_addr, rid))
                 self._aborts.add(abort)
                 abort.add_done_callback(self._aborts.discard)
-                # Over shm and ipc the prefill node writes into our memory before it tells us;
+                # Over shm and ipc (release_grace_s) the prefill node writes into our memory first;
                 # give a sender that is still mid-frame time to stop before the blocks are reused.
-                if self.config.kv_backend in ("shm", "ipc"):
-                    await asyncio.shield(asyncio.sleep(RELEASE_GRACE_S))
+                if grace := self.config.kv_spec.release_grace_s:
+                    await asyncio.shield(asyncio.sleep(grace))
                 await asyncio.shield(self._closed_everywhere(tid))  # every rank stopped landing it
                 try:
                     await asyncio.shield(self.engine_thread.submit(Release(rid)))
@@ -453,5 +452,5 @@ def build_app(config: NodeConfig) -> web.Application:
     """The app of a decode or colocated node (rank 0 of its ranks: decode_node/ranks.py runs
     on the others)."""
     runtime = NodeRuntime(config, rank_role=DecodeRank)
-    shm = config.role == "decode" and config.kv_backend == "shm"
+    shm = config.role == "decode" and config.kv_spec.shm_cache
     return build_node_app(runtime, DecodeNode(config, runtime), shm)

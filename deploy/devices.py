@@ -11,6 +11,7 @@ does) or import torch (the launcher runs without a GPU stack).
     --decode-devices cuda:2           decode-j likewise; F is split among the nodes of each GPU
     KV backend (unless given)         ipc when every node runs on CUDA (one host), tcp when some
                                       do, the config's (shm) when none do: CPU `up` is unchanged
+                                      (common/kv_backends.py: the defaults, and what each needs)
 
 Tensor-parallel nodes (``--prefill-tp`` / ``--decode-tp`` N): an entry of a device list is
 one node's devices, one per rank, rank 0's first (``cuda:0,cuda:1,cuda:2,cuda:3``); a
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import NamedTuple
+
+from ..common.kv_backends import CUDA_HOST_BACKEND, DEFAULT_BACKEND, alternatives, backend_spec
 
 ROLES = ("prefill", "decode")  # a colocated node takes the decode devices
 
@@ -137,16 +140,18 @@ def plan_devices(device: str | None, prefill_devices: list[str] | None, decode_d
             _check_entry(d, tp.get(role, 1), f"--{role}-devices" if per_role[role] else "--device")
         devices[role] = tuple(listed)
     used = [d for role, devs in devices.items() for entry in devs for d in rank_devices(entry, tp.get(role, 1))]
-    if kv_backend == "ipc" and not all(is_cuda(d) for entry in devices["decode"] for d in entry.split(",")):
-        raise ValueError("--kv-backend: ipc needs every decode node on CUDA (--decode-devices cuda:N)")
+    spec = backend_spec(kv_backend, "--kv-backend") if kv_backend else None
+    if spec and spec.needs_cuda and not all(is_cuda(d) for entry in devices["decode"] for d in entry.split(",")):
+        raise ValueError(f"--kv-backend: {spec.name} needs every decode node on CUDA (--decode-devices cuda:N)")
     if not any(is_cuda(d) for d in used):
         if gpu_memory_utilization is not None:
             raise ValueError("--gpu-memory-utilization: sizes GPU KV pools; the nodes run on the CPU "
                              "(give --device cuda, or --kv-cache-memory)")
         return DevicePlan({}, kv_backend or config_backend, dtype, None, tp)
-    backend = kv_backend or ("ipc" if all(is_cuda(d) for d in used) else "tcp")
-    if backend == "shm":
-        raise ValueError("--kv-backend: shm keeps KV pools in host memory; with CUDA nodes use ipc or tcp")
+    backend = kv_backend or (CUDA_HOST_BACKEND if all(is_cuda(d) for d in used) else DEFAULT_BACKEND)
+    if backend_spec(backend, "--kv-backend").shm_cache:
+        raise ValueError(f"--kv-backend: {backend} keeps KV pools in host memory; with CUDA nodes use "
+                         f"{alternatives(cuda=True)}")
     if kv_cache_memory_given and gpu_memory_utilization is not None:
         raise ValueError("give one of --kv-cache-memory and --gpu-memory-utilization")
     util = None if kv_cache_memory_given else gpu_memory_utilization or default_utilization

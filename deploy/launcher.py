@@ -67,6 +67,7 @@ from typing import NamedTuple
 
 from ..common.auth import CLUSTER_TOKEN_ENV, auth_headers, new_cluster_token, redis_url_from
 from ..common.config import parse_size
+from ..common.kv_backends import DEFAULT_BACKEND
 from ..router.api_keys import ApiKey, api_keys_from_args
 from .devices import DevicePlan, plan_devices
 from .local_redis import (MAIN_EVICTION, RESPONSES_EVICTION, RedisPolicy, free_port, responses_budget,
@@ -86,7 +87,7 @@ class Cluster:
     """Real processes on this machine. ``start()`` returns once every node and the
     router answer; ``stop()`` is idempotent and kills what does not exit in time."""
 
-    def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend="tcp",
+    def __init__(self, prefill_nodes=1, decode_nodes=1, router_port=0, kv_backend=DEFAULT_BACKEND,
                  kv_cache_memory="256MiB", threads_per_node=1, redis_url=None, model=None,
                  host="127.0.0.1", colocated=False, extra_node_args=(), policy=None,
                  router_args=(), cpus=None, devices=None, cluster_token=None, redis_password=None,
@@ -571,6 +572,7 @@ def launch(args) -> int:
                       cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or new_cluster_token(),
                       redis_password=new_cluster_token(), api_keys=api_keys,
                       router_replicas=getattr(args, "router_replicas", None) or 1,
+                      policy=getattr(args, "policy", None),
                       load_format=getattr(args, "load_format", None) or defaults.get("load_format"),
                       enforce_eager=enforce_eager, tp=tp,
                       expert_parallel=bool(getattr(args, "enable_expert_parallel", None)

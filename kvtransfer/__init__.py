@@ -1,11 +1,12 @@
-"""KV block transport: interface, backends (tcp, shm, ucx, nccl, ipc), wire layout of a block,
-handshake, and the per-transfer state machine.
+"""KV block transport: interface, backends (tcp, shm, ucx, nccl, ipc; their registry, with
+any from outside the package, is common/kv_backends.py), wire layout of a block, handshake,
+and the per-transfer state machine.
 
 Must not import the model (``splitserve.engine``). The nodes use::
 
     layout = KVLayout(dtype, block_size, num_layers, num_kv_heads, head_dim)
     store = KVBlockStore(kv_caches, layout[, shm_name])       # over the node's cache (CPU or GPU)
-    sender = make_sender("tcp" | "shm" | "ucx" | "nccl" | "ipc", layout[, device=...])  # prefill node
+    sender = make_sender(backend, layout[, device=...])       # prefill node; backend: "tcp", "shm", ...
     await sender.send_blocks(addr, transfer_id, list(zip(dest_ids, store.split(store.pack(src_ids)))))
     # (on a GPU, pack gathers on the device and split yields PackedBlock rows; see packed.py)
     receiver = make_receiver(backend, layout, store, host, on_block[, device=...])  # decode node

@@ -1,13 +1,15 @@
-"""Backend selection: the only place that maps a backend name to its classes.
+"""Backend construction: a backend's name to its sender or receiver.
 
-Owns: ``make_sender`` / ``make_receiver`` for each ``KVBackend`` (common/config.py)
-and the resolution of sender options from the environment (fault injection). Must
-not: import a backend before it is asked for (ucxx is heavy and optional).
+Owns: ``make_sender`` / ``make_receiver`` for each backend of common/kv_backends.py (its
+registry: names, classes, abilities) and the resolution of sender options from the
+environment (fault injection). Must not: import a backend before it is asked for (ucxx is
+heavy and optional): a spec names its classes, imported here when first built.
 
 ``device`` is the node's compute device. On a GPU the sender hashes blocks with
 wsum32_v1 on the device (``checksum.py``); the nccl backend moves payloads on NCCL
 (gloo for cpu); tcp and ucx move host bytes (a GPU pack is staged once into pinned
-memory); ipc (CUDA only) copies device to device into a same-host receiver's pool.
+memory); a backend that needs CUDA (ipc) copies device to device into a same-host
+receiver's pool, and its sender gets a CUDA device even from a CPU caller.
 """
 
 from __future__ import annotations
@@ -15,15 +17,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from ..common.config import KVBackend
+from ..common.kv_backends import backend_spec
+from ..common.plugins import resolve
 from .base import KVReceiver, KVSender, OnBlock
 from .block_store import KVBlockStore, default_checksum_algo
 from .layout import KVLayout, KVShard
-from .receiver_core import FramedReceiver
 from .sender_core import SenderOptions
 
 FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
@@ -40,11 +41,6 @@ def sender_options(env: Mapping[str, str] = os.environ, **overrides) -> SenderOp
     return SenderOptions(**overrides)
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in tuple(KVBackend):
-        raise ValueError(f"backend: must be one of {', '.join(KVBackend)}, got {backend!r}")
-
-
 def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = None,
                 device: str = "cpu", shard: KVShard | None = None) -> KVSender:
     """A sender speaking ``backend``; ``options`` default to ``sender_options()`` (env-aware).
@@ -52,26 +48,16 @@ def make_sender(backend: str, layout: KVLayout, options: SenderOptions | None = 
     rank of a TP=1 node with ``layout`` and no model name). ``"ucx"`` / ``"nccl"`` raise
     ``TransferError`` naming the reason when ucxx / torch.distributed (gloo, or NCCL for a
     cuda ``device``) cannot be used; ``"ipc"`` raises ``TransferError`` without CUDA."""
-    _check_backend(backend)
+    spec = backend_spec(backend, "backend")
     options = options or sender_options()
+    if spec.needs_cuda and torch.device(device).type == "cpu":
+        device = "cuda"
     if options.checksum is None:
-        algo = default_checksum_algo("cuda" if backend == "ipc" else device)
-        options = dataclasses.replace(options, checksum=algo)
-    if backend == "ipc":
-        from .backends.ipc import IpcSender
-        return IpcSender(layout, options, device="cuda" if torch.device(device).type == "cpu" else device,
-                         shard=shard)
-    if backend == "tcp":
-        from .backends.tcp import TcpSender
-        return TcpSender(layout, options, shard)
-    if backend == "shm":
-        from .backends.shm import ShmSender
-        return ShmSender(layout, options, shard)
-    if backend == "nccl":
-        from .backends.nccl import NcclSender
-        return NcclSender(layout, options, shard, device=device)
-    from .backends.ucx import UcxSender
-    return UcxSender(layout, options, shard)
+        options = dataclasses.replace(options, checksum=default_checksum_algo(device))
+    sender = resolve(spec.sender)(layout, options, shard=shard, device=device)
+    if not isinstance(sender, KVSender):
+        raise TypeError(f"backend {backend}: its sender {spec.sender} is no KVSender (kvtransfer/base.py)")
+    return sender
 
 
 def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str,
@@ -81,18 +67,9 @@ def make_receiver(backend: str, layout: KVLayout, store: KVBlockStore, host: str
     started (ucx's listener and nccl's store bind every interface). ``"shm"`` needs a store
     allocated in /dev/shm, ``"ipc"`` one on a CUDA device. ``shard``: the receiving rank
     (default: the one rank of a TP=1 node with ``layout`` and no model name)."""
-    _check_backend(backend)
-    if backend == "nccl":
-        from .backends.nccl import NcclReceiver
-        return NcclReceiver(layout, store, on_block, host=host, port=port,
-                            advertise_host=advertise_host, device=device, shard=shard)
-    cls: type[FramedReceiver[Any]]
-    if backend == "tcp":
-        from .backends.tcp import TcpReceiver as cls
-    elif backend == "shm":
-        from .backends.shm import ShmReceiver as cls
-    elif backend == "ipc":
-        from .backends.ipc import IpcReceiver as cls
-    else:
-        from .backends.ucx import UcxReceiver as cls
-    return cls(layout, store, on_block, host=host, port=port, advertise_host=advertise_host, shard=shard)
+    spec = backend_spec(backend, "backend")
+    receiver = resolve(spec.receiver)(layout, store, on_block, host=host, port=port, advertise_host=advertise_host,
+                                      shard=shard, device=device)
+    if not isinstance(receiver, KVReceiver):
+        raise TypeError(f"backend {backend}: its receiver {spec.receiver} is no KVReceiver (kvtransfer/base.py)")
+    return receiver

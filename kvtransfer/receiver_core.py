@@ -73,7 +73,8 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
 
     def __init__(self, layout: KVLayout, store: KVBlockStore, on_block: OnBlock,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 shard: KVShard | None = None):
+                 shard: KVShard | None = None, device: object = "cpu"):
+        # device: the node's compute device; a backend moving host bytes ignores it (nccl's takes it)
         layout.check_compatible(store.layout)
         self.shard = shard or KVShard.of_layout(layout)
         if (why := self.shard.problem()) is not None or self.shard.layout != layout:

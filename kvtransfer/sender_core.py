@@ -102,7 +102,8 @@ class FramedSender(KVSender, Generic[ChannelT]):
     default_frame_bytes: int = 2 << 20  # measured best for tcp and shm (realistic 720 KiB blocks)
 
     def __init__(self, layout: KVLayout, options: SenderOptions | None = None,
-                 shard: KVShard | None = None):
+                 shard: KVShard | None = None, device: object = "cpu"):
+        # device: the node's compute device; a backend moving host bytes ignores it (nccl's takes it)
         self.shard = shard or KVShard.of_layout(layout)
         if (why := self.shard.problem()) is not None or self.shard.layout != layout:
             raise ValueError(f"sender: shard {self.shard} does not hold a cache of {layout}"

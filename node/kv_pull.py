@@ -58,6 +58,7 @@ import aiohttp
 import msgspec
 
 from ..common.config import NodeConfig
+from ..common.kv_backends import backend_spec
 from ..common.errors import InvalidRequest
 from ..common.hashing import token_bytes
 from ..common.http import MSGPACK, decode_error_body
@@ -69,7 +70,6 @@ from ..kvtransfer.state import TransferFailure, TransferTable
 from .runtime import NodeRuntime
 
 log = logging.getLogger(__name__)
-RELEASE_GRACE_S = 0.5  # shm, ipc: a sender still mid-frame stops before the blocks are reused
 # A pull whose holder lands no block for this long fails and the puller computes the prefix: a
 # pull is worth less than the prompt's compute, so a stuck or partitioned holder costs at most this
 # (a prefill transfer's lease, --transfer-lease, guards a whole prompt's compute and is longer).
@@ -198,8 +198,8 @@ class Puller:
     async def _give_back(self, tid: str | None, rid: str) -> None:
         """Free a pull's reservation once nothing can land in it any more (``tid``: its
         transfer, None before it had one)."""
-        if tid is not None and self.kv_backend in ("shm", "ipc"):
-            await asyncio.sleep(RELEASE_GRACE_S)
+        if tid is not None and (grace := backend_spec(self.kv_backend).release_grace_s):
+            await asyncio.sleep(grace)  # the sender writes in place: one mid-frame stops first
         if tid is not None and self.settle is not None:
             await self.settle(tid)
         try:

@@ -17,7 +17,8 @@ import logging
 
 from aiohttp import web
 
-from ..common.config import KVBackend, NodeConfig
+from ..common.config import NodeConfig
+from ..common.kv_backends import backend_names
 from ..common.errors import InvalidRequest
 from ..common.hashing import hash_blocks, hash_keys
 from ..common.http import error_response, msgpack_response, read_msgpack
@@ -183,5 +184,5 @@ class PullHolder:
             raise InvalidRequest("skip_blocks", f"must be in [0, {blocks})")
         if not 0 < len(task.dest_block_ids) <= blocks - task.skip_blocks:
             raise InvalidRequest("dest_block_ids", f"expected 1 to {blocks - task.skip_blocks} ids")
-        if task.kv_backend not in tuple(KVBackend):
-            raise InvalidRequest("kv_backend", f"must be one of {', '.join(KVBackend)}")
+        if task.kv_backend not in backend_names():
+            raise InvalidRequest("kv_backend", f"must be one of {', '.join(backend_names())}")

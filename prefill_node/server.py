@@ -56,7 +56,8 @@ import msgspec
 from aiohttp import web
 
 from ..common.auth import auth_headers
-from ..common.config import KVBackend, NodeConfig
+from ..common.config import NodeConfig
+from ..common.kv_backends import DEFAULT_BACKEND
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, peer_connector, read_msgpack
 from ..common.outcomes import PrefillOutcome
@@ -154,10 +155,9 @@ class PrefillNode:
             await self._start_puller()
 
     async def _start_puller(self) -> None:
-        """The receiver and client this node pulls prefixes with (its own KV backend, or tcp
-        for shm and ipc, which need the other node's cache mapped here)."""
-        backend = self.config.kv_backend if self.config.kv_backend not in (KVBackend.SHM, KVBackend.IPC) \
-            else KVBackend.TCP
+        """The receiver and client this node pulls prefixes with (its own KV backend, or the
+        default, tcp, for one that cannot serve pulls: shm and ipc map the receiver's cache)."""
+        backend = self.config.kv_backend if self.config.kv_spec.serves_pulls else DEFAULT_BACKEND
         receiver = make_receiver(backend, self.rt.layout, self.store, self.config.host, self._on_pull_block,
                                  device=self.config.engine.device, shard=self.rt.shard)
         receiver.accepts = self.pulls.is_live

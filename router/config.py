@@ -4,6 +4,7 @@ starts. Must not be written back to, and must not import torch or node code."""
 import argparse
 import dataclasses
 import ipaddress
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -14,8 +15,11 @@ from ..common.config import parse_size
 from .api_keys import API_KEY_ENV, ApiKey, api_keys_from_args, resolve_salts, unique_keys
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
-# --policy's names, the default first; router/routing/policy_registry.py maps each to its policy.
-POLICIES = ("cache_aware", "least_load", "round_robin")
+# --policy: a name of router/routing/policy_registry.py, which sits above this module (the policies
+# read CacheAwareWeights) and checks the name when the app is built; a policy of one's own is a
+# module named in $SPLITSERVE_ROUTING_POLICIES.
+DEFAULT_POLICY = "cache_aware"
+POLICIES_ENV = "SPLITSERVE_ROUTING_POLICIES"
 MAX_MIGRATION_LIMIT = 16  # a request that kills this many nodes is not worth another one
 
 
@@ -113,7 +117,7 @@ class RouterConfig:
     # streams every other request's tokens. Smaller ones (a few ms at most) stay inline,
     # where a thread hand-off would cost more than the work.
     prepare_thread_bytes: int = 8 << 10
-    policy: str = "cache_aware"
+    policy: str = DEFAULT_POLICY  # a name of router/routing/policy_registry.py (checked by build_app)
     weights: CacheAwareWeights = field(default_factory=CacheAwareWeights)  # cache_aware only
     # Tokens per KV block; must equal the nodes' --block-size or no prefix hit is ever found.
     block_size: int = 16
@@ -184,8 +188,6 @@ class RouterConfig:
         if any(not isinstance(n, str) or not n.strip() for n in names):
             raise ValueError(f"served_model_name: names must be non-empty, got {list(names)}")
         object.__setattr__(self, "served_model_names", names)  # resolved before anyone reads it
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes: must be >= 1024, got {self.max_body_bytes}")
         if self.prepare_thread_bytes < 0:
@@ -245,7 +247,9 @@ class RouterConfig:
         return Path(self.model).expanduser()
 
 
-def add_router_args(p: argparse.ArgumentParser) -> None:
+def add_router_args(p: argparse.ArgumentParser, policies: Collection[str] | None = None) -> None:
+    """The router's flags. ``policies``: --policy's choices (cli.py passes the policy
+    registry's, read when the flag is checked); None: any name, refused by build_app."""
     d = RouterConfig()
     g = p.add_argument_group("router")
     g.add_argument("--host", default=d.host)
@@ -264,7 +268,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prepare-thread-bytes", type=int, default=d.prepare_thread_bytes,
                    help="request bodies larger than this are parsed and tokenized on a worker "
                         "thread, so the event loop keeps streaming (0: every body)")
-    g.add_argument("--policy", choices=POLICIES, default=d.policy)
+    g.add_argument("--policy", choices=policies, default=d.policy, metavar="NAME",
+                   help="the routing policy" + (": %(choices)s" if policies is not None else "")
+                        + f" (default %(default)s; one of your own: ${POLICIES_ENV}, see README.md)")
     g.add_argument("--score-weights", default="",
                    help="cache_aware weights as name=value,... (names: "
                         + ", ".join(f"{f.name} default {getattr(d.weights, f.name)}"

@@ -12,12 +12,13 @@ from splitserve.tests.metrics_text import node_metric
 
 
 def assert_serves_greedy(path, prompts: list[list[int]], refs: list[list[int]], max_tokens: int,
-                         more: Callable[[Cluster], None] | None = None) -> None:
+                         more: Callable[[Cluster], None] | None = None, **cluster) -> None:
     """Each prompt's greedy completion through router -> prefill -> decode has the tokens of
     ``refs`` (as logprob tokens) and their count; its KV travelled from the prefill node (blocks
-    sent, no fallback prefill on the decode node); then ``more(cluster)``, before it stops."""
+    sent, no fallback prefill on the decode node); then ``more(cluster)``, before it stops.
+    ``cluster``: more arguments of the ``Cluster`` (kv_backend, policy, ...)."""
     tok = RouterTokenizer(path)
-    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_cache_memory="8MiB", model=str(path))
+    c = Cluster(prefill_nodes=1, decode_nodes=1, kv_cache_memory="8MiB", model=str(path), **cluster)
     try:
         c.start()
         client = openai.OpenAI(base_url=f"{c.url}/v1", api_key="none", max_retries=0, timeout=120)

@@ -1,5 +1,6 @@
 """One conformance suite for every KV transfer backend (tcp, shm, ucx, nccl; nccl on
-its CPU code path, gloo): real sockets on 127.0.0.1, two real block stores with
+its CPU code path, gloo; and tests/toy_backend.py, a backend from outside the package
+named in $SPLITSERVE_KV_BACKENDS): real sockets on 127.0.0.1, two real block stores with
 different random contents, and a receiver in a child process for the crash case;
 also tensor-parallel ranks on both sides (different TP degrees: head slices) over each
 backend (tests/test_kvtransfer_tp.py covers the TP cases in depth on tcp and shm).
@@ -13,11 +14,12 @@ import sys
 import textwrap
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
-from splitserve.common.config import KVBackend
+from splitserve.common.kv_backends import BACKENDS_ENV, BUILTIN
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
                                    TransferError, TransferFailure, allocate_kv_cache, free_shared_kv_cache,
                                    make_receiver, make_sender, sender_options)
@@ -54,8 +56,13 @@ def nccl_unavailable() -> str | None:
     return None
 
 
-@pytest.fixture(params=tuple(KVBackend))
-def backend(request):
+TOY_BACKEND = Path(__file__).with_name("toy_backend.py")
+
+
+@pytest.fixture(params=[spec.name for spec in BUILTIN] + ["toy"])
+def backend(request, monkeypatch):
+    if request.param == "toy":  # this process and the receiver processes it starts load it
+        monkeypatch.setenv(BACKENDS_ENV, str(TOY_BACKEND))
     if request.param == "ipc":  # a CUDA IPC handle cannot be opened by the process that made it
         pytest.skip("ipc needs CUDA and two processes: tests/test_kvtransfer_device.py")
     unavailable = {"ucx": ucx_unavailable, "nccl": nccl_unavailable}.get(request.param)

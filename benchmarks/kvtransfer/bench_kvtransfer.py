@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from splitserve.benchmarks.harness import RESULTS, stop_receiver
+from splitserve.common.kv_backends import backend_spec
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, SenderOptions, TransferError,
                                    allocate_kv_cache, free_shared_kv_cache, make_receiver, make_sender)
 
@@ -76,7 +77,7 @@ def copy_bandwidth(nbytes: int, runs: int) -> float:
 def bench_backend(backend: str, store: KVBlockStore, runs: int,
                   options: SenderOptions) -> dict[int, float] | str:
     """GB/s per transfer size, or why the backend could not run."""
-    shm_name = f"splitserve-bench-{uuid.uuid4().hex[:8]}" if backend == "shm" else None
+    shm_name = f"splitserve-bench-{uuid.uuid4().hex[:8]}" if backend_spec(backend).shm_cache else None
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=receiver_main, args=(backend, shm_name, child))
     proc.start()

@@ -34,6 +34,7 @@ import uuid
 import torch
 
 from splitserve.benchmarks.harness import RESULTS
+from splitserve.common.kv_backends import backend_spec
 from splitserve.common.kv_compat import KVCompat
 from splitserve.common.protocol import PrefillResult
 from splitserve.kvtransfer import (KVBlockStore, KVShard, OnBlock, RankReporter, SenderOptions, ShardSender,
@@ -82,7 +83,7 @@ def decode_rank_main(backend: str, tp: int, rank: int, num_blocks: int, ctrl, re
     ("done", time, reason|None). A worker: its receiver's reports go to rank 0's pipe."""
     torch.set_num_threads(1)
     shard = KVShard(key(tp), rank)
-    shm_name = f"splitserve-bench-{uuid.uuid4().hex[:8]}" if backend == "shm" else None
+    shm_name = f"splitserve-bench-{uuid.uuid4().hex[:8]}" if backend_spec(backend).shm_cache else None
     store = KVBlockStore(allocate_kv_cache(shard.layout, num_blocks, shm_name), shard.layout, shm_name=shm_name)
 
     async def main():

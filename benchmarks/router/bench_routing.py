@@ -41,8 +41,9 @@ from splitserve.benchmarks.loadgen.replay.generate import generate
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, print_summary, run_replay
 from splitserve.common.sim_profiles import get_deployment
 from splitserve.common.trace import dump_trace, summarize
+from splitserve.router.routing.policy_registry import BUILTIN
 
-POLICIES = ("cache_aware", "least_load", "round_robin")
+POLICIES = tuple(spec.name for spec in BUILTIN)  # the built-in policies, compared
 RATE_PER_16_NODES = 0.25  # new conversations per second of trace time
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 
 from splitserve.benchmarks.harness import RESULTS
-from splitserve.common.config import KVBackend
+from splitserve.common.kv_backends import backend_names
 from splitserve.deploy.launcher import Cluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +50,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--backend", default="shm", choices=tuple(KVBackend))
+    ap.add_argument("--backend", default="shm", choices=backend_names())
     ap.add_argument("--chunk", type=int, default=128, help="prefill chunk size (blocks stream per chunk)")
     ap.add_argument("--rounds", type=int, default=2, help="alternate the two setups this many times")
     ap.add_argument("--out", default=str(RESULTS / "ttft.json"))
