@@ -34,7 +34,8 @@ class LeastKV:
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None,
-               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> Decision | None:
+               tiers: Mapping[str, TierBlocks] = NO_TIERS,
+               pulls: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None
