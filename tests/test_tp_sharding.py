@@ -22,7 +22,7 @@ from splitserve.engine.models.registry import model_config, read_model_config
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.models.sharding import model_tp_problems, shard_full, shard_of
 from splitserve.engine.step_inputs import ForwardInputs, PrefillChunk
-from splitserve.engine.parallel.channel import Control, Stop, ToWorker
+from splitserve.engine.parallel.step_channel import Control, Stop, ToWorker
 from splitserve.tests.tp_ranks import fake_group, gloo_peer
 
 
