@@ -55,7 +55,7 @@ from typing import NamedTuple
 import msgspec
 
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate, KVEvent, Tier
-from .registry import REDIS_ERRORS, make_redis
+from .node_registry import REDIS_ERRORS, make_redis
 
 __all__ = ["KVIndex", "IndexDelta", "NodeSnapshot", "REDIS_ERRORS", "EVENTS_CHANNEL", "blocks_key",
            "seq_key", "tiers_key"]
