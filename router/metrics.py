@@ -107,8 +107,9 @@ class RouterMetrics:
             loop_lag=c.histogram(n.ROUTER_EVENT_LOOP_LAG, "How late the event loop woke a "
                                  f"{LAG_PERIOD_S}s timer (a stall delays every stream)", LAG_BUCKETS),
             index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Lookups in the router's prefix "
-                                    "mirror (its in-memory copy of the prefix index), by result (ok; skipped: the mirror is not "
-                                    "usable, Redis unreachable: routing by load only)", ["result"]),
+                                    "mirror (its in-memory copy of the prefix index), by result "
+                                    "(ok; skipped: the mirror is not usable, Redis unreachable: "
+                                    "routing by load only)", ["result"]),
             predicted_cached_tokens=c.counter(n.PREDICTED_CACHED_TOKENS, "Prompt tokens the routing "
                                               "decisions predicted to be cached, by the tier of "
                                               "the node's prefix cache holding them (device, "

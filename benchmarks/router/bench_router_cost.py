@@ -126,7 +126,8 @@ def mirror(redis_url: str, **kw):
     from splitserve.router.routing.mirror_follower import MirrorFollower
     from splitserve.router.routing.prefix_mirror import PrefixMirror
 
-    px = MirrorFollower(PrefixMirror(RouterMetrics.create(MODEL), MODEL, BS), KVIndex(redis_url, timeout_s=10.0), **kw)
+    px = MirrorFollower(PrefixMirror(RouterMetrics.create(MODEL), MODEL, BS),
+                        KVIndex(redis_url, timeout_s=10.0), **kw)
     px.start()
     return px
 

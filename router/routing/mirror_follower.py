@@ -71,7 +71,8 @@ class MirrorFollower:
             if done:
                 break
         else:
-            log.warning("router: the prefix mirror's follower did not stop after %d cancellations", STOP_ATTEMPTS)
+            log.warning("router: the prefix mirror's follower did not stop after %d cancellations",
+                        STOP_ATTEMPTS)
         self._task = None
 
     async def _run(self) -> None:
