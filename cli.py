@@ -172,7 +172,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
     g.add_argument("--redis-url", default=None,
-                   help="registry and prefix index (default: $SPLITSERVE_REDIS_URL; neither: the node "
+                   help="node registry and prefix index (default: $SPLITSERVE_REDIS_URL; neither: the node "
                         "is not discoverable); a URL with a password belongs in the environment: flags "
                         "show in `ps`")
     g.add_argument("--node-id", default="")
@@ -402,7 +402,7 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-nodes", type=int)
     p.add_argument("--port", type=int, help="router port")
     p.add_argument("--router-replicas", type=int, default=1,
-                   help="routers behind the same Redis, each with its own prefix-index mirror "
+                   help="routers behind the same Redis, each with its own prefix mirror "
                         "(the first on --port, the others on free ports; all URLs are printed)")
     p.add_argument("--policy", choices=Names(_policy_names), metavar="NAME",
                    help=f"every router's --policy: %(choices)s (default {DEFAULT_POLICY}; one of your own: "

@@ -24,7 +24,7 @@ from splitserve.benchmarks.harness import wait_pools_free
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, TierFlags
 from splitserve.engine.kv.disk_trust import KEY_FILE_NAME
-from splitserve.common.registry import NodeRegistry
+from splitserve.common.node_registry import NodeRegistry
 from tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow
