@@ -192,7 +192,7 @@ class EngineConfig:
     # tensor-parallel. Refused for a dense model; a no-op at tensor_parallel_size 1. The KV
     # layout is the attention's, so a node's EP never has to match its KV peers'.
     enable_expert_parallel: bool = False
-    # Data-parallel attention (engine/parallel/data_parallel.py): this engine is rank
+    # Data-parallel attention (engine/ranks/data_parallel.py): this engine is rank
     # data_parallel_rank of data_parallel_size ranks of one MoE node; each rank has its own
     # requests, scheduler and KV pool, and the ranks share the MoE layers (each holds E / N
     # experts). Rank 0 hosts their rendezvous at data_parallel_address (host:port; the ranks
@@ -308,7 +308,7 @@ class NodeConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_workers: int = 2  # above the router's default schema_compiles_per_key (1)
     # The device of each rank of a tensor-parallel node, rank 0's first (it is engine.device);
-    # empty: engine/parallel/group.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
+    # empty: engine/ranks/placement.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
     rank_devices: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -62,7 +62,7 @@ from ..engine.models.loader import resolve_model_dir
 from ..engine.models.registry import read_model_config
 from ..engine.parallel.group import TPFailure
 from ..engine.models.sharding import check_model_tp
-from ..engine.parallel.launch import TPLeader
+from ..engine.ranks.launch import TPLeader
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout, KVShard
 from ..kvtransfer.rank_report import RankMessage
@@ -158,7 +158,7 @@ class NodeRuntime:
                 self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
             raise
         if self.config.fault == STEP_FAULT:
-            arm_step_fault(engine)
+            arm_step_fault(engine.runner, engine.scheduler)
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
         c = self.config
