@@ -48,7 +48,7 @@ from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .kv.cache_manager import ComputedBlocks, KVCacheManager
-from .kv.tier_store import TierObserver
+from .kv.tier_spec import TierObserver
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
 from .model_runner import KVCacheFactory, ModelRunner

@@ -152,7 +152,7 @@ class ModelRunner(Runner):
         ``num_verify`` tokens (runner.py ``Runner.launch``). With TP, the
         workers get the step's inputs first and run the same forward. The step's lower-tier
         loads are issued first, one layer after another, and the forward waits for each
-        layer's just before it (kv/tier_store.py ``LayerLoads``). ``ready`` is called just
+        layer's just before it (kv/tier_streams.py ``LayerLoads``). ``ready`` is called just
         before the forward is queued: what it queues reads the blocks in place, loaded ones
         included (with loads, it is queued behind them, beside the forward). A step of no rows
         only issues its loads (scheduler.py: a prompt loading a long run, nothing else to run)."""

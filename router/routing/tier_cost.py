@@ -10,7 +10,7 @@ heartbeat (``NodeInfo.tiers``, common/kv_tier_stats.py).
         move(t)      = block_bytes(t) / load_bytes_per_s(t)
         load(host)   = move(host)
         load(disk)   = move(disk) + move(host)   (a disk block is read into host memory and
-                       copied on as a host block is: engine/kv/tier_store.py, whose own
+                       copied on as a host block is: engine/kv/tier_policy.py, whose own
                        choice to load or recompute adds the two the same way)
         recompute    = block_bytes(device) / load_bytes_per_s(device)   (the device tier's
                        load rate is the node's prefill rate, in bytes of blocks per second)
