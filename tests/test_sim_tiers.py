@@ -12,7 +12,7 @@ import pytest
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv.tier_spec import Move
 from splitserve.engine.sim_runner import standin_block_bytes, standin_tiers

@@ -28,7 +28,7 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
 from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier

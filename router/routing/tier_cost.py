@@ -47,7 +47,7 @@ HOST_LOAD_BYTES_PER_S = 50e9
 # disk -> device: one NVMe drive's sequential read (Gen4 ~7 GB/s, Gen5 ~12 GB/s peak; ~5 sustained
 # through the page cache and a bounce through host memory)
 DISK_LOAD_BYTES_PER_S = 5e9
-# recompute: the llama3-8b-h100 simulated profile (common/sim_profiles.toml) prefills a
+# recompute: the llama3-8b-h100 simulated profile (deploy/planner/sim_profiles.toml) prefills a
 # 4096-token prompt at ~33,000 tokens/s x 128 KiB of KV per token ~ 4.3 GB/s of blocks
 RECOMPUTE_BYTES_PER_S = 4.3e9
 
