@@ -4,7 +4,7 @@ epoch (node/runtime.py builds it once the node listens, and closes it on drain).
 
 Owns ``RedisLink`` (the registry, the heartbeat, the index client, the publisher) and the
 start-up refusal of a pool the node cannot exchange KV with (``check_pool``,
-common/registry.py ``kv_pool_problem``). Must not: know the engine or the node's role
+common/node_registry.py ``kv_pool_problem``). Must not: know the engine or the node's role
 beyond the role's name; a Redis outage is logged, never raised, once the node has joined.
 """
 
@@ -19,7 +19,7 @@ from ..common.config import NodeRole
 from ..common.kv_compat import KVCompat
 from ..common.kv_index import KVIndex
 from ..common.model_metrics import BoundLabels
-from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem
+from ..common.node_registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem
 from .kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)

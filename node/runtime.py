@@ -51,14 +51,14 @@ from ..common.kv_compat import KVCompat
 from ..common.kv_events import KVEvent, Tier
 from ..common.load import NodeLoad
 from ..common.sampling_params import SamplingParams
-from ..common.registry import NodeInfo, new_epoch
+from ..common.node_registry import NodeInfo, new_epoch
 from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import EngineThread
 from ..engine.limits import RequestLimits
 from ..engine.step_fault import STEP_FAULT, arm_step_fault
 from ..engine.models.loader import resolve_model_dir
-from ..engine.models.registry import read_model_config
+from ..engine.models.families import read_model_config
 from ..engine.parallel.group import TPFailure
 from ..engine.models.sharding import check_model_tp
 from ..engine.ranks.launch import TPLeader

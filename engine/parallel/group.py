@@ -7,7 +7,7 @@ collectives), ``init_tp_group`` (a
 ``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA, built with their
 constructors over a ``TCPStore`` rendezvous, never ``init_process_group``: a node's
 KV transports make groups of their own, kvtransfer/backends/pair_group.py). Must not: know
-the model, the step channel (parallel/channel.py), or where ranks run and how they are
+the model, the step channel (parallel/step_channel.py), or where ranks run and how they are
 started (engine/ranks/: placement.py, launch.py, worker.py).
 
 A TP=1 engine holds ``TPGroup.single(device)``: every collective returns its input

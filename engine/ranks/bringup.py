@@ -30,7 +30,7 @@ import torch
 
 from ...common.config import EngineConfig
 from ..model_runner import KVCacheFactory, ModelRunner
-from ..models.registry import read_model_config
+from ..models.families import read_model_config
 from ..models.sharding import check_model_tp
 from ..parallel.group import DataParallel, TPFailure, TPGroup
 from ..runner import Runner

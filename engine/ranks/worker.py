@@ -35,7 +35,7 @@ from ...common.config import EngineConfig
 from ..models.loader import resolve_model_dir
 from ..model_runner import KVCacheFactory, ModelRunner
 from ..parallel.group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, init_tp_group
-from ..parallel.channel import Control, StepReceiver
+from ..parallel.step_channel import Control, StepReceiver
 from ..step_inputs import ForwardInputs
 from .placement import pin_process, rank_cpus, rank_device, rank_threads
 
