@@ -261,7 +261,7 @@ def _add_sim_nodes_args(p: argparse.ArgumentParser) -> None:
                    help="timing-model JSON from benchmarks/engine/fit_timing.py (default: the built-in fit)")
     p.add_argument("--sim-speedup", type=float, default=1.0, help="divide every simulated step by this")
     p.add_argument("--id-prefix", default="sim", help="node ids are <prefix>-<role>-<i>")
-    p.add_argument("--profile", default=None, help="a GPU deployment to stand for (common/sim_profiles.toml): "
+    p.add_argument("--profile", default=None, help="a GPU deployment to stand for (deploy/planner/sim_profiles.toml): "
                    "sets context, KV pool, block size, chunking and a roofline timing")
     p.add_argument("--list-profiles", action="store_true", help="print the profiles' derived numbers and exit")
 
@@ -270,12 +270,12 @@ def cmd_sim_nodes(args) -> int:
     from .node.sim_fleet import fleet_configs, run_fleet
 
     if args.list_profiles:
-        from .common.sim_profiles import format_profiles, load_profiles
+        from .deploy.planner.sim_profiles import format_profiles, load_profiles
         print(format_profiles(load_profiles()))
         return 0
     sim = SimConfig.load(args.sim_timing, args.sim_speedup)
     if args.profile:  # the profile's model and GPU: context, KV pool, chunking, roofline timing
-        from .common.sim_profiles import get_profile
+        from .deploy.planner.sim_profiles import get_profile
         p = get_profile(args.profile)
         sim = p.sim_config(args.sim_speedup)
         args.kv_cache_memory, args.block_size = str(p.kv_pool_bytes), p.block_size

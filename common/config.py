@@ -4,12 +4,11 @@ line, before it starts, and passes it down; nothing writes back to it."""
 import json
 import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Literal, Protocol
 from pathlib import Path
 
 from .bundled import BUNDLED_MODEL_ID
 from .kv_backends import DEFAULT_BACKEND, KVBackendSpec, alternatives, backend_spec
-from .roofline import Roofline
 
 
 NodeRole = Literal["prefill", "decode", "colocated"]
@@ -32,6 +31,13 @@ def parse_size(text: str | int, field: str = "kv_cache_memory") -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
+class StepTimeModel(Protocol):
+    """A simulated step's time from its shape, in place of the fitted terms (``SimConfig.roofline``:
+    a GPU profile's roofline, deploy/planner/roofline.py ``Roofline``)."""
+
+    def step_seconds(self, decode_batch: int, decode_context: int, chunks: list[tuple[int, int]]) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """A simulated forward pass (``EngineConfig.sim``): the engine schedules, caches and
@@ -43,8 +49,8 @@ class SimConfig:
         t = step_s + prefill_token_s * sum(n) + prefill_attn_s * sum(n * (ctx + n / 2))
               + decode_s(D)     (linear between the measured batch sizes, 0 when D = 0)
 
-    or, with ``roofline`` (a GPU profile, common/sim_profiles.py), the roofline's
-    step time (common/roofline.py), which also sees the decode rows' context.
+    or, with ``roofline`` (a GPU profile, deploy/planner/sim_profiles.py), the roofline's
+    step time (deploy/planner/roofline.py), which also sees the decode rows' context.
     ``max_model_len``, ``kv_bytes_per_token`` and ``num_layers`` (0: the model folder's own)
     make a simulated node stand for the profile's model: its context, its KV cache size and
     the layers a lower-tier load overlaps the forward by (engine/sim_runner.py).
@@ -66,7 +72,7 @@ class SimConfig:
     # (decode batch size, seconds added to a step), ascending by batch size
     decode_s: tuple[tuple[int, float], ...] = ((1, 0.010), (4, 0.054), (16, 0.138), (32, 0.294), (64, 0.613))
     speedup: float = 1.0
-    roofline: Roofline | None = None
+    roofline: StepTimeModel | None = None
     max_model_len: int = 0  # 0: the model folder's max_position_embeddings
     kv_bytes_per_token: int = 0  # 0: the model folder's own (the KV cache holds as many tokens as it would)
     kv_network_bytes_per_s: float = 0.0  # 0: a transfer takes what this machine's transport takes
@@ -197,7 +203,7 @@ class EngineConfig:
     # tensor-parallel. Refused for a dense model; a no-op at tensor_parallel_size 1. The KV
     # layout is the attention's, so a node's EP never has to match its KV peers'.
     enable_expert_parallel: bool = False
-    # Data-parallel attention (engine/parallel/data_parallel.py): this engine is rank
+    # Data-parallel attention (engine/ranks/data_parallel.py): this engine is rank
     # data_parallel_rank of data_parallel_size ranks of one MoE node; each rank has its own
     # requests, scheduler and KV pool, and the ranks share the MoE layers (each holds E / N
     # experts). Rank 0 hosts their rendezvous at data_parallel_address (host:port; the ranks
@@ -313,7 +319,7 @@ class NodeConfig:
     grammar_compile_timeout_s: float = 10.0
     grammar_compile_workers: int = 2  # above the router's default schema_compiles_per_key (1)
     # The device of each rank of a tensor-parallel node, rank 0's first (it is engine.device);
-    # empty: engine/parallel/group.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
+    # empty: engine/ranks/placement.py rank_device's rule (cuda:k -> cuda:k+rank; every rank on the CPU).
     rank_devices: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from ..common.config import NodeConfig
 from ..engine.model_runner import KVCacheFactory, ModelRunner
-from ..engine.parallel.worker import ControlHandler
+from ..engine.ranks.worker import ControlHandler
 from ..kvtransfer import (ClosedTransfers, KVBlockStore, KVLayout, KVReceiver, KVShard, RankReporter, TransfersClosed,
                           allocate_kv_cache, free_shared_kv_cache, make_receiver)
 from ..kvtransfer.rank_report import RankMessage, RankReady

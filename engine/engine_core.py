@@ -27,10 +27,11 @@ requests through ``abort(req_id, "stop")``.
 
 Tensor parallelism (``tensor_parallel_size`` > 1): this engine is rank 0. It schedules,
 owns the block ids, prefix cache and hashes, samples, and its ModelRunner sends every
-step to the worker ranks (parallel/launch.py, parallel/worker.py). Given no ``tp`` leader, it starts
+step to the worker ranks (ranks/launch.py, ranks/worker.py). Given no ``tp`` leader, it starts
 the workers itself as child processes (offline use: ``LLM(..., tensor_parallel_size=2)``);
 a node passes the ``TPLeader`` whose rendezvous it gave the ranks it started. A rank
 that dies or hangs makes ``step()`` raise ``TPFailure``; ``close()`` stops the workers.
+Building the runner and the ranks beside it is ranks/bringup.py's.
 """
 
 import logging
@@ -47,12 +48,12 @@ from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .kv.cache_manager import ComputedBlocks, KVCacheManager
-from .kv.tier_store import TierObserver
+from .kv.tier_spec import TierObserver
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
-from .models.families import read_model_config
 from .model_runner import KVCacheFactory, ModelRunner
-from .parallel.group import TPFailure, TPGroup, pin_process, rank_cpus, rank_device, rank_threads
+from .parallel.group import TPFailure
+from .ranks.bringup import Ranks, start_runner
 from .request import Request
 from .runner import LaunchedStep, Runner, prompt_tokens
 from .sampling.sampler import Sampler
@@ -61,7 +62,7 @@ from .sampling.structured import GrammarCache
 
 if TYPE_CHECKING:
     from .parallel.group import DataParallel
-    from .parallel.launch import TPLeader
+    from .ranks.launch import TPLeader
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -87,30 +88,16 @@ class Reservation(NamedTuple):
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None = None,
                  tp: "TPLeader | None" = None, tier_observer: TierObserver | None = None):
-        """``tp``: rank 0's leader of a node whose workers it started (see parallel/launch.py); None
+        """``tp``: rank 0's leader of a node whose workers it started (see ranks/launch.py); None
         with ``tensor_parallel_size`` > 1 starts them here, as child processes. ``tier_observer``:
         what counts the lower tiers' moves, hits and faults (a node's metrics), if any."""
-        size = config.tensor_parallel_size
-        threads = rank_threads(config.num_threads, size if config.sim is None else 1,
-                               rank_device(config.device, 0))
-        if threads:
-            torch.set_num_threads(threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
+        # ModelRunner (over rank 0's shard, with the workers joined), or SimRunner (ranks/bringup.py)
         self.runner: Runner
-        self.tp: TPLeader | None = None
-        self.dp: DataParallel | None = None  # this engine is a data-parallel rank (parallel/data_parallel.py)
-        self._unpinned: set[int] | None = None  # the cores this process had before rank 0 was pinned
-        if config.sim is None and size > 1:  # a simulated node stands for TP in its timing alone
-            self.runner = self._start_ranks(config, kv_cache_factory, tp)
-        elif config.sim is None:
-            assert tp is None, "a TP leader for an engine with tensor_parallel_size 1"
-            self.dp = self._join_data_parallel(config)
-            group = None if self.dp is None else TPGroup.single(config.device, data_parallel=self.dp)
-            self.runner = ModelRunner(config, self.model_dir, kv_cache_factory, group)
-        else:  # a simulated node: same engine, timing model in place of the forward pass
-            from .sim_runner import SimRunner
-            self.runner = SimRunner(config, self.model_dir, kv_cache_factory)
+        self.runner, self._ranks = start_runner(config, self.model_dir, kv_cache_factory, tp)
+        self.tp: TPLeader | None = self._ranks.tp
+        self.dp: DataParallel | None = self._ranks.dp  # this engine is a data-parallel rank (ranks/data_parallel.py)
         self.model_config = self.runner.model_config
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -140,48 +127,6 @@ class EngineCore:
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)", self.num_blocks,
                  config.block_size, self.kv_capacity_tokens, config.kv_cache_memory / 2**20)
 
-    def _join_data_parallel(self, config: EngineConfig) -> "DataParallel | None":
-        """The data-parallel group of a rank of a DP node, joined once the model is known to split
-        (a clear error before any rendezvous); None at data_parallel_size 1."""
-        if config.data_parallel_size == 1:
-            return None
-        from .models.sharding import check_model_tp
-        from .parallel.data_parallel import join_data_parallel
-
-        check_model_tp(read_model_config(self.model_dir), 1, dp=config.data_parallel_size)
-        assert config.data_parallel_address is not None, "EngineConfig checks it"
-        return join_data_parallel(config.data_parallel_rank, config.data_parallel_size, torch.device(config.device),
-                                  config.data_parallel_address)
-
-    def _start_ranks(self, config: EngineConfig, kv_cache_factory: KVCacheFactory | None,
-                     tp: "TPLeader | None") -> ModelRunner:
-        """Rank 0's runner, after the workers joined (started here when ``tp`` is None)."""
-        from .models.sharding import check_model_tp
-        from .parallel.launch import TPLeader
-
-        size = config.tensor_parallel_size
-        # before any process starts
-        check_model_tp(read_model_config(self.model_dir), size, config.enable_expert_parallel)
-        if tp is None:
-            tp = TPLeader(size)
-            tp.spawn_workers(config)
-        assert tp.size == size, f"a TP leader of {tp.size} ranks for tensor_parallel_size {size}"
-        self.tp = tp
-        try:
-            device = rank_device(config.device, 0)
-            group = tp.join(device, config.enable_expert_parallel)
-            cpus = rank_cpus(0, size, device)
-            if cpus is not None:  # CPU ranks of one host: each on its own cores (undone by close())
-                self._unpinned = pin_process(cpus)
-            return ModelRunner(config, self.model_dir, kv_cache_factory, group, tp)
-        except TPFailure as e:
-            failure = tp.explain(e)
-            self.close()
-            raise failure from e
-        except BaseException:
-            self.close()
-            raise
-
     def close(self) -> None:
         """Stop the worker ranks, if any, and give this process back the cores it had before
         rank 0 was pinned to its share (idempotent); the disk tier's writer finishes its
@@ -189,13 +134,9 @@ class EngineCore:
         kv: KVCacheManager | None = getattr(self, "kv", None)  # absent if the runner failed to build
         if kv is not None:
             kv.close()
-        if self.tp is not None:
-            self.tp.close()
-        if self.dp is not None:
-            self.dp.close()
-        if self._unpinned is not None:
-            pin_process(self._unpinned)
-            self._unpinned = None
+        ranks: Ranks | None = getattr(self, "_ranks", None)
+        if ranks is not None:
+            ranks.close()
 
     def tier_stats(self) -> list[TierStats]:
         """Each tier of the prefix cache, device first. The device tier's load rate is the
@@ -371,7 +312,7 @@ class EngineCore:
 
     def complete_failed_step(self) -> None:
         """A data-parallel rank whose ``step()`` raised (not a ``TPFailure``): issue what is left of
-        the step's forward, with no tokens, so its peers' forward completes (parallel/data_parallel.py)."""
+        the step's forward, with no tokens, so its peers' forward completes (ranks/data_parallel.py)."""
         assert self.dp is not None and isinstance(self.runner, ModelRunner), "a data-parallel rank's engine"
         self.dp.complete_forward(self.runner.idle_forward)
 

@@ -52,7 +52,7 @@ Any other exception from a step is that step's error: the engine's requests end 
 "error" and the thread goes on. On a data-parallel rank the step fails on every rank of the
 node: the failing rank completes its forward's collectives with no tokens (so its peers'
 forward completes), and at the next turn's agreement every rank ends the requests it holds
-with "error" and none steps (parallel/data_parallel.py); a rank that cannot complete the
+with "error" and none steps (ranks/data_parallel.py); a rank that cannot complete the
 forward stops as if a rank died.
 
 A command runs even when its awaiting coroutine was cancelled meanwhile, so a
@@ -83,7 +83,7 @@ from ..common.load import NodeLoad
 from .block_export import BlockExporter, BlockExports, ExportKV
 from .copy_timer import CopyTime, CopyTimer
 from .engine_core import EngineCore, RequestDelta
-from .parallel.data_parallel import IDLE_POLL_S
+from .ranks.data_parallel import IDLE_POLL_S
 from .parallel.group import TPFailure
 from .scheduler import SchedulerOutput
 

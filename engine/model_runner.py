@@ -78,7 +78,7 @@ class PromptRows(NamedTuple):
 
 
 class StepLink(Protocol):
-    """How rank 0's runner reaches the worker ranks (launch.TPLeader): every step's inputs,
+    """How rank 0's runner reaches the worker ranks (ranks/launch.py ``TPLeader``): every step's inputs,
     sent before rank 0 runs the same forward."""
 
     def send_step(self, inputs: ForwardInputs) -> None: ...
@@ -152,7 +152,7 @@ class ModelRunner(Runner):
         ``num_verify`` tokens (runner.py ``Runner.launch``). With TP, the
         workers get the step's inputs first and run the same forward. The step's lower-tier
         loads are issued first, one layer after another, and the forward waits for each
-        layer's just before it (kv/tier_store.py ``LayerLoads``). ``ready`` is called just
+        layer's just before it (kv/tier_streams.py ``LayerLoads``). ``ready`` is called just
         before the forward is queued: what it queues reads the blocks in place, loaded ones
         included (with loads, it is queued behind them, beside the forward). A step of no rows
         only issues its loads (scheduler.py: a prompt loading a long run, nothing else to run)."""
@@ -291,7 +291,7 @@ class ModelRunner(Runner):
 
     def idle_forward(self) -> None:
         """A data-parallel rank with nothing scheduled while a peer steps: a forward of no
-        tokens, which joins the MoE layers' collectives (parallel/data_parallel.py)."""
+        tokens, which joins the MoE layers' collectives (ranks/data_parallel.py)."""
         assert self.group.data_parallel is not None, "only a data-parallel rank runs idle forwards"
         dev, none = self.device, torch.empty(0, dtype=torch.long, device=self.device)
         meta = AttentionMetadata(slot_mapping=none, num_decodes=0,

@@ -30,9 +30,9 @@ crosses into the KV cache as a host load too):
     disk reads, a reservation's loads
                              before the step that follows them starts: a real engine reads a
                              disk block on its own thread, and waits for a reservation's
-                             loads whole (kv/tier_store.py ``Move.whole``)
+                             loads whole (kv/tier_spec.py ``Move.whole``)
     loads                    on the step that follows them, one layer after another as a
-                             real engine issues them (kv/tier_store.py ``LayerLoads``): the
+                             real engine issues them (kv/tier_streams.py ``LayerLoads``): the
                              forward's layer i starts when the loads' layer i and the
                              forward's layer i - 1 are done, a pipeline of the profile's
                              layers (``SimConfig.num_layers``) whose stages split the loads
@@ -44,7 +44,7 @@ crosses into the KV cache as a host load too):
     a step of no rows        its loads alone (a prompt loading a long run: scheduler.py)
 
 What it priced is what the engine measures (the stand-in blocks' own copies time nothing:
-kv/tier_store.py ``TierSpec.timed_by_runner``): each load's seconds per tier
+kv/tier_spec.py ``TierSpec.timed_by_runner``): each load's seconds per tier
 (``KVCacheManager.observe_load``), the forward of a step computing prompt tokens beside no
 load (``observe_prefill``) and of one of the running batch alone (``observe_batch``), in
 simulated seconds, so the scheduler prices a load in prompt tokens as the modelled node
@@ -72,7 +72,7 @@ from ..common.config import EngineConfig
 from ..common.kv_events import Tier
 from ..common.sim_tokens import sim_token
 from .kv.cache_manager import KVCacheManager
-from .kv.tier_store import Move
+from .kv.tier_spec import Move
 from .models.loader import resolve_model_dir
 from .models.config import ModelConfig
 from .models.families import read_model_config

@@ -31,7 +31,7 @@ from ..common.outcomes import (FallbackReason, PullOutcome, PullServed, GrammarC
                                PromptHashResult, TierFault, TransferEnd, TransferStage)
 
 if TYPE_CHECKING:  # annotations only: this module never calls the engine
-    from ..engine.kv.tier_store import Move
+    from ..engine.kv.tier_spec import Move
     from ..engine.engine_core import RequestDelta
     from ..engine.request import Request
     from ..engine.scheduler import SchedulerOutput
@@ -135,7 +135,7 @@ class NodeMetrics:
                                 (self.pulls, PullOutcome), (self.pulls_served, PullServed)):
             for value in values:
                 counter.labels(value)  # exported at 0 from the start
-        # Lower tiers of the prefix cache: observed on the engine thread (tier_store.TierObserver)
+        # Lower tiers of the prefix cache: observed on the engine thread (tier_spec.TierObserver)
         lower = [t.name.lower() for t in Tier if t is not Tier.DEVICE]
         self.tier_queries = c.counter(n.KV_OFFLOAD_QUERIES, "Prompt blocks looked up in the lower "
                                          "tiers (after the device's prefix cache missed)")
@@ -172,7 +172,7 @@ class NodeMetrics:
         self._preemptions_seen = preemptions_total
         self.heartbeat_failures.set(heartbeat_failures)
 
-    # ---- lower tiers (tier_store.TierObserver; engine thread) --------------------------------
+    # ---- lower tiers (tier_spec.TierObserver; engine thread) --------------------------------
     def moved(self, move: Move) -> None:
         tier, direction = move.tier.name.lower(), "load" if move.load else "store"
         self.tier_bytes.labels(tier, direction).inc(move.nbytes)

@@ -52,8 +52,8 @@ from ..common.kv_compat import KVCompat
 from ..engine.models.config import ModelConfig
 from ..engine.model_runner import KVCacheFactory, ModelRunner
 from ..engine.parallel.group import TPFailure
-from ..engine.parallel.launch import exit_words
-from ..engine.parallel.worker import ControlHandler, TPRendezvous, run_worker
+from ..engine.ranks.launch import exit_words
+from ..engine.ranks.worker import ControlHandler, TPRendezvous, run_worker
 from ..kvtransfer import rank_report
 from ..kvtransfer.rank_report import RankMessage
 

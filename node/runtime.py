@@ -1,13 +1,14 @@
-"""NodeRuntime: the parts every node process shares, whatever its role.
+"""NodeRuntime: the runtime around a node's engine thread, whatever the node's role.
 
-- the engine (its KV cache in shared memory when the shm transport needs it)
-  and the EngineThread that runs it;
-- the node's identity (node id, epoch, HTTP and KV addresses) and its registry
-  heartbeat with load;
-- the publisher of its prefix-cache events to the Redis index (node/kv_publisher.py),
-  fed from the engine thread, under the same node id and epoch;
-- its metrics (node/metrics.py) and its part of ``GET /debug/state`` (device, dtype,
-  KV pool, load);
+It builds the engine (its KV cache in shared memory when the shm transport needs it) and
+hands it to the EngineThread that runs it, and holds what the event loop knows of them:
+
+- the node's identity (node id, epoch, HTTP and KV addresses), its ``info`` and ``load``
+  for the registry, and its presence in Redis once it listens (``redis``: the registry
+  heartbeat and the prefix-index publisher, node/redis_link.py, which also refuses a pool
+  the node cannot exchange KV with);
+- its metrics (node/metrics.py), its KV pool's figures (node/kv_pool_info.py) and its part
+  of ``GET /debug/state``;
 - /dev/shm KV segments of dead owners removed on start (node/shm_segments.py), its
   own on exit;
 - with ``tensor_parallel_size`` N > 1, the node's worker ranks (node/ranks.py): this
@@ -16,9 +17,8 @@
   the engine thread. A rank's death is the node's death (``fail``);
 - its structured-output grammars (``grammars``, node/grammar_service.py): compiled in
   worker processes under a CPU-time limit, carried to the engine with each request;
-- the node's KV compatibility key (``kv_key``: its registration, every rank's handshake)
-  and the start-up refusal of a pool it cannot exchange KV with
-  (common/node_registry.py ``kv_pool_problem``).
+- the node's KV compatibility key (``kv_key``: its registration, every rank's handshake;
+  node/ranks.py ``node_kv_key``).
 
 A node fails (``fail``) when a worker rank exits or the engine thread stops on a
 ``TPFailure``: new work gets 503, the role fails what is in flight at once (``on_failure``:
@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -49,10 +49,9 @@ import torch
 from ..common.config import NodeConfig
 from ..common.kv_compat import KVCompat
 from ..common.kv_events import KVEvent, Tier
-from ..common.kv_index import KVIndex
 from ..common.load import NodeLoad
 from ..common.sampling_params import SamplingParams
-from ..common.node_registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
+from ..common.node_registry import NodeInfo, new_epoch
 from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import EngineThread
@@ -62,40 +61,21 @@ from ..engine.models.loader import resolve_model_dir
 from ..engine.models.families import read_model_config
 from ..engine.parallel.group import TPFailure
 from ..engine.models.sharding import check_model_tp
-from ..engine.parallel.launch import TPLeader
+from ..engine.ranks.launch import TPLeader
 from ..kvtransfer.block_store import allocate_kv_cache, free_shared_kv_cache
 from ..kvtransfer.layout import KVLayout, KVShard
 from ..kvtransfer.rank_report import RankMessage
-from .kv_publisher import KVEventPublisher
 from .grammar_service import GrammarService
+from .kv_pool_info import KVPoolInfo
 from .metrics import NodeMetrics
 from .pull_budget import PullBudget
 from .ranks import RankProcs, RoleFactory, node_kv_key
+from .redis_link import RedisLink
 from .shm_segments import remove_dead_segments, segment_name
 
 log = logging.getLogger(__name__)
 
 PEERS_STOP_S = 10.0  # a data-parallel rank waits its peers' drain grace and this much for them to stop with it
-
-
-class KVPoolInfo(NamedTuple):
-    """Where the node's KV block pool lives and how big it is (/debug/state, metrics)."""
-    device: str  # torch device, e.g. "cpu", "cuda:0" (rank 0's)
-    dtype: str  # "float32", "bfloat16", ...
-    blocks: int  # usable blocks (the tensor may hold one more: static decode's scratch block)
-    bytes: int  # every rank's KV cache together
-    tokens: int
-    gpu_memory_utilization: float | None  # the fraction it was sized from, if any (per rank)
-    # [rank] -> {"rank", "kv_heads": [start, stop), "bytes"}: each rank holds its KV heads of every block
-    ranks: tuple[dict, ...] = ()
-
-
-class RedisLink(NamedTuple):
-    """The node's presence in Redis: its registry record and its prefix-index stream."""
-    registry: NodeRegistry
-    heartbeat: Heartbeat
-    kv_index: KVIndex
-    publisher: KVEventPublisher
 
 
 class NodeRuntime:
@@ -158,7 +138,7 @@ class NodeRuntime:
                 self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
             raise
         if self.config.fault == STEP_FAULT:
-            arm_step_fault(engine)
+            arm_step_fault(engine.runner, engine.scheduler)
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv
         c = self.config
@@ -175,15 +155,8 @@ class NodeRuntime:
             self.kv_key = KVShard.of_layout(self.layout, cfg.model_id).compat
         self.shard = KVShard(self.kv_key, 0)
         assert self.shard.layout == self.layout, f"rank 0's cache {self.layout} is not {self.shard.describe()}'s"
-        blocks = engine.num_blocks  # the tensor may hold one more: static decode's scratch block
-        shards = [KVShard(self.kv_key, r) for r in range(self.tp)]
-        rank_bytes = [blocks * shard.layout.block_nbytes for shard in shards]
-        ranks = tuple({"rank": r, "kv_heads": list(shard.heads), "bytes": nbytes}
-                      for r, (shard, nbytes) in enumerate(zip(shards, rank_bytes)))
-        self.kv_pool_info = KVPoolInfo(device=str(kv.device), dtype=str(kv.dtype).removeprefix("torch."),
-                                       blocks=blocks, bytes=sum(rank_bytes),
-                                       tokens=blocks * cfg.block_size,
-                                       gpu_memory_utilization=cfg.gpu_memory_utilization, ranks=ranks)
+        # engine.num_blocks: the tensor may hold one more (static decode's scratch block)
+        self.kv_pool_info = KVPoolInfo.of(kv, engine.num_blocks, self.kv_key, self.tp, cfg)
         info = self.kv_pool_info
         self.metrics.set_kv_pool(info.device, info.dtype, info.blocks, info.bytes, info.tokens)
 
@@ -286,34 +259,10 @@ class NodeRuntime:
         index."""
         self.http_addr = f"http://{self.config.host}:{port}"
         self.node_id = self.config.node_id or f"{self.config.role}-{self.config.host}-{port}"
-        if self.config.redis_url:
-            registry = NodeRegistry(self.config.redis_url)
-            try:
-                await self._check_pool(registry)
-            except BaseException:
-                await registry.close()
-                raise
-            index = KVIndex(self.config.redis_url)
-            publisher = KVEventPublisher(index, self.node_id, self.epoch, self.engine_thread.request_kv_snapshot,
-                                         self.metrics.index_batches)
-            self.redis = RedisLink(registry, Heartbeat(registry, self.info), index, publisher)
-            publisher.start()
-            self.redis.heartbeat.start()
-
-    async def _check_pool(self, registry: NodeRegistry) -> None:
-        """Refuse to join a pool this node cannot exchange KV with (another model, dtype,
-        block size or head layout than every registered node of the other role): a
-        ``ValueError`` naming each mismatch, before it registers. Redis down: not checked."""
-        try:
-            nodes = await registry.list_nodes()
-        except REDIS_ERRORS as e:
-            log.warning("cannot read the registry to check KV compatibility (%r); registering anyway", e)
-            return
-        problem = kv_pool_problem(self.config.role, self.kv_key, nodes)
-        if problem is not None:
-            raise ValueError(f"{problem}. Start this node with the pool's model, --dtype and --block-size "
-                             f"(any --tensor-parallel-size that splits the model's KV heads pairs), or "
-                             f"point it at another --redis-url")
+        if self.config.redis_url:  # refused here if the pool's nodes cannot exchange KV with it
+            self.redis = await RedisLink.join(self.config.redis_url, self.config.role, self.kv_key, self.node_id,
+                                              self.epoch, self.info, self.engine_thread.request_kv_snapshot,
+                                              self.metrics.index_batches)
 
     async def start_draining(self) -> None:
         """Refuse new work from now on (node/app.py answers 503) and deregister, so routers
@@ -327,10 +276,7 @@ class NodeRuntime:
             return
         self._heartbeat_stopped = True
         if self.redis is not None:
-            await self.redis.heartbeat.stop()
-            await self.redis.registry.close()
-            await self.redis.publisher.stop()
-            await self.redis.kv_index.close()
+            await self.redis.close()
 
     def shutdown(self) -> None:
         """Kill the grammar compile workers, stop the engine thread, then the worker ranks (the

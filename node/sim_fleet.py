@@ -38,7 +38,7 @@ def fleet_configs(template: NodeConfig, prefill_nodes: int, decode_nodes: int,
                   id_prefix: str = "sim", decode_template: NodeConfig | None = None) -> list[NodeConfig]:
     """``template`` (its engine config carrying ``sim``) copied per node, port 0 each;
     the decode nodes copy ``decode_template`` when given (a deployment whose decode
-    nodes stand for another profile than its prefill nodes: common/sim_profiles.py).
+    nodes stand for another profile than its prefill nodes: deploy/planner/sim_profiles.py).
     Tier sizes are the modelled model's bytes (engine/sim_runner.py ``standin_tiers``)."""
     templates = {"prefill": template, "decode": decode_template or template}
     if any(t.engine.sim is None for t in templates.values()):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..engine.block_export import ExportKV
-from ..engine.parallel.launch import TPLeader
+from ..engine.ranks.launch import TPLeader
 from ..kvtransfer import KVBlockStore, KVShard, PackedSend, pack_sends
 from ..kvtransfer.rank_report import KVExport, encode_export
 

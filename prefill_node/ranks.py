@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 from ..common.config import NodeConfig
 from ..engine.model_runner import KVCacheFactory, ModelRunner
-from ..engine.parallel.worker import ControlHandler
+from ..engine.ranks.worker import ControlHandler
 from ..kvtransfer import (KVBlockStore, KVShard, PackedSend, SenderOptions, ShardSender, TransferError, make_sender,
                           pack_sends, sender_options)
 from ..kvtransfer.rank_report import KVExport, RankMessage, RankReady, RankSent, decode_export

@@ -69,16 +69,15 @@ def top(name: str) -> str:
 
 
 # Inside a top-level package, its parts in the same one-way order. A part is a subfolder, a module
-# named here (of the package, or of a subfolder: "parallel.worker"), or "": every other module
-# directly in the package. The package's __init__ sits above them all. A module imports only its
-# own part or a lower one.
+# named here, or "": every other module directly in the package. The package's __init__ sits above
+# them all. A module imports only its own part or a lower one.
 SUBLAYER = {
     "router": {"": 0, "routing": 1, "streams": 2, "openai": 3, "responses": 4, "http": 5, "app": 6},
     "kvtransfer": {"": 0, "backends": 1, "factory": 2},
-    # engine: what a step is made of, then the runners and scheduler (""), then what drives them
+    # engine: what a step is made of, then the runners and scheduler (""), then what drives them:
+    # the ranks (a worker's loop, rank 0's launch, bring-up), the core, its thread, the offline LLM
     "engine": {"upload": 0, "step_inputs": 0, "limits": 0, "parallel": 1, "attention": 2, "models": 3, "kv": 4,
-               "sampling": 5, "": 6, "parallel.worker": 7, "parallel.launch": 8, "engine_core": 9,
-               "engine_thread": 10, "step_fault": 10, "llm": 11},
+               "sampling": 5, "": 6, "ranks": 7, "engine_core": 8, "engine_thread": 9, "llm": 10},
 }
 
 
@@ -88,8 +87,7 @@ def part(name: str) -> str:
     parts = name.split(".")
     if len(parts) == 1:
         return "__init__"
-    order = SUBLAYER.get(parts[0], {})
-    return next((p for p in (".".join(parts[1:3]), parts[1]) if p in order), "")
+    return parts[1] if parts[1] in SUBLAYER.get(parts[0], {}) else ""
 
 
 def sublayer(name: str) -> int:

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from splitserve.benchmarks.gpu import bench_gpu_moe as moe
-from splitserve.common.roofline import expected_experts
+from splitserve.deploy.planner.roofline import expected_experts
 from splitserve.engine.models.families import family_of, model_config
 
 

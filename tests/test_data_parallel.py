@@ -1,4 +1,4 @@
-"""Data-parallel attention (engine/parallel/data_parallel.py): a MoE node of N ranks, each its
+"""Data-parallel attention (engine/ranks/data_parallel.py): a MoE node of N ranks, each its
 own requests, scheduler and KV pool and a node of its pool, the experts split over the N and
 the MoE layers run over every rank's tokens in lockstep. A tiny random DeepSeek-V3 (MLA's
 latent KV cache, DeepSeekMoE) over the bundled vocabulary, real processes, Redis, fp32.

@@ -1,4 +1,4 @@
-"""One data-parallel rank's step error (engine/engine_thread.py, parallel/data_parallel.py): a
+"""One data-parallel rank's step error (engine/engine_thread.py, ranks/data_parallel.py): a
 decode node of 2 DP ranks (a tiny random DeepSeek-V3, real processes, gloo), rank 1 started
 with ``--fault step_error`` (engine/step_fault.py: its step raises as it prefills a prompt while
 another request decodes, the first time before the forward's collectives, the second inside

@@ -34,7 +34,8 @@ def test_arrows_run_down_the_layers():
 def test_arrows_run_down_the_parts_inside_a_package():
     """router: routing < streams < openai < responses < http < app, its base modules below all;
     kvtransfer: its base < backends < factory; engine: parallel < attention < models < kv <
-    sampling < the runners < the worker and rank 0's launch < the core < its thread (SUBLAYER)."""
+    sampling < the runners < the ranks (a worker's loop, rank 0's launch, bring-up) < the core < its
+    thread (SUBLAYER)."""
     upward = sorted((a, b) for a, deps in graph().items() for b in deps
                     if top(a) == top(b) in SUBLAYER and part(a) != part(b) and sublayer(b) >= sublayer(a))
     assert upward == [], "imports that do not go down a part: " + ", ".join(f"{a} -> {b}" for a, b in upward)
@@ -93,8 +94,9 @@ def test_the_check_sees_the_arrows(module, imported):
     ("router.app", "router"),  # the package's __init__ above all
     ("kvtransfer.backends.tcp", "kvtransfer.factory"),
     ("engine.parallel.group", "engine.models.llama"),
-    ("engine.model_runner", "engine.parallel.worker"),
-    ("engine.parallel.launch", "engine.engine_core"),
+    ("engine.model_runner", "engine.ranks.worker"),
+    ("engine.ranks.launch", "engine.engine_core"),
+    ("engine.ranks.bringup", "engine.engine_core"),
 ])
 def test_the_parts_are_ordered(low, high):
     assert sublayer(low) < sublayer(high)

@@ -22,7 +22,7 @@ from splitserve.common.kv_index import (EVENTS_CHANNEL, IndexDelta, KVIndex, Nod
 from splitserve.common.node_registry import NodeInfo, new_epoch
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import TierSpec
+from splitserve.engine.kv.tier_spec import TierSpec
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.routing.mirror_follower import MirrorFollower
 from splitserve.router.routing.prefix_mirror import PrefixMirror

@@ -25,7 +25,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_file import MAC_BYTES
 from splitserve.engine.kv.disk_tier import SUFFIX, DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import Move, TierSpec
+from splitserve.engine.kv.tier_spec import Move, TierSpec
 
 BS = 4
 SALT = salt_id(("m",))
@@ -155,7 +155,7 @@ def test_loads_land_layer_by_layer_as_the_forward_reaches_each_and_their_slots_a
     hit_c = mgr.get_computed_blocks(hc, c, SALT)
     assert mgr.allocate_slots("c", 5, hit_c.blocks, hit_c.lower) is not None  # evicts b's: no slot for them
     assert all(mgr.held_blocks().get(h) is Tier.DEVICE for h in ha)  # a2's, and their host copies kept
-    assert off.stats()[0].used_blocks == 2 and off._loading == set(ha)
+    assert off.stats()[0].used_blocks == 2 and off.host.loading == set(ha)
     obs.moves.clear()
     loads = off.take_loads()
     assert loads is not None and off.take_loads() is None  # taken once
@@ -315,7 +315,8 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
         want = [o.token_ids for o in llm.generate(prompts(), PARAMS)]
     with tiny_llm(tiny, 8, kv_offload_memory=32 * BLOCK, **cuda) as llm:
         off = llm.engine.kv.tiers
-        assert llm.engine.config.async_scheduling and off.copy_stream is not None and off.load_stream is not None
+        streams = off.streams
+        assert llm.engine.config.async_scheduling and streams.copy_stream is not None and streams.load_stream is not None
         turns = run_turns(llm, [0, 1, 2, 0, 1, 2])  # each evicts the one before, written through
         for i, tokens, _ in turns:
             assert tokens == want[i], f"prompt {i}"

@@ -20,7 +20,7 @@ from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import TierSpec
+from splitserve.engine.kv.tier_spec import TierSpec
 
 BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # bytes of the tiny Llama's block: 2 layers, K and V, 16 tokens, 2 KV heads of 16, fp32
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.common.node_registry import NodeInfo
 from splitserve.common.load import NodeLoad
-from splitserve.common.sim_profiles import get_deployment
+from splitserve.deploy.planner.sim_profiles import get_deployment
 from splitserve.deploy.planner.actuator import LocalPools
 from splitserve.deploy.planner.config import dp_bounds
 from splitserve.deploy.planner.offline.fleetsim import Req, StepSum, simulate

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from splitserve.common.sim_profiles import get_deployment
+from splitserve.deploy.planner.sim_profiles import get_deployment
 from splitserve.deploy.planner.observe import Observation, PoolState
 from splitserve.deploy.planner.offline.fleetsim import simulate
 from splitserve.deploy.planner.offline.loop import simulate_planner

@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.block_export import BlockExporter, BlocksReady, ExportKV
 from splitserve.engine.engine_thread import AddRequest, EngineThread

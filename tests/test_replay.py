@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.benchmarks.loadgen.replay.balance import greedy_max_mean
 from splitserve.benchmarks.loadgen.replay.generate import TraceSpec, generate
 from splitserve.common.trace import (HASH_BLOCK, TraceRequest, dump_trace, load_trace, oracle_hits, prompt_tokens,

@@ -1,4 +1,4 @@
-"""DeepSeek-V3-class simulated nodes (common/sim_profiles.py, roofline.py): the MLA latent
+"""DeepSeek-V3-class simulated nodes (deploy/planner/sim_profiles.py, roofline.py): the MLA latent
 prices the KV (layers x (kv_lora + rope) x itemsize, not heads), a data-parallel rank holds
 the dense part plus E/N experts and pays the engine's all_gather + all_reduce over its N
 ranks (NVLink within a host, RDMA across), a DP profile's simulated node runs, ``plan``
@@ -9,9 +9,9 @@ import math
 import pytest
 
 from splitserve.common.config import EngineConfig
-from splitserve.common.roofline import MoeCost, expected_experts
+from splitserve.deploy.planner.roofline import MoeCost, expected_experts
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import PROFILES_FILE, get_deployment, load_profiles
+from splitserve.deploy.planner.sim_profiles import PROFILES_FILE, get_deployment, load_profiles
 from splitserve.deploy.planner.offline.report import as_dict
 from splitserve.deploy.planner.offline.search import evaluate, search
 from splitserve.deploy.planner.offline.workload import Phase, as_reqs, generate

@@ -58,7 +58,7 @@ def test_a_simulated_prefill_node_answers_when_its_blocks_would_have_crossed_the
 
     import openai
 
-    from splitserve.common.sim_profiles import get_profile
+    from splitserve.deploy.planner.sim_profiles import get_profile
     from splitserve.deploy.launcher import SimCluster
 
     os.environ.setdefault("SPLITSERVE_QUIET", "1")

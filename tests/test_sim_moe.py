@@ -1,4 +1,4 @@
-"""Mixture-of-Experts simulated-node profiles (common/sim_profiles.py, roofline.py): the
+"""Mixture-of-Experts simulated-node profiles (deploy/planner/sim_profiles.py, roofline.py): the
 shapes give the model cards' active parameters, FLOPs count only those, a step reads the
 dense part plus the experts its tokens touch (k per layer at batch 1, nearly all E at a
 large batch), EP2 halves each GPU's expert weights and adds the all-to-all, a simulated
@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from splitserve.common.config import EngineConfig
-from splitserve.common.roofline import expected_experts
+from splitserve.deploy.planner.roofline import expected_experts
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import PROFILES_FILE, get_deployment, load_profiles
+from splitserve.deploy.planner.sim_profiles import PROFILES_FILE, get_deployment, load_profiles
 from splitserve.deploy.planner.offline.fleetsim import StepSum
 from splitserve.deploy.planner.offline.report import as_dict
 from splitserve.deploy.planner.offline.search import search

@@ -99,7 +99,7 @@ def test_fleet_serves_the_router_with_transfers_and_prefix_hits():
 
 def test_fleet_configs_give_the_decode_nodes_their_own_template():
     from splitserve.common.config import NodeConfig
-    from splitserve.common.sim_profiles import get_deployment
+    from splitserve.deploy.planner.sim_profiles import get_deployment
     from splitserve.node.sim_fleet import fleet_configs
 
     d = get_deployment("llama3-70b-p-tp4-d-tp8-h100")
@@ -136,7 +136,7 @@ def test_heterogeneous_deployment_prefills_like_tp4_and_decodes_like_tp8():
     (speed-up 1): the prefill node's pool and forward time are the TP4 profile's,
     the decode node's the TP8 one's, and each is far from the other profile's."""
     from splitserve.benchmarks.loadgen.replay.cluster import DeploymentSimCluster
-    from splitserve.common.sim_profiles import get_deployment
+    from splitserve.deploy.planner.sim_profiles import get_deployment
 
     d = get_deployment("llama3-70b-p-tp4-d-tp8-h100")
     prompt, out = list(range(1000, 9000)), 48

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from splitserve.common.config import EngineConfig
-from splitserve.common.roofline import Roofline
+from splitserve.deploy.planner.roofline import Roofline
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import (GIB, PROFILES_FILE, get_deployment, get_profile, load_deployments,
+from splitserve.deploy.planner.sim_profiles import (GIB, PROFILES_FILE, get_deployment, get_profile, load_deployments,
                                             load_profiles, pair)
 from splitserve.engine.engine_core import EngineCore
 

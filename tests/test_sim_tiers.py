@@ -12,9 +12,9 @@ import pytest
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.kv.tier_store import Move
+from splitserve.engine.kv.tier_spec import Move
 from splitserve.engine.sim_runner import standin_block_bytes, standin_tiers
 from splitserve.node.sim_fleet import fleet_configs
 
@@ -94,7 +94,7 @@ def test_write_through_stores_run_on_the_copy_engine_and_a_forward_reusing_block
     off._record_move(Move(Tier.HOST, False, 10_000, 0, 0.0, batch=10**9))
     seen: list[Move] = []
 
-    class Seen:  # tier_store.TierObserver: the moves
+    class Seen:  # tier_spec.TierObserver: the moves
         def moved(self, move): seen.append(move)
         def looked_up(self, queried_blocks, hits): pass
         def evicted(self, tier, blocks): pass

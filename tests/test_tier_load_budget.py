@@ -1,5 +1,5 @@
 """Lower-tier loads on the step's budget (issue 53, finding 5; engine/scheduler.py,
-engine/kv/cache_manager.py ``lower_plan``, engine/kv/tier_store.py ``load_tokens``).
+engine/kv/cache_manager.py ``lower_plan``, engine/kv/tier_policy.py ``load_tokens``).
 
 A prompt whose prefix is in host memory or on disk loads it instead of computing it, and
 that load takes step time the running decodes wait for. So a step's loads draw from its
@@ -28,11 +28,11 @@ from splitserve.common.config import EngineConfig
 from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
 from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
-from splitserve.engine.kv.tier_store import Move, TierSpec
+from splitserve.engine.kv.tier_spec import Move, TierSpec
 from splitserve.engine.request import Request
 from splitserve.engine.scheduler import Row, Scheduler, SchedulerOutput
 from splitserve.engine.sim_runner import standin_tiers
@@ -67,7 +67,7 @@ def scheduler(num_blocks: int, host_blocks: int, budget: int, chunk: int = 512,
     mgr = KVCacheManager(num_blocks, BS, True, TierSpec(kv, host_blocks, disk))
     assert mgr.tiers is not None
     mgr.observe_prefill(int(PREFILL), 1.0)  # measured: what the scheduler prices loads in
-    mgr.tiers.rates[Tier.HOST].add(HOST_RATE, 1.0)
+    mgr.tiers.policy.rates[Tier.HOST].add(HOST_RATE, 1.0)
     return Scheduler(mgr, max_num_seqs=16, max_num_batched_tokens=2048, prefill_chunk_size=chunk,
                      max_model_len=1 << 16, prefill_step_budget=budget)
 
@@ -194,7 +194,7 @@ def sim_decode_node(model_dir, budget: int, speedup: float = 1000.0) -> SimNode:
     hashes = hash_blocks(history, BS, hash_keys(engine.config.model_id))
     kept = next(i for i, h in enumerate(hashes) if h not in engine.kv.pool.cached)  # the rest: host only
     serve_alone("warm", history[:(kept + 2) * BS] + [9])  # 2 blocks loaded from the host: its rate
-    assert engine.kv.tiers is not None and engine.kv.tiers.rates[Tier.HOST].value > 0
+    assert engine.kv.tiers is not None and engine.kv.tiers.policy.rates[Tier.HOST].value > 0
     for i in range(8):
         engine.add_request(f"d{i}", list(range(40_000 + 100 * i, 40_000 + 100 * i + 64)),
                            SamplingParams(max_tokens=200, ignore_eos=True))
@@ -212,7 +212,7 @@ def test_a_long_host_tier_turn_loads_beside_the_decodes_without_lengthening_thei
     r = engine.runner
     assert engine.kv.tiers is not None
     engine.add_request("a2", history + list(range(7, 107)), SamplingParams(max_tokens=1))
-    per_token = 1 / engine.kv.tiers.prefill_rate.value  # simulated seconds of one prompt token
+    per_token = 1 / engine.kv.tiers.policy.prefill_rate.value  # simulated seconds of one prompt token
     loading: list[float] = []  # the steps that loaded a2's history (no row of a2's)
     worst, cached = 0.0, None
     while engine.scheduler.requests.get("a2") is not None:

@@ -30,7 +30,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.llm import LLM
 from splitserve.engine.parallel.group import TPFailure
-from splitserve.engine.parallel.launch import TPLeader
+from splitserve.engine.ranks.launch import TPLeader
 from splitserve.tests.tp_ranks import JOIN_AT, SCENARIO_BLOCKS, scenario, start_dump_workers, tp_config
 
 pytestmark = pytest.mark.slow

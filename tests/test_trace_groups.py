@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.benchmarks.loadgen.replay.generate import PRESETS, generate
 from splitserve.benchmarks.loadgen.replay.groups import GroupSpec, generate_groups, group_stats
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.common.trace import TraceRequest, load_trace, lru_hits, oracle_hits
 
 FLEET = 16 * get_profile("llama3-8b-h100").kv_pool_tokens  # 6.9M tokens of KV in 16 H100s

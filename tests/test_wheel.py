@@ -38,11 +38,11 @@ for name in modules:
     except BaseException as e:
         failed[name] = repr(e)[:300]
 from splitserve.benchmarks.gpu import bench_gpu_engine, manifest
-from splitserve.common import sim_profiles
+from splitserve.deploy.planner import sim_profiles
 from splitserve.deploy.launcher import DEFAULT_CONFIG
 reads = {
     "deploy/local.toml": "cluster" in tomllib.loads(DEFAULT_CONFIG.read_text()),
-    "common/sim_profiles.toml": sim_profiles.PROFILES_FILE.is_file(),
+    "deploy/planner/sim_profiles.toml": sim_profiles.PROFILES_FILE.is_file(),
     "benchmarks/gpu lists": bool(manifest.carried()),
     "benchmarks/model_configs": (bench_gpu_engine.CONFIGS / "llama3-8b" / "config.json").is_file(),
 }
@@ -83,6 +83,10 @@ def test_the_wheel_installs_and_every_command_and_module_works(tmp_path):
         out = subprocess.run([str(venv / "bin" / "splitserve"), *command, "--help"], cwd=cwd, env=env,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "usage: splitserve" in out.stdout, (command, out.stderr[-2000:])
+    # the simulated-node profiles ship beside their module (deploy/planner/sim_profiles.toml)
+    out = subprocess.run([str(venv / "bin" / "splitserve"), "sim-nodes", "--list-profiles"], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "llama3-8b-h100" in out.stdout, out.stderr[-2000:]
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for package, globs in package_data.items():
         folder = ROOT.joinpath(*package.split(".")[1:])

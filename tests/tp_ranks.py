@@ -22,7 +22,7 @@ from splitserve.engine.kv.sizing import kv_block_bytes
 from splitserve.engine.models.families import read_model_config
 from splitserve.engine.parallel.group import TPGroup, init_tp_group
 from splitserve.engine.models.sharding import shard_of
-from splitserve.engine.parallel.worker import TPRendezvous, run_worker
+from splitserve.engine.ranks.worker import TPRendezvous, run_worker
 
 
 def fake_group(rank: int, size: int) -> TPGroup:

@@ -74,7 +74,7 @@ from splitserve.engine.models.convert import bundled_model_dir
 from splitserve.engine.models.fused_moe import fused_moe
 from splitserve.engine.models.llama import DecoderLayer
 from splitserve.engine.models.moe import MoEBlock, expert_load_imbalance, route
-from splitserve.engine.parallel.group import pin_process, rank_cpus
+from splitserve.engine.ranks.placement import pin_process, rank_cpus
 
 SHAPE: dict[str, Any] = dict(
     hidden_size=512, num_hidden_layers=4, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,

@@ -25,7 +25,7 @@ import torch
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sim_runner import standin_tiers
 

@@ -47,7 +47,7 @@ from splitserve.common.hashing import hash_blocks, hash_keys
 from splitserve.common.kv_events import Tier
 from splitserve.common.node_registry import NodeInfo
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.sim_profiles import get_deployment, get_profile
+from splitserve.deploy.planner.sim_profiles import get_deployment, get_profile
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.sim_runner import SimRunner, standin_tiers
 from splitserve.router.config import CacheAwareWeights

@@ -42,7 +42,8 @@ from splitserve.benchmarks.harness import RESULTS, engine_decode, token_prompts
 from splitserve.common.config import EngineConfig
 from splitserve.engine.models.convert import bundled_model_dir
 from splitserve.engine.engine_core import EngineCore
-from splitserve.engine.parallel.group import TPGroup, init_tp_group, pin_process, rank_cpus
+from splitserve.engine.parallel.group import TPGroup, init_tp_group
+from splitserve.engine.ranks.placement import pin_process, rank_cpus
 from splitserve.engine.step_inputs import ForwardInputs
 from splitserve.engine.parallel.step_channel import ToWorker
 

@@ -36,7 +36,7 @@ import torch
 
 from splitserve.benchmarks.gpu.contract import environment, target_row, write_json
 from splitserve.benchmarks.harness import RESULTS, copy_bandwidth, engine_decode, token_prompts
-from splitserve.common.roofline import expected_experts
+from splitserve.deploy.planner.roofline import expected_experts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 SHAPES = ("qwen3-30b-a3b", "mixtral-8x7b")

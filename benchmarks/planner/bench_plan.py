@@ -34,7 +34,7 @@ from pathlib import Path
 
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.plan_check import check_plan, pick_speedup
-from splitserve.common.sim_profiles import get_deployment
+from splitserve.deploy.planner.sim_profiles import get_deployment
 from splitserve.common.trace import summarize
 from splitserve.deploy.planner.offline.search import search
 from splitserve.deploy.planner.offline.workload import PRESETS, as_reqs, generate

@@ -7,9 +7,9 @@ simulated nodes) on
     tp8       deepseek-v3-tp8-h200 nodes (attention TP8 with the latent replicated on every
               rank, experts EP8): 4 prefill + 4 decode nodes of 8 GPUs
 
-the same 64 GPUs, FP8 weights in both (common/sim_profiles.toml; roofline, not calibrated).
+the same 64 GPUs, FP8 weights in both (deploy/planner/sim_profiles.toml; roofline, not calibrated).
 A DP rank's step carries the engine's all_gather + all_reduce over its node's ranks (RDMA
-beyond 8 ranks: common/roofline.py MoeCost), the ranks taken as evenly loaded.
+beyond 8 ranks: deploy/planner/roofline.py MoeCost), the ranks taken as evenly loaded.
 
     .venv/bin/python benchmarks/router/bench_deepseek_wide_ep.py     # 237 requests over 720 s: ~32 min here
                                                                      # (wide-ep at 2x, tp8 at 0.5x)
@@ -40,7 +40,7 @@ from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.generate import PRESETS, generate
 from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, print_summary, run_replay
-from splitserve.common.sim_profiles import get_deployment
+from splitserve.deploy.planner.sim_profiles import get_deployment
 from splitserve.common.trace import dump_trace, summarize
 
 GPUS = 64

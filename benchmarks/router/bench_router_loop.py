@@ -139,7 +139,7 @@ async def measure(url: str, model: str, args, text: str) -> dict:
 
 def run_setup(name: str, args, text: str) -> dict:
     from splitserve.common.bundled import BUNDLED_MODEL_ID
-    from splitserve.common.sim_profiles import get_profile
+    from splitserve.deploy.planner.sim_profiles import get_profile
     from splitserve.deploy.launcher import SimCluster
 
     router_args = ["--max-model-len", str(get_profile(PROFILE).context), "--allow-long-max-model-len"]

@@ -39,7 +39,7 @@ from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.balance import greedy_max_mean
 from splitserve.benchmarks.loadgen.replay.generate import generate
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, print_summary, run_replay
-from splitserve.common.sim_profiles import get_deployment
+from splitserve.deploy.planner.sim_profiles import get_deployment
 from splitserve.common.trace import dump_trace, summarize
 from splitserve.router.routing.policy_registry import BUILTIN
 

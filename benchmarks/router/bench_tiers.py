@@ -53,7 +53,7 @@ from splitserve.benchmarks.loadgen.replay.generate import PRESETS, TraceSpec, ge
 from splitserve.benchmarks.loadgen.replay.groups import GroupSpec, generate_groups, group_stats
 from splitserve.benchmarks.loadgen.replay.plan_check import judge_pace
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, percentile, print_summary, run_replay
-from splitserve.common.sim_profiles import get_profile
+from splitserve.deploy.planner.sim_profiles import get_profile
 from splitserve.common.trace import dump_trace
 from splitserve.common.trace import summarize as trace_summary
 

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from ...common.auth import add_cluster_token_args, cluster_token_from_args
-from ...common.sim_profiles import SimDeployment, get_deployment
+from .sim_profiles import SimDeployment, get_deployment
 from .scaling import Bounds, PolicyConfig
 from .slo import Slo, add_slo_args, slo_from_args
 
@@ -20,7 +20,7 @@ UP_SLO_MS = (5000.0, 500.0)  # up --planner's default TTFT and ITL bounds: the b
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
-    profile: str  # a profile or deployment of common/sim_profiles.toml the nodes stand for
+    profile: str  # a profile or deployment of deploy/planner/sim_profiles.toml the nodes stand for
     slo: Slo
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     interval_s: float = 30.0  # wall seconds between decisions

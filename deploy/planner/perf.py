@@ -1,6 +1,6 @@
 """The planner's performance model of a deployment: how many prefill and how many decode
 nodes a load needs within an SLO, from the simulated-node profiles' step-time model
-(common/sim_profiles.py: a GPU's roofline, or this CPU's fitted timing), each side
+(deploy/planner/sim_profiles.py: a GPU's roofline, or this CPU's fitted timing), each side
 scaled by a correction the planner measures (observed over predicted latency).
 
 Prefill pool: P nodes serving one queue (the router sends each prompt to the least
@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ...common.sim_profiles import SimDeployment, SimProfile
+from .sim_profiles import SimDeployment, SimProfile
 from .slo import Slo
 
 ITL_HEADROOM = 0.85  # a node's mean step at its planned batch stays this far under the ITL bound

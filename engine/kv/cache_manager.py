@@ -39,7 +39,9 @@ from ...common.config import EngineConfig
 from ...common.kv_events import KVEvent, Tier
 from ...common.kv_tier_stats import TierStats
 from .block_pool import BlockPool, KVBlock
-from .tier_store import LayerLoads, LowerHit, Move, TierObserver, TierSpec, TierStore
+from .tier_spec import LowerHit, Move, TierObserver, TierSpec
+from .tier_store import TierStore
+from .tier_streams import LayerLoads
 
 
 class ComputedBlocks(NamedTuple):
@@ -228,13 +230,13 @@ class KVCacheManager:
     def lower_plan(self, hits: Sequence[LowerHit], budget: float, at_least_one: bool = False) -> LowerPlan:
         """How many leading ``hits`` a step loads within ``budget`` prompt tokens (at least one
         with ``at_least_one``: the step's oldest prompt work progresses), and their cost, each
-        block priced by the tier it was found in at the measured rates (tier_store.py
+        block priced by the tier it was found in at the measured rates (tier_policy.py
         ``load_tokens``)."""
         if not hits:
             return LowerPlan(0, 0.0)
         assert self.tiers is not None
         cost, n = 0.0, 0
-        price = {t: self.tiers.load_tokens(t) for t in (Tier.HOST, Tier.DISK)}
+        price = {t: self.tiers.policy.load_tokens(t) for t in (Tier.HOST, Tier.DISK)}
         for hit in hits:
             c = price[hit.tier]
             if cost + c > budget and not (n == 0 and at_least_one):
@@ -323,7 +325,7 @@ class KVCacheManager:
     # ---- the lower tiers, around each step (no-ops without them) -------------------------------
     def take_loads(self) -> LayerLoads | None:
         """The lower-tier loads the allocations since the last call queued, issued for the forward
-        about to be issued (None: none; kv/tier_store.py ``LayerLoads``)."""
+        about to be issued (None: none; kv/tier_streams.py ``LayerLoads``)."""
         return self.tiers.take_loads() if self.tiers is not None else None
 
     def before_forward(self) -> int:
@@ -352,24 +354,24 @@ class KVCacheManager:
         """A step computed ``tokens`` prompt tokens in ``seconds``: the recompute rate a lower-tier
         load competes with."""
         if self.tiers is not None:
-            self.tiers.observe_prefill(tokens, seconds)
+            self.tiers.policy.observe_prefill(tokens, seconds)
 
     def observe_batch(self, seconds: float) -> None:
         """A step of the running batch alone (no prompt tokens, no loads) took ``seconds``: the
         load time a step beside it hides (``hidden_load_tokens``)."""
         if self.tiers is not None:
-            self.tiers.observe_batch(seconds)
+            self.tiers.policy.observe_batch(seconds)
 
     def hidden_load_tokens(self) -> float:
         """The loads a step of the running batch hides behind its forward, in prompt tokens (inf:
         not measured, or no tiers)."""
-        return self.tiers.hidden_load_tokens() if self.tiers is not None else float("inf")
+        return self.tiers.policy.hidden_load_tokens() if self.tiers is not None else float("inf")
 
     def observe_load(self, tier: Tier, nbytes: int, seconds: float) -> None:
         """A load out of ``tier`` moved ``nbytes`` in ``seconds`` (a simulated node's runner
         reports the time it priced; a real node's tiers time their own moves)."""
         if self.tiers is not None:
-            self.tiers.observe_load(tier, nbytes, seconds)
+            self.tiers.policy.observe_load(tier, nbytes, seconds)
 
     @property
     def loads_queued(self) -> bool:
@@ -384,7 +386,8 @@ class KVCacheManager:
         """Each tier of the prefix cache, device first, in blocks of ``block_bytes`` (a device
         block over every rank). The device tier's load rate is the recompute rate (prefill
         tokens/s in bytes of blocks), measured with lower tiers only."""
-        recompute = self.tiers.prefill_rate.value * block_bytes / self.block_size if self.tiers is not None else 0.0
+        tiers = self.tiers
+        recompute = tiers.policy.prefill_rate.value * block_bytes / self.block_size if tiers is not None else 0.0
         device = TierStats(tier=Tier.DEVICE, capacity_blocks=self.pool.num_blocks, used_blocks=len(self.pool.cached),
                            block_bytes=block_bytes, load_bytes_per_s=recompute)
         return [device] + (self.tiers.stats() if self.tiers is not None else [])

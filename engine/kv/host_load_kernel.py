@@ -1,4 +1,4 @@
-"""One layer of a host-tier load (engine/kv/tier_store.py) as one Triton kernel: the blocks in
+"""One layer of a host-tier load (engine/kv/tier_streams.py) as one Triton kernel: the blocks in
 host slots ``slots[i]`` (pinned memory, which the GPU reads directly over the bus: pinned
 pages are mapped into its address space) are copied, layer ``layer`` only, into device
 blocks ``blocks[i]`` of the KV cache. Scattered slots into scattered blocks cost one launch

@@ -19,7 +19,7 @@ Experts are stacked: ``w13`` [E, 2 * I, H] (each expert's gate rows, then its up
                       the all-reduce of the ranks' partial sums, one [T, H] collective as
                       in the dense MLP. A rank runs T*k/t pairs on average, not T*k, and
                       reads only its experts' weights.
-    data parallel     (parallel/data_parallel.py) rank r of a data-parallel node holds experts
+    data parallel     (ranks/data_parallel.py) rank r of a data-parallel node holds experts
                       [r*E/N, (r+1)*E/N) whole and its own tokens only: each rank's T_r
                       rows, padded to P = max T_r, are all-gathered ([N*P, H]: dispatch), every
                       rank runs its experts' pairs of all of them, and the partial sums are

@@ -6,9 +6,9 @@ data-parallel node's ranks over such a group: its step clock, the ledger of a fo
 collectives), ``init_tp_group`` (a
 ``ProcessGroupGloo`` on the CPU, ``ProcessGroupNCCL`` on CUDA, built with their
 constructors over a ``TCPStore`` rendezvous, never ``init_process_group``: a node's
-KV transports make groups of their own, kvtransfer/backends/pair_group.py) and the per-rank
-defaults (``rank_device``, ``rank_threads``). Must not: know the model, the step
-channel (parallel/step_channel.py) or how ranks are started (parallel/launch.py).
+KV transports make groups of their own, kvtransfer/backends/pair_group.py). Must not: know
+the model, the step channel (parallel/step_channel.py), or where ranks run and how they are
+started (engine/ranks/: placement.py, launch.py, worker.py).
 
 A TP=1 engine holds ``TPGroup.single(device)``: every collective returns its input
 untouched, and the model checks ``size > 1`` once when it is built, so TP=1 runs the
@@ -29,7 +29,6 @@ restarts it whole.
 from __future__ import annotations
 
 import logging
-import os
 from datetime import timedelta
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -56,53 +55,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """Rank ``rank``'s device when a node runs on ``device``: the CPU for every rank,
-    ``cuda:(k + rank)`` for ``cuda:k`` (``cuda`` means ``cuda:0``). A node that places
-    its ranks otherwise passes each rank its device."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return dev
-    return torch.device("cuda", (dev.index or 0) + rank)
-
-
-def rank_cpus(rank: int, size: int, device: torch.device) -> set[int] | None:
-    """The cores rank ``rank`` runs on when CPU ranks share this host: its even share of the
-    cores this process may use (rank 0 the first). None: not a CPU rank of several, or fewer
-    cores than ranks (nothing to pin)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if device.type != "cpu" or size < 2 or len(cpus) < size:
-        return None
-    per = len(cpus) // size
-    return set(cpus[rank * per:(rank + 1) * per])
-
-
-def pin_process(cpus: set[int]) -> set[int]:
-    """Run every thread of this process (and those it starts later) on ``cpus``; returns the
-    cores it could use before. Ranks that wait on each other in every layer must not be
-    pulled onto one core by the scheduler (a woken task goes to its waker's core): measured
-    here, unpinned ranks took turns on one core and each all-reduce cost ~2 ms instead of
-    ~0.3 ms (benchmarks/engine/bench_tp.py)."""
-    before = os.sched_getaffinity(0)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # a thread that just ended
-            pass
-    return before
-
-
-def rank_threads(num_threads: int | None, size: int, device: torch.device) -> int | None:
-    """Torch threads for one rank: ``num_threads`` when given; on the CPU with several
-    ranks, this process's cores split evenly (ranks on one host must not fight over
-    cores); else None (torch's default)."""
-    if num_threads:
-        return num_threads
-    if size > 1 and device.type == "cpu":
-        return max(1, len(os.sched_getaffinity(0)) // size)
-    return None
-
-
 class TPGroup:
     """One rank's view of its node's TP group. Collectives act in place where they can and
     raise ``CollectiveError`` on failure; ``timeout_s`` bounds each (an op may pass its own).
@@ -110,7 +62,7 @@ class TPGroup:
     rank holds E / size whole experts) instead of cutting every expert's columns; attention
     and dense layers are tensor-parallel either way (models/moe.py). ``data_parallel``: this
     rank is a data-parallel rank (TP 1) whose MoE layers it shares with its peers
-    (parallel/data_parallel.py), or None."""
+    (ranks/data_parallel.py), or None."""
 
     __slots__ = ("rank", "size", "device", "timeout_s", "expert_parallel", "data_parallel", "_pg", "_timeout",
                  "_host_waits")
@@ -215,7 +167,7 @@ class Turn(NamedTuple):
 
 
 class DataParallel:
-    """Rank ``group.rank`` of ``group.size`` data-parallel ranks of one MoE node (parallel/data_parallel.py:
+    """Rank ``group.rank`` of ``group.size`` data-parallel ranks of one MoE node (ranks/data_parallel.py:
     the lockstep these calls keep, and how a failed step's forward is completed)."""
 
     def __init__(self, group: TPGroup, store=None):

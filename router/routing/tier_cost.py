@@ -10,7 +10,7 @@ heartbeat (``NodeInfo.tiers``, common/kv_tier_stats.py).
         move(t)      = block_bytes(t) / load_bytes_per_s(t)
         load(host)   = move(host)
         load(disk)   = move(disk) + move(host)   (a disk block is read into host memory and
-                       copied on as a host block is: engine/kv/tier_store.py, whose own
+                       copied on as a host block is: engine/kv/tier_policy.py, whose own
                        choice to load or recompute adds the two the same way)
         recompute    = block_bytes(device) / load_bytes_per_s(device)   (the device tier's
                        load rate is the node's prefill rate, in bytes of blocks per second)
@@ -47,7 +47,7 @@ HOST_LOAD_BYTES_PER_S = 50e9
 # disk -> device: one NVMe drive's sequential read (Gen4 ~7 GB/s, Gen5 ~12 GB/s peak; ~5 sustained
 # through the page cache and a bounce through host memory)
 DISK_LOAD_BYTES_PER_S = 5e9
-# recompute: the llama3-8b-h100 simulated profile (common/sim_profiles.toml) prefills a
+# recompute: the llama3-8b-h100 simulated profile (deploy/planner/sim_profiles.toml) prefills a
 # 4096-token prompt at ~33,000 tokens/s x 128 KiB of KV per token ~ 4.3 GB/s of blocks
 RECOMPUTE_BYTES_PER_S = 4.3e9
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from splitserve.common.sim_profiles import SimProfile
+from splitserve.deploy.planner.sim_profiles import SimProfile
 from splitserve.common.trace import HASH_BLOCK, TraceRequest, prefix_keys
 
 

@@ -1,5 +1,5 @@
 """A simulated cluster whose prefill and decode nodes stand for different profiles
-(a deployment of common/sim_profiles.toml, e.g. prefill TP4 / decode TP8).
+(a deployment of deploy/planner/sim_profiles.toml, e.g. prefill TP4 / decode TP8).
 
 deploy/launcher.py's SimCluster starts ``fleet_procs`` ``splitserve sim-nodes``
 processes, each with a share of both roles and the same arguments; ``sim-nodes
@@ -17,7 +17,7 @@ already builds the nodes of one from two templates), this is how a replay runs o
 
 from __future__ import annotations
 
-from splitserve.common.sim_profiles import SimDeployment
+from splitserve.deploy.planner.sim_profiles import SimDeployment
 from splitserve.deploy.launcher import Proc, SimCluster
 
 ROLES = ("prefill", "decode")

@@ -27,7 +27,7 @@ import math
 import time
 from typing import NamedTuple
 
-from splitserve.common.sim_profiles import SimDeployment
+from splitserve.deploy.planner.sim_profiles import SimDeployment
 from splitserve.common.trace import TraceRequest
 from splitserve.deploy.launcher import SimCluster
 from splitserve.deploy.planner.offline.search import quantile

@@ -134,7 +134,7 @@ class ReplayConfig:
             if getattr(self, name) is not None:
                 parse_size(getattr(self, name), name)  # a bad size fails here, not in every node
         if self.profile is not None:
-            from splitserve.common.sim_profiles import get_deployment
+            from splitserve.deploy.planner.sim_profiles import get_deployment
             get_deployment(self.profile)  # an unknown name fails here, naming the choices
 
     @property
@@ -518,7 +518,7 @@ def node_block_size(profile: str | None) -> int:
     if profile is None:
         from splitserve.common.config import EngineConfig
         return EngineConfig().block_size
-    from splitserve.common.sim_profiles import get_deployment
+    from splitserve.deploy.planner.sim_profiles import get_deployment
     return get_deployment(profile).prefill.block_size
 
 
@@ -533,7 +533,7 @@ def sim_router_args(profile: str | None, speedup: float,
     weights = {"balance_half_life_s": CacheAwareWeights().balance_half_life_s / speedup}
     profile_args: tuple[str, ...] = ()
     if profile:  # the nodes' model: its context on the router too, and its cost ratios
-        from splitserve.common.sim_profiles import get_deployment
+        from splitserve.deploy.planner.sim_profiles import get_deployment
         deployment = get_deployment(profile)
         profile_args = ("--max-model-len", str(deployment.context), "--allow-long-max-model-len")
         weights.update(deployment.policy_weights())
@@ -561,7 +561,7 @@ def run_replay(cfg: ReplayConfig, at_end: Callable[[SimCluster], dict] | None = 
         sim_args += ["--kv-offload-dir", disk.name, "--kv-offload-disk-bytes", str(cfg.kv_offload_disk_bytes)]
     deployment = None
     if cfg.profile:
-        from splitserve.common.sim_profiles import get_deployment
+        from splitserve.deploy.planner.sim_profiles import get_deployment
         deployment = get_deployment(cfg.profile)
     router_args = (*sim_router_args(cfg.profile, cfg.speedup, cfg.score_weights), *cfg.router_args)
     cluster: SimCluster
@@ -616,7 +616,7 @@ def _role_profiles(name: str | None) -> dict[str, str]:
     """The profile each role's nodes stood for (the same for a plain profile)."""
     if name is None:
         return {}
-    from splitserve.common.sim_profiles import get_deployment
+    from splitserve.deploy.planner.sim_profiles import get_deployment
     d = get_deployment(name)
     return {"prefill_profile": d.prefill.name, "decode_profile": d.decode.name}
 

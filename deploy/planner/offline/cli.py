@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ....common.sim_profiles import SimDeployment, get_deployment, get_profile, pair
+from ..sim_profiles import SimDeployment, get_deployment, get_profile, pair
 from ....common.trace import HASH_BLOCK, TraceRequest, dump_trace, load_trace, summarize
 from ..slo import Slo, add_slo_args, slo_from_args
 from .report import format_plan, write

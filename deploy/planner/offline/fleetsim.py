@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ....common.config import SimConfig
-from ....common.sim_profiles import SimDeployment, SimProfile
+from ..sim_profiles import SimDeployment, SimProfile
 
 
 class Req(NamedTuple):

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ....common.sim_profiles import SimDeployment
+from ..sim_profiles import SimDeployment
 from ..observe import Observation, PoolState
 from ..scaling import ROLES, PlanningDecision, Policy
 from .fleetsim import DecodeSim, PrefillSim, Req, StepSum, Track

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ....common.sim_profiles import SimDeployment, SimProfile, load_profiles, pair
+from ..sim_profiles import SimDeployment, SimProfile, load_profiles, pair
 from ..perf import PoolModel
 from ..slo import Slo
 from .fleetsim import Req, simulate

@@ -6,11 +6,11 @@ other). Must not: schedule, sample, own block ids or know about HTTP and transfe
 the node's code reaches a worker through ``on_runner_built`` (this rank's runner: its KV
 cache, its heads) and ``controls`` (instructions rank 0 sends between steps).
 
-A worker's life (rank 0's side of each step: parallel/launch.py, model_runner.py)::
+A worker's life (rank 0's side of each step: launch.py, model_runner.py)::
 
     connect the step channel, RankHello        rank 0 waits for every RankHello
     join the TP group (TCPStore at rank 0)     gloo on the CPU, NCCL on CUDA
-    on the CPU: pin to its share of the cores  parallel.pin_process
+    on the CPU: pin to its share of the cores  placement.pin_process
     ModelRunner over its shard                 load its slices; KV cache sized with the
                                                group (same block count); static decode
                                                buckets (CUDA graphs captured together)
@@ -34,10 +34,10 @@ import torch
 from ...common.config import EngineConfig
 from ..models.loader import resolve_model_dir
 from ..model_runner import KVCacheFactory, ModelRunner
-from .group import (DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, init_tp_group, pin_process, rank_cpus, rank_device,
-                       rank_threads)
+from ..parallel.group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, init_tp_group
+from ..parallel.step_channel import Control, StepReceiver
 from ..step_inputs import ForwardInputs
-from .step_channel import Control, StepReceiver
+from .placement import pin_process, rank_cpus, rank_device, rank_threads
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def run_worker(config: EngineConfig, rank: int, rendezvous: TPRendezvous, *,
                controls: Mapping[str, ControlHandler] | None = None) -> None:
     """Serve as rank ``rank`` (>= 1) of the node at ``rendezvous`` until rank 0 sends Stop
     (returns) or fails (raises a ``TPFailure``). ``config``: the node's config, the same
-    as rank 0's. ``device``: this rank's (default ``parallel.rank_device``).
+    as rank 0's. ``device``: this rank's (default ``placement.rank_device``).
     ``kv_cache_factory`` places this rank's KV cache (shared memory for a same-host
     transport), ``on_runner_built`` gets the runner once built (its ``kv_caches`` and ``shard``),
     ``controls`` handle rank 0's ``Control`` messages by kind."""

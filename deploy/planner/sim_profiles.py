@@ -12,7 +12,7 @@ and their calibration state live there) and deriving from it, for a node of
     weight_bytes       = parameters x dtype_bytes
     kv_pool_bytes      = gpus x memory x utilization - weight_bytes - gpus x activation
     kv_pool_tokens     = kv_pool_bytes // kv_bytes_per_token (whole blocks)
-    timing             = common/roofline.py with flops = 2 x (parameters - vocab x hidden),
+    timing             = deploy/planner/roofline.py with flops = 2 x (parameters - vocab x hidden),
                          peak x flops_efficiency x gpus (x tp_efficiency when gpus > 1),
                          bandwidth x bandwidth_efficiency x gpus (same), step overhead
                          (a CPU profile keeps SimConfig's fitted timing instead)
@@ -91,7 +91,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from .config import SimConfig
+from ...common.config import SimConfig
 from .roofline import MoeCost, Roofline
 
 PROFILES_FILE = Path(__file__).with_name("sim_profiles.toml")

@@ -65,9 +65,9 @@ from multiprocessing.process import BaseProcess
 import torch
 
 from ...common.config import EngineConfig
-from .group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, TPFailure, TPGroup, init_tp_group
+from ..parallel.group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, TPFailure, TPGroup, init_tp_group
+from ..parallel.step_channel import Control, StepChannelClosed, StepSender, Stop
 from ..step_inputs import ForwardInputs
-from .step_channel import Control, StepChannelClosed, StepSender, Stop
 from .worker import TPRendezvous, run_worker
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 scheduler and KV pool, its own requests (a node of the pool, placed by the router like any
 other), and the MoE layers shared with its N - 1 peers, each rank holding E / N experts
 (models/moe.py's data-parallel path). Owns joining the ranks' group (``join_data_parallel``)
-and the idle ranks' poll; ``group.DataParallel`` is the group of the N ranks, the clock that
+and the idle ranks' poll; ``DataParallel`` (engine/parallel/group.py) is the group of the N ranks, the clock that
 keeps their forwards in lockstep (``agree``), the token counts of the current forward, and the
 ledger of the forward's collectives that lets a rank whose step raised complete its forward
 (``complete_forward``). Must not: know the model or schedule (engine_core.py and
@@ -44,7 +44,7 @@ from datetime import timedelta
 
 import torch
 
-from .group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, DataParallel, init_tp_group
+from ..parallel.group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, DataParallel, init_tp_group
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ larger of its FLOPs over the effective peak and its bytes over the effective
 memory bandwidth, plus a fixed per-step overhead.
 
 Owns the formula. Must not import torch or know where its numbers come from
-(common/sim_profiles.py derives them from a model and a GPU; the profile file
+(deploy/planner/sim_profiles.py derives them from a model and a GPU; the profile file
 states them and whether they are calibrated).
 
 One step = the decode rows (``decode_batch`` requests whose contexts sum to
@@ -52,7 +52,7 @@ def expected_experts(experts: int, top_k: int, tokens: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class MoeCost:
-    """What routed experts add to a step of a node (common/sim_profiles.py derives it).
+    """What routed experts add to a step of a node (deploy/planner/sim_profiles.py derives it).
 
     ``expert_bytes``: one routed expert's weights summed over the MoE layers (an expert
     touched in a layer is read once that step; the node's GPUs share the reads, EP or TP
