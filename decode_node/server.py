@@ -47,6 +47,7 @@ import uuid
 from typing import Any, NamedTuple
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from ..common.auth import auth_headers
@@ -54,7 +55,8 @@ from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, peer_connector, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd, TransferStage
-from ..common.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame, prompt_ids
+from ..common.prompt_ref import PromptRef
+from ..common.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
 from ..engine.block_export import BlockExporter
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
@@ -67,8 +69,8 @@ from ..node.app import build_node_app
 from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
                                     unavailable_response)
 from ..node.kv_pull import Puller, pull_reservation
+from ..node.prompt_hashes import count_hashes, read_prompt
 from ..node.pull_holder import PullHolder
-from ..node.prompt_hashes import adopt_prompt_hashes
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed, PrefillGrammarMissing
 from .ranks import DecodeRank
@@ -282,8 +284,8 @@ class DecodeNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
-            prompt = prompt_ids(req.token_ids)
-            self.rt.limits.check(prompt, req.sampling_params)  # a 400 now, not an error frame later
+            prompt = read_prompt(req.prompt, self.config.engine)
+            self.rt.limits.check(prompt.token_ids, req.sampling_params)  # a 400 now, not an error frame later
             grammar = await self.rt.grammar(req.sampling_params, req.compile_grammar)  # compiled, or cached
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
@@ -335,48 +337,46 @@ class DecodeNode:
         except TPFailure:
             pass  # the engine stopped for good (a rank died): it holds nothing any more
 
-    async def _drive(self, req: GenerateRequest, prompt: list[int],
+    async def _drive(self, req: GenerateRequest, prompt: PromptRef,
                      queue: asyncio.Queue[TokenDelta | None], grammar: Any = None) -> None:
         """Get the request into the running batch: through a KV transfer, or locally.
-        ``prompt``: ``req.token_ids`` read (``prompt_ids``); ``grammar``: its structured
+        ``prompt``: ``req.prompt`` read (node/prompt_hashes.py); ``grammar``: its structured
         output's, compiled (the engine thread never compiles)."""
         rid = req.request_id
-        hashes = adopt_prompt_hashes(req.prompt_hashes, prompt, self.config.engine, self.metrics.prompt_hashes,
-                                     req.cache_salt)
+        count_hashes(prompt, req.prompt, self.metrics.prompt_hashes)
         if req.prefill_addr and self.config.role == "decode":
-            fallback = await self._transfer(req, req.prefill_addr, prompt, hashes, grammar)
+            fallback = await self._transfer(req, req.prefill_addr, prompt, grammar)
             if fallback is None:
                 return
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
         elif req.pull is not None and self.receiver is not None:  # prefilled here: fetch the held prefix first
-            await self.puller.pull(rid, prompt, hashes, req.cache_salt, req.pull)
+            await self.puller.pull(rid, prompt, req.pull)
         try:
-            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes, req.cache_salt,
-                                                       grammar))
+            await self.engine_thread.submit(AddRequest(rid, prompt, params=req.sampling_params, grammar=grammar))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
-    async def _transfer(self, req: GenerateRequest, prefill_addr: str, prompt: list[int],
-                        hashes: list[int] | None, grammar: Any = None) -> Fallback | None:
+    async def _transfer(self, req: GenerateRequest, prefill_addr: str, prompt: PromptRef,
+                        grammar: Any = None) -> Fallback | None:
         """Run the transfer from the prefill node at ``prefill_addr``; None when the
-        request was admitted, else why it was not. ``hashes``: the prompt's block hashes
-        when the router's checked out. The transfer's one owner: it ends here, in the
-        table, on every path."""
+        request was admitted, else why it was not. ``prompt``: ``req.prompt`` read. The
+        transfer's one owner: it ends here, in the table, on every path."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
         t0 = time.monotonic()
-        res = await self.engine_thread.submit(Reserve(rid, prompt, hashes, req.cache_salt))
+        res = await self.engine_thread.submit(Reserve(rid, prompt))
         t1 = time.monotonic()
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         skip = res.num_cached_tokens // self.config.engine.block_size
         transfer = self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
-        task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
+        # the router's prompt, forwarded (its hashes only when they checked out here)
+        wire = req.prompt if prompt.adopted else msgspec.structs.replace(req.prompt, hashes=None)
+        task = PrefillRequest(request_id=rid, transfer_id=tid, prompt=wire,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
                               kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
-                              prompt_hashes=req.prompt_hashes if hashes is not None else None,
-                              cache_salt=req.cache_salt, kv_addrs=self.kv_addrs if self.rt.tp > 1 else [],
+                              kv_addrs=self.kv_addrs if self.rt.tp > 1 else [],
                               pull=req.pull, compile_grammar=req.compile_grammar)
         call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
@@ -391,8 +391,9 @@ class DecodeNode:
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
-                rid, prompt, req.sampling_params, outcome.first_token, outcome.logprobs,
-                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs, req.cache_salt, grammar))
+                rid, prompt, params=req.sampling_params, first_token=outcome.first_token, logprobs=outcome.logprobs,
+                num_cached_tokens=outcome.num_cached_tokens, prompt_logprobs=outcome.prompt_logprobs,
+                grammar=grammar))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()

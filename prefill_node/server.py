@@ -61,7 +61,7 @@ from ..common.kv_backends import DEFAULT_BACKEND
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, peer_connector, read_msgpack
 from ..common.outcomes import PrefillOutcome
-from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
+from ..common.protocol import PrefillRequest, PrefillResult
 from ..common.sampling_params import SamplingParams
 from ..engine.block_export import BlockExporter, BlocksReady, ExportKV
 from ..engine.engine_core import RequestDelta
@@ -76,7 +76,7 @@ from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_
                                     unavailable_response)
 from ..node.kv_pull import Puller, pull_reservation
 from ..node.pull_holder import PullHolder
-from ..node.prompt_hashes import adopt_prompt_hashes
+from ..node.prompt_hashes import count_hashes, read_prompt
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
 from .block_packer import BlockPacker
@@ -248,8 +248,8 @@ class PrefillNode:
     async def prefill(self, request: web.Request) -> web.Response:
         try:
             task = await read_msgpack(request, PrefillRequest)
-            prompt = prompt_ids(task.token_ids)
-            self._check(task, prompt)
+            prompt = read_prompt(task.prompt, self.config.engine)
+            self._check(task, prompt.token_ids)
             grammar = await self.rt.grammar(task.sampling_params, task.compile_grammar)  # compiled, or cached
         except InvalidRequest as e:
             self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
@@ -275,13 +275,12 @@ class PrefillNode:
         sender_task = None
         engine = self.rt.engine_thread
         try:
-            hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
-                                         self.metrics.prompt_hashes, task.cache_salt)
+            count_hashes(prompt, task.prompt, self.metrics.prompt_hashes)
             if task.pull is not None and self.puller is not None:  # the prefix another node holds, first
-                await self.puller.pull(rid, prompt, hashes, task.cache_salt, task.pull)
+                await self.puller.pull(rid, prompt, task.pull)
             export = engine.submit(ExportKV(rid, task.transfer_id, o.addrs, task.skip_blocks,
                                             task.dest_block_ids))  # queued before the request runs
-            await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt, grammar))
+            await engine.submit(AddRequest(rid, prompt, params=params, grammar=grammar))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))

@@ -229,7 +229,8 @@ async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url)
     import asyncio
     import time as clock
 
-    from splitserve.common.hashing import hash_blocks, hash_keys
+    from splitserve.common.hashing import hash_blocks
+    from splitserve.common.prompt_ref import PromptKeys
     from splitserve.common.kv_index import IndexDelta
     from splitserve.router.routing.cache_aware import CacheAware
 
@@ -242,7 +243,7 @@ async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url)
     index = PrefixIndex(KVIndex(redis_url, timeout_s=0.5), metrics, MODEL, 16, check_interval_s=0.2, retry_s=0.2)
     index.start()
     try:
-        await writer.apply("d1", "e1", IndexDelta.full(hash_blocks(ids, 16, hash_keys(MODEL))[:60]), seq=1)
+        await writer.apply("d1", "e1", IndexDelta.full(hash_blocks(ids, 16, PromptKeys(model=MODEL).hash_keys())[:60]), seq=1)
         deadline = clock.monotonic() + 10
         while not (index.connected and index.nodes_mirrored()):
             assert clock.monotonic() < deadline, "the mirror never caught up"
