@@ -1,5 +1,6 @@
-"""The decode node: continuous batching over the engine thread, the KV receiver,
-and the local-prefill fallback. Also runs as a colocated node (role "colocated":
+"""The decode node: continuous batching over the engine thread, the transfers it receives
+(through node/receive_side.py: the receiver, the table's lease sweep, the peer session), and
+the local-prefill fallback. Also runs as a colocated node (role "colocated":
 every request prefilled locally), the baseline for comparisons.
 
 HTTP API (msgpack bodies, see common/protocol.py; ``DecodeNode.routes`` and node/app.py):
@@ -31,8 +32,8 @@ the node breaks every stream (the router migrates them, ``--migration-limit``) a
 
 Each transfer is one ``Transfer`` in the table; the request's driver (``_transfer``)
 is its one owner, awaits its one ``done`` future, and removes it. The table
-resolves ``done`` from whichever input ends the transfer: a block (``_on_block``),
-the prefill node's answer or failure (``_ask_prefill``), the lease sweeper, or the
+resolves ``done`` from whichever input ends the transfer: a block (the receive side's
+receiver), the prefill node's answer or failure (``_ask_prefill``), the lease sweeper, or the
 driver's own abort. Whatever stage a request reached when its client left, the
 handler's ``_end`` sends the engine one ``AbortRequest`` after the driver stopped,
 which frees every block it holds (a reservation included).
@@ -46,14 +47,12 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
-from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
-from ..common.http import error_response, peer_connector, read_msgpack
+from ..common.http import error_response, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd, TransferStage
 from ..common.prompt_ref import PromptRef
 from ..common.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
@@ -61,22 +60,21 @@ from ..engine.block_export import BlockExporter
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import KVReceiver, TransferError, make_receiver
-from ..kvtransfer.block_store import KVBlockStore
+from ..kvtransfer import TransferError
 from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, RankReady, TransfersClosed
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
                                     unavailable_response)
-from ..node.kv_pull import Puller, pull_reservation
+from ..node.kv_pull import pull_reservation
 from ..node.prompt_hashes import count_hashes, read_prompt
 from ..node.pull_holder import PullHolder
+from ..node.receive_side import ReceiveSide
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed, PrefillGrammarMissing
 from .ranks import DecodeRank
 
 log = logging.getLogger(__name__)
-LEASE_CHECK_S = 0.5  # how often expired leases are failed
 RANKS_READY_S = 120.0  # start-up: every worker rank's receiver is up (they load the model first)
 CLOSED_APPLIED_S = 10.0  # a worker that has not acknowledged a closed transfer by then is broken
 
@@ -91,8 +89,6 @@ class DecodeNode:
     """The decode (or colocated) role's server (a node/app.py NodeServer), built with the app."""
     exporter: BlockExporter | None = None  # a decode node exports no blocks
     prefill_client: PrefillClient  # from start() on
-    _session: aiohttp.ClientSession
-    _lease_task: asyncio.Task[None]
 
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
@@ -103,7 +99,6 @@ class DecodeNode:
                                        on_removed=self._forget_close if tp > 1 else None)
         # req_id -> its HTTP stream's queue; None ends the stream without a final frame (the node failed)
         self.streams: dict[str, asyncio.Queue[TokenDelta | None]] = {}
-        self.receiver: KVReceiver | None = None
         self.rank_addrs: dict[int, str] = {}  # worker rank -> its receiver's address (RankReady)
         self._ranks_ready = asyncio.Event()  # every worker said RankReady
         self._closed_seq = 0  # TransfersClosed sent to the workers so far
@@ -118,10 +113,11 @@ class DecodeNode:
         self.metrics = m
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
         self.holder = PullHolder(config, runtime)  # other nodes pull prefixes this node caches
-        # this node pulls the prefix the router names before prefilling a request itself; pulls
-        # land like transfers, through its receivers into the same table
-        self.puller = Puller(config, runtime, self.transfers, lambda: self.kv_addrs, config.kv_backend,
-                             settle=self._closed_everywhere)
+        # transfers land through the receive side (a decode node's: a colocated one receives none),
+        # and so do the pulls of the prefixes the router names before it prefills a request itself
+        self.receive = ReceiveSide(config, runtime, config.kv_backend, self.transfers, blocks=self.m_blocks,
+                                   kv_addrs=lambda: self.kv_addrs, settle=self._closed_everywhere)
+        self.puller = self.receive.puller
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/generate", self.generate), web.get("/debug/transfers", self.debug_transfers),
@@ -132,35 +128,24 @@ class DecodeNode:
         return self.rt.engine_thread
 
     @property
-    def kv_addr(self) -> str:
-        return self.receiver.address if self.receiver is not None else ""
-
-    @property
     def kv_addrs(self) -> list[str]:
         """Every rank's receiver, in rank order (what a PrefillRequest names)."""
         return [self.kv_addr] + [self.rank_addrs[r] for r in range(1, self.rt.tp)]
 
+    @property
+    def kv_addr(self) -> str:
+        """Rank 0's receiver ("" on a colocated node: it receives no KV)."""
+        return self.receive.address
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        # peer_connector: a task written into a partition fails in seconds, not after the lease
-        self._session = aiohttp.ClientSession(connector=peer_connector(),
-                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                              headers=auth_headers(self.config.cluster_token))
-        self.prefill_client = PrefillClient(self._session)
-        self.puller.session = self._session
+        await self.receive.start(receive=self.config.role == "decode")
+        assert self.receive.session is not None
+        self.prefill_client = PrefillClient(self.receive.session)
         self.rt.on_failure.append(self._on_failure)
-        if self.config.role == "decode":
-            store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
-            receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
-                                     self._on_block, device=self.config.engine.device, shard=self.rt.shard)
-            receiver.accepts = self.transfers.is_live
-            receiver.cluster_token = self.config.cluster_token
-            await receiver.start()
-            self.receiver = receiver
         if self.rt.tp > 1:
             self.rt.set_rank_handler(self._on_rank)
             await self._wait_ranks_ready()
-        self._lease_task = asyncio.create_task(self._expire_leases())
 
     async def _wait_ranks_ready(self) -> None:
         """Until every worker rank said RankReady (a decode rank: its receiver runs). Raises
@@ -177,11 +162,8 @@ class DecodeNode:
             raise TPFailure(self.rt.failure)
 
     async def stop(self) -> None:
-        self._lease_task.cancel()
-        if self.receiver is not None:
-            await self.receiver.stop()
+        await self.receive.stop()
         await self.holder.stop()
-        await self._session.close()
 
     def inflight(self) -> int:
         return len(self.streams)
@@ -256,15 +238,6 @@ class DecodeNode:
                                         prompt_logprobs=d.prompt_logprobs))
 
     # ---- transfer inputs (on this event loop; the table resolves the transfer's future) ----
-    def _on_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
-        self.m_blocks.labels(str(ok).lower()).inc()
-        self.transfers.on_block(transfer_id, dest_block_id, ok, reason)  # renews the lease
-
-    async def _expire_leases(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_CHECK_S)
-            self.transfers.expire_leases()
-
     async def _ask_prefill(self, addr: str, task: PrefillRequest) -> None:
         """Ask the prefill node; its answer (or failure) goes to the transfer's table."""
         try:
@@ -351,7 +324,7 @@ class DecodeNode:
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
-        elif req.pull is not None and self.receiver is not None:  # prefilled here: fetch the held prefix first
+        elif req.pull is not None and self.receive.receiver is not None:  # prefilled here: the held prefix first
             await self.puller.pull(rid, prompt, req.pull)
         try:
             await self.engine_thread.submit(AddRequest(rid, prompt, params=req.sampling_params, grammar=grammar))

@@ -83,7 +83,8 @@ def pull_reservation(request_id: str) -> str:
 
 
 class Puller:
-    """Runs pulls into this node's KV blocks. ``table``, ``kv_addrs`` and ``kv_backend``: the
+    """Runs pulls into this node's KV blocks (a node's receive side builds it and sets its
+    session: node/receive_side.py). ``table``, ``kv_addrs`` and ``kv_backend``: the
     transfer table its receivers report to, their addresses (one per rank, in rank order) and
     their backend; ``settle``: awaited with a failed pull's transfer id before its blocks are
     reused (a tensor-parallel decode node: every rank stopped landing it)."""
