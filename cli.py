@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from .common.config import LOAD_FORMATS, EngineConfig, NodeConfig, NodeRole, SimConfig
+from .common.config import DEFAULT_LOCAL_PREFILL_BUDGET, LOAD_FORMATS, EngineConfig, NodeConfig, NodeRole, SimConfig
 from .common.kv_backends import BACKENDS_ENV, CUDA_HOST_BACKEND, DEFAULT_BACKEND, backend_names
 from .common.plugins import Names
 from .deploy.orphan import watch_launcher
@@ -172,7 +172,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=0, help="0 picks a free port")
     g.add_argument("--redis-url", default=None,
-                   help="registry and prefix index (default: $SPLITSERVE_REDIS_URL; neither: the node "
+                   help="node registry and prefix index (default: $SPLITSERVE_REDIS_URL; neither: the node "
                         "is not discoverable); a URL with a password belongs in the environment: flags "
                         "show in `ps`")
     g.add_argument("--node-id", default="")
@@ -180,11 +180,12 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
                    help=f"how KV blocks travel: %(choices)s (default %(default)s; a backend of your own: "
                         f"${BACKENDS_ENV}, see README.md)")
     g.add_argument("--transfer-lease", type=float, default=30.0, help="seconds before a transfer fails")
-    g.add_argument("--local-prefill-budget", type=int, default=512, metavar="N",
+    g.add_argument("--local-prefill-budget", type=int, default=None, metavar="N",
                    help="decode nodes: the most prompt tokens one step computes for the prompts this node "
                         "prefills itself (no prefill node chosen, a fallback), chunked so no step of the "
-                        "running batch grows past its decodes plus N; 0: no limit (default 512; prefill "
-                        "and colocated nodes ignore it)")
+                        "running batch grows past its decodes plus N; 0: no limit (default "
+                        f"{DEFAULT_LOCAL_PREFILL_BUDGET}, or less where --max-num-batched-tokens minus "
+                        "--max-num-seqs is less; prefill and colocated nodes ignore it)")
     g.add_argument("--kv-pull-memory", default="256MiB", metavar="SIZE",
                    help="the most bytes this node holds packed for the prefix pulls other nodes ask of it, "
                         "all of them together, e.g. 1GiB (default 256MiB; at least one KV block)")
@@ -206,11 +207,14 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
     from .common.config import parse_size
 
     devices = tuple(args.device.split(",")) if "," in args.device else ()  # one per rank
-    if args.local_prefill_budget < 0:
-        raise ValueError(f"--local-prefill-budget: must be >= 0 (0: no limit), got {args.local_prefill_budget}")
+    budget = args.local_prefill_budget
+    if budget is not None and budget < 0:
+        raise ValueError(f"--local-prefill-budget: must be >= 0 (0: no limit), got {budget}")
+    if budget is None:  # the default fits the step: an explicit budget that does not is refused
+        room = args.max_num_batched_tokens - args.max_num_seqs
+        budget = min(DEFAULT_LOCAL_PREFILL_BUDGET, room) if room >= 1 else 0
     # the decode nodes' flag alone: a prefill or colocated node is neither bound nor checked by it
-    engine = engine_config(args, sim, prefill_step_budget=(args.local_prefill_budget or None) if role == "decode"
-                           else None)
+    engine = engine_config(args, sim, prefill_step_budget=(budget or None) if role == "decode" else None)
     return NodeConfig(role=role, engine=engine, host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
                       transfer_lease_s=args.transfer_lease, fault=args.fault,
@@ -398,7 +402,7 @@ def _add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-nodes", type=int)
     p.add_argument("--port", type=int, help="router port")
     p.add_argument("--router-replicas", type=int, default=1,
-                   help="routers behind the same Redis, each with its own prefix-index mirror "
+                   help="routers behind the same Redis, each with its own prefix mirror "
                         "(the first on --port, the others on free ports; all URLs are printed)")
     p.add_argument("--policy", choices=Names(_policy_names), metavar="NAME",
                    help=f"every router's --policy: %(choices)s (default {DEFAULT_POLICY}; one of your own: "

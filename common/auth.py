@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 CLUSTER_TOKEN_ENV = "SPLITSERVE_CLUSTER_TOKEN"
 REDIS_URL_ENV = "SPLITSERVE_REDIS_URL"  # the Redis URL, password included, for every process
 # The routers' own Redis for stored /v1/responses (router/responses/store.py), apart from the
-# registry's; unset: the responses live in $SPLITSERVE_REDIS_URL's Redis.
+# node registry's; unset: the responses live in $SPLITSERVE_REDIS_URL's Redis.
 RESPONSES_REDIS_URL_ENV = "SPLITSERVE_RESPONSES_REDIS_URL"
 CLUSTER_TOKEN_HEADER = "X-Splitserve-Cluster-Token"
 MIN_SECRET_LEN = 8  # a shorter token or key is a typo or a placeholder, not a secret

@@ -140,6 +140,10 @@ class SimConfig:
         return s1 + (s1 - s0) / (b1 - b0) * (batch - b1)  # beyond the table: the last slope
 
 
+# A decode node's prompt tokens per step for the prompts it prefills itself, by default.
+DEFAULT_LOCAL_PREFILL_BUDGET = 512
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything an engine needs. ``model=None`` means the bundled SmolLM2-135M-Instruct."""
@@ -160,7 +164,8 @@ class EngineConfig:
     # Most prompt tokens one step computes over all its prefill rows (prompt chunks, recomputes;
     # engine/scheduler.py), so a running decode batch's step never grows past its decodes plus
     # this; >= 1 and at most max_num_batched_tokens - max_num_seqs (room for every decode beside
-    # it), None: max_num_batched_tokens alone. A decode node's --local-prefill-budget.
+    # it), None: max_num_batched_tokens alone. A decode node's --local-prefill-budget (its
+    # default: DEFAULT_LOCAL_PREFILL_BUDGET where the step has the room).
     prefill_step_budget: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True

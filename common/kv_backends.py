@@ -1,5 +1,6 @@
-"""The KV backends by name (``--kv-backend``): the one place that says which backends
-exist, where each one's sender and receiver classes live and what each needs.
+"""The backend registry: the KV backends by name (``--kv-backend``), the one place that
+says which backends exist, where each one's sender and receiver classes live and what
+each needs.
 
 A backend is one ``KVBackendSpec``; the built-in ones are ``BUILTIN`` (kvtransfer/backends/).
 A backend from outside the package is a module named in the environment variable

@@ -3,8 +3,8 @@
 Owns ``KVCompat``: a node's model, KV dtype, block size and head layout (layers, KV
 heads, head dim, or MLA's latent width) and its tensor parallelism, and the one judgement of whether a prefill
 node's KV can land in a decode node's cache (``exchange_problem``). A node puts its key
-in its registry record (``common/registry.py NodeInfo.kv``) and, with its rank, in every
-KV handshake (``kvtransfer/wire.py``); the router pairs only nodes whose keys agree
+in its node registry record (``common/node_registry.py NodeInfo.kv``) and, with its rank,
+in every KV handshake (``kvtransfer/wire.py``); the router pairs only nodes whose keys agree
 (``router/routing/kv_pairing.py``), and a receiver refuses a sender whose key does not, before a
 byte moves. Must not: import torch or know how a transfer is cut (``kvtransfer/tp_plan.py``).
 

@@ -13,7 +13,7 @@ which folds them into Redis writes), in stream order:
 
 ``IndexUpdate`` is a wire type (msgpack on Redis pub/sub): a node's folded batch
 tagged with its id, epoch and sequence number. Must not: know about Redis keys or
-channels, or import torch.
+pub/sub channels, or import torch.
 """
 
 from __future__ import annotations

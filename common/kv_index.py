@@ -11,7 +11,7 @@ of ``REDIS_ERRORS`` when Redis is unreachable).
 Data model: per (node, epoch), one Redis SET of the block hashes that node holds in
 any tier, one HASH of those it holds only below the device (host memory, disk; the
 value is the fastest tier holding it, `Tier`), the sequence number of the last batch
-written into them, and one channel::
+written into them, and one pub/sub channel::
 
     splitserve:kv:{node_id}:{epoch}      SET   {block hash as unsigned decimal, ...}   PX ttl
     splitserve:kvtier:{node_id}:{epoch}  HASH  {block hash: tier, ...} (1 host, 2 disk) PX ttl
@@ -55,7 +55,7 @@ from typing import NamedTuple
 import msgspec
 
 from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate, KVEvent, Tier
-from .registry import REDIS_ERRORS, make_redis
+from .node_registry import REDIS_ERRORS, make_redis
 
 __all__ = ["KVIndex", "IndexDelta", "NodeSnapshot", "REDIS_ERRORS", "EVENTS_CHANNEL", "blocks_key",
            "seq_key", "tiers_key"]

@@ -1,7 +1,7 @@
 """NodeLoad: how loaded one engine is, the one type for it everywhere. The engine
 computes it after every pass (engine/engine_core.py), the event loop reads the
 published copy (adding the prefix pulls it serves, node/runtime.py ``load``), the heartbeat
-carries it in the registry record, and routers score nodes with it."""
+carries it in the node registry record, and routers score nodes with it."""
 
 import msgspec
 

@@ -81,7 +81,7 @@ KV_OFFLOAD_CAPACITY = PREFIX + "kv_offload_capacity_blocks"  # gauge, label tier
 REQUEST_QUEUE_TIME = PREFIX + "request_queue_time_seconds"  # histogram: added -> first scheduled
 REQUEST_PREFILL_TIME = PREFIX + "request_prefill_time_seconds"  # histogram: first scheduled -> prompt done
 REQUEST_DECODE_TIME = PREFIX + "request_decode_time_seconds"  # histogram: first token -> finished
-HEARTBEAT_FAILURES = PREFIX + "node_heartbeat_failures"  # gauge: consecutive failed registry writes
+HEARTBEAT_FAILURES = PREFIX + "node_heartbeat_failures"  # gauge: consecutive failed node registry writes
 
 # ---- nodes: disaggregation ---------------------------------------------------------------------
 PREFILL_REQUESTS = PREFIX + "prefill_requests_total"  # counter, label outcome (prefill node)

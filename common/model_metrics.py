@@ -1,10 +1,10 @@
 """Prometheus collectors whose every series carries the served model's ``model_name``
-(and, on nodes, the node's ``role``): `ModelMetrics` builds them in one registry and
+(and, on nodes, the node's ``role``): `ModelMetrics` builds them in one collector registry and
 hands back objects with those labels already bound, so callers keep writing
 ``m.ttft.observe(s)`` or ``m.failures.labels(reason="x").inc()``.
 
 Owns label binding only; the names are in metric_names.py, the collectors in
-router/metrics.py and node/metrics.py. No module globals: one registry per process part.
+router/metrics.py and node/metrics.py. No module globals: one collector registry per process part.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ class BoundLabels(Generic[M]):
 
 
 class ModelMetrics:
-    """One registry; every collector gets the labels ``const`` (e.g. model_name) first.
+    """One collector registry; every collector gets the labels ``const`` (e.g. model_name) first.
     Without further ``labels`` a collector comes back as its one bound series; with
     them, as a BoundLabels that takes just those."""
 
     def __init__(self, const: dict[str, str]):
-        self.registry = CollectorRegistry()
+        self.collector_registry = CollectorRegistry()
         self.const = dict(const)
 
     def _bind(self, metric: M, labels: Sequence[str]) -> M | BoundLabels[M]:
@@ -52,7 +52,7 @@ class ModelMetrics:
     def counter(self, name: str, doc: str, labels: Sequence[str]) -> BoundLabels[Counter]: ...
 
     def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter | BoundLabels[Counter]:
-        return self._bind(Counter(name, doc, [*self.const, *labels], registry=self.registry), labels)
+        return self._bind(Counter(name, doc, [*self.const, *labels], registry=self.collector_registry), labels)
 
     @overload
     def gauge(self, name: str, doc: str) -> Gauge: ...
@@ -60,7 +60,7 @@ class ModelMetrics:
     def gauge(self, name: str, doc: str, labels: Sequence[str]) -> BoundLabels[Gauge]: ...
 
     def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge | BoundLabels[Gauge]:
-        return self._bind(Gauge(name, doc, [*self.const, *labels], registry=self.registry), labels)
+        return self._bind(Gauge(name, doc, [*self.const, *labels], registry=self.collector_registry), labels)
 
     @overload
     def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram: ...
@@ -71,8 +71,8 @@ class ModelMetrics:
     def histogram(self, name: str, doc: str, buckets: Sequence[float],
                   labels: Sequence[str] = ()) -> Histogram | BoundLabels[Histogram]:
         return self._bind(Histogram(name, doc, [*self.const, *labels], buckets=buckets,
-                                    registry=self.registry), labels)
+                                    registry=self.collector_registry), labels)
 
     def render(self) -> tuple[bytes, str]:
         """(exposition text, its content type)."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.collector_registry), CONTENT_TYPE_LATEST

@@ -1,12 +1,12 @@
-"""Registries a user extends from outside the package, as the model registry is
-(engine/models/registry.py, ``$SPLITSERVE_MODEL_FAMILIES``): the KV backends
-(common/kv_backends.py, ``$SPLITSERVE_KV_BACKENDS``) and the routing policies
+"""The plugin registries: those a user extends from outside the package, as the family
+registry is (engine/models/families.py, ``$SPLITSERVE_MODEL_FAMILIES``): the backend
+registry (common/kv_backends.py, ``$SPLITSERVE_KV_BACKENDS``) and the policy registry
 (router/routing/policy_registry.py, ``$SPLITSERVE_ROUTING_POLICIES``).
 
 Owns what they share: reading an environment variable's comma-separated entries (an
 importable module name, ``my_pkg.my_backend``, or a ``.py`` file's path), each module
 defining one spec under a known name; merging them after the built-ins, refusing a name
-taken twice; resolving a ``"module:attr"`` reference on demand; and ``Names``, a
+taken twice; resolving a ``"module:attr"`` reference on demand; and ``Names``, a plugin
 registry's names read only when first asked (argparse's ``choices``). Must not know
 any registry's spec type.
 """
@@ -49,7 +49,7 @@ def resolve(ref: str | Any) -> Any:
 
 
 class Names(Collection[str]):
-    """A registry's names, read from ``read`` each time they are asked for: argparse's
+    """A plugin registry's names, read from ``read`` each time they are asked for: argparse's
     ``choices`` of a flag (give it a ``metavar``, or building the parser reads them), so a
     process that never parses the flag never loads the modules of ``$env``."""
 

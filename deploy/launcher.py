@@ -20,9 +20,9 @@ member gets only the secrets it needs (deploy/member_secrets.py):
 
 A process's environment is readable by its user and root only, like a 0600 file.
 
-``up`` starts two Redis instances (deploy/local_redis.py): the main one (registry, prefix
+``up`` starts two Redis instances (deploy/local_redis.py): the main one (node registry, prefix
 index; ``noeviction``) and one for the routers' stored /v1/responses (``--responses-maxmemory``,
-``volatile-lru``), so no flood of stored responses can crowd out the registry. It prints
+``volatile-lru``), so no flood of stored responses can crowd out the node registry. It prints
 its URL only once the cluster serves (deploy/readiness.py: every node registered, every
 router sees them), or fails after ``--startup-timeout`` naming who is missing, having
 stopped everything. It stops in order: the routers (no new requests), then the nodes
@@ -114,7 +114,7 @@ class Cluster:
         if router_replicas < 1:
             raise ValueError(f"router_replicas: must be >= 1, got {router_replicas}")
         # One port per router replica (the first is router_port); all share the Redis and
-        # keep their own prefix-index mirror, so any of them routes cache-aware alone.
+        # keep their own prefix mirror, so any of them routes cache-aware alone.
         self.router_ports = [self.router_port] + [free_port() for _ in range(router_replicas - 1)]
         self.cluster_token = cluster_token  # None: internal endpoints open (tests that poke nodes)
         self.redis_password = redis_password  # for the Redis this cluster starts
@@ -195,7 +195,7 @@ class Cluster:
         return p
 
     def node_id_of(self, name: str) -> str:
-        """The registry node id of node member ``name`` (``start_node`` names both alike)."""
+        """The node registry's node id of node member ``name`` (``start_node`` names both alike)."""
         return name
 
     def exit_code(self, name: str) -> int | None:
@@ -243,12 +243,12 @@ class Cluster:
         self.forget_node(name)
 
     def forget_node(self, name: str) -> None:
-        """Delete a dead node's registry record now, so routers stop choosing it within
+        """Delete a dead node's node registry record now, so routers stop choosing it within
         one discovery poll (its index entries are keyed by the old epoch: never read again)."""
         if name in (REDIS, RESPONSES_REDIS) or name.startswith("router") or self.redis_url is None:
             return
         import redis
-        from ..common.registry import node_key
+        from ..common.node_registry import node_key
         with redis.Redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1) as r:
             r.delete(node_key(name))
 

@@ -9,7 +9,7 @@ Ctrl-C reaches ``up`` alone, which stops them last, after every node deregistere
 
     instance    holds                                   when full (maxmemory)
     main        node registry, prefix index, the        noeviction: writes fail and say so; a
-                routers' shared recent work             registry record or index entry is never
+                routers' shared recent work             node registry record or index entry is never
                                                         dropped behind its owner's back
     responses   stored /v1/responses                    volatile-lru: only entries with a TTL (the
                 (router --responses-redis-url)          responses) are evicted, never the store's

@@ -2,10 +2,10 @@
 its URL only then and a first request finds every node:
 
     1. every member printed its READY line (it listens);
-    2. every node member has registered itself: the registry record under its node id
-       (common/registry.py) names the address it printed, not one a node of an earlier
+    2. every node member has registered itself: the node registry record under its node id
+       (common/node_registry.py) names the address it printed, not one a node of an earlier
        run left behind (a Redis that refuses writes, full or read-only, fails here);
-    3. one router poll of the registry later (ROUTER_POLL_S), every router's /health says
+    3. one router poll of the node registry later (ROUTER_POLL_S), every router's /health says
        ok and counts, role by role, at least the nodes started.
 
 One deadline for all of it (``up --startup-timeout``); past it, ``NotServing`` names each
@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from ..common.registry import NodeInfo, node_key
+from ..common.node_registry import NodeInfo, node_key
 from ..router.config import RouterConfig
 from .member import Proc
 
-ROUTER_POLL_S = RouterConfig().poll_interval_s  # how often a router re-reads the registry
+ROUTER_POLL_S = RouterConfig().poll_interval_s  # how often a router re-reads the node registry
 CHECK_EVERY_S = 0.2
 
 
@@ -40,7 +40,7 @@ class NotServing(RuntimeError):
 def wait_serving(members: Sequence[Proc], nodes: Mapping[str, Proc], router_urls: Sequence[str],
                  roles: Mapping[str, int], redis_url: str | None, timeout_s: float) -> None:
     """Until the cluster serves (the module's three steps); ``nodes``: node id -> its member
-    (empty: nodes the registry check cannot name, as a simulated fleet's). Raises
+    (empty: nodes the node registry check cannot name, as a simulated fleet's). Raises
     NotServing."""
     deadline = time.monotonic() + timeout_s
     registered_at: float | None = None

@@ -6,7 +6,7 @@ Owns the restart policy and its counters, and the launcher's status endpoint::
     GET http://127.0.0.1:<status port>/status   JSON: every member: alive, restarts, last exit code
     GET http://127.0.0.1:<status port>/metrics  splitserve_launcher_restarts_total{member}
 
-A dead node's registry record is deleted at once (routers forget it within one
+A dead node's node registry record is deleted at once (routers forget it within one
 discovery poll instead of one record TTL); the restarted node registers under the
 same node id with a new epoch, so prefix-index entries of the old one are never read.
 
@@ -46,7 +46,7 @@ class MemberState:
 class Supervisor:
     """``poll()`` (from the launcher's main loop) notices deaths and restarts members
     when their backoff passed. ``alive(name) -> exit code or None``, ``respawn(name)``
-    starts the member again, ``on_death(name)`` cleans up after it (registry record)."""
+    starts the member again, ``on_death(name)`` cleans up after it (node registry record)."""
 
     def __init__(self, names: Callable[[], list[str]], exit_code: Callable[[str], int | None],
                  respawn: Callable[[str], None], on_death: Callable[[str], None],

@@ -50,7 +50,7 @@ from .kv.cache_manager import ComputedBlocks, KVCacheManager
 from .kv.tier_store import TierObserver
 from .limits import RequestLimits
 from .models.loader import resolve_model_dir
-from .models.registry import read_model_config
+from .models.families import read_model_config
 from .model_runner import KVCacheFactory, ModelRunner
 from .parallel.group import TPFailure, TPGroup, pin_process, rank_cpus, rank_device, rank_threads
 from .request import Request

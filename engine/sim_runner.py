@@ -75,7 +75,7 @@ from .kv.cache_manager import KVCacheManager
 from .kv.tier_store import Move
 from .models.loader import resolve_model_dir
 from .models.config import ModelConfig
-from .models.registry import read_model_config
+from .models.families import read_model_config
 from .model_runner import KVCacheFactory, kv_block_bytes
 from .runner import LaunchedStep, Runner, prompt_tokens, split
 from .sampling.sampler import SampledTokens

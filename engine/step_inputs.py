@@ -1,5 +1,5 @@
 """ForwardInputs: one step's forward pass as plain host values, the message rank 0 sends
-every worker rank of a tensor-parallel node (parallel/channel.py) and what every rank's
+every worker rank of a tensor-parallel node (parallel/step_channel.py) and what every rank's
 ``ModelRunner.execute`` turns into device tensors and attention metadata.
 
 Owns the message and the index arithmetic every rank derives from it (so it is not

@@ -1,4 +1,4 @@
-"""KV block transport: interface, backends (tcp, shm, ucx, nccl, ipc; their registry, with
+"""KV block transport: interface, backends (tcp, shm, ucx, nccl, ipc; the backend registry, with
 any from outside the package, is common/kv_backends.py), wire layout of a block, handshake,
 and the per-transfer state machine.
 

@@ -1,7 +1,7 @@
 """Backend construction: a backend's name to its sender or receiver.
 
-Owns: ``make_sender`` / ``make_receiver`` for each backend of common/kv_backends.py (its
-registry: names, classes, abilities) and the resolution of sender options from the
+Owns: ``make_sender`` / ``make_receiver`` for each backend of common/kv_backends.py (the
+backend registry: names, classes, abilities) and the resolution of sender options from the
 environment (fault injection). Must not: import a backend before it is asked for (ucxx is
 heavy and optional): a spec names its classes, imported here when first built.
 

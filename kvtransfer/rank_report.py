@@ -4,7 +4,7 @@ Owns the messages between a node's rank 0 (which owns the transfer bookkeeping) 
 worker ranks (each with its own sender or receiver over its own KV shard), and the two
 helpers a decode worker rank runs: ``RankReporter`` (its receiver's ``on_block``: batches
 reports into ``RankBlocks``) and ``ClosedTransfers`` (its receiver's ``accepts``: refuses
-blocks of transfers rank 0 closed). Must not: carry the messages (the node's rank channel
+blocks of transfers rank 0 closed). Must not: carry the messages (the node's rank pipe
 does, msgpack via ``encode`` / ``decode``; ``KVExport`` rides the step channel as a
 Control payload, ``encode_export`` / ``decode_export``), or touch tensors or the table.
 

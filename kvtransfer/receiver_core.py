@@ -1,10 +1,10 @@
-"""The receiver half of the protocol, over any ``Channel``.
+"""The receiver half of the protocol, over any ``Connection``.
 
 Owns: the server side of the handshake, landing frames (verify each block's
 checksum, then write it into the ``KVBlockStore``, or verify in place when the
 sender wrote through shared memory), ``on_block`` calls, acknowledgements and
 receiver counters. Must not: accept connections itself (a backend subclass
-listens and hands each channel to ``_serve``), decide what a failed block means
+listens and hands each connection to ``_serve``), decide what a failed block means
 for its request (the decode node's ``TransferTable`` does), or import the model.
 
 One connection, as ``_serve`` runs it::
@@ -44,7 +44,7 @@ from ..common.auth import token_matches
 from ..common.kv_heads import HeadRange
 from .base import KVReceiver, OnBlock
 from .block_store import KVBlockStore
-from .channel import ChannelClosed, ChannelT, format_address
+from .connection import ConnectionClosed, ConnT, format_address
 from .layout import KVLayout, KVShard
 from .wire import CHECKSUM_ALGOS, PROTOCOL_VERSION, Ack, Blocks, Hello, Refused, Welcome, layout_id
 
@@ -65,8 +65,8 @@ class ReceiverStats:
     slices: int = 0  # frames carrying part of this rank's heads (a tensor-parallel plan's)
 
 
-class FramedReceiver(KVReceiver, Generic[ChannelT]):
-    """``KVReceiver`` over channels of type ``ChannelT``; a backend implements ``_listen`` /
+class FramedReceiver(KVReceiver, Generic[ConnT]):
+    """``KVReceiver`` over connections of type ``ConnT``; a backend implements ``_listen`` /
     ``_close_listener`` and may override ``_welcome`` and ``_offers_shm``."""
 
     scheme: str = ""
@@ -99,7 +99,7 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         # Keyed by block: a destination belongs to one live transfer at a time, so a slice of
         # another transfer replaces a dead one's leftovers and the map never outgrows the cache.
         self._parts: dict[int, tuple[str, int]] = {}
-        self._serving: dict[asyncio.Task, ChannelT] = {}  # connection task -> its channel
+        self._serving: dict[asyncio.Task, ConnT] = {}  # serving task -> its connection
         self._stopped = False
 
     @property
@@ -109,14 +109,14 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
     # -- backend hooks -------------------------------------------------------------
     @abstractmethod
     async def _listen(self) -> None:
-        """Bind (setting ``self.port``) and hand each accepted channel to ``_serve``."""
+        """Bind (setting ``self.port``) and hand each accepted connection to ``_serve``."""
 
     @abstractmethod
     async def _close_listener(self) -> None:
         """Stop accepting (idempotent)."""
 
-    def _welcome(self, channel: ChannelT) -> Welcome:
-        """The handshake answer to the sender on ``channel``."""
+    def _welcome(self, conn: ConnT) -> Welcome:
+        """The handshake answer to the sender on ``conn``."""
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks)
 
     def _offers_shm(self) -> bool:
@@ -137,57 +137,57 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- one connection --------------------------------------------------------------
-    async def _serve(self, channel: ChannelT) -> None:
+    async def _serve(self, conn: ConnT) -> None:
         """Run one connection to its end; never raises (except cancellation)."""
         task = asyncio.current_task()
         assert task is not None  # a connection runs as its own task
-        self._serving[task] = channel
+        self._serving[task] = conn
         self.stats.connections += 1
         staging = memoryview(b"")  # grows to the largest frame, then is reused (pinned on a GPU)
         try:
-            if self._stopped or not await self._handshake(channel):
+            if self._stopped or not await self._handshake(conn):
                 return
             while True:
-                frame = self._check_frame(await channel.recv())
+                frame = self._check_frame(await conn.recv())
                 payload = None
                 if frame.payload_nbytes:
                     if len(staging) < frame.payload_nbytes:
                         staging = self.store.host_buffer(frame.payload_nbytes)
                     payload = staging[:frame.payload_nbytes]
                     try:
-                        await channel.recv_payload(payload)
+                        await conn.recv_payload(payload)
                     except BaseException:
                         self._report_all(frame, "frame cut short: connection lost or receiver stopped")
                         raise
-                await self._land_and_ack(channel, frame, payload)
+                await self._land_and_ack(conn, frame, payload)
                 await asyncio.sleep(0)  # one busy connection must not starve the others
-        except ChannelClosed as e:
-            log.debug("connection from %s ended: %s", channel.peer, e)
+        except ConnectionClosed as e:
+            log.debug("connection from %s ended: %s", conn.peer, e)
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("connection from %s failed", channel.peer)
+            log.exception("connection from %s failed", conn.peer)
         finally:
-            channel.close()
+            conn.close()
             self._serving.pop(task, None)
 
-    async def _handshake(self, channel: ChannelT) -> bool:
-        hello = await channel.recv()
+    async def _handshake(self, conn: ConnT) -> bool:
+        hello = await conn.recv()
         if not isinstance(hello, Hello):
-            raise ChannelClosed(f"protocol error: expected Hello, got {type(hello).__name__}")
+            raise ConnectionClosed(f"protocol error: expected Hello, got {type(hello).__name__}")
         refusal = self._check_hello(hello)
         if refusal is None:
             assert hello.shard is not None  # _check_hello refuses a Hello without one
-            channel.checksum_algo = hello.checksum  # every frame of this connection is hashed so
-            channel.sender_heads = (hello.shard.heads.start, hello.shard.heads.stop)
-            welcome = self._welcome(channel)
+            conn.checksum_algo = hello.checksum  # every frame of this connection is hashed so
+            conn.sender_heads = (hello.shard.heads.start, hello.shard.heads.stop)
+            welcome = self._welcome(conn)
             welcome.shard = self.shard
-            await channel.send(welcome)
+            await conn.send(welcome)
             return True
         self.stats.refused += 1
         self.last_refusal = refusal.reason
-        log.warning("refused sender %s: %s", channel.peer, refusal.reason)
-        await channel.send(refusal)
+        log.warning("refused sender %s: %s", conn.peer, refusal.reason)
+        await conn.send(refusal)
         return False
 
     def _check_hello(self, hello: Hello) -> Refused | None:
@@ -223,26 +223,26 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
 
     def _check_frame(self, frame) -> Blocks:
         if not isinstance(frame, Blocks):
-            raise ChannelClosed(f"protocol error: expected Blocks, got {type(frame).__name__}")
+            raise ConnectionClosed(f"protocol error: expected Blocks, got {type(frame).__name__}")
         n = len(frame.dest_block_ids)
         count = self._frame_heads(frame).size
         expected = n * self.layout.with_heads(max(count, 1)).block_nbytes
         if len(frame.checksums) != n or frame.payload_nbytes not in (0, expected) \
                 or expected > MAX_FRAME_BYTES or count < 1:
-            raise ChannelClosed(f"protocol error: bad frame {frame.seq} of {frame.transfer_id} "
+            raise ConnectionClosed(f"protocol error: bad frame {frame.seq} of {frame.transfer_id} "
                                 f"({n} ids, {len(frame.checksums)} sums, {frame.payload_nbytes} bytes)")
         return frame
 
-    async def _land_and_ack(self, channel: ChannelT, frame: Blocks, payload: memoryview | None) -> None:
+    async def _land_and_ack(self, conn: ConnT, frame: Blocks, payload: memoryview | None) -> None:
         """Verify and write the frame (on the loop: measured faster than a lander thread on a
         2-core host, where the thread only adds hand-offs), report each block, then ack."""
         heads = self._frame_heads(frame)
         local = heads.shift(self._heads.start)  # where the slice sits in this rank's cache
-        problem = self._slice_problem(channel, frame, heads)
+        problem = self._slice_problem(conn, frame, heads)
         if payload is not None:
-            results = self._land_inline(frame, payload, channel.checksum_algo, local, problem)
+            results = self._land_inline(frame, payload, conn.checksum_algo, local, problem)
         elif self._offers_shm():
-            results = self._land_in_place(frame, channel.checksum_algo, local, problem)
+            results = self._land_in_place(frame, conn.checksum_algo, local, problem)
         else:
             results = [(d, "frame carries no payload (shm frame sent to a non-shm receiver)")
                        for d in frame.dest_block_ids]
@@ -253,16 +253,16 @@ class FramedReceiver(KVReceiver, Generic[ChannelT]):
         self.stats.frames += 1
         failed = [d for d, reason in results if reason is not None]
         first = next((r for _, r in results if r is not None), None)
-        await channel.send(Ack(seq=frame.seq, failed=failed, reason=first))
+        await conn.send(Ack(seq=frame.seq, failed=failed, reason=first))
 
-    def _slice_problem(self, channel: ChannelT, frame: Blocks, heads: HeadRange) -> str | None:
+    def _slice_problem(self, conn: ConnT, frame: Blocks, heads: HeadRange) -> str | None:
         """Why the frame's slice cannot land here (None: it can): heads this rank does not
         hold, heads the sender does not hold, or a layout other than the slice's."""
         mine = self._heads
         if not mine.contains(heads):
             return (f"frame carries KV heads [{heads.start}, {heads.stop}); this receiver is "
                     f"{self.shard.describe()}")
-        theirs = channel.sender_heads
+        theirs = conn.sender_heads
         if theirs is not None and not HeadRange(*theirs).contains(heads):
             return (f"frame carries KV heads [{heads.start}, {heads.stop}) the sender does not hold "
                     f"(it holds [{theirs[0]}, {theirs[1]}))")

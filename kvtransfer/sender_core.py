@@ -1,21 +1,22 @@
-"""The sender half of the protocol, over any ``Channel``.
+"""The sender half of the protocol, over any ``Connection``.
 
-Owns: the connection pool (one per receiver address, reused), the client side of
-the handshake, cutting a transfer into frames, checksums, acknowledgements,
-timeouts, and fault injection. Must not: do socket I/O itself (a backend
-subclass opens channels and may change how a frame's bytes travel) or import the model.
+Owns: its connections (one per receiver address, reused; with what the sender knows of
+that receiver, a ``Peer``), the client side of the handshake, cutting a transfer into
+frames, checksums, acknowledgements, timeouts, and fault injection. Must not: do socket
+I/O itself (a backend subclass opens connections and may change how a frame's bytes
+travel) or import the model.
 
 Per connection::
 
-    send_blocks --frames--> channel.send(Blocks(seq), payload) ----> receiver
-         ^                                                             |
-         +--- await futures[seq] <--- reader task <--- Ack(seq) -------+
+    send_blocks --frames--> peer.conn.send(Blocks(seq), payload) ----> receiver
+         ^                                                                  |
+         +--- await futures[seq] <--- reader task <--- Ack(seq) ------------+
 
-The reader task resolves each frame's future; if the channel fails it fails every
+The reader task resolves each frame's future; if the connection fails it fails every
 pending future, so no ``send_blocks`` waits on a dead peer. A timeout drops the
 connection (the next transfer dials again); a cancelled ``send_blocks`` leaves
-it to the others unless it was cut mid-frame, in which case the channel closes
-itself (a half-written frame makes the stream unparsable).
+it to the others unless it was cut mid-frame, in which case the connection
+closes itself (a half-written frame makes the stream unparsable).
 
 A sender is one rank's (``KVShard``): it sends blocks of its cache, or slices of them
 (``heads``: the KV heads a decode rank needs, ``tp_plan.py``), and checks before any byte
@@ -34,7 +35,7 @@ from typing import Generic, NamedTuple
 from ..common.kv_heads import HeadRange
 from .base import KVSender
 from .block_store import CHECKSUM_ALGO, KVBlockStore
-from .channel import ChannelClosed, ChannelT
+from .connection import ConnectionClosed, ConnT
 from .errors import TransferError
 from .layout import KVLayout, KVShard, LayoutMismatch
 from .packed import frame_sums, frame_views, item_nbytes
@@ -70,32 +71,33 @@ class Slice(NamedTuple):
 
 
 @dataclass(slots=True, eq=False)
-class Connection(Generic[ChannelT]):
-    """One live connection to a receiver."""
+class Peer(Generic[ConnT]):
+    """One receiver as this sender knows it: the live connection to it, its Welcome, the
+    frames awaiting its Ack."""
 
     addr: str
-    channel: ChannelT
+    conn: ConnT
     welcome: Welcome
     pending: dict[int, asyncio.Future[Ack]] = field(default_factory=dict)  # seq -> future of its Ack
     next_seq: int = 0
     broken: str | None = None  # why it can no longer carry frames
     reader: asyncio.Task | None = None
-    peer_store: KVBlockStore | None = None  # the receiver's cache, mapped here (shm, ipc)
-    peer_shard: KVShard | None = None  # the receiver's rank, from its Welcome
+    store: KVBlockStore | None = None  # the receiver's cache, mapped here (shm, ipc)
+    shard: KVShard | None = None  # the receiver's rank, from its Welcome
 
     def fail(self, reason: str) -> None:
-        """Mark broken, close the channel, fail every pending frame (idempotent)."""
+        """Mark broken, close the connection, fail every pending frame (idempotent)."""
         if self.broken is None:
             self.broken = reason
-        self.channel.close()
+        self.conn.close()
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(TransferError(f"connection to {self.addr} lost: {self.broken}"))
         self.pending.clear()
 
 
-class FramedSender(KVSender, Generic[ChannelT]):
-    """``KVSender`` over channels of type ``ChannelT``; a backend implements ``_open`` (and may
+class FramedSender(KVSender, Generic[ConnT]):
+    """``KVSender`` over connections of type ``ConnT``; a backend implements ``_open`` (and may
     override ``_hello``, ``_on_welcome``, ``_stage``, ``_deliver``)."""
 
     scheme: str = ""  # address scheme, "tcp", "shm", "ucx"
@@ -111,23 +113,23 @@ class FramedSender(KVSender, Generic[ChannelT]):
         self.layout = layout
         self.options = options or SenderOptions()
         self.checksum_algo = self.options.checksum or CHECKSUM_ALGO
-        self._conns: dict[str, Connection[ChannelT]] = {}  # addr -> live connection
+        self._peers: dict[str, Peer[ConnT]] = {}  # addr -> the receiver there, connected
         self._dialing: dict[str, asyncio.Lock] = {}  # addr -> lock held while dialing it
         self._blocks_sent = 0  # counts blocks for corrupt_every
 
     # -- backend hooks -------------------------------------------------------------
     @abstractmethod
-    async def _open(self, addr: str) -> ChannelT:
-        """Dial ``addr``; raise ``TransferError`` / ``OSError`` / ``ChannelClosed`` on failure."""
+    async def _open(self, addr: str) -> ConnT:
+        """Dial ``addr``; raise ``TransferError`` / ``OSError`` / ``ConnectionClosed`` on failure."""
 
     def _hello(self) -> Hello:
         return Hello(layout=self.layout, checksum=self.checksum_algo)
 
-    async def _on_welcome(self, conn: Connection[ChannelT]) -> None:
+    async def _on_welcome(self, peer: Peer[ConnT]) -> None:
         """Finish a backend's connection from the welcome (shm: map the cache, ucx: open the
         data endpoint); raise ``TransferError`` to refuse it. Runs under the connect timeout."""
 
-    def _stage(self, conn: Connection[ChannelT], dest: list[int], items: list,
+    def _stage(self, peer: Peer[ConnT], dest: list[int], items: list,
                corrupt: list[int], part: Slice) -> tuple[list[int], list[memoryview]]:
         """(checksum of each block, the buffers to send). ``items``: host buffers or
         ``PackedBlock`` rows of a device pack (hashed on the device, staged to host once),
@@ -138,14 +140,14 @@ class FramedSender(KVSender, Generic[ChannelT]):
         views = frame_views(items)
         return sums, [flip_one_byte(v) if i in corrupt else v for i, v in enumerate(views)]
 
-    async def _deliver(self, conn: Connection[ChannelT], frame: Blocks, payload: list[memoryview]) -> None:
+    async def _deliver(self, peer: Peer[ConnT], frame: Blocks, payload: list[memoryview]) -> None:
         """Make the frame reach the receiver. Default: the blocks inline after the header."""
         frame.payload_nbytes = sum(len(v) for v in payload)
-        await conn.channel.send(frame, payload)
+        await peer.conn.send(frame, payload)
 
     # -- KVSender --------------------------------------------------------------------
     async def connect(self, addr: str) -> None:
-        await self._connection(addr)
+        await self._peer(addr)
 
     async def send_blocks(self, addr: str, transfer_id: str,
                           blocks: Sequence[tuple[int, object]], heads: HeadRange | None = None) -> None:
@@ -164,30 +166,30 @@ class FramedSender(KVSender, Generic[ChannelT]):
             raise TransferError(f"transfer {transfer_id}: block #{bad[0]} has {sizes[bad[0]]} "
                                 f"bytes, a packed slice of {layout} has {layout.block_nbytes}")
         dest = [int(d) for d, _ in blocks]
-        conn: Connection[ChannelT] | None = None
+        peer: Peer[ConnT] | None = None
         try:
             async with asyncio.timeout(self.options.timeout_s):
-                conn = await self._connection(addr)
-                if any(not 0 <= d < conn.welcome.num_blocks for d in dest):
+                peer = await self._peer(addr)
+                if any(not 0 <= d < peer.welcome.num_blocks for d in dest):
                     raise TransferError(f"transfer {transfer_id}: destination block ids must be in "
-                                        f"[0, {conn.welcome.num_blocks}) at {addr}, got {dest}")
-                part = self._slice(conn, transfer_id, heads, layout)
+                                        f"[0, {peer.welcome.num_blocks}) at {addr}, got {dest}")
+                part = self._slice(peer, transfer_id, heads, layout)
                 frame_bytes = self.options.max_frame_bytes or self.default_frame_bytes
                 per_frame = max(1, frame_bytes // layout.block_nbytes)
                 futures = []
                 for start in range(0, len(blocks), per_frame):
-                    futures.append(await self._send_frame(conn, transfer_id, dest[start:start + per_frame],
+                    futures.append(await self._send_frame(peer, transfer_id, dest[start:start + per_frame],
                                                           items[start:start + per_frame], part))
                 acks = await _gather(futures)
-                await conn.channel.flush()  # the caller may reuse the block buffers after return
+                await peer.conn.flush()  # the caller may reuse the block buffers after return
         except TimeoutError:
-            if conn is not None:
-                conn.fail(f"no acknowledgement within {self.options.timeout_s}s")
+            if peer is not None:
+                peer.fail(f"no acknowledgement within {self.options.timeout_s}s")
             raise TransferError(f"transfer {transfer_id} to {addr} timed out after "
                                 f"{self.options.timeout_s}s") from None
-        except (ChannelClosed, OSError) as e:
-            if conn is not None:
-                conn.fail(f"{type(e).__name__}: {e}")
+        except (ConnectionClosed, OSError) as e:
+            if peer is not None:
+                peer.fail(f"{type(e).__name__}: {e}")
             raise TransferError(f"transfer {transfer_id} to {addr} failed: {e}") from e
         failed = [d for a in acks for d in a.failed]
         if failed:
@@ -196,40 +198,40 @@ class FramedSender(KVSender, Generic[ChannelT]):
                                 f"{len(blocks)} blocks {failed[:8]}: {reason}")
 
     async def close(self) -> None:
-        conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            conn.fail("sender closed")
-        for conn in conns:
-            if conn.reader is not None:
-                conn.reader.cancel()
-        await asyncio.gather(*(c.reader for c in conns if c.reader is not None), return_exceptions=True)
+        peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.fail("sender closed")
+        for peer in peers:
+            if peer.reader is not None:
+                peer.reader.cancel()
+        await asyncio.gather(*(p.reader for p in peers if p.reader is not None), return_exceptions=True)
 
     # -- internals -------------------------------------------------------------------
-    def _slice(self, conn: Connection[ChannelT], transfer_id: str, heads: HeadRange,
+    def _slice(self, peer: Peer[ConnT], transfer_id: str, heads: HeadRange,
                layout: KVLayout) -> Slice:
-        """The slice ``heads`` as sent on ``conn``; ``TransferError`` unless the receiver
+        """The slice ``heads`` as sent on ``peer``; ``TransferError`` unless the receiver
         holds all of those heads (a plan that reached the wrong rank)."""
-        peer = conn.peer_shard
-        assert peer is not None  # _dial checked the Welcome's shard
-        if not peer.heads.contains(heads):
-            raise TransferError(f"transfer {transfer_id}: receiver {conn.addr} is {peer.describe()}; "
+        theirs = peer.shard
+        assert theirs is not None  # _dial checked the Welcome's shard
+        if not theirs.heads.contains(heads):
+            raise TransferError(f"transfer {transfer_id}: receiver {peer.addr} is {theirs.describe()}; "
                                 f"it does not hold KV heads [{heads.start}, {heads.stop}) (the decode "
                                 f"ranks' addresses are out of order?)")
-        return Slice(heads, layout, layout_id(layout), heads.shift(peer.heads.start))
+        return Slice(heads, layout, layout_id(layout), heads.shift(theirs.heads.start))
 
-    async def _send_frame(self, conn: Connection[ChannelT], transfer_id: str, dest: list[int],
+    async def _send_frame(self, peer: Peer[ConnT], transfer_id: str, dest: list[int],
                           items: list, part: Slice) -> asyncio.Future[Ack]:
-        if conn.broken is not None:
-            raise ChannelClosed(conn.broken)
-        sums, payload = self._stage(conn, dest, items, self._pick_corrupt(len(items)), part)
-        seq, conn.next_seq = conn.next_seq, conn.next_seq + 1
+        if peer.broken is not None:
+            raise ConnectionClosed(peer.broken)
+        sums, payload = self._stage(peer, dest, items, self._pick_corrupt(len(items)), part)
+        seq, peer.next_seq = peer.next_seq, peer.next_seq + 1
         fut: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         # Retrieve a failure even when send_blocks gave up before awaiting this frame.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        conn.pending[seq] = fut
+        peer.pending[seq] = fut
         frame = Blocks(seq=seq, transfer_id=transfer_id, layout_id=part.layout_id,
                        dest_block_ids=dest, checksums=sums, heads=part.heads)
-        await self._deliver(conn, frame, payload)
+        await self._deliver(peer, frame, payload)
         return fut
 
     def _pick_corrupt(self, n: int) -> list[int]:
@@ -239,59 +241,59 @@ class FramedSender(KVSender, Generic[ChannelT]):
             return []
         return [i for i in range(n) if (first + i) % every == every - 1]
 
-    async def _connection(self, addr: str) -> Connection[ChannelT]:
-        conn = self._conns.get(addr)
-        if conn is not None and conn.broken is None:
-            return conn
+    async def _peer(self, addr: str) -> Peer[ConnT]:
+        peer = self._peers.get(addr)
+        if peer is not None and peer.broken is None:
+            return peer
         lock = self._dialing.setdefault(addr, asyncio.Lock())
         async with lock:
-            conn = self._conns.get(addr)
-            if conn is not None and conn.broken is None:
-                return conn
-            conn = await self._dial(addr)
-            self._conns[addr] = conn
-            return conn
+            peer = self._peers.get(addr)
+            if peer is not None and peer.broken is None:
+                return peer
+            peer = await self._dial(addr)
+            self._peers[addr] = peer
+            return peer
 
-    async def _dial(self, addr: str) -> Connection[ChannelT]:
-        channel = None
+    async def _dial(self, addr: str) -> Peer[ConnT]:
+        conn = None
         try:
             async with asyncio.timeout(self.options.connect_timeout_s):
-                channel = await self._open(addr)
+                conn = await self._open(addr)
                 hello = self._hello()
                 hello.shard = self.shard
                 if self.options.cluster_token:
                     hello.token = self.options.cluster_token
-                await channel.send(hello)
-                reply = await channel.recv()
+                await conn.send(hello)
+                reply = await conn.recv()
         except TimeoutError:
-            if channel is not None:
-                channel.close()
+            if conn is not None:
+                conn.close()
             raise TransferError(f"cannot connect to {addr}: no handshake within "
                                 f"{self.options.connect_timeout_s}s") from None
-        except (ChannelClosed, OSError) as e:
-            if channel is not None:
-                channel.close()
+        except (ConnectionClosed, OSError) as e:
+            if conn is not None:
+                conn.close()
             raise TransferError(f"cannot connect to {addr}: {e}") from e
         if isinstance(reply, Refused):
-            channel.close()
+            conn.close()
             cls = LayoutMismatch if reply.code in ("layout", "tp") else TransferError
             raise cls(f"receiver {addr} refused the handshake: {reply.reason}")
         if not isinstance(reply, Welcome):
-            channel.close()
+            conn.close()
             raise TransferError(f"receiver {addr} answered the handshake with {type(reply).__name__}")
-        conn = Connection(addr=addr, channel=channel, welcome=reply, peer_shard=reply.shard)
+        peer = Peer(addr=addr, conn=conn, welcome=reply, shard=reply.shard)
         try:
             self._check_welcome(addr, reply)
             async with asyncio.timeout(self.options.connect_timeout_s):
-                await self._on_welcome(conn)
+                await self._on_welcome(peer)
         except TransferError:
-            channel.close()
+            conn.close()
             raise
-        except (TimeoutError, ChannelClosed, OSError) as e:
-            channel.close()
+        except (TimeoutError, ConnectionClosed, OSError) as e:
+            conn.close()
             raise TransferError(f"cannot connect to {addr}: {type(e).__name__}: {e}") from e
-        conn.reader = asyncio.create_task(self._read_acks(conn), name=f"kv-acks {addr}")
-        return conn
+        peer.reader = asyncio.create_task(self._read_acks(peer), name=f"kv-acks {addr}")
+        return peer
 
     def _check_welcome(self, addr: str, welcome: Welcome) -> None:
         """Raise ``LayoutMismatch`` unless the receiver's key is compatible with ours (any
@@ -308,20 +310,20 @@ class FramedSender(KVSender, Generic[ChannelT]):
         if problem is not None:
             raise LayoutMismatch(f"KV layout mismatch (this side != peer) with receiver {addr}: {problem}")
 
-    async def _read_acks(self, conn: Connection[ChannelT]) -> None:
+    async def _read_acks(self, peer: Peer[ConnT]) -> None:
         try:
             while True:
-                msg = await conn.channel.recv()
+                msg = await peer.conn.recv()
                 if not isinstance(msg, Ack):
-                    raise ChannelClosed(f"protocol error: expected Ack, got {type(msg).__name__}")
-                fut = conn.pending.pop(msg.seq, None)
+                    raise ConnectionClosed(f"protocol error: expected Ack, got {type(msg).__name__}")
+                fut = peer.pending.pop(msg.seq, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
         except asyncio.CancelledError:
-            conn.fail("sender closed")
+            peer.fail("sender closed")
             raise
         except Exception as e:  # any failure ends the connection; the transfers report it
-            conn.fail(f"{type(e).__name__}: {e}")
+            peer.fail(f"{type(e).__name__}: {e}")
 
 
 async def _gather(futures: list[asyncio.Future[Ack]]) -> list[Ack]:

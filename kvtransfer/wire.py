@@ -1,7 +1,7 @@
 """The messages of the KV transfer protocol, shared by every backend.
 
 Owns: the message structs and their msgpack encoding. Must not: do I/O (each
-backend's channel frames these bytes its own way) or import torch.
+backend's connection frames these bytes its own way) or import torch.
 
 A connection, sender on the left::
 

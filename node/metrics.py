@@ -55,7 +55,6 @@ class RequestTimes:
 class NodeMetrics:
     def __init__(self, model_name: str, role: str):
         c = self.collectors = ModelMetrics({n.MODEL_LABEL: model_name, n.ROLE_LABEL: role})
-        self.registry = c.registry
         # Engine state, set from the engine's load at each scrape.
         self.load = {
             "running": c.gauge(n.NUM_REQUESTS_RUNNING, "Requests in the running batch"),
@@ -78,7 +77,7 @@ class NodeMetrics:
                         "tokens": c.gauge(n.KV_POOL_TOKENS, "KV block pool size in tokens")}
         self.preemptions = c.counter(n.NUM_PREEMPTIONS, "Requests preempted (blocks freed, "
                                      "recomputed later)")
-        self.heartbeat_failures = c.gauge(n.HEARTBEAT_FAILURES, "Consecutive failed registry "
+        self.heartbeat_failures = c.gauge(n.HEARTBEAT_FAILURES, "Consecutive failed node registry "
                                           "heartbeats (0: the router sees this node)")
         self.prefix_queries = c.counter(n.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the "
                                         "prefix cache at admission")

@@ -1,11 +1,11 @@
 """The worker ranks of a tensor-parallel node: processes of its rank 0, and the node's
-rank channel to them.
+rank pipe to them.
 
 Owns, on rank 0 (the node process): starting ranks 1..N-1 (multiprocessing spawn, one
-process each, in the node's process group), one duplex pipe per worker (the rank channel:
+process each, in the node's process group), one duplex pipe per worker (the rank pipe:
 msgpack ``kvtransfer/rank_report.py`` messages, both ways), watching them (a worker that
 exits is the node's death) and stopping them (``RankProcs``). On a worker: its main
-(``worker_main``), its event loop thread and its end of the rank channel (``RankLink``).
+(``worker_main``), its event loop thread and its end of the rank pipe (``RankLink``).
 Also the node's KV compatibility key (``node_kv_key``), which every rank computes alike.
 Must not know the role: the role's ``RankRole`` (prefill_node/ranks.py,
 decode_node/ranks.py) runs on each worker, built there by the factory rank 0 hands in.
@@ -94,7 +94,7 @@ RoleFactory = Callable[[NodeConfig, int, "RankLink"], RankRole]
 
 
 class RankLink:
-    """A worker's end of the rank channel, and the event loop (a daemon thread) its KV
+    """A worker's end of the rank pipe, and the event loop (a daemon thread) its KV
     sender or receiver runs on. ``send`` from that loop only; ``call`` / ``run`` reach it
     from the worker's main thread."""
 
@@ -151,7 +151,7 @@ def worker_main(factory: RoleFactory, config: NodeConfig, rank: int, rendezvous:
     role = factory(config, rank, link)
 
     def lost() -> None:  # rank 0 is gone; the step channel tells the main thread too, maybe later
-        log.error("tensor-parallel rank %d: rank 0 closed the rank channel; exiting", rank)
+        log.error("tensor-parallel rank %d: rank 0 closed the rank pipe; exiting", rank)
         role.release()
         os._exit(EXIT_RANK0_GONE)
 

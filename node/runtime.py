@@ -18,7 +18,7 @@
   worker processes under a CPU-time limit, carried to the engine with each request;
 - the node's KV compatibility key (``kv_key``: its registration, every rank's handshake)
   and the start-up refusal of a pool it cannot exchange KV with
-  (common/registry.py ``kv_pool_problem``).
+  (common/node_registry.py ``kv_pool_problem``).
 
 A node fails (``fail``) when a worker rank exits or the engine thread stops on a
 ``TPFailure``: new work gets 503, the role fails what is in flight at once (``on_failure``:
@@ -52,14 +52,14 @@ from ..common.kv_events import KVEvent, Tier
 from ..common.kv_index import KVIndex
 from ..common.load import NodeLoad
 from ..common.sampling_params import SamplingParams
-from ..common.registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
+from ..common.node_registry import REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, kv_pool_problem, new_epoch
 from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import EngineThread
 from ..engine.limits import RequestLimits
 from ..engine.step_fault import STEP_FAULT, arm_step_fault
 from ..engine.models.loader import resolve_model_dir
-from ..engine.models.registry import read_model_config
+from ..engine.models.families import read_model_config
 from ..engine.parallel.group import TPFailure
 from ..engine.models.sharding import check_model_tp
 from ..engine.parallel.launch import TPLeader

@@ -1,6 +1,6 @@
 """A fleet of simulated nodes in one process (``splitserve sim-nodes``).
 
-Each node is the real prefill or decode server (HTTP API, KV transport, registry
+Each node is the real prefill or decode server (HTTP API, KV transport, node registry
 heartbeat, prefix-index publisher) over a real engine whose forward pass is the
 timing model of ``EngineConfig.sim`` (engine/sim_runner.py). A simulated step is
 a sleep on the node's engine thread, so dozens of nodes share one process and one

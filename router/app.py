@@ -14,8 +14,8 @@ open connections and aiohttp's keep-alive timer doubles as the header timeout.
 
 The routing policy is built once, with the app (its tie rotation and recent work
 live as long as the app). The lifespan (cleanup_ctx) creates, in order, the Redis
-`NodeRegistry`, the node discovery task, the Redis `KVIndex` and the prefix-index
-mirror task, the event-loop lag watch (loop_lag.py), the pooled
+`NodeRegistry`, the node discovery task, the Redis `KVIndex`, the `PrefixMirror` and
+its follower task, the event-loop lag watch (loop_lag.py), the pooled
 `aiohttp.ClientSession` to the nodes, the sharing of the policy's recent work with
 the other router replicas (shared_work.py, when the policy keeps any), the
 dispatcher and the Redis store of /v1/responses (responses/store.py: a Redis of its
@@ -40,7 +40,7 @@ from ..common.auth import redact_url
 from ..common.errors import InvalidRequest
 from ..common.http import peer_connector
 from ..common.kv_index import KVIndex
-from ..common.registry import NodeRegistry
+from ..common.node_registry import NodeRegistry
 from .http import completions, endpoints, extra_endpoints, responses
 from .http.admission import Admission
 from .http.auth import api_key_middleware
@@ -56,7 +56,8 @@ from .http.compile_budget import REJECTION_REASON, CompileBudget
 from .metrics import RouterMetrics
 from .streams.node_client import NodeClient
 from .routing.policy_registry import make_policy
-from .routing.prefix_index import PrefixIndex
+from .routing.mirror_follower import MirrorFollower
+from .routing.prefix_mirror import PrefixMirror
 from .responses.store import ResponseStore
 from .routing.shared_work import SharedWork
 from .http.state import (ADMISSION, COMPILE_BUDGET, CONFIG, DECISIONS, METRICS, POLICY, REQUEST_ID, SERVICES,
@@ -118,9 +119,9 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         raise ValueError(mismatch)  # the CLI prints it and exits 2
     directory.start()
     index = KVIndex(config.redis_url, timeout_s=config.index_timeout_s)
-    prefix = PrefixIndex(index, metrics, config.model_id, config.block_size,
-                         retry_s=config.index_retry_s)
-    prefix.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
+    mirror = PrefixMirror(metrics, config.model_id, config.block_size)
+    follower = MirrorFollower(mirror, index, retry_s=config.index_retry_s)
+    follower.start()  # mirrors the index from the nodes' updates; lookups never wait on Redis
     lag_watch = asyncio.get_running_loop().create_task(watch_loop_lag(metrics.loop_lag), name="loop-lag")
     # No connection cap: every streaming request holds one connection to its node.
     session = aiohttp.ClientSession(connector=peer_connector(limit=0))
@@ -133,7 +134,7 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     if shared is not None:
         shared.start()
     dispatcher = Dispatcher(directory, policy, client,
-                            app[TOKENIZER], metrics, background, prefix, app[DECISIONS],
+                            app[TOKENIZER], metrics, background, mirror, app[DECISIONS],
                             config.retry_after_s, config.migration_limit)
     store = ResponseStore(config.responses_store_url, config.responses_max_bytes,
                           config.responses_key_max_bytes, config.responses_key_max_entries,
@@ -148,13 +149,13 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
     finally:
         lag_watch.cancel()
         await _within(directory.stop(), "node discovery")
-        await prefix.stop()
+        await follower.stop()
         if shared is not None:
             await shared.stop()
         await background.drain(ABORT_DRAIN_S)
         await session.close()
         await _within(index.close(), "the prefix index's Redis client")
-        await _within(registry.close(), "the registry's Redis client")
+        await _within(registry.close(), "the node registry's Redis client")
         await _within(store.close(), "the response store's Redis client")
 
 

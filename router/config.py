@@ -122,9 +122,9 @@ class RouterConfig:
     # Tokens per KV block; must equal the nodes' --block-size or no prefix hit is ever found.
     block_size: int = 16
     poll_interval_s: float = 0.5  # how often the node list is re-read from Redis
-    # A prefix-index lookup slower than this is abandoned (routing falls back to load only),
-    # and after a failed one the index is left alone this long, so a Redis outage costs
-    # requests at most one timeout per retry period.
+    # A Redis call on the prefix index (the prefix mirror's follower reads it) slower than
+    # this fails: routing falls back to load only, and the follower reconnects after
+    # index_retry_s. Lookups themselves never wait on Redis (they read the mirror).
     index_timeout_s: float = 0.25
     index_retry_s: float = 1.0
     # Longest silence between two frames of a node's token stream before the
@@ -227,7 +227,7 @@ class RouterConfig:
 
     @property
     def responses_store_url(self) -> str:
-        """The Redis of stored responses: their own, else the registry's."""
+        """The Redis of stored responses: their own, else the node registry's."""
         return self.responses_redis_url or self.redis_url
 
     @property
@@ -281,7 +281,7 @@ def add_router_args(p: argparse.ArgumentParser, policies: Collection[str] | None
     g.add_argument("--block-size", type=int, default=d.block_size,
                    help="tokens per KV block, as the nodes use (default %(default)s)")
     g.add_argument("--index-timeout", type=float, default=d.index_timeout_s,
-                   help="seconds a prefix-index lookup may take before routing by load only")
+                   help="seconds a Redis call on the prefix index may take before routing by load only")
     g.add_argument("--poll-interval", type=float, default=d.poll_interval_s,
                    help="seconds between reads of the node registry")
     g.add_argument("--node-read-timeout", type=float, default=d.node_read_timeout_s,

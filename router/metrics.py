@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics, in a registry owned by one app (no module
+"""The router's Prometheus metrics, in a collector registry owned by one app (no module
 globals, so several routers can live in one test process). Every series carries
 ``model_name``; the names are vLLM's with our prefix (common/metric_names.py).
 
@@ -28,7 +28,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                50.0, 60.0, 120.0, 240.0, 480.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000)
-# Seconds from a prompt to its Decision: hashing, the prefix-index round trip, scoring.
+# Seconds from a prompt to its Decision: hashing, the prefix mirror's lookup, scoring.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 1.0)
 
@@ -102,13 +102,14 @@ class RouterMetrics:
             redis_errors=c.counter(n.REDIS_ERRORS, "Failed Redis calls", ["op"]),
             inflight=c.gauge(n.ROUTER_RUNNING, "Generations streaming now"),
             decision_seconds=c.histogram(n.ROUTING_DECISION_SECONDS, "Prompt -> routing decision "
-                                         "(hashing, prefix-index lookup, scoring)",
+                                         "(hashing, prefix mirror lookup, scoring)",
                                          DECISION_BUCKETS),
             loop_lag=c.histogram(n.ROUTER_EVENT_LOOP_LAG, "How late the event loop woke a "
                                  f"{LAG_PERIOD_S}s timer (a stall delays every stream)", LAG_BUCKETS),
-            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Prefix-index lookups in the router's "
-                                    "in-memory mirror, by result (ok; skipped: the mirror is not "
-                                    "usable, Redis unreachable: routing by load only)", ["result"]),
+            index_lookups=c.counter(n.PREFIX_INDEX_LOOKUPS, "Lookups in the router's prefix "
+                                    "mirror (its in-memory copy of the prefix index), by result "
+                                    "(ok; skipped: the mirror is not usable, Redis unreachable: "
+                                    "routing by load only)", ["result"]),
             predicted_cached_tokens=c.counter(n.PREDICTED_CACHED_TOKENS, "Prompt tokens the routing "
                                               "decisions predicted to be cached, by the tier of "
                                               "the node's prefix cache holding them (device, "

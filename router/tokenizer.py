@@ -3,7 +3,7 @@ read from the model folder (tokenizer.json, tokenizer_config.json,
 chat_template.jinja, config.json). The context comes from common/hf_config.py, which
 the nodes' config adapters read too, so a sliding-window cap is the same here as on the
 nodes; the router never reads the engine's config (a family only the nodes know, added
-through the engine's model registry, serves here like any other).
+through the engine's family registry, serves here like any other).
 
 Owns text <-> token ids for the whole cluster (nodes speak token ids only).
 Must not import torch or transformers (``AutoTokenizer`` pulls torch in): it uses

@@ -83,7 +83,7 @@ SUBLAYER = {
 
 
 def part(name: str) -> str:
-    """``routing`` for router.routing.prefix_index, ``app`` for router.app, ``""`` for router.errors,
+    """``routing`` for router.routing.prefix_mirror, ``app`` for router.app, ``""`` for router.errors,
     ``__init__`` for router itself."""
     parts = name.split(".")
     if len(parts) == 1:

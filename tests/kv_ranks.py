@@ -107,7 +107,7 @@ class DecodeRanks:
         self.before = [s.kv_caches.clone() for s in self.stores]
 
     def _deliver(self, msg):
-        data = rank_report.encode(msg)  # what crosses the node's rank channel
+        data = rank_report.encode(msg)  # what crosses the node's rank pipe
         if self.hold:
             self.held.append(data)
         else:

@@ -31,5 +31,9 @@ def assert_serves_greedy(path, prompts: list[list[int]], refs: list[list[int]], 
         assert node_metric(c, "decode-0", names.FALLBACK_PREFILLS) == 0
         if more is not None:
             more(c)
+    except BaseException:
+        for p in c.procs:
+            print(f"--- {p.name} ---\n" + "\n".join(p.log[-40:]))
+        raise
     finally:
         c.stop()

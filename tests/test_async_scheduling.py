@@ -12,7 +12,7 @@ import torch
 
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.models.registry import read_model_config
+from splitserve.engine.models.families import read_model_config
 from splitserve.engine.model_runner import kv_block_bytes
 
 TOPICS = ["tea", "maps", "owls", "clocks", "rain", "salt", "ships", "glass"]

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.benchmarks.gpu import bench_gpu_moe as moe
 from splitserve.common.roofline import expected_experts
-from splitserve.engine.models.registry import family_of, model_config
+from splitserve.engine.models.families import family_of, model_config
 
 
 def test_expected_experts():

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from splitserve.benchmarks.kvtransfer import bench_latent_transfer as bench
-from splitserve.engine.models.registry import model_config
+from splitserve.engine.models.families import model_config
 
 VOCAB = dict(vocab_size=1000, bos_token_id=0, eos_token_id=1)
 

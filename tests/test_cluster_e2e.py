@@ -169,7 +169,7 @@ def test_killed_prefill_node_requests_still_succeed(offline, tokenizer):
         want = offline(tokenizer(prompt)["input_ids"], 12)
         assert client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0).choices[0].text == want
         os.killpg(c.node("prefill-0").popen.pid, signal.SIGKILL)
-        for _ in range(3):  # the registry still lists the dead node until its TTL: fallback covers it
+        for _ in range(3):  # the node registry still lists the dead node until its TTL: fallback covers it
             r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
             assert r.choices[0].text == want
         wait_pools_idle(c, ["decode-0"])

@@ -130,7 +130,7 @@ def test_repeated_prefix_goes_to_the_node_that_holds_it(env):
     env.wait_held(holder, env.hashes(first)[:8])
     for question in ("When do you open?", "Do you sell helmets?", "Is parking free?"):
         # Let the router see the holder idle again: the node's heartbeat is nudged when a
-        # request finishes, and the router re-reads the registry every poll (0.5 s).
+        # request finishes, and the router re-reads the node registry every poll (0.5 s).
         time.sleep(0.7)
         before = served(env.cluster)
         r = env.complete(long_prompt("bicycle repair", question))

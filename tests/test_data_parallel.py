@@ -29,7 +29,7 @@ from splitserve.common import metric_names as names
 from splitserve.common.auth import new_cluster_token
 from splitserve.common.config import EngineConfig
 from splitserve.deploy.launcher import Cluster, free_port
-from splitserve.engine.models.registry import model_config
+from splitserve.engine.models.families import model_config
 from splitserve.engine.models.sharding import check_model_tp
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.tests.test_deepseek import DS, NEW_TOKENS

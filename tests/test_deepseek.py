@@ -26,7 +26,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.attention.base import PrefillGroup
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.mla import MLAttention
-from splitserve.engine.models.registry import family_of, model_config, read_model_config
+from splitserve.engine.models.families import family_of, model_config, read_model_config
 from splitserve.engine.models.sharding import check_model_tp
 from splitserve.tests.served_cluster import assert_serves_greedy
 

@@ -217,7 +217,7 @@ def redis_config(script: str) -> dict[str, str]:
 
 
 def test_each_redis_is_bounded_and_stored_responses_have_their_own(rendered, monkeypatch):
-    """The registry's Redis refuses writes when full (noeviction, maxmemory below its
+    """The node registry's Redis refuses writes when full (noeviction, maxmemory below its
     container's memory limit: Redis says no before the kernel kills it) rather than drop a
     record or an index entry. Stored responses live in a Redis of their own that only the
     routers reach and know the password of; it evicts only entries with a TTL (volatile-lru:
@@ -239,7 +239,7 @@ def test_each_redis_is_bounded_and_stored_responses_have_their_own(rendered, mon
         assert ("SPLITSERVE_RESPONSES_REDIS_URL" in env) == (name == "splitserve-router"), name
         assert ("RESPONSES_REDIS_PASSWORD" in env) == (name == "splitserve-router"), name
     ref = env_names(container(deployments["splitserve-responses-redis"]))["REDIS_PASSWORD"]["secretKeyRef"]
-    assert ref["key"] == "responses-redis-password"  # not the registry's password: nodes do not know it
+    assert ref["key"] == "responses-redis-password"  # not the node registry's password: nodes do not know it
     (rule,) = by_kind(objs, "NetworkPolicy")["splitserve-responses-redis"]["spec"]["ingress"]
     assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
     (peer,) = rule["from"]

@@ -32,7 +32,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import load_model, read_safetensors
 from splitserve.engine.models.moe import MoEBlock
 from splitserve.engine.models.moe_family import moe_full
-from splitserve.engine.models.registry import read_model_config
+from splitserve.engine.models.families import read_model_config
 from splitserve.engine.models.sharding import check_model_tp, shard_of
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.router.tokenizer import RouterTokenizer

@@ -87,7 +87,7 @@ def test_the_check_sees_the_arrows(module, imported):
 
 
 @pytest.mark.parametrize("low, high", [
-    ("router.errors", "router.routing.prefix_index"),  # the base below every part
+    ("router.errors", "router.routing.prefix_mirror"),  # the base below every part
     ("router.streams.dispatch", "router.openai.bodies"),
     ("router.http.state", "router.app"),
     ("router.app", "router"),  # the package's __init__ above all

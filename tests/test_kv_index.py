@@ -12,7 +12,7 @@ from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, IndexUpdate
 from splitserve.common.kv_index import (EVENTS_CHANNEL, REDIS_ERRORS, IndexDelta, KVIndex,
                                         NodeSnapshot, blocks_key)
-from splitserve.common.registry import NodeInfo, new_epoch
+from splitserve.common.node_registry import NodeInfo, new_epoch
 from splitserve.deploy.launcher import free_port
 
 pytestmark = pytest.mark.anyio

@@ -19,12 +19,13 @@ from splitserve.common.kv_events import (AllBlocksCleared, BlockRemoved, BlockSt
                                          Tier)
 from splitserve.common.kv_index import (EVENTS_CHANNEL, IndexDelta, KVIndex, NodeSnapshot, blocks_key,
                                         seq_key, tiers_key)
-from splitserve.common.registry import NodeInfo, new_epoch
+from splitserve.common.node_registry import NodeInfo, new_epoch
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
 from splitserve.engine.kv.tier_store import TierSpec
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.routing.prefix_index import PrefixIndex
+from splitserve.router.routing.mirror_follower import MirrorFollower
+from splitserve.router.routing.prefix_mirror import PrefixMirror
 from splitserve.router.routing.tier_cost import TierBlocks
 
 pytestmark = pytest.mark.anyio
@@ -258,9 +259,9 @@ async def until(cond, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-def mirror(url: str) -> PrefixIndex:
-    px = PrefixIndex(KVIndex(url, timeout_s=0.5), RouterMetrics.create(MODEL), MODEL, BS,
-                     check_interval_s=0.2, retry_s=0.2)
+def mirror(url: str) -> MirrorFollower:
+    px = MirrorFollower(PrefixMirror(RouterMetrics.create(MODEL), MODEL, BS), KVIndex(url, timeout_s=0.5),
+                        check_interval_s=0.2, retry_s=0.2)
     px.start()
     return px
 
@@ -273,14 +274,14 @@ async def test_the_mirror_splits_each_hit_by_tier_and_follows_moves(redis_url):
     px = mirror(redis_url)
     a, b, c = node("a"), node("b"), node("c")
     try:
-        await until(lambda: px.connected)
+        await until(lambda: px.mirror.connected)
         await writer.apply("a", a.epoch, IndexDelta.full({**dict.fromkeys(h[:3], Tier.DEVICE),
                                                           **dict.fromkeys(h[3:6], HOST),
                                                           **dict.fromkeys(h[6:], DISK)}), seq=1)
         await writer.apply("b", b.epoch, IndexDelta.full(h[:4]), seq=1)
         await writer.apply("c", c.epoch, IndexDelta.full({h[0]: HOST, h[2]: DISK}), seq=1)  # a hole at h1
-        await until(lambda: px.nodes_mirrored().keys() == {(n.node_id, n.epoch) for n in (a, b, c)})
-        hits = px.lookup(prompt, [a, b, c])
+        await until(lambda: px.mirror.nodes_mirrored().keys() == {(n.node_id, n.epoch) for n in (a, b, c)})
+        hits = px.mirror.lookup(prompt, [a, b, c])
         # a lower-tier block still counts as held: a holds all 8
         assert hits.cached == {"a": 8 * BS, "b": 4 * BS, "c": BS}
         assert hits.tiers == {"a": TierBlocks(3, 3, 2), "b": TierBlocks(4), "c": TierBlocks(0, 1, 0)}
@@ -288,12 +289,12 @@ async def test_the_mirror_splits_each_hit_by_tier_and_follows_moves(redis_url):
         d = IndexDelta()
         d.fold([BlockStored([h[3]]), BlockStored([h[0]], tier=HOST), BlockRemoved([h[7]])])
         await writer.apply("a", a.epoch, d, seq=2)
-        await until(lambda: px.lookup(prompt, [a]).tiers == {"a": TierBlocks(3, 3, 1)})
-        assert px.lookup(prompt, [a]).cached == {"a": 7 * BS}
+        await until(lambda: px.mirror.lookup(prompt, [a]).tiers == {"a": TierBlocks(3, 3, 1)})
+        assert px.mirror.lookup(prompt, [a]).cached == {"a": 7 * BS}
         # a resync (a new router starting late) reads the same tiers from the snapshot
         late = mirror(redis_url)
         try:
-            await until(lambda: late.lookup(prompt, [a, b, c]) == px.lookup(prompt, [a, b, c]))
+            await until(lambda: late.mirror.lookup(prompt, [a, b, c]) == px.mirror.lookup(prompt, [a, b, c]))
             assert late.resyncs >= 3
         finally:
             await late.stop()
@@ -302,8 +303,8 @@ async def test_the_mirror_splits_each_hit_by_tier_and_follows_moves(redis_url):
         cleared = IndexDelta()
         cleared.fold([AllBlocksCleared()])
         await writer.apply("a", a.epoch, cleared, seq=3)
-        await until(lambda: "a" not in px.lookup(prompt, [a]).cached)
-        assert not px._nodes[("a", a.epoch)].lower
+        await until(lambda: "a" not in px.mirror.lookup(prompt, [a]).cached)
+        assert not px.mirror._nodes[("a", a.epoch)].lower
     finally:
         await px.stop()
         await px.index.close()

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_index import KVIndex
-from splitserve.common.registry import new_epoch
+from splitserve.common.node_registry import new_epoch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import free_port, start_redis
 from splitserve.engine.engine_thread import AddRequest, CachedHashes, EngineThread, ResetPrefixCache

@@ -24,7 +24,7 @@ from splitserve.benchmarks.harness import wait_pools_free
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, TierFlags
 from splitserve.engine.kv.disk_trust import KEY_FILE_NAME
-from splitserve.common.registry import NodeRegistry
+from splitserve.common.node_registry import NodeRegistry
 from tests.metrics_text import sample_sum
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,12 @@ def test_blocks_from_host_and_disk_give_the_recomputed_tokens(served_tiny_model,
         assert sample_sum(text, "splitserve:kv_offload_faults_total", tier="disk", fault="corrupt") == 0
         assert any(p.suffix == ".kvb" for p in (tmp_path / "kv" / "prefill-0").rglob("*"))
         asyncio.run(wait_pools_free([prefill, decode], {}, 10))
-        nodes = asyncio.run(registered(c.redis_url))
+        deadline = time.monotonic() + 15  # the heartbeat after the last load carries its rate
+        while True:
+            nodes = asyncio.run(registered(c.redis_url))
+            if nodes["prefill-0"].tiers[1].load_bytes_per_s > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     for node in ("prefill-0", "decode-0"):  # the heartbeat reports each tier: device, host, disk
         assert [t.tier.name for t in nodes[node].tiers] == ["DEVICE", "HOST", "DISK"]
     host = nodes["prefill-0"].tiers[1]

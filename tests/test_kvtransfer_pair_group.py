@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from splitserve.kvtransfer.channel import ChannelClosed
+from splitserve.kvtransfer.connection import ConnectionClosed
 from splitserve.kvtransfer.backends.pair_group import PairGroup, check_available
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
@@ -72,7 +72,7 @@ def test_close_fails_a_pending_recv_at_once_and_threads_end():
         await asyncio.sleep(0.1)
         start = time.monotonic()
         receiver.close()
-        with pytest.raises(ChannelClosed):
+        with pytest.raises(ConnectionClosed):
             await pending
         assert time.monotonic() - start < 0.1
         # The receiver's thread still waits in gloo; the sender dropping its group ends it.
@@ -86,7 +86,7 @@ def test_a_rank_without_peer_gives_up_after_its_timeout():
         store = store_server()
         alone = PairGroup(CPU, "p3-r")
         start = time.monotonic()
-        with pytest.raises(ChannelClosed):
+        with pytest.raises(ConnectionClosed):
             await alone.open(0, "127.0.0.1", store.port, "p3", "127.0.0.1", 1)
         assert time.monotonic() - start < 5
         assert store.num_keys() == 0

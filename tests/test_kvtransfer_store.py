@@ -15,7 +15,7 @@ from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, Sende
                                    TransferError, allocate_kv_cache, checksum, free_shared_kv_cache,
                                    make_receiver, make_sender, map_shared_kv_cache,
                                    shared_kv_cache)
-from splitserve.kvtransfer.channel import coalesce
+from splitserve.kvtransfer.connection import coalesce
 
 torch.set_num_threads(1)
 

@@ -180,8 +180,11 @@ def test_a_budget_that_leaves_no_room_for_the_decodes_is_refused_at_start_up():
         assert name in str(err.value), err.value
     EngineConfig(prefill_step_budget=64, max_num_seqs=64, max_num_batched_tokens=128)  # exactly fits
     parse = build_parser().parse_args
-    with pytest.raises(ValueError, match="--local-prefill-budget"):  # the default 512 with a small step
-        node_config(parse(["decode", "--max-num-batched-tokens", "256"]), "decode")
+    with pytest.raises(ValueError, match="--local-prefill-budget"):  # an explicit budget too big for the step
+        node_config(parse(["decode", "--max-num-batched-tokens", "256", "--local-prefill-budget", "512"]), "decode")
+    # the default fits the step: 512, or what the step leaves beside max_num_seqs decodes
+    assert node_config(parse(["decode", "--max-num-batched-tokens", "256"]), "decode").engine.prefill_step_budget == 192
+    assert node_config(parse(["decode", "--max-num-batched-tokens", "64"]), "decode").engine.prefill_step_budget is None
     assert node_config(parse(["decode", "--max-num-batched-tokens", "256", "--local-prefill-budget", "192"]),
                        "decode").engine.prefill_step_budget == 192
     # the flag is the decode nodes': a prefill or colocated node with a small step is fine
@@ -190,7 +193,8 @@ def test_a_budget_that_leaves_no_room_for_the_decodes_is_refused_at_start_up():
                        "colocated").engine.prefill_step_budget is None
     # the process refuses to start, saying which flags to change (no traceback)
     proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "decode", "--max-num-batched-tokens", "256",
-                           "--max-num-seqs", "32"], capture_output=True, text=True, timeout=120)
+                           "--max-num-seqs", "32", "--local-prefill-budget", "512"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--local-prefill-budget" in proc.stderr and "--max-num-batched-tokens" in proc.stderr
     assert "Traceback" not in proc.stderr

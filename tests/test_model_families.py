@@ -18,7 +18,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.models.config import ModelConfig
-from splitserve.engine.models.registry import family_of, model_config, read_model_config
+from splitserve.engine.models.families import family_of, model_config, read_model_config
 from splitserve.engine.model_runner import kv_block_bytes
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "model_configs"
@@ -120,7 +120,7 @@ def test_shipped_shapes_on_the_meta_device(name, params, kv_bytes, arch):
 
 def _config_only_dir(tmp_path, model_type="qwen3", **overrides) -> Path:
     """A folder holding only a tiny config.json (no weights, no tokenizer); the
-    architecture comes from model_type, as the registry reads configs without one."""
+    architecture comes from model_type, as the family registry reads configs without one."""
     from transformers import AutoConfig
 
     cfg = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

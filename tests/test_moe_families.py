@@ -16,7 +16,7 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.moe import MoEBlock, expert_load_imbalance
 from splitserve.engine.models.moe_family import moe_full
-from splitserve.engine.models.registry import family_of, model_config, read_model_config
+from splitserve.engine.models.families import family_of, model_config, read_model_config
 from splitserve.engine.models.sharding import shard_of
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.tests.tp_ranks import fake_group

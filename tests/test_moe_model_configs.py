@@ -1,5 +1,5 @@
 """The shipped MoE shapes (benchmarks/model_configs/qwen3-30b-a3b, mixtral-8x7b) read through the
-registry into MoE configs with their checkpoints' expert counts; their families' parameter
+family registry into MoE configs with their checkpoints' expert counts; their families' parameter
 counts are within 2% of the published totals and match transformers' on the meta device (no
 memory); and a shrunk copy of each loads with ``load_format="dummy"`` into the MoE module.
 Full-size weights are never built here."""
@@ -12,7 +12,7 @@ import torch
 
 from splitserve.engine.models.loader import load_model
 from splitserve.engine.models.moe import MoEBlock
-from splitserve.engine.models.registry import family_of, read_model_config
+from splitserve.engine.models.families import family_of, read_model_config
 
 CONFIGS = Path(__file__).parents[1] / "benchmarks" / "model_configs"
 # folder -> (architecture, experts, top_k, expert width, published total and active parameters, KV bytes/token bf16)

@@ -13,7 +13,7 @@ import sys
 import msgspec
 import pytest
 
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.common.load import NodeLoad
 from splitserve.common.sim_profiles import get_deployment
 from splitserve.deploy.planner.actuator import LocalPools

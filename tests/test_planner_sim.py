@@ -1,7 +1,7 @@
 """Scaling through the planner's local actuator loses nothing, on simulated nodes (one
 process each, as ``up`` runs real ones): a decode node drained while it streams finishes
-every stream, refuses new work (the router sends it elsewhere), leaves the registry and
-withdraws its prefix-index entries, and exits 0; a node started joins the traffic."""
+every stream, refuses new work (the router sends it elsewhere), leaves the node registry
+and withdraws its prefix-index entries, and exits 0; a node started joins the traffic."""
 
 import asyncio
 import os
@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from splitserve.common.kv_index import blocks_key
-from splitserve.common.registry import NodeRegistry
+from splitserve.common.node_registry import NodeRegistry
 from splitserve.deploy.launcher import SimCluster
 from splitserve.deploy.planner.actuator import LocalPools
 

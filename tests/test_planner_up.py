@@ -157,7 +157,7 @@ def test_up_planner_scales_prefill_up_on_a_load_step_and_drains_on_quiet():
         assert stopped and stopped[0]["role"] == "prefill" and stopped[0]["exit_code"] == 0, state["actuator"]
         downs = [d for d in state["decisions"] if d.get("change", {}).get("prefill", 0) < 0]
         assert downs and any("draining" in r for r in downs[0]["reasons"]), downs
-        settle = time.monotonic() + 15  # the router drops the drained node at its next registry read
+        settle = time.monotonic() + 15  # the router drops the drained node at its next node registry read
         while prefill_nodes() != 1 and time.monotonic() < settle:
             time.sleep(0.5)
         assert prefill_nodes() == 1

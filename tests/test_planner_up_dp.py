@@ -86,7 +86,7 @@ def test_up_planner_scales_a_dp_pool_by_whole_nodes(model_path):
         assert sorted(n["name"] for n in stopped) in (["decode-0", "decode-1"], ["decode-2", "decode-3"]), \
             (state()["actuator"], lines[-30:])
         assert [n["exit_code"] for n in stopped] == [0, 0], (stopped, lines[-30:])
-        deadline = time.monotonic() + 15  # the routers drop the drained ranks at their next registry read
+        deadline = time.monotonic() + 15  # the routers drop the drained ranks at their next node registry read
         while decode_ranks() != 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert decode_ranks() == 2, ("decode ranks the router sees after the drain", decode_ranks(),

@@ -24,7 +24,7 @@ from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.kv_backends import BACKENDS_ENV, backend_names, backend_spec
 from splitserve.common.load import NodeLoad
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.kvtransfer import KVBlockStore, KVLayout, TransferError, allocate_kv_cache, make_receiver, make_sender
 from splitserve.router.config import POLICIES_ENV
@@ -77,7 +77,7 @@ def test_a_name_taken_twice_or_a_module_without_a_spec_is_refused(tmp_path, monk
         policy_names()
 
 
-def test_the_cli_takes_the_names_from_the_registries(toys):
+def test_the_cli_takes_the_names_from_the_plugin_registries(toys):
     from splitserve.cli import build_parser
 
     parser = build_parser()

@@ -51,8 +51,13 @@ def test_a_cached_prefix_is_packed_before_the_forward_that_computes_the_rest(bun
                 if d.finish_reason is not None:
                     done[d.request_id].set()
 
-        exporter = BlockExporter(pack=lambda export, ids, dest_ids: list(ids),
-                                 on_blocks=lambda ev: ready.append((ev, time.monotonic())))
+        packed_at: list[float] = []  # on the engine thread, as each pack happens (the loop's delivery lags)
+
+        def pack(export, ids, dest_ids):
+            packed_at.append(time.monotonic())
+            return list(ids)
+
+        exporter = BlockExporter(pack=pack, on_blocks=lambda ev: ready.append((ev, packed_at[len(ready)])))
         et = EngineThread(e, loop, on_deltas, exporter=exporter)
         et.start()
         try:

@@ -156,7 +156,7 @@ def test_the_router_flags_set_the_store(monkeypatch):
         return router_config(p.parse_args(list(argv)))
     monkeypatch.delenv(RESPONSES_REDIS_URL_ENV, raising=False)
     plain = config("--redis-url", "redis://registry:6379/0")
-    assert plain.responses_store_url == "redis://registry:6379/0"  # no Redis of their own: the registry's
+    assert plain.responses_store_url == "redis://registry:6379/0"  # no Redis of their own: the node registry's
     assert (plain.responses_max_bytes, plain.responses_key_max_bytes) == (1 << 30, 64 << 20)
     monkeypatch.setenv(RESPONSES_REDIS_URL_ENV, "redis://:pw@responses:6379/0")
     own = config("--responses-max-bytes", "2GiB", "--responses-key-max-bytes", "8MiB",

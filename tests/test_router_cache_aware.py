@@ -8,14 +8,14 @@ from collections import Counter
 import pytest
 
 from splitserve.common.load import NodeLoad
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.config import CacheAwareWeights, RouterConfig
 from splitserve.router.routing.decisions import DecisionLog
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.routing.policy import Decision
 from splitserve.router.routing.policy_registry import make_policy
-from splitserve.router.routing.prefix_index import PrefixHits
+from splitserve.router.routing.prefix_mirror import PrefixHits
 
 L = 1000  # prompt tokens
 PROMPT = list(range(L))

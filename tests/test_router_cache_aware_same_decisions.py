@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from splitserve.common.load import NodeLoad
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.config import CacheAwareWeights
 from splitserve.router.routing.tier_cost import RECOMPUTE_BYTES_PER_S

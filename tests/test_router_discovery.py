@@ -16,7 +16,7 @@ from splitserve.deploy.launcher import free_port
 import redis
 
 from splitserve.common import metric_names as names
-from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
+from splitserve.common.node_registry import NodeInfo, NodeRegistry, new_epoch
 from splitserve.router.app import start_router
 from splitserve.router.config import RouterConfig
 from splitserve.router.routing.discovery import UNREACHABLE_QUARANTINE_S

@@ -12,7 +12,7 @@ from splitserve.common.kv_index import KVIndex
 from splitserve.common.load import NodeLoad
 from splitserve.common.outcomes import PredictionOutcome
 from splitserve.common.protocol import GenerateRequest, TokenDelta
-from splitserve.common.registry import NodeInfo, NodeRegistry
+from splitserve.common.node_registry import NodeInfo, NodeRegistry
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.router.streams.background import BackgroundTasks
 from splitserve.router.routing.decisions import DecisionLog
@@ -22,7 +22,8 @@ from splitserve.router.errors import ApiError
 from splitserve.router.routing.load_policies import LeastLoad
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.streams.node_client import NodeUnavailable
-from splitserve.router.routing.prefix_index import PrefixIndex
+from splitserve.router.routing.mirror_follower import MirrorFollower
+from splitserve.router.routing.prefix_mirror import PrefixMirror
 from splitserve.router.prompt import Prompt
 from splitserve.router.tokenizer import RouterTokenizer
 
@@ -88,7 +89,7 @@ def make_dispatcher(tok):
         directory = NodeDirectory(NodeRegistry(NOWHERE), MODEL, metrics, nodes=nodes)
         client = ScriptedNodes(scripts)
         d = Dispatcher(directory, LeastLoad(), client, tok, metrics, BackgroundTasks(),
-                       PrefixIndex(KVIndex(NOWHERE), metrics, MODEL, 16), DecisionLog(metrics),
+                       PrefixMirror(metrics, MODEL, 16), DecisionLog(metrics),
                        migration_limit=migration_limit)
         return d, client
     return make
@@ -240,18 +241,19 @@ async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url)
     nodes = [node("p0", "prefill"), node("d0"), holder]
     writer = KVIndex(redis_url)
     metrics = RouterMetrics.create(MODEL)
-    index = PrefixIndex(KVIndex(redis_url, timeout_s=0.5), metrics, MODEL, 16, check_interval_s=0.2, retry_s=0.2)
-    index.start()
+    mirror = PrefixMirror(metrics, MODEL, 16)
+    follower = MirrorFollower(mirror, KVIndex(redis_url, timeout_s=0.5), check_interval_s=0.2, retry_s=0.2)
+    follower.start()
     try:
         await writer.apply("d1", "e1", IndexDelta.full(hash_blocks(ids, 16, PromptKeys(model=MODEL).hash_keys())[:60]), seq=1)
         deadline = clock.monotonic() + 10
-        while not (index.connected and index.nodes_mirrored()):
+        while not (mirror.connected and mirror.nodes_mirrored()):
             assert clock.monotonic() < deadline, "the mirror never caught up"
             await asyncio.sleep(0.02)
         out = tok.encode(" a b")
         client = ScriptedNodes([[(out[0:1], None, 960), (out[1:2], "length", 960)]] * 2)
         d = Dispatcher(NodeDirectory(NodeRegistry(NOWHERE), MODEL, metrics, nodes=nodes), CacheAware(), client, tok,
-                       metrics, BackgroundTasks(), index, DecisionLog(metrics))
+                       metrics, BackgroundTasks(), mirror, DecisionLog(metrics))
         prompt = Prompt.of(ids, tok.vocab_size)
         first = await d.start(0, "r0", prompt, SamplingParams(max_tokens=2), t_start=0.0)
         assert first.leg.decision.pull is not None and first.leg.decision.pull.share == 1
@@ -265,6 +267,6 @@ async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url)
         second.close()
         assert d.pulls == {}
     finally:
-        await index.stop()
-        await index.index.close()
+        await follower.stop()
+        await follower.index.close()
         await writer.close()

@@ -2,14 +2,14 @@
 paired only with decode nodes that can take its KV (same model, dtype, block size, layers,
 KV heads and head dim; different TP is fine), in a mixed fleet as in a uniform one; with
 no compatible prefill node the decode node prefills itself. The key round-trips through
-the registry record."""
+the node registry record."""
 
 import msgspec
 import pytest
 
 from splitserve.common.kv_compat import KVCompat
 from splitserve.common.load import NodeLoad
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.routing.kv_pairing import cheapest_pair, compatible, pair_mask
 from splitserve.router.routing.node_terms import FleetTerms
@@ -30,7 +30,7 @@ def node(node_id: str, role: str, kv: KVCompat | None, **load) -> NodeInfo:
                     kv=kv, load=NodeLoad(**load))
 
 
-def test_the_key_travels_in_the_registry_record():
+def test_the_key_travels_in_the_node_registry_record():
     n = node("d0", "decode", key(tp=8))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(n), type=NodeInfo) == n
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(node("d1", "decode", None)), type=NodeInfo).kv is None
@@ -101,7 +101,7 @@ def test_cache_aware_takes_the_cheapest_compatible_pair():
 
 
 def test_a_node_joining_an_incompatible_pool_is_told_why():
-    from splitserve.common.registry import kv_pool_problem
+    from splitserve.common.node_registry import kv_pool_problem
     pool = [node("p0", "prefill", key(tp=4)), node("p1", "prefill", key(tp=2, head_dim=64)),
             node("d0", "decode", key(tp=8, dtype="float16"))]
     assert kv_pool_problem("decode", key(tp=8), pool) is None  # p0 can send to it

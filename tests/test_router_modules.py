@@ -1,5 +1,5 @@
-"""router/'s modules: the routing policies never import their registry (the registry
-imports them), and each module imports before any other router module (in a fresh
+"""router/'s modules: the routing policies never import the policy registry (it imports
+them), and each module imports before any other router module (in a fresh
 interpreter, router/'s modules forgotten between two). Cycles anywhere in the product:
 test_import_layers.py."""
 
@@ -15,12 +15,12 @@ ROUTER = Path(splitserve.router.__file__).parent
 
 
 def router_modules() -> list[str]:
-    """Every module under router/, dotted below it (``routing.prefix_index``); packages too."""
+    """Every module under router/, dotted below it (``routing.prefix_mirror``); packages too."""
     return sorted(".".join(p.relative_to(ROUTER).with_suffix("").parts).removesuffix(".__init__")
                   for p in ROUTER.rglob("*.py") if p != ROUTER / "__init__.py")
 
 
-def test_the_policies_do_not_import_the_registry():
+def test_the_policies_do_not_import_the_policy_registry():
     g = graph()
     routing = "router.routing"
     assert {f"{routing}.cache_aware", f"{routing}.load_policies", f"{routing}.policy"} <= g[f"{routing}.policy_registry"]

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from splitserve.common.load import NodeLoad
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.router.routing.load_policies import LeastLoad, RoundRobin
 from splitserve.router.routing.policy import Decision
 from splitserve.router.routing.policy_registry import make_policy

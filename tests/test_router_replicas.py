@@ -1,5 +1,5 @@
 """Several routers behind one Redis (``splitserve up --router-replicas``): each keeps
-its own prefix-index mirror from the nodes' events, so at steady state they make the
+its own prefix mirror from the nodes' events, so at steady state they make the
 same decision for the same prompt, and when one dies the others keep routing
 cache-aware while the supervisor restarts it (it catches up from the snapshots)."""
 
@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from splitserve.common.registry import NodeRegistry
+from splitserve.common.node_registry import NodeRegistry
 from splitserve.deploy.launcher import SimCluster
 from splitserve.router.routing.discovery import NodeDirectory
 
@@ -57,7 +57,7 @@ def fleet_idle(redis_url: str) -> bool:
 def settle(redis_url: str) -> None:
     """After a request has completed: until both routers see the fleet idle. Every
     node's record shows no load (a node beats when its load drops, and later beats
-    show it idle too) and a registry poll has read it. A decision made on a stale
+    show it idle too) and a node registry poll has read it. A decision made on a stale
     record of the other router's request would be load-aware routing, not a
     disagreement about the cache."""
     until(lambda: fleet_idle(redis_url))
@@ -79,7 +79,7 @@ def test_two_routers_agree_and_survive_each_other():
         convs = prompts(8)
         for i, p in enumerate(convs):  # warm: the conversations land through either router
             complete(c.urls[i % 2], p)
-        time.sleep(1.5)  # index events and a registry poll
+        time.sleep(1.5)  # index events and a node registry poll
         # Steady state: the same (fully cached) prompt through A, then B.
         differ = []
         for p in convs:

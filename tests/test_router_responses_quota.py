@@ -1,5 +1,5 @@
 """A flood of stored /v1/responses from one API key, against a real router process, a
-simulated decode node, the registry's Redis and a Redis of the responses' own
+simulated decode node, the node registry's Redis and a Redis of the responses' own
 (--responses-redis-url): the flooding key gets 429 with Retry-After and an OpenAI error
 body, another key's stored responses survive and it still stores, "store": false
 requests go on, and the responses' Redis grows by at most the store's budget (INFO

@@ -10,13 +10,13 @@ import pytest
 
 from splitserve.common.kv_events import Tier
 from splitserve.common.kv_tier_stats import TierStats
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.router.routing.cache_aware import CacheAware
 from splitserve.router.routing.decisions import DecisionLog
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.routing.node_terms import RoleTerms
 from splitserve.router.routing.policy import Decision
-from splitserve.router.routing.prefix_index import PrefixHits
+from splitserve.router.routing.prefix_mirror import PrefixHits
 from splitserve.router.routing.tier_cost import (DISK_LOAD_BYTES_PER_S, HOST_LOAD_BYTES_PER_S,
                                          RECOMPUTE_BYTES_PER_S, TierBlocks, TierCost, tier_cost)
 

@@ -16,7 +16,7 @@ import urllib.request
 import openai
 import pytest
 
-from splitserve.common.registry import NodeRegistry
+from splitserve.common.node_registry import NodeRegistry
 from splitserve.deploy.launcher import Cluster
 
 pytestmark = pytest.mark.slow

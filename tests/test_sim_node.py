@@ -82,7 +82,7 @@ def test_fleet_serves_the_router_with_transfers_and_prefix_hits():
         prompt = list(range(2000, 2600))
         first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8)
         assert first.usage.completion_tokens == 8 and first.choices[0].finish_reason == "length"
-        time.sleep(0.5)  # the index write and one registry poll
+        time.sleep(0.5)  # the index write and one node registry poll
         again = client.completions.create(model=MODEL, prompt=prompt + [7, 8, 9], max_tokens=4)
         assert again.usage.prompt_tokens_details.cached_tokens == 592
         with urllib.request.urlopen(f"{c.url}/debug/decisions?limit=2", timeout=10) as r:
@@ -117,7 +117,7 @@ def test_fleet_configs_give_the_decode_nodes_their_own_template():
 
 async def _node_states(redis_url: str) -> dict[str, dict]:
     """role -> /debug/state of the one node of that role."""
-    from splitserve.common.registry import NodeRegistry
+    from splitserve.common.node_registry import NodeRegistry
 
     registry = NodeRegistry(redis_url)
     try:

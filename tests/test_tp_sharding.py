@@ -18,11 +18,11 @@ from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import hf_to_ours, load_model
 from splitserve.engine.models.llama import CausalLM, ParallelLMHead, VocabParallelEmbedding
 from splitserve.engine.models.config import ModelConfig
-from splitserve.engine.models.registry import model_config, read_model_config
+from splitserve.engine.models.families import model_config, read_model_config
 from splitserve.engine.parallel.group import TPGroup
 from splitserve.engine.models.sharding import model_tp_problems, shard_full, shard_of
 from splitserve.engine.step_inputs import ForwardInputs, PrefillChunk
-from splitserve.engine.parallel.channel import Control, Stop, ToWorker
+from splitserve.engine.parallel.step_channel import Control, Stop, ToWorker
 from splitserve.tests.tp_ranks import fake_group, gloo_peer
 
 

@@ -222,7 +222,7 @@ def test_up_puts_no_secret_on_any_command_line_and_each_member_gets_only_its_own
             assert node_env["SPLITSERVE_REDIS_URL"] == redis_url and node_env["SPLITSERVE_CLUSTER_TOKEN"] == token
             assert "SPLITSERVE_RESPONSES_REDIS_URL" not in node_env  # the routers' alone
         # stored responses: a Redis of their own, evicting only entries with a TTL, under the
-        # router's budget; the registry's refuses writes rather than evict
+        # router's budget; the node registry's refuses writes rather than evict
         responses_url = router_env["SPLITSERVE_RESPONSES_REDIS_URL"]
         assert responses_url != redis_url and urllib.parse.urlsplit(responses_url).password
         assert router_argv[router_argv.index("--responses-max-bytes") + 1] == str(192 << 20)
@@ -451,7 +451,7 @@ def test_up_never_says_it_serves_before_its_own_nodes_registered():
     that did not register, stops every member and exits 1."""
     import asyncio
 
-    from splitserve.common.registry import NodeInfo, NodeRegistry, new_epoch
+    from splitserve.common.node_registry import NodeInfo, NodeRegistry, new_epoch
     from splitserve.deploy.launcher import start_redis
     redis_proc, url = start_redis(password="stale-pw-0123456789")
 

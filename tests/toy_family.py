@@ -1,5 +1,5 @@
 """A model family from outside the package, in one file, as a user adds one
-(docs/models.md, "Adding a model family"): tests/test_model_registry.py names this file in
+(docs/models.md, "Adding a model family"): tests/test_family_registry.py names this file in
 $SPLITSERVE_MODEL_FAMILIES.
 
 The toy family is the dense Llama under an architecture transformers does not have

@@ -11,7 +11,7 @@ larger). Ties go to the first node id, never rotate; it ignores the prefix index
 
 from collections.abc import Mapping, Sequence
 
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.router.routing.kv_pairing import compatible_prefills
 from splitserve.router.routing.node_terms import split_roles
 from splitserve.router.routing.policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision
@@ -34,7 +34,8 @@ class LeastKV:
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None,
-               tiers: Mapping[str, TierBlocks] = NO_TIERS) -> Decision | None:
+               tiers: Mapping[str, TierBlocks] = NO_TIERS,
+               pulls: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None

@@ -19,7 +19,7 @@ import torch
 from splitserve.common.config import EngineConfig
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.sizing import kv_block_bytes
-from splitserve.engine.models.registry import read_model_config
+from splitserve.engine.models.families import read_model_config
 from splitserve.engine.parallel.group import TPGroup, init_tp_group
 from splitserve.engine.models.sharding import shard_of
 from splitserve.engine.parallel.worker import TPRendezvous, run_worker

@@ -45,7 +45,7 @@ from splitserve.benchmarks.loadgen.replay.run import percentile
 from splitserve.common.config import EngineConfig
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import Tier
-from splitserve.common.registry import NodeInfo
+from splitserve.common.node_registry import NodeInfo
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.sim_profiles import get_deployment, get_profile
 from splitserve.engine.engine_core import EngineCore

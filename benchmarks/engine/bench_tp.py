@@ -44,7 +44,7 @@ from splitserve.engine.models.convert import bundled_model_dir
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.parallel.group import TPGroup, init_tp_group, pin_process, rank_cpus
 from splitserve.engine.step_inputs import ForwardInputs
-from splitserve.engine.parallel.channel import ToWorker
+from splitserve.engine.parallel.step_channel import ToWorker
 
 SHAPE = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}  # over the bundled config.json
 

@@ -100,7 +100,7 @@ def bench_shape(args, name: str, bandwidth: float, out: dict, save) -> None:
     from splitserve.common.config import EngineConfig
     from splitserve.engine.engine_core import EngineCore
     from splitserve.engine.model_runner import ModelRunner
-    from splitserve.engine.models.registry import family_of, model_config
+    from splitserve.engine.models.families import family_of, model_config
 
     config = shape_config(name, args.smoke)
     cfg = model_config(config)

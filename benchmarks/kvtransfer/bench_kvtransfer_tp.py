@@ -9,7 +9,7 @@ Layout: 30 layers, block 16, 4 KV heads, head dim 64, fp32 (960 KiB per block at
 A node is its ranks, each a process with its shard of the cache: prefill ranks pack the
 slices the plan gives them (kvtransfer/tp_plan.py) and send them (``ShardSender``);
 decode rank 0 holds the ``TransferTable(ranks=TP)``, fed by its own receiver and by the
-worker ranks' ``RankBlocks`` over a pipe (the node's rank channel). One figure is the
+worker ranks' ``RankBlocks`` over the node's rank pipe. One figure is the
 time from the first prefill rank's start (pack included: a slice is a strided gather)
 to rank 0's ``Transfer.done`` (every block on every decode rank, checksums verified),
 for ``--blocks`` blocks; the rate is the blocks' TP=1 bytes over that time (each decode

@@ -58,7 +58,7 @@ import msgspec
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.plan_check import MODEL, measure, overruns, start_fleet, sustain_check
 from splitserve.benchmarks.loadgen.replay.run import Outcome, replay
-from splitserve.common.registry import REDIS_ERRORS, NodeRegistry
+from splitserve.common.node_registry import REDIS_ERRORS, NodeRegistry
 from splitserve.common.sim_profiles import SimDeployment, get_deployment
 from splitserve.common.trace import summarize
 from splitserve.deploy.planner.actuator import LocalPools

@@ -12,7 +12,7 @@ flood   The stored-responses flood. A Redis of the responses' own (maxmemory 64 
         with ``previous_response_id``) for ``--seconds``, then the same with key A storing
         ~28 KB inputs 8 at a time (one input with a counter at its end, so the prefix cache
         serves all but the first: what makes the attack cheap). Targets: the responses Redis stays under its maxmemory
-        and evicts nothing, the main Redis (registry, prefix index) holds no response and
+        and evicts nothing, the main Redis (node registry, prefix index) holds no response and
         loses no record, A is refused with 429 + Retry-After + an OpenAI error body, B and C
         get no error and every response they stored reads back (each conversation's, at
         its end, before they delete them: a client keeping within its quota). Their latency
@@ -155,7 +155,7 @@ async def _flood_run(url: str, seconds: float, attack: bool, responses: redis.Re
 
 def phase_flood(seconds: float, rounds: int) -> dict:
     from splitserve.common.kv_index import SET_PREFIX
-    from splitserve.common.registry import KEY_PREFIX as NODE_PREFIX
+    from splitserve.common.node_registry import KEY_PREFIX as NODE_PREFIX
     from splitserve.deploy.launcher import SimCluster
     from splitserve.deploy.local_redis import RESPONSES_EVICTION, RedisPolicy, responses_budget, start_redis
 

@@ -76,7 +76,7 @@ def prefix_holders(redis_url: str, prefix: list[int], block_size: int) -> dict:
     """Nodes whose entry in the Redis prefix index holds every block of the token list
     ``prefix``, by role, and those holding any of it."""
     from splitserve.common.kv_index import KVIndex
-    from splitserve.common.registry import NodeRegistry
+    from splitserve.common.node_registry import NodeRegistry
 
     hashes = set(hash_blocks(prefix, block_size, PromptKeys(model=BUNDLED_MODEL_ID).hash_keys()))
 

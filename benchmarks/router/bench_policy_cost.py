@@ -33,7 +33,7 @@ PROMPT_TOKENS = 100_000
 
 def fleet(prefills: int, rng: random.Random):
     from splitserve.common.load import NodeLoad
-    from splitserve.common.registry import NodeInfo
+    from splitserve.common.node_registry import NodeInfo
 
     def node(nid, role, running, waiting, queued):
         return NodeInfo(node_id=nid, role=role, http_addr="http://127.0.0.1:1", model="m", epoch="e",

@@ -1,5 +1,5 @@
 """What does one routing decision cost the router with 64 and 256 prefill nodes and
-100k-token prompts, how much memory does its prefix-index mirror take, and do routers
+100k-token prompts, how much memory does its prefix mirror take, and do routers
 sharing one Redis agree (with and without lost updates)?
 
     .venv/bin/python benchmarks/router/bench_router_cost.py [--nodes 64 256] [--seconds 5]
@@ -8,7 +8,8 @@ Per node count: a real redis-server; the nodes' index writes (``KVIndex.apply``,
 the same Lua write + PUBLISH a node's publisher makes) of ``--conversations``
 long conversations (a shared 2k-token system prompt, a document of 20k-60k tokens
 shared by a few conversations, turns up to ~100k tokens), each held by 1-4 prefill
-nodes up to a random depth; two router mirrors (``PrefixIndex``) follow the updates.
+nodes up to a random depth; two routers' prefix mirrors (``PrefixMirror``, kept by
+their ``MirrorFollower``) follow the updates.
 Then, in this process pinned to one core:
 
 - decisions: the router's work per request on 100k-token prompts (each a held
@@ -74,7 +75,7 @@ async def build(redis_url: str, prefills: int, decodes: int, convs: list[list[in
     from splitserve.common.hashing import hash_blocks
     from splitserve.common.kv_index import IndexDelta, KVIndex
     from splitserve.common.load import NodeLoad
-    from splitserve.common.registry import NodeInfo, new_epoch
+    from splitserve.common.node_registry import NodeInfo, new_epoch
 
     writer = KVIndex(redis_url, ttl_s=600.0, timeout_s=10.0)
     nodes = [NodeInfo(node_id=f"p{i}", role="prefill", http_addr="http://127.0.0.1:1", model=MODEL,
@@ -122,9 +123,11 @@ async def churn(writer, state, chains, seconds: float, rng: random.Random) -> in
 def mirror(redis_url: str, **kw):
     from splitserve.common.kv_index import KVIndex
     from splitserve.router.metrics import RouterMetrics
-    from splitserve.router.routing.prefix_index import PrefixIndex
+    from splitserve.router.routing.mirror_follower import MirrorFollower
+    from splitserve.router.routing.prefix_mirror import PrefixMirror
 
-    px = PrefixIndex(KVIndex(redis_url, timeout_s=10.0), RouterMetrics.create(MODEL), MODEL, BS, **kw)
+    px = MirrorFollower(PrefixMirror(RouterMetrics.create(MODEL), MODEL, BS),
+                        KVIndex(redis_url, timeout_s=10.0), **kw)
     px.start()
     return px
 
@@ -132,7 +135,7 @@ def mirror(redis_url: str, **kw):
 async def caught_up(pxs, state, timeout_s: float = 120.0) -> float:
     t0 = time.perf_counter()
     while True:
-        if all(all(px._nodes.get((nid, e)) is not None and px._nodes[(nid, e)].seq == s
+        if all(all(px.mirror._nodes.get((nid, e)) is not None and px.mirror._nodes[(nid, e)].seq == s
                    for nid, (e, s, _) in state.items()) for px in pxs):
             return time.perf_counter() - t0
         assert time.perf_counter() - t0 < timeout_s, "mirrors did not catch up"
@@ -238,7 +241,7 @@ def parse_cost(prompt: list[int], runs: int = 20) -> dict:
 
 async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests: int = 400,
                     share: bool = True, rate: float = 200.0) -> dict:
-    """Two routers (mirrors ``a`` and ``b``, each with its own cache_aware) take
+    """Two routers (prefix mirrors ``a`` and ``b``, each with its own cache_aware) take
     alternate requests of a steady stream at ``rate``/s; for each request the other
     router's choice at the same moment (on a copy of its policy's history, so that stays
     its own) is compared with the serving router's. ``share``: the routers share their
@@ -276,26 +279,24 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
             "same_decision": same, "share": round(same / requests, 4)}
 
 
-def mirror_bytes(state, redis_url: str) -> tuple[int, int, int]:
+def mirror_bytes(state) -> tuple[int, int, int]:
     """(bytes, (block, node) entries, distinct blocks) of a mirror filled from the
     nodes' snapshots decoded from msgpack, as the router receives them."""
     import msgspec
 
     from splitserve.common.kv_events import IndexUpdate
-    from splitserve.common.kv_index import KVIndex
     from splitserve.router.metrics import RouterMetrics
-    from splitserve.router.routing.prefix_index import PrefixIndex
+    from splitserve.router.routing.prefix_mirror import PrefixMirror
 
-    # The mirror's collaborators, made before the count starts: never used (the mirror is
-    # never started), they are no part of its bytes.
-    index, metrics = KVIndex(redis_url), RouterMetrics.create(MODEL)
+    # The mirror's metrics, made before the count starts: no part of its bytes.
+    metrics = RouterMetrics.create(MODEL)
     payloads = [msgspec.msgpack.encode(IndexUpdate(nid, e, s, True, sorted(h))) for nid, (e, s, h) in state.items()]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    px = PrefixIndex(index, metrics, MODEL, BS)  # never started: filled directly
+    px = PrefixMirror(metrics, MODEL, BS)  # no follower: filled directly
     for p in payloads:
         u = msgspec.msgpack.decode(p, type=IndexUpdate)
-        px._replace((u.node_id, u.epoch), u.seq, set(u.stored))
+        px.replace((u.node_id, u.epoch), u.seq, set(u.stored))
         del u
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -317,15 +318,16 @@ async def run_one(prefills: int, args) -> dict:
         late_s = await caught_up([late], state)
         prompts = [c + [rng.randrange(100, VOCAB) for _ in range(200)] for c in rng.sample(convs, min(16, len(convs)))]
         prompts += [c[:SYSTEM_TOKENS] + [rng.randrange(100, VOCAB) for _ in range(98_000)] for c in convs[:4]]
-        agree = sum(a.lookup(p, nodes) == b.lookup(p, nodes) == late.lookup(p, nodes) for p in prompts)
+        agree = sum(a.mirror.lookup(p, nodes) == b.mirror.lookup(p, nodes) == late.mirror.lookup(p, nodes)
+                    for p in prompts)
         await late.stop()
-        agree_decisions = await agreement(a, b, url, prompts, nodes, rng)
-        agree_unshared = await agreement(a, b, url, prompts, nodes, rng, share=False)
+        agree_decisions = await agreement(a.mirror, b.mirror, url, prompts, nodes, rng)
+        agree_unshared = await agreement(a.mirror, b.mirror, url, prompts, nodes, rng, share=False)
         os.sched_setaffinity(0, {0})
-        decision = decide(a, CacheAware(), prompts, nodes, args.seconds)
+        decision = decide(a.mirror, CacheAware(), prompts, nodes, args.seconds)
         decision.update(parse_cost(prompts[0]))
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-        nbytes, entries, distinct = mirror_bytes(state, url)
+        nbytes, entries, distinct = mirror_bytes(state)
         # 1% of updates lost on one mirror while the nodes churn
         lossy = mirror(url, event_loss=0.01, check_interval_s=1.0)
         await caught_up([lossy], state)
@@ -335,14 +337,14 @@ async def run_one(prefills: int, args) -> dict:
             while True:
                 await asyncio.sleep(0.2)
                 p = rng.choice(prompts)
-                samples.append((sum(a.lookup(p, nodes).cached.values()),
-                                sum(lossy.lookup(p, nodes).cached.values())))
+                samples.append((sum(a.mirror.lookup(p, nodes).cached.values()),
+                                sum(lossy.mirror.lookup(p, nodes).cached.values())))
 
         sampler = asyncio.create_task(sample())
         sent = await churn(writer, state, chains, args.churn_seconds, rng)
         sampler.cancel()
         await asyncio.sleep(2.5)  # two catch-up checks
-        after = sum(a.lookup(p, nodes) == lossy.lookup(p, nodes) for p in prompts)
+        after = sum(a.mirror.lookup(p, nodes) == lossy.mirror.lookup(p, nodes) for p in prompts)
         lossless_tokens = sum(s[0] for s in samples)
         lossy_tokens = sum(s[1] for s in samples)
         result = {

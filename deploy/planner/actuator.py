@@ -14,7 +14,7 @@
                  (``splitserve:planner_target_replicas{role}``) that the HPAs follow
 
 A data-parallel node (``up --prefill-dp / --decode-dp N``) is N members, each rank a node of
-the pool (the registry's and the profiles' unit): the policy counts ranks and changes a pool
+the pool (the node registry's and the profiles' unit): the policy counts ranks and changes a pool
 by whole nodes of N (scaling.py), and LocalPools starts the N ranks of a node together (they
 meet at the node's own rendezvous) and retires them together (they drain together and stop
 at one agreed turn: engine/engine_thread.py); the least loaded node is the one whose ranks
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from subprocess import Popen
 from typing import Protocol
 
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 
 ROLES = ("prefill", "decode")
 
@@ -70,7 +70,7 @@ class Actuator(Protocol):
 
 
 class ExportOnly:
-    """Counts the registry's live nodes; applies nothing (the HPAs act on the exported targets)."""
+    """Counts the node registry's live nodes; applies nothing (the HPAs act on the exported targets)."""
     kind = "export"
 
     def counts(self, nodes: list[NodeInfo]) -> dict[str, int]:

@@ -9,7 +9,7 @@ per role and their heartbeat load).
       TTFT      time_to_first_token histogram: mean, and the share at or under the SLO
       ITL       request_time_per_output_token histogram (a request's mean ITL): the same
       in flight router_requests_running
-    from Redis (common/registry.py)
+    from Redis (common/node_registry.py)
       per role: nodes, running, waiting, queued prefill tokens, mean KV usage
 
 The routers' /metrics are read with the cluster token (what --protect-metrics accepts
@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ...common import metric_names as names
 from ...common.auth import auth_headers
 from ...common.outcomes import ScrapeFailure
-from ...common.registry import REDIS_ERRORS, NodeInfo, NodeRegistry
+from ...common.node_registry import REDIS_ERRORS, NodeInfo, NodeRegistry
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -184,7 +184,7 @@ def pool_states(nodes: list[NodeInfo], model: str | None = None) -> dict[str, Po
 
 class Observer:
     """Scrapes ``router_urls`` (each host resolved to all its addresses: a headless
-    Service names every router pod) and the registry at ``redis_url``; ``observe()``
+    Service names every router pod) and the node registry at ``redis_url``; ``observe()``
     returns the interval since the previous call (None on the first)."""
 
     def __init__(self, router_urls: list[str], redis_url: str | None, ttft_s: float, itl_s: float,
@@ -197,7 +197,7 @@ class Observer:
         self._last: tuple[float, RouterTotals] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._registry: NodeRegistry | None = None
-        self.last_nodes: list[NodeInfo] = []  # the registry at the last observe()
+        self.last_nodes: list[NodeInfo] = []  # the node registry at the last observe()
         self.last_scrape = Scrape(0, {})  # the routers at the last scrape()
 
     async def close(self) -> None:
@@ -207,7 +207,7 @@ class Observer:
             await self._registry.close()
 
     async def nodes(self) -> list[NodeInfo]:
-        """Every live node of the registry (empty when Redis is unreachable: logged)."""
+        """Every live node of the node registry (empty when Redis is unreachable: logged)."""
         if self.redis_url is None:
             return []
         if self._registry is None:

@@ -44,7 +44,7 @@
                  ``down_step`` nodes) only after ``down_after`` decisions in a row wanted
                  fewer and cooldown_down_s after the role's last change. A pool of
                  data-parallel nodes (``PolicyConfig.prefill_dp`` / ``decode_dp`` ranks each)
-                 counts ranks, as the registry and the profiles do (each rank is a node of
+                 counts ranks, as the node registry and the profiles do (each rank is a node of
                  the pool), and moves by whole DP nodes: its target is rounded up to one
                  (its bounds are whole nodes: config.py), its down step too
 

@@ -1,4 +1,4 @@
-"""The online planner: every interval it observes the routers and the registry, decides
+"""The online planner: every interval it observes the routers and the node registry, decides
 (scaling.py), applies the change (actuator.py), logs the decision as one JSON line and
 exports it; its HTTP app serves
 

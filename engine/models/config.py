@@ -1,7 +1,7 @@
 """ModelConfig: the architecture of a decoder checkpoint (dense, or MoE with ``moe``), read from its Hugging
 Face ``config.json`` and frozen, and the reading of the fields every dense family shares
 (``ModelConfig.from_hf``). Which family reads which config.json, with which flags, is
-the model registry's (registry.py; the flags of the built-in families: llama.py).
+the family registry's (families.py; the flags of the built-in families: llama.py).
 Owns nothing else (no weights, no torch).
 
 A sliding window smaller than the context caps ``max_position_embeddings`` (the usable
@@ -22,7 +22,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str  # config.json architectures[0]: the registry's key of its family
+    architecture: str  # config.json architectures[0]: the family registry's key of its family
     vocab_size: int
     hidden_size: int
     intermediate_size: int

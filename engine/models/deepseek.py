@@ -2,7 +2,7 @@
 decoder of llama.py with Multi-head Latent Attention (mla.py) in every layer and DeepSeekMoE
 (moe.py with the sigmoid router: score bias, expert groups, routed scaling; shared experts
 without a gate) as the feed-forward of every layer from ``first_k_dense_replace`` on (the
-first ones keep the dense MLP), and its registration (``FAMILY``, registry.py).
+first ones keep the dense MLP), and its registration (``FAMILY``, families.py).
 
 Owns the config adapter (``deepseek_config``: MLA's and the router's fields, the rotary
 tables through transformers' RoPE functions (YaRN as configured), refusals naming the

@@ -1,4 +1,4 @@
-"""What the registry (registry.py) knows of one model family: how its config.json
+"""What the family registry (families.py) knows of one model family: how its config.json
 becomes a ``ModelConfig`` (the config adapter), the module that runs it, how its
 checkpoint's tensor names map onto the module's, how the module is cut over
 tensor-parallel ranks, and its parameter counts. One file per family defines one

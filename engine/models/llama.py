@@ -1,6 +1,6 @@
 """The dense family: a Llama-family decoder in plain torch (RMSNorm, RoPE (default, linear
 or llama3 scaling), grouped-query attention over the paged KV cache, SwiGLU MLP) and its
-registration (``FAMILY``, registry.py). One class serves Llama 2/3/3.1, Qwen2, Qwen3 and
+registration (``FAMILY``, families.py). One class serves Llama 2/3/3.1, Qwen2, Qwen3 and
 Mistral: their differences are flags of ``ModelConfig`` (``qkv_bias``, ``o_bias``,
 ``mlp_bias``, ``qk_norm``, ``tie_word_embeddings``, ``head_dim``), not subclasses:
 

@@ -1,4 +1,4 @@
-"""Loads a Hugging Face checkpoint of any registered family (registry.py; one
+"""Loads a Hugging Face checkpoint of any registered family (families.py; one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``) into the
 family's module, or builds it with random weights from ``config.json`` alone.
 
@@ -32,7 +32,7 @@ from .config import ModelConfig
 from .family import ModelFamily
 from .llama import CausalLM
 from ..parallel.group import TPGroup
-from .registry import family_of, read_model_config
+from .families import family_of, read_model_config
 from .sharding import Cut, TPShard, cut
 
 # Dummy weights: normal(0, std) matrices and biases, norms at 1. std is the usual HF

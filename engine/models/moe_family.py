@@ -1,6 +1,6 @@
 """The Mixture-of-Experts families: Qwen3-MoE, Mixtral and Qwen2-MoE, the dense decoder
 (llama.py) with the MoE block (moe.py) as the feed-forward of their sparse layers, and
-their registration (``FAMILY``, registry.py). Their differences are a table:
+their registration (``FAMILY``, families.py). Their differences are a table:
 
     family     | attention                 | experts (width)                           | top-k weights
     -----------+---------------------------+-------------------------------------------+----------------------------

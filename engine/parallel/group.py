@@ -8,7 +8,7 @@ collectives), ``init_tp_group`` (a
 constructors over a ``TCPStore`` rendezvous, never ``init_process_group``: a node's
 KV transports make groups of their own, kvtransfer/backends/pair_group.py) and the per-rank
 defaults (``rank_device``, ``rank_threads``). Must not: know the model, the step
-channel (parallel/channel.py) or how ranks are started (parallel/launch.py).
+channel (parallel/step_channel.py) or how ranks are started (parallel/launch.py).
 
 A TP=1 engine holds ``TPGroup.single(device)``: every collective returns its input
 untouched, and the model checks ``size > 1`` once when it is built, so TP=1 runs the

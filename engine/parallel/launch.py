@@ -41,7 +41,7 @@ KV transfer per rank is the node's code; the engine's seams for it:
   block store, sender and receiver.
 - Import (decode node): each rank's receiver lands its heads into blocks rank 0 reserved
   (``Reserve`` on rank 0); no step is involved. Workers report landed blocks to rank 0
-  over the node's own channel (kvtransfer/rank_report.py), not this one: a step channel's
+  over the node's rank pipe (kvtransfer/rank_report.py), not this one: a step channel's
   socket belongs to its worker's main thread.
 - Export (prefill node): rank 0's EngineThread calls its exporter's ``pack(export, src_ids,
   dest_ids)`` (engine/block_export.py) right after launching the step that completed those
@@ -67,7 +67,7 @@ import torch
 from ...common.config import EngineConfig
 from .group import DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, TPFailure, TPGroup, init_tp_group
 from ..step_inputs import ForwardInputs
-from .channel import Control, StepChannelClosed, StepSender, Stop
+from .step_channel import Control, StepChannelClosed, StepSender, Stop
 from .worker import TPRendezvous, run_worker
 
 log = logging.getLogger(__name__)

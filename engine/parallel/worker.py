@@ -37,7 +37,7 @@ from ..model_runner import KVCacheFactory, ModelRunner
 from .group import (DEFAULT_TIMEOUT_S, INIT_TIMEOUT_S, init_tp_group, pin_process, rank_cpus, rank_device,
                        rank_threads)
 from ..step_inputs import ForwardInputs
-from .channel import Control, StepReceiver
+from .step_channel import Control, StepReceiver
 
 log = logging.getLogger(__name__)
 

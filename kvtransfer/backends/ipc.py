@@ -32,9 +32,9 @@ from ..block_store import KVBlockStore
 from ..errors import TransferError
 from ..layout import KVLayout
 from ..packed import PackedBlock, flip_rows, frame_sums, frame_tensor, frame_views
-from ..sender_core import Connection, Slice
+from ..sender_core import Peer, Slice
 from .shm import host_id, require_same_host
-from .tcp import TcpChannel, TcpReceiver, TcpSender
+from .tcp import TcpConnection, TcpReceiver, TcpSender
 from ..wire import CHECKSUM_WSUM, Blocks, IpcInfo, Welcome
 
 
@@ -100,7 +100,7 @@ class IpcReceiver(TcpReceiver):
     def _offers_shm(self) -> bool:
         return True  # frames without payload: the sender already wrote them into our pool
 
-    def _welcome(self, channel: TcpChannel) -> Welcome:
+    def _welcome(self, conn: TcpConnection) -> Welcome:
         # one export per connection: each takes one count of torch's IPC reference counter,
         # which that sender's mapping gives back when it is dropped
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, ipc=export_pool(self.store.kv_caches))
@@ -119,40 +119,40 @@ class IpcSender(TcpSender):
                              f"got {self.checksum_algo!r}")
         self.device = torch.device(device)
 
-    async def _on_welcome(self, conn: Connection[TcpChannel]) -> None:
-        info = conn.welcome.ipc
+    async def _on_welcome(self, peer: Peer[TcpConnection]) -> None:
+        info = peer.welcome.ipc
         if info is None:
-            raise TransferError(f"receiver {conn.addr} offers no CUDA IPC pool; use its backend (tcp)")
-        require_same_host("ipc", conn.addr, info.host_id, "the tcp backend")
+            raise TransferError(f"receiver {peer.addr} offers no CUDA IPC pool; use its backend (tcp)")
+        require_same_host("ipc", peer.addr, info.host_id, "the tcp backend")
         try:
             pool = open_pool(info)
         except RuntimeError as e:  # cudaIpcOpenMemHandle failed (another container, same process)
-            raise TransferError(f"cannot open receiver {conn.addr}'s CUDA IPC pool: {e}; use tcp") from e
-        layout = conn.welcome.layout  # the receiver's rank's heads (checked against its shard)
+            raise TransferError(f"cannot open receiver {peer.addr}'s CUDA IPC pool: {e}; use tcp") from e
+        layout = peer.welcome.layout  # the receiver's rank's heads (checked against its shard)
         if list(pool.shape) != list(layout.cache_shape(pool.shape[2])):
-            raise TransferError(f"receiver {conn.addr}'s pool has shape {list(pool.shape)}, not a "
+            raise TransferError(f"receiver {peer.addr}'s pool has shape {list(pool.shape)}, not a "
                                 f"cache of {layout}")
-        conn.peer_store = KVBlockStore(pool, layout)
+        peer.store = KVBlockStore(pool, layout)
 
-    def _stage(self, conn: Connection[TcpChannel], dest: list[int], items: list,
+    def _stage(self, peer: Peer[TcpConnection], dest: list[int], items: list,
                corrupt: list[int], part: Slice) -> tuple[list[int], list[memoryview]]:
         """Checksum the rows (slices ``part``) on the device, copy them into the peer pool at
         the slice's heads, wait for the copy."""
-        peer = conn.peer_store
-        assert peer is not None  # set by _on_welcome before the connection carries a frame
+        store = peer.store
+        assert store is not None  # set by _on_welcome before the connection carries a frame
         sums = frame_sums(items, part.layout, self.checksum_algo)
         if all(isinstance(it, PackedBlock) for it in items):
             src = frame_tensor(items)  # [n, *block_shape] on this node's device
         else:  # host buffers (a CPU-packed frame): one upload
             joined = b"".join(bytes(v) for v in frame_views(items))
-            src = torch.frombuffer(bytearray(joined), dtype=peer.kv_caches.dtype).view(
+            src = torch.frombuffer(bytearray(joined), dtype=store.kv_caches.dtype).view(
                 len(items), *part.layout.block_shape)
-        src = src.to(peer.device)  # peer to peer when the pools are on two GPUs
+        src = src.to(store.device)  # peer to peer when the pools are on two GPUs
         if corrupt:  # fault injection: damage a copy after the checksum was taken
             src = flip_rows(src, corrupt)
-        peer.scatter(dest, src, part.peer_local)  # returns once the copy ran: the receiver verifies on the notice
+        store.scatter(dest, src, part.peer_local)  # returns once the copy ran: the receiver verifies on the notice
         return sums, []
 
-    async def _deliver(self, conn: Connection[TcpChannel], frame: Blocks, payload: list[memoryview]) -> None:
+    async def _deliver(self, peer: Peer[TcpConnection], frame: Blocks, payload: list[memoryview]) -> None:
         frame.payload_nbytes = 0  # the blocks are already in the receiver's pool
-        await conn.channel.send(frame)
+        await peer.conn.send(frame)

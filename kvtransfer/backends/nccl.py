@@ -2,7 +2,7 @@
 group per connection (NCCL when the node's device is CUDA, gloo on CPU: the same
 code path, so CPU CI runs it); headers and acks on a TCP control connection.
 
-Owns: ``NcclChannel`` (control + group), ``NcclSender``, ``NcclReceiver`` and the
+Owns: ``NcclConnection`` (control + group), ``NcclSender``, ``NcclReceiver`` and the
 receiver's ``TCPStore``. Must not: know the protocol's meaning (``sender_core`` /
 ``receiver_core``), make torch.distributed calls on the event loop
 (``pair_group`` runs them on each pair's thread), or import the model.
@@ -21,7 +21,7 @@ receiver's ``TCPStore``. Must not: know the protocol's meaning (``sender_core`` 
 
 Why this shape: torch.distributed wants a rendezvous and a fixed world, a serving
 cluster has senders and receivers coming and going. So the protocol stays on the
-TCP control channel (handshake, layout check, frame headers with transfer ids,
+TCP control connection (handshake, layout check, frame headers with transfer ids,
 block ids and checksums, acks: everything the other backends share), and only the
 bytes move through a group of exactly two ranks (receiver 0, sender 1), built per
 connection from the process group constructors, not ``init_process_group``: one
@@ -56,11 +56,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..channel import Channel, ChannelClosed, coalesce, parse_address
+from ..connection import Connection, ConnectionClosed, coalesce, parse_address
 from ..errors import TransferError
 from .pair_group import PairGroup, check_available, group_kind, payload_device
-from ..sender_core import Connection, FramedSender
-from .tcp import TcpChannel, TcpControlReceiver, dial
+from ..sender_core import FramedSender, Peer
+from .tcp import TcpConnection, TcpControlReceiver, dial
 from ..wire import Hello, Message, NcclInfo, Refused, Welcome
 
 if TYPE_CHECKING:
@@ -71,10 +71,10 @@ ATTACH_TIMEOUT_S = 10.0  # a receiver waits this long for the sender to join the
 PAYLOAD_TIMEOUT_S = 30.0  # a receiver waits this long for a payload whose header arrived
 
 
-class NcclChannel(Channel):
-    """A TCP control channel plus the connection's process group, which carries payloads."""
+class NcclConnection(Connection):
+    """A TCP control connection plus its process group, which carries payloads."""
 
-    def __init__(self, control: TcpChannel, device: torch.device, op_timeout_s: float,
+    def __init__(self, control: TcpConnection, device: torch.device, op_timeout_s: float,
                  prefix: str = ""):
         self.peer = control.peer
         self.local_host = control.local_host
@@ -90,7 +90,7 @@ class NcclChannel(Channel):
     def join(self, rank: int, store_host: str, store_port: int, prefix: str,
              timeout_s: float) -> asyncio.Future[None]:
         """Start joining the group as ``rank``; the future resolves once the pair is up
-        (``recv_payload`` awaits it too). Raises ``ChannelClosed`` through the future."""
+        (``recv_payload`` awaits it too). Raises ``ConnectionClosed`` through the future."""
         self._joined = self.pair.open(rank, store_host, store_port, prefix, self.local_host, timeout_s)
         self._joined.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
         return self._joined
@@ -110,7 +110,7 @@ class NcclChannel(Channel):
     async def flush(self) -> None:
         """Wait for every payload sent so far (concurrent flushes each wait on their own list)."""
         for sent in list(self._in_flight):
-            await asyncio.shield(sent)  # raises ChannelClosed if it failed
+            await asyncio.shield(sent)  # raises ConnectionClosed if it failed
 
     async def recv(self) -> Message:
         return await self._control.recv()
@@ -118,10 +118,10 @@ class NcclChannel(Channel):
     async def recv_payload(self, buf: memoryview) -> None:
         try:
             if self._joined is None:
-                raise ChannelClosed(f"no process group with {self.peer}")
+                raise ConnectionClosed(f"no process group with {self.peer}")
             await asyncio.shield(self._joined)
             await self.pair.recv(buf, self._op_timeout_s)
-        except ChannelClosed:
+        except ConnectionClosed:
             self.close()
             raise
 
@@ -150,7 +150,7 @@ def _one_buffer(views: Sequence[memoryview]) -> memoryview:
     return memoryview(joined)
 
 
-class NcclSender(FramedSender[NcclChannel]):
+class NcclSender(FramedSender[NcclConnection]):
     """Joins each receiver's group as rank 1; ``device`` must be of the receivers' kind."""
 
     scheme = "nccl"
@@ -163,22 +163,22 @@ class NcclSender(FramedSender[NcclChannel]):
         self.device = payload_device(device)
         check_available(self.device)
 
-    async def _open(self, addr: str) -> NcclChannel:
+    async def _open(self, addr: str) -> NcclConnection:
         control = await dial(*parse_address(addr, self.scheme))
-        return NcclChannel(control, self.device, self.options.timeout_s)
+        return NcclConnection(control, self.device, self.options.timeout_s)
 
     def _hello(self) -> Hello:
         return Hello(layout=self.layout, checksum=self.checksum_algo, group=group_kind(self.device))
 
-    async def _on_welcome(self, conn: Connection[NcclChannel]) -> None:
-        info = conn.welcome.nccl
+    async def _on_welcome(self, peer: Peer[NcclConnection]) -> None:
+        info = peer.welcome.nccl
         if info is None:
-            raise TransferError(f"receiver {conn.addr} offers no process group; use its backend")
-        host, _ = parse_address(conn.addr, self.scheme)
-        await conn.channel.join(1, host, info.store_port, info.prefix, self.options.connect_timeout_s)
+            raise TransferError(f"receiver {peer.addr} offers no process group; use its backend")
+        host, _ = parse_address(peer.addr, self.scheme)
+        await peer.conn.join(1, host, info.store_port, info.prefix, self.options.connect_timeout_s)
 
 
-class NcclReceiver(TcpControlReceiver[NcclChannel]):
+class NcclReceiver(TcpControlReceiver[NcclConnection]):
     """TCP control on ``host:port``; a ``TCPStore`` on any free port of every interface."""
 
     scheme = "nccl"
@@ -197,8 +197,8 @@ class NcclReceiver(TcpControlReceiver[NcclChannel]):
             wait_for_workers=False)
         await super()._listen()
 
-    def _make_channel(self, control: TcpChannel) -> NcclChannel:
-        return NcclChannel(control, self.device, PAYLOAD_TIMEOUT_S,
+    def _make_connection(self, control: TcpConnection) -> NcclConnection:
+        return NcclConnection(control, self.device, PAYLOAD_TIMEOUT_S,
                            prefix=secrets.token_hex(PREFIX_BYTES))
 
     def _check_hello(self, hello: Hello) -> Refused | None:
@@ -210,17 +210,17 @@ class NcclReceiver(TcpControlReceiver[NcclChannel]):
                            f"the same device type (cpu: gloo, cuda: nccl)")
         return refusal
 
-    def _welcome(self, channel: NcclChannel) -> Welcome:
+    def _welcome(self, conn: NcclConnection) -> Welcome:
         assert self._store is not None, "a handshake runs only while listening"
-        info = NcclInfo(store_port=self._store.port, prefix=channel.prefix)
+        info = NcclInfo(store_port=self._store.port, prefix=conn.prefix)
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, nccl=info)
 
-    async def _handshake(self, channel: NcclChannel) -> bool:
+    async def _handshake(self, conn: NcclConnection) -> bool:
         """After a Welcome, start joining the group as rank 0; ``recv_payload`` awaits it."""
-        if not await super()._handshake(channel):
+        if not await super()._handshake(conn):
             return False
         assert self._store is not None, "a handshake runs only while listening"
-        channel.join(0, channel.local_host, self._store.port, channel.prefix, ATTACH_TIMEOUT_S)
+        conn.join(0, conn.local_host, self._store.port, conn.prefix, ATTACH_TIMEOUT_S)
         return True
 
     async def _close_listener(self) -> None:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from ..channel import ChannelClosed
+from ..connection import ConnectionClosed
 from ..errors import TransferError
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class PairGroup:
         self._jobs.put(None)
         for fut in self._pending:
             if not fut.done():
-                fut.set_exception(ChannelClosed(f"pair {self.name} closed"))
+                fut.set_exception(ConnectionClosed(f"pair {self.name} closed"))
         self._pending.clear()
         group = self._group
         if self.kind == "nccl" and group is not None:  # fails a NCCL op in flight
@@ -156,7 +156,7 @@ class PairGroup:
     def _submit(self, fn: Callable[[], None]) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
         if self._closed:
-            fut.set_exception(ChannelClosed(f"pair {self.name} closed"))
+            fut.set_exception(ConnectionClosed(f"pair {self.name} closed"))
             return fut
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
@@ -183,7 +183,7 @@ class PairGroup:
                 try:
                     fn()
                 except Exception as e:  # RuntimeError / DistBackendError from torch, TransferError
-                    self._settle(fut, ChannelClosed(f"pair {self.name}: {type(e).__name__}: {e}"))
+                    self._settle(fut, ConnectionClosed(f"pair {self.name}: {type(e).__name__}: {e}"))
                 else:
                     self._settle(fut, None)
         finally:

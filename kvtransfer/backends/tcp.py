@@ -1,6 +1,6 @@
 """The TCP backend: the protocol over one non-blocking socket per connection.
 
-Owns: ``TcpChannel`` (framing on a byte stream, scatter-gather sends, reads
+Owns: ``TcpConnection`` (framing on a byte stream, scatter-gather sends, reads
 straight into the receiver's preallocated buffers), ``TcpSender`` and
 ``TcpReceiver``. Must not: know the protocol's meaning (``sender_core`` /
 ``receiver_core``) or import the model. ``TcpControlReceiver`` is also the
@@ -26,7 +26,7 @@ from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
-from ..channel import MAX_HEADER_BYTES, Channel, ChannelClosed, ChannelT, parse_address
+from ..connection import MAX_HEADER_BYTES, Connection, ConnectionClosed, ConnT, parse_address
 from ..receiver_core import FramedReceiver
 from ..sender_core import FramedSender
 from ..wire import Message, decode, encode
@@ -35,8 +35,8 @@ IOV_MAX = 512  # buffers per sendmsg call; Linux allows 1024
 SOCKET_BUFFER = 4 << 20  # bytes; bigger kernel buffers keep loopback and LAN links busy
 
 
-class TcpChannel(Channel):
-    """A channel on a connected socket, driven by the running asyncio loop."""
+class TcpConnection(Connection):
+    """A KV connection over a connected socket, driven by the running asyncio loop."""
 
     def __init__(self, sock: socket.socket, peer: str):
         sock.setblocking(False)
@@ -73,20 +73,20 @@ class TcpChannel(Channel):
         size = int.from_bytes(self._prefix, "little")
         if size > MAX_HEADER_BYTES:
             self.close()
-            raise ChannelClosed(f"protocol error from {self.peer}: {size}-byte header")
+            raise ConnectionClosed(f"protocol error from {self.peer}: {size}-byte header")
         head = bytearray(size)
         await self._recv_exact(memoryview(head))
         try:
             return decode(head)
         except Exception as e:  # msgspec.DecodeError / ValidationError
             self.close()
-            raise ChannelClosed(f"protocol error from {self.peer}: {e}") from e
+            raise ConnectionClosed(f"protocol error from {self.peer}: {e}") from e
 
     async def recv_payload(self, buf: memoryview) -> None:
         await self._recv_exact(buf)
 
     def close(self) -> None:
-        """Unregister from the loop, wake any waiter with ChannelClosed, close the socket."""
+        """Unregister from the loop, wake any waiter with ConnectionClosed, close the socket."""
         if self._closed:
             return
         self._closed = True
@@ -95,36 +95,36 @@ class TcpChannel(Channel):
             if waiter is not None:
                 remove(self._fd)
                 if not waiter.done():
-                    waiter.set_exception(ChannelClosed(f"connection to {self.peer} closed"))
+                    waiter.set_exception(ConnectionClosed(f"connection to {self.peer} closed"))
         self._sock.close()
 
     async def _recv_exact(self, buf: memoryview) -> None:
         got = 0
         while got < len(buf):
             if self._closed:
-                raise ChannelClosed(f"connection to {self.peer} closed")
+                raise ConnectionClosed(f"connection to {self.peer} closed")
             try:
                 n = self._sock.recv_into(buf[got:])
             except (BlockingIOError, InterruptedError):
                 await self._wait(readable=True)
                 continue
             except OSError as e:
-                raise ChannelClosed(f"connection to {self.peer}: {e}") from e
+                raise ConnectionClosed(f"connection to {self.peer}: {e}") from e
             if n == 0:
-                raise ChannelClosed(f"{self.peer} closed the connection")
+                raise ConnectionClosed(f"{self.peer} closed the connection")
             got += n
 
     async def _sendmsg_all(self, bufs: deque[memoryview]) -> None:
         while bufs:
             if self._closed:
-                raise ChannelClosed(f"connection to {self.peer} closed")
+                raise ConnectionClosed(f"connection to {self.peer} closed")
             try:
                 sent = self._sock.sendmsg([bufs[i] for i in range(min(len(bufs), IOV_MAX))])
             except (BlockingIOError, InterruptedError):
                 await self._wait(readable=False)
                 continue
             except OSError as e:
-                raise ChannelClosed(f"connection to {self.peer}: {e}") from e
+                raise ConnectionClosed(f"connection to {self.peer}: {e}") from e
             while sent:  # drop what went out, keep the tail of a partly sent buffer
                 head = bufs[0]
                 if sent >= len(head):
@@ -135,7 +135,7 @@ class TcpChannel(Channel):
                     sent = 0
 
     async def _wait(self, readable: bool) -> None:
-        """Until the socket is readable (writable); ``close`` wakes it with ChannelClosed.
+        """Until the socket is readable (writable); ``close`` wakes it with ConnectionClosed.
         At most one reader and one writer wait at a time (recv has one caller, send a lock)."""
         fut: asyncio.Future[None] = self._loop.create_future()
 
@@ -160,7 +160,7 @@ class TcpChannel(Channel):
                 (self._loop.remove_reader if readable else self._loop.remove_writer)(self._fd)
 
 
-async def dial(host: str, port: int) -> TcpChannel:
+async def dial(host: str, port: int) -> TcpConnection:
     """Connect to ``host:port`` (timeouts are the caller's); raises OSError."""
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -172,26 +172,26 @@ async def dial(host: str, port: int) -> TcpChannel:
     except BaseException:
         sock.close()
         raise
-    return TcpChannel(sock, f"{host}:{port}")
+    return TcpConnection(sock, f"{host}:{port}")
 
 
-class TcpSender(FramedSender[TcpChannel]):
+class TcpSender(FramedSender[TcpConnection]):
     scheme = "tcp"
 
-    async def _open(self, addr: str) -> TcpChannel:
+    async def _open(self, addr: str) -> TcpConnection:
         return await dial(*parse_address(addr, self.scheme))
 
 
-class TcpControlReceiver(FramedReceiver[ChannelT]):
+class TcpControlReceiver(FramedReceiver[ConnT]):
     """Listens on ``host:port`` (0: any free port) and serves each accepted TCP connection
-    as the backend's channel (``_make_channel``: tcp serves it as is, ucx and nccl add a data path)."""
+    as the backend's connection (``_make_connection``: tcp serves it as is, ucx and nccl add a data path)."""
 
     _listener: socket.socket | None = None
     _acceptor: asyncio.Task | None = None
 
     @abstractmethod
-    def _make_channel(self, control: TcpChannel) -> ChannelT:
-        """The channel a connection runs on."""
+    def _make_connection(self, control: TcpConnection) -> ConnT:
+        """The backend's connection over the accepted TCP one, ``control``."""
 
     async def _listen(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -205,8 +205,8 @@ class TcpControlReceiver(FramedReceiver[ChannelT]):
         loop = asyncio.get_running_loop()
         while True:
             sock, peer = await loop.sock_accept(listener)
-            channel = self._make_channel(TcpChannel(sock, f"{peer[0]}:{peer[1]}"))
-            loop.create_task(self._serve(channel), name=f"kv-conn {channel.peer}")
+            conn = self._make_connection(TcpConnection(sock, f"{peer[0]}:{peer[1]}"))
+            loop.create_task(self._serve(conn), name=f"kv-conn {conn.peer}")
 
     async def _close_listener(self) -> None:
         if self._acceptor is not None:
@@ -218,8 +218,8 @@ class TcpControlReceiver(FramedReceiver[ChannelT]):
             self._listener = None
 
 
-class TcpReceiver(TcpControlReceiver[TcpChannel]):
+class TcpReceiver(TcpControlReceiver[TcpConnection]):
     scheme = "tcp"
 
-    def _make_channel(self, control: TcpChannel) -> TcpChannel:
+    def _make_connection(self, control: TcpConnection) -> TcpConnection:
         return control

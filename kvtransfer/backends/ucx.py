@@ -1,7 +1,7 @@
 """The UCX backend, through ucxx (package ucxx-cu12): block payloads on a UCX endpoint,
 headers and acks on a TCP control connection.
 
-Owns: ``UcxChannel`` (control + data), ``UcxSender``, ``UcxReceiver`` and the
+Owns: ``UcxConnection`` (control + data), ``UcxSender``, ``UcxReceiver`` and the
 UCX environment defaults. Must not: know the protocol's meaning
 (``sender_core`` / ``receiver_core``), or import the model.
 
@@ -46,10 +46,10 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
-from ..channel import Channel, ChannelClosed, coalesce, parse_address
+from ..connection import Connection, ConnectionClosed, coalesce, parse_address
 from ..errors import TransferError
-from ..sender_core import Connection, FramedSender
-from .tcp import TcpChannel, TcpControlReceiver, dial
+from ..sender_core import FramedSender, Peer
+from .tcp import TcpConnection, TcpControlReceiver, dial
 from ..wire import Message, UcxInfo, Welcome
 
 TOKEN_BYTES = 16
@@ -132,10 +132,10 @@ async def _wait(request: UcxRequest) -> None:
     request.check_error()
 
 
-class UcxChannel(Channel):
-    """A TCP control channel plus, once attached, the UCX endpoint that carries payloads."""
+class UcxConnection(Connection):
+    """A TCP control connection plus, once attached, the UCX endpoint that carries payloads."""
 
-    def __init__(self, control: TcpChannel, token: str):
+    def __init__(self, control: TcpConnection, token: str):
         self.peer = control.peer
         self.token = token  # hex; names this connection to the UCX listener
         self._control = control
@@ -169,7 +169,7 @@ class UcxChannel(Channel):
                         self._in_flight.popleft()[0].check_error()
                 except Exception as e:
                     self.close()  # a payload failed, or the header is out without its payload
-                    raise ChannelClosed(f"ucx endpoint to {self.peer}: {type(e).__name__}: {e}") from e
+                    raise ConnectionClosed(f"ucx endpoint to {self.peer}: {type(e).__name__}: {e}") from e
 
     async def flush(self) -> None:
         try:
@@ -178,7 +178,7 @@ class UcxChannel(Channel):
                 self._in_flight.popleft()
         except Exception as e:
             self.close()
-            raise ChannelClosed(f"ucx endpoint to {self.peer}: {type(e).__name__}: {e}") from e
+            raise ConnectionClosed(f"ucx endpoint to {self.peer}: {type(e).__name__}: {e}") from e
 
     async def recv(self) -> Message:
         return await self._control.recv()
@@ -189,7 +189,7 @@ class UcxChannel(Channel):
             await _wait(_post(ep, buf, send=False))
         except Exception as e:
             self.close()
-            raise ChannelClosed(f"ucx endpoint from {self.peer}: {type(e).__name__}: {e}") from e
+            raise ConnectionClosed(f"ucx endpoint from {self.peer}: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         if self._closed:
@@ -197,19 +197,19 @@ class UcxChannel(Channel):
         self._closed = True
         self._control.close()
         if not self._attached.done():
-            self._attached.set_exception(ChannelClosed(f"connection to {self.peer} closed"))
+            self._attached.set_exception(ConnectionClosed(f"connection to {self.peer} closed"))
             self._attached.exception()  # retrieved: nobody may be waiting
         if self._ep is not None:
             self._ep.abort()  # cancels a payload in flight; the peer's endpoint errors out
 
     async def _endpoint(self) -> UcxEndpoint:
         if self._closed:
-            raise ChannelClosed(f"connection to {self.peer} closed")
+            raise ConnectionClosed(f"connection to {self.peer} closed")
         try:
             await asyncio.wait_for(asyncio.shield(self._attached), ATTACH_TIMEOUT_S)
         except TimeoutError:
             self.close()
-            raise ChannelClosed(f"no ucx endpoint from {self.peer} within {ATTACH_TIMEOUT_S}s") from None
+            raise ConnectionClosed(f"no ucx endpoint from {self.peer} within {ATTACH_TIMEOUT_S}s") from None
         assert self._ep is not None  # _attached resolves only in attach, after setting it
         return self._ep
 
@@ -227,7 +227,7 @@ class UcxChannel(Channel):
         return memoryview(self._join)[:total]
 
 
-class UcxSender(FramedSender[UcxChannel]):
+class UcxSender(FramedSender[UcxConnection]):
     scheme = "ucx"
     default_frame_bytes = 32 << 20  # each frame costs a polled receive: fewer, bigger frames
 
@@ -235,25 +235,25 @@ class UcxSender(FramedSender[UcxChannel]):
         super().__init__(*args, **kwargs)
         self._ucxx = load_ucxx()
 
-    async def _open(self, addr: str) -> UcxChannel:
-        return UcxChannel(await dial(*parse_address(addr, self.scheme)), token="")
+    async def _open(self, addr: str) -> UcxConnection:
+        return UcxConnection(await dial(*parse_address(addr, self.scheme)), token="")
 
-    async def _on_welcome(self, conn: Connection[UcxChannel]) -> None:
-        info = conn.welcome.ucx
+    async def _on_welcome(self, peer: Peer[UcxConnection]) -> None:
+        info = peer.welcome.ucx
         if info is None:
-            raise TransferError(f"receiver {conn.addr} offers no ucx endpoint; use its backend")
-        host, _ = parse_address(conn.addr, self.scheme)
+            raise TransferError(f"receiver {peer.addr} offers no ucx endpoint; use its backend")
+        host, _ = parse_address(peer.addr, self.scheme)
         try:
             endpoint = await self._ucxx.create_endpoint(
                 host, info.port, connect_timeout=self.options.connect_timeout_s)
             await endpoint.send(bytes.fromhex(info.token))
         except Exception as e:  # ucxx raises its own error types, not OSError
-            raise TransferError(f"cannot open the ucx endpoint of {conn.addr} (port {info.port}): "
+            raise TransferError(f"cannot open the ucx endpoint of {peer.addr} (port {info.port}): "
                                 f"{type(e).__name__}: {e}") from e
-        conn.channel.attach(endpoint)
+        peer.conn.attach(endpoint)
 
 
-class UcxReceiver(TcpControlReceiver[UcxChannel]):
+class UcxReceiver(TcpControlReceiver[UcxConnection]):
     """TCP control on ``host:port``; a UCX listener on any free port of every interface."""
 
     scheme = "ucx"
@@ -262,20 +262,20 @@ class UcxReceiver(TcpControlReceiver[UcxChannel]):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._ucxx = load_ucxx()
-        self._by_token: dict[str, UcxChannel] = {}  # token -> connection awaiting its endpoint
+        self._by_token: dict[str, UcxConnection] = {}  # token -> connection awaiting its endpoint
 
     async def _listen(self) -> None:
         self._ucx_listener = self._ucxx.create_listener(self._on_endpoint)
         await super()._listen()
 
-    def _make_channel(self, control: TcpChannel) -> UcxChannel:
-        channel = UcxChannel(control, token=secrets.token_hex(TOKEN_BYTES))
-        self._by_token[channel.token] = channel
-        return channel
+    def _make_connection(self, control: TcpConnection) -> UcxConnection:
+        conn = UcxConnection(control, token=secrets.token_hex(TOKEN_BYTES))
+        self._by_token[conn.token] = conn
+        return conn
 
-    def _welcome(self, channel: UcxChannel) -> Welcome:
+    def _welcome(self, conn: UcxConnection) -> Welcome:
         assert self._ucx_listener is not None, "a handshake runs only while listening"
-        info = UcxInfo(port=self._ucx_listener.port, token=channel.token)
+        info = UcxInfo(port=self._ucx_listener.port, token=conn.token)
         return Welcome(layout=self.layout, num_blocks=self.store.num_blocks, ucx=info)
 
     async def _on_endpoint(self, endpoint: UcxEndpoint) -> None:
@@ -285,17 +285,17 @@ class UcxReceiver(TcpControlReceiver[UcxChannel]):
         except Exception:
             endpoint.abort()
             return
-        channel = self._by_token.pop(token.hex(), None)
-        if channel is None:
+        conn = self._by_token.pop(token.hex(), None)
+        if conn is None:
             endpoint.abort()  # unknown token: not one of our connections
         else:
-            channel.attach(endpoint)
+            conn.attach(endpoint)
 
-    async def _serve(self, channel: UcxChannel) -> None:
+    async def _serve(self, conn: UcxConnection) -> None:
         try:
-            await super()._serve(channel)
+            await super()._serve(conn)
         finally:
-            self._by_token.pop(channel.token, None)
+            self._by_token.pop(conn.token, None)
 
     async def _close_listener(self) -> None:
         await super()._close_listener()

@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from ...common.kv_index import KVIndex
-from ...common.registry import NodeRegistry
+from ...common.node_registry import NodeRegistry
 from .admission import Admission
 from ..streams.background import BackgroundTasks
 from .compile_budget import CompileBudget

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 from redis.exceptions import RedisError
 
 from ...common.outcomes import StoreResult
-from ...common.registry import make_redis
+from ...common.node_registry import make_redis
 from ..errors import ApiError
 
 log = logging.getLogger(__name__)

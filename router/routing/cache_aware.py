@@ -2,7 +2,7 @@
 unit, so that cache affinity never creates a hot spot.
 
 Owns the cost formula. Must not do I/O: the predicted hits come from the prefix
-index lookup (router/routing/prefix_index.py) that dispatch runs before ``choose``.
+mirror's lookup (router/routing/prefix_mirror.py) that dispatch runs before ``choose``.
 
 Every term is in token-equivalents (1.0 = the time to prefill one prompt token);
 weights ``w`` are `CacheAwareWeights` (RouterConfig.weights, ``--score-weights``)::
@@ -110,7 +110,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ...common.kv_compat import can_exchange
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 from ..config import CacheAwareWeights
 from .kv_pairing import cheapest_pair
 from .node_terms import FleetTerms, RoleTerms

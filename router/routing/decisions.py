@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ...common.outcomes import PredictionOutcome, PrefixReuse
 from ..metrics import RouterMetrics
 from .policy import Decision
-from .prefix_index import PrefixHits
+from .prefix_mirror import PrefixHits
 from ...common.kv_events import TIER_NAMES
 from .tier_cost import TierBlocks
 

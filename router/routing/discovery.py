@@ -1,5 +1,5 @@
 """Node discovery: the router's current list of live nodes, re-read from the Redis
-registry in a background task.
+node registry in a background task.
 
 Owns the last known node list of the served model (nodes of another model, or whose
 KV block size differs from the router's, are ignored with a warning: their prefix
@@ -20,12 +20,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ...common.registry import REDIS_ERRORS, NodeInfo, NodeRegistry
+from ...common.node_registry import REDIS_ERRORS, NodeInfo, NodeRegistry
 from ..metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
-UNREACHABLE_QUARANTINE_S = 5.0  # about one registry TTL: a dead node's record expires by then
+UNREACHABLE_QUARANTINE_S = 5.0  # about one node registry TTL: a dead node's record expires by then
 
 
 @dataclass(slots=True)
@@ -42,10 +42,10 @@ class NodeDirectory:
     other_models: dict[str, str] = field(default_factory=dict)  # node_id -> the other model it serves
     other_block_sizes: dict[str, int] = field(default_factory=dict)  # node_id -> its other block size
     _task: asyncio.Task | None = None
-    _recovered_until: float = 0.0  # until then, keep last known nodes missing from the registry
+    _recovered_until: float = 0.0  # until then, keep last known nodes missing from the node registry
 
     async def refresh(self) -> bool:
-        """Re-read the registry now; on a Redis error keep the last list. True if read."""
+        """Re-read the node registry now; on a Redis error keep the last list. True if read."""
         try:
             found = await self.registry.list_nodes()
         except REDIS_ERRORS as e:
@@ -59,7 +59,7 @@ class NodeDirectory:
         if self.redis_ok is False:
             log.info("router: Redis reachable again; %d nodes registered", len(found))
             # A Redis that restarted empty lists nodes only as their heartbeats come back:
-            # keep routing to the last known ones for about one registry TTL meanwhile.
+            # keep routing to the last known ones for about one node registry TTL meanwhile.
             self._recovered_until = now + UNREACHABLE_QUARANTINE_S
         self.redis_ok = True
         self.polls += 1

@@ -1,7 +1,7 @@
 """The pairing filter: which prefill node's KV can land in which decode node.
 
 Owns the rule the policies apply before choosing a pair: a prefill node and a decode
-node are paired only when their registry records' KV keys (``NodeInfo.kv``,
+node are paired only when their node registry records' KV keys (``NodeInfo.kv``,
 ``common/kv_compat.py``) allow a transfer: the same model, dtype, block size, layers,
 KV heads and head dim, any TP degrees that split the heads. Must not weigh nodes (the
 policies do) or do I/O.
@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from ...common.kv_compat import KVCompat, can_exchange
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 
 _TIE_EPS = 1e-9  # costs this close are equal (as cache_aware's)
 _WILD = -1  # label of a node without a key: compatible with every node

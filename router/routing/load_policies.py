@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 from .kv_pairing import compatible_prefills
 from .node_terms import split_roles
 from .policy import NO_CACHED, NO_INFLIGHT, NO_TIERS, Decision

@@ -25,7 +25,7 @@ from itertools import repeat
 import numpy as np
 
 from ...common.load import NodeLoad
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 from .kv_pairing import pair_mask
 
 

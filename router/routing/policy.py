@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 from .recent_work import RecentWork
 from .tier_cost import TierBlocks
 
@@ -54,7 +54,7 @@ class Decision(NamedTuple):
 
 class RoutingPolicy(Protocol):
     """Picks nodes for one request. Must not do I/O (the node list comes from
-    discovery.py, the predicted hits from prefix_index.py) or keep per-request state."""
+    discovery.py, the predicted hits from prefix_mirror.py) or keep per-request state."""
 
     name: str
     uses_prefix_index: bool  # dispatch looks up `cached` only for policies that use it

@@ -1,5 +1,5 @@
-"""The routing policies by name (``--policy``): the one place that says which policies
-exist and builds one from the router's config.
+"""The policy registry: the routing policies by name (``--policy``), the one place that says
+which policies exist, and the building of one from the router's config.
 
 A policy is one ``PolicySpec``; the built-in ones are ``BUILTIN`` (cache_aware.py, the
 default, and load_policies.py). A policy from outside the package is a module named in the

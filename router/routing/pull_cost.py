@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ...common.kv_events import Tier
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 from .tier_cost import RECOMPUTE_BYTES_PER_S
 
 

@@ -15,7 +15,7 @@ the same prompt. Redis unreachable (or a message lost): a router counts
 what it hears, at worst only its own decisions, the balance term from its share of
 the traffic; decisions never wait on Redis.
 
-Owns the channel, its wire type and the flush and listener tasks. Must not create
+Owns the pub/sub channel, its wire type and the flush and listener tasks. Must not create
 its Redis client (the app's `KVIndex` lends its pool) or make a decision wait.
 """
 

@@ -3,7 +3,7 @@ loading a block from a lower tier costs next to recomputing it, from the node's
 heartbeat (``NodeInfo.tiers``, common/kv_tier_stats.py).
 
     TierBlocks   a prompt's matched prefix on one node: its blocks by the fastest tier
-                 holding each (router/routing/prefix_index.py's lookup finds them)
+                 holding each (router/routing/prefix_mirror.py's lookup finds them)
     TierCost     load time over recompute time of one block, for the host and the disk
                  tier of one node (``tier_cost``):
 
@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from ...common.kv_events import TIER_NAMES, Tier
 from ...common.kv_tier_stats import TierStats
-from ...common.registry import NodeInfo
+from ...common.node_registry import NodeInfo
 
 # Where a node reports no rate of its own (bytes of KV per second):
 # host memory -> an H100 over PCIe Gen5 x16 (64 GB/s a direction, ~50 achieved from pinned memory)

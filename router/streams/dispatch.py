@@ -13,7 +13,7 @@ decision log's settlement, the leg's compile ticket, and the abort sent to a nod
 whose request did not finish. Answers "no
 decode node" with a 503 and a node's refusal with its own 4xx.
 
-Must not talk to Redis itself (discovery.py keeps the node list, prefix_index.py
+Must not talk to Redis itself (discovery.py keeps the node list, prefix_mirror.py
 mirrors the index) or detokenize.
 """
 
@@ -40,7 +40,7 @@ from .leg import CompileTicket, InflightSlot, Leg
 from ..metrics import RouterMetrics
 from .node_client import NodeClient, NodeRejected, NodeUnavailable, TokenStream
 from ..routing.policy import NO_CACHED, NO_TIERS, Decision, RoutingPolicy
-from ..routing.prefix_index import PrefixHits, PrefixIndex
+from ..routing.prefix_mirror import PrefixHits, PrefixMirror
 from ..prompt import Prompt
 from ..tokenizer import RouterTokenizer
 
@@ -57,7 +57,7 @@ class Dispatcher:
     tokenizer: RouterTokenizer
     metrics: RouterMetrics
     background: BackgroundTasks
-    prefix: PrefixIndex
+    prefix: PrefixMirror
     decisions: DecisionLog
     retry_after_s: int = 1  # Retry-After of the 503 "no decode node"
     migration_limit: int = 0  # legs a generation may move to after its decode node fails (migration.py)

@@ -117,7 +117,7 @@ class NodeClient:
     read_timeout_s: float = 300.0  # longest silence between two frames
     cluster_token: str | None = None  # sent on every request; None: no header
     # Called with a node's address when a connection to it fails or breaks (the directory
-    # stops routing there at once, not after its registry record expires).
+    # stops routing there at once, not after its node registry record expires).
     on_node_down: Callable[[str], None] | None = None
 
     def _headers(self) -> dict[str, str]:

@@ -40,7 +40,7 @@ Reported (JSON with ``--result-json``):
                    the model (``transfer_check``: ``behind_model`` when that lateness is
                    more than MAX_LATE_TRANSFER_SHARE of the TTFT reported)
 
-The router's clock is not compressed: its registry polls and heartbeats stay in
+The router's clock is not compressed: its node registry polls and heartbeats stay in
 wall-clock time. The one policy time constant, cache_aware's balance half-life,
 is divided by the speed-up so the policy remembers the same stretch of trace time
 (its settle time applies only between router replicas; the replay runs one router);
@@ -271,7 +271,7 @@ async def prefill_node_states(redis_url: str) -> dict[str, dict]:
 
 async def node_states(redis_url: str, role: str | None = None) -> dict[str, dict]:
     """node_id -> /debug/state of every registered node (of ``role``, when given)."""
-    from splitserve.common.registry import NodeRegistry
+    from splitserve.common.node_registry import NodeRegistry
 
     registry = NodeRegistry(redis_url)
     try:
@@ -328,7 +328,7 @@ def transfer_check(states: dict[str, dict], speedup: float, ttft_trace_s: float)
 
 async def node_metrics(redis_url: str, role: str) -> dict[str, str]:
     """node_id -> the /metrics text of every registered node of ``role``."""
-    from splitserve.common.registry import NodeRegistry
+    from splitserve.common.node_registry import NodeRegistry
 
     registry = NodeRegistry(redis_url)
     try:

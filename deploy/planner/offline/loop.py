@@ -9,7 +9,7 @@ the load (tests/test_planner_loop.py).
               ``startup_s`` after the decision (a node process's start and registration);
               a drained one takes no new request, finishes its own and exits. The
               router sends each request to the least loaded node serving (fleetsim.py)
-    observe   each interval what the routers' metrics and the registry would show:
+    observe   each interval what the routers' metrics and the node registry would show:
               arrivals (rate, mean prompt), first tokens (TTFT mean, share within the
               bound), finished requests (output length, ITL), and per role the nodes
               registered, running, waiting, queued prompt tokens and the tokens the

@@ -1,4 +1,4 @@
-"""The model registry: config.json's architecture name -> its ``ModelFamily`` (family.py:
+"""The family registry: config.json's architecture name -> its ``ModelFamily`` (family.py:
 config adapter, module, weight map, sharding plan, parameter counts), and the reading of
 a model folder's config through it (``read_model_config``).
 

@@ -1,21 +1,8 @@
-"""The router's in-memory mirror of the global prefix index: a prompt -> predicted
-cached prompt tokens per node, and the tier each of those blocks is in, with no
-Redis round trip per request.
-
-    nodes --EVALSHA apply (SET, tiers + seq + PUBLISH IndexUpdate, atomic)--> Redis
-    Redis --pub/sub splitserve:kvevents--> this mirror (one task per router)
-        update seq == mirrored seq + 1     apply (SREM, SADD on the node's bit; the
-                                           tier of what it holds below the device)
-        update with clear                  replace the node (a full write)
-        seq older                          ignore (already in a snapshot)
-        gap, unknown node or epoch         resync the node: KVIndex.snapshot (one
-                                           MULTI: its SET and the seq it is as of)
-        a newer epoch of a node id         the old epoch's entries are dropped
-    every check_interval_s: KVIndex.published_seqs; a node still behind what Redis
-        applied one check ago (a lost last update), or not mirrored at all (a late
-        start), is resynced; a node whose keys are gone (expired, dropped) leaves
-    Redis unreachable: the mirror empties and lookups say "not looked up" (routing
-        by load only) until it reconnects, resubscribes and resyncs every node.
+"""The prefix mirror: a router's in-memory copy of the prefix index (the Redis record
+of which node holds which block hashes, common/kv_index.py), and the lookup over it: a
+prompt -> predicted cached prompt tokens per node, and the tier each of those blocks
+is in, with no Redis round trip per request. Its follower (mirror_follower.py) keeps
+it current from the nodes' index updates and resyncs it; this module does no I/O.
 
 Data: ``_holders`` maps a block hash to a bitmask of node slots (one bit per
 mirrored (node, epoch)). A lookup takes the prompt's chained hashes (computed once
@@ -25,7 +12,7 @@ prefix-closed (engines evict a sequence's tail first, KVCacheManager.free), so t
 nodes missing block i miss every later one. Those leave with their depth and the
 rest go on, so a lookup costs ~log2(blocks) dict reads per distinct depth, not
 prompt length x nodes; only the nodes with a hit are then matched to the request's
-candidates (registry epoch, block size), so a fleet of hundreds adds no loop over
+candidates (node registry epoch, block size), so a fleet of hundreds adds no loop over
 every node. A set with a hole may be read long, which the router counts as a
 misprediction.
 
@@ -38,28 +25,24 @@ empty.
 
 Owns the router's half of "one hash, everywhere" (``common.hashing`` with a request's
 keys, router/prompt.py ``prompt_keys``, and RouterConfig.block_size, as every node does),
-the mirror task and its resync rules. Must not create its Redis client (the app's
-lifespan owns the `KVIndex`) or raise from ``lookup``.
+the mirrored state and the changes its follower makes to it (``replace``, ``apply``,
+``drop``, ``retire_other_epochs``, ``forget_all``). Must not talk to Redis (the follower
+does) or raise from ``lookup``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import msgspec
 import numpy as np
 
 from ...common.hashing import hash_blocks_array
 from ...common.kv_events import IndexUpdate, Tier
-from ...common.kv_index import EVENTS_CHANNEL, REDIS_ERRORS, KVIndex
+from ...common.node_registry import NodeInfo
 from ...common.outcomes import IndexLookupResult
-from ...common.registry import NodeInfo
 from ..metrics import RouterMetrics
 from ..prompt import prompt_keys
 from .policy import NO_TIERS
@@ -68,8 +51,6 @@ from .tier_cost import TierBlocks
 log = logging.getLogger(__name__)
 
 NodeKey = tuple[str, str]  # (node_id, epoch)
-STOP_ATTEMPTS = 20  # cancellations stop() sends, STOP_WAIT_S apart
-STOP_WAIT_S = 0.25
 
 
 class PrefixHits(NamedTuple):
@@ -89,19 +70,11 @@ class MirroredNode:
 
 
 @dataclass(slots=True)
-class PrefixIndex:
-    index: KVIndex
+class PrefixMirror:
     metrics: RouterMetrics
     model_id: str  # the extra key of every block hash
     block_size: int
-    check_interval_s: float = 1.0  # catch-up against Redis's seqs, off the request path
-    retry_s: float = 1.0  # reconnect delay after Redis failed
-    # Fault injection for benchmarks and tests: drop this share of received updates.
-    event_loss: float = 0.0
-    connected: bool = False  # subscribed and caught up: lookups use the mirror
-    resyncs: int = 0  # snapshots read (late start, gaps, epochs, lost connection)
-    updates: int = 0  # updates received (dropped ones included)
-    dropped: int = 0  # updates dropped by ``event_loss``
+    connected: bool = False  # set by the follower: subscribed and caught up, lookups use the mirror
     _holders: dict[int, int] = field(default_factory=dict)  # block hash -> bitmask of slots
     _nodes: dict[NodeKey, MirroredNode] = field(default_factory=dict)
     _retired: set[NodeKey] = field(default_factory=set)  # epochs superseded by a newer one
@@ -109,9 +82,7 @@ class PrefixIndex:
     _next_slot: int = 0
     _slot_key: dict[int, NodeKey] = field(default_factory=dict)  # slot -> the node it mirrors
     _all: int = 0  # bitmask of every slot in use
-    _rng: random.Random = field(default_factory=lambda: random.Random(0))
     _mismatched: set[str] = field(default_factory=set)  # node ids warned about
-    _task: asyncio.Task | None = None
 
     # -- lookups (request path, no I/O) -------------------------------------------------
 
@@ -119,8 +90,8 @@ class PrefixIndex:
                hashes: Sequence[int] | np.ndarray | None = None,
                cache_salt: str | None = None) -> PrefixHits:
         """Predicted cached prompt tokens per node: the longest run of the prompt's
-        leading blocks each node holds in any tier (at the epoch of its registry
-        record), in tokens, capped like the engine caps a hit (at least one token is
+        leading blocks each node holds in any tier (at the epoch of its node
+        registry record), in tokens, capped like the engine caps a hit (at least one token is
         computed), and those blocks by the tier each is in.
         ``hashes``: the prompt's block hashes when the caller has them (computed
         once per request, `router.prompt.Prompt.ref`); otherwise they are computed here, with
@@ -139,12 +110,12 @@ class PrefixIndex:
             hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, keys)
         found: dict[int, int] = {}  # slot -> tokens, every mirrored node with a hit
         _walk(self._holders.get, hashes, max_blocks, self._all, bs, found)
-        # Only the nodes with a hit are matched to the candidates (their registry epoch,
+        # Only the nodes with a hit are matched to the candidates (their node registry epoch,
         # their block size): no per-request loop over every node of a large fleet.
         cached: dict[str, int] = {}
         tiers: dict[str, TierBlocks] = {}
         if found:
-            live = {n.node_id: n for n in nodes}  # node_id -> the registry's record
+            live = {n.node_id: n for n in nodes}  # node_id -> its node registry record
             leading: list[int] | None = None  # the hit's hashes as ints, once
             for slot, tokens in found.items():
                 key = self._slot_key[slot]
@@ -172,112 +143,24 @@ class PrefixIndex:
         """(node_id, epoch) -> blocks mirrored (tests, debugging)."""
         return {k: len(e.hashes) for k, e in self._nodes.items()}
 
-    # -- the mirror task -----------------------------------------------------------------
+    # -- mirrored state, changed by the follower (mirror_follower.py) ---------------------
 
-    def start(self) -> None:
-        assert self._task is None, "PrefixIndex.start called twice"
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="prefix-mirror")
+    def node(self, key: NodeKey) -> MirroredNode | None:
+        """The mirrored (node_id, epoch) ``key``; None: not mirrored."""
+        return self._nodes.get(key)
 
-    async def stop(self) -> None:
-        """Cancel the mirror task and wait for it. A cancellation that lands while
-        redis-py's pub/sub read is inside its own read timeout can be swallowed (the
-        task then waits for the next message forever), so cancel again until it ends."""
-        if self._task is None:
-            return
-        for _ in range(STOP_ATTEMPTS):
-            self._task.cancel()
-            done, _ = await asyncio.wait({self._task}, timeout=STOP_WAIT_S)
-            if done:
-                break
-        else:
-            log.warning("router: the prefix index task did not stop after %d cancellations", STOP_ATTEMPTS)
-        self._task = None
+    def keys(self) -> list[NodeKey]:
+        """Every mirrored (node_id, epoch)."""
+        return list(self._nodes)
 
-    async def _run(self) -> None:
-        down = False
-        while True:
-            pubsub = self.index.pubsub()
-            try:
-                await pubsub.subscribe(EVENTS_CHANNEL)
-                await _confirmed(pubsub, self.retry_s + 1.0)  # live before the snapshots are read
-                await self._catch_up()  # everything published before the subscription
-                self.connected = True
-                if down:
-                    down = False
-                    log.info("router: prefix index reachable again; routing by cache and load")
-                await self._follow(pubsub)
-            except REDIS_ERRORS as e:
-                self.metrics.redis_errors.labels(op="index_events").inc()
-                if not down:
-                    down = True
-                    log.warning("router: prefix index events unavailable (%r); routing by load "
-                                "only, reconnecting every %.1fs", e, self.retry_s)
-            finally:
-                self._forget_all()
-                await asyncio.shield(_close(pubsub))
-            await asyncio.sleep(self.retry_s)
+    def retired(self, key: NodeKey) -> bool:
+        """``key``'s node id has started again under a newer epoch: ``key`` holds nothing."""
+        return key in self._retired
 
-    async def _follow(self, pubsub) -> None:
-        next_check = time.monotonic() + self.check_interval_s
-        while True:
-            wait = max(0.0, next_check - time.monotonic())
-            msg = await pubsub.get_message(timeout=wait)
-            if msg is not None and msg.get("type") == "message":
-                await self._on_update(msg["data"])
-            if time.monotonic() >= next_check:
-                await self._catch_up()
-                next_check = time.monotonic() + self.check_interval_s
-
-    async def _on_update(self, data: bytes) -> None:
-        self.updates += 1
-        if self.event_loss and self._rng.random() < self.event_loss:
-            self.dropped += 1
-            return
-        try:
-            u = msgspec.msgpack.decode(data, type=IndexUpdate)
-        except msgspec.ValidationError as e:
-            log.warning("router: ignoring a malformed prefix index update: %s", e)
-            return
-        key = (u.node_id, u.epoch)
-        if key in self._retired:
-            return
-        entry = self._nodes.get(key)
-        if entry is None:
-            self._retire_other_epochs(key)
-        if u.clear:
-            self._replace(key, u.seq, {*u.stored, *u.stored_host, *u.stored_disk}, _lower_of(u))
-        elif entry is not None and u.seq == entry.seq + 1:
-            self._apply(entry, u)
-        elif entry is None or u.seq > entry.seq:  # unknown node, or a gap
-            await self._resync(key)
-
-    async def _catch_up(self) -> None:
-        seqs = await self.index.published_seqs()
-        for key in [k for k in self._nodes if k not in seqs]:
-            self._drop(key)  # expired or dropped: the node is gone
-        for key, seq in seqs.items():
-            if key in self._retired:
-                continue
-            entry = self._nodes.get(key)
-            if entry is None or (entry.behind is not None and entry.seq < entry.behind):
-                await self._resync(key)
-            else:
-                entry.behind = seq if entry.seq < seq else None
-
-    async def _resync(self, key: NodeKey) -> None:
-        snap = await self.index.snapshot(*key)
-        self.resyncs += 1
-        if snap.seq is None:
-            self._drop(key)
-        else:
-            self._replace(key, snap.seq, snap.hashes, dict(snap.lower))
-
-    # -- mirror state ----------------------------------------------------------------------
-
-    def _replace(self, key: NodeKey, seq: int, hashes: set[int], lower: dict[int, Tier] | None = None) -> None:
+    def replace(self, key: NodeKey, seq: int, hashes: set[int], lower: dict[int, Tier] | None = None) -> None:
         """Mirror ``key`` as holding exactly ``hashes`` at batch ``seq``, ``lower`` (None:
         none) of them below the device."""
-        self._drop(key)
+        self.drop(key)
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
         entry = self._nodes[key] = MirroredNode(slot, seq, lower={} if lower is None else lower)
@@ -285,7 +168,8 @@ class PrefixIndex:
         self._all |= 1 << slot
         self._add(entry, hashes)
 
-    def _apply(self, entry: MirroredNode, u: IndexUpdate) -> None:
+    def apply(self, entry: MirroredNode, u: IndexUpdate) -> None:
+        """Apply ``u``, the update after the one ``entry`` holds (its seq is entry.seq + 1)."""
         bit = 1 << entry.slot
         holders, lower = self._holders, entry.lower
         for h in u.removed:
@@ -304,7 +188,7 @@ class PrefixIndex:
         if u.stored_host or u.stored_disk:
             self._add(entry, u.stored_host)
             self._add(entry, u.stored_disk)
-            lower.update(_lower_of(u))
+            lower.update(lower_of(u))
         entry.seq = u.seq
 
     def _add(self, entry: MirroredNode, hashes) -> None:
@@ -315,7 +199,8 @@ class PrefixIndex:
                 entry.hashes.add(h)
                 holders[h] = holders.get(h, 0) | bit
 
-    def _drop(self, key: NodeKey) -> None:
+    def drop(self, key: NodeKey) -> None:
+        """Forget ``key`` (not mirrored: nothing to do)."""
         entry = self._nodes.pop(key, None)
         if entry is None:
             return
@@ -331,13 +216,14 @@ class PrefixIndex:
         del self._slot_key[entry.slot]
         self._all &= keep
 
-    def _retire_other_epochs(self, key: NodeKey) -> None:
+    def retire_other_epochs(self, key: NodeKey) -> None:
         """``key`` is a node id at a new epoch: its earlier epochs hold nothing now."""
         for old in [k for k in self._nodes if k[0] == key[0] and k != key]:
-            self._drop(old)
+            self.drop(old)
             self._retired.add(old)
 
-    def _forget_all(self) -> None:
+    def forget_all(self) -> None:
+        """Empty the mirror (Redis lost): lookups say "not looked up" until reconnected."""
         self.connected = False
         self._nodes.clear()
         self._holders.clear()
@@ -357,7 +243,7 @@ class PrefixIndex:
         return False
 
 
-def _lower_of(u: IndexUpdate) -> dict[int, Tier]:
+def lower_of(u: IndexUpdate) -> dict[int, Tier]:
     """The hashes ``u`` stores below the device, with their tier."""
     lower = dict.fromkeys(u.stored_host, Tier.HOST)
     lower.update(dict.fromkeys(u.stored_disk, Tier.DISK))
@@ -395,18 +281,3 @@ def _settle(slots: int, tokens: int, found: dict[int, int]) -> None:
         found[low.bit_length() - 1] = tokens
         slots ^= low
 
-
-async def _confirmed(pubsub, timeout_s: float) -> None:
-    """Wait for the subscription's confirmation; TimeoutError after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            msg = await pubsub.get_message(timeout=timeout_s)
-            if msg is not None and msg.get("type") == "subscribe":
-                return
-
-
-async def _close(pubsub) -> None:
-    try:
-        await pubsub.aclose()
-    except REDIS_ERRORS:
-        pass

@@ -1,7 +1,8 @@
-"""The router's in-memory prefix-index mirror against a real redis-server: predicted
-cached tokens per node (capped like the engine), epochs, block-size mismatches, a
-late start, lost updates (a gap, a lost last update), two routers agreeing, and a
-Redis that goes away and comes back (load-only meanwhile, then a full resync)."""
+"""The prefix mirror (a router's in-memory copy of the prefix index) and its follower
+against a real redis-server: predicted cached tokens per node (capped like the engine),
+epochs, block-size mismatches, a late start, lost updates (a gap, a lost last update),
+two routers agreeing, and a Redis that goes away and comes back (load-only meanwhile,
+then a full resync)."""
 
 import asyncio
 import logging
@@ -11,10 +12,11 @@ import pytest
 
 from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_index import IndexDelta, KVIndex
-from splitserve.common.registry import NodeInfo, new_epoch
+from splitserve.common.node_registry import NodeInfo, new_epoch
 from splitserve.deploy.launcher import free_port, start_redis
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.routing.prefix_index import PrefixIndex
+from splitserve.router.routing.mirror_follower import MirrorFollower
+from splitserve.router.routing.prefix_mirror import PrefixMirror
 
 pytestmark = pytest.mark.anyio
 
@@ -27,10 +29,10 @@ def node(node_id: str, block_size: int = BS, epoch: str | None = None) -> NodeIn
                     epoch=epoch or new_epoch(), block_size=block_size)
 
 
-def mirror(url: str, **kw) -> PrefixIndex:
+def mirror(url: str, **kw) -> MirrorFollower:
     kw.setdefault("check_interval_s", 0.2)
     kw.setdefault("retry_s", 0.2)
-    px = PrefixIndex(KVIndex(url, timeout_s=0.5), RouterMetrics.create(MODEL), MODEL, BS, **kw)
+    px = MirrorFollower(PrefixMirror(RouterMetrics.create(MODEL), MODEL, BS), KVIndex(url, timeout_s=0.5), **kw)
     px.start()
     return px
 
@@ -42,7 +44,7 @@ async def until(cond, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def close(*pxs: PrefixIndex) -> None:
+async def close(*pxs: MirrorFollower) -> None:
     for px in pxs:
         await px.stop()
         await px.index.close()
@@ -54,34 +56,34 @@ async def test_predicted_cached_tokens_per_node(redis_url):
     writer = KVIndex(redis_url)
     px = mirror(redis_url)
     try:
-        await until(lambda: px.connected)
+        await until(lambda: px.mirror.connected)
         a, b, c, old = node("a"), node("b"), node("c"), node("d")
         await writer.apply("a", a.epoch, IndexDelta.full(hashes[:3]), seq=1)
         await writer.apply("b", b.epoch, IndexDelta.full(hashes[1:]), seq=1)  # no root: nothing usable
         await writer.apply("d", old.epoch, IndexDelta.full(hashes), seq=1)
         await writer.apply("c", c.epoch, IndexDelta.full(hashes), seq=1)
-        await until(lambda: len(px.nodes_mirrored()) == 4)
-        restarted = node("d")  # the registry now lists d with a new epoch
-        hits = px.lookup(prompt, [a, b, restarted])
+        await until(lambda: len(px.mirror.nodes_mirrored()) == 4)
+        restarted = node("d")  # the node registry now lists d with a new epoch
+        hits = px.mirror.lookup(prompt, [a, b, restarted])
         assert hits.looked_up and hits.num_blocks == 4
         assert hits.cached == {"a": 48}
         # a node holding every block of a 64-token prompt: one token is always computed
-        assert px.lookup(prompt[:64], [c]).cached == {"c": 48}
-        assert px.lookup(prompt, [c, a]).cached == {"c": 64, "a": 48}
-        assert px.lookup(prompt[:BS], [a, c]) == ({}, 1, True, {})
+        assert px.mirror.lookup(prompt[:64], [c]).cached == {"c": 48}
+        assert px.mirror.lookup(prompt, [c, a]).cached == {"c": 64, "a": 48}
+        assert px.mirror.lookup(prompt[:BS], [a, c]) == ({}, 1, True, {})
         # a node hashing with another block size is left out (with one warning)
         other = node("x", block_size=32)
         await writer.apply("x", other.epoch, IndexDelta.full(hash_blocks(prompt, 32, (MODEL,))), seq=1)
-        assert px.lookup(prompt, [other, a]).cached == {"a": 48}
+        assert px.mirror.lookup(prompt, [other, a]).cached == {"a": 48}
         # deltas follow: a loses block 2, gains it back
         await writer.apply("a", a.epoch, IndexDelta(removed={hashes[2]}), seq=2)
-        await until(lambda: px.lookup(prompt, [a]).cached == {"a": 32})
+        await until(lambda: px.mirror.lookup(prompt, [a]).cached == {"a": 32})
         await writer.apply("a", a.epoch, IndexDelta(stored={hashes[2], hashes[3]}), seq=3)
-        await until(lambda: px.lookup(prompt, [a]).cached == {"a": 64})
+        await until(lambda: px.mirror.lookup(prompt, [a]).cached == {"a": 64})
         # the restarted node's first write retires the old epoch's entries
         await writer.apply("d", restarted.epoch, IndexDelta.full(hashes[:1]), seq=1)
-        await until(lambda: ("d", old.epoch) not in px.nodes_mirrored())
-        assert px.lookup(prompt, [restarted]).cached == {"d": 16}
+        await until(lambda: ("d", old.epoch) not in px.mirror.nodes_mirrored())
+        assert px.mirror.lookup(prompt, [restarted]).cached == {"d": 16}
     finally:
         await close(px)
         await writer.close()
@@ -95,7 +97,7 @@ async def test_late_start_gaps_and_a_lost_last_update_resync(redis_url):
     await writer.apply("late", n.epoch, IndexDelta.full(hashes[:2]), seq=1)  # before any router
     px = mirror(redis_url, check_interval_s=0.2)
     try:
-        await until(lambda: px.lookup(prompt, [n]).cached == {"late": 32})  # caught up from the snapshot
+        await until(lambda: px.mirror.lookup(prompt, [n]).cached == {"late": 32})  # caught up from the snapshot
         px.event_loss = 1.0  # the next update is lost
         seen = px.updates
         await writer.apply("late", n.epoch, IndexDelta(stored={hashes[2]}), seq=2)
@@ -103,7 +105,7 @@ async def test_late_start_gaps_and_a_lost_last_update_resync(redis_url):
         px.event_loss = 0.0
         before = px.resyncs
         await writer.apply("late", n.epoch, IndexDelta(stored={hashes[3]}), seq=3)  # seq 2 missing: gap
-        await until(lambda: px.lookup(prompt, [n]).cached == {"late": 64})
+        await until(lambda: px.mirror.lookup(prompt, [n]).cached == {"late": 64})
         assert px.resyncs == before + 1
         # a lost last update has no successor to reveal it: the periodic check does
         px.event_loss = 1.0
@@ -111,10 +113,10 @@ async def test_late_start_gaps_and_a_lost_last_update_resync(redis_url):
         await writer.apply("late", n.epoch, IndexDelta(stored={hashes[4]}), seq=4)
         await until(lambda: px.updates == seen + 1)
         px.event_loss = 0.0
-        await until(lambda: px.lookup(prompt, [n]).cached == {"late": 80}, timeout_s=5)
+        await until(lambda: px.mirror.lookup(prompt, [n]).cached == {"late": 80}, timeout_s=5)
         # dropped keys (a clean shutdown) leave the mirror at the next check
         await writer.drop("late", n.epoch)
-        await until(lambda: px.lookup(prompt, [n]).cached == {})
+        await until(lambda: px.mirror.lookup(prompt, [n]).cached == {})
     finally:
         await close(px)
         await writer.close()
@@ -126,7 +128,7 @@ async def test_two_routers_agree_and_a_third_starting_late_matches_them(redis_ur
     prompts = [list(range(1000 * k, 1000 * k + 200)) for k in range(5)]
     first, second = mirror(redis_url), mirror(redis_url)
     try:
-        await until(lambda: first.connected and second.connected)
+        await until(lambda: first.mirror.connected and second.mirror.connected)
         seqs = {n.node_id: 0 for n in nodes}
         for step in range(30):  # each node stores a prefix of some prompt, evicts some
             n = nodes[step % len(nodes)]
@@ -139,12 +141,12 @@ async def test_two_routers_agree_and_a_third_starting_late_matches_them(redis_ur
         third = mirror(redis_url)
         try:
             for px in (first, second, third):
-                await until(lambda: all(px._nodes.get((n.node_id, n.epoch)) is not None
-                                        and px._nodes[(n.node_id, n.epoch)].seq == seqs[n.node_id]
+                await until(lambda: all(px.mirror._nodes.get((n.node_id, n.epoch)) is not None
+                                        and px.mirror._nodes[(n.node_id, n.epoch)].seq == seqs[n.node_id]
                                         for n in nodes))
             for p in prompts:
-                hits = first.lookup(p, nodes)
-                assert hits.cached and hits == second.lookup(p, nodes) == third.lookup(p, nodes)
+                hits = first.mirror.lookup(p, nodes)
+                assert hits.cached and hits == second.mirror.lookup(p, nodes) == third.mirror.lookup(p, nodes)
         finally:
             await close(third)
     finally:
@@ -162,20 +164,20 @@ async def test_redis_down_means_load_only_then_a_full_resync(caplog):
     await writer.apply("a", a.epoch, IndexDelta.full(hashes), seq=1)
     px = mirror(url)
     try:
-        await until(lambda: px.lookup(prompt, [a]).cached == {"a": 48})
-        with caplog.at_level(logging.WARNING, logger="splitserve.router.routing.prefix_index"):
+        await until(lambda: px.mirror.lookup(prompt, [a]).cached == {"a": 48})
+        with caplog.at_level(logging.WARNING, logger="splitserve.router.routing.mirror_follower"):
             proc.kill()
             proc.wait()
-            await until(lambda: not px.connected)
+            await until(lambda: not px.mirror.connected)
             t0 = time.monotonic()
-            hits = px.lookup(prompt, [a])
+            hits = px.mirror.lookup(prompt, [a])
             assert not hits.looked_up and hits.cached == {} and time.monotonic() - t0 < 0.05
             await asyncio.sleep(0.5)  # several reconnect attempts: still one warning
         assert len([r for r in caplog.records if "prefix index" in r.message]) == 1
-        assert px.metrics.index_lookups.labels(result="skipped")._value.get() >= 1
+        assert px.mirror.metrics.index_lookups.labels(result="skipped")._value.get() >= 1
         proc, url = start_redis(port)  # an empty Redis: the node rewrites its state
         await writer.apply("a", a.epoch, IndexDelta.full(hashes[:2]), seq=7)
-        await until(lambda: px.lookup(prompt, [a]).cached == {"a": 32})
+        await until(lambda: px.mirror.lookup(prompt, [a]).cached == {"a": 32})
     finally:
         await close(px)
         await writer.close()

@@ -1,16 +1,16 @@
-"""A message channel: the one thing a backend must provide to carry the protocol.
+"""A KV connection: the one thing a backend must provide to carry the protocol.
 
-Owns: the ``Channel`` interface, ``ChannelClosed``, address parsing and the
+Owns: the ``Connection`` interface, ``ConnectionClosed``, address parsing and the
 buffer helper that merges adjacent block views. Must not: know the protocol's
 meaning (``sender_core`` / ``receiver_core`` do) or import torch.
 
-A channel carries ``wire`` messages, each optionally followed by a payload:
+A connection carries ``wire`` messages, each optionally followed by a payload:
 ``send(msg, payload)`` is atomic with respect to other ``send`` calls on the
-same channel (frames never interleave inside), ``flush()`` waits until the
+same connection (frames never interleave inside), ``flush()`` waits until the
 payload buffers handed to ``send`` are free again, ``recv()`` returns the next
 message, and ``recv_payload(buf)`` fills ``buf`` with the payload that follows
 it (the receiver learns its length from the message). Any transport failure,
-including the peer closing, raises ``ChannelClosed``.
+including the peer closing, raises ``ConnectionClosed``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from .wire import CHECKSUM_XXH3, Message
 MAX_HEADER_BYTES = 1 << 20  # a frame header lists at most a few thousand block ids
 
 
-class ChannelClosed(ConnectionError):
-    """The channel is unusable: the peer closed it, the transport failed, or we closed it."""
+class ConnectionClosed(ConnectionError):
+    """The connection is unusable: the peer closed it, the transport failed, or we closed it."""
 
 
-class Channel(ABC):
+class Connection(ABC):
     peer: str  # "host:port" of the other end, for messages
     checksum_algo: str = CHECKSUM_XXH3  # the block checksum its Hello named (receiver side)
     sender_heads: tuple[int, int] | None = None  # global KV heads its Hello's shard holds (receiver side)
@@ -55,12 +55,12 @@ class Channel(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Abort the channel now (idempotent); pending calls raise ``ChannelClosed``."""
+        """Abort the connection now (idempotent); pending calls raise ``ConnectionClosed``."""
 
 
-# A backend's channel type (tcp: TcpChannel, ucx: UcxChannel, ...): what its senders'
-# connections and its receiver's served connections hold, with the backend's own attributes.
-ChannelT = TypeVar("ChannelT", bound=Channel)
+# A backend's connection type (tcp: TcpConnection, ucx: UcxConnection, ...): what its senders'
+# peers hold and its receiver serves, with the backend's own attributes.
+ConnT = TypeVar("ConnT", bound=Connection)
 
 
 def parse_address(addr: str, scheme: str) -> tuple[str, int]:

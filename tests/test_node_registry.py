@@ -10,7 +10,7 @@ import pytest
 from splitserve.deploy.launcher import free_port
 
 from splitserve.common.load import NodeLoad
-from splitserve.common.registry import KEY_PREFIX, REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, new_epoch
+from splitserve.common.node_registry import KEY_PREFIX, REDIS_ERRORS, Heartbeat, NodeInfo, NodeRegistry, new_epoch
 
 pytestmark = pytest.mark.anyio
 
@@ -120,7 +120,7 @@ async def test_redis_down_heartbeat_logs_and_does_not_raise(caplog):
     reg = NodeRegistry(f"redis://127.0.0.1:{free_port()}/0", ttl_s=0.3)  # nothing listens
     hb = Heartbeat(reg, lambda: make_node("lonely"))
     try:
-        with caplog.at_level(logging.WARNING, logger="splitserve.common.registry"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.common.node_registry"):
             assert await hb.beat() is False
             hb.start()
             await asyncio.sleep(0.35)  # a few more failed beats in the task
@@ -132,7 +132,7 @@ async def test_redis_down_heartbeat_logs_and_does_not_raise(caplog):
         assert sum("heartbeat of node lonely failed" in m for m in warnings) == 1
         assert sum("deregister of node lonely failed" in m for m in warnings) == 1
         with pytest.raises(REDIS_ERRORS):
-            await reg.list_nodes()  # the registry itself raises: callers choose the policy
+            await reg.list_nodes()  # the node registry itself raises: callers choose the policy
     finally:
         await reg.close()
 

@@ -14,7 +14,7 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
-from splitserve.engine.models.registry import FAMILIES_ENV, family_of, read_model_config
+from splitserve.engine.models.families import FAMILIES_ENV, family_of, read_model_config
 from splitserve.router.tokenizer import RouterTokenizer
 from splitserve.tests.served_cluster import assert_serves_greedy
 from splitserve.tests.toy_family import ARCHITECTURE, save_toy_checkpoint

@@ -42,7 +42,7 @@ REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
 class NodeInfo(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
-    """One node's registry record. ``epoch`` changes on every start of the node, so
+    """One node's node registry record. ``epoch`` changes on every start of the node, so
     state tagged with an old epoch (prefix-index entries) can be told apart."""
 
     node_id: str
@@ -142,7 +142,7 @@ class NodeRegistry:
             try:
                 nodes.append(msgspec.msgpack.decode(raw, type=NodeInfo))
             except msgspec.DecodeError as e:
-                log.warning("registry: skipping undecodable record %r: %s", key, e)
+                log.warning("node registry: skipping undecodable record %r: %s", key, e)
         nodes.sort(key=lambda n: n.node_id)
         return nodes
 
