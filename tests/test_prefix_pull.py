@@ -364,7 +364,7 @@ def test_a_tensor_parallel_puller_keeps_no_record_of_its_pulls(model):
     import aiohttp
 
     from splitserve.benchmarks.harness import wait_pools_free
-    from splitserve.common.hashing import token_bytes
+    from splitserve.common.prompt_ref import WirePrompt
     from splitserve.common.protocol import GenerateRequest, PullSource
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.router.streams.node_client import NodeClient
