@@ -144,7 +144,7 @@ async def test_two_migrations_leave_a_leg_history_and_clean_books(make_dispatche
     assert all(leg.ended for leg in gen.legs) and all(s.closed for s in nodes.streams)
     assert gen.cached_tokens == 16  # usage: the first leg's, the client's prompt
     # each continuation: the prompt + every token received, max_tokens less them
-    sent = [(addr, req.request_id, len(req.token_ids) // 4, req.sampling_params.max_tokens)
+    sent = [(addr, req.request_id, len(req.prompt.token_ids) // 4, req.sampling_params.max_tokens)
             for addr, req in nodes.sent]
     assert sent == [("http://d0:1", "r", len(prompt), 6),
                     ("http://d1:1", "r~m1", len(prompt) + 2, 4),
