@@ -222,7 +222,8 @@ class EngineCore:
         assert prompt.block_size == self.config.block_size, (prompt.block_size, self.config.block_size)
         return prompt.block_hashes().tolist()
 
-    def _new_request(self, request_id: str, prompt: PromptRef, params: SamplingParams, grammar: Any) -> Request:
+    def _new_request(self, request_id: str, prompt: PromptRef, params: SamplingParams,
+                     grammar: Any = None) -> Request:
         assert prompt.block_size == self.config.block_size, (prompt.block_size, self.config.block_size)
         self.limits.check(prompt.token_ids, params)
         if request_id in self.scheduler.requests:

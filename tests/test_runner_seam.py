@@ -43,7 +43,7 @@ def test_scheduler_rows_verify_one_token_at_the_end_of_a_sequence(tiny):
 def test_runner_samples_the_last_num_verify_tokens_of_a_row(tiny):
     engine, hf = tiny
     k = 3
-    req = engine._new_request("v", PROMPT, SamplingParams(max_tokens=8, temperature=0))
+    req = engine._new_request("v", engine.prompt_ref(PROMPT), SamplingParams(max_tokens=8, temperature=0))
     assert engine.kv.allocate_slots("v", len(PROMPT)) is not None
     row = Row(req, len(PROMPT), k, 0)
     out = SchedulerOutput([row], [])
