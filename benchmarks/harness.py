@@ -75,7 +75,7 @@ def ours_prefill(engine: EngineCore, batch: list[list[int]]) -> float:
 
     params = SamplingParams(temperature=0, max_tokens=1)
     for i, p in enumerate(batch):
-        engine.add_request(f"p{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(f"p{time.monotonic_ns()}-{i}", engine.prompt_ref(p), params)
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -90,7 +90,7 @@ def engine_decode(engine: EngineCore, batch: list[list[int]], steps: int,
 
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     for i, p in enumerate(batch):
-        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", engine.prompt_ref(p), params)
     started: set[str] = set()
     while len(started) < len(batch):  # prefill (chunks mixed with the first decodes)
         started.update(d.request_id for d in engine.step())
@@ -386,14 +386,14 @@ class PullSink:
 
         import msgspec
 
-        from splitserve.common.hashing import token_bytes
         from splitserve.common.http import MSGPACK, decode_error_body
+        from splitserve.common.prompt_ref import WirePrompt
         from splitserve.common.protocol import PullRequest, PullResult
         from splitserve.kvtransfer.state import TransferFailure
 
         tid = uuid.uuid4().hex
         transfer = self.table.reserve(tid, tid, dest, lease_s)
-        task = PullRequest(request_id=tid, transfer_id=tid, token_ids=token_bytes(prefix), kv_backend=self.backend,
+        task = PullRequest(request_id=tid, transfer_id=tid, prompt=WirePrompt.of(prefix), kv_backend=self.backend,
                            kv_addrs=[self.receiver.address], skip_blocks=0, dest_block_ids=dest)
         try:
             async with session.post(f"{holder}/kv/pull", data=msgspec.msgpack.encode(task),

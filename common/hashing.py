@@ -28,17 +28,18 @@ to read a Python list of token ids into an array). All arithmetic is on u64, mod
     S_j = S_{j-1} * MULT + g_j      S_{-1} = ROOT_STATE, or unfmix64(parent hash)
     h_j = fmix64(S_j)               (fmix64: MurmurHash3's 64-bit finalizer, a bijection)
 
-The extra keys of a request's blocks are ``hash_keys(model id, cache salt)``: the served
-model id, and the request's cache salt when it has one (vLLM's ``cache_salt``; the router
-combines an API key's salt with the request's, router/api_keys.py). The salt enters every
-block's ``g_j`` through ``salt`` above, at no cost (one XXH3 call per sequence), so two
-requests with different salts share no block hash: block 0's states differ, and since
-``S_j = MULT**j * S_0 + (terms of blocks 1..j)`` with MULT odd, so does every later one.
-Salting block 0 alone would already separate the chains; salting every block keeps one
-set of keys per sequence, which is what decode steps extend (``extend_block_hashes``) and
-what a node's adoption check re-hashes the last block with (``PromptHashes.adopt``). An
-unsalted request's keys are ``(model id,)``, as before the salt existed: same hashes,
-same version.
+The extra keys of a request's blocks are its ``PromptKeys.hash_keys()``
+(common/prompt_ref.py): the served model id, then each further key labelled, such as the
+request's cache salt when it has one (vLLM's ``cache_salt``; the router combines an API
+key's salt with the request's, router/api_keys.py): ``(model id,)`` or ``(model id,
+"cache_salt", salt)``. The keys enter every block's ``g_j`` through ``salt`` above, at no
+cost (one XXH3 call per sequence), so two requests with different salts share no block
+hash: block 0's states differ, and since ``S_j = MULT**j * S_0 + (terms of blocks 1..j)``
+with MULT odd, so does every later one. Salting block 0 alone would already separate the
+chains; salting every block keeps one set of keys per sequence, which is what decode steps
+extend (``extend_block_hashes``) and what a node's adoption check re-hashes the last block
+with (``PromptHashes.adopt``). An unsalted request's keys are ``(model id,)``, as before
+the salt existed: same hashes, same version.
 
 Because fmix64 is invertible, a hash is its chain state: a chain continues from any
 parent hash (``parent=``), exactly as if the blocks had been hashed together. The
@@ -132,19 +133,6 @@ def _keys(block_size: int) -> np.ndarray:
     return k
 
 
-CACHE_SALT_KEY = "cache_salt"  # labels the salt among the extra keys
-
-
-def hash_keys(model_id: str, cache_salt: str | None = None) -> tuple[str, ...]:
-    """The extra keys of every block hash of a request: ``(model_id,)``, or with a cache
-    salt ``(model_id, CACHE_SALT_KEY, cache_salt)`` (labelled, so a later extra key, a
-    LoRA name say, can never be read as a salt). Router, prefill and decode nodes and the
-    engine build their keys here and nowhere else."""
-    if cache_salt is None:
-        return (model_id,)
-    return (model_id, CACHE_SALT_KEY, cache_salt)
-
-
 def encode_extra_keys(extra_keys: Sequence[str | int]) -> bytes:
     """Unambiguous bytes for ``extra_keys`` (model id, LoRA name, ...): u32 count,
     then per key ``b"s" | b"i"``, u32 byte length, bytes (str as UTF-8, int as its
@@ -175,10 +163,10 @@ def chain_salt(extra_keys: tuple = ()) -> int:
 
 @lru_cache(maxsize=1024)
 def salt_id(extra_keys: tuple = ()) -> bytes:
-    """The salt identity of a request's blocks: SHA-256 of its extra keys (``hash_keys``),
-    32 bytes, the same in every process. Every tier of the prefix cache keeps it with a
-    cached block and a hit must match it as well as the tokens (a 64-bit hash alone could
-    collide across salts). Not secret: a digest, so a salt never lands on disk in clear."""
+    """The salt identity of a request's blocks: SHA-256 of its extra keys
+    (``PromptKeys.hash_keys()``), 32 bytes, the same in every process. Every tier of the
+    prefix cache keeps it with a cached block and a hit must match it as well as the tokens
+    (a 64-bit hash alone could collide across salts). Not secret: a digest, so a salt never lands on disk in clear."""
     return hashlib.sha256(b"splitserve.salt_id.v1\0" + encode_extra_keys(extra_keys)).digest()
 
 

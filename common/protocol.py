@@ -19,79 +19,18 @@ decode node prefilling locally) first fetches the leading blocks another node ho
                    <--PullResult (blocks sent)------------------|
     then computes only the rest (the pulled blocks are in its prefix cache)
 
-A prompt's token ids travel as bytes, u32 little-endian (``common.hashing.token_bytes``;
-the router sends its validated array's bytes, the decode node forwards them as they
-came): a 100k-token prompt is a 400 KB copy to encode, not 100k msgpack ints. A node
-reads them with ``prompt_ids``.
+A prompt travels as one ``WirePrompt`` (common/prompt_ref.py: its token ids as u32 bytes, its
+hash keys, the sender's block hashes); a node reads it once into a ``PromptRef``
+(node/prompt_hashes.py ``read_prompt``).
 """
 
 import struct
 from typing import Annotated, Iterator
 
 import msgspec
-import numpy as np
 
-from .errors import InvalidRequest
-from .hashing import BLOCK_HASH_VERSION, hash_blocks, hash_keys, token_array
+from .prompt_ref import WirePrompt
 from .sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
-
-
-class PromptHashes(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw_only=True):
-    """A prompt's chained block hashes (common/hashing.py) as the router computed them,
-    carried router -> decode node -> prefill node so that the prompt is hashed once.
-    A node adopts them only for its own hash version, block size and model key, when
-    their count fits the prompt and the first and last blocks re-hash to the same
-    values under the request's keys (a wrong or shifted token list, or hashes made
-    with another cache salt, fails that); otherwise it hashes itself."""
-    version: int
-    block_size: int
-    model: str  # the extra key of every hash (the served model id)
-    hashes: bytes  # u64 little-endian, one per full block of the prompt
-
-    @classmethod
-    def of(cls, hashes, block_size: int, model: str) -> "PromptHashes":
-        """From ``hash_blocks_array``'s result (a u64 array)."""
-        return cls(version=BLOCK_HASH_VERSION, block_size=block_size, model=model,
-                   hashes=hashes.astype("<u8", copy=False).tobytes())
-
-    def adopt(self, token_ids: list[int], block_size: int, model: str,
-              cache_salt: str | None = None) -> list[int] | None:
-        """The hashes as ints, when they are ``token_ids``'s for this node's
-        ``block_size`` and ``model`` and the request's ``cache_salt``; None when the
-        node must hash the prompt itself."""
-        n = len(token_ids) // block_size
-        if (self.version != BLOCK_HASH_VERSION or self.block_size != block_size or self.model != model
-                or len(self.hashes) != 8 * n):
-            return None
-        hashes = hash_array(self.hashes).tolist()
-        if n == 0:
-            return hashes
-        keys = hash_keys(model, cache_salt)
-        if hashes[0] != hash_blocks(token_ids[:block_size], block_size, keys)[0]:
-            return None
-        if n > 1 and hashes[-1] != hash_blocks(token_ids[(n - 1) * block_size : n * block_size],
-                                               block_size, keys, parent=hashes[-2])[0]:
-            return None
-        return hashes
-
-
-def prompt_ids(token_ids: bytes) -> list[int]:
-    """A request's ``token_ids`` bytes as ints; InvalidRequest("token_ids") when they
-    are not whole u32 values."""
-    if len(token_ids) % 4:
-        raise InvalidRequest("token_ids", f"{len(token_ids)} bytes is not a whole number of "
-                             "u32 token ids")
-    return token_array(token_ids).tolist()
-
-
-def hash_array(raw: bytes):
-    """``PromptHashes.hashes`` as a u64 numpy array (no copy)."""
-    return np.frombuffer(raw, dtype="<u8")
-
-
-# A request's cache salt: its blocks are hashed with it (common/hashing.py ``hash_keys``), so
-# requests with different salts share no prefix block. Non-empty; None: unsalted.
-CacheSalt = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class PullSource(msgspec.Struct, tag=True, omit_defaults=True, frozen=True, kw_only=True):
@@ -110,12 +49,10 @@ GRAMMAR_NOT_COMPILED = "grammar_not_compiled"
 class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
     """router -> decode node. ``prefill_addr`` None: the decode node prefills locally."""
     request_id: str
-    token_ids: bytes  # the prompt, u32 little-endian (``prompt_ids`` reads it)
+    prompt: WirePrompt  # the router's: ids, keys (the effective salt included) and hashes, forwarded
     sampling_params: SamplingParams
     prefill_addr: str | None = None  # http://host:port of the chosen prefill node
     transfer_id: str = ""
-    prompt_hashes: PromptHashes | None = None  # the router's, forwarded to the prefill node
-    cache_salt: CacheSalt | None = None  # the effective salt (router/api_keys.py), forwarded
     pull: PullSource | None = None  # fetch this prefix first (whoever computes the prompt), forwarded
     # False: the structured output's grammar only if a node holds it compiled (or compiling);
     # else a 409 GRAMMAR_NOT_COMPILED, nothing compiled (the router's compile budget), forwarded
@@ -123,20 +60,18 @@ class GenerateRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True
 
 
 class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
-    """decode node -> prefill node: compute ``token_ids`` and push the KV of blocks
+    """decode node -> prefill node: compute ``prompt`` and push the KV of blocks
     ``skip_blocks ..`` into ``dest_block_ids`` (one per block, in order) at ``kv_addr``;
     a tensor-parallel decode node names every rank's receiver in ``kv_addrs`` (each decode
     rank gets its KV heads of every block there: kvtransfer/tp_plan.py)."""
     request_id: str
     transfer_id: str
-    token_ids: bytes  # the prompt, u32 little-endian: the router's bytes, forwarded
+    prompt: WirePrompt  # the GenerateRequest's (its hashes only when the decode node adopted them)
     sampling_params: SamplingParams
     kv_backend: str
     kv_addr: str  # rank 0's receiver (the only one of a TP=1 decode node)
     skip_blocks: int  # leading blocks the decode node already holds (its prefix cache)
     dest_block_ids: list[int]
-    prompt_hashes: PromptHashes | None = None  # the router's, when it sent them
-    cache_salt: CacheSalt | None = None  # the GenerateRequest's: both nodes hash with it
     # one receiver per decode rank, in rank order (its length is the decode node's TP);
     # empty: [kv_addr], a TP=1 decode node
     kv_addrs: list[str] = []
@@ -149,18 +84,17 @@ class PrefillRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True)
 
 
 class PullRequest(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
-    """puller -> holder: push the KV of blocks ``skip_blocks ..`` of the prefix ``token_ids``
-    (whole blocks, hashed with ``cache_salt``) that the holder caches, in order, into
+    """puller -> holder: push the KV of blocks ``skip_blocks ..`` of the prefix ``prompt``
+    (whole blocks, hashed with its keys) that the holder caches, in order, into
     ``dest_block_ids`` at ``kv_addrs`` (one receiver per rank of the puller). The holder sends
     the leading run of those blocks it holds (any tier) and says how many in ``PullResult``."""
     request_id: str  # the request the pull serves (logs)
     transfer_id: str
-    token_ids: bytes  # u32 little-endian
+    prompt: WirePrompt  # the request's keys; its hashes when the puller knows them
     kv_backend: str
     kv_addrs: Annotated[list[str], msgspec.Meta(min_length=1)]
     skip_blocks: Annotated[int, msgspec.Meta(ge=0)]
     dest_block_ids: list[int]
-    cache_salt: CacheSalt | None = None
 
 
 class PullResult(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):

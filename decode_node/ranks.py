@@ -26,9 +26,10 @@ from ..common.config import NodeConfig
 from ..engine.model_runner import KVCacheFactory, ModelRunner
 from ..engine.ranks.worker import ControlHandler
 from ..kvtransfer import (ClosedTransfers, KVBlockStore, KVLayout, KVReceiver, KVShard, RankReporter, TransfersClosed,
-                          allocate_kv_cache, free_shared_kv_cache, make_receiver)
+                          allocate_kv_cache, free_shared_kv_cache)
 from ..kvtransfer.rank_report import RankMessage, RankReady
 from ..node.ranks import RankLink, node_kv_key
+from ..node.receive_side import start_receiver
 from ..node.shm_segments import segment_name
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,8 @@ class DecodeRank:
 
     async def _start(self, store: KVBlockStore, shard: KVShard, device: str) -> None:
         reporter = RankReporter(self.rank, self.link.send)
-        receiver = make_receiver(self.config.kv_backend, shard.layout, store, self.config.host, reporter.on_block,
-                                 device=device, shard=shard)
-        receiver.accepts = self.closed.accepts
-        receiver.cluster_token = self.config.cluster_token
-        await receiver.start()
+        receiver = await start_receiver(self.config, self.config.kv_backend, shard.layout, store, reporter.on_block,
+                                        self.closed.accepts, device, shard)
         self.receiver = receiver
         log.info("tensor-parallel rank %d receives its KV heads at %s (%s)", self.rank, receiver.address,
                  shard.describe())

@@ -1,5 +1,6 @@
-"""The decode node: continuous batching over the engine thread, the KV receiver,
-and the local-prefill fallback. Also runs as a colocated node (role "colocated":
+"""The decode node: continuous batching over the engine thread, the transfers it receives
+(through node/receive_side.py: the receiver, the table's lease sweep, the peer session), and
+the local-prefill fallback. Also runs as a colocated node (role "colocated":
 every request prefilled locally), the baseline for comparisons.
 
 HTTP API (msgpack bodies, see common/protocol.py; ``DecodeNode.routes`` and node/app.py):
@@ -31,8 +32,8 @@ the node breaks every stream (the router migrates them, ``--migration-limit``) a
 
 Each transfer is one ``Transfer`` in the table; the request's driver (``_transfer``)
 is its one owner, awaits its one ``done`` future, and removes it. The table
-resolves ``done`` from whichever input ends the transfer: a block (``_on_block``),
-the prefill node's answer or failure (``_ask_prefill``), the lease sweeper, or the
+resolves ``done`` from whichever input ends the transfer: a block (the receive side's
+receiver), the prefill node's answer or failure (``_ask_prefill``), the lease sweeper, or the
 driver's own abort. Whatever stage a request reached when its client left, the
 handler's ``_end`` sends the engine one ``AbortRequest`` after the driver stopped,
 which frees every block it holds (a reservation included).
@@ -46,35 +47,34 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
-import aiohttp
+import msgspec
 from aiohttp import web
 
-from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.errors import InvalidRequest
-from ..common.http import error_response, peer_connector, read_msgpack
+from ..common.http import error_response, read_msgpack
 from ..common.outcomes import FallbackReason, TransferEnd, TransferStage
-from ..common.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame, prompt_ids
+from ..common.prompt_ref import PromptRef
+from ..common.protocol import GenerateRequest, PrefillRequest, PrefillResult, TokenDelta, encode_frame
 from ..engine.block_export import BlockExporter
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddPrefilled, AddRequest, EngineThread, Release, Reserve
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import KVReceiver, TransferError, make_receiver
-from ..kvtransfer.block_store import KVBlockStore
+from ..kvtransfer import TransferError
 from ..kvtransfer.rank_report import ClosedApplied, RankBlocks, RankMessage, RankReady, TransfersClosed
 from ..kvtransfer.state import TransferFailure, TransferTable
 from ..node.app import build_node_app
 from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
                                     unavailable_response)
-from ..node.kv_pull import Puller, pull_reservation
+from ..node.kv_pull import pull_reservation
+from ..node.prompt_hashes import count_hashes, read_prompt
 from ..node.pull_holder import PullHolder
-from ..node.prompt_hashes import adopt_prompt_hashes
+from ..node.receive_side import ReceiveSide
 from ..node.runtime import NodeRuntime
 from .prefill_client import PrefillClient, PrefillFailed, PrefillGrammarMissing
 from .ranks import DecodeRank
 
 log = logging.getLogger(__name__)
-LEASE_CHECK_S = 0.5  # how often expired leases are failed
 RANKS_READY_S = 120.0  # start-up: every worker rank's receiver is up (they load the model first)
 CLOSED_APPLIED_S = 10.0  # a worker that has not acknowledged a closed transfer by then is broken
 
@@ -89,8 +89,6 @@ class DecodeNode:
     """The decode (or colocated) role's server (a node/app.py NodeServer), built with the app."""
     exporter: BlockExporter | None = None  # a decode node exports no blocks
     prefill_client: PrefillClient  # from start() on
-    _session: aiohttp.ClientSession
-    _lease_task: asyncio.Task[None]
 
     def __init__(self, config: NodeConfig, runtime: NodeRuntime):
         self.config = config
@@ -101,7 +99,6 @@ class DecodeNode:
                                        on_removed=self._forget_close if tp > 1 else None)
         # req_id -> its HTTP stream's queue; None ends the stream without a final frame (the node failed)
         self.streams: dict[str, asyncio.Queue[TokenDelta | None]] = {}
-        self.receiver: KVReceiver | None = None
         self.rank_addrs: dict[int, str] = {}  # worker rank -> its receiver's address (RankReady)
         self._ranks_ready = asyncio.Event()  # every worker said RankReady
         self._closed_seq = 0  # TransfersClosed sent to the workers so far
@@ -116,10 +113,11 @@ class DecodeNode:
         self.metrics = m
         self.m_fallbacks, self.m_transfers, self.m_blocks = m.fallbacks, m.transfers, m.blocks_received
         self.holder = PullHolder(config, runtime)  # other nodes pull prefixes this node caches
-        # this node pulls the prefix the router names before prefilling a request itself; pulls
-        # land like transfers, through its receivers into the same table
-        self.puller = Puller(config, runtime, self.transfers, lambda: self.kv_addrs, config.kv_backend,
-                             settle=self._closed_everywhere)
+        # transfers land through the receive side (a decode node's: a colocated one receives none),
+        # and so do the pulls of the prefixes the router names before it prefills a request itself
+        self.receive = ReceiveSide(config, runtime, config.kv_backend, self.transfers, blocks=self.m_blocks,
+                                   kv_addrs=lambda: self.kv_addrs, settle=self._closed_everywhere)
+        self.puller = self.receive.puller
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/generate", self.generate), web.get("/debug/transfers", self.debug_transfers),
@@ -130,35 +128,24 @@ class DecodeNode:
         return self.rt.engine_thread
 
     @property
-    def kv_addr(self) -> str:
-        return self.receiver.address if self.receiver is not None else ""
-
-    @property
     def kv_addrs(self) -> list[str]:
         """Every rank's receiver, in rank order (what a PrefillRequest names)."""
         return [self.kv_addr] + [self.rank_addrs[r] for r in range(1, self.rt.tp)]
 
+    @property
+    def kv_addr(self) -> str:
+        """Rank 0's receiver ("" on a colocated node: it receives no KV)."""
+        return self.receive.address
+
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        # peer_connector: a task written into a partition fails in seconds, not after the lease
-        self._session = aiohttp.ClientSession(connector=peer_connector(),
-                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                              headers=auth_headers(self.config.cluster_token))
-        self.prefill_client = PrefillClient(self._session)
-        self.puller.session = self._session
+        await self.receive.start(receive=self.config.role == "decode")
+        assert self.receive.session is not None
+        self.prefill_client = PrefillClient(self.receive.session)
         self.rt.on_failure.append(self._on_failure)
-        if self.config.role == "decode":
-            store = KVBlockStore(self.rt.kv_caches, self.rt.layout, self.rt.shm_name)
-            receiver = make_receiver(self.config.kv_backend, self.rt.layout, store, self.config.host,
-                                     self._on_block, device=self.config.engine.device, shard=self.rt.shard)
-            receiver.accepts = self.transfers.is_live
-            receiver.cluster_token = self.config.cluster_token
-            await receiver.start()
-            self.receiver = receiver
         if self.rt.tp > 1:
             self.rt.set_rank_handler(self._on_rank)
             await self._wait_ranks_ready()
-        self._lease_task = asyncio.create_task(self._expire_leases())
 
     async def _wait_ranks_ready(self) -> None:
         """Until every worker rank said RankReady (a decode rank: its receiver runs). Raises
@@ -175,11 +162,8 @@ class DecodeNode:
             raise TPFailure(self.rt.failure)
 
     async def stop(self) -> None:
-        self._lease_task.cancel()
-        if self.receiver is not None:
-            await self.receiver.stop()
+        await self.receive.stop()
         await self.holder.stop()
-        await self._session.close()
 
     def inflight(self) -> int:
         return len(self.streams)
@@ -254,15 +238,6 @@ class DecodeNode:
                                         prompt_logprobs=d.prompt_logprobs))
 
     # ---- transfer inputs (on this event loop; the table resolves the transfer's future) ----
-    def _on_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
-        self.m_blocks.labels(str(ok).lower()).inc()
-        self.transfers.on_block(transfer_id, dest_block_id, ok, reason)  # renews the lease
-
-    async def _expire_leases(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_CHECK_S)
-            self.transfers.expire_leases()
-
     async def _ask_prefill(self, addr: str, task: PrefillRequest) -> None:
         """Ask the prefill node; its answer (or failure) goes to the transfer's table."""
         try:
@@ -282,8 +257,8 @@ class DecodeNode:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
             req = await read_msgpack(request, GenerateRequest)
-            prompt = prompt_ids(req.token_ids)
-            self.rt.limits.check(prompt, req.sampling_params)  # a 400 now, not an error frame later
+            prompt = read_prompt(req.prompt, self.config.engine)
+            self.rt.limits.check(prompt.token_ids, req.sampling_params)  # a 400 now, not an error frame later
             grammar = await self.rt.grammar(req.sampling_params, req.compile_grammar)  # compiled, or cached
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
@@ -335,48 +310,46 @@ class DecodeNode:
         except TPFailure:
             pass  # the engine stopped for good (a rank died): it holds nothing any more
 
-    async def _drive(self, req: GenerateRequest, prompt: list[int],
+    async def _drive(self, req: GenerateRequest, prompt: PromptRef,
                      queue: asyncio.Queue[TokenDelta | None], grammar: Any = None) -> None:
         """Get the request into the running batch: through a KV transfer, or locally.
-        ``prompt``: ``req.token_ids`` read (``prompt_ids``); ``grammar``: its structured
+        ``prompt``: ``req.prompt`` read (node/prompt_hashes.py); ``grammar``: its structured
         output's, compiled (the engine thread never compiles)."""
         rid = req.request_id
-        hashes = adopt_prompt_hashes(req.prompt_hashes, prompt, self.config.engine, self.metrics.prompt_hashes,
-                                     req.cache_salt)
+        count_hashes(prompt, req.prompt, self.metrics.prompt_hashes)
         if req.prefill_addr and self.config.role == "decode":
-            fallback = await self._transfer(req, req.prefill_addr, prompt, hashes, grammar)
+            fallback = await self._transfer(req, req.prefill_addr, prompt, grammar)
             if fallback is None:
                 return
             self.m_fallbacks.labels(fallback.reason).inc()
             log.warning("request %s: falling back to local prefill (%s: %s)", rid, fallback.reason,
                         fallback.detail)
-        elif req.pull is not None and self.receiver is not None:  # prefilled here: fetch the held prefix first
-            await self.puller.pull(rid, prompt, hashes, req.cache_salt, req.pull)
+        elif req.pull is not None and self.receive.receiver is not None:  # prefilled here: the held prefix first
+            await self.puller.pull(rid, prompt, req.pull)
         try:
-            await self.engine_thread.submit(AddRequest(rid, prompt, req.sampling_params, hashes, req.cache_salt,
-                                                       grammar))
+            await self.engine_thread.submit(AddRequest(rid, prompt, params=req.sampling_params, grammar=grammar))
         except InvalidRequest as e:
             queue.put_nowait(TokenDelta(request_id=rid, finish_reason="error", error=str(e)))
 
-    async def _transfer(self, req: GenerateRequest, prefill_addr: str, prompt: list[int],
-                        hashes: list[int] | None, grammar: Any = None) -> Fallback | None:
+    async def _transfer(self, req: GenerateRequest, prefill_addr: str, prompt: PromptRef,
+                        grammar: Any = None) -> Fallback | None:
         """Run the transfer from the prefill node at ``prefill_addr``; None when the
-        request was admitted, else why it was not. ``hashes``: the prompt's block hashes
-        when the router's checked out. The transfer's one owner: it ends here, in the
-        table, on every path."""
+        request was admitted, else why it was not. ``prompt``: ``req.prompt`` read. The
+        transfer's one owner: it ends here, in the table, on every path."""
         rid, tid = req.request_id, req.transfer_id or uuid.uuid4().hex
         t0 = time.monotonic()
-        res = await self.engine_thread.submit(Reserve(rid, prompt, hashes, req.cache_salt))
+        res = await self.engine_thread.submit(Reserve(rid, prompt))
         t1 = time.monotonic()
         if res is None:
             return Fallback(FallbackReason.NO_BLOCKS, "pool full")
         skip = res.num_cached_tokens // self.config.engine.block_size
         transfer = self.transfers.reserve(tid, rid, res.block_ids[skip:], self.config.transfer_lease_s)
-        task = PrefillRequest(request_id=rid, transfer_id=tid, token_ids=req.token_ids,
+        # the router's prompt, forwarded (its hashes only when they checked out here)
+        wire = req.prompt if prompt.adopted else msgspec.structs.replace(req.prompt, hashes=None)
+        task = PrefillRequest(request_id=rid, transfer_id=tid, prompt=wire,
                               sampling_params=req.sampling_params, kv_backend=self.config.kv_backend,
                               kv_addr=self.kv_addr, skip_blocks=skip, dest_block_ids=res.block_ids[skip:],
-                              prompt_hashes=req.prompt_hashes if hashes is not None else None,
-                              cache_salt=req.cache_salt, kv_addrs=self.kv_addrs if self.rt.tp > 1 else [],
+                              kv_addrs=self.kv_addrs if self.rt.tp > 1 else [],
                               pull=req.pull, compile_grammar=req.compile_grammar)
         call = asyncio.create_task(self._ask_prefill(prefill_addr, task))
         admitted = False
@@ -391,8 +364,9 @@ class DecodeNode:
             # The prompt tokens not computed for this request: the prefill node's hit (a hit
             # here only saves sending blocks; the prefill node still computes them).
             await self.engine_thread.submit(AddPrefilled(
-                rid, prompt, req.sampling_params, outcome.first_token, outcome.logprobs,
-                outcome.num_cached_tokens, hashes, outcome.prompt_logprobs, req.cache_salt, grammar))
+                rid, prompt, params=req.sampling_params, first_token=outcome.first_token, logprobs=outcome.logprobs,
+                num_cached_tokens=outcome.num_cached_tokens, prompt_logprobs=outcome.prompt_logprobs,
+                grammar=grammar))
             admitted = True
             self.transfers.own(tid)
             self.m_transfers.labels(TransferEnd.OWNED).inc()

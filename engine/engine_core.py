@@ -43,9 +43,9 @@ import torch
 
 from ..common.config import EngineConfig
 from ..common.errors import InvalidRequest
-from ..common.hashing import hash_blocks, hash_keys, salt_id
 from ..common.kv_tier_stats import TierStats
 from ..common.load import NodeLoad
+from ..common.prompt_ref import PromptKeys, PromptRef
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .kv.cache_manager import ComputedBlocks, KVCacheManager
 from .kv.tier_spec import TierObserver
@@ -152,10 +152,21 @@ class EngineCore:
     def num_preemptions_total(self) -> int:
         return self.scheduler.num_preemptions
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     block_hashes: list[int] | None = None, cache_salt: str | None = None,
+    def prompt_ref(self, token_ids: list[int], **keys) -> PromptRef:
+        """``token_ids`` as this engine's ``PromptRef``: its model id the model key, ``keys`` the
+        other fields of ``PromptKeys`` (``cache_salt``, ...). The offline LLM's one place (and
+        tests'); a node builds its requests' from the wire (node/prompt_hashes.py)."""
+        return PromptRef(token_ids, PromptKeys(model=self.config.model_id, **keys), self.config.block_size)
+
+    def _hashes(self, prompt: PromptRef) -> list[int]:
+        """``prompt``'s block hashes as the block pool takes them (computed now unless known)."""
+        assert prompt.block_size == self.config.block_size, (prompt.block_size, self.config.block_size)
+        return prompt.block_hashes().tolist()
+
+    def _new_request(self, request_id: str, prompt: PromptRef, params: SamplingParams,
                      grammar: Any = None) -> Request:
-        self.limits.check(prompt_token_ids, params)
+        assert prompt.block_size == self.config.block_size, (prompt.block_size, self.config.block_size)
+        self.limits.check(prompt.token_ids, params)
         if request_id in self.scheduler.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
         stop_ids = set(params.stop_token_ids)
@@ -166,40 +177,32 @@ class EngineCore:
         if params.structured_outputs is not None:
             assert self.grammars is not None, "limits.check refuses structured outputs on a simulated engine"
             state = self.grammars.new_state(params.structured_outputs, grammar)
-        return Request(request_id, list(prompt_token_ids), params, self.config.block_size,
-                       hash_keys(self.config.model_id, cache_salt), frozenset(stop_ids), gen, state,
-                       block_hashes=list(block_hashes) if block_hashes is not None else [])
+        return Request(request_id, prompt, params, frozenset(stop_ids), gen, state)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    block_hashes: list[int] | None = None, cache_salt: str | None = None,
+    def add_request(self, request_id: str, prompt: PromptRef, params: SamplingParams, *,
                     grammar: Any = None) -> None:
-        """Schedule a prompt. ``block_hashes``: its chained block hashes when the caller
-        has them (carried from the router and checked, `PromptHashes.adopt`), made with
-        ``cache_salt``: every block of the request (decoded ones too) is hashed with it,
-        so the prefix cache shares blocks only between requests of the same salt.
+        """Schedule a prompt. Every block of the request (decoded ones too) is hashed with
+        ``prompt``'s keys, so the prefix cache shares blocks only between requests of the same
+        keys (model, cache salt, ...); its hashes are computed here unless it carries them.
         ``grammar``: the structured output's compiled grammar when the caller carries it
         (a node always does); None compiles it here (the offline LLM)."""
         if request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} holds a KV reservation")
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt,
-                                             grammar))
+        self.scheduler.add(self._new_request(request_id, prompt, params, grammar))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int],
-                block_hashes: list[int] | None = None, cache_salt: str | None = None) -> Reservation | None:
+    def reserve(self, request_id: str, prompt: PromptRef) -> Reservation | None:
         """Hold blocks for the whole prompt, reusing this engine's cached prefix of the same
-        ``cache_salt``: its device hits, and of the run after them in a lower tier what one
+        keys: its device hits, and of the run after them in a lower tier what one
         step may load (``Scheduler.load_allowance``, priced as the scheduler prices a run; the
         next step waits for these loads whole, so beside running decodes, none); the sender
         fills the rest. None when the block pool cannot supply them now (the caller prefills
         locally). Raising (a lower tier failing to load), it holds nothing."""
         if request_id in self.scheduler.requests or request_id in self.kv:
             raise InvalidRequest("request_id", f"{request_id!r} is already running")
-        keys = hash_keys(self.config.model_id, cache_salt)
-        hashes = block_hashes if block_hashes is not None else hash_blocks(
-            prompt_token_ids, self.config.block_size, keys)
-        hit = self.kv.get_computed_blocks(hashes, prompt_token_ids, salt_id(keys))
+        ids = prompt.token_ids
+        hit = self.kv.get_computed_blocks(self._hashes(prompt), ids, prompt.salt)
         lower = hit.lower[:self.kv.lower_plan(hit.lower, self.scheduler.load_allowance(whole=True)).blocks]
-        if self.kv.allocate_slots(request_id, len(prompt_token_ids), hit.blocks, lower) is None:
+        if self.kv.allocate_slots(request_id, len(ids), hit.blocks, lower) is None:
             return None
         try:
             self.kv.before_write()  # a receiver may write the blocks next: their loads and stores land first
@@ -208,20 +211,16 @@ class EngineCore:
             raise
         return Reservation(self.kv.block_ids(request_id), self.kv.num_cached_tokens(request_id))
 
-    def export_cached(self, export_id: str, token_ids: list[int], block_hashes: list[int] | None,
-                      cache_salt: str | None, start_block: int, max_blocks: int,
+    def export_cached(self, export_id: str, prompt: PromptRef, *, start_block: int, max_blocks: int,
                       pack: Callable[[list[int]], T]) -> tuple[int, T | None]:
-        """Blocks ``start_block ..`` of the prefix ``token_ids`` (whole blocks) that this engine
+        """Blocks ``start_block ..`` of the prefix ``prompt`` (whole blocks) that this engine
         caches, at most ``max_blocks`` of the leading run: (how many, ``pack`` of their block
         ids), (0, None) for none. Blocks in a lower tier are loaded first (when the pool has
         room for them; else only the device's run counts). The blocks are held only while
         ``pack`` runs (it copies them out), so the running batch keeps its pool."""
-        keys = hash_keys(self.config.model_id, cache_salt)
-        hashes = block_hashes if block_hashes is not None else hash_blocks(
-            token_ids, self.config.block_size, keys)
         bs = self.config.block_size
         end = (start_block + max_blocks) * bs
-        hit = self.kv.get_computed_blocks(hashes, token_ids[:end], salt_id(keys), whole=True)
+        hit = self.kv.get_computed_blocks(self._hashes(prompt), prompt.token_ids[:end], prompt.salt, whole=True)
         if self.kv.allocate_slots(export_id, hit.num_tokens, hit.blocks, hit.lower) is None:
             hit = ComputedBlocks(hit.blocks, len(hit.blocks) * bs)
             self.kv.allocate_slots(export_id, hit.num_tokens, hit.blocks)  # pinning cached blocks never fails
@@ -234,17 +233,13 @@ class EngineCore:
         finally:
             self.kv.free(export_id)
 
-    def commit_pulled(self, request_id: str, token_ids: list[int], block_hashes: list[int] | None,
-                      cache_salt: str | None, num_tokens: int) -> None:
-        """The reservation ``request_id`` (a `reserve` of the prefix ``token_ids``) now holds
+    def commit_pulled(self, request_id: str, prompt: PromptRef, *, num_tokens: int) -> None:
+        """The reservation ``request_id`` (a `reserve` of the prefix ``prompt``) now holds
         another node's KV of its first ``num_tokens`` (whole blocks): register them in the
         prefix cache, then give the reservation back, so the request that follows finds them
         as a hit."""
-        keys = hash_keys(self.config.model_id, cache_salt)
-        hashes = block_hashes if block_hashes is not None else hash_blocks(
-            token_ids, self.config.block_size, keys)
         if request_id in self.kv and num_tokens:
-            self.kv.cache_blocks(request_id, hashes, token_ids, num_tokens, salt_id(keys))
+            self.kv.cache_blocks(request_id, self._hashes(prompt), prompt.token_ids, num_tokens, prompt.salt)
         self.kv.free(request_id)
 
     def release(self, request_id: str) -> None:
@@ -252,16 +247,15 @@ class EngineCore:
         if request_id not in self.scheduler.requests:
             self.kv.free(request_id)
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      first_token: int, logprobs: TokenLogprobs | None, num_cached_tokens: int,
-                      block_hashes: list[int] | None = None,
+    def add_prefilled(self, request_id: str, prompt: PromptRef, params: SamplingParams, *, first_token: int,
+                      logprobs: TokenLogprobs | None, num_cached_tokens: int,
                       prompt_logprobs: list[PromptLogprob | None] | None = None,
-                      cache_salt: str | None = None, grammar: Any = None) -> RequestDelta:
+                      grammar: Any = None) -> RequestDelta:
         """Admit a request whose prompt KV landed in its reserved blocks and whose
         first token was sampled elsewhere; it joins the running batch to decode.
-        ``cache_salt``: the one its ``reserve`` hashed with; ``grammar``: as `add_request`."""
-        req = self._new_request(request_id, prompt_token_ids, params, block_hashes, cache_salt, grammar)
-        req.num_computed_tokens = len(prompt_token_ids)
+        ``prompt``: the one its ``reserve`` held blocks for; ``grammar``: as `add_request`."""
+        req = self._new_request(request_id, prompt, params, grammar)
+        req.num_computed_tokens = len(prompt)
         req.num_cached_tokens = num_cached_tokens
         Sampler.skip_step(req, self.model_config.vocab_size)  # the prefill node drew the first token
         self.kv.cache_blocks(request_id, req.block_hashes, req.all_token_ids, req.num_computed_tokens, req.salt)

@@ -17,23 +17,24 @@ else crosses:
                                                      step_observer(SchedulerOutput, started, deltas, live)
                                                      runs ON the engine thread (step metrics)
 
-Commands (NamedTuples; ``submit`` answers with what the engine call returns):
+Commands (``submit`` answers with what the engine call returns). The five that carry a prompt
+carry its ``PromptRef`` (common/prompt_ref.py: ids, hash keys, block hashes; frozen
+dataclasses, the rest by keyword); the others are NamedTuples:
 
-    AddRequest(id, tokens, params)         -> None     schedule a prompt (prefill + decode here)
+    AddRequest(id, prompt, params=, grammar=) -> None  schedule a prompt (prefill + decode here)
         (AddRequest and AddPrefilled carry a structured output's compiled grammar: the
         engine thread never compiles one, node/grammar_service.py does, in its workers)
-    Reserve(id, tokens)                    -> Reservation | None (no free blocks)
-    AddPrefilled(id, tokens, params, first_token, logprobs, num_cached_tokens[, prompt_logprobs])
+    Reserve(id, prompt)                    -> Reservation | None (no free blocks)
+    AddPrefilled(id, prompt, params=, first_token=, logprobs=, num_cached_tokens=[, prompt_logprobs=])
                                            -> RequestDelta     (also handed to on_deltas, in order)
-        (each of the three may carry the prompt's block hashes and the request's cache salt,
-        which every block hash of the request is made with)
     Release(id)                            -> None     give back a reservation never admitted
     AbortRequest(id, reason)               -> bool     finish it, free its blocks *and* any
                                                        reservation, stop its export; idempotent
-    ExportCached(id, tokens, .., start, most, pack) -> Exported   copy out up to ``most``
-                                                       cached blocks of a prefix from block
-                                                       ``start`` (a prefix pull's chunk), timed
-    CommitPulled(id, tokens, .., num_tokens) -> None   a pull landed: cache its blocks, free
+    ExportCached(id, prefix, start_block=, max_blocks=, pack=)
+                                           -> Exported copy out up to ``max_blocks`` cached
+                                                       blocks of a prefix from ``start_block``
+                                                       (a prefix pull's chunk), timed
+    CommitPulled(id, prefix, num_tokens=)  -> None     a pull landed: cache its blocks, free
                                                        the reservation
     ExportKV(id, transfer, addrs, skip, dest_ids) -> None   pack the request's prompt blocks
                                                        [skip, ...) for those receivers: its cached
@@ -74,12 +75,14 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, NamedTuple
 
 from ..common.kv_tier_stats import TierStats
 from ..common.kv_events import KVEvent, Tier
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from ..common.load import NodeLoad
+from ..common.prompt_ref import PromptRef
 from .block_export import BlockExporter, BlockExports, ExportKV
 from .copy_timer import CopyTime, CopyTimer
 from .engine_core import EngineCore, RequestDelta
@@ -102,32 +105,31 @@ def _carried(params: SamplingParams, grammar: Any) -> None:
 
 
 # ---- commands (event loop -> engine thread) ----------------------------------------------
-class AddRequest(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class AddRequest:
     request_id: str
-    token_ids: list[int]
+    prompt: PromptRef
+    _: KW_ONLY
     params: SamplingParams
-    block_hashes: list[int] | None = None  # the prompt's, when carried (PromptHashes.adopt)
-    cache_salt: str | None = None  # the request's (common.hashing.hash_keys)
     grammar: Any = None  # params.structured_outputs compiled (xgrammar.CompiledGrammar); required with one
 
 
-class Reserve(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Reserve:
     request_id: str
-    token_ids: list[int]
-    block_hashes: list[int] | None = None
-    cache_salt: str | None = None
+    prompt: PromptRef
 
 
-class AddPrefilled(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class AddPrefilled:
     request_id: str
-    token_ids: list[int]
+    prompt: PromptRef  # the one its Reserve held blocks for
+    _: KW_ONLY
     params: SamplingParams
     first_token: int
     logprobs: TokenLogprobs | None
     num_cached_tokens: int
-    block_hashes: list[int] | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None  # computed by the prefill node
-    cache_salt: str | None = None  # the one its Reserve hashed with
     grammar: Any = None  # as AddRequest's
 
 
@@ -135,13 +137,13 @@ class Release(NamedTuple):
     request_id: str
 
 
-class ExportCached(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class ExportCached:
     """Copy out cached blocks of a prefix for another node (``EngineCore.export_cached``):
     answers ``Exported``. ``pack`` runs here, on the engine thread, between two steps."""
     export_id: str
-    token_ids: list[int]
-    block_hashes: list[int] | None
-    cache_salt: str | None
+    prompt: PromptRef
+    _: KW_ONLY
     start_block: int
     max_blocks: int
     pack: Callable[[list[int]], Any]
@@ -155,13 +157,13 @@ class Exported(NamedTuple):
     copy: CopyTime
 
 
-class CommitPulled(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class CommitPulled:
     """A reservation's first ``num_tokens`` hold a pulled prefix: cache them and give the
     reservation back (``EngineCore.commit_pulled``)."""
     request_id: str
-    token_ids: list[int]
-    block_hashes: list[int] | None
-    cache_salt: str | None
+    prompt: PromptRef  # the prefix its Reserve held blocks for
+    _: KW_ONLY
     num_tokens: int
 
 
@@ -288,27 +290,29 @@ class EngineThread:
     def _handle(self, cmd: Command) -> Any:
         e = self._engine
         match cmd:
-            case AddRequest(rid, ids, params, hashes, salt, grammar):
-                _carried(params, grammar)
-                return e.add_request(rid, ids, params, hashes, salt, grammar)
-            case Reserve(rid, ids, hashes, salt):
-                return e.reserve(rid, ids, hashes, salt)
-            case AddPrefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt, grammar):
-                _carried(params, grammar)
-                delta = e.add_prefilled(rid, ids, params, first, logprobs, cached, hashes, prompt_lps, salt,
-                                        grammar)
+            case AddRequest():
+                _carried(cmd.params, cmd.grammar)
+                return e.add_request(cmd.request_id, cmd.prompt, cmd.params, grammar=cmd.grammar)
+            case Reserve():
+                return e.reserve(cmd.request_id, cmd.prompt)
+            case AddPrefilled():
+                _carried(cmd.params, cmd.grammar)
+                delta = e.add_prefilled(cmd.request_id, cmd.prompt, cmd.params, first_token=cmd.first_token,
+                                        logprobs=cmd.logprobs, num_cached_tokens=cmd.num_cached_tokens,
+                                        prompt_logprobs=cmd.prompt_logprobs, grammar=cmd.grammar)
                 # through on_deltas, queued before any step's deltas: the first token reaches the
                 # request's stream before the second (the awaiter of the result runs later)
                 self._aio.call_soon_threadsafe(self._on_deltas, [delta])
                 return delta
             case Release(rid):
                 return e.release(rid)
-            case ExportCached(xid, ids, hashes, salt, start, most, pack):
+            case ExportCached():
                 timer = CopyTimer(e.runner.kv_caches.device)
-                blocks, packed = e.export_cached(xid, ids, hashes, salt, start, most, pack)
+                blocks, packed = e.export_cached(cmd.export_id, cmd.prompt, start_block=cmd.start_block,
+                                                 max_blocks=cmd.max_blocks, pack=cmd.pack)
                 return Exported(blocks, packed, timer.stop())
-            case CommitPulled(rid, ids, hashes, salt, tokens):
-                return e.commit_pulled(rid, ids, hashes, salt, tokens)
+            case CommitPulled():
+                return e.commit_pulled(cmd.request_id, cmd.prompt, num_tokens=cmd.num_tokens)
             case AbortRequest(rid, reason):
                 if self._exports is not None:
                     self._exports.end(rid)

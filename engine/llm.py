@@ -156,7 +156,7 @@ class LLM:
         order = []
         for ids, p, detok in zip(token_lists, params, detok_list):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, self.engine.prompt_ref(ids), p)  # its identity, once
             detoks[rid] = detok
             order.append(rid)
 

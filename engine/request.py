@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..common.hashing import extend_block_hashes, salt_id
+from ..common.hashing import extend_block_hashes
+from ..common.prompt_ref import PromptRef
 from ..common.sampling_params import PromptLogprob, SamplingParams, TokenLogprobs
 from .sampling.structured import GrammarState
 
@@ -33,11 +34,8 @@ class Status(enum.Enum):
 @dataclass(slots=True)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: PromptRef  # its ids, hash keys, block size and block hashes (common/prompt_ref.py)
     sampling_params: SamplingParams
-    block_size: int
-    hash_keys: tuple  # extra keys of every block hash: common.hashing.hash_keys (model id, cache salt)
-    salt: bytes = field(init=False)  # their salt identity (common.hashing.salt_id): cached blocks carry it
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # structured outputs: advanced by every appended token
@@ -47,7 +45,12 @@ class Request:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # one per prompt token (the first None) once the prompt is computed, if asked (prompt_logprobs.py)
     prompt_logprobs: list[PromptLogprob | None] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    # taken from ``prompt`` once:
+    prompt_token_ids: list[int] = field(init=False)  # a copy of the prompt's ids
+    block_size: int = field(init=False)
+    hash_keys: tuple = field(init=False)  # extra keys of every block hash (PromptKeys.hash_keys())
+    salt: bytes = field(init=False)  # their salt identity (common.hashing.salt_id): cached blocks carry it
+    block_hashes: list[int] = field(init=False)  # chained hashes of full blocks (the prompt's, then more)
     num_computed_tokens: int = 0
     pending_tokens: int = 0  # sampled by a launched step, not yet appended (async scheduling)
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
@@ -56,9 +59,11 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
 
     def __post_init__(self):
-        self.all_token_ids = list(self.prompt_token_ids)
-        self.salt = salt_id(tuple(self.hash_keys))
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.hash_keys)
+        p = self.prompt
+        self.prompt_token_ids = list(p.token_ids)
+        self.all_token_ids = list(p.token_ids)
+        self.block_size, self.hash_keys, self.salt = p.block_size, p.hash_keys, p.salt
+        self.block_hashes = p.block_hashes().tolist()  # computed here unless known (carried, adopted)
 
     @property
     def num_tokens(self) -> int:

@@ -52,7 +52,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import msgspec
@@ -60,9 +60,9 @@ import msgspec
 from ..common.config import NodeConfig
 from ..common.kv_backends import backend_spec
 from ..common.errors import InvalidRequest
-from ..common.hashing import token_bytes
 from ..common.http import MSGPACK, decode_error_body
 from ..common.outcomes import PullOutcome
+from ..common.prompt_ref import PromptRef
 from ..common.protocol import PullRequest, PullResult, PullSource
 from ..engine.engine_thread import CommitPulled, Release, Reserve
 from ..engine.parallel.group import TPFailure
@@ -83,7 +83,8 @@ def pull_reservation(request_id: str) -> str:
 
 
 class Puller:
-    """Runs pulls into this node's KV blocks. ``table``, ``kv_addrs`` and ``kv_backend``: the
+    """Runs pulls into this node's KV blocks (a node's receive side builds it and sets its
+    session: node/receive_side.py). ``table``, ``kv_addrs`` and ``kv_backend``: the
     transfer table its receivers report to, their addresses (one per rank, in rank order) and
     their backend; ``settle``: awaited with a failed pull's transfer id before its blocks are
     reused (a tensor-parallel decode node: every rank stopped landing it)."""
@@ -101,8 +102,7 @@ class Puller:
         self.m_pulls, self.m_tokens = rt.metrics.pulls, rt.metrics.pull_tokens
         self.reserving = 0  # pulls whose Reserve the engine thread has not answered yet
 
-    async def pull(self, request_id: str, prompt: Sequence[int], hashes: list[int] | None, salt: str | None,
-                   source: PullSource) -> int:
+    async def pull(self, request_id: str, prompt: PromptRef, source: PullSource) -> int:
         """Fetch ``source``'s cached prefix of ``prompt`` into this node's prefix cache; the
         prompt tokens now cached here thanks to it (0 when nothing moved: the request then
         computes them). Never raises but ``CancelledError``, and gives back whatever its
@@ -113,16 +113,15 @@ class Puller:
         blocks = min(source.tokens, len(prompt) - 1) // bs  # one prompt token is always computed
         if blocks <= 0:
             return 0
-        prefix = list(prompt[:blocks * bs])
-        phashes = hashes[:blocks] if hashes is not None and len(hashes) >= blocks else None
+        # one token more, so that every block of the prefix this node caches counts (and is kept)
+        reserved = prompt.prefix(blocks * bs + 1)
         rid = pull_reservation(request_id)
         tid: str | None = None  # the pull's transfer, once it has one
         committed = False  # CommitPulled kept the landed blocks and freed the reservation
         self.reserving += 1
         try:
-            try:  # one token more, so that every block of the prefix this node caches counts (and is kept)
-                res = await self.rt.engine_thread.submit(Reserve(rid, list(prompt[:blocks * bs + 1]), phashes,
-                                                                 salt))
+            try:
+                res = await self.rt.engine_thread.submit(Reserve(rid, reserved))
             finally:
                 self.reserving -= 1
             if res is None:
@@ -132,10 +131,11 @@ class Puller:
             dest = res.block_ids[skip:blocks]
             if not dest:  # this node caches it all already
                 return 0
+            prefix = reserved.prefix(blocks * bs)  # its hashes, the Reserve's
             tid = uuid.uuid4().hex
-            landed = await self._land(request_id, prefix, salt, source, skip, dest, tid)
+            landed = await self._land(request_id, prefix, source, skip, dest, tid)
             if landed:
-                await self.rt.engine_thread.submit(CommitPulled(rid, prefix, phashes, salt, (skip + landed) * bs))
+                await self.rt.engine_thread.submit(CommitPulled(rid, prefix, num_tokens=(skip + landed) * bs))
                 committed = True
                 self.m_pulls.labels(PullOutcome.PULLED).inc()
                 self.m_tokens.inc(landed * bs)
@@ -159,16 +159,15 @@ class Puller:
             if tid is not None:
                 self.table.remove(tid)
 
-    async def _land(self, request_id: str, prefix: list[int], salt: str | None, source: PullSource, skip: int,
+    async def _land(self, request_id: str, prefix: PromptRef, source: PullSource, skip: int,
                     dest: list[int], tid: str) -> int:
         """Have ``source`` send blocks ``skip ..`` of ``prefix`` into ``dest`` as transfer ``tid``;
         how many landed (0: none, or the transfer failed). The caller frees ``dest`` unless it
         commits them."""
         transfer = self.table.reserve(tid, pull_reservation(request_id), dest,
                                       min(PULL_LEASE_S, self.config.transfer_lease_s))
-        task = PullRequest(request_id=request_id, transfer_id=tid, token_ids=token_bytes(prefix),
-                           kv_backend=self.kv_backend, kv_addrs=self.kv_addrs(), skip_blocks=skip,
-                           dest_block_ids=dest, cache_salt=salt)
+        task = PullRequest(request_id=request_id, transfer_id=tid, prompt=prefix.wire(), kv_backend=self.kv_backend,
+                           kv_addrs=self.kv_addrs(), skip_blocks=skip, dest_block_ids=dest)
         call = asyncio.create_task(self._ask(source.addr, task))
         t0 = time.monotonic()
         try:

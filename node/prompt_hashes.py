@@ -1,7 +1,9 @@
-"""A node's side of "hash once": a request's prompt block hashes are the ones the
-router carried (common/protocol.py ``PromptHashes``) when they check out for this
-node, else the engine hashes the prompt itself. Both roles take a request's hashes
-from here, and each prompt's fate is counted (``PromptHashResult``).
+"""A node's side of "hash once": the one place a node builds a request's ``PromptRef``
+(common/prompt_ref.py) from the wire, with its own model id as the model key and the
+request's other keys as they came. Its block hashes are the ones the sender carried when
+they check out for this node, else the engine hashes the prompt itself (on the engine
+thread, once). Both roles, and a pull's holder, read their prompts here; each request's
+fate of the carried hashes is counted (``PromptHashResult``).
 
 Must not hash a whole prompt (``PromptHashes.adopt`` re-hashes two blocks at most).
 """
@@ -13,18 +15,17 @@ from prometheus_client import Counter
 from ..common.config import EngineConfig
 from ..common.model_metrics import BoundLabels
 from ..common.outcomes import PromptHashResult
-from ..common.protocol import PromptHashes
+from ..common.prompt_ref import PromptRef, WirePrompt
 
 
-def adopt_prompt_hashes(carried: PromptHashes | None, prompt: list[int], engine: EngineConfig,
-                        counter: BoundLabels[Counter], cache_salt: str | None = None) -> list[int] | None:
-    """``carried`` as ints when they are ``prompt``'s for this node's block size and
-    model and the request's ``cache_salt`` (counted adopted); else None, and the engine
-    hashes the prompt with that salt (counted rehashed, or absent when none was carried).
-    ``counter``: NodeMetrics.prompt_hashes."""
-    hashes = (carried.adopt(prompt, engine.block_size, engine.model_id, cache_salt)
-              if carried is not None else None)
-    result = (PromptHashResult.ADOPTED if hashes is not None else PromptHashResult.REHASHED
-              if carried is not None else PromptHashResult.ABSENT)
-    counter.labels(result).inc()
-    return hashes
+def read_prompt(wire: WirePrompt, engine: EngineConfig) -> PromptRef:
+    """``wire`` as this node's ``PromptRef``; InvalidRequest("token_ids") when its bytes are
+    not u32 token ids."""
+    return PromptRef.from_wire(wire, engine.model_id, engine.block_size)
+
+
+def count_hashes(ref: PromptRef, wire: WirePrompt, counter: BoundLabels[Counter]) -> None:
+    """Count what became of the hashes ``wire`` carried for ``ref``: adopted, rehashed (they
+    did not check out), or absent (none came). ``counter``: NodeMetrics.prompt_hashes."""
+    counter.labels(PromptHashResult.ADOPTED if ref.adopted else PromptHashResult.REHASHED
+                   if wire.hashes is not None else PromptHashResult.ABSENT).inc()

@@ -20,14 +20,15 @@ from aiohttp import web
 from ..common.config import NodeConfig
 from ..common.kv_backends import backend_names
 from ..common.errors import InvalidRequest
-from ..common.hashing import hash_blocks, hash_keys
 from ..common.http import error_response, msgpack_response, read_msgpack
 from ..common.outcomes import PullServed
-from ..common.protocol import PullRequest, PullResult, prompt_ids
+from ..common.prompt_ref import PromptRef
+from ..common.protocol import PullRequest, PullResult
 from ..engine.engine_thread import ExportCached, Exported
 from ..engine.parallel.group import TPFailure
 from ..kvtransfer import ShardSender, TransferError, make_sender, sender_options
 from ..kvtransfer.block_store import KVBlockStore
+from .prompt_hashes import read_prompt
 from .pull_budget import PULLS_SERVED_MAX
 from .runtime import NodeRuntime
 from .sim_link import SimLink
@@ -73,8 +74,8 @@ class PullHolder:
     async def serve(self, request: web.Request) -> web.Response:
         try:
             task = await read_msgpack(request, PullRequest)
-            prefix = prompt_ids(task.token_ids)
-            self._check(task, prefix)
+            prefix = read_prompt(task.prompt, self.config.engine)
+            self._check(task, prefix.token_ids)
         except InvalidRequest as e:
             return error_response(400, str(e), e.field)
         if self.rt.tp > 1:
@@ -95,20 +96,18 @@ class PullHolder:
         finally:
             budget.leave()
 
-    async def _serve(self, task: PullRequest, prefix: list[int]) -> web.Response:
+    async def _serve(self, task: PullRequest, prefix: PromptRef) -> web.Response:
         if self.config.fault == STALL_FAULT:
             self.stalled += 1
             await asyncio.Event().wait()  # until the test kills this node
-        bs = self.config.engine.block_size
-        # off the loop: a 100k-token prefix is tens of milliseconds of hashing
-        hashes = await asyncio.to_thread(hash_blocks, prefix, bs, hash_keys(self.config.engine.model_id,
-                                                                            task.cache_salt))
+        if prefix.hashes is None:  # none carried, or they did not check out: hashed once, off the loop
+            await asyncio.to_thread(prefix.block_hashes)  # (a 100k-token prefix: tens of milliseconds)
         sender = self._sender(task.kv_backend)
         want, sent, due = len(task.dest_block_ids), 0, 0.0
         budget, block_bytes = self.rt.pull_budget, self.rt.layout.block_nbytes
         try:
             while sent < want:
-                most, out = await self._copy(task, prefix, hashes, sender, sent)
+                most, out = await self._copy(task, prefix, sender, sent)
                 k = out.blocks
                 try:
                     if k:
@@ -143,7 +142,7 @@ class PullHolder:
         self.m_served.labels(PullServed.SENT).inc()
         return msgpack_response(PullResult(transfer_id=task.transfer_id, num_blocks=sent))
 
-    async def _copy(self, task: PullRequest, prefix: list[int], hashes: list[int], sender: ShardSender,
+    async def _copy(self, task: PullRequest, prefix: PromptRef, sender: ShardSender,
                     sent: int) -> tuple[int, Exported]:
         """The next chunk of ``task``'s blocks after the ``sent`` first, copied out on the engine
         thread when the budget grants it: (the blocks granted, what was copied). The copied
@@ -153,8 +152,8 @@ class PullHolder:
             most = await budget.grant(len(task.dest_block_ids) - sent, block_bytes)
             try:
                 out = await self.rt.engine_thread.submit(ExportCached(
-                    f"pull:{task.transfer_id}", prefix, hashes, task.cache_salt, task.skip_blocks + sent, most,
-                    lambda ids: sender.pack(n_addrs, ids)))
+                    f"pull:{task.transfer_id}", prefix, start_block=task.skip_blocks + sent, max_blocks=most,
+                    pack=lambda ids: sender.pack(n_addrs, ids)))
             except BaseException:
                 budget.release(most * block_bytes)
                 raise

@@ -35,7 +35,7 @@ instead of waiting out its lease.
 
 Prefix pull (node/kv_pull.py): a task that names a ``pull`` source (the router predicts a
 longer cached prefix there, on any node) first fetches those blocks into this node's prefix
-cache through a receiver of its own (tcp, ucx or nccl), then computes the rest; they leave
+cache through its receive side (node/receive_side.py: tcp, ucx or nccl), then computes the rest; they leave
 for the decode node like any cached prefix. Other nodes pull from this one at ``POST /kv/pull``.
 Single-rank prefill nodes only (with worker ranks the task's pull is skipped).
 
@@ -51,23 +51,21 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
-from ..common.auth import auth_headers
 from ..common.config import NodeConfig
 from ..common.kv_backends import DEFAULT_BACKEND
 from ..common.errors import InvalidRequest
-from ..common.http import error_response, msgpack_response, peer_connector, read_msgpack
+from ..common.http import error_response, msgpack_response, read_msgpack
 from ..common.outcomes import PrefillOutcome
-from ..common.protocol import PrefillRequest, PrefillResult, prompt_ids
+from ..common.protocol import PrefillRequest, PrefillResult
 from ..common.sampling_params import SamplingParams
 from ..engine.block_export import BlockExporter, BlocksReady, ExportKV
 from ..engine.engine_core import RequestDelta
 from ..engine.engine_thread import AbortRequest, AddRequest, Release
 from ..engine.parallel.group import TPFailure
-from ..kvtransfer import KVReceiver, ShardSender, TransferError, TransferTable, make_receiver, make_sender
+from ..kvtransfer import ShardSender, TransferError, TransferTable, make_sender
 from ..kvtransfer.block_store import KVBlockStore
 from ..kvtransfer.rank_report import RankMessage, RankSent
 from ..kvtransfer.tp_plan import transfer_plan
@@ -75,15 +73,15 @@ from ..node.app import build_node_app
 from ..node.grammar_service import (CompileUnavailable, GrammarNotCompiled, not_compiled_response,
                                     unavailable_response)
 from ..node.kv_pull import Puller, pull_reservation
+from ..node.prompt_hashes import count_hashes, read_prompt
 from ..node.pull_holder import PullHolder
-from ..node.prompt_hashes import adopt_prompt_hashes
+from ..node.receive_side import ReceiveSide
 from ..node.runtime import NodeRuntime
 from ..node.sim_link import SimLink
 from .block_packer import BlockPacker
 from .ranks import PrefillRank, rank_sender_options
 
 log = logging.getLogger(__name__)
-LEASE_CHECK_S = 0.5  # how often pulls whose lease expired are failed
 
 
 @dataclass(slots=True)
@@ -118,11 +116,11 @@ class PrefillNode:
         self.m_requests, self.m_blocks = m.prefill_requests, m.blocks_sent
         self.m_bytes, self.m_send_seconds = m.bytes_sent, m.send_seconds
         self.holder = PullHolder(config, runtime)  # other nodes pull prefixes this node caches
-        self.pulls = TransferTable()  # this node's pulls (its receiver's reports)
-        self.receiver: KVReceiver | None = None  # the pulls' receiver, from start() on (single-rank nodes)
-        self.puller: Puller | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._lease_task: asyncio.Task[None] | None = None
+        # this node's pulls land through its receive side (single-rank nodes: started in start()), over
+        # its own KV backend, or the default, tcp, for one that cannot serve pulls (shm and ipc map
+        # the receiver's cache)
+        backend = config.kv_backend if config.kv_spec.serves_pulls else DEFAULT_BACKEND
+        self.receive = ReceiveSide(config, runtime, backend, TransferTable())
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/prefill", self.prefill), *self.holder.routes()]
@@ -152,43 +150,19 @@ class PrefillNode:
         if self.rt.tp > 1:
             self.rt.set_rank_handler(self._on_rank)
         else:
-            await self._start_puller()
+            await self.receive.start()
 
-    async def _start_puller(self) -> None:
-        """The receiver and client this node pulls prefixes with (its own KV backend, or the
-        default, tcp, for one that cannot serve pulls: shm and ipc map the receiver's cache)."""
-        backend = self.config.kv_backend if self.config.kv_spec.serves_pulls else DEFAULT_BACKEND
-        receiver = make_receiver(backend, self.rt.layout, self.store, self.config.host, self._on_pull_block,
-                                 device=self.config.engine.device, shard=self.rt.shard)
-        receiver.accepts = self.pulls.is_live
-        receiver.cluster_token = self.config.cluster_token
-        await receiver.start()
-        self.receiver = receiver
-        self._session = aiohttp.ClientSession(connector=peer_connector(),
-                                              timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                              headers=auth_headers(self.config.cluster_token))
-        self.puller = Puller(self.config, self.rt, self.pulls, lambda: [receiver.address], backend)
-        self.puller.session = self._session
-        self._lease_task = asyncio.create_task(self._expire_leases())
-
-    def _on_pull_block(self, transfer_id: str, dest_block_id: int, ok: bool, reason: str | None) -> None:
-        self.pulls.on_block(transfer_id, dest_block_id, ok, reason)
-
-    async def _expire_leases(self) -> None:
-        while True:
-            await asyncio.sleep(LEASE_CHECK_S)
-            self.pulls.expire_leases()
+    @property
+    def puller(self) -> Puller | None:
+        """What this node pulls prefixes with (single-rank nodes: with worker ranks a task's pull
+        is skipped)."""
+        return self.receive.puller if self.receive.receiver is not None else None
 
     async def stop(self) -> None:
         for s in self.senders.values():
             await s.sender.close()
         await self.holder.stop()
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-        if self.receiver is not None:
-            await self.receiver.stop()
-        if self._session is not None:
-            await self._session.close()
+        await self.receive.stop()
 
     def inflight(self) -> int:
         return len(self.out)
@@ -248,8 +222,8 @@ class PrefillNode:
     async def prefill(self, request: web.Request) -> web.Response:
         try:
             task = await read_msgpack(request, PrefillRequest)
-            prompt = prompt_ids(task.token_ids)
-            self._check(task, prompt)
+            prompt = read_prompt(task.prompt, self.config.engine)
+            self._check(task, prompt.token_ids)
             grammar = await self.rt.grammar(task.sampling_params, task.compile_grammar)  # compiled, or cached
         except InvalidRequest as e:
             self.m_requests.labels(PrefillOutcome.BAD_REQUEST).inc()
@@ -275,13 +249,12 @@ class PrefillNode:
         sender_task = None
         engine = self.rt.engine_thread
         try:
-            hashes = adopt_prompt_hashes(task.prompt_hashes, prompt, self.config.engine,
-                                         self.metrics.prompt_hashes, task.cache_salt)
+            count_hashes(prompt, task.prompt, self.metrics.prompt_hashes)
             if task.pull is not None and self.puller is not None:  # the prefix another node holds, first
-                await self.puller.pull(rid, prompt, hashes, task.cache_salt, task.pull)
+                await self.puller.pull(rid, prompt, task.pull)
             export = engine.submit(ExportKV(rid, task.transfer_id, o.addrs, task.skip_blocks,
                                             task.dest_block_ids))  # queued before the request runs
-            await engine.submit(AddRequest(rid, prompt, params, hashes, task.cache_salt, grammar))
+            await engine.submit(AddRequest(rid, prompt, params=params, grammar=grammar))
             await export
             sender = self._sender(task.kv_backend)
             sender_task = asyncio.create_task(self._send_all(sender, o))
@@ -380,7 +353,7 @@ class PrefillNode:
         return o is not None
 
     def debug_state(self) -> dict:
-        return {"outgoing": len(self.out), "pulls": self.pulls.counts(),
+        return {"outgoing": len(self.out), "pulls": self.receive.table.counts(),
                 **({"puller": self.puller.state()} if self.puller is not None else {}), **self.holder.state(),
                 **({"sim_link": self.link.state()} if self.link is not None else {})}
 

@@ -12,9 +12,11 @@ echo and prompt logprobs.
                                                \\--ids----> detokenizer, echo, logprobs
 
 A prompt also carries the cache salt its blocks are hashed with (``salted``: the API
-key's and the request's, router/api_keys.py): the dispatcher hashes and sends it with
-the ids, and a migrated continuation (``extended``) keeps it, so every leg of a
-generation stays in its tenant's prefix cache.
+key's and the request's, router/api_keys.py), and a migrated continuation (``extended``)
+keeps it, so every leg of a generation stays in its tenant's prefix cache. ``ref`` makes
+the leg's `common.prompt_ref.PromptRef` (once per leg: its keys from ``prompt_keys``, the
+one place the router builds a request's hash keys, and its block hashes from the array),
+which the dispatcher looks up and sends.
 
 Must not be mutated: ``ids`` and ``array`` describe the same tokens for the
 request's life (``extended`` makes a new one for a migrated continuation).
@@ -28,6 +30,13 @@ import numpy as np
 
 from ..common.errors import InvalidRequest
 from ..common.hashing import token_array
+from ..common.prompt_ref import PromptKeys, PromptRef
+
+
+def prompt_keys(model_id: str, cache_salt: str | None) -> PromptKeys:
+    """The hash keys of a request's prompt for the served ``model_id``: the one place the
+    router builds them (every node and engine then hashes with what the request carries)."""
+    return PromptKeys(model=model_id, cache_salt=cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +70,12 @@ class Prompt:
         return self if cache_salt == self.cache_salt else replace(self, cache_salt=cache_salt)
 
     def wire(self) -> bytes:
-        """The ids as `GenerateRequest.token_ids` carries them: u32 little-endian."""
+        """The ids as `WirePrompt.token_ids` carries them: u32 little-endian."""
         return self.array.astype("<u4", copy=False).tobytes()
+
+    def ref(self, model_id: str, block_size: int) -> PromptRef:
+        """Its identity for ``model_id`` at ``block_size``, hashed now (from the array)."""
+        return PromptRef.hashed(self.ids, prompt_keys(model_id, self.cache_salt), block_size, self.array)
 
     def __len__(self) -> int:
         return len(self.ids)

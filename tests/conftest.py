@@ -88,12 +88,13 @@ def _drive(engine, requests, join_at=None):
     join_at = join_at or {}
     for rid, (ids, params) in requests.items():
         if rid not in join_at:
-            engine.add_request(rid, ids, params)
+            engine.add_request(rid, engine.prompt_ref(ids), params)
     step = 0
     while engine.has_unfinished() or any(s >= step for s in join_at.values()):
         for rid, s in join_at.items():
             if s == step:
-                engine.add_request(rid, *requests[rid])
+                ids, params = requests[rid]
+                engine.add_request(rid, engine.prompt_ref(ids), params)
         yield from engine.step()
         step += 1
 

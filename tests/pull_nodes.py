@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from splitserve.common.config import EngineConfig, NodeConfig
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import GenerateRequest, PullSource
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.decode_node.server import build_app
@@ -54,7 +54,7 @@ async def generate(addr: str, rid: str, prompt: list[int], pull: PullSource | No
     """Run ``prompt`` on the decode node at ``addr`` (pulling ``pull`` first); its tokens."""
     async with client() as session:
         stream = await NodeClient(session).generate(addr, GenerateRequest(
-            request_id=rid, token_ids=token_bytes(prompt), sampling_params=params, pull=pull))
+            request_id=rid, prompt=WirePrompt.of(prompt), sampling_params=params, pull=pull))
         out: list[int] = []
         try:
             async for delta in stream.deltas():

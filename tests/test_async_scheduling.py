@@ -130,14 +130,14 @@ def test_abort_while_a_token_is_in_flight_and_reuse_the_id(make_engine, tokenize
     reference, _, _ = run(make_engine(num_threads=1), {"x": (ids[1], params)})
     engine = make_engine(num_threads=1, async_scheduling=True)
     tokens: dict[str, list[int]] = {"a": [], "b": []}
-    engine.add_request("a", ids[0], params)
-    engine.add_request("b", ids[2], params)
+    engine.add_request("a", engine.prompt_ref(ids[0]), params)
+    engine.add_request("b", engine.prompt_ref(ids[2]), params)
     for _ in range(3):
         for d in engine.step():
             tokens[d.request_id].extend(d.new_token_ids)
     assert engine._in_flight is not None and any(r.request_id == "a" for r in engine._in_flight.requests)
     assert engine.abort("a")
-    engine.add_request("a", ids[1], params)  # same id, new prompt, while the old one's token is in flight
+    engine.add_request("a", engine.prompt_ref(ids[1]), params)  # same id, new prompt, its old token in flight
     again = []
     while engine.has_unfinished():
         for d in engine.step():
@@ -211,7 +211,7 @@ def test_a_gpu_decode_step_launches_without_waiting_for_the_device(make_engine, 
             tokens[d.request_id].extend(d.new_token_ids)
 
     for i, p in enumerate(ids):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(f"r{i}", engine.prompt_ref(p), params)
     for _ in range(4):  # prefill, then decodes through the captured graphs
         collect(engine.step())
     out = engine.scheduler.schedule()

@@ -3,12 +3,13 @@ verified by tokens and salt identity, LRU eviction with events."""
 
 import time
 
-from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
+from splitserve.common.hashing import hash_blocks, salt_id
+from splitserve.common.prompt_ref import PromptKeys
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from splitserve.engine.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
-SALT = salt_id(hash_keys("test-model"))
+SALT = salt_id(PromptKeys(model="test-model").hash_keys())
 
 
 def make_pool(num_blocks: int = 8, enable_caching: bool = True) -> BlockPool:
@@ -103,7 +104,7 @@ def test_a_block_of_another_salt_is_not_a_hit_under_the_same_hash_and_tokens():
     pool = make_pool(4)
     tokens = [11, 12, 13, 14]
     (h,) = hash_blocks(tokens, 4)  # forced equal for both salts
-    salt_a, salt_b = salt_id(hash_keys("m", "tenant-a")), salt_id(hash_keys("m", "tenant-b"))
+    salt_a, salt_b = salt_id(PromptKeys(model="m", cache_salt="tenant-a").hash_keys()), salt_id(PromptKeys(model="m", cache_salt="tenant-b").hash_keys())
     a, b = pool.get_new_blocks(2)
     assert pool.cache_block(a, h, None, tokens, salt_a)
     assert pool.get_cached_block(h, tokens, salt_b) is None

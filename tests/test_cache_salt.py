@@ -20,7 +20,8 @@ import pytest
 import redis
 
 from splitserve.common import metric_names as names
-from splitserve.common.hashing import hash_blocks, hash_keys
+from splitserve.common.hashing import hash_blocks
+from splitserve.common.prompt_ref import PromptKeys
 from splitserve.common.kv_index import blocks_key
 from splitserve.deploy.launcher import Cluster
 from splitserve.router.api_keys import ApiKey, derived_salt, effective_cache_salt
@@ -86,7 +87,7 @@ def wait_held(cluster: Cluster, hashes: list[int], timeout: float = 15.0) -> Non
 
 
 def prompt_hashes(tokenizer, salt: str | None) -> list[int]:
-    return hash_blocks(tokenizer(PROMPT)["input_ids"], BS, hash_keys(MODEL, salt))
+    return hash_blocks(tokenizer(PROMPT)["input_ids"], BS, PromptKeys(model=MODEL, cache_salt=salt).hash_keys())
 
 
 def node_metric(cluster: Cluster, name: str, metric: str) -> float:

@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from splitserve.common import metric_names as names
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import GRAMMAR_NOT_COMPILED, ErrorBody, FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.structured_outputs import StructuredOutputsParams
@@ -142,11 +142,11 @@ def test_a_node_told_not_to_compile_compiles_nothing_and_the_request_still_runs(
     request, and when its prefill node does not hold it, prefills it itself (the prefill node
     compiles nothing) and says so on the first frame (TokenDelta.grammar_missed)."""
     so = StructuredOutputsParams(json={"enum": ["node-a", "node-b"]}).validate()
-    prompt = token_bytes(tokenizer("Pick one, node:")["input_ids"])
+    prompt = WirePrompt.of(tokenizer("Pick one, node:")["input_ids"])
     prefill = cluster.node("prefill-0").addr
 
     def generate(node: str, rid: str, **kw):
-        req = GenerateRequest(request_id=rid, token_ids=prompt, sampling_params=SamplingParams(
+        req = GenerateRequest(request_id=rid, prompt=prompt, sampling_params=SamplingParams(
             max_tokens=8, temperature=0, structured_outputs=so), **kw)
         http_req = urllib.request.Request(f"{cluster.node(node).addr}/generate", data=msgspec.msgpack.encode(req),
                                           headers={"Content-Type": "application/msgpack"})

@@ -22,7 +22,7 @@ import msgspec
 import pytest
 
 from splitserve.benchmarks.harness import wait_pools_free
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, free_port
@@ -42,7 +42,7 @@ class Streamed(NamedTuple):
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, token_ids=token_bytes(prompt),
+    return GenerateRequest(request_id=rid, prompt=WirePrompt.of(prompt),
                            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 

@@ -37,7 +37,7 @@ def test_shared_prefix_computes_only_new_tokens(make_engine, run_engine, long_pr
     run_engine(engine, {"a": (a, greedy())})
 
     before = engine.num_computed_tokens_total
-    engine.add_request("b", b, greedy())
+    engine.add_request("b", engine.prompt_ref(b), greedy())
     tokens, cached = [], None
     while engine.has_unfinished():
         for d in engine.step():
@@ -57,7 +57,7 @@ def test_fully_cached_prompt_still_computes_last_token(make_engine, run_engine, 
     engine = make_engine(block_size=BS)
     prompt = long_prefix[: 3 * BS]  # exactly three full blocks
     first = run_engine(engine, {"a": (prompt, greedy(8))})["a"]
-    engine.add_request("b", prompt, greedy(8))
+    engine.add_request("b", engine.prompt_ref(prompt), greedy(8))
     out = []
     while engine.has_unfinished():
         for d in engine.step():
@@ -114,7 +114,7 @@ def test_preemption_when_pool_too_small(make_engine, run_engine, tokenizer):
 def test_bad_requests_raise_naming_the_field(make_engine, prompt, params, field):
     engine = make_engine()
     with pytest.raises(InvalidRequest) as err:
-        engine.add_request("x", prompt, params)
+        engine.add_request("x", engine.prompt_ref(prompt), params)
     assert err.value.field == field and isinstance(err.value, ValueError)
     assert not engine.has_unfinished()
 
@@ -137,11 +137,12 @@ def test_prefilled_request_continues_like_a_local_one(make_engine, run_engine, l
     src = [prefill.kv.pool.cached[h].block_id for h in hash_blocks(prompt, BS, (prefill.config.model_id,))]
 
     decode = make_engine(block_size=BS)
-    res = decode.reserve("d", prompt)
+    res = decode.reserve("d", decode.prompt_ref(prompt))
     assert len(res.block_ids) == len(src) == 2 and res.num_cached_tokens == 0
     for dst, s in zip(res.block_ids, src):  # what a KV transfer does
         decode.runner.kv_caches[:, :, dst] = prefill.runner.kv_caches[:, :, s]
-    delta = decode.add_prefilled("d", prompt, params, first[0], None, 0)
+    delta = decode.add_prefilled("d", decode.prompt_ref(prompt), params, first_token=first[0], logprobs=None,
+                                 num_cached_tokens=0)
     got = list(delta.new_token_ids)
     while decode.has_unfinished():
         for d in decode.step():
@@ -153,8 +154,8 @@ def test_prefilled_request_continues_like_a_local_one(make_engine, run_engine, l
 def test_load_counts_the_tokens_the_running_requests_generated(make_engine, long_prefix):
     """NodeLoad.generated_tokens: what the planner reads the mix of answers from."""
     engine = make_engine(block_size=BS)
-    engine.add_request("a", long_prefix, greedy(30))
-    engine.add_request("b", long_prefix[:20], greedy(30))
+    engine.add_request("a", engine.prompt_ref(long_prefix), greedy(30))
+    engine.add_request("b", engine.prompt_ref(long_prefix[:20]), greedy(30))
     out = {"a": 0, "b": 0}
     assert engine.load().generated_tokens == 0
     for _ in range(6):

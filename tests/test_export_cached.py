@@ -36,16 +36,17 @@ def test_pulled_blocks_serve_the_puller_as_its_own(engines, run_engine):
     want = run_engine(holder, {"a": (p, GREEDY)})["a"]
     hs = store_of(holder)
     prefix = p[:10 * BS]
-    n, packed = holder.export_cached("x", prefix, None, None, 0, 64, lambda ids: bytes(hs.pack(ids)))
+    n, packed = holder.export_cached("x", holder.prompt_ref(prefix), start_block=0, max_blocks=64,
+                                     pack=lambda ids: bytes(hs.pack(ids)))
     assert n == 10 and "x" not in holder.kv  # held only while it was copied
-    res = puller.reserve("b:pull", p[:10 * BS + 1])
+    res = puller.reserve("b:pull", puller.prompt_ref(p[:10 * BS + 1]))
     assert res.num_cached_tokens == 0 and len(res.block_ids) == 11
     ps = store_of(puller)
     ps.write_many(res.block_ids[:10], packed)
-    puller.commit_pulled("b:pull", p[:10 * BS + 1], None, None, 10 * BS)
+    puller.commit_pulled("b:pull", puller.prompt_ref(p[:10 * BS + 1]), num_tokens=10 * BS)
     assert "b:pull" not in puller.kv and puller.kv.num_free_blocks == puller.num_blocks
     deltas = []
-    puller.add_request("b", p, GREEDY)
+    puller.add_request("b", puller.prompt_ref(p), GREEDY)
     while puller.has_unfinished():
         deltas += puller.step()
     assert [t for d in deltas for t in d.new_token_ids] == want
@@ -57,10 +58,11 @@ def test_export_from_a_later_block_and_a_bounded_chunk(engines, run_engine):
     p = prompt(2, 8 * BS)
     run_engine(holder, {"a": (p + [5], GREEDY)})
     hs = store_of(holder)
-    full = holder.export_cached("x", p, None, None, 0, 64, lambda ids: list(ids))[1]
-    n, ids = holder.export_cached("x", p, None, None, 3, 2, lambda ids: list(ids))
+    full = holder.export_cached("x", holder.prompt_ref(p), start_block=0, max_blocks=64, pack=lambda ids: list(ids))[1]
+    n, ids = holder.export_cached("x", holder.prompt_ref(p), start_block=3, max_blocks=2, pack=lambda ids: list(ids))
     assert (n, ids) == (2, full[3:5])
-    assert holder.export_cached("x", prompt(3, 4 * BS), None, None, 0, 64, lambda ids: ids) == (0, None)
+    assert holder.export_cached("x", holder.prompt_ref(prompt(3, 4 * BS)), start_block=0, max_blocks=64,
+                                pack=lambda ids: ids) == (0, None)
     assert hs.read(full[0]) != hs.read(full[1])
 
 
@@ -73,15 +75,16 @@ def test_a_pull_racing_an_eviction_gets_only_blocks_still_held(engines, run_engi
     p = prompt(4, 8 * BS)
     run_engine(holder, {"a": (p + [5], GREEDY)})
     hs = store_of(holder)
-    before = holder.export_cached("x", p, None, None, 0, 64, lambda ids: [hs.read(i) for i in ids])[1]
-    n1, chunk1 = holder.export_cached("x", p, None, None, 0, 4, lambda ids: [hs.read(i) for i in ids])
+    read = lambda ids: [hs.read(i) for i in ids]  # noqa: E731
+    before = holder.export_cached("x", holder.prompt_ref(p), start_block=0, max_blocks=64, pack=read)[1]
+    n1, chunk1 = holder.export_cached("x", holder.prompt_ref(p), start_block=0, max_blocks=4, pack=read)
     assert n1 == 4 and chunk1 == before[:4]
     others = {f"o{i}": (prompt(100 + i, 8 * BS), GREEDY) for i in range(holder.num_blocks // 8 + 2)}
     run_engine(holder, others)  # the pool turns over: the prefix's blocks are reused
-    n2, chunk2 = holder.export_cached("x", p, None, None, 4, 4, lambda ids: [hs.read(i) for i in ids])
+    n2, chunk2 = holder.export_cached("x", holder.prompt_ref(p), start_block=4, max_blocks=4, pack=read)
     assert n2 == 0 and chunk2 is None
     # and whatever a later pull finds from the start is the prefix's KV again, recomputed
     run_engine(holder, {"again": (p + [5], GREEDY)})
-    n3, chunk3 = holder.export_cached("x", p, None, None, 0, 64, lambda ids: [hs.read(i) for i in ids])
+    n3, chunk3 = holder.export_cached("x", holder.prompt_ref(p), start_block=0, max_blocks=64, pack=read)
     assert n3 == 8 and [torch.frombuffer(bytearray(a), dtype=torch.float32).allclose(
         torch.frombuffer(bytearray(b), dtype=torch.float32), atol=1e-5) for a, b in zip(chunk3, before)] == [True] * 8

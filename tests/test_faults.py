@@ -19,7 +19,7 @@ import pytest
 
 from splitserve.benchmarks.harness import Disconnect, Outcome, run_load, stream_request, wait_pools_free
 from splitserve.common.auth import CLUSTER_TOKEN_HEADER, new_cluster_token
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, free_port
@@ -85,7 +85,7 @@ def test_internal_endpoints_require_the_cluster_token(cluster):
         bait.bind(("127.0.0.1", 0))
         bait.listen()
         bait.settimeout(1.0)
-        req = GenerateRequest(request_id="evil", token_ids=token_bytes(range(1, 200)),
+        req = GenerateRequest(request_id="evil", prompt=WirePrompt.of(range(1, 200)),
                               sampling_params=SamplingParams(max_tokens=4),
                               prefill_addr=f"http://127.0.0.1:{bait.getsockname()[1]}", transfer_id="t")
 
@@ -123,7 +123,7 @@ def test_internal_endpoints_require_the_cluster_token(cluster):
 async def generate_on(cluster: Cluster, decode_addr: str, ids: list[int], prefill_addr: str | None,
                       rid: str) -> list[int]:
     """Greedy tokens of ``ids`` from the decode node, told to get the KV from ``prefill_addr``."""
-    req = GenerateRequest(request_id=rid, token_ids=token_bytes(ids), sampling_params=SamplingParams(temperature=0, max_tokens=8),
+    req = GenerateRequest(request_id=rid, prompt=WirePrompt.of(ids), sampling_params=SamplingParams(temperature=0, max_tokens=8),
                           prefill_addr=prefill_addr, transfer_id=rid)
     reader, out = FrameReader(TokenDelta), []
     async with aiohttp.ClientSession(headers=cluster.auth_headers()) as s:
@@ -268,7 +268,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(cluster):
                         break
             victim.popen.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
-            req = GenerateRequest(request_id="late", token_ids=token_bytes(range(1, 40)),
+            req = GenerateRequest(request_id="late", prompt=WirePrompt.of(range(1, 40)),
                                   sampling_params=SamplingParams(max_tokens=4))
             async with s.post(f"{victim.addr}/generate", data=msgspec.msgpack.encode(req),
                               headers={"Content-Type": "application/msgpack", **cluster.auth_headers()}) as r:

@@ -170,7 +170,7 @@ def _ours(make_engine, model_dir, **config):
     engine = make_engine(model=str(model_dir), device="cuda", kv_cache_memory=32 << 20, max_num_seqs=8, **config)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5)
     for i, ids in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", ids, params)
+        engine.add_request(f"r{i}", engine.prompt_ref(ids), params)
     tokens = {f"r{i}": [] for i in range(len(PROMPTS))}
     top = {f"r{i}": [] for i in range(len(PROMPTS))}
     while engine.has_unfinished():

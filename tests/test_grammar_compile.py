@@ -26,7 +26,7 @@ from aiohttp.test_utils import TestServer
 
 from splitserve.common.config import EngineConfig, NodeConfig
 from splitserve.common.errors import InvalidRequest
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.outcomes import GrammarCompileOutcome as Outcome
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
@@ -197,7 +197,7 @@ def test_a_grammar_not_ready_within_the_nodes_wait_is_a_503_and_compiles_on(toke
 
 
 async def generate(s, server, rid: str, so: StructuredOutputsParams | None, tokens=range(5, 20)):
-    req = GenerateRequest(request_id=rid, token_ids=token_bytes(tokens),
+    req = GenerateRequest(request_id=rid, prompt=WirePrompt.of(tokens),
                           sampling_params=SamplingParams(max_tokens=12, temperature=1.0, seed=len(rid),
                                                          structured_outputs=so))
     async with s.post(server.make_url("/generate"), data=msgspec.msgpack.encode(req),

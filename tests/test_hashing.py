@@ -18,10 +18,10 @@ from splitserve.common.hashing import (
     extend_block_hashes,
     hash_blocks,
     hash_blocks_array,
-    hash_keys,
     token_bytes,
     unfmix64,
 )
+from splitserve.common.prompt_ref import PromptKeys
 
 # Pinned: if one of these changes, the seed or the encoding changed, and every
 # router/node pair of mixed versions loses its cache hits. Bump BLOCK_HASH_VERSION.
@@ -189,6 +189,9 @@ def test_extend_block_hashes_matches_hash_blocks():
 
 
 def test_cache_salt_keys_separate_every_block_and_leave_unsalted_hashes_alone():
+    def hash_keys(model: str, cache_salt: str | None = None) -> tuple:
+        return PromptKeys(model=model, cache_salt=cache_salt).hash_keys()
+
     tokens = list(range(2000, 2000 + 6 * 16 + 3))
     plain = hash_blocks(tokens, 16, hash_keys("m"))
     assert hash_keys("m") == ("m",) and plain == hash_blocks(tokens, 16, ("m",))  # unchanged by salts

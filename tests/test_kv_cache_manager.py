@@ -269,7 +269,7 @@ def test_engine_shares_blocks_only_within_a_cache_salt(make_engine):
     the same prompt under another salt, or none, gets no prefix hit, its own salt does, and
     the prefix-cache events (what the index and every router's mirror learn) carry the
     salted hashes; a reservation (the decode node's side of a transfer) finds them likewise."""
-    from splitserve.common.hashing import hash_keys
+    from splitserve.common.prompt_ref import PromptKeys
     from splitserve.common.sampling_params import SamplingParams
 
     engine = make_engine(block_size=16, kv_cache_memory=16 << 20)
@@ -278,7 +278,7 @@ def test_engine_shares_blocks_only_within_a_cache_salt(make_engine):
     model = engine.config.model_id
 
     def run(rid: str, salt: str | None) -> int:
-        engine.add_request(rid, prompt, params, cache_salt=salt)
+        engine.add_request(rid, engine.prompt_ref(prompt, cache_salt=salt), params)
         cached = None
         while engine.has_unfinished():
             for d in engine.step():
@@ -289,15 +289,15 @@ def test_engine_shares_blocks_only_within_a_cache_salt(make_engine):
     engine.kv.take_events()
     assert run("a1", "tenant-a") == 0
     stored = {h for e in engine.kv.take_events() if isinstance(e, BlockStored) for h in e.block_hashes}
-    salted = hash_blocks(prompt + [0] * 20, 16, hash_keys(model, "tenant-a"))  # tokens beyond the prompt vary
+    salted = hash_blocks(prompt + [0] * 20, 16, PromptKeys(model=model, cache_salt="tenant-a").hash_keys())  # tokens beyond the prompt vary
     assert set(salted[:4]) <= stored  # the prompt's full blocks, under the salted hashes
     assert not stored & set(hash_blocks(prompt, 16, (model,)))  # never the unsalted ones
     assert run("b1", "tenant-b") == 0  # another tenant, same prompt: no hit
     assert run("u1", None) == 0  # nor the unsalted cache
     assert run("a2", "tenant-a") == 4 * 16  # its own salt: every full prompt block
     assert run("b2", "tenant-b") == 4 * 16
-    hit = engine.reserve("r-a", prompt, cache_salt="tenant-a")
-    miss = engine.reserve("r-c", prompt, cache_salt="tenant-c")
+    hit = engine.reserve("r-a", engine.prompt_ref(prompt, cache_salt="tenant-a"))
+    miss = engine.reserve("r-c", engine.prompt_ref(prompt, cache_salt="tenant-c"))
     assert hit is not None and miss is not None
     assert hit.num_cached_tokens == 4 * 16 and miss.num_cached_tokens == 0
     engine.release("r-a")

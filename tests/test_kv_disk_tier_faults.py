@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
+from splitserve.common.hashing import hash_blocks, salt_id
+from splitserve.common.prompt_ref import PromptKeys
 from splitserve.common.outcomes import TierFault
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.disk_file import MAC_BYTES, DiskHeader, block_file_name, encode_block
@@ -385,7 +386,7 @@ def test_the_engine_serves_a_prompt_whose_disk_files_were_cut_short_with_the_rig
         obs = engine.kv.tiers.observer = Faults()
         for p in prompts():
             llm.generate([p], PARAMS)
-        hashes = hash_blocks(prompts()[0], 16, hash_keys(engine.config.model_id))
+        hashes = hash_blocks(prompts()[0], 16, PromptKeys(model=engine.config.model_id).hash_keys())
         deadline = time.monotonic() + 10
         while not all(disk.contains(h) for h in hashes[:4]) and time.monotonic() < deadline:
             time.sleep(0.02)  # the writer stores prompt 0's blocks

@@ -286,7 +286,7 @@ def test_engine_tokens_from_host_equal_recompute(tiny, reference):
         assert host.tier is Tier.HOST and host.used_blocks <= host.capacity_blocks == 32
         assert host.load_bytes_per_s > 0 and host.store_bytes_per_s > 0
         # a decode node's reservation loads its host hits at once (no forward follows it) ...
-        res = llm.engine.reserve("r", ps[2])
+        res = llm.engine.reserve("r", llm.engine.prompt_ref(ps[2]))
         assert res is not None and res.num_cached_tokens == 96 and llm.engine.kv.tiers.take_loads() is None
         llm.engine.release("r")
         # ... so the blocks it leaves cached hold the right KV
@@ -326,7 +326,7 @@ def test_engine_tokens_from_host_equal_recompute_on_cuda(tiny):
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
         assert llm.engine.tier_stats()[1].load_bytes_per_s > 0  # timed by CUDA events
         # a decode node's reservation: it evicts cached blocks, waits for their stores only
-        res = llm.engine.reserve("r", prompts()[2])  # and loads its host hits at once
+        res = llm.engine.reserve("r", llm.engine.prompt_ref(prompts()[2]))  # and loads its host hits at once
         assert res is not None and len(res.block_ids) == 7 and res.num_cached_tokens == 96
         llm.engine.release("r")
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks

@@ -56,7 +56,7 @@ class Harness:
     async def generate(self, rid: str, ids: list[int], n: int = 4) -> None:
         fut = self.done[rid] = asyncio.get_running_loop().create_future()
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        await self.engine_thread.submit(AddRequest(rid, ids, params))
+        await self.engine_thread.submit(AddRequest(rid, self.engine.prompt_ref(ids), params=params))
         await asyncio.wait_for(fut, 60)
 
     async def cached(self) -> set[int]:

@@ -12,11 +12,13 @@ salts (the block pool alone: test_block_pool.py; a disk file: test_kv_disk_tier_
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
+from splitserve.common.hashing import hash_blocks, salt_id
 from splitserve.common.kv_events import Tier
+from splitserve.common.prompt_ref import PromptKeys, PromptRef
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.kv.disk_tier import DiskLayout, DiskTier
@@ -24,7 +26,8 @@ from splitserve.engine.kv.tier_spec import TierSpec
 
 BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # bytes of the tiny Llama's block: 2 layers, K and V, 16 tokens, 2 KV heads of 16, fp32
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-SALT_A, SALT_B = salt_id(hash_keys("m", "a")), salt_id(hash_keys("m", "b"))
+SALT_A = salt_id(PromptKeys(model="m", cache_salt="a").hash_keys())
+SALT_B = salt_id(PromptKeys(model="m", cache_salt="b").hash_keys())
 
 
 def prompts():
@@ -45,7 +48,9 @@ def tiny_llm(model_dir, blocks, **kw):
 
 def serve(engine, rid: str, prompt: list[int], salt: str, hashes: list[int] | None = None) -> tuple[list[int], int]:
     """Run one request to its end on ``engine``: (its tokens, its cached prompt tokens)."""
-    engine.add_request(rid, prompt, PARAMS, block_hashes=hashes, cache_salt=salt)
+    ref = PromptRef(prompt, PromptKeys(model=engine.config.model_id, cache_salt=salt), engine.config.block_size,
+                    None if hashes is None else np.array(hashes, dtype=np.uint64))  # given hashes, whoever's
+    engine.add_request(rid, ref, PARAMS)
     tokens, cached, reason = [], -1, None
     while engine.has_unfinished():
         for d in engine.step():
@@ -59,7 +64,7 @@ def a_then_b(engine, model_id: str, push_down: list[int], tier: Tier) -> tuple[i
     """Tenant a serves prompt 0 twice with prompts ``push_down`` between, then tenant b sends
     prompt 0 with a's hashes while ``tier`` holds a's blocks: (a's repeat's cached tokens, b's)."""
     ps = prompts()
-    hashes_a = hash_blocks(ps[0], 16, hash_keys(model_id, "a"))
+    hashes_a = hash_blocks(ps[0], 16, PromptKeys(model=model_id, cache_salt="a").hash_keys())
     want, _ = serve(engine, "a0", ps[0], "a")
     for i in push_down:
         serve(engine, f"a{i}", ps[i], "a")

@@ -6,7 +6,7 @@ step, no budget leaves the schedule as it was, and greedy tokens do not change."
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitserve.common.hashing import hash_keys
+from splitserve.common.prompt_ref import PromptKeys, PromptRef
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.engine.request import Request
@@ -23,8 +23,8 @@ def make_scheduler(budget: int | None, max_num_batched_tokens: int = 2048, chunk
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, base: int) -> Request:
     """Prompts of distinct ``base`` share no block, so none is a prefix-cache hit."""
-    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, temperature=0),
-                   BS, hash_keys("m"), frozenset())
+    return Request(rid, PromptRef(list(range(base, base + prompt_len)), PromptKeys(model="m"), BS),
+                   SamplingParams(max_tokens=max_tokens, temperature=0), frozenset())
 
 
 def prompt_tokens(row: Row) -> int:

@@ -97,7 +97,7 @@ def test_node_timing_and_prefix_cache_on_a_real_engine(make_engine):
     shared = list(range(100, 164))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for rid, tail in (("a", [7, 8, 9]), ("b", [10, 11, 12])):
-        engine.add_request(rid, shared + tail, params)
+        engine.add_request(rid, engine.prompt_ref(shared + tail), params)
         while engine.has_unfinished():
             step_and_observe(engine, m)
     m.set_load(engine.load(), engine.num_preemptions_total, 0)
@@ -122,7 +122,8 @@ def test_a_prompt_computed_in_its_first_step_counts_that_step_as_prefill_not_que
     step begins, and that step's compute is its prefill interval."""
     engine = make_engine(block_size=16)
     m = NodeMetrics("my-model", "prefill")
-    engine.add_request("a", list(range(100, 400)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request("a", engine.prompt_ref(list(range(100, 400))),
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     while engine.has_unfinished():
         step_and_observe(engine, m)
     found = samples(m.render()[0].decode())
@@ -140,7 +141,7 @@ def test_aborted_requests_leave_no_timing_entries(make_engine, tiny_llama_dir):
     m = NodeMetrics("my-model", "decode")
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i in range(100):  # aborted after one step: no finishing delta reaches observe_step
-        engine.add_request(f"r{i}", [5, 6, 7, i], params)
+        engine.add_request(f"r{i}", engine.prompt_ref([5, 6, 7, i]), params)
         step_and_observe(engine, m)
         engine.abort(f"r{i}")
     assert len(m._times) <= 64 + 1

@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from splitserve.common.config import EngineConfig, NodeConfig
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_thread import AbortRequest, AddRequest
+from splitserve.node.prompt_hashes import read_prompt
 from splitserve.node.runtime import NodeRuntime
 from splitserve.prefill_node.server import PrefillNode
 
@@ -32,13 +34,14 @@ async def test_refuses_when_the_queue_or_the_pool_is_full(bundled_dir):
     rt.start_loop(node.on_deltas, node.exporter)
     try:
         total = rt.engine_thread.stats.kv_blocks_total
+        prompt = lambda ids: read_prompt(WirePrompt.of(ids), cfg.engine)  # noqa: E731  (as the node reads one)
         assert node._refusal(20) is None  # idle
         long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-        await rt.engine_thread.submit(AddRequest("a", list(range(1, 16 * (total - 8))), long))  # most of the pool
+        await rt.engine_thread.submit(AddRequest("a", prompt(range(1, 16 * (total - 8))), params=long))  # most of the pool
         await settle(rt, lambda load: load.running == 1 and load.queued_prefill_tokens == 0)
         assert "KV pool full" in node._refusal(16 * 10)  # 10 blocks, at most 8 free
         assert node._refusal(20) is None
-        await rt.engine_thread.submit(AddRequest("b", list(range(1, 20)), long))  # max_num_seqs=1: it waits
+        await rt.engine_thread.submit(AddRequest("b", prompt(range(1, 20)), params=long))  # max_num_seqs=1: it waits
         await settle(rt, lambda load: load.waiting == 1)
         assert "wait here" in node._refusal(20)
         for rid in ("a", "b"):

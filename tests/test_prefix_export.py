@@ -65,7 +65,7 @@ def test_a_cached_prefix_is_packed_before_the_forward_that_computes_the_rest(bun
                 done[rid] = asyncio.Event()
                 if export:
                     await et.submit(ExportKV(rid, f"t-{rid}", [], 0, list(range(len(prompt) // 16))))
-                await et.submit(AddRequest(rid, prompt, SamplingParams(max_tokens=1)))
+                await et.submit(AddRequest(rid, e.prompt_ref(prompt), params=SamplingParams(max_tokens=1)))
                 await asyncio.wait_for(done[rid].wait(), 60)
 
             await serve("a", PROMPT, False)

@@ -316,7 +316,7 @@ def test_a_decode_node_pulls_from_either_role_before_prefilling_itself(model):
     import aiohttp
 
     from splitserve.common.protocol import GenerateRequest, PullSource
-    from splitserve.common.hashing import token_bytes
+    from splitserve.common.prompt_ref import WirePrompt
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.router.streams.node_client import NodeClient
 
@@ -330,7 +330,7 @@ def test_a_decode_node_pulls_from_either_role_before_prefilling_itself(model):
 
         async def generate(rid: str, prompt: list[int], source: str, tokens: int) -> list[int]:
             async with aiohttp.ClientSession() as session:
-                req = GenerateRequest(request_id=rid, token_ids=token_bytes(prompt),
+                req = GenerateRequest(request_id=rid, prompt=WirePrompt.of(prompt),
                                       sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                                       pull=PullSource(node_id=source, addr=c.node(source).addr, tokens=tokens))
                 stream = await NodeClient(session).generate(c.node(puller).addr, req)
@@ -364,7 +364,7 @@ def test_a_tensor_parallel_puller_keeps_no_record_of_its_pulls(model):
     import aiohttp
 
     from splitserve.benchmarks.harness import wait_pools_free
-    from splitserve.common.hashing import token_bytes
+    from splitserve.common.prompt_ref import WirePrompt
     from splitserve.common.protocol import GenerateRequest, PullSource
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.router.streams.node_client import NodeClient
@@ -380,7 +380,7 @@ def test_a_tensor_parallel_puller_keeps_no_record_of_its_pulls(model):
 
         async def generate(addr: str, rid: str, prompt: list[int], pull: PullSource | None) -> list[int]:
             async with aiohttp.ClientSession() as session:
-                req = GenerateRequest(request_id=rid, token_ids=token_bytes(prompt), pull=pull,
+                req = GenerateRequest(request_id=rid, prompt=WirePrompt.of(prompt), pull=pull,
                                       sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
                 stream = await NodeClient(session).generate(addr, req)
                 return [t async for d in stream.deltas() for t in d.token_ids]

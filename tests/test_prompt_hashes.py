@@ -6,62 +6,79 @@ import numpy as np
 import pytest
 
 from splitserve.common.errors import InvalidRequest
-from splitserve.common.hashing import hash_blocks, hash_blocks_array, hash_keys, token_bytes
-from splitserve.common.protocol import GenerateRequest, PromptHashes, prompt_ids
+from splitserve.common.hashing import hash_blocks, hash_blocks_array, token_bytes
+from splitserve.common.prompt_ref import PromptHashes, PromptKeys, PromptRef, WirePrompt, prompt_ids
+from splitserve.common.protocol import GenerateRequest
 from splitserve.common.sampling_params import SamplingParams
 
 BS = 16
 MODEL = "m"
 
 
+def keys(model=MODEL, cache_salt=None) -> PromptKeys:
+    return PromptKeys(model=model, cache_salt=cache_salt)
+
+
 def carried(tokens, block_size=BS, model=MODEL) -> PromptHashes:
-    return PromptHashes.of(hash_blocks_array(tokens, block_size, (model,)), block_size, model)
+    return PromptHashes.of(hash_blocks_array(tokens, block_size, (model,)), block_size)
+
+
+def adopted(c: PromptHashes, tokens, block_size=BS, model=MODEL, cache_salt=None) -> list[int] | None:
+    hashes = c.adopt(tokens, block_size, keys(model, cache_salt))
+    return None if hashes is None else hashes.tolist()
 
 
 def test_adopted_when_they_match_and_survive_the_wire():
     tokens = list(range(1000, 1000 + 10 * BS + 5))
-    req = GenerateRequest(request_id="r", token_ids=token_bytes(tokens), sampling_params=SamplingParams(),
-                          prompt_hashes=carried(tokens))
+    req = GenerateRequest(request_id="r", prompt=WirePrompt(token_ids=token_bytes(tokens), keys=keys(),
+                                                            hashes=carried(tokens)), sampling_params=SamplingParams())
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GenerateRequest)
-    assert back.prompt_hashes.adopt(tokens, BS, MODEL) == hash_blocks(tokens, BS, (MODEL,))
-    assert prompt_ids(back.token_ids) == tokens  # the prompt travels as u32 bytes
+    assert adopted(back.prompt.hashes, tokens) == hash_blocks(tokens, BS, (MODEL,))
+    assert prompt_ids(back.prompt.token_ids) == tokens  # the prompt travels as u32 bytes
+    ref = PromptRef.from_wire(back.prompt, MODEL, BS)  # as a node reads it
+    assert ref.adopted and ref.token_ids == tokens and ref.block_hashes().tolist() == hash_blocks(tokens, BS, (MODEL,))
     with pytest.raises(InvalidRequest, match="u32"):
         prompt_ids(token_bytes(tokens)[:-1])
-    assert carried(tokens[:BS - 1]).adopt(tokens[:BS - 1], BS, MODEL) == []  # no full block
+    assert adopted(carried(tokens[:BS - 1]), tokens[:BS - 1]) == []  # no full block
 
 
 def test_refused_for_another_block_size_model_version_or_prompt():
     tokens = list(range(500, 500 + 8 * BS))
     c = carried(tokens)
-    assert c.adopt(tokens, 32, MODEL) is None  # the node's block size differs
-    assert c.adopt(tokens, BS, "other-model") is None
-    assert msgspec.structs.replace(c, version=c.version - 1).adopt(tokens, BS, MODEL) is None
-    assert c.adopt(tokens[:-BS], BS, MODEL) is None  # count does not fit the prompt
+    assert adopted(c, tokens, 32) is None  # the node's block size differs
+    assert adopted(c, tokens, BS, "other-model") is None
+    assert adopted(msgspec.structs.replace(c, version=c.version - 1), tokens) is None
+    assert adopted(c, tokens[:-BS]) is None  # count does not fit the prompt
     shifted = [t + 1 for t in tokens]
-    assert c.adopt(shifted, BS, MODEL) is None  # first block re-hashes differently
+    assert adopted(c, shifted) is None  # first block re-hashes differently
     tail = tokens[:-1] + [7]
-    assert c.adopt(tail, BS, MODEL) is None  # last block re-hashes differently
+    assert adopted(c, tail) is None  # last block re-hashes differently
     wrong = np.frombuffer(c.hashes, dtype="<u8").copy()
     wrong[0] ^= 1
-    assert msgspec.structs.replace(c, hashes=wrong.tobytes()).adopt(tokens, BS, MODEL) is None
+    assert adopted(msgspec.structs.replace(c, hashes=wrong.tobytes()), tokens) is None
+    # a node of another model re-hashes with its own model key, whatever the sender named
+    other = PromptRef.from_wire(WirePrompt(token_ids=token_bytes(tokens), keys=keys(), hashes=c), "other-model", BS)
+    assert not other.adopted and other.keys.model == "other-model"
+    assert other.block_hashes().tolist() == hash_blocks(tokens, BS, ("other-model",))
 
 
 def test_adopted_only_under_the_salt_they_were_made_with():
     """A node re-hashes the first and last blocks with the request's cache salt: hashes the
     router made under another salt (or none) are refused, so the engine hashes them itself."""
     tokens = list(range(700, 700 + 5 * BS + 3))
-    salted = PromptHashes.of(hash_blocks_array(tokens, BS, hash_keys(MODEL, "s1")), BS, MODEL)
-    assert salted.adopt(tokens, BS, MODEL, "s1") == hash_blocks(tokens, BS, hash_keys(MODEL, "s1"))
-    assert salted.adopt(tokens, BS, MODEL, "s2") is None
-    assert salted.adopt(tokens, BS, MODEL) is None
-    assert carried(tokens).adopt(tokens, BS, MODEL, "s1") is None  # unsalted hashes, salted request
+    salted = PromptHashes.of(hash_blocks_array(tokens, BS, keys(cache_salt="s1").hash_keys()), BS)
+    assert adopted(salted, tokens, cache_salt="s1") == hash_blocks(tokens, BS, keys(cache_salt="s1").hash_keys())
+    assert adopted(salted, tokens, cache_salt="s2") is None
+    assert adopted(salted, tokens) is None
+    assert adopted(carried(tokens), tokens, cache_salt="s1") is None  # unsalted hashes, salted request
     one = tokens[:BS]  # a single block: the first-block check alone decides
-    assert PromptHashes.of(hash_blocks_array(one, BS, hash_keys(MODEL, "s1")), BS, MODEL).adopt(
-        one, BS, MODEL, "s2") is None
-    req = GenerateRequest(request_id="r", token_ids=token_bytes(tokens), sampling_params=SamplingParams(),
-                          prompt_hashes=salted, cache_salt="s1")
+    assert adopted(PromptHashes.of(hash_blocks_array(one, BS, keys(cache_salt="s1").hash_keys()), BS), one,
+                   cache_salt="s2") is None
+    req = GenerateRequest(request_id="r", prompt=WirePrompt(token_ids=token_bytes(tokens), keys=keys(cache_salt="s1"),
+                                                            hashes=salted), sampling_params=SamplingParams())
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=GenerateRequest)
-    assert back.cache_salt == "s1" and back.prompt_hashes.adopt(tokens, BS, MODEL, back.cache_salt)
-    empty = msgspec.msgpack.encode(msgspec.structs.replace(req, cache_salt=""))
+    assert back.prompt.keys.cache_salt == "s1" and PromptRef.from_wire(back.prompt, MODEL, BS).adopted
+    empty = msgspec.msgpack.encode(msgspec.structs.replace(req, prompt=msgspec.structs.replace(
+        req.prompt, keys=msgspec.structs.replace(req.prompt.keys, cache_salt=""))))
     with pytest.raises(msgspec.ValidationError, match="cache_salt"):  # a node answers 400 naming it
         msgspec.msgpack.decode(empty, type=GenerateRequest)

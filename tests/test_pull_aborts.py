@@ -16,10 +16,12 @@ import threading
 import pytest
 
 from splitserve.common import metric_names as names
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import PullSource
 from splitserve.engine.engine_thread import CachedHashes, ExportCached
 from splitserve.engine.kv.cache_manager import KVCacheManager
 from splitserve.node.app import NODE, RUNTIME
+from splitserve.node.prompt_hashes import read_prompt
 from splitserve.tests.pull_nodes import BS, decode_node, generate, metric, pool_idle, until
 
 PROMPT = [(37 * j + 11) % 30000 + 200 for j in range(10 * BS + 5)]
@@ -44,7 +46,8 @@ async def test_a_request_cancelled_while_its_pull_reserves_leaves_no_block_behin
             gate.wait(60)
             return None
 
-        held = engine.submit(ExportCached("held", PROMPT[:BS], None, None, 0, 1, held_copy))
+        prefix = read_prompt(WirePrompt.of(PROMPT[:BS]), app[RUNTIME].config.engine)  # as a holder reads it
+        held = engine.submit(ExportCached("held", prefix, start_block=0, max_blocks=1, pack=held_copy))
         await until(inside.is_set)
         request = asyncio.create_task(generate(addr, "r", PROMPT + [7], NOWHERE))
         try:

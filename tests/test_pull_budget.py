@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from splitserve.common import metric_names as names
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.kv_events import Tier
 from splitserve.common.protocol import PullRequest, PullSource
 from splitserve.common.sampling_params import SamplingParams
@@ -96,7 +96,7 @@ async def test_eight_pulls_of_a_busy_holder_share_one_share_of_its_steps(model):
 @pytest.mark.anyio
 async def test_a_holder_serving_its_most_pulls_refuses_the_next_at_once(model):
     async with decode_node(model, fault="stall_pull") as (holder, h_addr):
-        task = PullRequest(request_id="r", transfer_id="t", token_ids=token_bytes(prompt(3, 1)), kv_backend="tcp",
+        task = PullRequest(request_id="r", transfer_id="t", prompt=WirePrompt.of(prompt(3, 1)), kv_backend="tcp",
                            kv_addrs=["127.0.0.1:9"], skip_blocks=0, dest_block_ids=[0])
         body = msgspec.msgpack.encode(task)
 

@@ -144,7 +144,7 @@ async def test_two_migrations_leave_a_leg_history_and_clean_books(make_dispatche
     assert all(leg.ended for leg in gen.legs) and all(s.closed for s in nodes.streams)
     assert gen.cached_tokens == 16  # usage: the first leg's, the client's prompt
     # each continuation: the prompt + every token received, max_tokens less them
-    sent = [(addr, req.request_id, len(req.token_ids) // 4, req.sampling_params.max_tokens)
+    sent = [(addr, req.request_id, len(req.prompt.token_ids) // 4, req.sampling_params.max_tokens)
             for addr, req in nodes.sent]
     assert sent == [("http://d0:1", "r", len(prompt), 6),
                     ("http://d1:1", "r~m1", len(prompt) + 2, 4),
@@ -230,7 +230,8 @@ async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url)
     import asyncio
     import time as clock
 
-    from splitserve.common.hashing import hash_blocks, hash_keys
+    from splitserve.common.hashing import hash_blocks
+    from splitserve.common.prompt_ref import PromptKeys
     from splitserve.common.kv_index import IndexDelta
     from splitserve.router.routing.cache_aware import CacheAware
 
@@ -244,7 +245,7 @@ async def test_a_pull_counts_on_its_holder_until_the_first_token(tok, redis_url)
     follower = MirrorFollower(mirror, KVIndex(redis_url, timeout_s=0.5), check_interval_s=0.2, retry_s=0.2)
     follower.start()
     try:
-        await writer.apply("d1", "e1", IndexDelta.full(hash_blocks(ids, 16, hash_keys(MODEL))[:60]), seq=1)
+        await writer.apply("d1", "e1", IndexDelta.full(hash_blocks(ids, 16, PromptKeys(model=MODEL).hash_keys())[:60]), seq=1)
         deadline = clock.monotonic() + 10
         while not (mirror.connected and mirror.nodes_mirrored()):
             assert clock.monotonic() < deadline, "the mirror never caught up"

@@ -524,7 +524,7 @@ async def test_node_client_sends_the_cluster_token_on_every_request(token):
 
     from splitserve.common.auth import CLUSTER_TOKEN_HEADER
     from splitserve.common.http import error_response
-    from splitserve.common.hashing import token_bytes
+    from splitserve.common.prompt_ref import WirePrompt
     from splitserve.common.protocol import GenerateRequest
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.router.streams.node_client import NodeClient, NodeRejected
@@ -549,7 +549,7 @@ async def test_node_client_sends_the_cluster_token_on_every_request(token):
         async with aiohttp.ClientSession() as session:
             client = NodeClient(session, cluster_token=token)
             with pytest.raises(NodeRejected) as exc:
-                await client.generate(addr, GenerateRequest(request_id="r1", token_ids=token_bytes([1, 2]),
+                await client.generate(addr, GenerateRequest(request_id="r1", prompt=WirePrompt.of([1, 2]),
                                                             sampling_params=SamplingParams()))
             assert exc.value.status == 403
             assert await client.abort(addr, "r1")

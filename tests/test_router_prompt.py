@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from splitserve.common.errors import InvalidRequest
 from splitserve.common.hashing import hash_blocks
-from splitserve.common.protocol import prompt_ids
+from splitserve.common.prompt_ref import prompt_ids
 from splitserve.router.prompt import Prompt
 
 VOCAB = 1000
@@ -41,7 +41,7 @@ def test_the_array_is_read_only():
 def test_a_salted_prompt_keeps_its_salt_through_a_migration():
     """A migrated continuation (`extended`) stays in its tenant's cache: same salt, and the
     router's hashes of it are the salted ones every node computes."""
-    from splitserve.common.hashing import hash_keys
+    from splitserve.common.prompt_ref import PromptKeys
     from splitserve.router.api_keys import effective_cache_salt
 
     salt = effective_cache_salt("tenant-a", "x")
@@ -49,5 +49,5 @@ def test_a_salted_prompt_keeps_its_salt_through_a_migration():
     assert p.cache_salt == salt and p.salted(salt) is p and p.salted(None).cache_salt is None
     moved = p.extended([7] * 30)
     assert moved.cache_salt == salt and moved.ids == list(range(40)) + [7] * 30
-    assert hash_blocks(moved.array, 16, hash_keys("m", moved.cache_salt)) == hash_blocks(
-        moved.ids, 16, hash_keys("m", salt)) != hash_blocks(moved.ids, 16, ("m",))
+    assert moved.ref("m", 16).block_hashes().tolist() == hash_blocks(
+        moved.ids, 16, PromptKeys(model="m", cache_salt=salt).hash_keys()) != hash_blocks(moved.ids, 16, ("m",))

@@ -5,7 +5,8 @@ request takes several tokens and rolls back rejected drafts."""
 import pytest
 import torch
 
-from splitserve.common.hashing import hash_blocks, hash_keys
+from splitserve.common.hashing import hash_blocks
+from splitserve.common.prompt_ref import PromptKeys, PromptRef
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.request import Request
 from splitserve.engine.runner import split
@@ -31,7 +32,7 @@ def test_scheduler_rows_verify_one_token_at_the_end_of_a_sequence(tiny):
         outs.append(schedule())
         return outs[-1]
     engine.scheduler.schedule = recorded
-    engine.add_request("a", PROMPT, SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("a", engine.prompt_ref(PROMPT), SamplingParams(max_tokens=3, temperature=0))
     while engine.has_unfinished():
         engine.step()
     rows = [(r.num_tokens, r.num_verify, r.num_proposed) for out in outs for r in out.rows]
@@ -42,7 +43,7 @@ def test_scheduler_rows_verify_one_token_at_the_end_of_a_sequence(tiny):
 def test_runner_samples_the_last_num_verify_tokens_of_a_row(tiny):
     engine, hf = tiny
     k = 3
-    req = engine._new_request("v", PROMPT, SamplingParams(max_tokens=8, temperature=0))
+    req = engine._new_request("v", engine.prompt_ref(PROMPT), SamplingParams(max_tokens=8, temperature=0))
     assert engine.kv.allocate_slots("v", len(PROMPT)) is not None
     row = Row(req, len(PROMPT), k, 0)
     out = SchedulerOutput([row], [])
@@ -57,8 +58,9 @@ def test_runner_samples_the_last_num_verify_tokens_of_a_row(tiny):
 
 
 def test_request_appends_several_tokens_and_rolls_back_rejected_drafts():
-    keys = hash_keys("m", None)
-    req = Request("r", list(PROMPT), SamplingParams(max_tokens=16), BS, keys, frozenset())
+    prompt = PromptRef(list(PROMPT), PromptKeys(model="m"), BS)
+    keys = prompt.hash_keys
+    req = Request("r", prompt, SamplingParams(max_tokens=16), frozenset())
     req.num_computed_tokens = len(PROMPT) - 1  # a decode row next: its last token's KV is not computed
     proposed, accepted = 4, 2
     req.num_computed_tokens += 1 + proposed  # the verifying row computed its last token and 4 drafts

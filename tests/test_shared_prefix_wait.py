@@ -29,8 +29,8 @@ def test_identical_prompts_arriving_together_prefill_once(engine, run_engine):
 
 def test_prompt_logprobs_requests_do_not_wait(engine):
     params = SamplingParams(max_tokens=2, temperature=0)
-    engine.add_request("a", PROMPT, params)
-    engine.add_request("b", PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
-    engine.add_request("c", PROMPT, params)
+    engine.add_request("a", engine.prompt_ref(PROMPT), params)
+    engine.add_request("b", engine.prompt_ref(PROMPT), SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0))
+    engine.add_request("c", engine.prompt_ref(PROMPT), params)
     out = engine.scheduler.schedule()
     assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]  # c waits for a's blocks; b never does

@@ -122,7 +122,7 @@ def test_a_dp_rank_simulated_node_runs(bundled_dir, profiles):
                                      max_num_batched_tokens=p.max_num_batched_tokens,
                                      sim=p.sim_config(speedup=1000.0)))
     assert engine.max_model_len == 163840 and engine.kv_capacity_tokens == p.kv_pool_tokens
-    engine.add_request("ds", list(range(1000, 1000 + 10000)), SamplingParams(max_tokens=3))
+    engine.add_request("ds", engine.prompt_ref(list(range(1000, 1000 + 10000))), SamplingParams(max_tokens=3))
     out = []
     while engine.has_unfinished():
         out += engine.step()

@@ -105,7 +105,7 @@ def test_a_simulated_node_stands_for_a_moe_model(bundled_dir, profiles):
                                      max_num_batched_tokens=p.max_num_batched_tokens,
                                      sim=p.sim_config(speedup=1000.0)))
     assert engine.max_model_len == 40960 and engine.kv_capacity_tokens == p.kv_pool_tokens
-    engine.add_request("moe", list(range(1000, 1000 + 10000)), SamplingParams(max_tokens=3))
+    engine.add_request("moe", engine.prompt_ref(list(range(1000, 1000 + 10000))), SamplingParams(max_tokens=3))
     out = []
     while engine.has_unfinished():
         out += engine.step()

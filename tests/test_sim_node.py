@@ -54,7 +54,7 @@ def test_simulated_engine_runs_the_real_scheduler_and_prefix_cache(bundled_dir):
     assert engine.runner.kv_caches.shape == (1, 2, engine.num_blocks, 16, 1, 1)
     prompt = list(range(1000, 1200))  # 200 tokens: 4 chunks of 64
     params = SamplingParams(max_tokens=5)
-    engine.add_request("a", prompt, params)
+    engine.add_request("a", engine.prompt_ref(prompt), params)
     start, out = time.monotonic(), []
     while engine.has_unfinished():
         out += engine.step()
@@ -64,7 +64,7 @@ def test_simulated_engine_runs_the_real_scheduler_and_prefix_cache(bundled_dir):
     assert not set(tokens) & set(engine.model_config.eos_token_ids)
     assert elapsed >= 200 * 0.0001 + 4 * 0.002 * 0.9  # it slept the model's time
     assert engine.num_computed_tokens_total == 200 + 4
-    engine.add_request("b", prompt, params)  # the same prompt: its full blocks are cached
+    engine.add_request("b", engine.prompt_ref(prompt), params)  # the same prompt: its full blocks are cached
     first = []
     while not first:
         first = engine.step()

@@ -86,7 +86,7 @@ def test_a_128k_profile_node_serves_a_prompt_past_8192_tokens(bundled_dir):
                                      sim=p.sim_config(speedup=1000.0)))
     assert engine.max_model_len == 131072
     assert engine.kv_capacity_tokens == p.kv_pool_tokens
-    engine.add_request("long", list(range(1000, 1000 + 20000)), SamplingParams(max_tokens=2))
+    engine.add_request("long", engine.prompt_ref(list(range(1000, 1000 + 20000))), SamplingParams(max_tokens=2))
     out = []
     while engine.has_unfinished():
         out += engine.step()

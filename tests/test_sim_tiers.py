@@ -40,7 +40,7 @@ def test_tier_sizes_are_the_modelled_models_bytes_and_each_node_gets_its_own_dis
 def run(engine: EngineCore, rid: str, prompt: list[int]) -> tuple[int, float]:
     """Serve ``prompt`` alone; its cached tokens and the simulated seconds it took."""
     before = engine.runner.simulated_seconds
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
+    engine.add_request(rid, engine.prompt_ref(prompt), SamplingParams(max_tokens=1))
     out = []
     while engine.has_unfinished():
         out += engine.step()

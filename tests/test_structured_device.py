@@ -86,7 +86,7 @@ def run(make_engine, path, device, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(Sampler, "sample", spy)
         for rid, (ids, params) in reqs.items():
-            engine.add_request(rid, ids, params)
+            engine.add_request(rid, engine.prompt_ref(ids), params)
         while engine.has_unfinished():
             for d in engine.step():
                 tokens[d.request_id].extend(d.new_token_ids)

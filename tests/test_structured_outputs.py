@@ -94,21 +94,21 @@ def test_first_token_handover_continues_the_grammar(llm):
     engine = llm.engine
     prompt = llm.tokenize(ASK)
     so = StructuredOutputsParams(json=SCHEMA)
-    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+    engine.add_request("p", engine.prompt_ref(prompt), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
                                                    structured_outputs=so))
     first = [d for d in _run(engine) if d.request_id == "p"][0].new_token_ids[0]
     assert llm.tokenizer.decode([first]).startswith("{")
-    assert engine.reserve("d", prompt) is not None
-    engine.add_prefilled("d", prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=so),
-                         first, None, 0)
+    assert engine.reserve("d", engine.prompt_ref(prompt)) is not None
+    engine.add_prefilled("d", engine.prompt_ref(prompt),
+                         SamplingParams(temperature=0, max_tokens=40, structured_outputs=so), first_token=first, logprobs=None, num_cached_tokens=0)
     tokens = [first] + [t for d in _run(engine) for t in d.new_token_ids]
     jsonschema.validate(json.loads(llm.tokenizer.decode(tokens, skip_special_tokens=True)), SCHEMA)
 
     # a first token the grammar refuses fails the request rather than returning broken JSON
-    assert engine.reserve("bad", prompt) is not None
+    assert engine.reserve("bad", engine.prompt_ref(prompt)) is not None
     refused = llm.tokenizer("hello", add_special_tokens=False)["input_ids"][0]
-    delta = engine.add_prefilled("bad", prompt, SamplingParams(max_tokens=40, structured_outputs=so),
-                                 refused, None, 0)
+    delta = engine.add_prefilled("bad", engine.prompt_ref(prompt), SamplingParams(max_tokens=40, structured_outputs=so),
+                                 first_token=refused, logprobs=None, num_cached_tokens=0)
     assert delta.finish_reason == "error" and not engine.has_unfinished()
 
 

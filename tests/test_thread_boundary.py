@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 
 from splitserve.common import metric_names as names
 from splitserve.common.config import EngineConfig, NodeConfig
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import Abort, FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.engine_core import EngineCore
@@ -60,7 +60,7 @@ def _serve(tiny_llama_dir, watching: threading.Event) -> tuple[list[TokenDelta],
         try:
             import aiohttp
             async with aiohttp.ClientSession() as s:
-                req = GenerateRequest(request_id="r1", token_ids=token_bytes(range(1, 40)),
+                req = GenerateRequest(request_id="r1", prompt=WirePrompt.of(range(1, 40)),
                                       sampling_params=SamplingParams(max_tokens=6, ignore_eos=True),
                                       prefill_addr=str(prefill.make_url("")).rstrip("/"), transfer_id="t1")
                 frames: list[TokenDelta] = []

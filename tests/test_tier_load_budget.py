@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 from splitserve.common.config import EngineConfig
-from splitserve.common.hashing import hash_blocks, hash_keys, salt_id
+from splitserve.common.hashing import hash_blocks, salt_id
+from splitserve.common.prompt_ref import PromptKeys, PromptRef
 from splitserve.common.kv_events import Tier
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.planner.sim_profiles import get_profile
@@ -38,7 +39,7 @@ from splitserve.engine.scheduler import Row, Scheduler, SchedulerOutput
 from splitserve.engine.sim_runner import standin_tiers
 
 BS = 16
-KEYS = hash_keys("m")
+KEYS = PromptKeys(model="m").hash_keys()
 BLOCK_BYTES = 2 * BS * 4  # the KV tensor below: 1 layer, K and V, 16 tokens, 1 head of 1 float
 PREFILL = 10_000.0  # tokens/s: the measured recompute rate of these tests
 HOST_BLOCK_TOKENS = 4.0  # a host block loads in the time of 4 prompt tokens (at the rates below)
@@ -73,8 +74,8 @@ def scheduler(num_blocks: int, host_blocks: int, budget: int, chunk: int = 512,
 
 
 def request(rid: str, tokens: list[int], max_tokens: int) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, temperature=0), BS, KEYS, frozenset(),
-                   block_hashes=hash_blocks(tokens, BS, KEYS))
+    return Request(rid, PromptRef.hashed(tokens, PromptKeys(model="m"), BS), SamplingParams(max_tokens=max_tokens, temperature=0),
+                   frozenset())
 
 
 def step(s: Scheduler) -> SchedulerOutput:
@@ -185,18 +186,18 @@ def sim_decode_node(model_dir, budget: int, speedup: float = 1000.0) -> SimNode:
     history = list(range(1000, 1000 + 16_000))
 
     def serve_alone(rid: str, prompt: list[int]) -> None:
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
+        engine.add_request(rid, engine.prompt_ref(prompt), SamplingParams(max_tokens=1))
         while engine.has_unfinished():
             engine.step()
 
     serve_alone("a", history + [7])  # computed: the prefill rate the loads are priced in
     serve_alone("b", list(range(20_000, 20_000 + 16_000)))  # a's blocks go to the host tier
-    hashes = hash_blocks(history, BS, hash_keys(engine.config.model_id))
+    hashes = hash_blocks(history, BS, PromptKeys(model=engine.config.model_id).hash_keys())
     kept = next(i for i, h in enumerate(hashes) if h not in engine.kv.pool.cached)  # the rest: host only
     serve_alone("warm", history[:(kept + 2) * BS] + [9])  # 2 blocks loaded from the host: its rate
     assert engine.kv.tiers is not None and engine.kv.tiers.policy.rates[Tier.HOST].value > 0
     for i in range(8):
-        engine.add_request(f"d{i}", list(range(40_000 + 100 * i, 40_000 + 100 * i + 64)),
+        engine.add_request(f"d{i}", engine.prompt_ref(list(range(40_000 + 100 * i, 40_000 + 100 * i + 64))),
                            SamplingParams(max_tokens=200, ignore_eos=True))
     for _ in range(3):
         engine.step()  # their prompts, then decodes
@@ -211,7 +212,7 @@ def test_a_long_host_tier_turn_loads_beside_the_decodes_without_lengthening_thei
     engine, history, decode_s, _ = sim_decode_node(bundled_dir, budget)
     r = engine.runner
     assert engine.kv.tiers is not None
-    engine.add_request("a2", history + list(range(7, 107)), SamplingParams(max_tokens=1))
+    engine.add_request("a2", engine.prompt_ref(history + list(range(7, 107))), SamplingParams(max_tokens=1))
     per_token = 1 / engine.kv.tiers.policy.prefill_rate.value  # simulated seconds of one prompt token
     loading: list[float] = []  # the steps that loaded a2's history (no row of a2's)
     worst, cached = 0.0, None
@@ -242,7 +243,7 @@ def test_a_reservation_beside_running_decodes_loads_nothing_below_the_device_and
     engine, history, decode_s, on_device = sim_decode_node(bundled_dir, 512, speedup=1.0)
     r = engine.runner
     prompt = history + list(range(7, 107))
-    res = engine.reserve("a2", prompt)
+    res = engine.reserve("a2", engine.prompt_ref(prompt))
     assert res is not None and res.num_cached_tokens == on_device, (on_device, res.num_cached_tokens)
     steps = []
     for _ in range(3):
@@ -250,6 +251,7 @@ def test_a_reservation_beside_running_decodes_loads_nothing_below_the_device_and
         engine.step()
         steps.append(r.simulated_seconds - before)
     assert max(steps) <= 1.05 * decode_s, [f"{s * 1e3:.1f} ms" for s in steps] + [f"alone {decode_s * 1e3:.1f} ms"]
-    delta = engine.add_prefilled("a2", prompt, SamplingParams(max_tokens=2), 5, None, res.num_cached_tokens)
+    delta = engine.add_prefilled("a2", engine.prompt_ref(prompt), SamplingParams(max_tokens=2), first_token=5,
+                                 logprobs=None, num_cached_tokens=res.num_cached_tokens)
     assert delta.num_cached_tokens == on_device
     engine.abort("a2")

@@ -34,7 +34,7 @@ import pytest
 
 from splitserve.benchmarks.harness import MODEL, Outcome, run_load, wait_pools_free
 from splitserve.common.auth import new_cluster_token
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster, free_port
@@ -194,7 +194,7 @@ def test_incompatible_nodes_are_refused_and_nothing_is_garbage(pairs_cluster):
 
 def _generate(decode_addr: str, ids: list[int], prefill_addr: str) -> list[int]:
     """Greedy tokens of one GenerateRequest sent straight to a decode node."""
-    req = GenerateRequest(request_id=f"direct-{time.monotonic_ns()}", token_ids=token_bytes(ids),
+    req = GenerateRequest(request_id=f"direct-{time.monotonic_ns()}", prompt=WirePrompt.of(ids),
                           sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
                           prefill_addr=prefill_addr, transfer_id=f"t-{time.monotonic_ns()}")
     http = urllib.request.Request(f"{decode_addr}/generate", data=msgspec.msgpack.encode(req),

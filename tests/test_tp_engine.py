@@ -185,7 +185,7 @@ def test_worker_that_cannot_start_fails_rank0_with_its_error(model_dir, tmp_path
 def _long_requests(engine, n=4, max_tokens=180):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(n):
-        engine.add_request(f"long-{i}", [(3 * j + i) % 250 + 1 for j in range(20)], params)
+        engine.add_request(f"long-{i}", engine.prompt_ref([(3 * j + i) % 250 + 1 for j in range(20)]), params)
 
 
 def test_hung_worker_fails_rank0_after_the_collective_timeout(model_dir):
@@ -299,7 +299,7 @@ def test_engine_thread_stops_for_good_when_a_rank_dies(model_dir):
         et = EngineThread(engine, loop, deltas.extend, on_fatal=fatal.set_result)
         et.start()
         try:
-            await et.submit(AddRequest("r", list(range(1, 21)), long))
+            await et.submit(AddRequest("r", engine.prompt_ref(list(range(1, 21))), params=long))
             while not deltas:
                 await asyncio.sleep(0.01)
             os.kill(worker.pid, signal.SIGKILL)
@@ -308,7 +308,7 @@ def test_engine_thread_stops_for_good_when_a_rank_dies(model_dir):
             await asyncio.sleep(0.1)  # the error delta, queued before on_fatal, has run
             assert deltas[-1].request_id == "r" and deltas[-1].finish_reason == "error"
             with pytest.raises(TPFailure):
-                await et.submit(AddRequest("s", [1, 2, 3], long))
+                await et.submit(AddRequest("s", engine.prompt_ref([1, 2, 3]), params=long))
         finally:
             et.stop()
 

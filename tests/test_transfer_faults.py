@@ -35,7 +35,7 @@ import pytest
 
 from splitserve.common import metric_names as names
 from splitserve.common.auth import new_cluster_token
-from splitserve.common.hashing import token_bytes
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import FrameReader, GenerateRequest, TokenDelta
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster
@@ -186,7 +186,7 @@ def generate_body(tid: str, prefill_addr: str) -> bytes:
     rng = random.Random(tid)  # a prompt of its own: no prefix cache hit on either node
     ids = [rng.randrange(100, 40000) for _ in range(PROMPT_TOKENS)]
     return msgspec.msgpack.encode(GenerateRequest(
-        request_id=tid, transfer_id=tid, token_ids=token_bytes(ids), prefill_addr=prefill_addr,
+        request_id=tid, transfer_id=tid, prompt=WirePrompt.of(ids), prefill_addr=prefill_addr,
         sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)))
 
 

@@ -36,7 +36,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def ours_decode(engine: EngineCore, batch: list[list[int]], new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     for i, p in enumerate(batch):
-        engine.add_request(f"d{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(f"d{time.monotonic_ns()}-{i}", engine.prompt_ref(p), params)
     produced = 0
     while produced < len(batch):  # prefill: until every request has its first token
         produced += len(engine.step())

@@ -237,7 +237,7 @@ def prompt_imbalance(engine, tokenize, experts: int, k: int) -> dict:
     CLOCK.reset()
     CLOCK.active = True
     for i, p in enumerate(ids):
-        engine.add_request(f"imb-{i}", p, params)
+        engine.add_request(f"imb-{i}", engine.prompt_ref(p), params)
     steps = 0
     while engine.has_unfinished():
         engine.step()

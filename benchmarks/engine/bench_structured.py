@@ -65,7 +65,7 @@ def tpot(engine: EngineCore, prompts: list[list[int]], steps: int, schema: dict 
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=steps + 8, ignore_eos=True,
                                 structured_outputs=so)
-        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", engine.prompt_ref(p), params)
     first = 0
     while first < len(prompts):  # prefill: until every request has its first token
         first += len(engine.step())

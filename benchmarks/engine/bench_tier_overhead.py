@@ -49,10 +49,12 @@ def serve(e: EngineCore, i: int) -> dict[str, float]:
     """One prompt as a decode node takes it; milliseconds per stage."""
     ids, rid = prompt(i), f"r{i}"
     t0 = time.perf_counter()
-    res = e.reserve(rid, ids)
+    ref = e.prompt_ref(ids)  # its hashes: computed by the reserve, kept for the admission (as on a node)
+    res = e.reserve(rid, ref)
     assert res is not None, "the pool holds one prompt at least"
     t1 = time.perf_counter()
-    e.add_prefilled(rid, ids, SamplingParams(max_tokens=4, ignore_eos=True), 5, None, res.num_cached_tokens)
+    e.add_prefilled(rid, ref, SamplingParams(max_tokens=4, ignore_eos=True), first_token=5, logprobs=None,
+                    num_cached_tokens=res.num_cached_tokens)
     t2 = time.perf_counter()
     while e.has_unfinished():
         e.step()

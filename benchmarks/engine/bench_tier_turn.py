@@ -43,7 +43,7 @@ from pathlib import Path
 from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.run import percentile
 from splitserve.common.config import EngineConfig
-from splitserve.common.hashing import hash_blocks, hash_keys
+from splitserve.common.hashing import hash_blocks
 from splitserve.common.kv_events import Tier
 from splitserve.common.node_registry import NodeInfo
 from splitserve.common.sampling_params import SamplingParams
@@ -76,19 +76,20 @@ class Node:
             sim=p.sim_config(speedup=SPEEDUP))))
         self.history = [(7 * j) % 30_000 + 100 for j in range(args.history)]
         self.turn = self.history + [(11 * j) % 30_000 + 100 for j in range(args.new)]
-        self.hashes = hash_blocks(self.history, self.bs, hash_keys(self.engine.config.model_id))
+        self.hashes = hash_blocks(self.history, self.bs, self.engine.prompt_ref(self.history).hash_keys)
 
     def prefill_here(self, rid: str, prompt: list[int]) -> None:
-        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
+        self.engine.add_request(rid, self.engine.prompt_ref(prompt), SamplingParams(max_tokens=1))
         while self.engine.scheduler.requests.get(rid) is not None:
             self.engine.step()
 
     def prefilled(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         """``prompt`` as a prefill node's transfer leaves it: reserved, landed, admitted."""
-        res = self.engine.reserve(rid, prompt)
+        ref = self.engine.prompt_ref(prompt)
+        res = self.engine.reserve(rid, ref)
         assert res is not None, "the KV pool is too small for the benchmark's requests"
-        self.engine.add_prefilled(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), 5, None,
-                                  res.num_cached_tokens)
+        self.engine.add_prefilled(rid, ref, SamplingParams(max_tokens=max_tokens, ignore_eos=True), first_token=5,
+                                  logprobs=None, num_cached_tokens=res.num_cached_tokens)
 
     def setup(self, args: argparse.Namespace) -> bool:
         """The history served and pushed to disk, the rates measured, the decodes running;
@@ -146,14 +147,16 @@ class Node:
         """The ``window`` steps from the turn's arrival under ``arm``: each step's seconds."""
         e, r = self.engine, self.engine.runner
         assert isinstance(r, SimRunner)
+        turn = e.prompt_ref(self.turn)
         if arm == "local":
-            e.add_request("turn", self.turn, SamplingParams(max_tokens=1))
-        res = e.reserve("turn", self.turn) if arm == "remote" else None
+            e.add_request("turn", turn, SamplingParams(max_tokens=1))
+        res = e.reserve("turn", turn) if arm == "remote" else None
         steps: list[float] = []
         ttft = None
         for i in range(args.window):
             if res is not None and i == args.transfer_steps:  # the rest of the KV landed: admitted
-                e.add_prefilled("turn", self.turn, SamplingParams(max_tokens=1), 5, None, res.num_cached_tokens)
+                e.add_prefilled("turn", turn, SamplingParams(max_tokens=1), first_token=5, logprobs=None,
+                                num_cached_tokens=res.num_cached_tokens)
             before = r.simulated_seconds
             deltas = e.step()
             steps.append(r.simulated_seconds - before)

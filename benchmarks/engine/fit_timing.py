@@ -70,7 +70,7 @@ def measure_prefill(engine, samples, vocab: int) -> list[tuple[int, int, float]]
     for length in (96, 256, 512, 1024, 2048, 4096, 1024, 2048):
         prompt = torch.randint(100, vocab - 100, (length,), generator=g).tolist()
         samples.clear()
-        engine.add_request(f"p{length}-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=1))
+        engine.add_request(f"p{length}-{time.monotonic_ns()}", engine.prompt_ref(prompt), SamplingParams(max_tokens=1))
         drain(engine)
         rows += [(n, ctx, t) for d, chunks, t in samples if d == 0 and len(chunks) == 1 for n, ctx in chunks]
         print(f"  prefill {length:5d} tokens: {sum(t for *_, t in samples):6.2f} s", flush=True)
@@ -93,7 +93,7 @@ def measure_decode(engine, samples, vocab: int, step_s: float, steps: int) -> li
         params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
         for i in range(batch):
             tail = torch.randint(100, vocab - 100, (16,), generator=g).tolist()
-            engine.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", prefix + tail, params)
+            engine.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", engine.prompt_ref(prefix + tail), params)
         samples.clear()
         drain(engine)
         full = [t for d, chunks, t in samples if d == batch and not chunks]

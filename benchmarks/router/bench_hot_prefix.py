@@ -42,7 +42,8 @@ from splitserve.benchmarks.harness import RESULTS
 from splitserve.benchmarks.loadgen.replay.plan_check import judge_replay
 from splitserve.benchmarks.loadgen.replay.run import ReplayConfig, node_block_size, print_summary, run_replay
 from splitserve.common.bundled import BUNDLED_MODEL_ID
-from splitserve.common.hashing import hash_blocks, hash_keys
+from splitserve.common.hashing import hash_blocks
+from splitserve.common.prompt_ref import PromptKeys
 from splitserve.common.trace import HASH_BLOCK, TraceRequest, dump_trace, prompt_tokens
 from splitserve.common.trace import summarize as trace_summary
 
@@ -77,7 +78,7 @@ def prefix_holders(redis_url: str, prefix: list[int], block_size: int) -> dict:
     from splitserve.common.kv_index import KVIndex
     from splitserve.common.node_registry import NodeRegistry
 
-    hashes = set(hash_blocks(prefix, block_size, hash_keys(BUNDLED_MODEL_ID)))
+    hashes = set(hash_blocks(prefix, block_size, PromptKeys(model=BUNDLED_MODEL_ID).hash_keys()))
 
     async def read() -> dict:
         index, registry = KVIndex(redis_url), NodeRegistry(redis_url)

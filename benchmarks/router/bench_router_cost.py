@@ -16,7 +16,7 @@ Then, in this process pinned to one core:
   conversation plus a new turn, or a new conversation sharing only the system
   prompt), as ``Dispatcher.open`` does it from the `Prompt` that request preparation
   validated (the client's list read once into a u32 array): the block hashes over
-  that array (``PrefixMirror.hash_prompt``, once per request), the mirror lookup over
+  that array (``Prompt.ref``, once per request), the mirror lookup over
   them (no I/O), ``cache_aware`` over every node ("decision"), then the msgpack
   `GenerateRequest` carrying the prompt's bytes and the hashes to the nodes
   ("routed"). Per second of that work, p50/p99, and each part's p50. Preparing the
@@ -146,7 +146,7 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
     """The router's work per routed request, in this process on one core, as
     ``Dispatcher.open`` does it, from the `Prompt` that request preparation validated
     (its list read once into a u32 array: that read is timed in ``parse``): the block
-    hashes (``PrefixMirror.hash_prompt`` over the array), the mirror lookup over them,
+    hashes (``Prompt.ref``: the prompt's keys, its hashes over the array), the mirror lookup over them,
     ``cache_aware`` over every node ("decision"), then the msgpack `GenerateRequest`
     with the prompt's bytes and the carried hashes (what the dispatcher sends the decode
     node): "routed". Parsing and validating the client's body is timed apart (``parse``)."""
@@ -166,7 +166,8 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
         prompt = prepared[done % len(prepared)]
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        hashes = px.hash_prompt(prompt.array)
+        ref = prompt.ref(px.model_id, px.block_size)
+        hashes = ref.block_hashes()
         t1 = time.perf_counter()
         found = px.lookup(prompt.array, nodes, hashes)
         t2 = time.perf_counter()
@@ -175,8 +176,8 @@ def decide(px, policy, prompts, nodes, seconds: float) -> dict:
         t3 = time.perf_counter()
         c3 = time.thread_time()
         wire = msgspec.msgpack.encode(GenerateRequest(
-            request_id="r", token_ids=prompt.wire(), sampling_params=params,
-            prefill_addr=d.prefill.http_addr, transfer_id="t", prompt_hashes=px.carried(hashes)))
+            request_id="r", prompt=ref.wire(prompt.wire()), sampling_params=params,
+            prefill_addr=d.prefill.http_addr, transfer_id="t"))
         t4 = time.perf_counter()
         cpu_routed.append(time.thread_time() - c0)
         cpu.append(c3 - c0)
@@ -248,6 +249,7 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
     does); without it each one's balance term sees only its own half of the traffic."""
     from splitserve.common.kv_index import KVIndex
     from splitserve.router.routing.cache_aware import CacheAware
+    from splitserve.router.prompt import Prompt
     from splitserve.router.routing.shared_work import SharedWork
 
     pols = {id(a): CacheAware(), id(b): CacheAware()}
@@ -259,7 +261,7 @@ async def agreement(a, b, url: str, prompts, nodes, rng: random.Random, requests
     for i in range(requests):
         prompt = rng.choice(prompts)
         serve, other = (a, b) if i % 2 == 0 else (b, a)
-        key = int(serve.hash_prompt(prompt)[-1])  # as dispatch breaks ties
+        key = int(Prompt.of(prompt, VOCAB).ref(serve.model_id, serve.block_size).block_hashes()[-1])  # as dispatch
         now = time.monotonic()  # both choose at this moment (the clock moves on while the first one works)
         d = pols[id(serve)].choose(prompt, nodes, cached=serve.lookup(prompt, nodes).cached, tie_key=key,
                                    now=now)

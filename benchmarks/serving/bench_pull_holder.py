@@ -46,8 +46,8 @@ import msgspec
 
 from splitserve.benchmarks.harness import RESULTS, PullSink
 from splitserve.common import metric_names as names
-from splitserve.common.hashing import token_bytes
 from splitserve.common.kv_compat import KVCompat
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import GenerateRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster
@@ -84,7 +84,7 @@ class Streams:
         run = 0
         while True:
             prompt = [(13 * i + 7 * j + 31 * run + 5) % 40000 + 100 for j in range(32)]
-            req = GenerateRequest(request_id=f"batch-{i}-{run}", token_ids=token_bytes(prompt),
+            req = GenerateRequest(request_id=f"batch-{i}-{run}", prompt=WirePrompt.of(prompt),
                                   sampling_params=SamplingParams(max_tokens=self.max_tokens, temperature=0,
                                                                  ignore_eos=True))
             times: list[float] = []
@@ -188,7 +188,7 @@ async def measure(args, addr: str) -> dict:
     sink = PullSink(kv, args.pullers * (len(prefix) // BS))
     await sink.start()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        warm = GenerateRequest(request_id="warm", token_ids=token_bytes(prefix + [7]),
+        warm = GenerateRequest(request_id="warm", prompt=WirePrompt.of(prefix + [7]),
                                sampling_params=SamplingParams(max_tokens=1, temperature=0))
         stream = await NodeClient(session, read_timeout_s=600).generate(addr, warm)
         [d async for d in stream.deltas()]  # the holder caches the prefix

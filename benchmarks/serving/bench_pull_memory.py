@@ -42,8 +42,8 @@ import msgspec
 from splitserve.benchmarks.harness import RESULTS, PullSink
 from splitserve.engine.models.convert import bundled_model_dir
 from splitserve.common.config import parse_size
-from splitserve.common.hashing import token_bytes
 from splitserve.common.kv_compat import KVCompat
+from splitserve.common.prompt_ref import WirePrompt
 from splitserve.common.protocol import GenerateRequest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.deploy.launcher import Cluster
@@ -108,7 +108,7 @@ async def serve_pulls(addr: str, prefix: list[int], pullers: int) -> dict:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=None)) as session:
             t0 = time.monotonic()
-            warm = GenerateRequest(request_id="warm", token_ids=token_bytes(prefix + [7]),
+            warm = GenerateRequest(request_id="warm", prompt=WirePrompt.of(prefix + [7]),
                                    sampling_params=SamplingParams(max_tokens=1, temperature=0))
             stream = await NodeClient(session, read_timeout_s=3600).generate(addr, warm)
             [d async for d in stream.deltas()]  # the holder caches the prefix

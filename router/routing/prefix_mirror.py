@@ -23,11 +23,11 @@ without lower tiers); a lookup splits each hit node's matched blocks by tier
 (`TierBlocks`) with one dict read per block, only for nodes whose ``lower`` is not
 empty.
 
-Owns the router's half of "one hash, everywhere" (``common.hashing`` with the
-served model id and the request's cache salt as the extra keys, ``hash_keys``, and
-RouterConfig.block_size, as every node does), the mirrored state and the changes its
-follower makes to it (``replace``, ``apply``, ``drop``, ``retire_other_epochs``,
-``forget_all``). Must not talk to Redis (the follower does) or raise from ``lookup``.
+Owns the router's half of "one hash, everywhere" (``common.hashing`` with a request's
+keys, router/prompt.py ``prompt_keys``, and RouterConfig.block_size, as every node does),
+the mirrored state and the changes its follower makes to it (``replace``, ``apply``,
+``drop``, ``retire_other_epochs``, ``forget_all``). Must not talk to Redis (the follower
+does) or raise from ``lookup``.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...common.hashing import hash_blocks_array, hash_keys
+from ...common.hashing import hash_blocks_array
 from ...common.kv_events import IndexUpdate, Tier
 from ...common.node_registry import NodeInfo
 from ...common.outcomes import IndexLookupResult
-from ...common.protocol import PromptHashes
 from ..metrics import RouterMetrics
+from ..prompt import prompt_keys
 from .policy import NO_TIERS
 from .tier_cost import TierBlocks
 
@@ -94,7 +94,7 @@ class PrefixMirror:
         registry record), in tokens, capped like the engine caps a hit (at least one token is
         computed), and those blocks by the tier each is in.
         ``hashes``: the prompt's block hashes when the caller has them (computed
-        once per request, `PromptHashes`); otherwise they are computed here, with
+        once per request, `router.prompt.Prompt.ref`); otherwise they are computed here, with
         ``cache_salt`` (a salted prompt only finds blocks of its own salt)."""
         bs = self.block_size
         num_blocks = len(prompt) // bs
@@ -106,7 +106,8 @@ class PrefixMirror:
         if max_blocks == 0 or not self._all:
             return PrefixHits({}, num_blocks, True)
         if hashes is None:
-            hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, hash_keys(self.model_id, cache_salt))
+            keys = prompt_keys(self.model_id, cache_salt).hash_keys()
+            hashes = hash_blocks_array(prompt[: max_blocks * bs], bs, keys)
         found: dict[int, int] = {}  # slot -> tokens, every mirrored node with a hit
         _walk(self._holders.get, hashes, max_blocks, self._all, bs, found)
         # Only the nodes with a hit are matched to the candidates (their node registry epoch,
@@ -137,17 +138,6 @@ class PrefixMirror:
                 tiers[key[0]] = TierBlocks(blocks - below[Tier.HOST] - below[Tier.DISK],
                                            below[Tier.HOST], below[Tier.DISK])
         return PrefixHits(cached, num_blocks, True, tiers)
-
-    def hash_prompt(self, prompt: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> np.ndarray:
-        """The prompt's block hashes as every node keys them (this router's block size,
-        the served model id, the request's ``cache_salt``): computed once per request,
-        for ``lookup`` and the nodes. ``prompt``: ids, fastest as the u32 array of
-        `router.prompt.Prompt` (no read)."""
-        return hash_blocks_array(prompt, self.block_size, hash_keys(self.model_id, cache_salt))
-
-    def carried(self, hashes: np.ndarray) -> PromptHashes:
-        """``hash_prompt``'s result on the wire, for the nodes to adopt."""
-        return PromptHashes.of(hashes, self.block_size, self.model_id)
 
     def nodes_mirrored(self) -> dict[NodeKey, int]:
         """(node_id, epoch) -> blocks mirrored (tests, debugging)."""

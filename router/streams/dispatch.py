@@ -103,10 +103,10 @@ class Dispatcher:
         last_error: NodeUnavailable | None = None
         hits: PrefixHits | None = None  # looked up once, on the first attempt
         t_hash = time.perf_counter()
-        # once: the lookup and every node reuse them (salted: only the salt's own blocks match)
-        hashes = self.prefix.hash_prompt(prompt.array, prompt.cache_salt)
-        carried = self.prefix.carried(hashes)
-        wire = prompt.wire()  # the prompt's bytes, for every attempt
+        # once: the lookup and every node reuse its hashes (salted: only the salt's own blocks match)
+        ref = prompt.ref(self.prefix.model_id, self.prefix.block_size)
+        hashes = ref.block_hashes()
+        wire = ref.wire(prompt.wire())  # ids, keys and hashes, for every attempt
         hash_s = time.perf_counter() - t_hash  # counted in the first decision's time
         pinned = pin is not None
         for _ in range(MAX_ATTEMPTS):
@@ -130,9 +130,9 @@ class Dispatcher:
             self.metrics.decision_seconds.observe(decision_s)
             tried.add(decision.decode.node_id)
             req = GenerateRequest(
-                request_id=request_id, token_ids=wire, sampling_params=params,
+                request_id=request_id, prompt=wire, sampling_params=params,
                 prefill_addr=decision.prefill.http_addr if decision.prefill else None,
-                transfer_id=uuid.uuid4().hex, prompt_hashes=carried, cache_salt=prompt.cache_salt,
+                transfer_id=uuid.uuid4().hex,
                 pull=None if decision.pull is None else PullSource(
                     node_id=decision.pull.holder.node_id, addr=decision.pull.holder.http_addr,
                     tokens=decision.pull.tokens), compile_grammar=may_compile)

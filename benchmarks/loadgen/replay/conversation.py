@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from splitserve.common.hashing import hash_blocks, hash_keys
+from splitserve.common.hashing import hash_blocks
+from splitserve.common.prompt_ref import PromptKeys
 from splitserve.common.sim_tokens import sim_answer
 from splitserve.common.trace import HASH_BLOCK, TraceRequest, prompt_tokens
 
@@ -39,7 +40,7 @@ class Conversations:
     def __init__(self, requests: Sequence[TraceRequest], block_size: int, model_id: str,
                  hash_block: int = HASH_BLOCK):
         self.requests, self.block_size, self.hash_block = requests, block_size, hash_block
-        self._keys = hash_keys(model_id)
+        self._keys = PromptKeys(model=model_id).hash_keys()
         self.previous: dict[int, int] = {}  # a later turn's index -> its conversation's turn before it
         self.next_turn: dict[int, int] = {}  # the reverse
         last: dict[int, int] = {}
