@@ -20,7 +20,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
-from .common.config import DEFAULT_LOCAL_PREFILL_BUDGET, LOAD_FORMATS, EngineConfig, NodeConfig, NodeRole, SimConfig
+from .common.config import DEFAULT_LOCAL_PREFILL_BUDGET, LOAD_FORMATS, EngineConfig, Fault, NodeConfig, NodeRole, SimConfig
 from .common.kv_backends import BACKENDS_ENV, CUDA_HOST_BACKEND, DEFAULT_BACKEND, backend_names
 from .common.plugins import Names
 from .deploy.orphan import watch_launcher
@@ -189,7 +189,7 @@ def _add_node_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-pull-memory", default="256MiB", metavar="SIZE",
                    help="the most bytes this node holds packed for the prefix pulls other nodes ask of it, "
                         "all of them together, e.g. 1GiB (default 256MiB; at least one KV block)")
-    g.add_argument("--fault", choices=("corrupt_block", "stall_pull", "stall_pull_midway", "step_error"), default=None,
+    g.add_argument("--fault", choices=[f.value for f in Fault], default=None,
                    help=argparse.SUPPRESS)
     add_cluster_token_args(g)
     g.add_argument("--drain-grace", type=float, default=30.0,
@@ -217,7 +217,7 @@ def node_config(args: argparse.Namespace, role: NodeRole, sim: SimConfig | None 
     engine = engine_config(args, sim, prefill_step_budget=(budget or None) if role == "decode" else None)
     return NodeConfig(role=role, engine=engine, host=args.host, port=args.port,
                       redis_url=redis_url_from(args.redis_url), node_id=args.node_id, kv_backend=args.kv_backend,
-                      transfer_lease_s=args.transfer_lease, fault=args.fault,
+                      transfer_lease_s=args.transfer_lease, fault=Fault(args.fault) if args.fault else None,
                       kv_pull_memory=parse_size(args.kv_pull_memory, "--kv-pull-memory"),
                       cluster_token=cluster_token_from_args(args),
                       drain_grace_s=args.drain_grace, rank_devices=devices,

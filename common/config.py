@@ -4,6 +4,7 @@ line, before it starts, and passes it down; nothing writes back to it."""
 import json
 import re
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from typing import Literal, Protocol
 from pathlib import Path
 
@@ -12,6 +13,14 @@ from .kv_backends import DEFAULT_BACKEND, KVBackendSpec, alternatives, backend_s
 
 
 NodeRole = Literal["prefill", "decode", "colocated"]
+
+
+class Fault(StrEnum):
+    """A node's injected fault, for tests only (``--fault``, hidden from ``--help``)."""
+    CORRUPT_BLOCK = "corrupt_block"  # every KV block it sends fails its checksum (kvtransfer)
+    STALL_PULL = "stall_pull"  # every pull it serves is held back (node/pull_holder.py)
+    STALL_PULL_MIDWAY = "stall_pull_midway"  # a pull's first chunk is sent, then the rest held back
+    STEP_ERROR = "step_error"  # its engine's step raises, twice (engine/step_fault.py)
 
 
 # How the engine gets its weights (engine.loader): auto and safetensors read the folder's
@@ -303,9 +312,7 @@ class NodeConfig:
     node_id: str = ""  # "" : derived from role and port
     kv_backend: str = DEFAULT_BACKEND  # a name of common/kv_backends.py: how KV blocks travel to decode nodes
     transfer_lease_s: float = 30.0  # a transfer not complete by then fails and falls back
-    # fault injection for tests: "corrupt_block", "stall_pull", "stall_pull_midway" (node/pull_holder.py),
-    # "step_error" (engine/step_fault.py)
-    fault: str | None = None
+    fault: Fault | None = None  # injected for tests
     # Bytes this node holds packed for the prefix pulls it serves, all of them together (one fresh
     # buffer per chunk until it is sent; node/pull_budget.py): a 100k-token Llama-3-8B prefix is
     # 12 GiB, so an uncapped holder could pack that once per puller. --kv-pull-memory.

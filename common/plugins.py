@@ -1,5 +1,5 @@
-"""The plugin registries: those a user extends from outside the package, as the family
-registry is (engine/models/families.py, ``$SPLITSERVE_MODEL_FAMILIES``): the backend
+"""The plugin registries: those a user extends from outside the package: the family
+registry (engine/models/families.py, ``$SPLITSERVE_MODEL_FAMILIES``), the backend
 registry (common/kv_backends.py, ``$SPLITSERVE_KV_BACKENDS``) and the policy registry
 (router/routing/policy_registry.py, ``$SPLITSERVE_ROUTING_POLICIES``).
 

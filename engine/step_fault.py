@@ -18,9 +18,6 @@ if TYPE_CHECKING:
     from .runner import Runner
     from .scheduler import Scheduler
 
-STEP_FAULT = "step_error"
-
-
 class InjectedStepError(RuntimeError):
     """What the armed step raises (an ordinary exception: not a ``TPFailure``)."""
 

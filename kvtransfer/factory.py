@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..common.config import Fault
 from ..common.kv_backends import backend_spec
 from ..common.plugins import resolve
 from .base import KVReceiver, KVSender, OnBlock
@@ -27,7 +28,7 @@ from .block_store import KVBlockStore, default_checksum_algo
 from .layout import KVLayout, KVShard
 from .sender_core import SenderOptions
 
-FAULT_ENV = "SPLITSERVE_FAULT"  # "corrupt_block" (every block) or "corrupt_block:N" (every Nth)
+FAULT_ENV = "SPLITSERVE_FAULT"  # Fault.CORRUPT_BLOCK (every block) or "corrupt_block:N" (every Nth)
 
 
 def sender_options(env: Mapping[str, str] = os.environ, **overrides) -> SenderOptions:
@@ -35,8 +36,9 @@ def sender_options(env: Mapping[str, str] = os.environ, **overrides) -> SenderOp
     fault = env.get(FAULT_ENV, "")
     if fault and "corrupt_every" not in overrides:
         name, _, every = fault.partition(":")
-        if name != "corrupt_block" or (every and not every.isdigit()):
-            raise ValueError(f"{FAULT_ENV}: expected 'corrupt_block' or 'corrupt_block:N', got {fault!r}")
+        if name != Fault.CORRUPT_BLOCK or (every and not every.isdigit()):
+            raise ValueError(f"{FAULT_ENV}: expected '{Fault.CORRUPT_BLOCK}' or '{Fault.CORRUPT_BLOCK}:N', "
+                             f"got {fault!r}")
         overrides["corrupt_every"] = int(every or 1)
     return SenderOptions(**overrides)
 

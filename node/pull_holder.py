@@ -17,7 +17,7 @@ import logging
 
 from aiohttp import web
 
-from ..common.config import NodeConfig
+from ..common.config import Fault, NodeConfig
 from ..common.kv_backends import backend_names
 from ..common.errors import InvalidRequest
 from ..common.http import error_response, msgpack_response, read_msgpack
@@ -34,10 +34,8 @@ from .runtime import NodeRuntime
 from .sim_link import SimLink
 
 log = logging.getLogger(__name__)
-STALL_FAULT = "stall_pull"
-STALL_MIDWAY_FAULT = "stall_pull_midway"
 STALL_MIDWAY_S = 3.0
-STALL_FAULTS = (STALL_FAULT, STALL_MIDWAY_FAULT)
+STALL_FAULTS = (Fault.STALL_PULL, Fault.STALL_PULL_MIDWAY)
 
 
 class PullHolder:
@@ -64,7 +62,7 @@ class PullHolder:
 
     def _sender(self, backend: str) -> ShardSender:
         if backend not in self.senders:
-            opts = sender_options(corrupt_every=1 if self.config.fault == "corrupt_block" else 0,
+            opts = sender_options(corrupt_every=1 if self.config.fault == Fault.CORRUPT_BLOCK else 0,
                                   cluster_token=self.config.cluster_token, timeout_s=self.config.transfer_lease_s)
             sender = make_sender(backend, self.rt.layout, opts, device=self.config.engine.device, shard=self.rt.shard)
             self.senders[backend] = ShardSender(sender, KVBlockStore(self.rt.kv_caches, self.rt.layout),
@@ -97,7 +95,7 @@ class PullHolder:
             budget.leave()
 
     async def _serve(self, task: PullRequest, prefix: PromptRef) -> web.Response:
-        if self.config.fault == STALL_FAULT:
+        if self.config.fault == Fault.STALL_PULL:
             self.stalled += 1
             await asyncio.Event().wait()  # until the test kills this node
         if prefix.hashes is None:  # none carried, or they did not check out: hashed once, off the loop
@@ -126,7 +124,7 @@ class PullHolder:
                 sent += k
                 if k < most:
                     break  # the run of held blocks ends here
-                if sent == k and self.config.fault == STALL_MIDWAY_FAULT and sent < want:
+                if sent == k and self.config.fault == Fault.STALL_PULL_MIDWAY and sent < want:
                     self.stalled += 1
                     await asyncio.sleep(STALL_MIDWAY_S)
             if self.link is not None and sent:

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import msgspec
 import torch
 
-from ..common.config import NodeConfig
+from ..common.config import Fault, NodeConfig
 from ..common.kv_compat import KVCompat
 from ..common.kv_events import KVEvent, Tier
 from ..common.load import NodeLoad
@@ -56,7 +56,7 @@ from ..engine.block_export import BlockExporter
 from ..engine.engine_core import EngineCore, RequestDelta
 from ..engine.engine_thread import EngineThread
 from ..engine.limits import RequestLimits
-from ..engine.step_fault import STEP_FAULT, arm_step_fault
+from ..engine.step_fault import arm_step_fault
 from ..engine.models.loader import resolve_model_dir
 from ..engine.models.families import read_model_config
 from ..engine.parallel.group import TPFailure
@@ -137,7 +137,7 @@ class NodeRuntime:
             if self.ranks is not None:
                 self.ranks.close(join_s=2.0)  # the engine sent them Stop, if it got that far
             raise
-        if self.config.fault == STEP_FAULT:
+        if self.config.fault == Fault.STEP_ERROR:
             arm_step_fault(engine.runner, engine.scheduler)
         kv = engine.runner.kv_caches
         self.limits, self.kv_caches = engine.limits, kv

@@ -19,7 +19,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-from ..common.config import NodeConfig
+from ..common.config import Fault, NodeConfig
 from ..engine.model_runner import KVCacheFactory, ModelRunner
 from ..engine.ranks.worker import ControlHandler
 from ..kvtransfer import (KVBlockStore, KVShard, PackedSend, SenderOptions, ShardSender, TransferError, make_sender,
@@ -35,7 +35,7 @@ def rank_sender_options(config: NodeConfig) -> SenderOptions:
     transfer does: past it the decode node has given up (and prefilled itself), so a
     partitioned peer cannot hold this request's blocks and its /prefill handler for the
     sender's default minute."""
-    return sender_options(corrupt_every=1 if config.fault == "corrupt_block" else 0,
+    return sender_options(corrupt_every=1 if config.fault == Fault.CORRUPT_BLOCK else 0,
                           cluster_token=config.cluster_token, timeout_s=config.transfer_lease_s)
 
 

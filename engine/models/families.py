@@ -16,14 +16,12 @@ tokenizer, the chat template and config.json's context (common/hf_config.py).
 Must not build modules or read weights (loader.py does).
 """
 
-import importlib
-import importlib.util
 import os
-import sys
 from functools import cache
 from pathlib import Path
 
 from ...common.hf_config import architecture, read_config_json
+from ...common.plugins import load_specs
 from . import deepseek, llama, moe_family
 from .config import ModelConfig
 from .family import ModelFamily
@@ -55,31 +53,11 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
 def _families(spec: str) -> dict[str, ModelFamily]:
     """architecture -> family: the built-ins, then each module of ``spec`` ($SPLITSERVE_MODEL_FAMILIES)."""
     out: dict[str, ModelFamily] = {}
-    for family, source in [(f, "built in") for f in BUILTIN] + [(_load(e), e) for e in spec.split(",") if e.strip()]:
+    loaded = load_specs(FAMILIES_ENV, spec, "FAMILY", ModelFamily, "splitserve_family")
+    for family, source in [(f, "built in") for f in BUILTIN] + [(f, e) for e, f in loaded]:
         taken = sorted(set(family.architectures) & out.keys())
         if taken:
             raise ValueError(f"{FAMILIES_ENV}: {source} registers {', '.join(taken)}, which another family "
                              "serves already; give the family its own architecture name")
         out.update((arch, family) for arch in family.architectures)
     return out
-
-
-def _load(entry: str) -> ModelFamily:
-    """The ``FAMILY`` of one entry: a ``.py`` file's path, or a module name."""
-    entry = entry.strip()
-    if entry.endswith(".py"):
-        path = Path(entry).expanduser()
-        if not path.is_file():
-            raise ValueError(f"{FAMILIES_ENV}: {entry} is no file; name a .py file or an importable module")
-        name = f"splitserve_family_{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before it runs: dataclasses look their module up
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(entry)
-    family = getattr(module, "FAMILY", None)
-    if not isinstance(family, ModelFamily):
-        raise ValueError(f"{FAMILIES_ENV}: {entry} defines no FAMILY (a splitserve.engine.models.family.ModelFamily)")
-    return family
