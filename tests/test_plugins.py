@@ -133,6 +133,9 @@ def test_the_toy_policy_picks_the_least_kv_in_use(toys):
     d = policy.choose([1, 2, 3], nodes, inflight={"d2": 10}, inflight_tokens={"p1": 500})
     assert (d.decode.node_id, d.prefill.node_id) == ("d1", "p2")  # this router's own work counts
     assert policy.choose([1], [node("p0", "prefill")]) is None
+    # inputs it does not name (pulls, one a later router adds) reach it without breaking it
+    d = policy.choose([1, 2, 3], nodes, pulls={"d2": 1}, an_input_added_later=object())
+    assert (d.decode.node_id, d.prefill.node_id) == ("d2", "p1")
 
 
 def test_builtin_backends_are_imported_only_when_built():

@@ -34,8 +34,7 @@ class LeastKV:
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None,
-               tiers: Mapping[str, TierBlocks] = NO_TIERS,
-               pulls: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               tiers: Mapping[str, TierBlocks] = NO_TIERS, **more: object) -> Decision | None:
         prefills, decodes = split_roles(nodes)
         if not decodes:
             return None

@@ -137,7 +137,8 @@ class CacheAware:
                cached: Mapping[str, int] = NO_CACHED,
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None, tiers: Mapping[str, TierBlocks] = NO_TIERS,
-               pulls: Mapping[str, int] = NO_INFLIGHT, now: float | None = None) -> Decision | None:
+               pulls: Mapping[str, int] = NO_INFLIGHT, now: float | None = None,
+               **more: object) -> Decision | None:
         """`RoutingPolicy.choose`; ``now``: the monotonic time of the decision (default:
         the clock), which decides what recent work has settled."""
         terms = self._terms

@@ -45,7 +45,7 @@ class _LoadOnly:
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None,
                tiers: Mapping[str, TierBlocks] = NO_TIERS,
-               pulls: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               pulls: Mapping[str, int] = NO_INFLIGHT, **more: object) -> Decision | None:
         """`RoutingPolicy.choose`."""
         prefills, decodes = split_roles(nodes)
         if not decodes:

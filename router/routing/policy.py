@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ...common.node_registry import NodeInfo
 from .recent_work import RecentWork
@@ -71,7 +71,7 @@ class RoutingPolicy(Protocol):
                inflight_tokens: Mapping[str, int] = NO_INFLIGHT,
                tie_key: int | None = None,
                tiers: Mapping[str, TierBlocks] = NO_TIERS,
-               pulls: Mapping[str, int] = NO_INFLIGHT) -> Decision | None:
+               pulls: Mapping[str, int] = NO_INFLIGHT, **more: Any) -> Decision | None:
         """Pick nodes for one request; None when no decode-capable node exists.
         ``inflight``: node_id -> requests this router has in flight there (for prefill
         nodes: not yet past their first token); ``inflight_tokens``: node_id -> their
@@ -80,5 +80,7 @@ class RoutingPolicy(Protocol):
         (absent: none); ``tiers``: node_id -> those tokens' blocks by the tier holding
         each (absent: all on the device); ``pulls``: node_id -> this router's prefix pulls
         from it not yet at their first token; ``tie_key``: breaks ties among equal nodes the
-        same way for the same key (router replicas agree), None: ties rotate."""
+        same way for the same key (router replicas agree), None: ties rotate. ``more``: what
+        later routers pass beside these (a policy ignores what it does not know, so a policy
+        written today keeps working when the dispatcher learns a new input)."""
         ...
