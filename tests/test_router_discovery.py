@@ -153,6 +153,41 @@ async def test_unreachable_decode_node_fails_fast_with_502(router, registry):
             assert "reachable" in (await resp.json())["error"]["message"]
 
 
+async def test_decode_nodes_that_answer_503_give_the_client_a_503_with_retry_after(router, registry):
+    """Nodes that are up but not taking the request now (draining, a grammar still
+    compiling: node/app.py, node/grammar_service.py answer 503 + Retry-After): each is
+    tried, then the client is asked to retry with the nodes' Retry-After, not told the
+    upstream failed (502)."""
+    from aiohttp import web
+
+    asked: list[str] = []
+
+    async def busy(request: web.Request) -> web.Response:
+        asked.append(request.host)
+        return web.json_response({"error": {"message": "the grammar is still compiling; retry",
+                                            "type": "service_unavailable", "param": None, "code": None}},
+                                 status=503, headers={"Retry-After": "7"})
+
+    app = web.Application()
+    app.router.add_post("/generate", busy)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sites = [web.TCPSite(runner, "127.0.0.1", free_port()) for _ in range(2)]
+    for site in sites:
+        await site.start()
+    try:
+        for i, site in enumerate(sites):
+            await registry.heartbeat(node(f"d{i}", "decode", addr=site.name))
+        await wait_health(router, decode_nodes=2)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(router + "/v1/completions", json={"model": MODEL, "prompt": "Hello"}) as resp:
+                status, retry_after, body = resp.status, resp.headers.get("Retry-After"), await resp.json()
+    finally:
+        await runner.cleanup()
+    assert (status, retry_after, body["error"]["type"]) == (503, "7", "service_unavailable"), body
+    assert "retry" in body["error"]["message"] and len(asked) == 2  # both nodes tried
+
+
 async def test_redis_outage_keeps_last_known_nodes(router, registry, redis_server, caplog):
     await registry.heartbeat(node("d0", "decode"))
     await wait_health(router, decode_nodes=1)

@@ -97,10 +97,12 @@ class Dispatcher:
                    pin: Decision | None = None, compile_grammar: bool = True,
                    ticket: Callable[[], CompileTicket] | None = None) -> Leg:
         """Route ``prompt`` to a decode node not in ``exclude`` (node ids) and send it
-        there; raises `ApiError` (503 no decode node, the node's 4xx, 502 when every
-        tried node failed). ``compile_grammar``, ``ticket``: as `start`."""
+        there; raises `ApiError` (503 no decode node, or each node tried answered 503, with
+        its Retry-After; the node's 4xx; 502 when every tried node failed otherwise).
+        ``compile_grammar``, ``ticket``: as `start`."""
         tried: set[str] = set(exclude)  # decode node ids
         last_error: NodeUnavailable | None = None
+        busy = True  # every node tried answered 503
         hits: PrefixHits | None = None  # looked up once, on the first attempt
         t_hash = time.perf_counter()
         # once: the lookup and every node reuse its hashes (salted: only the salt's own blocks match)
@@ -143,6 +145,7 @@ class Dispatcher:
                                type_=e.body.type) from e
             except NodeUnavailable as e:
                 last_error = e
+                busy = busy and e.retry_after is not None
                 if not e.retryable:
                     raise ApiError(502, str(e)) from e
                 log.warning("router: %s; trying another node", e)
@@ -157,6 +160,9 @@ class Dispatcher:
                        t_open=t_open, ticket=None if ticket is None else ticket())
         if last_error is None:
             raise self._no_decode_node()
+        if busy:  # each node tried is up and asked to be retried: so must the client be
+            raise ApiError(503, f"no decode node can take the request now; retry (last: {last_error})",
+                           headers={"Retry-After": last_error.retry_after or "1"})
         raise ApiError(502, f"every decode node tried failed; last error: {last_error}")
 
     def first_token(self, leg: Leg, grammar_missed: bool = False) -> None:

@@ -48,12 +48,16 @@ class NodeRejected(Exception):
 class NodeUnavailable(Exception):
     """The node could not be reached, answered 5xx, or broke its stream.
     ``retryable``: the request surely did not start there (connection refused, 503),
-    so another node may take it; ``unreachable``: the node could not be connected to."""
+    so another node may take it; ``unreachable``: the node could not be connected to;
+    ``retry_after``: the node answered 503 (up, but not taking this request now: draining,
+    compiling its grammar) and asked to be retried after that many seconds."""
 
-    def __init__(self, message: str, retryable: bool = False, unreachable: bool = False):
+    def __init__(self, message: str, retryable: bool = False, unreachable: bool = False,
+                 retry_after: str | None = None):
         super().__init__(message)
-        self.retryable = retryable or unreachable
+        self.retryable = retryable or unreachable or retry_after is not None
         self.unreachable = unreachable
+        self.retry_after = retry_after
 
 
 class TokenStream:
@@ -150,7 +154,7 @@ class NodeClient:
         if 400 <= resp.status < 500:
             raise NodeRejected(resp.status, body)
         raise NodeUnavailable(f"decode node {addr} answered {resp.status}: {body.message}",
-                              retryable=resp.status == 503)
+                              retry_after=resp.headers.get("Retry-After", "1") if resp.status == 503 else None)
 
     async def abort(self, addr: str, request_id: str) -> bool:
         """Abort ``request_id`` on the node; True if the node confirmed. Errors are
