@@ -72,8 +72,10 @@ def copy_seconds(addr: str) -> float:
 
 
 class Streams:
-    """The holder's running batch: ``n`` long decodes, restarted when one ends; the arrival
-    time of each of their tokens (monotonic s), per stream."""
+    """The holder's running batch: ``n`` decodes, restarted when one ends, their phases
+    staggered (stream i's first run is (i+1)/n of ``max_tokens``), so the batch's context, and
+    with it the step, stays level over the run rather than growing with it; the arrival time of
+    each of their tokens (monotonic s), per stream."""
 
     def __init__(self, addr: str, n: int, max_tokens: int):
         self.addr, self.n, self.max_tokens = addr, n, max_tokens
@@ -84,8 +86,9 @@ class Streams:
         run = 0
         while True:
             prompt = [(13 * i + 7 * j + 31 * run + 5) % 40000 + 100 for j in range(32)]
+            tokens = self.max_tokens * (i + 1) // self.n if run == 0 else self.max_tokens
             req = GenerateRequest(request_id=f"batch-{i}-{run}", prompt=WirePrompt.of(prompt),
-                                  sampling_params=SamplingParams(max_tokens=self.max_tokens, temperature=0,
+                                  sampling_params=SamplingParams(max_tokens=tokens, temperature=0,
                                                                  ignore_eos=True))
             times: list[float] = []
             self.times.append(times)
@@ -237,7 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="the holder's model folder (default: the bundled model)")
     ap.add_argument("--prefix-tokens", type=int, default=4096)
     ap.add_argument("--streams", type=int, default=4, help="the holder's running decodes")
-    ap.add_argument("--max-tokens", type=int, default=4000, help="of each running decode (restarted when done)")
+    ap.add_argument("--max-tokens", type=int, default=400,
+                    help="of each running decode (restarted when done: its context cycles, well within a window)")
     ap.add_argument("--pullers", type=int, default=8)
     ap.add_argument("--window", type=float, default=45.0, help="seconds of each arm")
     ap.add_argument("--rounds", type=int, default=3)
