@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 from .member_secrets import scrubbed_env
 from .orphan import die_with_launcher
+from .ports import free_port
 
 START_TIMEOUT_S = 10.0
 RESPONSES_SHARE = 0.75  # the responses store's budget: this share of its Redis's maxmemory
@@ -45,12 +46,6 @@ class RedisPolicy(NamedTuple):
 
 MAIN_EVICTION = "noeviction"
 RESPONSES_EVICTION = "volatile-lru"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(port: int | None = None, password: str | None = None, policy: RedisPolicy | None = None,

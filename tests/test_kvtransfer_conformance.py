@@ -8,7 +8,6 @@ Each test is bounded by a timeout, so a hang is a failure, not a stuck run."""
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from splitserve.common.kv_backends import BACKENDS_ENV, BUILTIN
+from splitserve.deploy.ports import free_port
 from splitserve.kvtransfer import (KVBlockStore, KVLayout, LayoutMismatch, SenderOptions,
                                    TransferError, TransferFailure, allocate_kv_cache, free_shared_kv_cache,
                                    make_receiver, make_sender, sender_options)
@@ -116,12 +116,6 @@ class Pair:
         await self.receiver.stop()
         if self.shm_name:
             free_shared_kv_cache(self.shm_name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("n", [1, 16, 256])

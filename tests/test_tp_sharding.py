@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from splitserve.common.config import EngineConfig
+from splitserve.deploy.ports import free_port
 from splitserve.common.kv_heads import rank_heads
 from splitserve.engine.llm import LLM
 from splitserve.engine.models.loader import hf_to_ours, load_model
@@ -163,14 +164,11 @@ def test_step_messages_round_trip():
 def test_group_collectives_and_a_dead_or_hung_peer(fault, bound_s):
     """Two real ranks: the collectives' results, then the peer dies (sockets closed: the next
     all_reduce fails at once) or hangs (SIGSTOP: it fails after the 2 s timeout)."""
-    import socket
     import time
 
     from splitserve.engine.parallel.group import CollectiveError, init_tp_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     peer = ctx.Process(target=gloo_peer, args=(port, fault, q), daemon=True)

@@ -27,7 +27,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch
 
 from splitserve.benchmarks.harness import RESULTS, engine_decode, token_prompts
 from splitserve.common.config import EngineConfig
+from splitserve.deploy.ports import free_port
 from splitserve.engine.models.convert import bundled_model_dir
 from splitserve.engine.engine_core import EngineCore
 from splitserve.engine.parallel.group import TPGroup, init_tp_group
@@ -109,9 +109,7 @@ def collective_peer(port: int, hidden: int, batches: list[int], reps: int) -> No
 
 def all_reduce_floor(hidden: int, batches: list[int], reps: int = 300) -> dict[int, float]:
     """Microseconds of one gloo all_reduce of [batch, hidden] fp32 between two processes (median)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     peer = mp.get_context("spawn").Process(target=collective_peer, args=(port, hidden, batches, reps), daemon=True)
     peer.start()
     import torch.distributed as dist
